@@ -1,0 +1,26 @@
+// File helpers: whole-file reads, atomic writes (temp file, fsync, rename), and where dsrun's
+// shipped templates live. Everything that writes a file the user keeps goes through write_file_atomic.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace dsrun {
+
+// Reads a whole file; throws dsrun::Error naming the path when it cannot.
+std::string read_file(const std::string& path);
+bool file_exists(const std::string& path);
+bool is_directory(const std::string& path);
+// Writes `content` to `path` so that a reader sees either the old file or the new one, never half.
+void write_file_atomic(const std::string& path, const std::string& content);
+// Creates a directory and its parents (mkdir -p).
+void make_directories(const std::string& path);
+std::string parent_directory(const std::string& path);
+std::string file_stem(const std::string& path);   // "recipes/a.toml" -> "a"
+std::string path_join(const std::string& a, const std::string& b);
+std::vector<std::string> list_directory(const std::string& path);  // sorted names, no dot entries
+
+// The templates/ folder: $DSRUN_HOME/templates, else next to the binary's source tree.
+std::string templates_directory();
+
+}  // namespace dsrun

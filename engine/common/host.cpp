@@ -1,0 +1,55 @@
+#include "engine/common/host.hpp"
+
+#include <dirent.h>
+#include <sched.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+namespace dsrun {
+
+static int count_nvidia_gpus() {
+  // The driver lists one directory per GPU here; reading it needs no CUDA runtime.
+  int n = 0;
+  if (DIR* d = opendir("/proc/driver/nvidia/gpus")) {
+    while (dirent* e = readdir(d))
+      if (e->d_name[0] != '.') ++n;
+    closedir(d);
+  }
+  // CUDA_VISIBLE_DEVICES narrows what a process may use.
+  if (const char* visible = std::getenv("CUDA_VISIBLE_DEVICES")) {
+    std::string v = visible;
+    if (v.empty()) return 0;
+    int listed = 1;
+    for (char c : v) listed += c == ',';
+    if (listed < n) n = listed;
+  }
+  return n;
+}
+
+HostFacts read_host_facts() {
+  HostFacts h;
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) h.cpu_cores = CPU_COUNT(&set);
+  if (h.cpu_cores <= 0) h.cpu_cores = static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
+
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  double kib = 0;
+  std::string unit;
+  while (meminfo >> key >> kib >> unit) {
+    if (key == "MemTotal:") {
+      h.memory_bytes = kib * 1024.0;
+      break;
+    }
+  }
+  h.cuda_devices = count_nvidia_gpus();
+  char name[256] = {0};
+  if (gethostname(name, sizeof name - 1) == 0) h.hostname = name;
+  return h;
+}
+
+}  // namespace dsrun

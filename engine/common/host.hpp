@@ -1,0 +1,19 @@
+// Facts about the machine dsrun runs on (cores, memory, GPUs), read once and passed in explicitly,
+// so that the plan stays a pure function of (recipe, host facts) and tests can pass made-up hosts.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace dsrun {
+
+struct HostFacts {
+  int cpu_cores = 1;            // usable cores (sched affinity), not sockets × threads
+  double memory_bytes = 0;      // MemTotal
+  int cuda_devices = 0;         // NVIDIA GPUs visible to the driver (0 on a CPU machine)
+  std::string hostname;
+};
+
+HostFacts read_host_facts();
+
+}  // namespace dsrun

@@ -1,0 +1,171 @@
+#include "engine/common/text.hpp"
+
+#include "engine/common/error.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+
+namespace dsrun {
+
+std::string Error::describe() const {
+  std::string out;
+  const ErrorContext& c = context_;
+  if (!c.file.empty()) {
+    out += c.file;
+    if (c.line > 0) out += ":" + std::to_string(c.line);
+    if (c.column > 0) out += ":" + std::to_string(c.column);
+    out += ": ";
+  }
+  if (c.rank >= 0) out += "[rank " + std::to_string(c.rank) + "] ";
+  if (!c.key.empty()) out += c.key + ": ";
+  out += what();
+  if (!c.hint.empty()) out += "\n  fix: " + c.hint;
+  return out;
+}
+
+void fail_at(const char* where_file, int where_line, const std::string& message) {
+  ErrorContext c;
+  c.file = where_file;
+  c.line = where_line;
+  throw Error(message, c);
+}
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    cur[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t substitute = prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1);
+      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, substitute});
+    }
+    std::swap(prev, cur);
+  }
+  return prev[b.size()];
+}
+
+std::string nearest(const std::string& word, const std::vector<std::string>& candidates) {
+  std::string best;
+  size_t best_distance = SIZE_MAX;
+  for (const auto& c : candidates) {
+    size_t d = edit_distance(word, c);
+    if (d < best_distance) {
+      best_distance = d;
+      best = c;
+    }
+  }
+  // A plausible typo changes at most a third of the word (and at least allows 2 edits).
+  size_t allowed = std::max<size_t>(2, word.size() / 3);
+  return best_distance <= allowed ? best : "";
+}
+
+static std::string printf_string(const char* fmt, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, fmt, v);
+  return buf;
+}
+
+std::string format_bytes(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  int u = 0;
+  double v = bytes;
+  while (std::fabs(v) >= 1024.0 && u < 5) {
+    v /= 1024.0;
+    ++u;
+  }
+  if (u == 0) return printf_string("%.0f B", v);
+  return printf_string(std::fabs(v) >= 100 ? "%.0f " : "%.2f ", v) + units[u];
+}
+
+std::string format_count(double n) {
+  const char* units[] = {"", " K", " M", " B", " T", " P", " E"};
+  int u = 0;
+  while (std::fabs(n) >= 1000.0 && u < 6) {
+    n /= 1000.0;
+    ++u;
+  }
+  if (u == 0) return printf_string("%.0f", n);
+  return printf_string(std::fabs(n) >= 100 ? "%.1f" : "%.2f", n) + units[u];
+}
+
+std::string format_seconds(double s) {
+  if (!std::isfinite(s)) return "n/a";
+  if (s < 1e-3) return printf_string("%.1f us", s * 1e6);
+  if (s < 1.0) return printf_string("%.1f ms", s * 1e3);
+  if (s < 120.0) return printf_string("%.2f s", s);
+  if (s < 7200.0) return printf_string("%.1f min", s / 60.0);
+  if (s < 3 * 86400.0) return printf_string("%.1f h", s / 3600.0);
+  return printf_string("%.1f days", s / 86400.0);
+}
+
+std::string format_double(double v, int precision) {
+  std::ostringstream os;
+  os.precision(precision);
+  os << v;
+  return os.str();
+}
+
+std::string join(const std::vector<std::string>& parts, const std::string& sep) {
+  std::string out;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (i) out += sep;
+    out += parts[i];
+  }
+  return out;
+}
+
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  std::string cur;
+  for (char c : s) {
+    if (c == sep) {
+      out.push_back(cur);
+      cur.clear();
+    } else {
+      cur += c;
+    }
+  }
+  out.push_back(cur);
+  return out;
+}
+
+std::string trim(const std::string& s) {
+  size_t b = s.find_first_not_of(" \t\r\n");
+  if (b == std::string::npos) return "";
+  size_t e = s.find_last_not_of(" \t\r\n");
+  return s.substr(b, e - b + 1);
+}
+
+bool starts_with(const std::string& s, const std::string& prefix) {
+  return s.size() >= prefix.size() && s.compare(0, prefix.size(), prefix) == 0;
+}
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+std::string TextTable::render(const std::string& indent) const {
+  std::vector<size_t> width(header_.size(), 0);
+  auto measure = [&](const std::vector<std::string>& row) {
+    for (size_t i = 0; i < row.size() && i < width.size(); ++i) width[i] = std::max(width[i], row[i].size());
+  };
+  measure(header_);
+  for (const auto& r : rows_) measure(r);
+  auto line = [&](const std::vector<std::string>& row) {
+    std::string out = indent;
+    for (size_t i = 0; i < width.size(); ++i) {
+      std::string cell = i < row.size() ? row[i] : "";
+      out += cell;
+      if (i + 1 < width.size()) out += std::string(width[i] - cell.size() + 2, ' ');
+    }
+    while (!out.empty() && out.back() == ' ') out.pop_back();
+    return out + "\n";
+  };
+  std::string out = line(header_);
+  for (const auto& r : rows_) out += line(r);
+  return out;
+}
+
+}  // namespace dsrun

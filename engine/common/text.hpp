@@ -1,0 +1,39 @@
+// Small text helpers shared by the recipe loader, the plan report and the CLI:
+// edit distance for "did you mean", byte/number formatting, and a plain aligned table.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace dsrun {
+
+// Levenshtein distance, used to suggest the nearest valid key or choice.
+size_t edit_distance(const std::string& a, const std::string& b);
+// The candidate closest to `word`, or "" when none is close enough to be a plausible typo.
+std::string nearest(const std::string& word, const std::vector<std::string>& candidates);
+
+std::string format_bytes(double bytes);          // "13.2 GiB"
+std::string format_count(double n);              // "6.91 B", "870.4 K"
+std::string format_seconds(double seconds);      // "1.25 s", "3 h 12 min"
+std::string format_double(double v, int precision = 6);  // shortest round-trip-ish form, no trailing zeros
+std::string join(const std::vector<std::string>& parts, const std::string& sep);
+std::vector<std::string> split(const std::string& s, char sep);
+std::string trim(const std::string& s);
+bool starts_with(const std::string& s, const std::string& prefix);
+bool ends_with(const std::string& s, const std::string& suffix);
+
+// Left-aligned text table with a header row; columns sized to their widest cell.
+class TextTable {
+ public:
+  explicit TextTable(std::vector<std::string> header) : header_(std::move(header)) {}
+  void add(std::vector<std::string> row) { rows_.push_back(std::move(row)); }
+  std::string render(const std::string& indent = "") const;
+  bool empty() const { return rows_.empty(); }
+
+ private:
+  std::vector<std::string> header_;
+  std::vector<std::vector<std::string>> rows_;
+};
+
+}  // namespace dsrun

@@ -1,0 +1,148 @@
+#include "engine/plan/cost.hpp"
+
+#include <algorithm>
+#include <array>
+
+namespace dsrun {
+
+namespace {
+
+// DeepSeek/Llama decoder. e = bytes per element of the compute dtype, s = sequence length.
+ModelCost decoder_cost(const ModelSpec& m, double s, double e, AttentionKernel kernel) {
+  ModelCost c;
+  const double h = static_cast<double>(m.hidden);
+  const double kv = static_cast<double>(m.kv_heads) * static_cast<double>(m.head_dim());
+  const double V = static_cast<double>(m.vocab);
+  const double f = static_cast<double>(m.intermediate);
+  const double fe = static_cast<double>(m.moe.intermediate);
+  const double E = m.moe.routed_experts, S = m.moe.shared_experts, k = m.moe.top_k;
+  const int moe_layers = m.moe.enabled() ? m.layers - m.moe.first_dense_layers : 0;
+  const int dense_layers = m.layers - moe_layers;
+
+  // Parameters: q and o are h x h, k and v are h x kv; RMSNorm weights; SwiGLU has 3 matrices.
+  const double attention = 2 * h * h + 2 * h * kv;
+  const double norms = 2 * h;
+  const double dense_mlp = 3 * h * f;
+  const double expert = 3 * h * fe;
+  const double moe_mlp = h * E + (E + S) * expert;            // router + every expert
+  const double moe_active = h * E + (k + S) * expert;         // router + experts a token visits
+  c.embedding_params = V * h;
+  const double head = m.tie_embeddings ? 0 : V * h;
+  c.params = c.embedding_params + head + h + m.layers * (attention + norms) + dense_layers * dense_mlp + moe_layers * moe_mlp;
+  c.active_params = c.embedding_params + head + h + m.layers * (attention + norms) + dense_layers * dense_mlp + moe_layers * moe_active;
+  c.largest_unit_params = std::max({c.embedding_params, attention + norms + (dense_layers > 0 ? dense_mlp : 0),
+                                    attention + norms + (moe_layers > 0 ? moe_mlp : 0)});
+  c.tokens_per_sample = s;
+
+  // FLOPs (PaLM, appendix B): 6 per matmul parameter per token, plus 12·L·h·s for attention
+  // scores and their weighted sum. The embedding lookup is not a matmul; a tied head still is one.
+  const double matmul_params = c.active_params - c.embedding_params + (m.tie_embeddings ? V * h : 0);
+  c.model_flops_per_sample = s * (6 * matmul_params + 12.0 * m.layers * h * s);
+  // Full checkpointing recomputes every block's forward (not the head): 2 FLOPs per block parameter.
+  const double block_params = c.active_params - c.embedding_params - head - h;
+  c.recompute_flops_per_sample = s * (2 * block_params + 4.0 * m.layers * h * s);
+
+  // Activations autograd keeps, elements per token (see docs/plan.md for the derivation):
+  //   RMSNorm inputs 2h, q/k/v projection input h, q k v after rotary h + 2kv (math kernel: k, v are
+  //   repeated to h each), attention output h, MLP input h, SwiGLU: gate, silu(gate), up, product 4f.
+  const double qkv = kernel == AttentionKernel::Flash ? h + 2 * kv : 3 * h;
+  const double attention_probs = kernel == AttentionKernel::Math ? m.heads * s : 0;  // per token
+  const double per_token_dense = 5 * h + qkv + attention_probs + 4 * f;
+  // MoE layer: router probabilities (fp32), the token copy sent to each chosen expert, and SwiGLU
+  // activations in each routed and shared expert the token visits.
+  const double per_token_moe = 5 * h + qkv + attention_probs + (4.0 / e) * E + k * h + (k + S) * 4 * fe;
+  const double per_token_layers = dense_layers * per_token_dense + moe_layers * per_token_moe;
+  // Outside the blocks: final norm input and output, logits in the compute dtype, and the fp32
+  // log-softmax the cross-entropy keeps.
+  const double head_bytes_per_token = e * 2 * h + e * V + 4 * V;
+
+  c.terms.push_back({"blocks (" + std::to_string(m.layers) + " layers)", e * s * per_token_layers});
+  if (kernel == AttentionKernel::Math) c.terms.push_back({"  of which attention probabilities (math kernel)", e * s * m.layers * attention_probs});
+  c.terms.push_back({"final norm, logits, fp32 log-softmax", s * head_bytes_per_token});
+  c.activation_bytes_per_sample = e * s * per_token_layers + s * head_bytes_per_token;
+
+  // Full checkpointing keeps each block's input (h per token) and, during backward, one block's
+  // recomputed activations at a time.
+  const double largest_layer = std::max(dense_layers > 0 ? per_token_dense : 0.0, moe_layers > 0 ? per_token_moe : 0.0);
+  c.checkpointed_activation_bytes_per_sample = e * s * (m.layers * h + largest_layer) + s * head_bytes_per_token;
+  return c;
+}
+
+// ResNet walked layer by layer, the CIFAR variant (3x3 stem, no max-pool) for images up to 64 px.
+ModelCost resnet_cost(const ResNetSpec& r, double e) {
+  ModelCost c;
+  const bool bottleneck = r.depth >= 50;
+  std::array<int, 4> blocks{2, 2, 2, 2};
+  if (r.depth == 34 || r.depth == 50) blocks = {3, 4, 6, 3};
+  if (r.depth == 101) blocks = {3, 4, 23, 3};
+  if (r.depth == 152) blocks = {3, 8, 36, 3};
+  const int expansion = bottleneck ? 4 : 1;
+
+  double params = 0, flops = 0, activations = 0;  // activations in elements per image
+  double block_inputs = 0, largest_block = 0, largest_unit = 0;
+  int size = r.image_size;
+  // conv + BN (+ in-place ReLU): keeps the BN input and the BN output, both of the conv's output size.
+  auto conv = [&](int cin, int cout, int kernel, int stride) {
+    size = (size + stride - 1) / stride;
+    double out_elems = static_cast<double>(cout) * size * size;
+    double p = static_cast<double>(cin) * cout * kernel * kernel + 2.0 * cout;
+    params += p;
+    flops += 2.0 * cin * cout * kernel * kernel * size * size;
+    activations += 2 * out_elems;
+    return p;
+  };
+  const bool small = r.image_size <= 64;
+  activations += static_cast<double>(r.channels) * size * size;  // the input image, kept by the stem conv
+  conv(r.channels, r.width, small ? 3 : 7, small ? 1 : 2);
+  if (!small) size = (size + 1) / 2;  // max-pool
+  int cin = r.width;
+  for (int stage = 0; stage < 4; ++stage) {
+    int width = r.width << stage;
+    for (int b = 0; b < blocks[stage]; ++b) {
+      int stride = (stage > 0 && b == 0) ? 2 : 1;
+      double before = activations, p = 0;
+      int in_size = size;
+      block_inputs += static_cast<double>(cin) * in_size * in_size;
+      if (bottleneck) {
+        p += conv(cin, width, 1, 1);
+        p += conv(width, width, 3, stride);
+        p += conv(width, width * expansion, 1, 1);
+      } else {
+        p += conv(cin, width, 3, stride);
+        p += conv(width, width, 3, 1);
+      }
+      if (stride != 1 || cin != width * expansion) {  // projection shortcut
+        int keep = size;
+        size = in_size;
+        p += conv(cin, width * expansion, 1, stride);
+        size = keep;
+      }
+      cin = width * expansion;
+      largest_block = std::max(largest_block, activations - before);
+      largest_unit = std::max(largest_unit, p);
+    }
+  }
+  params += static_cast<double>(cin) * r.classes + r.classes;  // fully connected head
+  flops += 2.0 * cin * r.classes;
+  activations += cin;  // pooled features kept by the head
+
+  c.params = c.active_params = params;
+  c.largest_unit_params = largest_unit;
+  c.tokens_per_sample = 1;
+  c.model_flops_per_sample = 3 * flops;  // backward ≈ 2 × forward
+  c.recompute_flops_per_sample = flops;
+  c.activation_bytes_per_sample = e * activations;
+  c.checkpointed_activation_bytes_per_sample = e * (block_inputs + largest_block + cin);
+  c.terms.push_back({"conv/BN/ReLU outputs of every layer", e * activations});
+  return c;
+}
+
+}  // namespace
+
+ModelCost model_cost(const ModelSpec& model, int64_t seq_len, DType dtype, AttentionKernel kernel) {
+  const double e = bytes_per_element(dtype);
+  if (model.arch == ModelArch::ResNet) return resnet_cost(model.resnet, e);
+  return decoder_cost(model, static_cast<double>(seq_len), e, kernel);
+}
+
+}  // namespace dsrun

@@ -1,0 +1,36 @@
+// What a model costs, independent of how it is parallelised: parameter counts, training FLOPs
+// and the activation bytes autograd keeps per sample. Formulas and sources: docs/plan.md.
+#pragma once
+
+#include "engine/recipe/recipe.hpp"
+
+#include <string>
+#include <vector>
+
+namespace dsrun {
+
+// How attention keeps its activations: flash/SDPA kernels keep O(s) statistics; the math path
+// (libtorch 1.13 on CPU) keeps the s x s probabilities of every head.
+enum class AttentionKernel { Flash, Math };
+
+struct ActivationTerm {
+  std::string what;            // "per layer: q, k, v after rotary"
+  double bytes_per_sample;     // for one sequence (or image)
+};
+
+struct ModelCost {
+  double params = 0;               // Ψ: every parameter
+  double active_params = 0;        // used per token (MoE: shared + top-k routed experts)
+  double embedding_params = 0;     // input embedding (a lookup, not a matmul)
+  double largest_unit_params = 0;  // biggest block ZeRO-3 gathers at once (a layer or the embedding)
+  double tokens_per_sample = 1;    // seq_len for decoders, 1 for images
+  double model_flops_per_sample = 0;        // forward + backward, the MFU numerator
+  double recompute_flops_per_sample = 0;    // extra forward when activations are checkpointed
+  double activation_bytes_per_sample = 0;               // without checkpointing
+  double checkpointed_activation_bytes_per_sample = 0;  // full checkpointing
+  std::vector<ActivationTerm> terms;  // how activation_bytes_per_sample adds up
+};
+
+ModelCost model_cost(const ModelSpec& model, int64_t seq_len, DType dtype, AttentionKernel kernel);
+
+}  // namespace dsrun

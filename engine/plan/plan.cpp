@@ -1,0 +1,455 @@
+#include "engine/plan/plan.hpp"
+
+#include "engine/common/error.hpp"
+#include "engine/common/text.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+namespace dsrun {
+
+ModelStateBytes plan_model_states_per_rank(const ModelStateOptions& o) {
+  DSRUN_ASSERT(o.data_parallel >= 1 && o.zero_stage >= 0 && o.zero_stage <= 3, "validated options");
+  const double psi = o.params;
+  const double shard = std::ceil(psi / o.data_parallel);  // shards are padded, never uneven
+  const bool mixed = o.dtype != DType::Fp32;
+  const double e = mixed ? 2 : 4;                          // working weights and gradients
+  const double master_per_param = mixed ? 4 : 0;           // fp32 master copy (fp32 training updates in place)
+  double optimizer_per_param = 8;                          // Adam: fp32 m and v
+  if (o.optimizer == OptimizerKind::Sgd) optimizer_per_param = o.momentum > 0 ? 4 : 0;
+
+  ModelStateBytes b;
+  b.params = (o.zero_stage >= 3 ? shard : psi) * e;
+  b.grads = (o.zero_stage >= 2 ? shard : psi) * e;
+  b.master = (o.zero_stage >= 1 ? shard : psi) * master_per_param;
+  b.optimizer = (o.zero_stage >= 1 ? shard : psi) * optimizer_per_param;
+  if (o.offload != Offload::None) {
+    // ZeRO-Offload: master weights and optimizer states live on the host, with an fp32 copy of
+    // the gradient shard for the host-side step.
+    b.host = b.master + b.optimizer + shard * 4;
+    b.master = b.optimizer = 0;
+  }
+  if (o.offload == Offload::OptimizerAndParams) {
+    b.host += b.params;
+    b.params = 0;  // gathered layers still pass through the device: counted as communication buffers
+  }
+  return b;
+}
+
+namespace {
+
+struct Layout {
+  int stage = 0;
+  bool checkpointing = false;
+  int64_t micro = 1;
+};
+
+struct Evaluation {
+  MemoryBreakdown memory;
+  double host_needed = 0;  // per node
+  bool fits = false;
+};
+
+class Planner {
+ public:
+  Planner(const Recipe& r, const HostFacts& host) : r_(r), host_(host) {
+    const HardwareSpec& hw = r.hardware;
+    dp_ = r.parallel.data_parallel.value_or(hw.total_devices());
+    ranks_per_node_ = (dp_ + hw.nodes - 1) / hw.nodes;
+    kernel_ = hw.device == Device::Cuda ? AttentionKernel::Flash : AttentionKernel::Math;
+    cost_ = model_cost(r.model, r.batch.seq_len, r.precision.dtype, kernel_);
+    capacity_ = hw.ranks_share_memory() ? hw.memory_bytes / ranks_per_node_ : hw.memory_bytes;
+  }
+
+  Evaluation evaluate(const Layout& l) const {
+    const HardwareSpec& hw = r_.hardware;
+    Evaluation ev;
+    ModelStateOptions o;
+    o.params = cost_.params;
+    o.data_parallel = dp_;
+    o.zero_stage = l.stage;
+    o.dtype = r_.precision.dtype;
+    o.optimizer = r_.optimizer.kind;
+    o.momentum = r_.optimizer.momentum;
+    o.offload = r_.parallel.offload;
+    MemoryBreakdown& m = ev.memory;
+    m.states = plan_model_states_per_rank(o);
+    m.activations = l.micro * (l.checkpointing ? cost_.checkpointed_activation_bytes_per_sample : cost_.activation_bytes_per_sample);
+    const double e = bytes_per_element(r_.precision.dtype);
+    if (l.stage == 3) {
+      // The layer being computed, the prefetched next one, and one layer's full gradient before reduce-scatter.
+      m.comm_buffers = 3 * e * cost_.largest_unit_params;
+    } else if (dp_ > 1) {
+      m.comm_buffers = 2 * std::min(r_.parallel.bucket_bytes, cost_.params * e);  // bucket being reduced + the next
+    }
+    m.runtime = hw.runtime_memory_bytes;
+    m.fragmentation = hw.fragmentation * (m.states.device_total() + m.activations + m.comm_buffers);
+    double on_device = m.total();
+    if (hw.ranks_share_memory()) {
+      on_device += m.states.host;  // "host" and "device" are the same memory on CPU ranks
+      ev.host_needed = 0;
+    } else {
+      ev.host_needed = m.states.host * ranks_per_node_;
+    }
+    ev.fits = on_device <= capacity_ && ev.host_needed <= hw.host_memory_bytes;
+    return ev;
+  }
+
+  double rank_total(const Evaluation& ev) const {
+    return ev.memory.total() + (r_.hardware.ranks_share_memory() ? ev.memory.states.host : 0);
+  }
+
+  Plan plan() {
+    const HardwareSpec& hw = r_.hardware;
+    Plan p;
+    p.recipe = r_.path;
+    p.hardware = hw.name;
+    p.model = r_.model.name.empty() ? std::string(to_string(r_.model.arch)) : r_.model.name;
+    p.device = hw.device;
+    p.arch = r_.model.arch;
+    p.nodes = hw.nodes;
+    p.devices_per_node = hw.devices_per_node;
+    p.data_parallel = p.world_size = dp_;
+    p.ranks_per_node = ranks_per_node_;
+    p.global_batch = r_.batch.global;
+    p.seq_len = r_.model.arch == ModelArch::DeepSeek ? r_.batch.seq_len : 0;
+    p.dtype = r_.precision.dtype;
+    p.offload = r_.parallel.offload;
+    p.attention = kernel_;
+    p.cost = cost_;
+    p.memory_capacity = capacity_;
+    p.host_memory_capacity = hw.host_memory_bytes;
+    p.steps = r_.run.steps;
+    if (!r_.parallel.data_parallel)
+      p.choices.push_back({"parallel.data_parallel", std::to_string(dp_),
+                           "every device: " + std::to_string(hw.nodes) + " node(s) x " + std::to_string(hw.devices_per_node)});
+
+    choose_layout(p);
+    predict_communication(p);
+    predict_time(p);
+    check_hardware_present(p);
+    add_notes(p);
+    return p;
+  }
+
+ private:
+  std::vector<int> stage_candidates() const {
+    if (r_.parallel.zero_stage) return {*r_.parallel.zero_stage};
+    if (r_.parallel.offload == Offload::OptimizerAndParams) return {3};
+    if (r_.parallel.offload == Offload::Optimizer) return {1, 2, 3};
+    return {0, 1, 2, 3};
+  }
+  std::vector<bool> checkpointing_candidates() const {
+    switch (r_.parallel.activation_checkpointing) {
+      case Checkpointing::None: return {false};
+      case Checkpointing::Full: return {true};
+      case Checkpointing::Auto: return {false, true};
+    }
+    return {false};
+  }
+  std::vector<int64_t> micro_candidates() const {  // largest first
+    if (r_.batch.micro) return {*r_.batch.micro};
+    // Divisors of the per-rank batch, found in pairs up to its square root (batches can be huge).
+    int64_t per_rank = r_.batch.global / dp_;
+    std::vector<int64_t> out;
+    for (int64_t d = 1; d * d <= per_rank; ++d)
+      if (per_rank % d == 0) {
+        out.push_back(d);
+        if (d != per_rank / d) out.push_back(per_rank / d);
+      }
+    std::sort(out.rbegin(), out.rend());
+    return out;
+  }
+
+  std::string usage(const Evaluation& ev) const {
+    return format_bytes(rank_total(ev)) + " of " + format_bytes(capacity_);
+  }
+
+  void choose_layout(Plan& p) {
+    const std::vector<int> stages = stage_candidates();
+    const std::vector<bool> ckpts = checkpointing_candidates();
+    const std::vector<int64_t> micros = micro_candidates();
+    const int64_t smallest_micro = micros.back();
+
+    // 1. The lowest ZeRO stage (and recomputation only if needed) that fits the smallest micro-batch.
+    Layout chosen{stages.back(), ckpts.back(), smallest_micro};
+    bool found = false;
+    std::string stage_reason, ckpt_reason;
+    for (int stage : stages) {
+      for (bool ckpt : ckpts) {
+        Evaluation ev = evaluate({stage, ckpt, smallest_micro});
+        if (ev.fits) {
+          chosen = {stage, ckpt, smallest_micro};
+          found = true;
+          break;
+        }
+      }
+      if (found) break;
+    }
+    if (!r_.parallel.zero_stage) {
+      Evaluation ev = evaluate(chosen);
+      if (!found) stage_reason = "no stage fits; the highest allowed is shown";
+      else if (chosen.stage == stages.front())
+        stage_reason = dp_ == 1 ? "one data-parallel rank: ZeRO has nothing to shard; stage " + std::to_string(chosen.stage) + " fits (" + usage(ev) + ")"
+                                : "the lowest stage, and it fits (" + usage(ev) + ")";
+      else {
+        Evaluation lower = evaluate({chosen.stage - 1, chosen.checkpointing, smallest_micro});
+        stage_reason = "stage " + std::to_string(chosen.stage - 1) + " would need " + format_bytes(rank_total(lower)) + " of " +
+                       format_bytes(capacity_) + "; stage " + std::to_string(chosen.stage) + " is the lowest that fits (" + usage(ev) + ")";
+      }
+      p.choices.push_back({"parallel.zero_stage", std::to_string(chosen.stage), stage_reason});
+    }
+    if (r_.parallel.activation_checkpointing == Checkpointing::Auto) {
+      if (!chosen.checkpointing)
+        ckpt_reason = "activations fit without recomputation, which would cost about a third more compute";
+      else {
+        Evaluation without = evaluate({chosen.stage, false, smallest_micro});
+        ckpt_reason = "without recomputation micro batch " + std::to_string(smallest_micro) + " needs " + format_bytes(rank_total(without)) +
+                      " of " + format_bytes(capacity_) + "; full recomputation keeps each block's input only";
+      }
+      p.choices.push_back({"parallel.activation_checkpointing", chosen.checkpointing ? "full" : "none", ckpt_reason});
+    }
+
+    // 2. The largest micro-batch that fits under that layout (fewer accumulation steps, better kernels).
+    if (found) {
+      for (int64_t micro : micros) {
+        if (evaluate({chosen.stage, chosen.checkpointing, micro}).fits) {
+          chosen.micro = micro;
+          break;
+        }
+      }
+    }
+    if (!r_.batch.micro) {
+      int64_t per_rank = r_.batch.global / dp_;
+      std::string reason;
+      if (!found) reason = "nothing fits; the smallest micro batch is shown";
+      else if (chosen.micro == per_rank) reason = "the whole per-rank batch (" + std::to_string(per_rank) + ") fits: no accumulation";
+      else {
+        int64_t next = 0;
+        for (int64_t m : micros)
+          if (m > chosen.micro) next = m;  // the next larger divisor
+        Evaluation bigger = evaluate({chosen.stage, chosen.checkpointing, next});
+        reason = "largest divisor of the per-rank batch " + std::to_string(per_rank) + " that fits; micro " + std::to_string(next) +
+                 " would need " + format_bytes(rank_total(bigger)) + " of " + format_bytes(capacity_);
+      }
+      p.choices.push_back({"batch.micro", std::to_string(chosen.micro), reason});
+    }
+
+    Evaluation ev = evaluate(chosen);
+    p.zero_stage = chosen.stage;
+    p.activation_checkpointing = chosen.checkpointing;
+    p.micro_batch = chosen.micro;
+    p.accumulation = r_.batch.global / (chosen.micro * dp_);
+    DSRUN_ASSERT(p.accumulation * chosen.micro * dp_ == r_.batch.global, "batch divisibility was validated");
+    p.tokens_per_step = static_cast<double>(r_.batch.global) * cost_.tokens_per_sample;
+    p.memory = ev.memory;
+    p.host_memory_needed = ev.host_needed;
+    p.fits = ev.fits;
+
+    double total = rank_total(ev);
+    if (total <= capacity_)
+      p.verdict.push_back("fits: " + format_bytes(total) + " of " + format_bytes(capacity_) + " per rank, headroom " +
+                          format_bytes(capacity_ - total) + " (" + format_double(100.0 * (capacity_ - total) / capacity_, 3) + "%)");
+    else
+      p.verdict.push_back("does not fit: needs " + format_bytes(total) + " per rank, " + format_bytes(capacity_) + " available (short by " +
+                          format_bytes(total - capacity_) + ")");
+    if (ev.host_needed > 0)
+      p.verdict.push_back(std::string(ev.host_needed <= r_.hardware.host_memory_bytes ? "host memory for offload fits: " : "host memory for offload does not fit: ") +
+                          format_bytes(ev.host_needed) + " of " + format_bytes(r_.hardware.host_memory_bytes) + " per node");
+    if (!p.fits) suggest(p, chosen);
+  }
+
+  // What would fit instead: the least invasive changes first, then more devices.
+  void suggest(Plan& p, const Layout& current) {
+    struct Option {
+      Layout layout;
+      Offload offload;
+      std::string sets;
+    };
+    std::vector<Option> options;
+    const int64_t per_rank = r_.batch.global / dp_;
+    for (int stage = std::max(current.stage, 0); stage <= 3; ++stage)
+      for (bool ckpt : {false, true})
+        for (Offload off : {Offload::None, Offload::Optimizer, Offload::OptimizerAndParams}) {
+          if (off == Offload::Optimizer && stage == 0) continue;
+          if (off == Offload::OptimizerAndParams && stage != 3) continue;
+          std::string sets = "--set parallel.zero_stage=" + std::to_string(stage);
+          if (ckpt) sets += " --set parallel.activation_checkpointing=full";
+          if (off != Offload::None) sets += std::string(" --set parallel.offload=") + to_string(off);
+          if (r_.batch.micro || per_rank > 1) sets += " --set batch.micro=1";
+          options.push_back({{stage, ckpt, 1}, off, sets});
+        }
+    int shown = 0;
+    for (const auto& o : options) {
+      Recipe alt = r_;
+      alt.parallel.offload = o.offload;
+      Planner alt_planner(alt, host_);
+      Evaluation ev = alt_planner.evaluate(o.layout);
+      if (!ev.fits) continue;
+      p.suggestions.push_back("fits with " + o.sets + " (" + alt_planner.usage(ev) + ")");
+      if (++shown == 2) break;
+    }
+    // More devices of the same kind, with ZeRO-3, recomputation and micro batch 1.
+    for (int n = dp_ + 1; n <= 65536; n = n < 64 ? n + 1 : n * 2) {
+      Recipe alt = r_;
+      alt.parallel.data_parallel = n;
+      alt.batch.global = n;  // only the memory per rank matters here
+      alt.hardware.devices_per_node = std::max(alt.hardware.devices_per_node, (n + alt.hardware.nodes - 1) / alt.hardware.nodes);
+      Planner alt_planner(alt, host_);
+      if (alt_planner.evaluate({3, true, 1}).fits) {
+        p.suggestions.push_back("with ZeRO-3, full recomputation and micro batch 1, " + std::to_string(n) + " devices of this kind would fit");
+        break;
+      }
+    }
+    if (p.suggestions.empty()) p.suggestions.push_back("no configuration of this hardware fits: choose a smaller model or larger devices");
+  }
+
+  double link_bandwidth() const {
+    const HardwareSpec& hw = r_.hardware;
+    double bw = hw.link_bandwidth;
+    if (hw.device == Device::Cuda && !hw.p2p) bw /= 2;  // every transfer is copied through host memory
+    if (hw.nodes > 1 && dp_ > ranks_per_node_) bw = std::min(bw, hw.inter_node_bandwidth / ranks_per_node_);
+    return bw * hw.comm_efficiency;
+  }
+
+  void predict_communication(Plan& p) {
+    const double psi = cost_.params;
+    const double e = bytes_per_element(r_.precision.dtype);
+    const double n = dp_;
+    const double ring = (n - 1) / n;  // ring collectives: each rank sends (N-1)/N of the buffer per pass
+    const double bw = link_bandwidth();
+    const double a = static_cast<double>(p.accumulation);
+    auto add = [&](std::string what, double bytes) {
+      if (bytes <= 0) return;
+      p.comm.push_back({std::move(what), bytes, bytes / bw});
+    };
+    if (dp_ > 1) {
+      switch (p.zero_stage) {
+        case 0: add("all-reduce gradients (once per step)", 2 * ring * psi * e); break;
+        case 1:
+          add("reduce-scatter gradients (once per step)", ring * psi * e);
+          add("all-gather updated parameters", ring * psi * e);
+          break;
+        case 2:
+          add("reduce-scatter gradients (every micro-batch)", a * ring * psi * e);
+          add("all-gather updated parameters", ring * psi * e);
+          break;
+        case 3:
+          add("all-gather parameters for forward (every micro-batch)", a * ring * psi * e);
+          add("all-gather parameters for backward (every micro-batch)", a * ring * psi * e);
+          add("reduce-scatter gradients (every micro-batch)", a * ring * psi * e);
+          break;
+      }
+    }
+    for (const auto& c : p.comm) p.comm_seconds += c.seconds;
+
+    // Overlap: on GPUs gradient collectives run on their own stream during backward; on CPU ranks
+    // Gloo competes for the same cores, so nothing overlaps.
+    const double compute = compute_seconds(p);
+    if (r_.hardware.device == Device::Cpu) {
+      p.exposed_comm_seconds = p.comm_seconds;
+    } else {
+      double overlappable_work = 0, not_overlapped = 0;
+      for (const auto& c : p.comm) {
+        if (c.collective.rfind("all-gather updated", 0) == 0) not_overlapped += c.seconds;
+        else overlappable_work += c.seconds;
+      }
+      double backward = compute * 2.0 / 3.0;
+      double window = p.zero_stage <= 1 ? backward / a : p.zero_stage == 2 ? backward : compute;
+      p.exposed_comm_seconds = std::max(0.0, overlappable_work - window) + not_overlapped;
+    }
+
+    // Offload traffic over PCIe: gradient shard down, updated parameter shard up; ZeRO-3 parameter
+    // offload also fetches the parameter shard for every forward and backward.
+    if (p.offload != Offload::None && r_.hardware.device == Device::Cuda) {
+      const double shard = std::ceil(psi / n);
+      double bytes = 2 * shard * e;
+      if (p.offload == Offload::OptimizerAndParams) bytes += 2 * a * shard * e;
+      p.offload_seconds = bytes / r_.hardware.host_link_bandwidth;
+    }
+  }
+
+  double peak_flops() const {
+    const HardwareSpec& hw = r_.hardware;
+    switch (r_.precision.dtype) {
+      case DType::Bf16: return hw.peak_flops_bf16;
+      case DType::Fp16: return hw.peak_flops_fp16;
+      case DType::Fp32: return hw.peak_flops_fp32;
+    }
+    return hw.peak_flops_fp32;
+  }
+
+  double compute_seconds(Plan& p) const {
+    double per_sample = cost_.model_flops_per_sample + (p.activation_checkpointing ? cost_.recompute_flops_per_sample : 0);
+    p.hardware_flops_per_step = per_sample * static_cast<double>(r_.batch.global);
+    p.model_flops_per_step = cost_.model_flops_per_sample * static_cast<double>(r_.batch.global);
+    p.peak_flops = peak_flops();
+    return p.hardware_flops_per_step / dp_ / (p.peak_flops * r_.hardware.matmul_efficiency);
+  }
+
+  void predict_time(Plan& p) {
+    p.compute_seconds = compute_seconds(p);
+    // The optimizer step is memory-bound: per parameter of the shard it reads and writes the fp32
+    // master and both moments (24 bytes for Adam), reads the gradient and writes the working weight.
+    const double e = bytes_per_element(r_.precision.dtype);
+    double touched = r_.optimizer.kind == OptimizerKind::Sgd ? (r_.optimizer.momentum > 0 ? 16 : 8) : 24;
+    if (r_.precision.dtype != DType::Fp32) touched += 2 * e;
+    const double shard = p.zero_stage >= 1 ? std::ceil(cost_.params / dp_) : cost_.params;
+    const double bandwidth = p.offload != Offload::None && r_.hardware.device == Device::Cuda ? r_.hardware.host_memory_bandwidth
+                                                                                             : r_.hardware.memory_bandwidth;
+    p.optimizer_seconds = shard * touched / bandwidth;
+    p.step_seconds = p.compute_seconds + p.exposed_comm_seconds + p.optimizer_seconds + p.offload_seconds;
+    p.tokens_per_second = p.tokens_per_step / p.step_seconds;
+    p.mfu = p.model_flops_per_step / (p.step_seconds * p.peak_flops * p.world_size);
+    p.total_seconds = p.step_seconds * static_cast<double>(r_.run.steps);
+  }
+
+  void check_hardware_present(Plan& p) {
+    const HardwareSpec& hw = r_.hardware;
+    if (hw.device == Device::Cuda) {
+      int needed = std::min(ranks_per_node_, hw.devices_per_node);
+      if (host_.cuda_devices < needed) {
+        p.hardware_present = false;
+        p.hardware_message = "this machine has " + std::to_string(host_.cuda_devices) + " NVIDIA GPU(s); the recipe is for \"" + hw.name +
+                             "\" (" + std::to_string(hw.nodes) + " node(s) x " + std::to_string(hw.devices_per_node) +
+                             " GPUs). The plan holds anywhere; running it needs that hardware.";
+      }
+    } else if (ranks_per_node_ > host_.cpu_cores) {
+      p.notes.push_back(std::to_string(ranks_per_node_) + " CPU ranks on " + std::to_string(host_.cpu_cores) +
+                        " cores: ranks will share cores and run slower than predicted");
+    }
+  }
+
+  void add_notes(Plan& p) {
+    const HardwareSpec& hw = r_.hardware;
+    if (hw.ranks_share_memory())
+      p.notes.push_back("CPU ranks share the node's " + format_bytes(hw.memory_bytes) + "; each rank's share is " + format_bytes(capacity_));
+    if (kernel_ == AttentionKernel::Math && r_.model.arch == ModelArch::DeepSeek)
+      p.notes.push_back("attention on CPU keeps the s x s probabilities of every head (no flash kernel in libtorch 1.13)");
+    if (hw.device == Device::Cuda && !hw.p2p && dp_ > 1)
+      p.notes.push_back("no GPU peer-to-peer: collectives go through host memory (half the link bandwidth assumed); dsrun sets NCCL_P2P_DISABLE=1");
+    if (hw.device == Device::Cpu && p.offload != Offload::None)
+      p.notes.push_back("offload on CPU ranks moves nothing (host and device memory are the same); the code path still runs");
+    if (p.zero_stage > 0 && dp_ == 1) p.notes.push_back("ZeRO stage " + std::to_string(p.zero_stage) + " with one rank shards nothing");
+    int64_t shard_pad = static_cast<int64_t>(std::ceil(cost_.params / dp_) * dp_ - cost_.params);
+    if (p.zero_stage > 0 && shard_pad > 0)
+      p.notes.push_back(format_count(cost_.params) + " parameters do not divide by " + std::to_string(dp_) + " ranks: shards are padded by " +
+                        std::to_string(shard_pad) + " elements");
+    p.notes.push_back("speed assumes " + format_double(100 * hw.matmul_efficiency, 3) + "% of peak FLOP/s and " +
+                      format_double(100 * hw.comm_efficiency, 3) + "% of link bandwidth (hardware.matmul_efficiency, comm_efficiency)");
+  }
+
+  const Recipe& r_;
+  HostFacts host_;
+  int dp_ = 1;
+  int ranks_per_node_ = 1;
+  AttentionKernel kernel_ = AttentionKernel::Flash;
+  ModelCost cost_;
+  double capacity_ = 0;
+};
+
+}  // namespace
+
+Plan make_plan(const Recipe& recipe, const HostFacts& host) { return Planner(recipe, host).plan(); }
+
+}  // namespace dsrun

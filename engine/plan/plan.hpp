@@ -1,0 +1,106 @@
+// Recipe -> Plan: the concrete distributed plan (ranks, batch math, memory per rank by component,
+// communication, predicted speed, verdict). A pure function of the recipe and the host facts.
+#pragma once
+
+#include "engine/common/host.hpp"
+#include "engine/plan/cost.hpp"
+#include "engine/recipe/recipe.hpp"
+
+#include <string>
+#include <vector>
+
+namespace dsrun {
+
+// Bytes one rank holds for model states (ZeRO paper's accounting), on the device and on the host.
+struct ModelStateBytes {
+  double params = 0, grads = 0, master = 0, optimizer = 0;  // on the device
+  double host = 0;                                         // offloaded to host memory
+  double device_total() const { return params + grads + master + optimizer; }
+};
+
+struct ModelStateOptions {
+  double params = 0;  // Ψ
+  int data_parallel = 1;
+  int zero_stage = 0;
+  DType dtype = DType::Fp32;
+  OptimizerKind optimizer = OptimizerKind::AdamW;
+  double momentum = 0.9;  // SGD: 0 keeps no momentum buffer
+  Offload offload = Offload::None;
+};
+ModelStateBytes plan_model_states_per_rank(const ModelStateOptions& o);
+
+struct MemoryBreakdown {
+  ModelStateBytes states;
+  double activations = 0;   // one micro-batch in flight
+  double comm_buffers = 0;  // gradient buckets, ZeRO-3 gathered layers
+  double runtime = 0;       // CUDA context, NCCL, libraries
+  double fragmentation = 0; // allocator slack
+  double total() const { return states.device_total() + activations + comm_buffers + runtime + fragmentation; }
+};
+
+struct CommTerm {
+  std::string collective;  // "all-reduce gradients"
+  double bytes = 0;        // sent per rank per step
+  double seconds = 0;
+};
+
+// A value dsrun chose because the recipe said "auto", with why.
+struct AutoChoice {
+  std::string key;
+  std::string value;
+  std::string reason;
+};
+
+struct Plan {
+  std::string recipe;    // recipe path
+  std::string hardware;  // hardware.name
+  std::string model;     // model.name
+  Device device = Device::Cpu;
+  ModelArch arch = ModelArch::DeepSeek;
+
+  // topology
+  int nodes = 1, devices_per_node = 1, world_size = 1, data_parallel = 1, ranks_per_node = 1;
+
+  // batch math: global = micro × accumulation × data_parallel
+  int64_t global_batch = 0, micro_batch = 0, accumulation = 0, seq_len = 0;
+  double tokens_per_step = 0;  // samples per step for images
+
+  // parallelism and precision actually used
+  int zero_stage = 0;
+  Offload offload = Offload::None;
+  bool activation_checkpointing = false;
+  DType dtype = DType::Fp32;
+  AttentionKernel attention = AttentionKernel::Flash;
+
+  ModelCost cost;
+  MemoryBreakdown memory;       // per rank, on the device
+  double memory_capacity = 0;   // per rank
+  double host_memory_needed = 0;    // per node, for offload
+  double host_memory_capacity = 0;  // per node
+  bool fits = false;
+
+  std::vector<CommTerm> comm;
+  double comm_seconds = 0, exposed_comm_seconds = 0;
+
+  double peak_flops = 0;                 // per device, for the dtype
+  double hardware_flops_per_step = 0;    // all ranks, recomputation included
+  double model_flops_per_step = 0;       // all ranks, the MFU numerator
+  double compute_seconds = 0, optimizer_seconds = 0, offload_seconds = 0;
+  double step_seconds = 0, tokens_per_second = 0, mfu = 0, total_seconds = 0;
+  int64_t steps = 0;
+
+  std::vector<AutoChoice> choices;
+  std::vector<std::string> verdict;      // why it fits or not
+  std::vector<std::string> suggestions;  // what would fit instead
+  std::vector<std::string> notes;        // assumptions worth seeing
+
+  bool hardware_present = true;   // does this machine have the recipe's devices?
+  std::string hardware_message;
+};
+
+Plan make_plan(const Recipe& recipe, const HostFacts& host);
+
+std::string render_plan(const Plan& plan);  // the readable table
+std::string plan_to_json(const Plan& plan); // the same, for machines
+
+}  // namespace dsrun

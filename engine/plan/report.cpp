@@ -1,0 +1,142 @@
+// Plan -> text table and JSON. Both show the same fields; JSON keeps raw numbers (bytes, seconds).
+#include "engine/common/text.hpp"
+#include "engine/plan/plan.hpp"
+
+#include <nlohmann/json.hpp>
+
+namespace dsrun {
+
+namespace {
+
+std::string sharded(int stage, int needed_stage, int dp) {
+  return stage >= needed_stage && dp > 1 ? "sharded 1/" + std::to_string(dp) : "replicated";
+}
+
+const char* kernel_name(AttentionKernel k) { return k == AttentionKernel::Flash ? "flash" : "math"; }
+
+}  // namespace
+
+std::string render_plan(const Plan& p) {
+  std::string out;
+  auto section = [&](const std::string& title) { out += "\n" + title + "\n"; };
+  auto line = [&](const std::string& text) { out += "  " + text + "\n"; };
+  const ModelCost& c = p.cost;
+  const bool images = p.arch == ModelArch::ResNet;
+
+  out += "plan for " + (p.recipe.empty() ? std::string("(recipe text)") : p.recipe) + "\n";
+  line("model      " + p.model + ": " + format_count(c.params) + " parameters" +
+       (c.active_params < c.params ? " (" + format_count(c.active_params) + " active per token)" : ""));
+  line("hardware   " + p.hardware + " (" + to_string(p.device) + ")");
+
+  section("topology");
+  line(std::to_string(p.nodes) + " node(s) x " + std::to_string(p.devices_per_node) + " devices; " + std::to_string(p.world_size) +
+       " ranks (" + std::to_string(p.ranks_per_node) + " per node); data parallel " + std::to_string(p.data_parallel));
+
+  section("batch");
+  line("global " + std::to_string(p.global_batch) + " = micro " + std::to_string(p.micro_batch) + " x accumulation " +
+       std::to_string(p.accumulation) + " x data parallel " + std::to_string(p.data_parallel));
+  if (images) line(std::to_string(p.global_batch) + " images per step");
+  else line("sequence " + std::to_string(p.seq_len) + "; " + format_count(p.tokens_per_step) + " tokens per step");
+
+  section("parallelism and precision");
+  line("ZeRO stage " + std::to_string(p.zero_stage) + ", offload " + to_string(p.offload) + ", activation checkpointing " +
+       (p.activation_checkpointing ? "full" : "none") + ", " + to_string(p.dtype) + (images ? "" : std::string(", attention ") + kernel_name(p.attention)));
+
+  section("memory per rank");
+  const MemoryBreakdown& m = p.memory;
+  const bool mixed = p.dtype != DType::Fp32;
+  TextTable t({"component", "bytes", "how"});
+  t.add({"parameters", format_bytes(m.states.params), std::string(to_string(p.dtype)) + ", " + sharded(p.zero_stage, 3, p.data_parallel) +
+                                                       (p.offload == Offload::OptimizerAndParams ? ", offloaded" : "")});
+  t.add({"gradients", format_bytes(m.states.grads), std::string(to_string(p.dtype)) + ", " + sharded(p.zero_stage, 2, p.data_parallel)});
+  if (mixed) t.add({"fp32 master weights", format_bytes(m.states.master), p.offload != Offload::None ? "offloaded" : sharded(p.zero_stage, 1, p.data_parallel)});
+  t.add({"optimizer states", format_bytes(m.states.optimizer), p.offload != Offload::None ? "offloaded" : sharded(p.zero_stage, 1, p.data_parallel)});
+  t.add({"activations", format_bytes(m.activations), "micro batch " + std::to_string(p.micro_batch) +
+                                                         (p.activation_checkpointing ? ", checkpointed" : ", no recomputation")});
+  t.add({"communication buffers", format_bytes(m.comm_buffers), p.zero_stage == 3 ? "gathered layers" : "gradient buckets"});
+  t.add({"runtime", format_bytes(m.runtime), "context, libraries"});
+  t.add({"allocator slack", format_bytes(m.fragmentation), "fragmentation"});
+  double total = m.total() + (p.device == Device::Cpu ? m.states.host : 0);
+  if (m.states.host > 0) t.add({"offloaded to host", format_bytes(m.states.host), p.device == Device::Cpu ? "same memory on CPU ranks" : "per rank, in host memory"});
+  t.add({"total", format_bytes(total), "of " + format_bytes(p.memory_capacity)});
+  out += t.render("  ");
+
+  section(p.fits ? "verdict: FITS" : "verdict: DOES NOT FIT");
+  for (const auto& v : p.verdict) line(v);
+  for (const auto& s : p.suggestions) line("suggestion: " + s);
+
+  section("communication per step, per rank");
+  if (p.comm.empty()) line("none (one data-parallel rank)");
+  for (const auto& cterm : p.comm) line(cterm.collective + ": " + format_bytes(cterm.bytes) + ", " + format_seconds(cterm.seconds));
+  if (!p.comm.empty()) line("total " + format_seconds(p.comm_seconds) + ", not hidden behind compute " + format_seconds(p.exposed_comm_seconds));
+
+  section("compute and speed");
+  line("model FLOPs per step " + format_count(p.model_flops_per_step) + " (6N + attention" +
+       std::string(p.activation_checkpointing ? "; hardware " + format_count(p.hardware_flops_per_step) + " with recomputation" : "") + ")");
+  line("per step: compute " + format_seconds(p.compute_seconds) + " + communication " + format_seconds(p.exposed_comm_seconds) +
+       " + optimizer " + format_seconds(p.optimizer_seconds) + (p.offload_seconds > 0 ? " + offload " + format_seconds(p.offload_seconds) : "") +
+       " = " + format_seconds(p.step_seconds));
+  line((images ? format_count(p.tokens_per_second) + " images/s" : format_count(p.tokens_per_second) + " tokens/s") + ", MFU " +
+       format_double(100 * p.mfu, 3) + "% of " + format_count(p.peak_flops) + "FLOP/s peak per device");
+  line(std::to_string(p.steps) + " steps: " + format_seconds(p.total_seconds));
+
+  if (!p.choices.empty()) {
+    section("chosen automatically");
+    for (const auto& ch : p.choices) line(ch.key + " = " + ch.value + ": " + ch.reason);
+  }
+  if (!p.notes.empty()) {
+    section("notes");
+    for (const auto& n : p.notes) line(n);
+  }
+  if (!p.hardware_present) {
+    section("hardware");
+    line(p.hardware_message);
+  }
+  return out;
+}
+
+std::string plan_to_json(const Plan& p) {
+  using nlohmann::json;
+  const MemoryBreakdown& m = p.memory;
+  json j;
+  j["recipe"] = p.recipe;
+  j["hardware"] = p.hardware;
+  j["model"] = {{"name", p.model},
+                {"arch", to_string(p.arch)},
+                {"params", p.cost.params},
+                {"active_params", p.cost.active_params},
+                {"activation_bytes_per_sample", p.cost.activation_bytes_per_sample},
+                {"checkpointed_activation_bytes_per_sample", p.cost.checkpointed_activation_bytes_per_sample}};
+  j["topology"] = {{"device", to_string(p.device)}, {"nodes", p.nodes}, {"devices_per_node", p.devices_per_node},
+                   {"world_size", p.world_size}, {"ranks_per_node", p.ranks_per_node}, {"data_parallel", p.data_parallel}};
+  j["batch"] = {{"global", p.global_batch}, {"micro", p.micro_batch}, {"accumulation", p.accumulation},
+                {"seq_len", p.seq_len}, {"tokens_per_step", p.tokens_per_step}};
+  j["parallel"] = {{"zero_stage", p.zero_stage}, {"offload", to_string(p.offload)},
+                   {"activation_checkpointing", p.activation_checkpointing}, {"dtype", to_string(p.dtype)},
+                   {"attention", kernel_name(p.attention)}};
+  j["memory_per_rank"] = {{"params", m.states.params}, {"grads", m.states.grads}, {"master", m.states.master},
+                          {"optimizer", m.states.optimizer}, {"activations", m.activations}, {"comm_buffers", m.comm_buffers},
+                          {"runtime", m.runtime}, {"fragmentation", m.fragmentation}, {"offloaded_to_host", m.states.host},
+                          {"total", m.total() + (p.device == Device::Cpu ? m.states.host : 0)}, {"capacity", p.memory_capacity}};
+  j["host_memory_per_node"] = {{"needed", p.host_memory_needed}, {"capacity", p.host_memory_capacity}};
+  j["fits"] = p.fits;
+  j["verdict"] = p.verdict;
+  j["suggestions"] = p.suggestions;
+  json comm = json::array();
+  for (const auto& c : p.comm) comm.push_back({{"collective", c.collective}, {"bytes", c.bytes}, {"seconds", c.seconds}});
+  j["communication"] = {{"terms", comm}, {"seconds", p.comm_seconds}, {"exposed_seconds", p.exposed_comm_seconds}};
+  j["speed"] = {{"peak_flops", p.peak_flops}, {"model_flops_per_step", p.model_flops_per_step},
+                {"hardware_flops_per_step", p.hardware_flops_per_step}, {"compute_seconds", p.compute_seconds},
+                {"optimizer_seconds", p.optimizer_seconds}, {"offload_seconds", p.offload_seconds},
+                {"step_seconds", p.step_seconds}, {"tokens_per_second", p.tokens_per_second}, {"mfu", p.mfu},
+                {"steps", p.steps}, {"total_seconds", p.total_seconds}};
+  json choices = json::array();
+  for (const auto& c : p.choices) choices.push_back({{"key", c.key}, {"value", c.value}, {"reason", c.reason}});
+  j["auto_choices"] = choices;
+  j["notes"] = p.notes;
+  j["hardware_present"] = p.hardware_present;
+  if (!p.hardware_present) j["hardware_message"] = p.hardware_message;
+  return j.dump(2);
+}
+
+}  // namespace dsrun

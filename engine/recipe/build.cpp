@@ -1,0 +1,462 @@
+// Step 3 of loading: typed Recipe from the validated flat config, and the rules that span keys.
+#include "engine/common/files.hpp"
+#include "engine/common/text.hpp"
+#include "engine/recipe/load.hpp"
+
+#include <cmath>
+#include <cstdlib>
+#include <functional>
+
+namespace dsrun {
+
+namespace {
+
+struct Builder {
+  const Config& config;
+  std::vector<Diagnostic>& diagnostics;
+
+  const Setting& at(const std::string& key) const { return config.at(key); }
+  int64_t i(const std::string& key) const { return at(key).value.i; }
+  double f(const std::string& key) const { return at(key).value.number(); }
+  bool b(const std::string& key) const { return at(key).value.b; }
+  const std::string& s(const std::string& key) const { return at(key).value.s; }
+  std::optional<int64_t> int_or_auto(const std::string& key) const {
+    const Value& v = at(key).value;
+    if (v.is_auto()) return std::nullopt;
+    return v.i;
+  }
+  std::vector<double> floats(const std::string& key) const {
+    std::vector<double> out;
+    for (const auto& item : at(key).value.items) out.push_back(item.number());
+    return out;
+  }
+  std::vector<std::string> strings(const std::string& key) const {
+    std::vector<std::string> out;
+    for (const auto& item : at(key).value.items) out.push_back(item.s);
+    return out;
+  }
+  bool written(const std::string& key) const {
+    Layer layer = at(key).source.layer;
+    return layer == Layer::Recipe || layer == Layer::CommandLine;
+  }
+
+  void error(const std::string& key, std::string message, std::string fix) {
+    diagnostics.push_back({Diagnostic::Severity::Error, at(key).source, key, std::move(message), std::move(fix)});
+  }
+  void warning(const std::string& key, std::string message, std::string fix = "") {
+    diagnostics.push_back({Diagnostic::Severity::Warning, at(key).source, key, std::move(message), std::move(fix)});
+  }
+};
+
+std::string resolve_path(const std::string& path, const std::string& recipe_dir) {
+  if (path.empty() || path[0] == '/') return path;
+  return path_join(recipe_dir, path);
+}
+
+// The divisor of n closest to `near`, for "use a divisor of 4096 such as 32".
+int64_t closest_divisor(int64_t n, int64_t near) {
+  int64_t best = 1;
+  for (int64_t d = 1; d <= n && d <= (1 << 20); ++d)
+    if (n % d == 0 && std::llabs(d - near) < std::llabs(best - near)) best = d;
+  return best;
+}
+
+void build_run(Builder& c, Recipe& r) {
+  r.run.name = c.s("run.name");
+  r.run.description = c.s("run.description");
+  r.run.tags = c.strings("run.tags");
+  r.run.seed = static_cast<uint64_t>(c.i("run.seed"));
+  r.run.steps = c.i("run.steps");
+  r.run.max_restarts = static_cast<int>(c.i("run.max_restarts"));
+  r.run.step_timeout_s = c.f("run.step_timeout_s");
+  r.run.startup_timeout_s = c.f("run.startup_timeout_s");
+  if (r.run.startup_timeout_s < r.run.step_timeout_s && c.written("run.startup_timeout_s"))
+    c.warning("run.startup_timeout_s", "start-up timeout is shorter than the step timeout",
+              "start-up includes rendezvous and model build; give it at least run.step_timeout_s");
+}
+
+void build_hardware(Builder& c, Recipe& r, const HostFacts& host) {
+  HardwareSpec& h = r.hardware;
+  h.name = c.s("hardware.name");
+  h.device = c.s("hardware.device") == "cuda" ? Device::Cuda : Device::Cpu;
+  h.nodes = static_cast<int>(c.i("hardware.nodes"));
+  if (auto n = c.int_or_auto("hardware.devices_per_node")) {
+    h.devices_per_node = static_cast<int>(*n);
+  } else if (h.device == Device::Cpu) {
+    h.devices_per_node = std::max(1, host.cpu_cores);
+  } else if (host.cuda_devices > 0) {
+    h.devices_per_node = host.cuda_devices;
+  } else {
+    c.error("hardware.devices_per_node", "\"auto\" counts the GPUs of this machine, and it has none",
+            "set hardware.devices_per_node to the GPU count of the machine you plan for");
+  }
+  const double GB = 1e9, GiB = 1024.0 * 1024.0 * 1024.0;
+  h.host_memory_bytes = c.at("hardware.host_memory_gib").value.is_auto() ? host.memory_bytes : c.f("hardware.host_memory_gib") * GiB;
+  if (!c.at("hardware.memory_gib").value.is_auto()) {
+    h.memory_bytes = c.f("hardware.memory_gib") * GiB;
+  } else if (h.device == Device::Cpu) {
+    h.memory_bytes = h.host_memory_bytes;
+  } else {
+    c.error("hardware.memory_gib", "\"auto\" is only for cpu hardware", "set the memory of one GPU in GiB, e.g. memory_gib = 80");
+  }
+  h.peak_flops_fp32 = c.f("hardware.peak_tflops_fp32") * 1e12;
+  h.peak_flops_bf16 = c.f("hardware.peak_tflops_bf16") * 1e12;
+  h.peak_flops_fp16 = c.f("hardware.peak_tflops_fp16") * 1e12;
+  h.memory_bandwidth = c.f("hardware.memory_bandwidth_gbs") * GB;
+  h.link = c.s("hardware.link");
+  h.link_bandwidth = c.f("hardware.link_bandwidth_gbs") * GB;
+  h.p2p = c.b("hardware.p2p");
+  h.inter_node_bandwidth = c.f("hardware.inter_node_bandwidth_gbs") * GB;
+  h.host_link_bandwidth = c.f("hardware.host_link_bandwidth_gbs") * GB;
+  h.host_memory_bandwidth = c.f("hardware.host_memory_bandwidth_gbs") * GB;
+  h.matmul_efficiency = c.f("hardware.matmul_efficiency");
+  h.comm_efficiency = c.f("hardware.comm_efficiency");
+  h.runtime_memory_bytes = c.f("hardware.runtime_memory_gib") * GiB;
+  h.fragmentation = c.f("hardware.fragmentation");
+
+  if (h.nodes > 1 && h.inter_node_bandwidth <= 0)
+    c.error("hardware.inter_node_bandwidth_gbs", "a job of " + std::to_string(h.nodes) + " nodes needs the network bandwidth between them",
+            "set hardware.inter_node_bandwidth_gbs (e.g. 25 for 200 Gb/s InfiniBand)");
+  if (h.memory_bytes > 0 && h.runtime_memory_bytes >= h.memory_bytes)
+    c.error("hardware.runtime_memory_gib", "runtime memory is not smaller than the device memory", "lower hardware.runtime_memory_gib");
+  if (h.device == Device::Cpu && h.link == "nvlink")
+    c.error("hardware.link", "cpu ranks do not talk over NVLink", "use link = \"shm\" for ranks on one machine");
+}
+
+void build_model(Builder& c, Recipe& r) {
+  ModelSpec& m = r.model;
+  m.name = c.s("model.name");
+  m.arch = c.s("model.arch") == "resnet" ? ModelArch::ResNet : ModelArch::DeepSeek;
+  m.hidden = c.i("model.hidden");
+  m.layers = static_cast<int>(c.i("model.layers"));
+  m.heads = static_cast<int>(c.i("model.heads"));
+  m.kv_heads = static_cast<int>(c.int_or_auto("model.kv_heads").value_or(m.heads));
+  m.intermediate = c.i("model.intermediate");
+  m.vocab = c.i("model.vocab");
+  m.max_seq_len = c.i("model.max_seq_len");
+  m.tie_embeddings = c.b("model.tie_embeddings");
+  m.rope_theta = c.f("model.rope_theta");
+  m.norm_eps = c.f("model.norm_eps");
+  m.init_std = c.f("model.init_std");
+  m.moe.routed_experts = static_cast<int>(c.i("model.moe.routed_experts"));
+  m.moe.shared_experts = static_cast<int>(c.i("model.moe.shared_experts"));
+  m.moe.top_k = static_cast<int>(c.i("model.moe.top_k"));
+  m.moe.intermediate = c.i("model.moe.intermediate");
+  m.moe.first_dense_layers = static_cast<int>(c.i("model.moe.first_dense_layers"));
+  m.moe.aux_loss_weight = c.f("model.moe.aux_loss_weight");
+  m.resnet.depth = static_cast<int>(c.i("model.resnet.depth"));
+  m.resnet.classes = static_cast<int>(c.i("model.resnet.classes"));
+  m.resnet.image_size = static_cast<int>(c.i("model.resnet.image_size"));
+  m.resnet.channels = static_cast<int>(c.i("model.resnet.channels"));
+  m.resnet.width = static_cast<int>(c.i("model.resnet.width"));
+
+  if (m.arch == ModelArch::ResNet) {
+    int d = m.resnet.depth;
+    if (d != 18 && d != 34 && d != 50 && d != 101 && d != 152)
+      c.error("model.resnet.depth", "ResNet depth " + std::to_string(d) + " does not exist", "use 18, 34, 50, 101 or 152");
+    return;
+  }
+  if (m.hidden % m.heads != 0)
+    c.error("model.heads", "hidden (" + std::to_string(m.hidden) + ") is not divisible by heads (" + std::to_string(m.heads) + ")",
+            "use a divisor of " + std::to_string(m.hidden) + ", such as " + std::to_string(closest_divisor(m.hidden, m.heads)));
+  else if (m.head_dim() % 2 != 0)
+    c.error("model.heads", "head dimension hidden/heads = " + std::to_string(m.head_dim()) + " is odd; rotary embeddings rotate pairs",
+            "choose heads so that hidden/heads is even");
+  if (m.heads % m.kv_heads != 0)
+    c.error("model.kv_heads", "heads (" + std::to_string(m.heads) + ") is not divisible by kv_heads (" + std::to_string(m.kv_heads) + ")",
+            "use a divisor of " + std::to_string(m.heads) + ", such as " + std::to_string(closest_divisor(m.heads, m.kv_heads)));
+  if (m.moe.enabled()) {
+    if (m.moe.top_k < 1 || m.moe.top_k > m.moe.routed_experts)
+      c.error("model.moe.top_k", "top_k must be between 1 and routed_experts (" + std::to_string(m.moe.routed_experts) + ")",
+              "DeepSeek-MoE 16B uses top_k = 6 of 64 routed experts");
+    if (m.moe.intermediate < 1)
+      c.error("model.moe.intermediate", "an MoE model needs the experts' inner size", "set model.moe.intermediate (DeepSeek-MoE 16B: 1408)");
+    if (m.moe.first_dense_layers > m.layers)
+      c.error("model.moe.first_dense_layers", "more dense layers than layers", "use at most model.layers (" + std::to_string(m.layers) + ")");
+  }
+}
+
+void build_parallel(Builder& c, Recipe& r) {
+  ParallelOptions& p = r.parallel;
+  if (auto v = c.int_or_auto("parallel.data_parallel")) p.data_parallel = static_cast<int>(*v);
+  if (auto v = c.int_or_auto("parallel.zero_stage")) p.zero_stage = static_cast<int>(*v);
+  const std::string& offload = c.s("parallel.offload");
+  p.offload = offload == "optimizer" ? Offload::Optimizer : offload == "optimizer+params" ? Offload::OptimizerAndParams : Offload::None;
+  const std::string& ckpt = c.s("parallel.activation_checkpointing");
+  p.activation_checkpointing = ckpt == "full" ? Checkpointing::Full : ckpt == "auto" ? Checkpointing::Auto : Checkpointing::None;
+  p.bucket_bytes = c.f("parallel.bucket_mb") * 1e6;
+
+  int devices = r.hardware.total_devices();
+  if (p.data_parallel && devices > 0 && *p.data_parallel > devices)
+    c.error("parallel.data_parallel", std::to_string(*p.data_parallel) + " ranks but the hardware has " + std::to_string(devices) + " devices",
+            "use at most " + std::to_string(devices) + ", or \"auto\"");
+  if (p.zero_stage && p.offload == Offload::OptimizerAndParams && *p.zero_stage != 3)
+    c.error("parallel.offload", "offloading parameters needs ZeRO stage 3 (only stage 3 shards parameters)",
+            "set parallel.zero_stage = 3, or offload = \"optimizer\"");
+  if (p.zero_stage && p.offload == Offload::Optimizer && *p.zero_stage == 0)
+    c.error("parallel.offload", "offloading the optimizer needs ZeRO stage 1, 2 or 3 (ZeRO-Offload moves the optimizer shards)",
+            "set parallel.zero_stage to 1, 2 or 3 (or \"auto\"), or offload = \"none\"");
+}
+
+void build_precision(Builder& c, Recipe& r) {
+  const std::string& dtype = c.s("precision.dtype");
+  r.precision.dtype = dtype == "bf16" ? DType::Bf16 : dtype == "fp16" ? DType::Fp16 : DType::Fp32;
+  LossScaleOptions& ls = r.precision.loss_scale;
+  ls.initial_power = static_cast<int>(c.i("precision.loss_scale.initial_power"));
+  ls.window = c.i("precision.loss_scale.window");
+  ls.hysteresis = static_cast<int>(c.i("precision.loss_scale.hysteresis"));
+  ls.min_scale = c.f("precision.loss_scale.min_scale");
+  const HardwareSpec& h = r.hardware;
+  if (r.precision.dtype == DType::Bf16 && h.peak_flops_bf16 <= 0)
+    c.error("precision.dtype", "hardware \"" + h.name + "\" does not support bf16 (hardware.peak_tflops_bf16 = 0)",
+            h.peak_flops_fp16 > 0 ? "use dtype = \"fp16\" or \"fp32\"" : "use dtype = \"fp32\"");
+  if (r.precision.dtype == DType::Fp16 && h.peak_flops_fp16 <= 0)
+    c.error("precision.dtype", "hardware \"" + h.name + "\" does not support fp16 (hardware.peak_tflops_fp16 = 0)",
+            h.peak_flops_bf16 > 0 ? "use dtype = \"bf16\" or \"fp32\"" : "use dtype = \"fp32\"");
+  if (ls.min_scale > std::ldexp(1.0, ls.initial_power))
+    c.error("precision.loss_scale.min_scale", "the minimum scale is above the initial scale 2^" + std::to_string(ls.initial_power),
+            "lower min_scale or raise initial_power");
+}
+
+void build_batch(Builder& c, Recipe& r) {
+  BatchOptions& b = r.batch;
+  b.global = c.i("batch.global");
+  b.micro = c.int_or_auto("batch.micro");
+  b.seq_len = c.i("batch.seq_len");
+  int64_t dp = r.parallel.data_parallel.value_or(r.hardware.total_devices());
+  if (dp <= 0 || dp > r.hardware.total_devices()) return;  // already reported against the hardware or data_parallel
+  std::string dp_text = std::to_string(dp) + (r.parallel.data_parallel ? "" : " (auto: every device)");
+  if (b.global % dp != 0) {
+    int64_t lower = b.global / dp * dp, upper = lower + dp;
+    c.error("batch.global", "global batch " + std::to_string(b.global) + " does not split evenly over data_parallel = " + dp_text + " ranks",
+            "use a multiple of " + std::to_string(dp) + ": " + (lower > 0 ? std::to_string(lower) + " or " : "") + std::to_string(upper));
+    return;
+  }
+  if (b.micro) {
+    int64_t per_rank = b.global / dp;
+    if (*b.micro > per_rank)
+      c.error("batch.micro", "micro batch " + std::to_string(*b.micro) + " exceeds the per-rank batch global/data_parallel = " + std::to_string(per_rank),
+              "use micro <= " + std::to_string(per_rank) + ", or raise batch.global");
+    else if (per_rank % *b.micro != 0)
+      c.error("batch.micro", "global (" + std::to_string(b.global) + ") != micro (" + std::to_string(*b.micro) + ") x accumulation x data_parallel (" +
+                                 dp_text + ") for any whole accumulation",
+              "use a micro batch that divides " + std::to_string(per_rank) + ", such as " + std::to_string(closest_divisor(per_rank, *b.micro)));
+  }
+  if (r.model.arch == ModelArch::DeepSeek && b.seq_len > r.model.max_seq_len)
+    c.error("batch.seq_len", "sequence length " + std::to_string(b.seq_len) + " exceeds model.max_seq_len = " + std::to_string(r.model.max_seq_len),
+            "use seq_len <= " + std::to_string(r.model.max_seq_len) + " or raise model.max_seq_len");
+}
+
+void build_optimizer(Builder& c, Recipe& r) {
+  OptimizerOptions& o = r.optimizer;
+  const std::string& name = c.s("optimizer.name");
+  o.kind = name == "adam" ? OptimizerKind::Adam : name == "sgd" ? OptimizerKind::Sgd : OptimizerKind::AdamW;
+  o.lr = c.f("optimizer.lr");
+  std::vector<double> betas = c.floats("optimizer.betas");
+  if (betas.size() != 2) {
+    c.error("optimizer.betas", "expected 2 values (beta1, beta2), got " + std::to_string(betas.size()), "write betas = [0.9, 0.95]");
+  } else {
+    o.beta1 = betas[0];
+    o.beta2 = betas[1];
+  }
+  o.eps = c.f("optimizer.eps");
+  o.weight_decay = c.f("optimizer.weight_decay");
+  o.momentum = c.f("optimizer.momentum");
+  o.nesterov = c.b("optimizer.nesterov");
+  o.grad_clip = c.f("optimizer.grad_clip");
+  if (o.kind == OptimizerKind::Sgd && o.nesterov && o.momentum == 0)
+    c.error("optimizer.nesterov", "Nesterov momentum needs momentum > 0", "set optimizer.momentum, or nesterov = false");
+}
+
+void build_schedule(Builder& c, Recipe& r) {
+  ScheduleOptions& s = r.schedule;
+  const std::string& name = c.s("schedule.name");
+  static const std::pair<const char*, ScheduleKind> kinds[] = {
+      {"constant", ScheduleKind::Constant}, {"linear", ScheduleKind::Linear}, {"cosine", ScheduleKind::Cosine},
+      {"onecycle", ScheduleKind::OneCycle}, {"multistep", ScheduleKind::MultiStep}, {"wsd", ScheduleKind::Wsd}};
+  for (const auto& [n, k] : kinds)
+    if (name == n) s.kind = k;
+  s.warmup_steps = c.i("schedule.warmup_steps");
+  s.min_lr_ratio = c.f("schedule.min_lr_ratio");
+  s.milestones = c.floats("schedule.milestones");
+  s.factors = c.floats("schedule.factors");
+  s.decay_fraction = c.f("schedule.decay_fraction");
+  s.pct_start = c.f("schedule.pct_start");
+  s.div_factor = c.f("schedule.div_factor");
+  s.final_div_factor = c.f("schedule.final_div_factor");
+
+  int64_t steps = r.run.steps;
+  if (s.kind != ScheduleKind::OneCycle && s.warmup_steps >= steps && s.warmup_steps > 0)
+    c.error("schedule.warmup_steps", "warmup (" + std::to_string(s.warmup_steps) + " steps) is not shorter than the run (" + std::to_string(steps) + ")",
+            "use fewer warmup steps than run.steps");
+  if (s.kind == ScheduleKind::MultiStep) {
+    for (size_t i = 0; i < s.milestones.size(); ++i)
+      if (s.milestones[i] <= 0 || s.milestones[i] >= 1 || (i > 0 && s.milestones[i] <= s.milestones[i - 1])) {
+        c.error("schedule.milestones", "milestones must rise strictly inside (0, 1) (fractions of run.steps)", "write e.g. milestones = [0.8, 0.9]");
+        break;
+      }
+    if (s.factors.size() != s.milestones.size())
+      c.error("schedule.factors", "one factor per milestone: " + std::to_string(s.milestones.size()) + " milestones, " +
+                                      std::to_string(s.factors.size()) + " factors",
+              "give as many factors as milestones");
+    if (s.milestones.empty()) c.error("schedule.milestones", "multistep needs at least one milestone", "write milestones = [0.8, 0.9]");
+    for (double f : s.factors)
+      if (f <= 0) c.error("schedule.factors", "a factor of 0 stops learning", "use factors > 0");
+    if (!s.milestones.empty() && s.milestones.front() * steps <= s.warmup_steps)
+      c.error("schedule.milestones", "the first milestone falls inside the warmup", "move the milestone later or shorten the warmup");
+  }
+  if (s.kind == ScheduleKind::Wsd && s.warmup_steps + s.decay_fraction * steps > steps)
+    c.error("schedule.decay_fraction", "warmup plus decay is longer than the run", "shorten the warmup or lower decay_fraction");
+}
+
+void build_data(Builder& c, Recipe& r, const std::string& recipe_dir) {
+  DataOptions& d = r.data;
+  const std::string& kind = c.s("data.kind");
+  d.kind = kind == "text" ? DataKind::Text : kind == "tokens" ? DataKind::Tokens : kind == "cifar10" ? DataKind::Cifar10 : DataKind::Synthetic;
+  d.path = resolve_path(c.s("data.path"), c.at("data.path").source.layer == Layer::Base
+                                              ? parent_directory(c.at("data.path").source.file)
+                                              : recipe_dir);
+  d.tokenizer = c.s("data.tokenizer");
+  d.val_fraction = c.f("data.val_fraction");
+  d.shuffle = c.b("data.shuffle");
+  if (d.kind != DataKind::Synthetic) {
+    if (d.path.empty())
+      c.error("data.path", "data.kind = \"" + kind + "\" needs a path", "set data.path to a file or directory");
+    else if (!file_exists(d.path))
+      c.warning("data.path", "\"" + d.path + "\" does not exist on this machine; a run here would fail", "check the path");
+  }
+  bool images = r.model.arch == ModelArch::ResNet;
+  if (images && (d.kind == DataKind::Text || d.kind == DataKind::Tokens))
+    c.error("data.kind", "a ResNet trains on images, not " + kind, "use data.kind = \"cifar10\" or \"synthetic\"");
+  if (!images && d.kind == DataKind::Cifar10)
+    c.error("data.kind", "CIFAR-10 images need model.arch = \"resnet\"", "use text, tokens or synthetic data for a decoder");
+  if (images && d.kind == DataKind::Cifar10) {
+    const ResNetSpec& rn = r.model.resnet;
+    if (rn.image_size != 32 || rn.channels != 3 || rn.classes != 10)
+      c.error("model.resnet.classes", "CIFAR-10 is 32x32 RGB in 10 classes", "set image_size = 32, channels = 3, classes = 10");
+  }
+  if (!images && d.kind == DataKind::Text && r.model.vocab < 256)
+    c.error("model.vocab", "byte-level text needs a vocabulary of at least 256", "set model.vocab = 256");
+}
+
+void build_rest(Builder& c, Recipe& r, const std::string& recipe_dir) {
+  r.eval.every = c.i("eval.every");
+  r.eval.batches = c.i("eval.batches");
+  if (r.eval.every > 0 && r.data.val_fraction <= 0)
+    c.error("eval.every", "evaluation needs a validation split", "set data.val_fraction > 0, or eval.every = 0");
+
+  r.checkpoint.every = c.i("checkpoint.every");
+  r.checkpoint.keep_last = c.i("checkpoint.keep_last");
+  r.checkpoint.keep_every = c.i("checkpoint.keep_every");
+  r.checkpoint.dir = resolve_path(c.s("checkpoint.dir"), recipe_dir);
+  r.checkpoint.at_end = c.b("checkpoint.at_end");
+
+  r.logging.every = c.i("logging.every");
+  r.logging.level = c.s("logging.level");
+  r.logging.tensorboard = c.b("logging.tensorboard");
+  r.logging.progress = c.b("logging.progress");
+
+  HookOptions& h = r.hooks;
+  const Setting& script = c.at("hooks.script");
+  h.script = resolve_path(script.value.s, script.source.layer == Layer::Base ? parent_directory(script.source.file) : recipe_dir);
+  h.on_error = c.s("hooks.on_error") == "disable" ? HookErrorPolicy::Disable : HookErrorPolicy::Fail;
+  h.instruction_limit = c.i("hooks.instruction_limit");
+  h.memory_limit_bytes = c.f("hooks.memory_limit_mb") * 1e6;
+  for (const auto& [key, setting] : c.config)
+    if (starts_with(key, "hooks.options.")) h.options[key.substr(14)] = setting.value.toml();
+  if (!h.script.empty() && !file_exists(h.script))
+    c.error("hooks.script", "hook script \"" + h.script + "\" not found", "check the path (relative to the recipe)");
+}
+
+// Keys that only mean something under another key's value: written anyway, they are a warning,
+// so that nothing the user wrote is ignored silently.
+struct Applicability {
+  const char* prefix;
+  std::function<bool(const Recipe&)> applies;
+  const char* when;
+};
+
+void warn_inapplicable(Builder& c, const Recipe& r) {
+  static const std::vector<Applicability> rules = {
+      {"optimizer.momentum", [](const Recipe& x) { return x.optimizer.kind == OptimizerKind::Sgd; }, "optimizer.name = \"sgd\""},
+      {"optimizer.nesterov", [](const Recipe& x) { return x.optimizer.kind == OptimizerKind::Sgd; }, "optimizer.name = \"sgd\""},
+      {"optimizer.betas", [](const Recipe& x) { return x.optimizer.kind != OptimizerKind::Sgd; }, "optimizer.name is adam or adamw"},
+      {"optimizer.eps", [](const Recipe& x) { return x.optimizer.kind != OptimizerKind::Sgd; }, "optimizer.name is adam or adamw"},
+      {"precision.loss_scale.", [](const Recipe& x) { return x.precision.dtype == DType::Fp16; }, "precision.dtype = \"fp16\""},
+      {"schedule.min_lr_ratio", [](const Recipe& x) { auto k = x.schedule.kind; return k == ScheduleKind::Linear || k == ScheduleKind::Cosine || k == ScheduleKind::Wsd; }, "schedule.name is linear, cosine or wsd"},
+      {"schedule.milestones", [](const Recipe& x) { return x.schedule.kind == ScheduleKind::MultiStep; }, "schedule.name = \"multistep\""},
+      {"schedule.factors", [](const Recipe& x) { return x.schedule.kind == ScheduleKind::MultiStep; }, "schedule.name = \"multistep\""},
+      {"schedule.decay_fraction", [](const Recipe& x) { return x.schedule.kind == ScheduleKind::Wsd; }, "schedule.name = \"wsd\""},
+      {"schedule.pct_start", [](const Recipe& x) { return x.schedule.kind == ScheduleKind::OneCycle; }, "schedule.name = \"onecycle\""},
+      {"schedule.div_factor", [](const Recipe& x) { return x.schedule.kind == ScheduleKind::OneCycle; }, "schedule.name = \"onecycle\""},
+      {"schedule.final_div_factor", [](const Recipe& x) { return x.schedule.kind == ScheduleKind::OneCycle; }, "schedule.name = \"onecycle\""},
+      {"schedule.warmup_steps", [](const Recipe& x) { return x.schedule.kind != ScheduleKind::OneCycle; }, "the schedule is not onecycle (which warms up by pct_start)"},
+      {"model.moe.shared_experts", [](const Recipe& x) { return x.model.moe.enabled(); }, "model.moe.routed_experts > 0"},
+      {"model.moe.top_k", [](const Recipe& x) { return x.model.moe.enabled(); }, "model.moe.routed_experts > 0"},
+      {"model.moe.intermediate", [](const Recipe& x) { return x.model.moe.enabled(); }, "model.moe.routed_experts > 0"},
+      {"model.moe.first_dense_layers", [](const Recipe& x) { return x.model.moe.enabled(); }, "model.moe.routed_experts > 0"},
+      {"model.moe.aux_loss_weight", [](const Recipe& x) { return x.model.moe.enabled(); }, "model.moe.routed_experts > 0"},
+      {"model.resnet.", [](const Recipe& x) { return x.model.arch == ModelArch::ResNet; }, "model.arch = \"resnet\""},
+      {"batch.seq_len", [](const Recipe& x) { return x.model.arch == ModelArch::DeepSeek; }, "model.arch = \"deepseek\""},
+      {"data.tokenizer", [](const Recipe& x) { return x.data.kind == DataKind::Text; }, "data.kind = \"text\""},
+      {"data.path", [](const Recipe& x) { return x.data.kind != DataKind::Synthetic; }, "data.kind is not synthetic"},
+  };
+  static const char* decoder_keys[] = {"model.hidden", "model.layers", "model.heads", "model.kv_heads", "model.intermediate",
+                                       "model.vocab", "model.max_seq_len", "model.tie_embeddings", "model.rope_theta", "model.moe.routed_experts"};
+  for (const auto& [key, setting] : c.config) {
+    // A default value does nothing either way; a resolved config read back stays quiet.
+    if (!c.written(key) || starts_with(key, "hooks.options.") || setting.value.toml() == default_value(key).toml()) continue;
+    for (const auto& rule : rules)
+      if (starts_with(key, rule.prefix) && !rule.applies(r))
+        c.warning(key, "has no effect unless " + std::string(rule.when), "remove the key, or change the setting it depends on");
+    if (r.model.arch == ModelArch::ResNet)
+      for (const char* k : decoder_keys)
+        if (key == k) c.warning(key, "has no effect for model.arch = \"resnet\"", "remove the key");
+  }
+}
+
+}  // namespace
+
+Recipe build_recipe(const Config& config, const HostFacts& host, const std::string& recipe_dir,
+                    std::vector<Diagnostic>& diagnostics) {
+  Builder c{config, diagnostics};
+  Recipe r;
+  build_run(c, r);
+  build_hardware(c, r, host);
+  build_model(c, r);
+  build_parallel(c, r);
+  build_precision(c, r);
+  build_batch(c, r);
+  build_optimizer(c, r);
+  build_schedule(c, r);
+  build_data(c, r, recipe_dir);
+  build_rest(c, r, recipe_dir);
+  warn_inapplicable(c, r);
+  return r;
+}
+
+const char* to_string(Device d) { return d == Device::Cuda ? "cuda" : "cpu"; }
+const char* to_string(ModelArch a) { return a == ModelArch::ResNet ? "resnet" : "deepseek"; }
+const char* to_string(Offload o) {
+  return o == Offload::Optimizer ? "optimizer" : o == Offload::OptimizerAndParams ? "optimizer+params" : "none";
+}
+const char* to_string(Checkpointing c) { return c == Checkpointing::Full ? "full" : c == Checkpointing::Auto ? "auto" : "none"; }
+const char* to_string(DType d) { return d == DType::Bf16 ? "bf16" : d == DType::Fp16 ? "fp16" : "fp32"; }
+const char* to_string(OptimizerKind k) { return k == OptimizerKind::Adam ? "adam" : k == OptimizerKind::Sgd ? "sgd" : "adamw"; }
+const char* to_string(ScheduleKind k) {
+  switch (k) {
+    case ScheduleKind::Constant: return "constant";
+    case ScheduleKind::Linear: return "linear";
+    case ScheduleKind::Cosine: return "cosine";
+    case ScheduleKind::OneCycle: return "onecycle";
+    case ScheduleKind::MultiStep: return "multistep";
+    case ScheduleKind::Wsd: return "wsd";
+  }
+  return "?";
+}
+const char* to_string(DataKind k) {
+  return k == DataKind::Text ? "text" : k == DataKind::Tokens ? "tokens" : k == DataKind::Cifar10 ? "cifar10" : "synthetic";
+}
+int bytes_per_element(DType d) { return d == DType::Fp32 ? 4 : 2; }
+
+}  // namespace dsrun

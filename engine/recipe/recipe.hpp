@@ -1,0 +1,216 @@
+// The validated recipe: plain structs with every default filled in and every unit converted
+// (bytes, FLOP/s). Built only by the loader after validation; downstream code asserts, never re-checks.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace dsrun {
+
+struct RunOptions {
+  std::string name;
+  std::string description;
+  std::vector<std::string> tags;
+  uint64_t seed = 1234;
+  int64_t steps = 100;
+  int max_restarts = 0;
+  double step_timeout_s = 600;
+  double startup_timeout_s = 900;
+};
+
+enum class Device { Cpu, Cuda };
+
+struct HardwareSpec {
+  std::string name;
+  Device device = Device::Cpu;
+  int nodes = 1;
+  int devices_per_node = 1;
+  double memory_bytes = 0;        // per device; for cpu, the node's memory shared by its ranks
+  double host_memory_bytes = 0;   // per node
+  double peak_flops_fp32 = 0;     // per device, FLOP/s
+  double peak_flops_bf16 = 0;     // 0: unsupported
+  double peak_flops_fp16 = 0;
+  double memory_bandwidth = 0;    // bytes/s
+  std::string link;               // shm | pcie | nvlink | ethernet | infiniband
+  double link_bandwidth = 0;      // bytes/s per device per direction
+  bool p2p = true;
+  double inter_node_bandwidth = 0;
+  double host_link_bandwidth = 0;
+  double host_memory_bandwidth = 0;
+  double matmul_efficiency = 0.5;
+  double comm_efficiency = 0.8;
+  double runtime_memory_bytes = 0;
+  double fragmentation = 0.05;
+
+  int total_devices() const { return nodes * devices_per_node; }
+  bool ranks_share_memory() const { return device == Device::Cpu; }
+};
+
+enum class ModelArch { DeepSeek, ResNet };
+
+struct MoeSpec {
+  int routed_experts = 0;  // 0: dense
+  int shared_experts = 0;
+  int top_k = 0;
+  int64_t intermediate = 0;
+  int first_dense_layers = 1;
+  double aux_loss_weight = 0.001;
+  bool enabled() const { return routed_experts > 0; }
+};
+
+struct ResNetSpec {
+  int depth = 50;
+  int classes = 10;
+  int image_size = 32;
+  int channels = 3;
+  int width = 64;
+};
+
+struct ModelSpec {
+  std::string name;
+  ModelArch arch = ModelArch::DeepSeek;
+  int64_t hidden = 128;
+  int layers = 4;
+  int heads = 4;
+  int kv_heads = 4;
+  int64_t intermediate = 344;
+  int64_t vocab = 256;
+  int64_t max_seq_len = 4096;
+  bool tie_embeddings = false;
+  double rope_theta = 10000;
+  double norm_eps = 1e-6;
+  double init_std = 0.02;
+  MoeSpec moe;
+  ResNetSpec resnet;
+  int64_t head_dim() const { return hidden / heads; }
+};
+
+enum class Offload { None, Optimizer, OptimizerAndParams };
+enum class Checkpointing { None, Full, Auto };
+
+struct ParallelOptions {
+  std::optional<int> data_parallel;  // nullopt: auto
+  std::optional<int> zero_stage;     // nullopt: auto
+  Offload offload = Offload::None;
+  Checkpointing activation_checkpointing = Checkpointing::None;
+  double bucket_bytes = 25e6;
+};
+
+enum class DType { Fp32, Bf16, Fp16 };
+
+struct LossScaleOptions {
+  int initial_power = 16;
+  int64_t window = 1000;
+  int hysteresis = 2;
+  double min_scale = 1;
+};
+
+struct PrecisionOptions {
+  DType dtype = DType::Fp32;
+  LossScaleOptions loss_scale;
+};
+
+struct BatchOptions {
+  int64_t global = 8;
+  std::optional<int64_t> micro;  // nullopt: auto
+  int64_t seq_len = 128;
+};
+
+enum class OptimizerKind { AdamW, Adam, Sgd };
+
+struct OptimizerOptions {
+  OptimizerKind kind = OptimizerKind::AdamW;
+  double lr = 3e-4;
+  double beta1 = 0.9, beta2 = 0.95;
+  double eps = 1e-8;
+  double weight_decay = 0.1;
+  double momentum = 0.9;
+  bool nesterov = false;
+  double grad_clip = 1.0;  // 0: off
+};
+
+enum class ScheduleKind { Constant, Linear, Cosine, OneCycle, MultiStep, Wsd };
+
+struct ScheduleOptions {
+  ScheduleKind kind = ScheduleKind::Cosine;
+  int64_t warmup_steps = 0;
+  double min_lr_ratio = 0.1;
+  std::vector<double> milestones{0.8, 0.9};
+  std::vector<double> factors{0.316, 0.1};
+  double decay_fraction = 0.1;
+  double pct_start = 0.25;
+  double div_factor = 25;
+  double final_div_factor = 1e4;
+};
+
+enum class DataKind { Synthetic, Text, Tokens, Cifar10 };
+
+struct DataOptions {
+  DataKind kind = DataKind::Synthetic;
+  std::string path;  // resolved against the recipe's directory
+  std::string tokenizer = "bytes";
+  double val_fraction = 0.05;
+  bool shuffle = true;
+};
+
+struct EvalOptions {
+  int64_t every = 0;
+  int64_t batches = 4;
+};
+
+struct CheckpointOptions {
+  int64_t every = 0;
+  int64_t keep_last = 3;
+  int64_t keep_every = 0;
+  std::string dir;
+  bool at_end = true;
+};
+
+struct LoggingOptions {
+  int64_t every = 1;
+  std::string level = "info";
+  bool tensorboard = true;
+  bool progress = true;
+};
+
+enum class HookErrorPolicy { Fail, Disable };
+
+struct HookOptions {
+  std::string script;  // resolved against the recipe's directory; empty: no hooks
+  HookErrorPolicy on_error = HookErrorPolicy::Fail;
+  int64_t instruction_limit = 10000000;
+  double memory_limit_bytes = 64e6;
+  std::map<std::string, std::string> options;  // key -> value as TOML text
+};
+
+struct Recipe {
+  std::string path;  // the recipe file ("" for text given directly)
+  RunOptions run;
+  HardwareSpec hardware;
+  ModelSpec model;
+  ParallelOptions parallel;
+  PrecisionOptions precision;
+  BatchOptions batch;
+  OptimizerOptions optimizer;
+  ScheduleOptions schedule;
+  DataOptions data;
+  EvalOptions eval;
+  CheckpointOptions checkpoint;
+  LoggingOptions logging;
+  HookOptions hooks;
+};
+
+const char* to_string(Device d);
+const char* to_string(ModelArch a);
+const char* to_string(Offload o);
+const char* to_string(Checkpointing c);
+const char* to_string(DType d);
+const char* to_string(OptimizerKind k);
+const char* to_string(ScheduleKind k);
+const char* to_string(DataKind k);
+int bytes_per_element(DType d);
+
+}  // namespace dsrun

@@ -1,0 +1,302 @@
+#include "engine/recipe/schema.hpp"
+
+#include "engine/common/text.hpp"
+
+#include <cmath>
+
+namespace dsrun {
+
+namespace {
+
+constexpr double kBig = 1e15;  // "absurd number" ceiling for counts that have no natural bound
+
+KeySpec key(std::string k, ValueType t, std::string def, std::string doc) {
+  KeySpec s;
+  s.key = std::move(k);
+  s.type = t;
+  s.default_toml = std::move(def);
+  s.doc = std::move(doc);
+  return s;
+}
+KeySpec ranged(std::string k, ValueType t, std::string def, double lo, double hi, std::string doc) {
+  KeySpec s = key(std::move(k), t, std::move(def), std::move(doc));
+  s.min = lo;
+  s.max = hi;
+  return s;
+}
+KeySpec choice(std::string k, std::string def, std::vector<std::string> choices, std::string doc) {
+  KeySpec s = key(std::move(k), ValueType::Choice, "\"" + def + "\"", std::move(doc));
+  s.choices = std::move(choices);
+  return s;
+}
+
+using T = ValueType;
+
+std::vector<KeySpec> build_schema() {
+  return {
+      // ---- run
+      key("run.name", T::String, "\"\"", "Name shown in `dsrun history`. Empty: the recipe's file name."),
+      key("run.description", T::String, "\"\"", "Free text kept with the run."),
+      key("run.tags", T::StringList, "[]", "Labels to filter runs by."),
+      ranged("run.seed", T::Int, "1234", 0, 9.2e18, "Seed for initialisation, data order and dropout. Same seed, same run."),
+      ranged("run.steps", T::Int, "100", 1, 1e12, "Optimizer steps to train."),
+      ranged("run.max_restarts", T::Int, "0", 0, 1000, "Restarts from the latest checkpoint when a rank dies."),
+      ranged("run.step_timeout_s", T::Float, "600", 1, 1e7, "A step slower than this is reported as a hang, naming the rank."),
+      ranged("run.startup_timeout_s", T::Float, "900", 1, 1e7, "Time allowed from launch to the first step (rendezvous, model build)."),
+
+      // ---- hardware
+      key("hardware.name", T::String, "\"cpu\"", "Label of the hardware profile."),
+      choice("hardware.device", "cpu", {"cpu", "cuda"}, "Where ranks compute: CPU cores (Gloo) or NVIDIA GPUs (NCCL)."),
+      ranged("hardware.nodes", T::Int, "1", 1, 100000, "Machines in the job."),
+      ranged("hardware.devices_per_node", T::IntOrAuto, "\"auto\"", 1, 4096,
+             "GPUs per node (cuda) or CPU ranks per node (cpu). `auto`: usable cores (cpu) or visible GPUs (cuda)."),
+      ranged("hardware.memory_gib", T::FloatOrAuto, "\"auto\"", 0.001, 1e7,
+             "Memory per device in GiB (2^30 bytes, as nvidia-smi counts). `auto` (cpu only): host memory, shared by the node's ranks."),
+      ranged("hardware.host_memory_gib", T::FloatOrAuto, "\"auto\"", 0.001, 1e8,
+             "Host (CPU) memory per node in GiB, for offload. `auto`: this machine's memory."),
+      ranged("hardware.peak_tflops_fp32", T::Float, "0.03", 1e-6, 1e7, "Dense fp32 peak per device in TFLOP/s (TF32 where the GPU uses it for fp32 matmuls)."),
+      ranged("hardware.peak_tflops_bf16", T::Float, "0", 0, 1e7, "Dense bf16 peak per device in TFLOP/s; 0: bf16 unsupported."),
+      ranged("hardware.peak_tflops_fp16", T::Float, "0", 0, 1e7, "Dense fp16 peak per device in TFLOP/s; 0: fp16 unsupported."),
+      ranged("hardware.memory_bandwidth_gbs", T::Float, "20", 1e-3, 1e7, "Device memory bandwidth in GB/s."),
+      choice("hardware.link", "shm", {"shm", "pcie", "nvlink", "ethernet", "infiniband"},
+             "How devices in a node talk: shared memory (cpu), PCIe, NVLink."),
+      ranged("hardware.link_bandwidth_gbs", T::Float, "5", 1e-3, 1e7, "Per-device, per-direction bandwidth of `link` in GB/s."),
+      key("hardware.p2p", T::Bool, "true", "Whether GPUs reach each other directly. false: traffic bounces through host memory (consumer GPUs on PCIe)."),
+      ranged("hardware.inter_node_bandwidth_gbs", T::Float, "0", 0, 1e7, "Per-node network bandwidth in GB/s; required when nodes > 1."),
+      ranged("hardware.host_link_bandwidth_gbs", T::Float, "25", 1e-3, 1e7, "Device-to-host bandwidth in GB/s (PCIe), used by offload."),
+      ranged("hardware.host_memory_bandwidth_gbs", T::Float, "50", 1e-3, 1e7, "Host memory bandwidth in GB/s; an offloaded optimizer step is bound by it."),
+      ranged("hardware.matmul_efficiency", T::Float, "0.5", 0.001, 1,
+             "Fraction of peak FLOP/s that training reaches; calibrated by bench/ (docs/benchmarks.md)."),
+      ranged("hardware.comm_efficiency", T::Float, "0.8", 0.001, 1, "Fraction of link bandwidth that collectives reach."),
+      ranged("hardware.runtime_memory_gib", T::Float, "0.3", 0, 1e6, "Memory per rank in GiB taken before training starts (CUDA context, NCCL, libraries)."),
+      ranged("hardware.fragmentation", T::Float, "0.05", 0, 0.9, "Allocator slack: fraction of the allocated bytes lost to fragmentation and caching."),
+
+      // ---- model
+      key("model.name", T::String, "\"\"", "Label of the model, shown in history."),
+      choice("model.arch", "deepseek", {"deepseek", "resnet"}, "Decoder-only DeepSeek/Llama-style transformer, or ResNet for images."),
+      ranged("model.hidden", T::Int, "128", 8, 1048576, "Hidden size (d_model)."),
+      ranged("model.layers", T::Int, "4", 1, 10000, "Transformer blocks."),
+      ranged("model.heads", T::Int, "4", 1, 65536, "Attention heads; must divide hidden."),
+      ranged("model.kv_heads", T::IntOrAuto, "\"auto\"", 1, 65536, "Key/value heads (grouped-query attention); must divide heads. `auto`: equal to heads (multi-head)."),
+      ranged("model.intermediate", T::Int, "344", 1, 16777216, "SwiGLU inner size of the dense MLP."),
+      ranged("model.vocab", T::Int, "256", 2, 16777216, "Vocabulary size (256 for byte-level text)."),
+      ranged("model.max_seq_len", T::Int, "4096", 1, 16777216, "Longest sequence the model is built for."),
+      key("model.tie_embeddings", T::Bool, "false", "Share the input embedding with the output projection."),
+      ranged("model.rope_theta", T::Float, "10000", 1, 1e12, "Rotary embedding base."),
+      ranged("model.norm_eps", T::Float, "1e-6", 1e-12, 0.1, "RMSNorm epsilon."),
+      ranged("model.init_std", T::Float, "0.02", 1e-6, 10, "Standard deviation of the normal weight initialisation."),
+      ranged("model.moe.routed_experts", T::Int, "0", 0, 65536, "Routed experts per MoE layer; 0: dense model."),
+      ranged("model.moe.shared_experts", T::Int, "0", 0, 1024, "Always-active shared experts per MoE layer."),
+      ranged("model.moe.top_k", T::Int, "0", 0, 1024, "Routed experts chosen per token."),
+      ranged("model.moe.intermediate", T::Int, "0", 0, 16777216, "SwiGLU inner size of each expert."),
+      ranged("model.moe.first_dense_layers", T::Int, "1", 0, 10000, "Leading layers that keep a dense MLP (DeepSeek-MoE: 1)."),
+      ranged("model.moe.aux_loss_weight", T::Float, "0.001", 0, 10, "Weight of the expert load-balance loss."),
+      ranged("model.resnet.depth", T::Int, "50", 18, 152, "ResNet depth: 18, 34, 50, 101 or 152."),
+      ranged("model.resnet.classes", T::Int, "10", 2, 1000000, "Output classes."),
+      ranged("model.resnet.image_size", T::Int, "32", 8, 8192, "Square input side in pixels (32 for CIFAR-10)."),
+      ranged("model.resnet.channels", T::Int, "3", 1, 64, "Input channels."),
+      ranged("model.resnet.width", T::Int, "64", 8, 4096, "Channels of the first stage."),
+
+      // ---- parallel
+      ranged("parallel.data_parallel", T::IntOrAuto, "\"auto\"", 1, 1e7, "Data-parallel ranks. `auto`: every device of every node."),
+      ranged("parallel.zero_stage", T::IntOrAuto, "\"auto\"", 0, 3,
+             "ZeRO stage: 0 replicate all, 1 shard optimizer states, 2 also gradients, 3 also parameters. `auto`: the lowest that fits."),
+      choice("parallel.offload", "none", {"none", "optimizer", "optimizer+params"},
+             "Keep optimizer states (and with ZeRO-3 parameters) in host memory."),
+      choice("parallel.activation_checkpointing", "none", {"none", "full", "auto"},
+             "Recompute each block's activations in backward. `auto`: only when activations would not fit."),
+      ranged("parallel.bucket_mb", T::Float, "25", 0.001, 1e6, "Gradient bucket size in MB for all-reduce / reduce-scatter."),
+
+      // ---- precision
+      choice("precision.dtype", "fp32", {"fp32", "bf16", "fp16"},
+             "Compute dtype. bf16/fp16 keep fp32 master weights and optimizer states; fp16 adds dynamic loss scaling."),
+      ranged("precision.loss_scale.initial_power", T::Int, "16", 0, 64, "fp16: the loss scale starts at 2^this."),
+      ranged("precision.loss_scale.window", T::Int, "1000", 1, 1e9, "fp16: steps without overflow before the scale doubles."),
+      ranged("precision.loss_scale.hysteresis", T::Int, "2", 1, 1000, "fp16: overflows tolerated before the scale halves."),
+      ranged("precision.loss_scale.min_scale", T::Float, "1", 1e-30, 1e30, "fp16: the scale never drops below this; reaching it is an error."),
+
+      // ---- batch
+      ranged("batch.global", T::Int, "8", 1, 1e12, "Sequences (or images) per optimizer step, over all ranks."),
+      ranged("batch.micro", T::IntOrAuto, "\"auto\"", 1, 1e12,
+             "Sequences per rank per forward/backward. `auto`: the largest that fits. Accumulation = global / (micro × data_parallel)."),
+      ranged("batch.seq_len", T::Int, "128", 1, 16777216, "Tokens per sequence (decoders)."),
+
+      // ---- optimizer
+      choice("optimizer.name", "adamw", {"adamw", "adam", "sgd"}, "AdamW (decoupled weight decay), Adam (L2 in the gradient), or SGD with momentum."),
+      ranged("optimizer.lr", T::Float, "3e-4", 1e-12, 100, "Peak learning rate."),
+      ranged("optimizer.betas", T::FloatList, "[0.9, 0.95]", 0, 0.999999, "Adam/AdamW beta1, beta2."),
+      ranged("optimizer.eps", T::Float, "1e-8", 1e-30, 1, "Adam/AdamW epsilon."),
+      ranged("optimizer.weight_decay", T::Float, "0.1", 0, 10, "Weight decay (decoupled for adamw)."),
+      ranged("optimizer.momentum", T::Float, "0.9", 0, 0.999999, "SGD momentum."),
+      key("optimizer.nesterov", T::Bool, "false", "SGD: Nesterov momentum."),
+      ranged("optimizer.grad_clip", T::Float, "1.0", 0, 1e9, "Clip the global gradient norm (over all shards) to this; 0: no clipping."),
+
+      // ---- schedule
+      choice("schedule.name", "cosine", {"constant", "linear", "cosine", "onecycle", "multistep", "wsd"},
+             "Learning-rate schedule after warmup. multistep is DeepSeek LLM's; wsd is warmup-stable-decay."),
+      ranged("schedule.warmup_steps", T::Int, "0", 0, 1e12, "Linear warmup from 0 to optimizer.lr (not used by onecycle, which has pct_start)."),
+      ranged("schedule.min_lr_ratio", T::Float, "0.1", 0, 1, "linear, cosine, wsd: the final learning rate as a fraction of the peak."),
+      ranged("schedule.milestones", T::FloatList, "[0.8, 0.9]", 0, 1, "multistep: fractions of run.steps where the rate drops."),
+      ranged("schedule.factors", T::FloatList, "[0.316, 0.1]", 0, 1, "multistep: rate after each milestone as a fraction of the peak."),
+      ranged("schedule.decay_fraction", T::Float, "0.1", 0.000001, 1, "wsd: fraction of run.steps spent in the final decay."),
+      ranged("schedule.pct_start", T::Float, "0.25", 0.000001, 0.999999, "onecycle: fraction of steps spent rising to the peak."),
+      ranged("schedule.div_factor", T::Float, "25", 1, 1e9, "onecycle: initial rate = peak / div_factor."),
+      ranged("schedule.final_div_factor", T::Float, "1e4", 1, 1e12, "onecycle: final rate = initial / final_div_factor."),
+
+      // ---- data
+      choice("data.kind", "synthetic", {"synthetic", "text", "tokens", "cifar10"},
+             "synthetic: generated; text: files read as bytes; tokens: pre-tokenized shards; cifar10: CIFAR-10 binary batches."),
+      key("data.path", T::String, "\"\"", "File or directory of the data (text, tokens, cifar10). Relative paths are relative to the recipe."),
+      choice("data.tokenizer", "bytes", {"bytes"}, "text: how text becomes tokens (bytes: one token per byte, vocab 256)."),
+      ranged("data.val_fraction", T::Float, "0.05", 0, 0.5, "Fraction of the data held out for validation."),
+      key("data.shuffle", T::Bool, "true", "Shuffle sample order each epoch (seeded)."),
+
+      // ---- eval
+      ranged("eval.every", T::Int, "0", 0, 1e12, "Evaluate every this many steps; 0: never."),
+      ranged("eval.batches", T::Int, "4", 1, 1e9, "Validation micro-batches per rank per evaluation."),
+
+      // ---- checkpoint
+      ranged("checkpoint.every", T::Int, "0", 0, 1e12, "Save every this many steps; 0: only at the end (if at_end)."),
+      ranged("checkpoint.keep_last", T::Int, "3", 1, 1e6, "Keep the newest this many checkpoints."),
+      ranged("checkpoint.keep_every", T::Int, "0", 0, 1e12, "Also keep every checkpoint whose step is a multiple of this, forever; 0: none."),
+      key("checkpoint.dir", T::String, "\"\"", "Where checkpoints go. Empty: the run's directory."),
+      key("checkpoint.at_end", T::Bool, "true", "Save when the run finishes or is stopped."),
+
+      // ---- logging
+      ranged("logging.every", T::Int, "1", 1, 1e12, "Record metrics every this many steps."),
+      choice("logging.level", "info", {"debug", "info", "warn"}, "Per-rank log level."),
+      key("logging.tensorboard", T::Bool, "true", "Also write TensorBoard event files."),
+      key("logging.progress", T::Bool, "true", "Show a live progress line on the console."),
+
+      // ---- hooks
+      key("hooks.script", T::String, "\"\"", "Lua script with hook functions (docs/hooks.md). Relative to the recipe."),
+      choice("hooks.on_error", "fail", {"fail", "disable"}, "A hook error fails the run, or disables the hook and is recorded."),
+      ranged("hooks.instruction_limit", T::Int, "10000000", 1000, 1e12, "Lua instructions allowed per hook call."),
+      ranged("hooks.memory_limit_mb", T::Float, "64", 0.1, 1e6, "Memory the Lua state may use."),
+  };
+}
+
+}  // namespace
+
+const std::vector<SectionSpec>& recipe_sections() {
+  static const std::vector<SectionSpec> sections = {
+      {"run", "Identity of the run, its seed and length, and supervision limits."},
+      {"hardware", "The machines: devices, memory, peak speed, links. Usually from a template in templates/hardware."},
+      {"model", "The network. Usually from a template in templates/models."},
+      {"parallel", "How the model is spread over ranks: data parallel with ZeRO, offload, activation checkpointing."},
+      {"precision", "Compute dtype and fp16 loss scaling."},
+      {"batch", "Batch sizes. Gradient accumulation is derived, never set."},
+      {"optimizer", "The optimizer, stepping fp32 master weights (sharded under ZeRO >= 1)."},
+      {"schedule", "Learning-rate schedule."},
+      {"data", "Training and validation data."},
+      {"eval", "Validation during training."},
+      {"checkpoint", "Sharded checkpoints."},
+      {"logging", "Metrics and logs."},
+      {"hooks", "Optional Lua hooks. Free-form options for the script go in [hooks.options]."},
+  };
+  return sections;
+}
+
+const std::vector<KeySpec>& recipe_schema() {
+  static const std::vector<KeySpec> schema = build_schema();
+  return schema;
+}
+
+const KeySpec* find_key_spec(const std::string& key) {
+  for (const auto& s : recipe_schema())
+    if (s.key == key) return &s;
+  return nullptr;
+}
+
+bool is_open_table_key(const std::string& key) { return starts_with(key, "hooks.options."); }
+
+const char* derived_key_explanation(const std::string& key) {
+  if (key == "batch.accumulation" || key == "batch.gradient_accumulation" || key == "batch.accumulation_steps")
+    return "gradient accumulation is derived: global / (micro × data_parallel); set batch.global and batch.micro";
+  if (key == "batch.tokens" || key == "batch.tokens_per_step")
+    return "tokens per step are derived: batch.global × batch.seq_len";
+  if (key == "parallel.world_size" || key == "run.world_size")
+    return "the world size is derived from hardware.nodes × hardware.devices_per_node and parallel.data_parallel";
+  return nullptr;
+}
+
+const char* key_for_foreign_name(const std::string& name) {
+  // Names from DeepSpeed configs and Hugging Face model configs that users bring along.
+  static const std::pair<const char*, const char*> aliases[] = {
+      {"learning_rate", "optimizer.lr"},
+      {"train_batch_size", "batch.global"},
+      {"global_batch_size", "batch.global"},
+      {"train_micro_batch_size_per_gpu", "batch.micro"},
+      {"micro_batch_size", "batch.micro"},
+      {"gradient_clipping", "optimizer.grad_clip"},
+      {"max_grad_norm", "optimizer.grad_clip"},
+      {"warmup", "schedule.warmup_steps"},
+      {"warmup_num_steps", "schedule.warmup_steps"},
+      {"lr_scheduler", "schedule.name"},
+      {"num_hidden_layers", "model.layers"},
+      {"num_layers", "model.layers"},
+      {"hidden_size", "model.hidden"},
+      {"num_attention_heads", "model.heads"},
+      {"num_key_value_heads", "model.kv_heads"},
+      {"intermediate_size", "model.intermediate"},
+      {"vocab_size", "model.vocab"},
+      {"max_position_embeddings", "model.max_seq_len"},
+      {"n_routed_experts", "model.moe.routed_experts"},
+      {"n_shared_experts", "model.moe.shared_experts"},
+      {"num_experts_per_tok", "model.moe.top_k"},
+      {"moe_intermediate_size", "model.moe.intermediate"},
+      {"first_k_dense_replace", "model.moe.first_dense_layers"},
+      {"stage", "parallel.zero_stage"},
+      {"offload_optimizer", "parallel.offload"},
+      {"offload_param", "parallel.offload"},
+      {"bf16", "precision.dtype"},
+      {"fp16", "precision.dtype"},
+      {"seed", "run.seed"},
+      {"max_steps", "run.steps"},
+      {"train_iters", "run.steps"},
+  };
+  std::string leaf = name.substr(name.rfind('.') + 1);
+  for (const auto& [foreign, ours] : aliases)
+    if (leaf == foreign) return ours;
+  return nullptr;
+}
+
+std::string value_type_name(ValueType t) {
+  switch (t) {
+    case ValueType::Int: return "integer";
+    case ValueType::Float: return "number";
+    case ValueType::Bool: return "boolean";
+    case ValueType::String: return "string";
+    case ValueType::Choice: return "string";
+    case ValueType::IntOrAuto: return "integer or \"auto\"";
+    case ValueType::FloatOrAuto: return "number or \"auto\"";
+    case ValueType::FloatList: return "array of numbers";
+    case ValueType::StringList: return "array of strings";
+  }
+  return "?";
+}
+
+std::string recipe_reference_markdown() {
+  std::string out =
+      "# Recipe reference\n\n"
+      "Generated from `engine/recipe/schema.cpp` by `dsrun docs recipe`; a test keeps this page equal to it.\n\n"
+      "A recipe is a TOML file. `base = \"NAME\"` or `base = [\"NAME\", ...]` at the top names templates "
+      "(`templates/NAME.toml`, or a path relative to the recipe) merged first, in order. Precedence: "
+      "`--set section.key=value` > recipe > bases (later over earlier) > the defaults below.\n\n"
+      "Every error names file:line:column and key. Unknown keys are errors with the nearest valid key. "
+      "A key that does not apply to the rest of the recipe (say `optimizer.momentum` with AdamW) is a warning.\n";
+  for (const auto& section : recipe_sections()) {
+    out += "\n## [" + section.name + "]\n\n" + section.doc + "\n\n";
+    out += "| key | type | default | range / choices | meaning |\n|---|---|---|---|---|\n";
+    for (const auto& s : recipe_schema()) {
+      if (!starts_with(s.key, section.name + ".")) continue;
+      std::string range;
+      if (!s.choices.empty()) range = join(s.choices, ", ");
+      else if (s.min != 0 || s.max != 0) range = format_double(s.min) + " .. " + format_double(s.max);
+      out += "| `" + s.key + "` | " + value_type_name(s.type) + " | `" + s.default_toml + "` | " + range + " | " + s.doc + " |\n";
+    }
+  }
+  return out;
+}
+
+}  // namespace dsrun

@@ -1,0 +1,101 @@
+// dsrun's entry point: the CLI11 command tree. `dsrun RECIPE` is short for `dsrun run RECIPE`.
+#include "engine/common/error.hpp"
+#include "runner/commands.hpp"
+
+#include <CLI/CLI.hpp>
+#include <spdlog/spdlog.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+const char* const kCommands[] = {"run", "plan", "history", "show", "init", "templates", "docs"};
+
+// `dsrun recipes/x.toml ...` means `dsrun run recipes/x.toml ...`.
+std::vector<std::string> with_default_command(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  size_t first = 0;
+  while (first < args.size() && args[first].size() > 1 && args[first][0] == '-') {
+    if (args[first] == "--db") ++first;  // the only global option that takes a value
+    ++first;
+  }
+  if (first < args.size()) {
+    bool is_command = false;
+    for (const char* c : kCommands) is_command |= args[first] == c;
+    if (!is_command && args[first] != "--help" && args[first] != "-h") args.insert(args.begin() + static_cast<long>(first), "run");
+  }
+  return args;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  spdlog::set_pattern("dsrun: %^%l%$: %v");
+  CLI::App app{"dsrun: declarative experiment runner for distributed training"};
+  app.require_subcommand(1);
+  std::string db = dsrun::default_store_path();
+  app.add_option("--db", db, "Run store (SQLite file); default $DSRUN_DB or runs/dsrun.db");
+
+  dsrun::RecipeArgs recipe_args;
+  auto add_recipe_args = [&](CLI::App* cmd) {
+    cmd->add_option("recipe", recipe_args.path, "Recipe TOML file")->required();
+    cmd->add_option("--set", recipe_args.sets, "Override a key: --set section.key=value (repeatable)");
+  };
+  CLI::App* run = app.add_subcommand("run", "Plan, record and run a recipe (also: dsrun RECIPE)");
+  add_recipe_args(run);
+  bool json = false;
+  CLI::App* plan = app.add_subcommand("plan", "Print the resolved plan; exit 2 if it does not fit");
+  add_recipe_args(plan);
+  plan->add_flag("--json", json, "JSON instead of the table");
+
+  int limit = 50;
+  std::string status;
+  CLI::App* history = app.add_subcommand("history", "List runs, newest first");
+  history->add_option("--limit", limit, "Most runs to list")->check(CLI::PositiveNumber);
+  history->add_option("--status", status, "Only runs with this status");
+  history->add_flag("--json", json, "JSON instead of the table");
+
+  std::string run_id;
+  CLI::App* show = app.add_subcommand("show", "Show one run whole: recipe, config, plan, metrics, events");
+  show->add_option("run", run_id, "Run id, id prefix or run name")->required();
+  show->add_flag("--json", json, "JSON instead of text");
+
+  std::string name, template_name = "quickstart";
+  bool force = false;
+  CLI::App* init = app.add_subcommand("init", "Write a new recipe from a template");
+  init->add_option("name", name, "New recipe file (.toml added if missing)")->required();
+  init->add_option("--template,-t", template_name, "Recipe template (see dsrun templates)");
+  init->add_flag("--force", force, "Overwrite an existing file");
+
+  CLI::App* templates = app.add_subcommand("templates", "List recipe, hardware and model templates");
+  std::string topic;
+  CLI::App* docs = app.add_subcommand("docs", "Print a generated reference page (recipe)");
+  docs->add_option("topic", topic, "recipe")->required();
+
+  std::vector<std::string> args = with_default_command(argc, argv);
+  std::reverse(args.begin(), args.end());  // CLI11 takes a reversed vector
+  try {
+    app.parse(args);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+
+  try {
+    if (*run) return dsrun::command_run(recipe_args, db);
+    if (*plan) return dsrun::command_plan(recipe_args, json);
+    if (*history) return dsrun::command_history(db, limit, status, json);
+    if (*show) return dsrun::command_show(db, run_id, json);
+    if (*init) return dsrun::command_init(name, template_name, force);
+    if (*templates) return dsrun::command_templates();
+    if (*docs) return dsrun::command_docs(topic);
+  } catch (const dsrun::Error& e) {
+    spdlog::error("{}", e.describe());
+    return dsrun::kExitError;
+  } catch (const std::exception& e) {
+    spdlog::error("{}", e.what());
+    return dsrun::kExitError;
+  }
+  return dsrun::kExitError;
+}

@@ -1,0 +1,91 @@
+#include "runner/terminal.hpp"
+
+#include "engine/common/text.hpp"
+
+#include <ctime>
+
+namespace dsrun {
+
+std::string format_time(double t) {
+  if (t <= 0) return "-";
+  std::time_t secs = static_cast<std::time_t>(t);
+  std::tm tm{};
+  localtime_r(&secs, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M", &tm);
+  return buf;
+}
+
+static std::string duration_of(const RunRecord& r) {
+  if (r.started_at <= 0) return "-";
+  double end = r.ended_at > 0 ? r.ended_at : unix_now();
+  return format_seconds(end - r.started_at);
+}
+
+// The metric a person looks at first: validation loss if there is one, else training loss.
+static std::string key_metric(const Store& store, const std::string& run_id) {
+  auto latest = store.latest_metrics(run_id);
+  for (const char* key : {"val_loss", "loss", "accuracy"}) {
+    auto it = latest.find(key);
+    if (it != latest.end()) return std::string(key) + " " + format_double(it->second.value, 4) + " @" + std::to_string(it->second.step);
+  }
+  return "-";
+}
+
+std::string render_history(const Store& store, const std::vector<RunRecord>& runs) {
+  if (runs.empty()) return "no runs yet in " + store.path() + "\n";
+  TextTable t({"id", "name", "status", "model", "hardware", "zero", "ranks", "key metric", "created", "duration"});
+  for (const auto& r : runs)
+    t.add({r.id, r.name, to_string(r.status), r.model, r.hardware, std::to_string(r.zero_stage), std::to_string(r.world_size),
+           key_metric(store, r.id), format_time(r.created_at), duration_of(r)});
+  return t.render();
+}
+
+std::string render_run(const Store& store, const RunRecord& r) {
+  std::string out;
+  auto field = [&](const std::string& name, const std::string& value) {
+    if (!value.empty()) out += "  " + name + std::string(name.size() < 12 ? 12 - name.size() : 1, ' ') + value + "\n";
+  };
+  out += "run " + r.id + " (" + r.name + ")\n";
+  field("status", std::string(to_string(r.status)) + (r.error.empty() ? "" : ": " + r.error));
+  field("created", format_time(r.created_at));
+  field("started", r.started_at > 0 ? format_time(r.started_at) : "");
+  field("ended", r.ended_at > 0 ? format_time(r.ended_at) : "");
+  field("duration", r.started_at > 0 ? duration_of(r) : "");
+  field("recipe", r.recipe_path);
+  field("model", r.model);
+  field("hardware", r.hardware);
+  field("ranks", std::to_string(r.world_size) + ", ZeRO stage " + std::to_string(r.zero_stage));
+  field("host", r.host);
+  field("git", r.git_revision);
+  if (!r.parent_run.empty()) field("parent", r.parent_run + " at step " + std::to_string(r.parent_step));
+  field("sweep", r.sweep_id);
+
+  auto latest = store.latest_metrics(r.id);
+  if (!latest.empty()) {
+    out += "\nlatest metrics\n";
+    TextTable t({"metric", "value", "step"});
+    for (const auto& [key, m] : latest) t.add({key, format_double(m.value, 6), std::to_string(m.step)});
+    out += t.render("  ");
+  }
+  auto checkpoints = store.checkpoints(r.id);
+  if (!checkpoints.empty()) {
+    out += "\ncheckpoints\n";
+    TextTable t({"step", "bytes", "checksum", "path"});
+    for (const auto& c : checkpoints) t.add({std::to_string(c.step), format_bytes(static_cast<double>(c.bytes)), c.checksum, c.path});
+    out += t.render("  ");
+  }
+  auto events = store.events(r.id);
+  if (!events.empty()) {
+    out += "\nevents\n";
+    for (const auto& e : events)
+      out += "  " + format_time(e.time) + "  " + e.kind + (e.rank >= 0 ? " [rank " + std::to_string(e.rank) + "]" : "") + "  " + e.message + "\n";
+  }
+  out += "\nrecipe as written (" + r.recipe_path + ")\n" + r.recipe_text;
+  if (!r.recipe_text.empty() && r.recipe_text.back() != '\n') out += "\n";
+  out += "\nresolved config\n" + r.config_toml;
+  out += "\n" + r.plan_text;
+  return out;
+}
+
+}  // namespace dsrun

@@ -1,0 +1,16 @@
+// What the CLI prints about stored runs: the history table and the full view of one run.
+// Kept apart from the commands so the formats are easy to find and change.
+#pragma once
+
+#include "storage/store.hpp"
+
+#include <string>
+#include <vector>
+
+namespace dsrun {
+
+std::string format_time(double unix_seconds);  // "2026-11-21 23:40", local time
+std::string render_history(const Store& store, const std::vector<RunRecord>& runs);
+std::string render_run(const Store& store, const RunRecord& run);
+
+}  // namespace dsrun

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs every Debian package dsrun needs and builds it into ./build.
+# Safe to run again: apt skips what is installed, CMake rebuilds only what changed.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+packages=(
+  build-essential cmake ninja-build ccache git pkg-config
+  libtorch-dev libopenblas0-pthread   # LibTorch 1.13 (CPU, c10d, Gloo); OpenBLAS: ~12x faster than reference BLAS
+  libtomlplusplus-dev liblua5.4-dev libsqlite3-dev libspdlog-dev libcli11-dev catch2
+  nlohmann-json3-dev                  # plan --json, stored plans and configs
+  fortunes                            # real English text for the quickstart's training data
+  sqlite3                             # the sqlite3 shell, handy for looking into runs/dsrun.db
+)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+launcher=()
+command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "${launcher[@]}" >/dev/null
+cmake --build build -j "$(nproc)"

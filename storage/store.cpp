@@ -1,0 +1,454 @@
+#include "storage/store.hpp"
+
+#include "engine/common/error.hpp"
+
+#include <sqlite3.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+
+namespace dsrun {
+
+[[noreturn]] static void sqlite_fail(sqlite3* db, int rc, const char* what, const char* file, int line) {
+  ErrorContext c;
+  c.file = file;
+  c.line = line;
+  std::string detail = db ? sqlite3_errmsg(db) : sqlite3_errstr(rc);
+  throw Error(std::string("SQLite error ") + std::to_string(rc) + " (" + detail + ") in " + what, c);
+}
+
+// Every SQLite return code goes through this: anything but OK/ROW/DONE throws with file:line.
+#define SQLITE_CHECK(db, expr)                                                            \
+  do {                                                                                    \
+    int rc_ = (expr);                                                                     \
+    if (rc_ != SQLITE_OK && rc_ != SQLITE_ROW && rc_ != SQLITE_DONE)                      \
+      sqlite_fail((db), rc_, #expr, __FILE__, __LINE__);                                  \
+  } while (0)
+
+void SqliteCloser::operator()(sqlite3* db) const { sqlite3_close_v2(db); }
+
+namespace {
+
+// An owned prepared statement with typed binds and reads.
+class Statement {
+ public:
+  Statement(sqlite3* db, const char* sql) : db_(db) { SQLITE_CHECK(db, sqlite3_prepare_v2(db, sql, -1, &stmt_, nullptr)); }
+  ~Statement() { sqlite3_finalize(stmt_); }
+  Statement(const Statement&) = delete;
+  Statement& operator=(const Statement&) = delete;
+
+  Statement& bind(int i, const std::string& v) {
+    SQLITE_CHECK(db_, sqlite3_bind_text(stmt_, i, v.data(), static_cast<int>(v.size()), SQLITE_TRANSIENT));
+    return *this;
+  }
+  Statement& bind(int i, int64_t v) { SQLITE_CHECK(db_, sqlite3_bind_int64(stmt_, i, v)); return *this; }
+  Statement& bind(int i, int v) { return bind(i, static_cast<int64_t>(v)); }
+  Statement& bind(int i, double v) { SQLITE_CHECK(db_, sqlite3_bind_double(stmt_, i, v)); return *this; }
+  Statement& bind_null(int i) { SQLITE_CHECK(db_, sqlite3_bind_null(stmt_, i)); return *this; }
+  Statement& bind_optional(int i, const std::string& v) { return v.empty() ? bind_null(i) : bind(i, v); }
+
+  // True while rows come; false when done.
+  bool step() {
+    int rc = sqlite3_step(stmt_);
+    if (rc == SQLITE_ROW) return true;
+    if (rc == SQLITE_DONE) return false;
+    sqlite_fail(db_, rc, sqlite3_sql(stmt_), __FILE__, __LINE__);
+  }
+  void run() {
+    step();
+    SQLITE_CHECK(db_, sqlite3_reset(stmt_));
+  }
+  std::string text(int col) const {
+    const unsigned char* t = sqlite3_column_text(stmt_, col);
+    return t ? std::string(reinterpret_cast<const char*>(t), sqlite3_column_bytes(stmt_, col)) : std::string();
+  }
+  int64_t integer(int col) const { return sqlite3_column_int64(stmt_, col); }
+  double real(int col) const { return sqlite3_column_double(stmt_, col); }
+  bool is_null(int col) const { return sqlite3_column_type(stmt_, col) == SQLITE_NULL; }
+
+ private:
+  sqlite3* db_;
+  sqlite3_stmt* stmt_ = nullptr;
+};
+
+void exec(sqlite3* db, const char* sql) { SQLITE_CHECK(db, sqlite3_exec(db, sql, nullptr, nullptr, nullptr)); }
+
+// One transaction; rolled back unless commit() is reached (an exception leaves the store untouched).
+class Transaction {
+ public:
+  explicit Transaction(sqlite3* db) : db_(db) { exec(db_, "BEGIN IMMEDIATE"); }
+  ~Transaction() {
+    if (!done_) sqlite3_exec(db_, "ROLLBACK", nullptr, nullptr, nullptr);  // nothing to report: the error is already in flight
+  }
+  void commit() {
+    exec(db_, "COMMIT");
+    done_ = true;
+  }
+
+ private:
+  sqlite3* db_;
+  bool done_ = false;
+};
+
+// Migrations, in order; migration i brings the schema to version i + 1. Never edit a shipped one.
+const char* const kMigrations[] = {
+    // 1: runs, metrics, checkpoints, events
+    R"sql(
+CREATE TABLE runs(
+  id TEXT PRIMARY KEY,
+  name TEXT NOT NULL,
+  status TEXT NOT NULL,
+  created_at REAL NOT NULL,
+  started_at REAL,
+  ended_at REAL,
+  heartbeat_at REAL,
+  recipe_path TEXT,
+  recipe_text TEXT NOT NULL,
+  config_toml TEXT NOT NULL,
+  plan_json TEXT,
+  plan_text TEXT,
+  model TEXT,
+  hardware TEXT,
+  zero_stage INTEGER,
+  world_size INTEGER,
+  host TEXT,
+  git_revision TEXT,
+  parent_run TEXT REFERENCES runs(id),
+  parent_step INTEGER,
+  sweep_id TEXT,
+  error TEXT
+);
+CREATE INDEX runs_created ON runs(created_at);
+CREATE TABLE metrics(
+  run_id TEXT NOT NULL REFERENCES runs(id),
+  key TEXT NOT NULL,
+  step INTEGER NOT NULL,
+  value REAL NOT NULL,
+  time REAL NOT NULL,
+  PRIMARY KEY(run_id, key, step)
+) WITHOUT ROWID;
+CREATE TABLE checkpoints(
+  run_id TEXT NOT NULL REFERENCES runs(id),
+  step INTEGER NOT NULL,
+  path TEXT NOT NULL,
+  bytes INTEGER NOT NULL,
+  checksum TEXT NOT NULL,
+  created_at REAL NOT NULL,
+  PRIMARY KEY(run_id, step)
+);
+CREATE TABLE events(
+  id INTEGER PRIMARY KEY,
+  run_id TEXT NOT NULL REFERENCES runs(id),
+  time REAL NOT NULL,
+  kind TEXT NOT NULL,
+  rank INTEGER,
+  message TEXT NOT NULL,
+  detail TEXT
+);
+CREATE INDEX events_run ON events(run_id, id);
+)sql",
+    // 2: latest value per metric kept by a trigger (history shows it without scanning metrics),
+    //    soft delete, and a status index.
+    R"sql(
+CREATE TABLE metrics_latest(
+  run_id TEXT NOT NULL,
+  key TEXT NOT NULL,
+  step INTEGER NOT NULL,
+  value REAL NOT NULL,
+  time REAL NOT NULL,
+  PRIMARY KEY(run_id, key)
+) WITHOUT ROWID;
+INSERT INTO metrics_latest(run_id, key, step, value, time)
+  SELECT m.run_id, m.key, m.step, m.value, m.time FROM metrics m
+  WHERE m.step = (SELECT MAX(step) FROM metrics WHERE run_id = m.run_id AND key = m.key);
+CREATE TRIGGER metrics_keep_latest AFTER INSERT ON metrics BEGIN
+  INSERT INTO metrics_latest(run_id, key, step, value, time) VALUES (NEW.run_id, NEW.key, NEW.step, NEW.value, NEW.time)
+  ON CONFLICT(run_id, key) DO UPDATE SET step = excluded.step, value = excluded.value, time = excluded.time
+  WHERE excluded.step >= metrics_latest.step;
+END;
+ALTER TABLE runs ADD COLUMN deleted_at REAL;
+CREATE INDEX runs_status ON runs(status);
+)sql",
+};
+constexpr int kSchemaVersion = sizeof(kMigrations) / sizeof(kMigrations[0]);
+
+int read_user_version(sqlite3* db) {
+  Statement s(db, "PRAGMA user_version");
+  s.step();
+  return static_cast<int>(s.integer(0));
+}
+
+std::string random_id() {
+  unsigned char bytes[4];
+  std::ifstream urandom("/dev/urandom", std::ios::binary);
+  urandom.read(reinterpret_cast<char*>(bytes), sizeof bytes);
+  if (!urandom) fail_at(__FILE__, __LINE__, "cannot read /dev/urandom for a run id");
+  char out[9];
+  std::snprintf(out, sizeof out, "%02x%02x%02x%02x", bytes[0], bytes[1], bytes[2], bytes[3]);
+  return out;
+}
+
+bool transition_allowed(RunStatus from, RunStatus to) {
+  switch (to) {
+    case RunStatus::Running: return from != RunStatus::Running && from != RunStatus::Infeasible;
+    case RunStatus::Infeasible: return from == RunStatus::Planned;
+    case RunStatus::Planned: return false;
+    default: return from == RunStatus::Running || from == RunStatus::Planned;
+  }
+}
+
+const char* kRunColumns =
+    "id, name, status, created_at, started_at, ended_at, recipe_path, recipe_text, config_toml, plan_json, model, hardware, "
+    "zero_stage, world_size, host, git_revision, parent_run, parent_step, sweep_id, error, plan_text";
+
+RunRecord read_run(const Statement& s) {
+  RunRecord r;
+  r.id = s.text(0);
+  r.name = s.text(1);
+  r.status = run_status_from_string(s.text(2));
+  r.created_at = s.real(3);
+  r.started_at = s.real(4);
+  r.ended_at = s.real(5);
+  r.recipe_path = s.text(6);
+  r.recipe_text = s.text(7);
+  r.config_toml = s.text(8);
+  r.plan_json = s.text(9);
+  r.model = s.text(10);
+  r.hardware = s.text(11);
+  r.zero_stage = static_cast<int>(s.integer(12));
+  r.world_size = static_cast<int>(s.integer(13));
+  r.host = s.text(14);
+  r.git_revision = s.text(15);
+  r.parent_run = s.text(16);
+  r.parent_step = s.is_null(17) ? -1 : s.integer(17);
+  r.sweep_id = s.text(18);
+  r.error = s.text(19);
+  r.plan_text = s.text(20);
+  return r;
+}
+
+}  // namespace
+
+double unix_now() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+const char* to_string(RunStatus s) {
+  switch (s) {
+    case RunStatus::Planned: return "planned";
+    case RunStatus::Running: return "running";
+    case RunStatus::Finished: return "finished";
+    case RunStatus::Failed: return "failed";
+    case RunStatus::Killed: return "killed";
+    case RunStatus::Infeasible: return "infeasible";
+    case RunStatus::Pruned: return "pruned";
+  }
+  return "?";
+}
+
+RunStatus run_status_from_string(const std::string& s) {
+  for (RunStatus st : {RunStatus::Planned, RunStatus::Running, RunStatus::Finished, RunStatus::Failed, RunStatus::Killed,
+                       RunStatus::Infeasible, RunStatus::Pruned})
+    if (s == to_string(st)) return st;
+  ErrorContext c;
+  c.hint = "use planned, running, finished, failed, killed, infeasible or pruned";
+  throw Error("unknown run status \"" + s + "\"", c);
+}
+
+void migrate_store(sqlite3* db, int target_version) {
+  int version = read_user_version(db);
+  if (version > kSchemaVersion) {
+    ErrorContext c;
+    c.file = sqlite3_db_filename(db, "main");
+    c.hint = "use a newer dsrun, or point --db at another file";
+    throw Error("the run store has schema version " + std::to_string(version) + ", newer than this dsrun's " + std::to_string(kSchemaVersion), c);
+  }
+  for (int v = version; v < target_version; ++v) {
+    // Each migration and its version bump commit together: a kill leaves the old or the new schema.
+    Transaction t(db);
+    exec(db, kMigrations[v]);
+    exec(db, ("PRAGMA user_version = " + std::to_string(v + 1)).c_str());
+    t.commit();
+  }
+}
+
+Store::Store(const std::string& path) : path_(path) {
+  sqlite3* raw = nullptr;
+  int rc = sqlite3_open_v2(path.c_str(), &raw, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_FULLMUTEX, nullptr);
+  db_.reset(raw);  // owned even when opening failed, so the handle is closed
+  if (rc != SQLITE_OK) {
+    ErrorContext c;
+    c.file = path;
+    c.hint = "check that the directory exists and is writable, or pass --db";
+    throw Error(std::string("cannot open the run store: ") + (raw ? sqlite3_errmsg(raw) : sqlite3_errstr(rc)), c);
+  }
+  // Readers never block the writer; a writer waits up to 10 s for another instead of failing.
+  SQLITE_CHECK(raw, sqlite3_busy_timeout(raw, 10000));
+  exec(raw, "PRAGMA journal_mode = WAL");
+  exec(raw, "PRAGMA synchronous = NORMAL");  // with WAL: durable at checkpoints, never corrupt
+  exec(raw, "PRAGMA foreign_keys = ON");
+  migrate_store(raw, kSchemaVersion);
+}
+
+int Store::current_schema_version() { return kSchemaVersion; }
+int Store::schema_version() const { return read_user_version(db_.get()); }
+
+std::string Store::create_run(const NewRun& run) {
+  Transaction t(db_.get());
+  std::string id;
+  for (int attempt = 0; attempt < 16 && id.empty(); ++attempt) {
+    std::string candidate = random_id();
+    Statement exists(db_.get(), "SELECT 1 FROM runs WHERE id = ?");
+    exists.bind(1, candidate);
+    if (!exists.step()) id = candidate;
+  }
+  DSRUN_ASSERT(!id.empty(), "16 random 32-bit ids collided");
+  Statement s(db_.get(),
+              "INSERT INTO runs(id, name, status, created_at, recipe_path, recipe_text, config_toml, plan_json, model, hardware, "
+              "zero_stage, world_size, host, git_revision, parent_run, parent_step, sweep_id, plan_text) "
+              "VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)");
+  s.bind(1, id).bind(2, run.name).bind(3, std::string(to_string(run.status))).bind(4, unix_now());
+  s.bind(5, run.recipe_path).bind(6, run.recipe_text).bind(7, run.config_toml).bind(8, run.plan_json);
+  s.bind(9, run.model).bind(10, run.hardware).bind(11, run.zero_stage).bind(12, run.world_size);
+  s.bind(13, run.host).bind_optional(14, run.git_revision).bind_optional(15, run.parent_run);
+  if (run.parent_step >= 0) s.bind(16, run.parent_step);
+  else s.bind_null(16);
+  s.bind_optional(17, run.sweep_id).bind(18, run.plan_text);
+  s.run();
+  t.commit();
+  return id;
+}
+
+void Store::set_status(const std::string& run_id, RunStatus status, const std::string& error) {
+  Transaction t(db_.get());
+  RunStatus from = get_run(run_id).status;
+  if (!transition_allowed(from, status)) {
+    ErrorContext c;
+    c.key = run_id;
+    throw Error(std::string("run cannot go from ") + to_string(from) + " to " + to_string(status), c);
+  }
+  double now = unix_now();
+  Statement s(db_.get(),
+              "UPDATE runs SET status = ?, error = COALESCE(?, error), "
+              "started_at = CASE WHEN ? = 'running' THEN ? ELSE started_at END, "
+              "ended_at = CASE WHEN ? IN ('finished','failed','killed','pruned','infeasible') THEN ? ELSE NULL END WHERE id = ?");
+  std::string st = to_string(status);
+  s.bind(1, st).bind_optional(2, error).bind(3, st).bind(4, now).bind(5, st).bind(6, now).bind(7, run_id);
+  s.run();
+  t.commit();
+}
+
+void Store::add_metrics(const std::string& run_id, int64_t step, const std::vector<std::pair<std::string, double>>& values) {
+  Transaction t(db_.get());
+  // REPLACE keeps a (run, key, step) row unique: a step recorded again after a resume overwrites, never duplicates.
+  Statement s(db_.get(), "INSERT OR REPLACE INTO metrics(run_id, key, step, value, time) VALUES(?,?,?,?,?)");
+  double now = unix_now();
+  for (const auto& [key, value] : values) {
+    s.bind(1, run_id).bind(2, key).bind(3, step).bind(4, value).bind(5, now);
+    s.run();
+  }
+  Statement hb(db_.get(), "UPDATE runs SET heartbeat_at = ? WHERE id = ?");
+  hb.bind(1, now).bind(2, run_id);
+  hb.run();
+  t.commit();
+}
+
+void Store::add_event(const std::string& run_id, const std::string& kind, int rank, const std::string& message, const std::string& detail) {
+  Statement s(db_.get(), "INSERT INTO events(run_id, time, kind, rank, message, detail) VALUES(?,?,?,?,?,?)");
+  s.bind(1, run_id).bind(2, unix_now()).bind(3, kind);
+  if (rank >= 0) s.bind(4, rank);
+  else s.bind_null(4);
+  s.bind(5, message).bind_optional(6, detail);
+  s.run();
+}
+
+void Store::add_checkpoint(const std::string& run_id, const CheckpointRecord& c) {
+  Statement s(db_.get(), "INSERT OR REPLACE INTO checkpoints(run_id, step, path, bytes, checksum, created_at) VALUES(?,?,?,?,?,?)");
+  s.bind(1, run_id).bind(2, c.step).bind(3, c.path).bind(4, c.bytes).bind(5, c.checksum).bind(6, c.created_at > 0 ? c.created_at : unix_now());
+  s.run();
+}
+
+std::string Store::resolve_run(const std::string& query) const {
+  std::vector<std::string> matches;
+  {
+    Statement s(db_.get(), "SELECT id FROM runs WHERE substr(id, 1, length(?1)) = ?1 AND deleted_at IS NULL ORDER BY created_at DESC");
+    s.bind(1, query);
+    while (s.step()) matches.push_back(s.text(0));
+  }
+  if (matches.empty()) {
+    Statement s(db_.get(), "SELECT id FROM runs WHERE name = ? AND deleted_at IS NULL ORDER BY created_at DESC");
+    s.bind(1, query);
+    while (s.step()) matches.push_back(s.text(0));
+  }
+  ErrorContext c;
+  c.file = path_;
+  c.key = query;
+  if (matches.empty()) {
+    c.hint = "`dsrun history` lists the runs";
+    throw Error("no run with that id, id prefix or name", c);
+  }
+  if (matches.size() > 1 && matches[0] != query) {
+    std::string list;
+    for (size_t i = 0; i < matches.size() && i < 5; ++i) list += (i ? ", " : "") + matches[i];
+    c.hint = "give more characters of the id: " + list;
+    throw Error(std::to_string(matches.size()) + " runs match", c);
+  }
+  return matches[0];
+}
+
+RunRecord Store::get_run(const std::string& run_id) const {
+  Statement s(db_.get(), (std::string("SELECT ") + kRunColumns + " FROM runs WHERE id = ?").c_str());
+  s.bind(1, run_id);
+  if (!s.step()) {
+    ErrorContext c;
+    c.file = path_;
+    c.key = run_id;
+    throw Error("no such run", c);
+  }
+  return read_run(s);
+}
+
+std::vector<RunRecord> Store::list_runs(const RunListOptions& o) const {
+  std::string sql = std::string("SELECT ") + kRunColumns + " FROM runs WHERE deleted_at IS NULL AND (?1 = '' OR status = ?1) "
+                    "ORDER BY created_at DESC, rowid DESC LIMIT ?2";
+  Statement s(db_.get(), sql.c_str());
+  s.bind(1, o.status).bind(2, o.limit);
+  std::vector<RunRecord> out;
+  while (s.step()) out.push_back(read_run(s));
+  return out;
+}
+
+std::map<std::string, MetricValue> Store::latest_metrics(const std::string& run_id) const {
+  Statement s(db_.get(), "SELECT key, step, value, time FROM metrics_latest WHERE run_id = ?");
+  s.bind(1, run_id);
+  std::map<std::string, MetricValue> out;
+  while (s.step()) out[s.text(0)] = {s.integer(1), s.real(2), s.real(3)};
+  return out;
+}
+
+std::vector<MetricValue> Store::metric_history(const std::string& run_id, const std::string& key) const {
+  Statement s(db_.get(), "SELECT step, value, time FROM metrics WHERE run_id = ? AND key = ? ORDER BY step");
+  s.bind(1, run_id).bind(2, key);
+  std::vector<MetricValue> out;
+  while (s.step()) out.push_back({s.integer(0), s.real(1), s.real(2)});
+  return out;
+}
+
+std::vector<EventRecord> Store::events(const std::string& run_id) const {
+  Statement s(db_.get(), "SELECT id, time, kind, rank, message, detail FROM events WHERE run_id = ? ORDER BY id");
+  s.bind(1, run_id);
+  std::vector<EventRecord> out;
+  while (s.step()) out.push_back({s.integer(0), s.real(1), s.text(2), s.is_null(3) ? -1 : static_cast<int>(s.integer(3)), s.text(4), s.text(5)});
+  return out;
+}
+
+std::vector<CheckpointRecord> Store::checkpoints(const std::string& run_id) const {
+  Statement s(db_.get(), "SELECT step, path, bytes, checksum, created_at FROM checkpoints WHERE run_id = ? ORDER BY step");
+  s.bind(1, run_id);
+  std::vector<CheckpointRecord> out;
+  while (s.step()) out.push_back({s.integer(0), s.text(1), s.integer(2), s.text(3), s.real(4)});
+  return out;
+}
+
+}  // namespace dsrun

@@ -1,0 +1,138 @@
+// The dsrun binary end to end: real processes, a real SQLite file in a temporary directory.
+#include "test_util.hpp"
+
+#include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
+#include <sys/wait.h>
+
+#include <chrono>
+#include <cstdio>
+
+namespace {
+
+struct Output {
+  int code = -1;
+  std::string text;  // stdout and stderr together
+};
+
+// Runs dsrun from the source tree with the store in `dir`.
+Output dsrun_cli(const std::string& args, const dsrun::test::TempDir& dir) {
+  std::string cmd = "cd '" + dsrun::test::source_dir() + "' && DSRUN_DB='" + dir.file("runs.db") + "' '" DSRUN_BINARY "' " + args + " 2>&1";
+  Output out;
+  FILE* pipe = popen(cmd.c_str(), "r");
+  REQUIRE(pipe);
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, pipe)) > 0) out.text.append(buf, n);
+  int status = pclose(pipe);
+  out.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return out;
+}
+
+bool contains(const std::string& haystack, const std::string& needle) { return haystack.find(needle) != std::string::npos; }
+
+}  // namespace
+
+TEST_CASE("dsrun plan prints the plan of the quickstart", "[cli]") {
+  dsrun::test::TempDir dir;
+  Output out = dsrun_cli("plan recipes/quickstart.toml", dir);
+  INFO(out.text);
+  CHECK(out.code == 0);
+  CHECK(contains(out.text, "verdict: FITS"));
+  CHECK(contains(out.text, "global 16 = micro 8 x accumulation 1 x data parallel 2"));
+  CHECK(contains(out.text, "ZeRO stage 2"));
+}
+
+TEST_CASE("dsrun plan --json is machine-readable", "[cli]") {
+  dsrun::test::TempDir dir;
+  Output out = dsrun_cli("plan recipes/deepseek7b_zero2.toml --json", dir);
+  INFO(out.text);
+  REQUIRE(out.code == 0);
+  std::string json = out.text.substr(out.text.find('{'));  // after the data.path warning
+  nlohmann::json j = nlohmann::json::parse(json);
+  CHECK(j["parallel"]["zero_stage"] == 2);
+  CHECK(j["fits"] == true);
+  CHECK(j["hardware_present"] == false);
+}
+
+TEST_CASE("dsrun RECIPE records a run that history and show find", "[cli][store]") {
+  dsrun::test::TempDir dir;
+  Output run = dsrun_cli("recipes/quickstart.toml --set run.name=cli-test", dir);
+  INFO(run.text);
+  REQUIRE(run.code == 0);
+  size_t at = run.text.find("run ");
+  at = run.text.find("\nrun ", 0);
+  REQUIRE(at != std::string::npos);
+  std::string id = run.text.substr(at + 5, 8);
+
+  Output history = dsrun_cli("history", dir);
+  INFO(history.text);
+  CHECK(history.code == 0);
+  CHECK(contains(history.text, id));
+  CHECK(contains(history.text, "cli-test"));
+  CHECK(contains(history.text, "planned"));
+
+  Output show = dsrun_cli("show " + id.substr(0, 5), dir);
+  INFO(show.text);
+  CHECK(show.code == 0);
+  CHECK(contains(show.text, "recipe as written"));
+  CHECK(contains(show.text, "name = \"cli-test\""));   // resolved config includes the --set
+  CHECK(contains(show.text, "verdict: FITS"));          // and the plan
+
+  Output json = dsrun_cli("history --json", dir);
+  CHECK(nlohmann::json::parse(json.text)[0]["id"] == id);
+  CHECK(dsrun_cli("history --status bogus", dir).code == 1);
+}
+
+TEST_CASE("a bad recipe exits 1 naming file, line and key, and records nothing", "[cli][errors]") {
+  dsrun::test::TempDir dir;
+  dir.write("bad.toml", "base = [\"hardware/cpu\", \"models/deepseek-tiny\"]\n[model]\nheads = 3\n[batch]\nglobal = 7\n");
+  Output out = dsrun_cli("'" + dir.file("bad.toml") + "'", dir);
+  INFO(out.text);
+  CHECK(out.code == 1);
+  CHECK(contains(out.text, dir.file("bad.toml") + ":3:9: error: model.heads"));
+  CHECK(contains(out.text, "batch.global"));
+  CHECK_FALSE(dsrun::file_exists(dir.file("runs.db")));
+}
+
+TEST_CASE("missing hardware: the plan is printed and the run is refused plainly", "[cli]") {
+  dsrun::test::TempDir dir;
+  Output out = dsrun_cli("recipes/deepseek7b_zero2.toml", dir);
+  INFO(out.text);
+  CHECK(out.code == 3);
+  CHECK(contains(out.text, "not running: this machine has 0 NVIDIA GPU(s)"));
+}
+
+TEST_CASE("a plan that does not fit exits 2 and is recorded as infeasible", "[cli]") {
+  dsrun::test::TempDir dir;
+  Output plan = dsrun_cli("plan recipes/deepseek67b_a100.toml --set parallel.offload=none --set parallel.zero_stage=0", dir);
+  INFO(plan.text);
+  CHECK(plan.code == 2);
+  CHECK(contains(plan.text, "DOES NOT FIT"));
+  CHECK(contains(plan.text, "suggestion: "));
+
+  // On CPU ranks (hardware present) the run is recorded as infeasible, with the reason.
+  Output run = dsrun_cli("recipes/quickstart.toml --set hardware.memory_gib=0.5 --set hardware.runtime_memory_gib=0.25", dir);
+  INFO(run.text);
+  CHECK(run.code == 2);
+  CHECK(contains(run.text, "recorded as infeasible"));
+  Output history = dsrun_cli("history --status infeasible", dir);
+  CHECK(contains(history.text, "infeasible"));
+  CHECK(contains(history.text, "quickstart"));
+}
+
+TEST_CASE("init writes a recipe from a template and templates lists them", "[cli]") {
+  dsrun::test::TempDir dir;
+  Output list = dsrun_cli("templates", dir);
+  INFO(list.text);
+  CHECK(contains(list.text, "hardware/rtx4090-x3-pcie"));
+  CHECK(contains(list.text, "models/deepseek-moe-16b"));
+  Output init = dsrun_cli("init '" + dir.file("mine") + "' --template quickstart", dir);
+  INFO(init.text);
+  REQUIRE(init.code == 0);
+  std::string text = dsrun::read_file(dir.file("mine.toml"));
+  CHECK(contains(text, "name = \"mine\""));
+  CHECK(dsrun_cli("plan '" + dir.file("mine.toml") + "'", dir).code == 0);
+  CHECK(dsrun_cli("init '" + dir.file("mine") + "' --template quickstart", dir).code == 1);  // no silent overwrite
+  CHECK(contains(dsrun_cli("init x --template quickstrat", dir).text, "did you mean quickstart"));
+}

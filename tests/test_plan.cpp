@@ -1,0 +1,227 @@
+// The plan: model costs against published figures, ZeRO memory against the paper, batch math,
+// automatic choices with reasons, verdicts and suggestions.
+#include "engine/plan/plan.hpp"
+#include "test_util.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <nlohmann/json.hpp>
+
+using namespace dsrun;
+using dsrun::test::load_text;
+
+namespace {
+
+Plan plan_of(const std::string& text, std::vector<std::string> overrides = {}) {
+  LoadedRecipe r = load_text(text, std::move(overrides));
+  INFO(r.report());
+  REQUIRE(r.ok());
+  return make_plan(r.recipe, dsrun::test::small_host());
+}
+
+ModelSpec model_from(const std::string& template_name) {
+  LoadedRecipe r = load_text("base = \"models/" + template_name + "\"\n");
+  INFO(r.report());
+  REQUIRE(r.ok());
+  return r.recipe.model;
+}
+
+const std::string kSevenB = "base = [\"hardware/a100-40gb-x8\", \"models/deepseek-llm-7b\"]\n[precision]\ndtype = \"bf16\"\n[batch]\nseq_len = 4096\n";
+
+}  // namespace
+
+TEST_CASE("parameter counts match the published models", "[plan][cost]") {
+  ModelCost seven = model_cost(model_from("deepseek-llm-7b"), 4096, DType::Bf16, AttentionKernel::Flash);
+  CHECK(seven.params == 6910365696.0);  // 2·V·h + 30·(4h² + 3hf + 2h) + h
+  ModelCost big = model_cost(model_from("deepseek-llm-67b"), 4096, DType::Bf16, AttentionKernel::Flash);
+  CHECK(big.params == Approx(67.4e9).epsilon(0.01));
+  ModelCost moe = model_cost(model_from("deepseek-moe-16b"), 4096, DType::Bf16, AttentionKernel::Flash);
+  CHECK(moe.params == Approx(16.4e9).epsilon(0.01));        // DeepSeek-MoE paper: 16.4B total
+  CHECK(moe.active_params == Approx(2.8e9).epsilon(0.02));  // and 2.8B activated
+  ModelCost tiny = model_cost(model_from("deepseek-tiny"), 128, DType::Fp32, AttentionKernel::Math);
+  CHECK(tiny.params == Approx(0.857e6).epsilon(0.01));
+}
+
+TEST_CASE("ResNet parameter counts match torchvision's CIFAR variants", "[plan][cost]") {
+  ModelSpec m = model_from("resnet50-cifar10");
+  CHECK(model_cost(m, 0, DType::Fp32, AttentionKernel::Flash).params == 23520842.0);
+  m.resnet.depth = 18;
+  CHECK(model_cost(m, 0, DType::Fp32, AttentionKernel::Flash).params == 11173962.0);
+}
+
+TEST_CASE("training FLOPs are 6N + 12·L·h·s per token", "[plan][cost]") {
+  ModelSpec m = model_from("deepseek-tiny");
+  const double s = 128, h = 128, L = 4, V = 256;
+  ModelCost c = model_cost(m, 128, DType::Fp32, AttentionKernel::Math);
+  const double matmul_params = c.params - V * h;  // the embedding lookup is no matmul
+  CHECK(c.model_flops_per_sample == Approx(s * (6 * matmul_params + 12 * L * h * s)));
+}
+
+TEST_CASE("activation bytes follow what autograd keeps in a DeepSeek block", "[plan][cost]") {
+  ModelSpec m = model_from("deepseek-llm-7b");
+  const double s = 4096, h = 4096, f = 11008, V = 102400, L = 30, e = 2;
+  ModelCost flash = model_cost(m, 4096, DType::Bf16, AttentionKernel::Flash);
+  const double head = s * (e * 2 * h + e * V + 4 * V);
+  CHECK(flash.activation_bytes_per_sample == Approx(e * s * L * (8 * h + 4 * f) + head));
+  CHECK(flash.checkpointed_activation_bytes_per_sample == Approx(e * s * (L * h + 8 * h + 4 * f) + head));
+  // The math kernel also keeps the s x s probabilities of every head.
+  ModelCost math = model_cost(m, 4096, DType::Bf16, AttentionKernel::Math);
+  CHECK(math.activation_bytes_per_sample - flash.activation_bytes_per_sample == Approx(e * s * L * 32 * s));
+  // Grouped-query attention keeps smaller k and v with the flash kernel.
+  ModelSpec gqa = m;
+  gqa.kv_heads = 8;
+  ModelCost g = model_cost(gqa, 4096, DType::Bf16, AttentionKernel::Flash);
+  CHECK(flash.activation_bytes_per_sample - g.activation_bytes_per_sample == Approx(e * s * L * 2 * (h - 8 * 128)));
+}
+
+TEST_CASE("model-state memory per rank matches the ZeRO paper", "[plan][memory]") {
+  const double psi = 7.5e9;  // the paper's example model
+  for (int n : {1, 2, 4, 8, 64}) {
+    ModelStateOptions o;
+    o.params = psi;
+    o.data_parallel = n;
+    o.dtype = DType::Bf16;
+    o.optimizer = OptimizerKind::AdamW;
+    o.zero_stage = 0;
+    CHECK(plan_model_states_per_rank(o).device_total() == Approx(16 * psi));
+    o.zero_stage = 1;
+    CHECK(plan_model_states_per_rank(o).device_total() == Approx(4 * psi + 12 * psi / n));
+    o.zero_stage = 2;
+    CHECK(plan_model_states_per_rank(o).device_total() == Approx(2 * psi + 14 * psi / n));
+    o.zero_stage = 3;
+    CHECK(plan_model_states_per_rank(o).device_total() == Approx(16 * psi / n));
+  }
+  // The paper's headline: 7.5B on 64 GPUs: 120 GB, 31.4 GB, 16.6 GB, 1.88 GB.
+  ModelStateOptions o;
+  o.params = psi;
+  o.data_parallel = 64;
+  o.dtype = DType::Fp16;
+  o.zero_stage = 1;
+  CHECK(plan_model_states_per_rank(o).device_total() / 1e9 == Approx(31.4).epsilon(0.01));
+  o.zero_stage = 2;
+  CHECK(plan_model_states_per_rank(o).device_total() / 1e9 == Approx(16.6).epsilon(0.01));
+  o.zero_stage = 3;
+  CHECK(plan_model_states_per_rank(o).device_total() / 1e9 == Approx(1.88).epsilon(0.01));
+}
+
+TEST_CASE("shards that do not divide are padded; offload moves optimizer states to the host", "[plan][memory]") {
+  ModelStateOptions o;
+  o.params = 10;
+  o.data_parallel = 3;
+  o.zero_stage = 3;
+  o.dtype = DType::Fp32;
+  ModelStateBytes b = plan_model_states_per_rank(o);
+  CHECK(b.params == 4 * 4);  // ceil(10/3) = 4 elements of 4 bytes
+  CHECK(b.optimizer == 4 * 8);
+
+  o.params = 1e9;
+  o.data_parallel = 4;
+  o.dtype = DType::Bf16;
+  o.zero_stage = 2;
+  o.offload = Offload::Optimizer;
+  b = plan_model_states_per_rank(o);
+  CHECK(b.master == 0);
+  CHECK(b.optimizer == 0);
+  CHECK(b.host == Approx((12 + 4) * 1e9 / 4));  // master + Adam moments + fp32 gradient shard
+  o.zero_stage = 3;
+  o.offload = Offload::OptimizerAndParams;
+  b = plan_model_states_per_rank(o);
+  CHECK(b.params == 0);
+  CHECK(b.device_total() == Approx(2 * 1e9 / 4));  // only the bf16 gradient shard stays
+
+  o.offload = Offload::None;
+  o.optimizer = OptimizerKind::Sgd;
+  o.momentum = 0;
+  o.zero_stage = 0;
+  CHECK(plan_model_states_per_rank(o).optimizer == 0);  // plain SGD keeps no state
+}
+
+TEST_CASE("batch math: global = micro x accumulation x data parallel", "[plan][batch]") {
+  Plan p = plan_of(kSevenB, {"batch.global=256"});
+  CHECK(p.data_parallel == 8);
+  CHECK(p.micro_batch * p.accumulation * p.data_parallel == 256);
+  CHECK(p.tokens_per_step == 256.0 * 4096);
+  Plan fixed = plan_of(kSevenB, {"batch.global=64", "batch.micro=2", "parallel.zero_stage=3", "parallel.activation_checkpointing=full"});
+  CHECK(fixed.micro_batch == 2);
+  CHECK(fixed.accumulation == 4);
+}
+
+TEST_CASE("auto choices take the lowest ZeRO stage that fits and say why", "[plan][auto]") {
+  Plan p = plan_of(kSevenB, {"batch.global=64", "batch.micro=1", "parallel.activation_checkpointing=full"});
+  CHECK(p.fits);
+  CHECK(p.zero_stage == 2);  // stage 1 needs 4Ψ + 12Ψ/8 = 37 GiB of states alone
+  bool explained = false;
+  for (const auto& c : p.choices)
+    if (c.key == "parallel.zero_stage") explained = c.reason.find("stage 1 would need") != std::string::npos;
+  CHECK(explained);
+}
+
+TEST_CASE("auto checkpointing and micro batch pick the largest that fits", "[plan][auto]") {
+  Plan p = plan_of(kSevenB, {"batch.global=256", "parallel.zero_stage=2", "parallel.activation_checkpointing=auto"});
+  CHECK(p.fits);
+  CHECK(p.activation_checkpointing);  // micro 1 without recomputation needs ~48 GiB
+  CHECK(p.micro_batch >= 1);
+  CHECK(p.memory.total() <= p.memory_capacity);
+  REQUIRE(p.choices.size() == 3);  // data_parallel, activation_checkpointing, micro
+  // The next larger micro batch would not fit.
+  Plan bigger = plan_of(kSevenB, {"batch.global=256", "parallel.zero_stage=2", "parallel.activation_checkpointing=full",
+                                  "batch.micro=" + std::to_string(p.micro_batch * 2)});
+  CHECK_FALSE(bigger.fits);
+}
+
+TEST_CASE("a plan that does not fit says so and suggests what would", "[plan][verdict]") {
+  Plan p = plan_of("base = [\"hardware/a100-40gb-x8\", \"models/deepseek-llm-67b\"]\n[precision]\ndtype = \"bf16\"\n",
+                   {"parallel.zero_stage=0", "batch.global=8", "batch.micro=1"});
+  CHECK_FALSE(p.fits);
+  REQUIRE_FALSE(p.suggestions.empty());
+  CHECK(p.verdict[0].find("does not fit") == 0);
+  bool more_devices = false;
+  for (const auto& s : p.suggestions) more_devices |= s.find("devices of this kind would fit") != std::string::npos;
+  CHECK(more_devices);
+}
+
+TEST_CASE("communication per step follows the ring formulas", "[plan][comm]") {
+  Plan p0 = plan_of(kSevenB, {"batch.global=64", "batch.micro=1", "parallel.zero_stage=0", "parallel.activation_checkpointing=full"});
+  const double psi = p0.cost.params;
+  REQUIRE(p0.comm.size() == 1);
+  CHECK(p0.comm[0].bytes == Approx(2.0 * 7 / 8 * psi * 2));
+  Plan p3 = plan_of(kSevenB, {"batch.global=64", "batch.micro=1", "parallel.zero_stage=3", "parallel.activation_checkpointing=full"});
+  double total = 0;
+  for (const auto& c : p3.comm) total += c.bytes;
+  CHECK(total == Approx(3.0 * 8 * 7 / 8 * psi * 2));  // 3 passes per micro-batch, 8 micro-batches
+}
+
+TEST_CASE("speed: MFU is model FLOPs over time x peak x ranks", "[plan][speed]") {
+  Plan p = plan_of(kSevenB, {"batch.global=64", "batch.micro=1", "parallel.zero_stage=2", "parallel.activation_checkpointing=full"});
+  CHECK(p.step_seconds >= p.compute_seconds);
+  CHECK(p.mfu == Approx(p.model_flops_per_step / (p.step_seconds * 312e12 * 8)));
+  CHECK(p.mfu < 0.5);  // never above the assumed matmul efficiency
+  CHECK(p.total_seconds == Approx(p.step_seconds * 100));
+}
+
+TEST_CASE("the plan is a pure function of recipe and host", "[plan]") {
+  LoadedRecipe r = load_text(kSevenB);
+  REQUIRE(r.ok());
+  HostFacts host = dsrun::test::small_host();
+  CHECK(render_plan(make_plan(r.recipe, host)) == render_plan(make_plan(r.recipe, host)));
+  CHECK_FALSE(make_plan(r.recipe, host).hardware_present);  // no GPUs on the test host
+  host.cuda_devices = 8;
+  CHECK(make_plan(r.recipe, host).hardware_present);
+}
+
+TEST_CASE("plan JSON carries the same numbers as the table", "[plan][json]") {
+  Plan p = plan_of(kSevenB, {"batch.global=64"});
+  nlohmann::json j = nlohmann::json::parse(plan_to_json(p));
+  CHECK(j["batch"]["micro"].get<int64_t>() * j["batch"]["accumulation"].get<int64_t>() * j["topology"]["data_parallel"].get<int>() == 64);
+  CHECK(j["memory_per_rank"]["total"].get<double>() == Approx(p.memory.total()));
+  CHECK(j["fits"].get<bool>() == p.fits);
+  CHECK(j["auto_choices"].size() == p.choices.size());
+}
+
+TEST_CASE("CPU ranks share the host's memory", "[plan][cpu]") {
+  Plan p = plan_of("base = [\"hardware/cpu\", \"models/deepseek-tiny\"]\n[batch]\nglobal = 16\n");
+  CHECK(p.world_size == 2);
+  CHECK(p.memory_capacity == Approx(dsrun::test::small_host().memory_bytes / 2));
+  CHECK(p.attention == AttentionKernel::Math);
+  CHECK(p.fits);
+}

@@ -1,0 +1,291 @@
+// The recipe language: parsing, every validation error class, composition and precedence.
+#include "engine/common/text.hpp"
+#include "engine/recipe/load.hpp"
+#include "engine/recipe/schema.hpp"
+#include "test_util.hpp"
+
+#include <catch2/catch.hpp>
+
+using namespace dsrun;
+using dsrun::test::errors_of;
+using dsrun::test::load_text;
+
+namespace {
+
+const Diagnostic& only_error(const LoadedRecipe& r) {
+  auto errors = errors_of(r);
+  INFO(r.report());
+  REQUIRE(errors.size() == 1);
+  static Diagnostic keep;
+  keep = errors[0];
+  return keep;
+}
+
+bool contains(const std::string& haystack, const std::string& needle) { return haystack.find(needle) != std::string::npos; }
+
+}  // namespace
+
+TEST_CASE("an empty recipe is valid and every key has its default", "[recipe]") {
+  LoadedRecipe r = load_text("");
+  REQUIRE(r.ok());
+  CHECK(r.config.size() == recipe_schema().size());
+  CHECK(r.recipe.run.steps == 100);
+  CHECK(r.recipe.hardware.devices_per_node == 2);  // "auto" on the 2-core test host
+  CHECK(r.recipe.optimizer.beta2 == Approx(0.95));
+  CHECK_FALSE(r.recipe.parallel.zero_stage.has_value());  // auto
+}
+
+TEST_CASE("values land in the typed recipe", "[recipe]") {
+  LoadedRecipe r = load_text(R"(
+[run]
+steps = 50
+[parallel]
+zero_stage = 3
+offload = "optimizer+params"
+[optimizer]
+name = "sgd"
+lr = 1      # an integer for a float key is fine
+momentum = 0.8
+[schedule]
+name = "multistep"
+warmup_steps = 5
+)");
+  INFO(r.report());
+  REQUIRE(r.ok());
+  CHECK(r.recipe.run.steps == 50);
+  CHECK(*r.recipe.parallel.zero_stage == 3);
+  CHECK(r.recipe.parallel.offload == Offload::OptimizerAndParams);
+  CHECK(r.recipe.optimizer.kind == OptimizerKind::Sgd);
+  CHECK(r.recipe.optimizer.lr == 1.0);
+  CHECK(r.config.at("optimizer.lr").value.kind == Value::Kind::Float);
+  CHECK(r.recipe.schedule.kind == ScheduleKind::MultiStep);
+}
+
+TEST_CASE("unknown keys name file, line, column and the nearest valid key", "[recipe][errors]") {
+  LoadedRecipe r = load_text("[batch]\nglobal = 8\nmicro_bach = 4\n");
+  const Diagnostic& d = only_error(r);
+  CHECK(d.key == "batch.micro_bach");
+  CHECK(d.source.file == "test.toml");
+  CHECK(d.source.line == 3);
+  CHECK(d.source.column == 14);
+  CHECK(contains(d.fix, "batch.micro"));
+  CHECK(contains(d.format(), "test.toml:3:14: error: batch.micro_bach: unknown key"));
+
+  const Diagnostic& section_typo = only_error(load_text("[optimzer]\nlr = 0.1\n"));
+  CHECK(contains(section_typo.fix, "optimizer.lr"));
+}
+
+TEST_CASE("a key in the wrong section is found by its last component", "[recipe][errors]") {
+  const Diagnostic& d = only_error(load_text("[batch]\nlr = 0.1\n"));
+  CHECK(contains(d.fix, "optimizer.lr"));
+}
+
+TEST_CASE("derived keys explain how they are derived", "[recipe][errors]") {
+  const Diagnostic& d = only_error(load_text("[batch]\naccumulation = 4\n"));
+  CHECK(contains(d.fix, "derived"));
+}
+
+TEST_CASE("a section written as a value is explained", "[recipe][errors]") {
+  const Diagnostic& d = only_error(load_text("model = \"deepseek-llm-7b\"\n"));
+  CHECK(contains(d.message, "section"));
+}
+
+TEST_CASE("wrong types are errors with what was expected", "[recipe][errors]") {
+  CHECK(contains(only_error(load_text("[run]\nsteps = \"100\"\n")).message, "expected integer"));
+  CHECK(contains(only_error(load_text("[run]\nsteps = 1.5\n")).fix, "whole number"));
+  CHECK(contains(only_error(load_text("[logging]\nprogress = \"yes\"\n")).message, "expected boolean"));
+  CHECK(contains(only_error(load_text("[optimizer]\nbetas = 0.9\n")).message, "array of numbers"));
+  CHECK(contains(only_error(load_text("[run]\ntags = [1, 2]\n")).message, "array of strings"));
+  CHECK(contains(only_error(load_text("[run]\nname = 1979-05-27\n")).message, "date"));
+}
+
+TEST_CASE("out-of-range and absurd numbers are errors, never clamped", "[recipe][errors]") {
+  const Diagnostic& stage = only_error(load_text("[parallel]\nzero_stage = 4\n"));
+  CHECK(contains(stage.message, "out of range 0 .. 3"));
+  CHECK(contains(only_error(load_text("[optimizer]\nlr = -1e-3\n")).message, "out of range"));
+  CHECK(contains(only_error(load_text("[model]\nlayers = 99999999999\n")).message, "out of range"));
+  CHECK(contains(only_error(load_text("[run]\nseed = -1\n")).message, "out of range"));
+  CHECK(contains(only_error(load_text("[optimizer]\nlr = nan\n")).message, "not a finite number"));
+  CHECK(contains(only_error(load_text("[optimizer]\nlr = inf\n")).message, "not a finite number"));
+  CHECK(contains(only_error(load_text("[schedule]\nmilestones = [0.5, 1.5]\n")).message, "out of range"));
+}
+
+TEST_CASE("choices suggest the nearest valid value", "[recipe][errors]") {
+  const Diagnostic& d = only_error(load_text("[precision]\ndtype = \"bf61\"\n"));
+  CHECK(contains(d.fix, "bf16"));
+  CHECK(contains(only_error(load_text("[parallel]\nactivation_checkpointing = true\n")).message, "expected one of"));
+}
+
+TEST_CASE("every error is collected at once, in one report", "[recipe][errors]") {
+  LoadedRecipe r = load_text("[run]\nsteps = 0\n[optimizer]\nlr = \"fast\"\n[bogus]\nx = 1\n");
+  CHECK(errors_of(r).size() == 3);
+  CHECK(contains(r.report(), "3 errors"));
+}
+
+TEST_CASE("cross-field rules: attention shapes", "[recipe][rules]") {
+  const Diagnostic& heads = only_error(load_text("[model]\nhidden = 4096\nheads = 30\n"));
+  CHECK(heads.key == "model.heads");
+  CHECK(contains(heads.message, "not divisible"));
+  CHECK(contains(heads.fix, "32"));  // the divisor of 4096 closest to 30
+  const Diagnostic& kv = only_error(load_text("[model]\nheads = 4\nkv_heads = 3\n"));
+  CHECK(kv.key == "model.kv_heads");
+  CHECK(contains(only_error(load_text("[model]\nhidden = 12\nheads = 4\n")).message, "odd"));
+}
+
+TEST_CASE("cross-field rules: batch = micro x accumulation x data parallel", "[recipe][rules]") {
+  // 2 ranks (auto on the 2-core host)
+  const Diagnostic& odd = only_error(load_text("[batch]\nglobal = 7\n"));
+  CHECK(odd.key == "batch.global");
+  CHECK(contains(odd.fix, "6 or 8"));
+  const Diagnostic& micro = only_error(load_text("[batch]\nglobal = 12\nmicro = 4\n"));
+  CHECK(micro.key == "batch.micro");
+  CHECK(contains(micro.fix, "divides 6"));
+  CHECK(contains(only_error(load_text("[batch]\nglobal = 8\nmicro = 8\n")).message, "exceeds"));
+  CHECK(load_text("[batch]\nglobal = 12\nmicro = 3\n").ok());
+  CHECK(contains(only_error(load_text("[parallel]\ndata_parallel = 3\n")).message, "2 devices"));
+  CHECK(contains(only_error(load_text("[batch]\nseq_len = 8192\n")).key, "batch.seq_len"));
+}
+
+TEST_CASE("cross-field rules: precision the hardware supports", "[recipe][rules]") {
+  const Diagnostic& d = only_error(load_text("[hardware]\npeak_tflops_fp16 = 0\n[precision]\ndtype = \"fp16\"\n"));
+  CHECK(d.key == "precision.dtype");
+  CHECK(contains(d.message, "does not support fp16"));
+  CHECK(load_text("[hardware]\npeak_tflops_bf16 = 1\n[precision]\ndtype = \"bf16\"\n").ok());
+}
+
+TEST_CASE("cross-field rules: ZeRO stage and offload combinations", "[recipe][rules]") {
+  CHECK(contains(only_error(load_text("[parallel]\nzero_stage = 2\noffload = \"optimizer+params\"\n")).message, "stage 3"));
+  CHECK(contains(only_error(load_text("[parallel]\nzero_stage = 0\noffload = \"optimizer\"\n")).message, "stage 1, 2 or 3"));
+  CHECK(load_text("[parallel]\nzero_stage = 1\noffload = \"optimizer\"\n").ok());
+  CHECK(load_text("[parallel]\nzero_stage = 3\noffload = \"optimizer+params\"\n").ok());
+}
+
+TEST_CASE("cross-field rules: schedules, MoE, data and model agree", "[recipe][rules]") {
+  CHECK(only_error(load_text("[run]\nsteps = 10\n[schedule]\nwarmup_steps = 10\n")).key == "schedule.warmup_steps");
+  CHECK(only_error(load_text("[schedule]\nname = \"multistep\"\nmilestones = [0.9, 0.8]\nfactors = [0.3, 0.1]\n")).key == "schedule.milestones");
+  CHECK(only_error(load_text("[schedule]\nname = \"multistep\"\nmilestones = [0.8]\nfactors = [0.3, 0.1]\n")).key == "schedule.factors");
+  CHECK(only_error(load_text("[model.moe]\nrouted_experts = 4\ntop_k = 5\nintermediate = 8\n")).key == "model.moe.top_k");
+  CHECK(only_error(load_text("[data]\nkind = \"cifar10\"\npath = \"/tmp\"\n")).key == "data.kind");
+  CHECK(only_error(load_text("[data]\nkind = \"text\"\n")).key == "data.path");
+  CHECK(only_error(load_text("[model]\narch = \"resnet\"\n[model.resnet]\ndepth = 20\n")).key == "model.resnet.depth");
+  CHECK(only_error(load_text("[eval]\nevery = 10\n[data]\nval_fraction = 0\n")).key == "eval.every");
+  CHECK(only_error(load_text("[hardware]\nnodes = 2\n")).key == "hardware.inter_node_bandwidth_gbs");
+  CHECK(only_error(load_text("[hardware]\ndevice = \"cuda\"\nmemory_gib = 80\n")).key == "hardware.devices_per_node");
+}
+
+TEST_CASE("keys that do not apply are warnings, not silence", "[recipe][warnings]") {
+  LoadedRecipe r = load_text("[optimizer]\nname = \"adamw\"\nmomentum = 0.5\n[precision.loss_scale]\nwindow = 10\n");
+  REQUIRE(r.ok());
+  int warnings = 0;
+  for (const auto& d : r.diagnostics)
+    if (d.severity == Diagnostic::Severity::Warning) {
+      ++warnings;
+      CHECK(contains(d.message, "has no effect"));
+    }
+  CHECK(warnings == 2);
+}
+
+TEST_CASE("malformed TOML and odd encodings are errors with a position", "[recipe][errors]") {
+  const Diagnostic& d = only_error(load_text("[run]\nsteps = = 3\n"));
+  CHECK(contains(d.message, "malformed TOML"));
+  CHECK(d.source.line == 2);
+  CHECK(contains(only_error(load_text(std::string("\xFF\xFE[\0r\0", 6))).fix, "UTF-8"));
+  CHECK(contains(only_error(load_text(std::string("[run]\nname = \"a\0b\"\n", 18))).message, "NUL"));
+  CHECK_FALSE(load_text("[run]\nname = \"\xC3\x28\"\n").ok());  // invalid UTF-8
+  CHECK_FALSE(load_text("[run]\nsteps = 1\n[run]\nseed = 2\n").ok());  // duplicate table
+}
+
+TEST_CASE("precedence: command line > recipe > bases (later over earlier) > defaults", "[recipe][compose]") {
+  dsrun::test::TempDir dir;
+  dir.write("first.toml", "[run]\nsteps = 10\nseed = 1\ndescription = \"first\"\n");
+  dir.write("second.toml", "[run]\nseed = 2\ndescription = \"second\"\n");
+  std::string recipe = dir.write("r.toml", "base = [\"first.toml\", \"second.toml\"]\n[run]\ndescription = \"recipe\"\nname = \"x\"\n");
+  LoadOptions o;
+  o.host = dsrun::test::small_host();
+  o.overrides = {"run.name=from-cli"};
+  LoadedRecipe r = load_recipe_file(recipe, o);
+  INFO(r.report());
+  REQUIRE(r.ok());
+  CHECK(r.recipe.run.steps == 10);                 // only in the first base
+  CHECK(r.recipe.run.seed == 2);                   // the later base wins
+  CHECK(r.recipe.run.description == "recipe");     // the recipe beats its bases
+  CHECK(r.recipe.run.name == "from-cli");          // --set beats the recipe (bare word taken as a string)
+  CHECK(r.recipe.run.max_restarts == 0);           // default
+  CHECK(r.config.at("run.seed").source.file == dir.file("second.toml"));
+  CHECK(r.config.at("run.name").source.layer == Layer::CommandLine);
+  CHECK(r.files.size() == 3);
+}
+
+TEST_CASE("command-line overrides (--set) are typed like TOML and validated like the recipe", "[recipe][compose]") {
+  LoadedRecipe r = load_text("", {"optimizer.lr=1e-3", "parallel.zero_stage=2", "optimizer.betas=[0.8, 0.9]", "optimizer.name=sgd"});
+  INFO(r.report());
+  REQUIRE(r.ok());
+  CHECK(r.recipe.optimizer.lr == Approx(1e-3));
+  CHECK(*r.recipe.parallel.zero_stage == 2);
+  CHECK(r.recipe.optimizer.beta1 == Approx(0.8));
+  CHECK(r.recipe.optimizer.kind == OptimizerKind::Sgd);
+  const Diagnostic& bad = only_error(load_text("", {"optimizer.lr=fast"}));
+  CHECK(contains(bad.format(), "--set optimizer.lr=fast"));
+  CHECK(contains(only_error(load_text("", {"optimizer.lr"})).message, "section.key=value"));
+  CHECK(contains(only_error(load_text("", {"optimizer.learning_rate=1"})).fix, "optimizer.lr"));
+}
+
+TEST_CASE("bases: templates by name, cycles and unknown names", "[recipe][compose]") {
+  LoadedRecipe r = load_text("base = [\"hardware/a100-40gb-x8\", \"models/deepseek-llm-7b\"]\n[precision]\ndtype = \"bf16\"\n[batch]\nglobal = 64\nseq_len = 4096\n");
+  INFO(r.report());
+  REQUIRE(r.ok());
+  CHECK(r.recipe.model.hidden == 4096);
+  CHECK(r.recipe.hardware.devices_per_node == 8);
+
+  const Diagnostic& unknown = only_error(load_text("base = \"models/deepseek-llm-7\"\n"));
+  CHECK(contains(unknown.fix, "models/deepseek-llm-7b"));
+
+  dsrun::test::TempDir dir;
+  dir.write("a.toml", "base = \"b.toml\"\n");
+  dir.write("b.toml", "base = \"a.toml\"\n");
+  LoadOptions o;
+  o.host = dsrun::test::small_host();
+  LoadedRecipe cyc = load_recipe_file(dir.file("a.toml"), o);
+  CHECK(contains(only_error(cyc).message, "cycle"));
+}
+
+TEST_CASE("the resolved config reads back as the same recipe", "[recipe][compose]") {
+  LoadedRecipe first = load_text("base = [\"hardware/cpu\", \"models/deepseek-moe-tiny\"]\n[hooks.options]\npatience = 3\nmode = \"min\"\n",
+                                 {"optimizer.lr=0.01", "run.tags=[\"a\", \"b\"]"});
+  REQUIRE(first.ok());
+  std::string text = config_to_toml(first.config);
+  LoadedRecipe second = load_text(text);
+  INFO(text << second.report());
+  REQUIRE(second.ok());
+  CHECK(config_to_toml(second.config) == text);
+  CHECK(second.recipe.model.moe.routed_experts == 8);
+  CHECK(second.recipe.hooks.options.at("patience") == "3");
+}
+
+TEST_CASE("every shipped recipe and template loads without errors", "[recipe][shipped]") {
+  std::string root = dsrun::test::source_dir();
+  std::vector<std::string> files;
+  for (const auto& f : list_directory(root + "/recipes"))
+    if (ends_with(f, ".toml")) files.push_back(root + "/recipes/" + f);
+  for (const auto& f : list_directory(root + "/templates/recipes")) files.push_back(root + "/templates/recipes/" + f);
+  REQUIRE(files.size() >= 8);
+  LoadOptions o;
+  o.host = dsrun::test::small_host();
+  for (const auto& f : files) {
+    LoadedRecipe r = load_recipe_file(f, o);
+    INFO(f << "\n" << r.report());
+    CHECK(r.ok());
+  }
+}
+
+TEST_CASE("docs/recipe.md is the generated reference", "[recipe][docs]") {
+  std::string on_disk = read_file(dsrun::test::source_dir() + "/docs/recipe.md");
+  INFO("regenerate with: ./build/dsrun docs recipe > docs/recipe.md");
+  CHECK(on_disk == recipe_reference_markdown());
+}
+
+TEST_CASE("did-you-mean distance", "[recipe][text]") {
+  CHECK(edit_distance("kitten", "sitting") == 3);
+  CHECK(nearest("optimzer.lr", {"optimizer.lr", "run.steps"}) == "optimizer.lr");
+  CHECK(nearest("zzzzzz", {"optimizer.lr", "run.steps"}).empty());
+}

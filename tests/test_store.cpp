@@ -1,0 +1,191 @@
+// The run store: round trip, lifecycle, id prefixes, migration from an old schema, and
+// consistency when the writing process is killed with SIGKILL at arbitrary points.
+#include "storage/store.hpp"
+#include "test_util.hpp"
+
+#include <catch2/catch.hpp>
+#include <sqlite3.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <random>
+
+using namespace dsrun;
+
+namespace {
+
+NewRun sample_run(const std::string& name) {
+  NewRun r;
+  r.name = name;
+  r.recipe_path = "recipes/quickstart.toml";
+  r.recipe_text = "[run]\nsteps = 3\n";
+  r.config_toml = "[run]\nsteps = 3\n";
+  r.plan_json = "{\"fits\": true}";
+  r.plan_text = "plan for recipes/quickstart.toml\n";
+  r.model = "deepseek-tiny";
+  r.hardware = "cpu";
+  r.zero_stage = 2;
+  r.world_size = 2;
+  r.host = "testhost";
+  return r;
+}
+
+int64_t count(sqlite3* db, const std::string& sql) {
+  sqlite3_stmt* s = nullptr;
+  REQUIRE(sqlite3_prepare_v2(db, sql.c_str(), -1, &s, nullptr) == SQLITE_OK);
+  REQUIRE(sqlite3_step(s) == SQLITE_ROW);
+  int64_t n = sqlite3_column_int64(s, 0);
+  sqlite3_finalize(s);
+  return n;
+}
+
+}  // namespace
+
+TEST_CASE("a run round-trips with its metrics, events and checkpoints", "[store]") {
+  dsrun::test::TempDir dir;
+  Store store(dir.file("runs.db"));
+  CHECK(store.schema_version() == Store::current_schema_version());
+  std::string id = store.create_run(sample_run("first"));
+  CHECK(id.size() == 8);
+
+  RunRecord r = store.get_run(id);
+  CHECK(r.name == "first");
+  CHECK(r.status == RunStatus::Planned);
+  CHECK(r.recipe_text == "[run]\nsteps = 3\n");
+  CHECK(r.plan_text == "plan for recipes/quickstart.toml\n");
+  CHECK(r.zero_stage == 2);
+  CHECK(r.parent_step == -1);
+  CHECK(r.created_at > 0);
+
+  store.set_status(id, RunStatus::Running);
+  store.add_metrics(id, 1, {{"loss", 5.5}, {"lr", 1e-3}});
+  store.add_metrics(id, 2, {{"loss", 4.25}, {"lr", 2e-3}});
+  store.add_metrics(id, 2, {{"loss", 4.0}});  // the same step again (after a resume) overwrites
+  store.add_event(id, "start", 0, "rank 0 up");
+  store.add_checkpoint(id, {2, "/tmp/ckpt/2", 1234, "abcd", 0});
+  store.set_status(id, RunStatus::Finished);
+
+  r = store.get_run(id);
+  CHECK(r.status == RunStatus::Finished);
+  CHECK(r.started_at > 0);
+  CHECK(r.ended_at >= r.started_at);
+  auto latest = store.latest_metrics(id);
+  CHECK(latest.at("loss").step == 2);
+  CHECK(latest.at("loss").value == 4.0);
+  CHECK(store.metric_history(id, "loss").size() == 2);
+  REQUIRE(store.events(id).size() == 1);
+  CHECK(store.events(id)[0].rank == 0);
+  REQUIRE(store.checkpoints(id).size() == 1);
+  CHECK(store.checkpoints(id)[0].bytes == 1234);
+}
+
+TEST_CASE("status changes follow the lifecycle", "[store]") {
+  dsrun::test::TempDir dir;
+  Store store(dir.file("runs.db"));
+  std::string id = store.create_run(sample_run("x"));
+  CHECK_THROWS_WITH(store.set_status(id, RunStatus::Planned), Catch::Contains("cannot go from planned to planned"));
+  store.set_status(id, RunStatus::Infeasible, "does not fit");
+  CHECK(store.get_run(id).error == "does not fit");
+  CHECK_THROWS(store.set_status(id, RunStatus::Running));  // an infeasible plan never runs
+  std::string other = store.create_run(sample_run("y"));
+  store.set_status(other, RunStatus::Running);
+  store.set_status(other, RunStatus::Killed);
+  store.set_status(other, RunStatus::Running);  // resume
+  CHECK(store.get_run(other).ended_at == 0);
+  CHECK_THROWS(run_status_from_string("done"));
+}
+
+TEST_CASE("runs are found by id, unique prefix or name; ambiguity is an error", "[store]") {
+  dsrun::test::TempDir dir;
+  Store store(dir.file("runs.db"));
+  std::vector<std::string> ids;
+  for (int i = 0; i < 40; ++i) ids.push_back(store.create_run(sample_run("run" + std::to_string(i))));
+  CHECK(store.resolve_run(ids[7]) == ids[7]);
+  CHECK(store.resolve_run(ids[7].substr(0, 7)) == ids[7]);
+  CHECK(store.resolve_run("run12") == ids[12]);
+  CHECK_THROWS_WITH(store.resolve_run("zzzz-none"), Catch::Contains("no run"));
+  // Among 40 ids some first hex digit repeats: that one-character prefix is ambiguous.
+  std::map<char, int> first;
+  for (const auto& id : ids) ++first[id[0]];
+  for (const auto& [c, n] : first)
+    if (n > 1) {
+      CHECK_THROWS_WITH(store.resolve_run(std::string(1, c)), Catch::Contains("runs match"));
+      break;
+    }
+  RunListOptions o;
+  o.limit = 5;
+  auto newest = store.list_runs(o);
+  REQUIRE(newest.size() == 5);
+  CHECK(newest[0].id == ids.back());
+}
+
+TEST_CASE("an old store is migrated and keeps its data", "[store][migration]") {
+  dsrun::test::TempDir dir;
+  std::string path = dir.file("old.db");
+  {
+    sqlite3* raw = nullptr;
+    REQUIRE(sqlite3_open(path.c_str(), &raw) == SQLITE_OK);
+    SqliteHandle db(raw);
+    migrate_store(raw, 1);
+    REQUIRE(count(raw, "PRAGMA user_version") == 1);
+    REQUIRE(sqlite3_exec(raw,
+                         "INSERT INTO runs(id, name, status, created_at, recipe_text, config_toml) VALUES('abcd1234', 'old', 'finished', 1, '', '');"
+                         "INSERT INTO metrics VALUES('abcd1234', 'loss', 1, 3.0, 1), ('abcd1234', 'loss', 5, 2.0, 2), ('abcd1234', 'lr', 5, 0.1, 2);",
+                         nullptr, nullptr, nullptr) == SQLITE_OK);
+  }
+  Store store(path);
+  CHECK(store.schema_version() == Store::current_schema_version());
+  auto latest = store.latest_metrics("abcd1234");  // metrics_latest was back-filled by migration 2
+  CHECK(latest.at("loss").step == 5);
+  CHECK(latest.at("loss").value == 2.0);
+  CHECK(store.get_run("abcd1234").name == "old");
+}
+
+TEST_CASE("a store from a newer dsrun is refused, not damaged", "[store][migration]") {
+  dsrun::test::TempDir dir;
+  std::string path = dir.file("new.db");
+  { Store store(path); }
+  {
+    sqlite3* raw = nullptr;
+    REQUIRE(sqlite3_open(path.c_str(), &raw) == SQLITE_OK);
+    SqliteHandle db(raw);
+    REQUIRE(sqlite3_exec(raw, "PRAGMA user_version = 99", nullptr, nullptr, nullptr) == SQLITE_OK);
+  }
+  CHECK_THROWS_WITH(Store(path), Catch::Contains("newer than this dsrun"));
+}
+
+TEST_CASE("the store stays consistent when its writer is killed at any point", "[store][crash]") {
+  dsrun::test::TempDir dir;
+  std::string path = dir.file("crash.db");
+  std::string id;
+  { id = Store(path).create_run(sample_run("crash")); }
+  std::mt19937 rng(7);
+  for (int round = 0; round < 6; ++round) {
+    pid_t child = fork();
+    REQUIRE(child >= 0);
+    if (child == 0) {
+      // The writer: each step writes two metrics in one transaction, forever.
+      try {
+        Store store(path);
+        for (int64_t step = 0;; ++step) store.add_metrics(id, round * 1000000 + step, {{"loss", 1.0 / (step + 1)}, {"lr", 0.1}});
+      } catch (...) {
+      }
+      _exit(1);
+    }
+    usleep(20000 + rng() % 80000);
+    REQUIRE(kill(child, SIGKILL) == 0);
+    int status = 0;
+    waitpid(child, &status, 0);
+    REQUIRE(WIFSIGNALED(status));
+
+    Store store(path);  // opens, recovers the WAL
+    sqlite3* db = store.handle();
+    CHECK(count(db, "SELECT count(*) FROM pragma_integrity_check WHERE integrity_check = 'ok'") == 1);
+    int64_t losses = count(db, "SELECT count(*) FROM metrics WHERE key = 'loss'");
+    int64_t lrs = count(db, "SELECT count(*) FROM metrics WHERE key = 'lr'");
+    CHECK(losses == lrs);  // no half-written step
+    CHECK(losses > 0);
+    CHECK(store.latest_metrics(id).at("loss").step == count(db, "SELECT max(step) FROM metrics WHERE key = 'loss'"));
+  }
+}

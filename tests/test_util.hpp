@@ -1,0 +1,61 @@
+// Helpers shared by the tests: temporary directories, a fixed host, recipe loading from text.
+#pragma once
+
+#include "engine/common/files.hpp"
+#include "engine/common/host.hpp"
+#include "engine/recipe/load.hpp"
+
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+namespace dsrun::test {
+
+// A fresh directory under /tmp, removed when the object goes away.
+class TempDir {
+ public:
+  TempDir() {
+    char pattern[] = "/tmp/dsrun-test-XXXXXX";
+    path_ = ::mkdtemp(pattern);
+  }
+  ~TempDir() { std::system(("rm -rf '" + path_ + "'").c_str()); }
+  const std::string& path() const { return path_; }
+  std::string file(const std::string& name) const { return path_ + "/" + name; }
+  std::string write(const std::string& name, const std::string& text) const {
+    std::string p = file(name);
+    make_directories(parent_directory(p));
+    write_file_atomic(p, text);
+    return p;
+  }
+
+ private:
+  std::string path_;
+};
+
+// A made-up 2-core, 16 GiB host without GPUs, so results do not depend on the test machine.
+inline HostFacts small_host() {
+  HostFacts h;
+  h.cpu_cores = 2;
+  h.memory_bytes = 16.0 * 1024 * 1024 * 1024;
+  h.hostname = "testhost";
+  return h;
+}
+
+inline LoadedRecipe load_text(const std::string& text, std::vector<std::string> overrides = {}, const std::string& name = "test.toml") {
+  LoadOptions o;
+  o.overrides = std::move(overrides);
+  o.host = small_host();
+  return load_recipe_text(text, name, o);
+}
+
+inline std::string source_dir() { return DSRUN_TEST_DIR "/.."; }
+
+// Errors only (warnings dropped).
+inline std::vector<Diagnostic> errors_of(const LoadedRecipe& r) {
+  std::vector<Diagnostic> out;
+  for (const auto& d : r.diagnostics)
+    if (d.severity == Diagnostic::Severity::Error) out.push_back(d);
+  return out;
+}
+
+}  // namespace dsrun::test
