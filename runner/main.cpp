@@ -3,6 +3,7 @@
 #include "runner/commands.hpp"
 
 #include <CLI/CLI.hpp>
+#include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
 #include <cstring>
@@ -32,9 +33,12 @@ std::vector<std::string> with_default_command(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Messages go to stderr, so `dsrun plan --json > plan.json` never mixes them into the output.
+  spdlog::set_default_logger(spdlog::stderr_color_st("dsrun"));
   spdlog::set_pattern("dsrun: %^%l%$: %v");
   CLI::App app{"dsrun: declarative experiment runner for distributed training"};
   app.require_subcommand(1);
+  app.fallthrough();  // global options such as --db work after the command too
   std::string db = dsrun::default_store_path();
   app.add_option("--db", db, "Run store (SQLite file); default $DSRUN_DB or runs/dsrun.db");
 
@@ -53,7 +57,7 @@ int main(int argc, char** argv) {
   int limit = 50;
   std::string status;
   CLI::App* history = app.add_subcommand("history", "List runs, newest first");
-  history->add_option("--limit", limit, "Most runs to list")->check(CLI::PositiveNumber);
+  history->add_option("--limit", limit, "Most runs to list")->check(CLI::Range(1, 100000000));
   history->add_option("--status", status, "Only runs with this status");
   history->add_flag("--json", json, "JSON instead of the table");
 
@@ -79,7 +83,7 @@ int main(int argc, char** argv) {
   try {
     app.parse(args);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    return app.exit(e) == 0 ? dsrun::kExitOk : dsrun::kExitError;  // --help is success; any usage error is 1
   }
 
   try {

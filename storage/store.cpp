@@ -330,8 +330,8 @@ void Store::set_status(const std::string& run_id, RunStatus status, const std::s
   }
   double now = unix_now();
   Statement s(db_.get(),
-              "UPDATE runs SET status = ?, error = COALESCE(?, error), "
-              "started_at = CASE WHEN ? = 'running' THEN ? ELSE started_at END, "
+              "UPDATE runs SET status = ?1, error = CASE WHEN ?1 = 'running' THEN NULL ELSE COALESCE(?2, error) END, "
+              "started_at = CASE WHEN ?3 = 'running' THEN COALESCE(started_at, ?4) ELSE started_at END, "
               "ended_at = CASE WHEN ? IN ('finished','failed','killed','pruned','infeasible') THEN ? ELSE NULL END WHERE id = ?");
   std::string st = to_string(status);
   s.bind(1, st).bind_optional(2, error).bind(3, st).bind(4, now).bind(5, st).bind(6, now).bind(7, run_id);

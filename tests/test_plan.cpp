@@ -170,14 +170,28 @@ TEST_CASE("auto checkpointing and micro batch pick the largest that fits", "[pla
 }
 
 TEST_CASE("a plan that does not fit says so and suggests what would", "[plan][verdict]") {
-  Plan p = plan_of("base = [\"hardware/a100-40gb-x8\", \"models/deepseek-llm-67b\"]\n[precision]\ndtype = \"bf16\"\n",
+  Plan p = plan_of("base = [\"hardware/a100-80gb-x8\", \"models/deepseek-llm-67b\"]\n[precision]\ndtype = \"bf16\"\n",
                    {"parallel.zero_stage=0", "batch.global=8", "batch.micro=1"});
   CHECK_FALSE(p.fits);
   REQUIRE_FALSE(p.suggestions.empty());
   CHECK(p.verdict[0].find("does not fit") == 0);
-  bool more_devices = false;
-  for (const auto& s : p.suggestions) more_devices |= s.find("devices of this kind would fit") != std::string::npos;
-  CHECK(more_devices);
+  CHECK(p.suggestions[0].find("--set parallel.zero_stage=3") != std::string::npos);  // 67B needs ZeRO-3 and offload to 2 TiB of host memory
+  CHECK(p.suggestions[0].find("--set parallel.offload=") != std::string::npos);
+
+  // Without host memory to offload into, only more GPUs help.
+  Plan q = plan_of("base = [\"hardware/a100-40gb-x8\", \"models/deepseek-llm-67b\"]\n[precision]\ndtype = \"bf16\"\n",
+                   {"parallel.zero_stage=0", "batch.global=8", "batch.micro=1", "hardware.host_memory_gib=64"});
+  CHECK_FALSE(q.fits);
+  REQUIRE(q.suggestions.size() == 1);
+  CHECK(q.suggestions[0].find("GPUs of this kind would fit") != std::string::npos);
+}
+
+TEST_CASE("suggestions prefer recomputation over offload", "[plan][verdict]") {
+  Plan p = plan_of(kSevenB, {"parallel.zero_stage=0", "batch.global=64", "batch.micro=1"});
+  CHECK_FALSE(p.fits);
+  REQUIRE_FALSE(p.suggestions.empty());
+  CHECK(p.suggestions[0].find("zero_stage=2 --set parallel.activation_checkpointing=full") != std::string::npos);
+  CHECK(p.suggestions[0].find("offload") == std::string::npos);
 }
 
 TEST_CASE("communication per step follows the ring formulas", "[plan][comm]") {

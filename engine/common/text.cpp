@@ -67,28 +67,20 @@ static std::string printf_string(const char* fmt, double v) {
   return buf;
 }
 
-std::string format_bytes(double bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
-  int u = 0;
-  double v = bytes;
-  while (std::fabs(v) >= 1024.0 && u < 5) {
-    v /= 1024.0;
+// "12.3 GiB", "870 K": divides by `base` until under it; 3 significant digits from 100 up.
+static std::string with_unit(double v, double base, const std::vector<const char*>& units, const char* whole_format) {
+  size_t u = 0;
+  while (std::fabs(v) >= base && u + 1 < units.size()) {
+    v /= base;
     ++u;
   }
-  if (u == 0) return printf_string("%.0f B", v);
-  return printf_string(std::fabs(v) >= 100 ? "%.0f " : "%.2f ", v) + units[u];
+  if (u == 0) return printf_string(whole_format, v) + units[0];
+  return printf_string(std::fabs(v) >= 100 ? "%.0f" : "%.2f", v) + units[u];
 }
 
-std::string format_count(double n) {
-  const char* units[] = {"", " K", " M", " B", " T", " P", " E"};
-  int u = 0;
-  while (std::fabs(n) >= 1000.0 && u < 6) {
-    n /= 1000.0;
-    ++u;
-  }
-  if (u == 0) return printf_string("%.0f", n);
-  return printf_string(std::fabs(n) >= 100 ? "%.1f" : "%.2f", n) + units[u];
-}
+std::string format_bytes(double bytes) { return with_unit(bytes, 1024.0, {" B", " KiB", " MiB", " GiB", " TiB", " PiB"}, "%.0f"); }
+
+std::string format_count(double n) { return with_unit(n, 1000.0, {"", " K", " M", " B", " T", " P", " E"}, "%.0f"); }
 
 std::string format_seconds(double s) {
   if (!std::isfinite(s)) return "n/a";

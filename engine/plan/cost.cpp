@@ -95,6 +95,7 @@ ModelCost resnet_cost(const ResNetSpec& r, double e) {
   activations += static_cast<double>(r.channels) * size * size;  // the input image, kept by the stem conv
   conv(r.channels, r.width, small ? 3 : 7, small ? 1 : 2);
   if (!small) size = (size + 1) / 2;  // max-pool
+  const double stem = activations;     // outside any block: kept even with checkpointing
   int cin = r.width;
   for (int stage = 0; stage < 4; ++stage) {
     int width = r.width << stage;
@@ -132,7 +133,7 @@ ModelCost resnet_cost(const ResNetSpec& r, double e) {
   c.model_flops_per_sample = 3 * flops;  // backward ≈ 2 × forward
   c.recompute_flops_per_sample = flops;
   c.activation_bytes_per_sample = e * activations;
-  c.checkpointed_activation_bytes_per_sample = e * (block_inputs + largest_block + cin);
+  c.checkpointed_activation_bytes_per_sample = e * (stem + block_inputs + largest_block + cin);
   c.terms.push_back({"conv/BN/ReLU outputs of every layer", e * activations});
   return c;
 }

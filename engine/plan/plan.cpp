@@ -26,7 +26,8 @@ ModelStateBytes plan_model_states_per_rank(const ModelStateOptions& o) {
   if (o.offload != Offload::None) {
     // ZeRO-Offload: master weights and optimizer states live on the host, with an fp32 copy of
     // the gradient shard for the host-side step.
-    b.host = b.master + b.optimizer + shard * 4;
+    // fp32 training has no separate master copy on the device, but the host step needs the weights.
+    b.host = b.master + b.optimizer + shard * 4 + (mixed ? 0 : shard * 4);
     b.master = b.optimizer = 0;
   }
   if (o.offload == Offload::OptimizerAndParams) {
@@ -76,7 +77,7 @@ class Planner {
     m.states = plan_model_states_per_rank(o);
     m.activations = l.micro * (l.checkpointing ? cost_.checkpointed_activation_bytes_per_sample : cost_.activation_bytes_per_sample);
     const double e = bytes_per_element(r_.precision.dtype);
-    if (l.stage == 3) {
+    if (l.stage == 3 && dp_ > 1) {
       // The layer being computed, the prefetched next one, and one layer's full gradient before reduce-scatter.
       m.comm_buffers = 3 * e * cost_.largest_unit_params;
     } else if (dp_ > 1) {
@@ -268,9 +269,10 @@ class Planner {
     };
     std::vector<Option> options;
     const int64_t per_rank = r_.batch.global / dp_;
-    for (int stage = std::max(current.stage, 0); stage <= 3; ++stage)
-      for (bool ckpt : {false, true})
-        for (Offload off : {Offload::None, Offload::Optimizer, Offload::OptimizerAndParams}) {
+    // Least invasive first: a higher stage, then recomputation, and offload (slow) last.
+    for (Offload off : {Offload::None, Offload::Optimizer, Offload::OptimizerAndParams})
+      for (int stage = std::max(current.stage, 0); stage <= 3; ++stage)
+        for (bool ckpt : {false, true}) {
           if (off == Offload::Optimizer && stage == 0) continue;
           if (off == Offload::OptimizerAndParams && stage != 3) continue;
           std::string sets = "--set parallel.zero_stage=" + std::to_string(stage);
@@ -289,7 +291,12 @@ class Planner {
       p.suggestions.push_back("fits with " + o.sets + " (" + alt_planner.usage(ev) + ")");
       if (++shown == 2) break;
     }
-    // More devices of the same kind, with ZeRO-3, recomputation and micro batch 1.
+    // More GPUs of the same kind, with ZeRO-3, recomputation and micro batch 1 (CPU ranks share
+    // one memory, so more of them never helps).
+    if (shown > 0 || r_.hardware.device != Device::Cuda) {
+      if (p.suggestions.empty()) p.suggestions.push_back("no configuration of this hardware fits: choose a smaller model or more memory");
+      return;
+    }
     for (int n = dp_ + 1; n <= 65536; n = n < 64 ? n + 1 : n * 2) {
       Recipe alt = r_;
       alt.parallel.data_parallel = n;
@@ -297,7 +304,8 @@ class Planner {
       alt.hardware.devices_per_node = std::max(alt.hardware.devices_per_node, (n + alt.hardware.nodes - 1) / alt.hardware.nodes);
       Planner alt_planner(alt, host_);
       if (alt_planner.evaluate({3, true, 1}).fits) {
-        p.suggestions.push_back("with ZeRO-3, full recomputation and micro batch 1, " + std::to_string(n) + " devices of this kind would fit");
+        p.suggestions.push_back("with ZeRO-3, full recomputation and micro batch 1, " + std::to_string(n) +
+                                " GPUs of this kind would fit (batch.global must then be a multiple of " + std::to_string(n) + ")");
         break;
       }
     }
@@ -389,11 +397,13 @@ class Planner {
 
   void predict_time(Plan& p) {
     p.compute_seconds = compute_seconds(p);
-    // The optimizer step is memory-bound: per parameter of the shard it reads and writes the fp32
-    // master and both moments (24 bytes for Adam), reads the gradient and writes the working weight.
+    // The optimizer step is memory-bound. Per parameter of the shard it reads and writes the fp32
+    // weights (8 bytes) and each fp32 state (8 bytes each: Adam's m and v, SGD's momentum), reads
+    // the gradient, and with mixed precision writes the working copy.
     const double e = bytes_per_element(r_.precision.dtype);
-    double touched = r_.optimizer.kind == OptimizerKind::Sgd ? (r_.optimizer.momentum > 0 ? 16 : 8) : 24;
-    if (r_.precision.dtype != DType::Fp32) touched += 2 * e;
+    const bool mixed = r_.precision.dtype != DType::Fp32;
+    int states = r_.optimizer.kind == OptimizerKind::Sgd ? (r_.optimizer.momentum > 0 ? 1 : 0) : 2;
+    double touched = 8 + 8.0 * states + e + (mixed ? e : 0);
     const double shard = p.zero_stage >= 1 ? std::ceil(cost_.params / dp_) : cost_.params;
     const double bandwidth = p.offload != Offload::None && r_.hardware.device == Device::Cuda ? r_.hardware.host_memory_bandwidth
                                                                                              : r_.hardware.memory_bandwidth;
@@ -427,7 +437,7 @@ class Planner {
     if (kernel_ == AttentionKernel::Math && r_.model.arch == ModelArch::DeepSeek)
       p.notes.push_back("attention on CPU keeps the s x s probabilities of every head (no flash kernel in libtorch 1.13)");
     if (hw.device == Device::Cuda && !hw.p2p && dp_ > 1)
-      p.notes.push_back("no GPU peer-to-peer: collectives go through host memory (half the link bandwidth assumed); dsrun sets NCCL_P2P_DISABLE=1");
+      p.notes.push_back("no GPU peer-to-peer: collectives go through host memory (half the link bandwidth assumed); NCCL needs NCCL_P2P_DISABLE=1 here");
     if (hw.device == Device::Cpu && p.offload != Offload::None)
       p.notes.push_back("offload on CPU ranks moves nothing (host and device memory are the same); the code path still runs");
     if (p.zero_stage > 0 && dp_ == 1) p.notes.push_back("ZeRO stage " + std::to_string(p.zero_stage) + " with one rank shards nothing");

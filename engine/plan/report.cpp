@@ -71,7 +71,7 @@ std::string render_plan(const Plan& p) {
   if (!p.comm.empty()) line("total " + format_seconds(p.comm_seconds) + ", not hidden behind compute " + format_seconds(p.exposed_comm_seconds));
 
   section("compute and speed");
-  line("model FLOPs per step " + format_count(p.model_flops_per_step) + " (6N + attention" +
+  line("model FLOPs per step " + format_count(p.model_flops_per_step) + (images ? " (3 x forward" : " (6N + attention") +
        std::string(p.activation_checkpointing ? "; hardware " + format_count(p.hardware_flops_per_step) + " with recomputation" : "") + ")");
   line("per step: compute " + format_seconds(p.compute_seconds) + " + communication " + format_seconds(p.exposed_comm_seconds) +
        " + optimizer " + format_seconds(p.optimizer_seconds) + (p.offload_seconds > 0 ? " + offload " + format_seconds(p.offload_seconds) : "") +

@@ -68,7 +68,7 @@ struct LoadOptions {
 struct LoadedRecipe {
   Recipe recipe;                        // meaningful only when ok()
   Config config;                        // every schema key, defaults included
-  std::vector<Diagnostic> diagnostics;  // errors and warnings, in recipe order
+  std::vector<Diagnostic> diagnostics;  // errors and warnings: parsing first, then key checks in key order, then cross-key rules
   std::string text;                     // the recipe file's own text, as written
   std::vector<std::string> files;       // the recipe and every base it pulled in
 
