@@ -7,6 +7,7 @@ cd "$(dirname "$0")"
 packages=(
   build-essential cmake ninja-build ccache git pkg-config
   libtorch-dev libopenblas0-pthread   # LibTorch 1.13 (CPU, c10d, Gloo); OpenBLAS: ~12x faster than reference BLAS
+  libgloo-dev                         # headers that c10d's ProcessGroupGloo.hpp includes
   libtomlplusplus-dev liblua5.4-dev libsqlite3-dev libspdlog-dev libcli11-dev catch2
   nlohmann-json3-dev                  # plan --json, stored plans and configs
   fortunes                            # real English text for the quickstart's training data

@@ -7,6 +7,7 @@
 #include "engine/plan/plan.hpp"
 #include "engine/recipe/load.hpp"
 #include "engine/recipe/schema.hpp"
+#include "runner/launcher.hpp"
 #include "runner/terminal.hpp"
 #include "storage/store.hpp"
 
@@ -85,14 +86,82 @@ int command_plan(const RecipeArgs& args, bool json) {
   return plan.fits ? kExitOk : kExitDoesNotFit;
 }
 
-int command_run(const RecipeArgs& args, const std::string& db_path) {
+// --smoke: the plan's layout (ranks, ZeRO stage, precision, accumulation, checkpointing, offload)
+// with a model small enough for CPU ranks. Returns the --set overrides and what they change.
+std::vector<std::string> smoke_overrides(const Recipe& r, const Plan& p, std::vector<std::string>& changes) {
+  std::vector<std::string> sets;
+  auto set = [&](const std::string& kv) { sets.push_back(kv); };
+  set("hardware.device=cpu");
+  set("hardware.nodes=1");
+  set("hardware.devices_per_node=" + std::to_string(p.world_size));
+  set("hardware.memory_gib=\"auto\"");
+  set("hardware.link=\"shm\"");
+  set("hardware.peak_tflops_bf16=0.01");
+  set("parallel.data_parallel=" + std::to_string(p.data_parallel));
+  set("parallel.zero_stage=" + std::to_string(p.zero_stage));
+  set(std::string("parallel.activation_checkpointing=") + (p.activation_checkpointing ? "full" : "none"));
+  changes.push_back(std::string(to_string(r.hardware.device)) + " \"" + r.hardware.name + "\" -> " + std::to_string(p.world_size) + " CPU ranks");
+  if (p.dtype == DType::Fp16) {
+    set("precision.dtype=bf16");
+    changes.push_back("fp16 -> bf16 (libtorch has no CPU fp16 matmul)");
+  }
+  const int64_t micro = std::min<int64_t>(p.micro_batch, 2), accumulation = std::min<int64_t>(p.accumulation, 4);
+  set("batch.micro=" + std::to_string(micro));
+  set("batch.global=" + std::to_string(micro * accumulation * p.data_parallel));
+  changes.push_back("batch " + std::to_string(p.global_batch) + " = " + std::to_string(p.micro_batch) + " x " + std::to_string(p.accumulation) + " x " +
+                    std::to_string(p.data_parallel) + " -> " + std::to_string(micro * accumulation * p.data_parallel) + " = " + std::to_string(micro) +
+                    " x " + std::to_string(accumulation) + " x " + std::to_string(p.data_parallel));
+  if (r.model.arch == ModelArch::DeepSeek) {
+    const int kv_groups = r.model.heads / r.model.kv_heads;
+    const int heads = kv_groups > 1 ? 4 : 4, kv = std::max(1, heads / std::min(kv_groups, 4));
+    for (const char* kv_set : {"model.hidden=64", "model.layers=2", "model.intermediate=128", "model.vocab=256", "model.max_seq_len=128", "batch.seq_len=32"})
+      set(kv_set);
+    set("model.heads=" + std::to_string(heads));
+    set("model.kv_heads=" + std::to_string(kv));
+    if (r.model.moe.enabled()) {
+      set("model.moe.routed_experts=" + std::to_string(std::min(r.model.moe.routed_experts, 4)));
+      set("model.moe.top_k=" + std::to_string(std::min(r.model.moe.top_k, 2)));
+      set("model.moe.shared_experts=" + std::to_string(std::min(r.model.moe.shared_experts, 1)));
+      set("model.moe.intermediate=32");
+      set("model.moe.first_dense_layers=" + std::to_string(std::min(r.model.moe.first_dense_layers, 1)));
+    }
+    changes.push_back(r.model.name + " (" + format_count(p.cost.params) + " parameters) -> hidden 64, 2 layers, " + std::to_string(heads) + " heads (" +
+                      std::to_string(kv) + " KV), vocab 256, sequence 32");
+  } else {
+    set("model.resnet.depth=18");
+    set("model.resnet.width=8");
+    set("model.resnet.image_size=16");
+    set("model.resnet.classes=10");
+    changes.push_back(r.model.name + " -> ResNet-18 of width 8 on 16x16 images");
+  }
+  set("data.kind=\"synthetic\"");
+  changes.push_back(std::string("data ") + to_string(r.data.kind) + " -> synthetic");
+  set("run.steps=" + std::to_string(std::min<int64_t>(r.run.steps, 6)));
+  set("schedule.warmup_steps=" + std::to_string(std::min<int64_t>(r.schedule.warmup_steps, 2)));
+  if (r.schedule.kind == ScheduleKind::MultiStep) set("schedule.milestones=[0.5, 0.75]");
+  if (r.eval.every > 0) set("eval.every=3");
+  changes.push_back("steps " + std::to_string(r.run.steps) + " -> " + std::to_string(std::min<int64_t>(r.run.steps, 6)));
+  return sets;
+}
+
+int command_run(const RecipeArgs& args, const RunFlags& flags, const std::string& db_path) {
   HostFacts host = read_host_facts();
   LoadedRecipe loaded = load_or_report(args, host);
   Plan plan = make_plan(loaded.recipe, host);
   std::string plan_text = render_plan(plan);
   std::cout << plan_text;
-  if (!plan.hardware_present) {
-    std::cout << "\nnot running: " << plan.hardware_message << "\n";
+  if (flags.smoke) {
+    std::vector<std::string> changes;
+    RecipeArgs smoke = args;
+    for (auto& s : smoke_overrides(loaded.recipe, plan, changes)) smoke.sets.push_back(s);
+    loaded = load_or_report(smoke, host);
+    plan = make_plan(loaded.recipe, host);
+    plan_text = render_plan(plan);
+    std::cout << "\nsmoke run: the plan above, shrunk to run on this machine's CPU:\n";
+    for (const auto& c : changes) std::cout << "  " << c << "\n";
+  } else if (!plan.hardware_present) {
+    std::cout << "\nnot running: " << plan.hardware_message << "\n"
+              << "To try the plan's layout on CPU ranks with a shrunk model: dsrun " << args.path << " --smoke\n";
     return kExitHardwareMissing;
   }
 
@@ -100,6 +169,7 @@ int command_run(const RecipeArgs& args, const std::string& db_path) {
   Store store(db_path);
   NewRun run;
   run.name = loaded.recipe.run.name.empty() ? file_stem(args.path) : loaded.recipe.run.name;
+  if (flags.smoke) run.name += " (smoke)";
   run.recipe_path = args.path;
   run.recipe_text = loaded.text;
   run.config_toml = config_to_toml(loaded.config);
@@ -117,12 +187,27 @@ int command_run(const RecipeArgs& args, const std::string& db_path) {
     std::cout << "\nrun " << id << " recorded as infeasible: the plan does not fit (see the suggestions above)\n";
     return kExitDoesNotFit;
   }
-  store.add_event(id, "planned", -1, "plan recorded; " + std::to_string(plan.world_size) + " ranks, ZeRO stage " + std::to_string(plan.zero_stage));
-  std::cout << "\nrun " << id << " recorded in " << db_path << " (status planned).\n"
-            << "This build plans and records runs; training itself arrives with the engine.\n"
-            << "See it with: dsrun show " << id << "\n";
-  return kExitOk;
+  std::cout << "\nrun " << id << ": " << plan.world_size << " rank(s), logs in " << path_join(parent_directory(db_path), id + "/logs") << "\n";
+  LaunchOptions launch;
+  launch.run_dir = path_join(parent_directory(db_path), id);
+  launch.nnodes = flags.nnodes;
+  launch.node_rank = flags.node_rank;
+  launch.master_addr = flags.master_addr;
+  launch.master_port = flags.master_port;
+  launch.nccl_debug = flags.nccl_debug;
+  launch.debug_rank = flags.debug_rank;
+  launch.progress = loaded.recipe.logging.progress;
+  RunStatus status = launch_run(loaded, plan, store, id, launch);
+  auto latest = store.latest_metrics(id);
+  std::cout << "run " << id << " " << to_string(status);
+  if (latest.count("loss")) std::cout << ": loss " << format_double(latest["loss"].value, 5) << " at step " << latest["loss"].step;
+  if (latest.count("val_loss")) std::cout << ", val_loss " << format_double(latest["val_loss"].value, 5);
+  std::cout << "\nsee it with: dsrun show " << id << "\n";
+  if (status == RunStatus::Finished) return kExitOk;
+  return status == RunStatus::Killed ? static_cast<int>(kExitInterrupted) : static_cast<int>(kExitError);
 }
+
+void command_worker(const std::string& config_path) { exec_rank_process(config_path); }
 
 int command_history(const std::string& db_path, int limit, const std::string& status, bool json) {
   if (!status.empty()) run_status_from_string(status);  // a typo is an error, not an empty list

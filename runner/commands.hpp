@@ -14,10 +14,23 @@ struct RecipeArgs {
   std::vector<std::string> sets;  // --set section.key=value
 };
 
+// How `dsrun run` launches (torchrun's spellings for the multi-node flags).
+struct RunFlags {
+  bool smoke = false;          // shrink the model to run the plan's layout on CPU ranks in seconds
+  int nnodes = 1, node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;
+  bool nccl_debug = false;
+  int debug_rank = -1;
+};
+
+enum { kExitInterrupted = 130 };
+
 std::string default_store_path();  // $DSRUN_DB, else runs/dsrun.db under the current directory
 
 int command_plan(const RecipeArgs& args, bool json);
-int command_run(const RecipeArgs& args, const std::string& db_path);
+int command_run(const RecipeArgs& args, const RunFlags& flags, const std::string& db_path);
+[[noreturn]] void command_worker(const std::string& config_path);
 int command_history(const std::string& db_path, int limit, const std::string& status, bool json);
 int command_show(const std::string& db_path, const std::string& run, bool json);
 int command_init(const std::string& name, const std::string& template_name, bool force);

@@ -12,7 +12,7 @@
 
 namespace {
 
-const char* const kCommands[] = {"run", "plan", "history", "show", "init", "templates", "docs"};
+const char* const kCommands[] = {"run", "plan", "history", "show", "init", "templates", "docs", "worker"};
 
 // `dsrun recipes/x.toml ...` means `dsrun run recipes/x.toml ...`.
 std::vector<std::string> with_default_command(int argc, char** argv) {
@@ -49,6 +49,14 @@ int main(int argc, char** argv) {
   };
   CLI::App* run = app.add_subcommand("run", "Plan, record and run a recipe (also: dsrun RECIPE)");
   add_recipe_args(run);
+  dsrun::RunFlags flags;
+  run->add_flag("--smoke", flags.smoke, "Run the plan's layout with a shrunk model on CPU ranks, in seconds");
+  run->add_option("--nnodes", flags.nnodes, "Nodes in the job (as torchrun)")->check(CLI::Range(1, 100000));
+  run->add_option("--node-rank", flags.node_rank, "This node's index (as torchrun)")->check(CLI::Range(0, 100000));
+  run->add_option("--master-addr", flags.master_addr, "Address of node 0 (as torchrun)");
+  run->add_option("--master-port", flags.master_port, "Port of the rendezvous store; default: a free one")->check(CLI::Range(0, 65535));
+  run->add_flag("--nccl-debug", flags.nccl_debug, "NCCL_DEBUG=INFO (and TORCH_DISTRIBUTED_DEBUG=DETAIL) into the rank logs");
+  run->add_option("--debug-rank", flags.debug_rank, "This rank prints its pid and waits for a debugger")->check(CLI::Range(0, 1000000));
   bool json = false;
   CLI::App* plan = app.add_subcommand("plan", "Print the resolved plan; exit 2 if it does not fit");
   add_recipe_args(plan);
@@ -74,6 +82,9 @@ int main(int argc, char** argv) {
   init->add_flag("--force", force, "Overwrite an existing file");
 
   CLI::App* templates = app.add_subcommand("templates", "List recipe, hardware and model templates");
+  std::string worker_config;
+  CLI::App* worker = app.add_subcommand("worker", "Be one rank under torchrun, Slurm or Kubernetes (reads RANK, WORLD_SIZE, MASTER_ADDR, ...)");
+  worker->add_option("config", worker_config, "Recipe or resolved config")->required();
   std::string topic;
   CLI::App* docs = app.add_subcommand("docs", "Print a generated reference page (recipe)");
   docs->add_option("topic", topic, "recipe")->required();
@@ -87,7 +98,8 @@ int main(int argc, char** argv) {
   }
 
   try {
-    if (*run) return dsrun::command_run(recipe_args, db);
+    if (*run) return dsrun::command_run(recipe_args, flags, db);
+    if (*worker) dsrun::command_worker(worker_config);
     if (*plan) return dsrun::command_plan(recipe_args, json);
     if (*history) return dsrun::command_history(db, limit, status, json);
     if (*show) return dsrun::command_show(db, run_id, json);

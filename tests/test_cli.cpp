@@ -57,7 +57,7 @@ TEST_CASE("dsrun plan --json is machine-readable", "[cli]") {
 
 TEST_CASE("dsrun RECIPE records a run that history and show find", "[cli][store]") {
   dsrun::test::TempDir dir;
-  Output run = dsrun_cli("recipes/quickstart.toml --set run.name=cli-test", dir);
+  Output run = dsrun_cli("recipes/quickstart.toml --set run.name=cli-test --set run.steps=3 --set schedule.warmup_steps=1", dir);
   INFO(run.text);
   REQUIRE(run.code == 0);
   size_t at = run.text.find("run ");
@@ -70,7 +70,7 @@ TEST_CASE("dsrun RECIPE records a run that history and show find", "[cli][store]
   CHECK(history.code == 0);
   CHECK(contains(history.text, id));
   CHECK(contains(history.text, "cli-test"));
-  CHECK(contains(history.text, "planned"));
+  CHECK(contains(history.text, "finished"));
 
   Output show = dsrun_cli("show " + id.substr(0, 5), dir);
   INFO(show.text);

@@ -1,0 +1,46 @@
+// The one place where libtorch versions differ: Debian's 1.13 (CPU, Gloo) and PyTorch 2.x (CUDA, NCCL).
+// Everything else includes this instead of testing TORCH_VERSION itself.
+#pragma once
+
+#include <torch/torch.h>
+#include <torch/version.h>
+
+#define DSRUN_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
+namespace dsrun::compat {
+
+// Causal attention over [batch, heads, seq, head_dim]. 2.x has a fused kernel (flash on CUDA);
+// 1.13 gets the plain softmax(QK^T/sqrt(d))V, which keeps the probabilities for backward.
+inline torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+#if DSRUN_TORCH_AT_LEAST(2, 0)
+  return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true);
+#else
+  const int64_t s = q.size(-2);
+  auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(q.size(-1)));
+  auto mask = torch::ones({s, s}, torch::TensorOptions().dtype(torch::kBool).device(q.device())).triu(1);
+  scores = scores.masked_fill(mask, -std::numeric_limits<float>::infinity());
+  return torch::matmul(torch::softmax(scores.to(torch::kFloat32), -1).to(q.scalar_type()), v);
+#endif
+}
+
+constexpr bool kHasFusedAttention = DSRUN_TORCH_AT_LEAST(2, 0);
+
+}  // namespace dsrun::compat
+
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+namespace dsrun::compat {
+
+// The class that ProcessGroupGloo/NCCL derive from: ProcessGroup in 1.13, Backend in 2.x.
+#if DSRUN_TORCH_AT_LEAST(2, 0)
+using CollectiveBackend = c10d::Backend;
+#else
+using CollectiveBackend = c10d::ProcessGroup;
+#endif
+
+// 1.13's Gloo has no reduce-scatter; 2.x's Gloo has none for CPU tensors either.
+constexpr bool kGlooHasReduceScatter = false;
+
+}  // namespace dsrun::compat

@@ -1,0 +1,31 @@
+// Training and validation data as an indexable stream of samples. Sample g of the training stream
+// is fixed by the seed (a fresh permutation each epoch), so ranks read disjoint slices of every
+// global batch, and a resumed run continues from a step number alone. Formats: docs/data.md.
+#pragma once
+
+#include "engine/model/model.hpp"
+#include "engine/recipe/recipe.hpp"
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace dsrun {
+
+class Dataset {
+ public:
+  virtual ~Dataset() = default;
+  // `count` consecutive samples of the training stream, starting at global sample index `first`.
+  virtual Batch train_batch(int64_t first, int64_t count) = 0;
+  // Validation samples, in order, wrapping around.
+  virtual Batch val_batch(int64_t first, int64_t count) = 0;
+  virtual std::string describe() const = 0;
+};
+
+std::unique_ptr<Dataset> open_dataset(const DataOptions& data, const ModelSpec& model, int64_t seq_len, uint64_t seed);
+
+// Pre-tokenized shard format: a 32-byte header ("DSRUNTOK", u32 version 1, u32 bytes per token
+// 2 or 4, u64 token count, u64 zero) followed by little-endian tokens.
+void write_token_shard(const std::string& path, const std::vector<uint32_t>& tokens, int bytes_per_token);
+
+}  // namespace dsrun

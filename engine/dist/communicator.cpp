@@ -1,0 +1,142 @@
+#include "engine/dist/communicator.hpp"
+
+#include "engine/common/error.hpp"
+#include "engine/common/torch_compat.hpp"
+
+#ifdef DSRUN_WITH_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+#include <chrono>
+#include <cstdlib>
+
+namespace dsrun {
+
+namespace {
+
+class SingleProcess final : public Communicator {
+ public:
+  int rank() const override { return 0; }
+  int world_size() const override { return 1; }
+  void all_reduce_sum(torch::Tensor&) override {}
+  void reduce_scatter_sum(const torch::Tensor& full, torch::Tensor& shard) override { shard.copy_(full); }
+  void all_gather(const torch::Tensor& shard, torch::Tensor& full) override { full.copy_(shard); }
+  void broadcast(torch::Tensor&, int) override {}
+  void barrier() override {}
+};
+
+// Collectives through a c10d process group. Gloo lacks reduce-scatter and bf16 on some versions:
+// it reduces in fp32 and derives reduce-scatter from all-reduce (same result, twice the traffic).
+class ProcessGroupCommunicator final : public Communicator {
+ public:
+  ProcessGroupCommunicator(c10::intrusive_ptr<compat::CollectiveBackend> group, int rank, int world, bool nccl)
+      : group_(std::move(group)), rank_(rank), world_(world), nccl_(nccl) {}
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_; }
+
+  void all_reduce_sum(torch::Tensor& tensor) override {
+    torch::Tensor wire = on_wire(tensor);
+    std::vector<torch::Tensor> tensors{wire};
+    group_->allreduce(tensors)->wait();
+    if (!wire.is_same(tensor)) tensor.copy_(wire);
+  }
+
+  void reduce_scatter_sum(const torch::Tensor& full, torch::Tensor& shard) override {
+    DSRUN_ASSERT(full.numel() == shard.numel() * world_, "reduce_scatter: full must be world_size x shard");
+#ifdef DSRUN_WITH_NCCL
+    if (nccl_) {
+      std::vector<torch::Tensor> out{shard};
+      std::vector<std::vector<torch::Tensor>> in{std::vector<torch::Tensor>(full.chunk(world_))};
+      group_->reduce_scatter(out, in)->wait();
+      return;
+    }
+#endif
+    torch::Tensor reduced = on_wire(full).clone();
+    std::vector<torch::Tensor> tensors{reduced};
+    group_->allreduce(tensors)->wait();
+    shard.copy_(reduced.narrow(0, rank_ * shard.numel(), shard.numel()));
+  }
+
+  void all_gather(const torch::Tensor& shard, torch::Tensor& full) override {
+    DSRUN_ASSERT(full.numel() == shard.numel() * world_, "all_gather: full must be world_size x shard");
+    torch::Tensor wire_full = on_wire(full);
+    std::vector<torch::Tensor> inputs{on_wire(shard).contiguous()};
+    std::vector<std::vector<torch::Tensor>> outputs(1);
+    for (int r = 0; r < world_; ++r) outputs[0].push_back(wire_full.narrow(0, r * shard.numel(), shard.numel()));
+    group_->allgather(outputs, inputs)->wait();
+    if (!wire_full.is_same(full)) full.copy_(wire_full);
+  }
+
+  void broadcast(torch::Tensor& tensor, int root) override {
+    torch::Tensor wire = on_wire(tensor);
+    std::vector<torch::Tensor> tensors{wire};
+    c10d::BroadcastOptions options;
+    options.rootRank = root;
+    group_->broadcast(tensors, options)->wait();
+    if (!wire.is_same(tensor)) tensor.copy_(wire);
+  }
+
+  void barrier() override { group_->barrier()->wait(); }
+
+ private:
+  // Gloo reduces bf16 in fp32 (not every Gloo build has bf16 kernels).
+  torch::Tensor on_wire(const torch::Tensor& t) const {
+    if (!nccl_ && t.scalar_type() == torch::kBFloat16) return t.to(torch::kFloat32);
+    return t;
+  }
+
+  c10::intrusive_ptr<compat::CollectiveBackend> group_;
+  int rank_, world_;
+  bool nccl_;
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> single_process_communicator() { return std::make_unique<SingleProcess>(); }
+
+std::unique_ptr<Communicator> connect_communicator(const RendezvousOptions& o) {
+  if (o.world_size == 1) return single_process_communicator();
+  auto timeout = std::chrono::milliseconds(static_cast<int64_t>(o.timeout_s * 1000));
+  c10d::TCPStoreOptions store_options;
+  store_options.port = static_cast<uint16_t>(o.master_port);
+  store_options.isServer = o.rank == 0;
+  store_options.numWorkers = o.world_size;
+  store_options.waitWorkers = true;
+  store_options.timeout = timeout;
+  c10::intrusive_ptr<c10d::Store> store;
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>(o.master_addr, store_options);
+  } catch (const std::exception& e) {
+    ErrorContext c;
+    c.rank = o.rank;
+    c.hint = "check MASTER_ADDR/MASTER_PORT and that every rank started";
+    throw Error("rendezvous at " + o.master_addr + ":" + std::to_string(o.master_port) + " failed: " + e.what(), c);
+  }
+  if (o.use_nccl) {
+#ifdef DSRUN_WITH_NCCL
+    auto options = c10d::ProcessGroupNCCL::Options::create();
+    options->timeout = timeout;
+    auto group = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, o.rank, o.world_size, options);
+    return std::make_unique<ProcessGroupCommunicator>(group, o.rank, o.world_size, true);
+#else
+    ErrorContext c;
+    c.rank = o.rank;
+    c.hint = "build dsrun against a CUDA libtorch with NCCL (docs/gpu.md)";
+    throw Error("this dsrun was built without NCCL", c);
+#endif
+  }
+  auto options = c10d::ProcessGroupGloo::Options::create();
+  options->timeout = timeout;
+  // One machine: loopback. Several: the interface named by GLOO_SOCKET_IFNAME, else the host's name.
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"))
+    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+  else if (o.master_addr == "127.0.0.1" || o.master_addr == "localhost")
+    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  else
+    options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+  auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, o.rank, o.world_size, options);
+  return std::make_unique<ProcessGroupCommunicator>(group, o.rank, o.world_size, false);
+}
+
+}  // namespace dsrun

@@ -1,0 +1,42 @@
+// Rendezvous (c10d TCPStore) and the five collectives dsrun needs, over flat tensors:
+// all-reduce, reduce-scatter, all-gather, broadcast, barrier. Gloo for CPU tensors, NCCL for CUDA.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <memory>
+#include <string>
+
+namespace dsrun {
+
+struct RendezvousOptions {
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  int rank = 0;
+  int world_size = 1;
+  double timeout_s = 300;   // for rendezvous and for every collective
+  bool use_nccl = false;    // CUDA tensors; needs a libtorch built with NCCL
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  // In place: every rank ends with the elementwise sum.
+  virtual void all_reduce_sum(torch::Tensor& tensor) = 0;
+  // full has world_size × shard.numel() elements; this rank's shard receives the sum of its slice.
+  virtual void reduce_scatter_sum(const torch::Tensor& full, torch::Tensor& shard) = 0;
+  // full has world_size × shard.numel() elements; slice r receives rank r's shard.
+  virtual void all_gather(const torch::Tensor& shard, torch::Tensor& full) = 0;
+  virtual void broadcast(torch::Tensor& tensor, int root) = 0;
+  virtual void barrier() = 0;
+};
+
+// Connects to the TCPStore at master_addr:master_port (rank 0 hosts it) and builds the group.
+std::unique_ptr<Communicator> connect_communicator(const RendezvousOptions& options);
+
+// A group of one: every collective is the identity. Used when world_size == 1.
+std::unique_ptr<Communicator> single_process_communicator();
+
+}  // namespace dsrun

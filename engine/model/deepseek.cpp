@@ -1,0 +1,245 @@
+// DeepSeek/Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU, multi-head or grouped-query
+// attention, optional tied embeddings, and DeepSeek-MoE layers (fine-grained routed experts plus
+// shared experts, top-k softmax gating, expert-level load-balance loss, first layers dense).
+#include "engine/common/torch_compat.hpp"
+#include "engine/model/model.hpp"
+
+#include <cmath>
+
+namespace dsrun {
+
+namespace {
+
+using torch::Tensor;
+namespace nn = torch::nn;
+
+nn::Linear linear(int64_t in, int64_t out) { return nn::Linear(nn::LinearOptions(in, out).bias(false)); }
+
+struct RMSNormImpl : nn::Module {
+  RMSNormImpl(int64_t dim, double eps) : eps(eps) { weight = register_parameter("weight", torch::ones({dim})); }
+  Tensor forward(const Tensor& x) {
+    Tensor xf = x.to(torch::kFloat32);  // the mean of squares in fp32, as DeepSeek does
+    return (xf * torch::rsqrt(xf.pow(2).mean(-1, true) + eps)).to(x.scalar_type()) * weight;
+  }
+  Tensor weight;
+  double eps;
+};
+TORCH_MODULE(RMSNorm);
+
+// Rotary position embedding on [b, heads, s, d], rotating the two halves of each head (Llama layout).
+struct Rotary {
+  Tensor cos, sin;  // [max_seq, d]
+  Rotary(int64_t head_dim, int64_t max_seq, double theta) {
+    Tensor inv = 1.0 / torch::pow(theta, torch::arange(0, head_dim, 2, torch::kFloat64) / static_cast<double>(head_dim));
+    Tensor angles = torch::outer(torch::arange(max_seq, torch::kFloat64), inv);
+    Tensor full = torch::cat({angles, angles}, -1);
+    cos = full.cos().to(torch::kFloat32);
+    sin = full.sin().to(torch::kFloat32);
+  }
+  Tensor apply(const Tensor& x) const {
+    const int64_t s = x.size(2), half = x.size(3) / 2;
+    Tensor c = cos.narrow(0, 0, s).to(x.scalar_type()), sn = sin.narrow(0, 0, s).to(x.scalar_type());
+    Tensor rotated = torch::cat({-x.narrow(3, half, half), x.narrow(3, 0, half)}, -1);
+    return x * c + rotated * sn;
+  }
+};
+
+struct AttentionImpl : nn::Module {
+  AttentionImpl(const ModelSpec& m) : heads(m.heads), kv_heads(m.kv_heads), head_dim(m.head_dim()) {
+    wq = register_module("wq", linear(m.hidden, m.hidden));
+    wk = register_module("wk", linear(m.hidden, kv_heads * head_dim));
+    wv = register_module("wv", linear(m.hidden, kv_heads * head_dim));
+    wo = register_module("wo", linear(m.hidden, m.hidden));
+  }
+  Tensor forward(const Tensor& x, const Rotary& rope) {
+    const int64_t b = x.size(0), s = x.size(1);
+    Tensor q = wq(x).view({b, s, heads, head_dim}).transpose(1, 2);
+    Tensor k = wk(x).view({b, s, kv_heads, head_dim}).transpose(1, 2);
+    Tensor v = wv(x).view({b, s, kv_heads, head_dim}).transpose(1, 2);
+    q = rope.apply(q);
+    k = rope.apply(k);
+    if (kv_heads != heads) {  // grouped-query attention: each KV head serves heads/kv_heads query heads
+      k = k.repeat_interleave(heads / kv_heads, 1);
+      v = v.repeat_interleave(heads / kv_heads, 1);
+    }
+    Tensor out = compat::causal_attention(q, k, v);
+    return wo(out.transpose(1, 2).reshape({b, s, heads * head_dim}));
+  }
+  int64_t heads, kv_heads, head_dim;
+  nn::Linear wq{nullptr}, wk{nullptr}, wv{nullptr}, wo{nullptr};
+};
+TORCH_MODULE(Attention);
+
+struct SwiGLUImpl : nn::Module {
+  SwiGLUImpl(int64_t hidden, int64_t inner) {
+    gate = register_module("gate", linear(hidden, inner));
+    up = register_module("up", linear(hidden, inner));
+    down = register_module("down", linear(inner, hidden));
+  }
+  Tensor forward(const Tensor& x) { return down(torch::silu(gate(x)) * up(x)); }
+  nn::Linear gate{nullptr}, up{nullptr}, down{nullptr};
+};
+TORCH_MODULE(SwiGLU);
+
+// DeepSeek-MoE: every token goes through the shared experts and through its top-k routed experts,
+// weighted by the router's softmax scores (not renormalised, as in DeepSeek-MoE 16B).
+struct MoEImpl : nn::Module {
+  MoEImpl(const ModelSpec& m) : top_k(m.moe.top_k), experts_count(m.moe.routed_experts), aux_weight(m.moe.aux_loss_weight) {
+    router = register_module("router", linear(m.hidden, experts_count));
+    for (int e = 0; e < experts_count; ++e) experts.push_back(register_module("expert" + std::to_string(e), SwiGLU(m.hidden, m.moe.intermediate)));
+    if (m.moe.shared_experts > 0)  // S shared experts of size fe act like one SwiGLU of size S·fe
+      shared = register_module("shared", SwiGLU(m.hidden, m.moe.shared_experts * m.moe.intermediate));
+  }
+  Tensor forward(const Tensor& x, Tensor& aux_loss) {
+    const auto shape = x.sizes().vec();
+    Tensor tokens = x.reshape({-1, x.size(-1)});
+    const int64_t T = tokens.size(0);
+    Tensor scores = torch::softmax(router(tokens).to(torch::kFloat32), -1);  // [T, E]
+    auto [weights, chosen] = scores.topk(top_k, -1);                          // [T, k]
+    Tensor out = torch::zeros_like(tokens);
+    for (int e = 0; e < experts_count; ++e) {
+      Tensor hit = chosen == e;                       // [T, k]
+      Tensor rows = hit.any(-1).nonzero().squeeze(-1);
+      if (rows.numel() == 0) continue;
+      Tensor w = (weights * hit).sum(-1).index_select(0, rows).unsqueeze(-1).to(x.scalar_type());
+      out = out.index_add(0, rows, experts[e](tokens.index_select(0, rows)) * w);
+    }
+    if (shared) out = out + shared(tokens);
+    // Expert-level balance loss (DeepSeek-MoE eq. 12): α Σ_i f_i P_i, f_i = E/(kT) · tokens routed to i,
+    // P_i = mean router score of i. Equals α when routing is perfectly uniform.
+    Tensor counts = torch::zeros({experts_count}, torch::kFloat32).scatter_add(0, chosen.reshape({-1}), torch::ones({T * top_k}));
+    Tensor f = counts * (static_cast<double>(experts_count) / (top_k * T));
+    Tensor p = scores.mean(0);
+    aux_loss = aux_loss + aux_weight * (f * p).sum();  // f counts tokens: no gradient flows through it
+    return out.reshape(shape);
+  }
+  int top_k, experts_count;
+  double aux_weight;
+  nn::Linear router{nullptr};
+  std::vector<SwiGLU> experts;
+  SwiGLU shared{nullptr};
+};
+TORCH_MODULE(MoE);
+
+struct BlockImpl : nn::Module {
+  BlockImpl(const ModelSpec& m, bool moe) {
+    attn_norm = register_module("attn_norm", RMSNorm(m.hidden, m.norm_eps));
+    attn = register_module("attn", Attention(m));
+    mlp_norm = register_module("mlp_norm", RMSNorm(m.hidden, m.norm_eps));
+    if (moe) this->moe = register_module("moe", MoE(m));
+    else mlp = register_module("mlp", SwiGLU(m.hidden, m.intermediate));
+  }
+  Tensor forward(const Tensor& x, const Rotary& rope, Tensor& aux_loss) {
+    Tensor h = x + attn(attn_norm(x), rope);
+    return h + (moe ? moe(mlp_norm(h), aux_loss) : mlp(mlp_norm(h)));
+  }
+  RMSNorm attn_norm{nullptr}, mlp_norm{nullptr};
+  Attention attn{nullptr};
+  SwiGLU mlp{nullptr};
+  MoE moe{nullptr};
+};
+TORCH_MODULE(Block);
+
+struct DecoderModule : nn::Module {
+  DecoderModule(const ModelSpec& m) {
+    embedding = register_module("embedding", nn::Embedding(m.vocab, m.hidden));
+    for (int i = 0; i < m.layers; ++i) {
+      bool moe = m.moe.enabled() && i >= m.moe.first_dense_layers;
+      blocks.push_back(register_module("block" + std::to_string(i), Block(m, moe)));
+    }
+    norm = register_module("norm", RMSNorm(m.hidden, m.norm_eps));
+    if (!m.tie_embeddings) head = register_module("head", linear(m.hidden, m.vocab));
+  }
+  nn::Embedding embedding{nullptr};
+  std::vector<Block> blocks;
+  RMSNorm norm{nullptr};
+  nn::Linear head{nullptr};
+};
+
+std::vector<torch::Tensor> params_of(nn::Module& m) { return m.parameters(); }
+
+class DeepSeekModel final : public Model {
+ public:
+  DeepSeekModel(const ModelSpec& spec, int64_t seq_len)
+      : spec_(spec), net_(std::make_shared<DecoderModule>(spec)), rope_(spec.head_dim(), std::max(seq_len, spec.max_seq_len), spec.rope_theta) {
+    torch::NoGradGuard no_grad;
+    for (auto& p : net_->named_parameters()) {
+      if (p.key().find("norm") != std::string::npos) continue;  // RMSNorm weights stay 1
+      p.value().normal_(0.0, spec.init_std);
+    }
+  }
+
+  std::vector<ParameterUnit> parameter_units() override {
+    std::vector<ParameterUnit> units;
+    if (spec_.tie_embeddings) {
+      // The embedding is also the output projection: one outer unit holds it and the final norm.
+      units.push_back({"embedding+head", concat(params_of(*net_->embedding), params_of(*net_->norm)), false});
+    } else {
+      units.push_back({"embedding", params_of(*net_->embedding), false});
+    }
+    for (size_t i = 0; i < net_->blocks.size(); ++i) units.push_back({"block " + std::to_string(i), params_of(*net_->blocks[i]), true});
+    if (!spec_.tie_embeddings) units.push_back({"head", concat(params_of(*net_->norm), params_of(*net_->head)), false});
+    return units;
+  }
+
+  ModelOutput forward(const Batch& batch, UnitRunner& runner) override {
+    const int first_block = 1;
+    // Blocks carry the running MoE balance loss along with the activations, so that a
+    // recomputed (checkpointed) block contributes its balance loss to the graph as well.
+    auto blocks = [&](Tensors state) {
+      for (size_t i = 0; i < net_->blocks.size(); ++i) {
+        Block block = net_->blocks[i];
+        state = runner.run(first_block + static_cast<int>(i), [this, block](const Tensors& in) mutable {
+          Tensor aux = in[1];
+          Tensor x = block(in[0], rope_, aux);
+          return Tensors{x, aux};
+        }, state);
+      }
+      return state;
+    };
+    Tensor zero = torch::zeros({}, torch::kFloat32);
+    Tensor logits, aux;
+    if (spec_.tie_embeddings) {
+      Tensors out = runner.run(0, [&](const Tensors& in) {
+        Tensors state = blocks({net_->embedding(in[0]), zero});
+        return Tensors{torch::matmul(net_->norm(state[0]), net_->embedding->weight.t()), state[1]};
+      }, {batch.inputs});
+      logits = out[0];
+      aux = out[1];
+    } else {
+      Tensors x = runner.run(0, [&](const Tensors& in) { return Tensors{net_->embedding(in[0])}; }, {batch.inputs});
+      Tensors state = blocks({x[0], zero});
+      const int head_unit = first_block + static_cast<int>(net_->blocks.size());
+      logits = runner.run(head_unit, [&](const Tensors& in) { return Tensors{net_->head(net_->norm(in[0]))}; }, {state[0]})[0];
+      aux = state[1];
+    }
+    Tensor task = torch::nn::functional::cross_entropy(logits.to(torch::kFloat32).reshape({-1, spec_.vocab}), batch.targets.reshape({-1}));
+    ModelOutput out;
+    out.loss = spec_.moe.enabled() ? task + aux : task;
+    out.task_loss = task.item<double>();
+    out.aux_loss = spec_.moe.enabled() ? aux.item<double>() : 0.0;
+    return out;
+  }
+
+  nn::Module& module() override { return *net_; }
+
+ private:
+  static std::vector<Tensor> concat(std::vector<Tensor> a, const std::vector<Tensor>& b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+  }
+  ModelSpec spec_;
+  std::shared_ptr<DecoderModule> net_;
+  Rotary rope_;
+};
+
+}  // namespace
+
+std::unique_ptr<Model> build_resnet(const ResNetSpec& spec);  // resnet.cpp
+
+std::unique_ptr<Model> build_model(const ModelSpec& spec, int64_t seq_len) {
+  if (spec.arch == ModelArch::ResNet) return build_resnet(spec.resnet);
+  return std::make_unique<DeepSeekModel>(spec, seq_len);
+}
+
+}  // namespace dsrun

@@ -1,0 +1,60 @@
+// What every trainable model offers the engine: its parameters grouped in units (the granularity of
+// ZeRO-3 gathering and of activation checkpointing) and a loss for one micro-batch. Models know
+// nothing of ranks; parallelism reaches in only through the UnitRunner their forward calls.
+#pragma once
+
+#include "engine/recipe/recipe.hpp"
+
+#include <torch/torch.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace dsrun {
+
+using Tensors = std::vector<torch::Tensor>;
+// A unit's computation: tensors in, tensors out (a block maps {x, aux loss} to {x', aux loss'}).
+// It must be a pure function of its inputs and the unit's parameters: checkpointing calls it twice.
+using UnitFn = std::function<Tensors(const Tensors&)>;
+
+// Runs one unit's computation. The default just calls it; ZeRO-3 gathers the unit's parameters
+// around it, activation checkpointing recomputes it in backward.
+class UnitRunner {
+ public:
+  virtual ~UnitRunner() = default;
+  virtual Tensors run(int unit, const UnitFn& fn, const Tensors& inputs) { return fn(inputs); }
+};
+
+struct ParameterUnit {
+  std::string name;                  // "embedding", "block 3", "head"
+  std::vector<torch::Tensor> params;  // leaf tensors owned by the model
+  bool checkpointable = false;       // a transformer block or residual block
+};
+
+struct Batch {
+  torch::Tensor inputs;   // token ids [b, s] (int64) or images [b, c, h, w]
+  torch::Tensor targets;  // next tokens [b, s] or labels [b]
+  int64_t items = 0;      // tokens (decoders) or images in the batch
+};
+
+struct ModelOutput {
+  torch::Tensor loss;       // mean over the batch, what backward starts from (aux losses included)
+  double task_loss = 0;     // cross-entropy alone, for reporting
+  double aux_loss = 0;      // MoE load balance (0 for dense models)
+  int64_t correct = -1;     // images: correct predictions; -1 where it does not apply
+};
+
+class Model {
+ public:
+  virtual ~Model() = default;
+  virtual std::vector<ParameterUnit> parameter_units() = 0;
+  virtual ModelOutput forward(const Batch& batch, UnitRunner& runner) = 0;
+  virtual torch::nn::Module& module() = 0;
+};
+
+// Builds the recipe's model in fp32 on the CPU, initialised from the current torch seed.
+std::unique_ptr<Model> build_model(const ModelSpec& spec, int64_t seq_len);
+
+}  // namespace dsrun

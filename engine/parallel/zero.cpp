@@ -1,0 +1,303 @@
+#include "engine/parallel/zero.hpp"
+
+#include "engine/common/error.hpp"
+
+#include <cmath>
+
+namespace dsrun {
+
+using torch::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+namespace {
+
+torch::ScalarType scalar_type(DType d) {
+  return d == DType::Bf16 ? torch::kBFloat16 : d == DType::Fp16 ? torch::kFloat16 : torch::kFloat32;
+}
+
+// Runs a unit without keeping its activations, and again with grad in backward (activation
+// checkpointing). Units take one or two tensors; `fn` points at a UnitFn kept alive until after_step.
+struct CheckpointedUnit : torch::autograd::Function<CheckpointedUnit> {
+  static variable_list forward(AutogradContext* ctx, Tensor a, Tensor b, int64_t fn_address) {
+    ctx->saved_data["fn"] = fn_address;
+    ctx->saved_data["inputs"] = static_cast<int64_t>(b.defined() ? 2 : 1);
+    ctx->save_for_backward({a, b});
+    Tensors inputs{a};
+    if (b.defined()) inputs.push_back(b);
+    Tensors out;
+    {
+      torch::NoGradGuard no_grad;
+      out = (*reinterpret_cast<const UnitFn*>(fn_address))(inputs);
+    }
+    for (auto& o : out)  // an input passed straight through must still be a new output
+      if (o.is_same(a) || (b.defined() && o.is_same(b))) o = o.clone();
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const UnitFn& fn = *reinterpret_cast<const UnitFn*>(ctx->saved_data["fn"].toInt());
+    const int64_t count = ctx->saved_data["inputs"].toInt();
+    variable_list saved = ctx->get_saved_variables();
+    Tensors inputs;
+    for (int64_t i = 0; i < count; ++i) {
+      Tensor x = saved[i].detach();
+      if (x.is_floating_point()) x.requires_grad_(true);
+      inputs.push_back(x);
+    }
+    Tensors out;
+    {
+      torch::AutoGradMode with_grad(true);
+      out = fn(inputs);
+    }
+    Tensors roots, root_grads;
+    for (size_t i = 0; i < out.size(); ++i)
+      if (out[i].requires_grad() && grads[i].defined()) {
+        roots.push_back(out[i]);
+        root_grads.push_back(grads[i]);
+      }
+    if (!roots.empty()) torch::autograd::backward(roots, root_grads);
+    variable_list result{inputs[0].requires_grad() ? inputs[0].grad() : Tensor(),
+                         count > 1 && inputs[1].requires_grad() ? inputs[1].grad() : Tensor(), Tensor()};
+    return result;
+  }
+};
+
+}  // namespace
+
+struct ZeroDataParallel::Unit {
+  std::string name;
+  bool checkpointable = false;
+  std::vector<Tensor> params;
+  std::vector<std::vector<int64_t>> shapes;
+  std::vector<int64_t> offsets, numels;
+  int64_t numel = 0, padded = 0, shard = 0, shard_begin = 0;
+  Tensor full;         // working parameters, compute dtype, [padded]; stage 3: only while gathered
+  Tensor param_shard;  // stage 3: this rank's slice of the working parameters
+  Tensor grad_acc;     // stage 0-1: [padded]; stage 2-3: [shard]; compute dtype
+  bool gathered = false;
+  bool gathered_for_backward = false;
+};
+
+ZeroDataParallel::ZeroDataParallel(Model& model, Communicator& comm, const ZeroOptions& options)
+    : model_(model), comm_(comm), options_(options) {
+  DSRUN_ASSERT(options.stage >= 0 && options.stage <= 3, "ZeRO stage validated by the recipe");
+  const int world = comm.world_size();
+  const bool sharded = options.stage >= 1;
+  const auto compute = scalar_type(options.dtype);
+  const bool mixed = compute != torch::kFloat32;
+  torch::NoGradGuard no_grad;
+
+  for (auto& pu : model.parameter_units()) {
+    auto u = std::make_unique<Unit>();
+    u->name = pu.name;
+    u->checkpointable = pu.checkpointable;
+    u->params = pu.params;
+    for (auto& p : u->params) {
+      u->shapes.push_back(p.sizes().vec());
+      u->offsets.push_back(u->numel);
+      u->numels.push_back(p.numel());
+      u->numel += p.numel();
+    }
+    // Shards are padded so that every rank holds the same number of elements (3 ranks, odd sizes).
+    u->padded = sharded ? (u->numel + world - 1) / world * world : u->numel;
+    u->shard = sharded ? u->padded / world : u->padded;
+    u->shard_begin = sharded ? comm.rank() * u->shard : 0;
+
+    Tensor flat32 = torch::zeros({u->padded}, torch::kFloat32);
+    for (size_t i = 0; i < u->params.size(); ++i) flat32.narrow(0, u->offsets[i], u->numels[i]).copy_(u->params[i].detach().flatten());
+    Tensor region32 = flat32.narrow(0, u->shard_begin, u->shard);
+
+    MasterShard m;
+    if (options.stage <= 2) {
+      u->full = mixed ? flat32.to(compute) : flat32;
+      m.master = mixed ? region32.clone() : u->full.narrow(0, u->shard_begin, u->shard);  // fp32: updated in place
+    } else {
+      u->param_shard = mixed ? region32.to(compute) : region32.clone();
+      m.master = mixed ? region32.clone() : u->param_shard;
+    }
+    u->grad_acc = torch::zeros({options.stage <= 1 ? u->padded : u->shard}, compute);
+    for (size_t i = 0; i < u->params.size(); ++i) {
+      if (u->shapes[i].size() < 2) continue;  // no weight decay on norms and biases
+      int64_t begin = std::max(u->offsets[i], u->shard_begin), end = std::min(u->offsets[i] + u->numels[i], u->shard_begin + u->shard);
+      if (begin < end) m.decay_ranges.push_back({begin - u->shard_begin, end - u->shard_begin});
+    }
+    shards_.push_back(std::move(m));
+    if (options.stage <= 2) {
+      u->gathered = true;
+      for (size_t i = 0; i < u->params.size(); ++i) u->params[i].set_data(u->full.narrow(0, u->offsets[i], u->numels[i]).view(u->shapes[i]));
+    } else {
+      release(*u);
+    }
+    units_.push_back(std::move(u));
+  }
+}
+
+ZeroDataParallel::~ZeroDataParallel() = default;
+
+void ZeroDataParallel::gather(Unit& u) {
+  if (u.gathered) return;
+  torch::NoGradGuard no_grad;
+  u.full = torch::empty({u.padded}, u.param_shard.options());
+  comm_.all_gather(u.param_shard, u.full);
+  for (size_t i = 0; i < u.params.size(); ++i) u.params[i].set_data(u.full.narrow(0, u.offsets[i], u.numels[i]).view(u.shapes[i]));
+  u.gathered = true;
+}
+
+void ZeroDataParallel::release(Unit& u) {
+  torch::NoGradGuard no_grad;
+  // Tensors autograd saved keep their own reference; the gathered buffer goes when they do.
+  for (auto& p : u.params) p.set_data(torch::empty({0}, u.param_shard.defined() ? u.param_shard.options() : p.options()));
+  u.full = Tensor();
+  u.gathered = false;
+  u.gathered_for_backward = false;
+}
+
+Tensors ZeroDataParallel::run(int index, const UnitFn& fn, const Tensors& inputs) {
+  Unit& u = *units_.at(index);
+  const bool stage3 = options_.stage == 3;
+  const bool grad = torch::GradMode::is_enabled();
+  if (stage3) gather(u);
+  forward_stack_.push_back(index);
+  Tensors out;
+  if (options_.activation_checkpointing && u.checkpointable && grad) {
+    DSRUN_ASSERT(!inputs.empty() && inputs.size() <= 2, "checkpointed units take one or two tensors");
+    auto kept = std::make_shared<UnitFn>(fn);
+    live_fns_.push_back(kept);
+    out = CheckpointedUnit::apply(inputs[0], inputs.size() > 1 ? inputs[1] : Tensor(), reinterpret_cast<int64_t>(kept.get()));
+  } else {
+    out = fn(inputs);
+  }
+  forward_stack_.pop_back();
+  if (!stage3) return out;
+  release(u);
+  if (grad) {
+    // Backward needs the parameters again (recomputation reads them): gather when the gradient
+    // of this unit's output arrives, before the unit's own backward runs.
+    for (auto& o : out)
+      if (o.requires_grad()) {
+        o.register_hook([this, index](const Tensor& g) {
+          Unit& unit = *units_[index];
+          if (!unit.gathered) {
+            gather(unit);
+            unit.gathered_for_backward = true;
+          }
+          return g;
+        });
+        break;
+      }
+  }
+  return out;
+}
+
+void ZeroDataParallel::after_backward() {
+  torch::NoGradGuard no_grad;
+  for (auto& up : units_) {
+    Unit& u = *up;
+    // Released only now: gradient accumulation into the parameters reads their shape.
+    if (u.gathered_for_backward) release(u);
+    Tensor flat = torch::zeros({u.padded}, u.grad_acc.options());
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      Tensor& g = u.params[i].mutable_grad();
+      if (!g.defined()) continue;  // an MoE expert no token chose: zero gradient
+      flat.narrow(0, u.offsets[i], u.numels[i]).copy_(g.flatten());
+      g = Tensor();
+    }
+    if (options_.stage <= 1) {
+      u.grad_acc.add_(flat);  // reduced once per step, after the last micro-batch
+    } else {
+      Tensor mine = torch::empty({u.shard}, flat.options());
+      comm_.reduce_scatter_sum(flat, mine);  // every micro-batch: only the shard is kept
+      u.grad_acc.add_(mine);
+    }
+  }
+}
+
+void ZeroDataParallel::reduce_gradients() {
+  torch::NoGradGuard no_grad;
+  const double inv_world = 1.0 / comm_.world_size();
+  for (size_t k = 0; k < units_.size(); ++k) {
+    Unit& u = *units_[k];
+    Tensor reduced;
+    if (options_.stage == 0) {
+      const int64_t bucket = std::max<int64_t>(1, static_cast<int64_t>(options_.bucket_bytes / u.grad_acc.element_size()));
+      for (int64_t begin = 0; begin < u.padded; begin += bucket) {
+        Tensor slice = u.grad_acc.narrow(0, begin, std::min(bucket, u.padded - begin));
+        comm_.all_reduce_sum(slice);
+      }
+      reduced = u.grad_acc;
+    } else if (options_.stage == 1) {
+      reduced = torch::empty({u.shard}, u.grad_acc.options());
+      comm_.reduce_scatter_sum(u.grad_acc, reduced);
+    } else {
+      reduced = u.grad_acc;
+    }
+    shards_[k].grad = reduced.to(torch::kFloat32).mul_(inv_world);
+  }
+}
+
+double ZeroDataParallel::global_grad_norm() {
+  double local = 0;
+  for (auto& s : shards_) local += s.grad.pow(2).sum().item<double>();
+  if (options_.stage >= 1) {  // shards are disjoint: sum over ranks
+    Tensor t = torch::tensor({local}, torch::kFloat64);
+    comm_.all_reduce_sum(t);
+    local = t.item<double>();
+  }
+  return std::sqrt(local);
+}
+
+void ZeroDataParallel::scale_gradients(double factor) {
+  for (auto& s : shards_) s.grad.mul_(factor);
+}
+
+bool ZeroDataParallel::gradients_overflowed() {
+  double bad = 0;
+  for (auto& s : shards_) bad += s.grad.isfinite().logical_not().any().item<bool>() ? 1 : 0;
+  Tensor t = torch::tensor({bad}, torch::kFloat64);
+  comm_.all_reduce_sum(t);
+  return t.item<double>() > 0;
+}
+
+std::vector<MasterShard>& ZeroDataParallel::shards() { return shards_; }
+
+void ZeroDataParallel::after_step() {
+  torch::NoGradGuard no_grad;
+  const bool mixed = options_.dtype != DType::Fp32;
+  for (size_t k = 0; k < units_.size(); ++k) {
+    Unit& u = *units_[k];
+    MasterShard& m = shards_[k];
+    if (options_.stage == 3) {
+      if (mixed) u.param_shard.copy_(m.master);
+    } else {
+      Tensor mine = u.full.narrow(0, u.shard_begin, u.shard);
+      if (mixed) mine.copy_(m.master);
+      if (options_.stage >= 1) comm_.all_gather(mine.clone(), u.full);
+    }
+    m.grad = Tensor();
+  }
+  zero_gradients();
+  live_fns_.clear();
+}
+
+void ZeroDataParallel::zero_gradients() {
+  for (auto& u : units_) u->grad_acc.zero_();
+}
+
+double ZeroDataParallel::parameter_and_gradient_bytes() const {
+  double bytes = 0;
+  for (const auto& u : units_) {
+    const Tensor& params = options_.stage == 3 ? u->param_shard : u->full;
+    bytes += static_cast<double>(params.numel() * params.element_size() + u->grad_acc.numel() * u->grad_acc.element_size());
+  }
+  return bytes;
+}
+
+double ZeroDataParallel::master_bytes() const {
+  if (options_.dtype == DType::Fp32) return 0;  // the master weights are the working parameters
+  double bytes = 0;
+  for (const auto& s : shards_) bytes += static_cast<double>(s.master.numel() * s.master.element_size());
+  return bytes;
+}
+
+}  // namespace dsrun

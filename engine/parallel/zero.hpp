@@ -1,0 +1,74 @@
+// Data parallelism with ZeRO stages 0-3 over flat per-unit buffers, applied to a Model from outside.
+// Stage 0 all-reduces gradients; 1 shards fp32 master weights and optimizer states; 2 also shards
+// gradients (reduce-scatter every micro-batch); 3 also shards parameters, gathered per unit.
+#pragma once
+
+#include "engine/dist/communicator.hpp"
+#include "engine/model/model.hpp"
+
+#include <torch/torch.h>
+
+#include <memory>
+#include <vector>
+
+namespace dsrun {
+
+struct ZeroOptions {
+  int stage = 0;
+  DType dtype = DType::Fp32;              // compute dtype of the working parameters and gradients
+  bool activation_checkpointing = false;  // recompute checkpointable units in backward
+  bool offload = false;                   // optimizer states (and master) on the host
+  double bucket_bytes = 25e6;             // stage 0 all-reduce granularity
+};
+
+// The part of the flat parameter space one rank updates: fp32 master weights, their gradient,
+// and which elements get weight decay (matrices do; norms and biases do not).
+struct MasterShard {
+  torch::Tensor master;  // fp32, updated in place by the optimizer
+  torch::Tensor grad;    // fp32, the averaged gradient for master
+  std::vector<std::pair<int64_t, int64_t>> decay_ranges;  // [begin, end) within master
+};
+
+class ZeroDataParallel final : public UnitRunner {
+ public:
+  ZeroDataParallel(Model& model, Communicator& comm, const ZeroOptions& options);
+  ~ZeroDataParallel() override;
+
+  // UnitRunner: gathers (stage 3), checkpoints, and arranges the re-gather for backward.
+  Tensors run(int unit, const UnitFn& fn, const Tensors& inputs) override;
+
+  // After each micro-batch's backward: folds the parameters' gradients into this rank's
+  // accumulators (stage >= 2: reduce-scatter now) and frees them.
+  void after_backward();
+  // After the last micro-batch: completes the reduction so that shards() hold averaged gradients.
+  void reduce_gradients();
+  // Sum of squared gradient elements over all ranks (for global-norm clipping).
+  double global_grad_norm();
+  void scale_gradients(double factor);
+  // True if any gradient element on any rank is inf or NaN (fp16 overflow).
+  bool gradients_overflowed();
+  std::vector<MasterShard>& shards();
+  // After the optimizer: master weights -> working parameters on every rank; gradients zeroed.
+  void after_step();
+  void zero_gradients();
+
+  // Bytes this rank holds for model states now (parameters, gradients, master, optimizer states
+  // are added by the optimizer), to compare with the plan.
+  double parameter_and_gradient_bytes() const;
+  double master_bytes() const;
+
+ private:
+  struct Unit;
+  void gather(Unit& u);
+  void release(Unit& u);
+
+  Model& model_;
+  Communicator& comm_;
+  ZeroOptions options_;
+  std::vector<std::unique_ptr<Unit>> units_;
+  std::vector<MasterShard> shards_;
+  std::vector<std::shared_ptr<UnitFn>> live_fns_;  // callables checkpointed units need in backward
+  std::vector<int> forward_stack_;                 // units whose computation is running (nesting)
+};
+
+}  // namespace dsrun

@@ -1,0 +1,28 @@
+// AdamW, Adam and SGD with momentum on flat fp32 master shards, written out as plainly as the
+// papers state them. States are sized to the shard, so ZeRO >= 1 shards them for free.
+#pragma once
+
+#include "engine/parallel/zero.hpp"
+#include "engine/recipe/recipe.hpp"
+
+#include <torch/torch.h>
+
+#include <vector>
+
+namespace dsrun {
+
+class ShardOptimizer {
+ public:
+  ShardOptimizer(const OptimizerOptions& options, std::vector<MasterShard>& shards);
+  void step(double lr);  // uses each shard's grad; updates master in place
+  double state_bytes() const;
+  int64_t steps_taken() const { return t_; }
+
+ private:
+  OptimizerOptions o_;
+  std::vector<MasterShard>& shards_;
+  std::vector<torch::Tensor> m_, v_;  // Adam: first and second moments; SGD: m_ is the momentum
+  int64_t t_ = 0;
+};
+
+}  // namespace dsrun

@@ -1,0 +1,250 @@
+#include "engine/train/trainer.hpp"
+
+#include "engine/common/error.hpp"
+#include "engine/common/host.hpp"
+#include "engine/data/dataset.hpp"
+#include "engine/dist/communicator.hpp"
+#include "engine/model/model.hpp"
+#include "engine/parallel/zero.hpp"
+#include "engine/plan/plan.hpp"
+#include "engine/recipe/load.hpp"
+#include "engine/train/loss_scaler.hpp"
+#include "engine/train/optimizer.hpp"
+#include "engine/train/report.hpp"
+#include "engine/train/schedule.hpp"
+
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <csignal>
+#include <cstdlib>
+#include <iostream>
+
+// A debugger attached to a rank started with --debug-rank sets this to 1 to let it go on.
+extern "C" {
+volatile int dsrun_debugger_attached = 0;
+}
+
+namespace dsrun {
+
+namespace {
+
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::atoi(v) : fallback;
+}
+
+std::string env_string(const char* name, const std::string& fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? v : fallback;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+double peak_rss_bytes() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<double>(usage.ru_maxrss) * 1024.0;
+}
+
+volatile std::sig_atomic_t stop_requested = 0;
+void on_stop_signal(int) { stop_requested = 1; }
+
+struct RankContext {
+  int rank = 0, world = 1, local_rank = 0, local_world = 1;
+};
+
+class Trainer {
+ public:
+  Trainer(const Recipe& recipe, const Plan& plan, const RankContext& ctx, RankReporter& reporter)
+      : r_(recipe), plan_(plan), ctx_(ctx), report_(reporter) {}
+
+  void run() {
+    auto t_start = std::chrono::steady_clock::now();
+    RendezvousOptions rv;
+    rv.master_addr = env_string("MASTER_ADDR", "127.0.0.1");
+    rv.master_port = env_int("MASTER_PORT", 29500);
+    rv.rank = ctx_.rank;
+    rv.world_size = ctx_.world;
+    rv.timeout_s = r_.run.startup_timeout_s;
+    comm_ = connect_communicator(rv);
+
+    torch::manual_seed(static_cast<uint64_t>(r_.run.seed));  // identical weights on every rank and world size
+    model_ = build_model(r_.model, r_.batch.seq_len);
+    ZeroOptions zo;
+    zo.stage = plan_.zero_stage;
+    zo.dtype = plan_.dtype;
+    zo.activation_checkpointing = plan_.activation_checkpointing;
+    zo.offload = plan_.offload != Offload::None;
+    zo.bucket_bytes = r_.parallel.bucket_bytes;
+    zero_ = std::make_unique<ZeroDataParallel>(*model_, *comm_, zo);
+    optimizer_ = std::make_unique<ShardOptimizer>(r_.optimizer, zero_->shards());
+    if (plan_.dtype == DType::Fp16) scaler_ = std::make_unique<DynamicLossScaler>(r_.precision.loss_scale);
+    data_ = open_dataset(r_.data, r_.model, r_.batch.seq_len, r_.run.seed);
+    if (ctx_.rank == 0) report_.send({{"type", "event"}, {"kind", "data"}, {"message", data_->describe()}});
+    report_.send({{"type", "ready"}, {"startup_seconds", seconds_since(t_start)}});
+
+    LrScheduleOptions lr_options{r_.schedule, r_.optimizer.lr, r_.run.steps};
+    for (int64_t step = 0; step < r_.run.steps; ++step) {
+      if (stop_requested) {
+        report_.send({{"type", "event"}, {"kind", "stopped"}, {"message", "stopped by signal before step " + std::to_string(step)}});
+        break;
+      }
+      train_step(step, learning_rate_at(lr_options, step));
+      if (step == 0) report_memory();
+      if (r_.eval.every > 0 && ((step + 1) % r_.eval.every == 0 || step + 1 == r_.run.steps)) evaluate(step);
+    }
+    comm_->barrier();
+  }
+
+ private:
+  void train_step(int64_t step, double lr) {
+    auto t0 = std::chrono::steady_clock::now();
+    const int64_t micro = plan_.micro_batch, accumulation = plan_.accumulation;
+    const int64_t per_rank = micro * accumulation;
+    double loss_sum = 0, aux_sum = 0;
+    int64_t items = 0, correct = 0;
+    const double loss_scale = scaler_ ? scaler_->scale() : 1.0;
+    model_->module().train();
+    for (int64_t m = 0; m < accumulation; ++m) {
+      // This rank's slice of the global batch: the same samples whatever the number of ranks.
+      const int64_t first = step * r_.batch.global + ctx_.rank * per_rank + m * micro;
+      Batch batch = data_->train_batch(first, micro);
+      ModelOutput out = model_->forward(batch, *zero_);
+      (out.loss * (loss_scale / static_cast<double>(accumulation))).backward();
+      zero_->after_backward();
+      loss_sum += out.task_loss;
+      aux_sum += out.aux_loss;
+      items += batch.items;
+      if (out.correct >= 0) correct += out.correct;
+    }
+    zero_->reduce_gradients();
+    bool skipped = false;
+    if (scaler_) {
+      skipped = scaler_->update(zero_->gradients_overflowed());
+      if (!skipped) zero_->scale_gradients(1.0 / loss_scale);
+    }
+    double grad_norm = 0;
+    if (!skipped) {
+      grad_norm = zero_->global_grad_norm();
+      if (r_.optimizer.grad_clip > 0 && grad_norm > r_.optimizer.grad_clip) zero_->scale_gradients(r_.optimizer.grad_clip / (grad_norm + 1e-6));
+      optimizer_->step(lr);
+    }
+    zero_->after_step();
+
+    // Metrics averaged over ranks (every rank has the same number of samples).
+    torch::Tensor totals = torch::tensor({loss_sum / accumulation, aux_sum / accumulation, static_cast<double>(correct)}, torch::kFloat64);
+    comm_->all_reduce_sum(totals);
+    const double step_seconds = seconds_since(t0);
+    const double loss = totals[0].item<double>() / ctx_.world;
+    report_.send({{"type", "beat"}, {"step", step + 1}});
+    if (ctx_.rank != 0) return;
+    nlohmann::json metrics = {{"loss", loss}, {"lr", lr}, {"grad_norm", grad_norm}, {"step_seconds", step_seconds},
+                              {"tokens_per_second", static_cast<double>(items) * ctx_.world / step_seconds}};
+    if (r_.model.moe.enabled()) metrics["aux_loss"] = totals[1].item<double>() / ctx_.world;
+    if (r_.model.arch == ModelArch::ResNet) metrics["accuracy"] = totals[2].item<double>() / static_cast<double>(r_.batch.global);
+    if (scaler_) {
+      metrics["loss_scale"] = loss_scale;
+      metrics["skipped_steps"] = static_cast<double>(scaler_->skipped_steps());
+    }
+    if (!std::isfinite(loss)) throw Error("loss is " + std::to_string(loss) + " at step " + std::to_string(step + 1), ErrorContext{"", 0, 0, "optimizer.lr", 0, "lower the learning rate or enable clipping"});
+    report_.send({{"type", "step"}, {"step", step + 1}, {"total", r_.run.steps}, {"metrics", metrics}, {"skipped", skipped}});
+  }
+
+  void evaluate(int64_t step) {
+    torch::NoGradGuard no_grad;
+    model_->module().eval();
+    double loss_sum = 0, correct = 0, items = 0;
+    const int64_t micro = plan_.micro_batch;
+    for (int64_t i = 0; i < r_.eval.batches; ++i) {
+      Batch batch = data_->val_batch((ctx_.rank * r_.eval.batches + i) * micro, micro);
+      ModelOutput out = model_->forward(batch, *zero_);
+      loss_sum += out.task_loss;
+      if (out.correct >= 0) correct += static_cast<double>(out.correct);
+      items += static_cast<double>(batch.targets.size(0));
+    }
+    torch::Tensor totals = torch::tensor({loss_sum / static_cast<double>(r_.eval.batches), correct, items}, torch::kFloat64);
+    comm_->all_reduce_sum(totals);
+    model_->module().train();
+    if (ctx_.rank != 0) return;
+    const double val_loss = totals[0].item<double>() / ctx_.world;
+    nlohmann::json metrics = {{"val_loss", val_loss}};
+    if (r_.model.arch == ModelArch::ResNet) metrics["val_accuracy"] = totals[1].item<double>() / totals[2].item<double>();
+    else metrics["val_perplexity"] = std::exp(val_loss);
+    report_.send({{"type", "eval"}, {"step", step + 1}, {"metrics", metrics}});
+  }
+
+  // Model states this rank holds, measured from its tensors, beside the plan's prediction.
+  void report_memory() {
+    const double measured = zero_->parameter_and_gradient_bytes() + zero_->master_bytes() + optimizer_->state_bytes();
+    const double predicted = plan_.memory.states.device_total() + plan_.memory.states.host;
+    report_.send({{"type", "memory"}, {"model_state_bytes", measured}, {"predicted_model_state_bytes", predicted},
+                  {"peak_rss_bytes", peak_rss_bytes()}, {"predicted_total_bytes", plan_.memory.total()}});
+  }
+
+  const Recipe& r_;
+  const Plan& plan_;
+  RankContext ctx_;
+  RankReporter& report_;
+  std::unique_ptr<Communicator> comm_;
+  std::unique_ptr<Model> model_;
+  std::unique_ptr<ZeroDataParallel> zero_;
+  std::unique_ptr<ShardOptimizer> optimizer_;
+  std::unique_ptr<DynamicLossScaler> scaler_;
+  std::unique_ptr<Dataset> data_;
+};
+
+}  // namespace
+
+int rank_main(int argc, char** argv) {
+  RankContext ctx;
+  ctx.rank = env_int("RANK", 0);
+  ctx.world = env_int("WORLD_SIZE", 1);
+  ctx.local_rank = env_int("LOCAL_RANK", ctx.rank);
+  ctx.local_world = env_int("LOCAL_WORLD_SIZE", ctx.world);
+  RankReporter reporter(ctx.rank, env_int("DSRUN_REPORT_FD", -1));
+  std::signal(SIGTERM, on_stop_signal);
+  std::signal(SIGINT, on_stop_signal);
+  try {
+    if (argc < 2) throw Error("usage: dsrun-rank CONFIG.toml (started by `dsrun run`, or by torchrun via `dsrun worker`)");
+    if (env_int("DSRUN_DEBUG_RANK", -1) == ctx.rank) {
+      std::cerr << "rank " << ctx.rank << " waiting for a debugger: gdb -p " << ::getpid()
+                << ", then `set var dsrun_debugger_attached = 1` and `continue`" << std::endl;
+      reporter.send({{"type", "event"}, {"kind", "debug"}, {"message", "waiting for a debugger, pid " + std::to_string(::getpid())}});
+      while (!dsrun_debugger_attached) ::usleep(100000);
+    }
+    HostFacts host = read_host_facts();
+    LoadOptions options;
+    options.host = host;
+    LoadedRecipe loaded = load_recipe_file(argv[1], options);
+    require_valid(loaded);
+    Plan plan = make_plan(loaded.recipe, host);
+    if (plan.world_size != ctx.world) {
+      ErrorContext c;
+      c.rank = ctx.rank;
+      c.hint = "start as many ranks as the plan has (" + std::to_string(plan.world_size) + "), or set parallel.data_parallel";
+      throw Error("WORLD_SIZE is " + std::to_string(ctx.world) + " but the plan has " + std::to_string(plan.world_size) + " ranks", c);
+    }
+    // One compute thread per rank when ranks share the cores (as torchrun sets OMP_NUM_THREADS=1).
+    const int threads = std::max(1, host.cpu_cores / std::max(1, ctx.local_world));
+    torch::set_num_threads(threads);
+    Trainer trainer(loaded.recipe, plan, ctx, reporter);
+    trainer.run();
+    reporter.send({{"type", "done"}});
+    return 0;
+  } catch (const Error& e) {
+    std::string text = e.describe();
+    reporter.send({{"type", "error"}, {"message", text}});
+    std::cerr << "rank " << ctx.rank << ": error: " << text << std::endl;
+    return 1;
+  } catch (const std::exception& e) {
+    reporter.send({{"type", "error"}, {"message", e.what()}});
+    std::cerr << "rank " << ctx.rank << ": error: " << e.what() << std::endl;
+    return 1;
+  }
+}
+
+}  // namespace dsrun

@@ -1,0 +1,370 @@
+#include "runner/launcher.hpp"
+
+#include "engine/common/error.hpp"
+#include "engine/common/files.hpp"
+#include "engine/common/host.hpp"
+#include "engine/common/text.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <limits.h>
+
+namespace dsrun {
+
+namespace {
+
+volatile sig_atomic_t interrupted = 0;
+void on_interrupt(int) { interrupted = 1; }
+
+double now_seconds() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+std::string executable_directory() {
+  char buf[PATH_MAX];
+  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
+  if (n <= 0) fail_at(__FILE__, __LINE__, "cannot read /proc/self/exe");
+  buf[n] = 0;
+  return parent_directory(buf);
+}
+
+std::string absolute(const std::string& path) {
+  if (path.empty() || path[0] == '/') return path;
+  char cwd[PATH_MAX];
+  if (!::getcwd(cwd, sizeof cwd)) fail_at(__FILE__, __LINE__, "cannot read the working directory");
+  return path_join(cwd, path);
+}
+
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof addr;
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 || ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    if (fd >= 0) ::close(fd);
+    fail_at(__FILE__, __LINE__, std::string("cannot find a free port: ") + std::strerror(errno));
+  }
+  int port = ntohs(addr.sin_port);
+  ::close(fd);
+  return port;
+}
+
+std::string tail_of_file(const std::string& path, int lines) {
+  if (!file_exists(path)) return "";
+  std::vector<std::string> all = split(read_file(path), '\n');
+  while (!all.empty() && all.back().empty()) all.pop_back();
+  size_t from = all.size() > static_cast<size_t>(lines) ? all.size() - lines : 0;
+  return join(std::vector<std::string>(all.begin() + static_cast<long>(from), all.end()), "\n");
+}
+
+struct RankProcess {
+  int rank = 0;
+  pid_t pid = -1;
+  int fd = -1;              // read end of the rank's report pipe
+  std::string pending;      // a partial line
+  bool running = true;
+  int exit_code = 0;        // or 128 + signal
+  bool ready = false;
+  int64_t step = 0;
+  double last_progress = 0;
+  std::string error;        // the rank's own error message, if it sent one
+  std::string log_path;
+};
+
+class Supervisor {
+ public:
+  Supervisor(const LoadedRecipe& loaded, const Plan& plan, Store& store, const std::string& run_id, const LaunchOptions& options)
+      : r_(loaded.recipe), plan_(plan), store_(store), run_id_(run_id), o_(options) {}
+
+  RunStatus run(const std::string& config_path) {
+    const int local_world = (plan_.world_size + o_.nnodes - 1) / o_.nnodes;
+    const int first_rank = o_.node_rank * local_world;
+    const int port = o_.master_port > 0 ? o_.master_port : free_port();
+    const std::string rank_binary = path_join(executable_directory(), "dsrun-rank");
+    const HostFacts host = read_host_facts();
+    make_directories(path_join(o_.run_dir, "logs"));
+
+    struct sigaction sa {};
+    sa.sa_handler = on_interrupt;
+    sigaction(SIGINT, &sa, nullptr);
+    sigaction(SIGTERM, &sa, nullptr);
+    started_ = now_seconds();
+
+    for (int local = 0; local < local_world && first_rank + local < plan_.world_size; ++local) {
+      RankProcess p;
+      p.rank = first_rank + local;
+      p.log_path = path_join(o_.run_dir, "logs/rank" + std::to_string(p.rank) + ".log");
+      int pipe_fds[2];
+      if (::pipe2(pipe_fds, O_CLOEXEC) != 0) fail_at(__FILE__, __LINE__, "pipe failed");
+      pid_t pid = ::fork();
+      if (pid < 0) fail_at(__FILE__, __LINE__, "fork failed");
+      if (pid == 0) {
+        // The child: its own process group (Ctrl-C reaches only the launcher), log file, environment.
+        ::setpgid(0, 0);
+        int log = ::open(p.log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+        if (log >= 0) {
+          ::dup2(log, 1);
+          ::dup2(log, 2);
+        }
+        ::dup2(pipe_fds[1], 3);  // the report pipe is fd 3 in every rank
+        const int threads = std::max(1, host.cpu_cores / local_world);
+        ::setenv("RANK", std::to_string(p.rank).c_str(), 1);
+        ::setenv("WORLD_SIZE", std::to_string(plan_.world_size).c_str(), 1);
+        ::setenv("LOCAL_RANK", std::to_string(local).c_str(), 1);
+        ::setenv("LOCAL_WORLD_SIZE", std::to_string(local_world).c_str(), 1);
+        ::setenv("MASTER_ADDR", o_.master_addr.c_str(), 1);
+        ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+        ::setenv("DSRUN_REPORT_FD", "3", 1);
+        ::setenv("OMP_NUM_THREADS", std::to_string(threads).c_str(), 1);
+        if (!r_.hardware.p2p) ::setenv("NCCL_P2P_DISABLE", "1", 1);
+        if (o_.nccl_debug) {
+          ::setenv("NCCL_DEBUG", "INFO", 1);
+          ::setenv("NCCL_DEBUG_SUBSYS", "INIT,COLL", 1);
+          ::setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL", 1);
+        }
+        if (o_.debug_rank >= 0) ::setenv("DSRUN_DEBUG_RANK", std::to_string(o_.debug_rank).c_str(), 1);
+        execl(rank_binary.c_str(), rank_binary.c_str(), config_path.c_str(), static_cast<char*>(nullptr));
+        std::fprintf(stderr, "cannot start %s: %s\n", rank_binary.c_str(), std::strerror(errno));
+        _exit(127);
+      }
+      ::close(pipe_fds[1]);
+      p.pid = pid;
+      p.fd = pipe_fds[0];
+      p.last_progress = now_seconds();
+      ranks_.push_back(p);
+    }
+    store_.add_event(run_id_, "launch", -1,
+                     "started " + std::to_string(ranks_.size()) + " rank(s) on port " + std::to_string(port) + ", logs in " + path_join(o_.run_dir, "logs"));
+    return watch();
+  }
+
+ private:
+  RunStatus watch() {
+    while (true) {
+      std::vector<pollfd> fds;
+      for (auto& p : ranks_)
+        if (p.fd >= 0) fds.push_back({p.fd, POLLIN, 0});
+      if (!fds.empty()) ::poll(fds.data(), fds.size(), 200);
+      else ::usleep(100000);
+      for (auto& p : ranks_) drain(p);
+      reap();
+
+      if (interrupted) return stop_all(RunStatus::Killed, "interrupted (Ctrl-C or SIGTERM)", -1);
+      for (auto& p : ranks_)
+        if (!p.running && p.exit_code != 0) {
+          std::string why = "rank " + std::to_string(p.rank) + " " +
+                            (p.exit_code > 128 ? "was killed by signal " + std::to_string(p.exit_code - 128) : "exited with code " + std::to_string(p.exit_code)) +
+                            (p.error.empty() ? "" : ": " + p.error);
+          return stop_all(RunStatus::Failed, why, p.rank);
+        }
+      bool all_done = true;
+      for (auto& p : ranks_) all_done &= !p.running;
+      if (all_done) {
+        finish_progress();
+        store_.set_status(run_id_, RunStatus::Finished);
+        store_.add_event(run_id_, "finished", -1, "all ranks finished");
+        return RunStatus::Finished;
+      }
+      // Hangs: no progress from a rank within the step timeout (start-up has its own, longer one).
+      const double now = now_seconds();
+      for (auto& p : ranks_) {
+        if (!p.running) continue;
+        const double limit = p.ready ? r_.run.step_timeout_s : r_.run.startup_timeout_s;
+        if (now - p.last_progress > limit)
+          return stop_all(RunStatus::Failed,
+                          "rank " + std::to_string(p.rank) + " hung: no progress for " + format_seconds(now - p.last_progress) +
+                              (p.ready ? " after step " + std::to_string(p.step) + " (run.step_timeout_s)" : " during start-up (run.startup_timeout_s)"),
+                          p.rank);
+      }
+    }
+  }
+
+  void drain(RankProcess& p) {
+    if (p.fd < 0) return;
+    char buf[65536];
+    while (true) {
+      pollfd pfd{p.fd, POLLIN, 0};
+      if (::poll(&pfd, 1, 0) <= 0) return;
+      ssize_t n = ::read(p.fd, buf, sizeof buf);
+      if (n <= 0) {
+        ::close(p.fd);
+        p.fd = -1;
+        return;
+      }
+      p.pending.append(buf, static_cast<size_t>(n));
+      size_t nl;
+      while ((nl = p.pending.find('\n')) != std::string::npos) {
+        std::string line = p.pending.substr(0, nl);
+        p.pending.erase(0, nl + 1);
+        handle(p, line);
+      }
+    }
+  }
+
+  void handle(RankProcess& p, const std::string& line) {
+    nlohmann::json m = nlohmann::json::parse(line, nullptr, false);
+    if (m.is_discarded() || !m.contains("type")) {
+      store_.add_event(run_id_, "garbled", p.rank, "unreadable report line", line.substr(0, 200));
+      return;
+    }
+    const std::string type = m["type"];
+    p.last_progress = now_seconds();
+    if (type == "ready") {
+      p.ready = true;
+      if (p.rank == 0) store_.add_event(run_id_, "ready", -1, "ranks started in " + format_seconds(now_seconds() - started_));
+      if (p.rank == 0) store_.add_metrics(run_id_, 0, {{"startup_seconds", m.value("startup_seconds", 0.0)}, {"launch_to_ready_seconds", now_seconds() - started_}});
+    } else if (type == "beat") {
+      p.step = m.value("step", int64_t{0});
+    } else if (type == "step" || type == "eval") {
+      std::vector<std::pair<std::string, double>> values;
+      for (auto& [k, v] : m["metrics"].items()) values.push_back({k, v.get<double>()});
+      const int64_t step = m.value("step", int64_t{0});
+      store_.add_metrics(run_id_, step, values);
+      if (type == "step") show_progress(step, m.value("total", int64_t{0}), m["metrics"]);
+      else print_line("eval at step " + std::to_string(step) + ": " + m["metrics"].dump());
+    } else if (type == "memory") {
+      const std::string prefix = "memory/rank" + std::to_string(p.rank) + "/";
+      store_.add_metrics(run_id_, 0, {{prefix + "model_state_bytes", m.value("model_state_bytes", 0.0)},
+                                      {prefix + "predicted_model_state_bytes", m.value("predicted_model_state_bytes", 0.0)},
+                                      {prefix + "peak_rss_bytes", m.value("peak_rss_bytes", 0.0)}});
+    } else if (type == "event") {
+      store_.add_event(run_id_, m.value("kind", std::string("event")), p.rank, m.value("message", std::string()));
+    } else if (type == "error") {
+      p.error = m.value("message", std::string());
+    }
+  }
+
+  void reap() {
+    for (auto& p : ranks_) {
+      if (!p.running) continue;
+      int status = 0;
+      pid_t got = ::waitpid(p.pid, &status, WNOHANG);
+      if (got != p.pid) continue;
+      drain(p);  // the last lines it wrote
+      p.running = false;
+      p.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    }
+  }
+
+  // Stops every rank still running (SIGTERM, then SIGKILL after a grace period) and records why.
+  RunStatus stop_all(RunStatus status, const std::string& why, int culprit) {
+    finish_progress();
+    for (auto& p : ranks_)
+      if (p.running) ::kill(p.pid, SIGTERM);
+    const double deadline = now_seconds() + 5.0;
+    while (now_seconds() < deadline) {
+      reap();
+      bool any = false;
+      for (auto& p : ranks_) any |= p.running;
+      if (!any) break;
+      ::usleep(50000);
+    }
+    for (auto& p : ranks_)
+      if (p.running) ::kill(p.pid, SIGKILL);
+    for (auto& p : ranks_)
+      if (p.running) {
+        int s;
+        ::waitpid(p.pid, &s, 0);
+        p.running = false;
+      }
+    std::string detail;
+    if (culprit >= 0) {
+      for (auto& p : ranks_)
+        if (p.rank == culprit) detail = tail_of_file(p.log_path, 20);
+    }
+    store_.add_event(run_id_, status == RunStatus::Killed ? "killed" : "failed", culprit, why, detail);
+    store_.set_status(run_id_, status, why);
+    std::cerr << "dsrun: run " << run_id_ << " " << to_string(status) << ": " << why << "\n";
+    if (!detail.empty()) std::cerr << "--- last lines of rank " << culprit << "'s log ---\n" << detail << "\n---\n";
+    return status;
+  }
+
+  void show_progress(int64_t step, int64_t total, const nlohmann::json& metrics) {
+    const double elapsed = now_seconds() - started_;
+    const double eta = step > 0 ? elapsed / static_cast<double>(step) * static_cast<double>(total - step) : 0;
+    std::string line = "step " + std::to_string(step) + "/" + std::to_string(total) + "  loss " + format_double(metrics.value("loss", 0.0), 5) +
+                       "  lr " + format_double(metrics.value("lr", 0.0), 3) + "  " + format_count(metrics.value("tokens_per_second", 0.0)) +
+                       (r_.model.arch == ModelArch::ResNet ? " img/s" : " tok/s") + "  ETA " + format_seconds(eta);
+    if (!o_.progress) return;
+    if (::isatty(1)) {
+      std::cout << "\r" << line << "\033[K" << std::flush;
+      progress_open_ = true;
+    } else if (step == 1 || step == total || step % std::max<int64_t>(1, total / 20) == 0) {
+      std::cout << line << "\n" << std::flush;
+    }
+  }
+
+  void print_line(const std::string& text) {
+    finish_progress();
+    std::cout << text << "\n";
+  }
+
+  void finish_progress() {
+    if (progress_open_) std::cout << "\n";
+    progress_open_ = false;
+  }
+
+  const Recipe& r_;
+  const Plan& plan_;
+  Store& store_;
+  std::string run_id_;
+  LaunchOptions o_;
+  std::vector<RankProcess> ranks_;
+  double started_ = 0;
+  bool progress_open_ = false;
+};
+
+void pin(Config& config, const std::string& key, Value value) {
+  config[key].value = std::move(value);
+}
+
+}  // namespace
+
+std::string rank_config_toml(const LoadedRecipe& loaded, const Plan& plan) {
+  Config c = loaded.config;
+  const Recipe& r = loaded.recipe;
+  const double GiB = 1024.0 * 1024.0 * 1024.0;
+  pin(c, "parallel.data_parallel", Value::of_int(plan.data_parallel));
+  pin(c, "parallel.zero_stage", Value::of_int(plan.zero_stage));
+  pin(c, "parallel.activation_checkpointing", Value::of_string(plan.activation_checkpointing ? "full" : "none"));
+  pin(c, "batch.micro", Value::of_int(plan.micro_batch));
+  pin(c, "hardware.devices_per_node", Value::of_int(r.hardware.devices_per_node));
+  pin(c, "hardware.memory_gib", Value::of_float(r.hardware.memory_bytes / GiB));
+  pin(c, "hardware.host_memory_gib", Value::of_float(r.hardware.host_memory_bytes / GiB));
+  pin(c, "data.path", Value::of_string(absolute(r.data.path)));
+  pin(c, "hooks.script", Value::of_string(absolute(r.hooks.script)));
+  pin(c, "checkpoint.dir", Value::of_string(absolute(r.checkpoint.dir)));
+  return config_to_toml(c);
+}
+
+RunStatus launch_run(const LoadedRecipe& loaded, const Plan& plan, Store& store, const std::string& run_id, const LaunchOptions& options) {
+  make_directories(options.run_dir);
+  const std::string config_path = absolute(path_join(options.run_dir, "config.toml"));
+  write_file_atomic(config_path, rank_config_toml(loaded, plan));
+  write_file_atomic(path_join(options.run_dir, "plan.json"), plan_to_json(plan));
+  store.set_status(run_id, RunStatus::Running);
+  Supervisor supervisor(loaded, plan, store, run_id, options);
+  return supervisor.run(config_path);
+}
+
+void exec_rank_process(const std::string& config_path) {
+  const std::string rank_binary = path_join(executable_directory(), "dsrun-rank");
+  execl(rank_binary.c_str(), rank_binary.c_str(), config_path.c_str(), static_cast<char*>(nullptr));
+  fail_at(__FILE__, __LINE__, "cannot start " + rank_binary + ": " + std::strerror(errno));
+}
+
+}  // namespace dsrun

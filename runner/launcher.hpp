@@ -1,0 +1,35 @@
+// Runs a recorded plan as real processes: one dsrun-rank per rank with the torchrun environment,
+// watched until all finish, one fails, one hangs, or the user presses Ctrl-C. The launcher alone
+// writes the store; ranks report over pipes.
+#pragma once
+
+#include "engine/plan/plan.hpp"
+#include "engine/recipe/load.hpp"
+#include "storage/store.hpp"
+
+#include <string>
+
+namespace dsrun {
+
+struct LaunchOptions {
+  std::string run_dir;            // runs/<id>: resolved config, plan, logs/
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;            // 0: pick a free port
+  bool nccl_debug = false;        // NCCL_DEBUG=INFO into the rank logs
+  int debug_rank = -1;            // this rank waits for a debugger
+  bool progress = true;           // the live progress line
+};
+
+// The resolved config that ranks load: the recipe's config with every "auto" replaced by the
+// plan's choice and every relative path made absolute, so all ranks run exactly the plan.
+std::string rank_config_toml(const LoadedRecipe& loaded, const Plan& plan);
+
+// Returns the run's final status (Finished, Failed or Killed), recorded in the store.
+RunStatus launch_run(const LoadedRecipe& loaded, const Plan& plan, Store& store, const std::string& run_id, const LaunchOptions& options);
+
+// `dsrun worker CONFIG`: become a rank under an outside launcher (torchrun, Slurm, Kubernetes).
+[[noreturn]] void exec_rank_process(const std::string& config_path);
+
+}  // namespace dsrun
