@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <csignal>
 #include <cstdlib>
 #include <iostream>
@@ -52,6 +53,16 @@ double peak_rss_bytes() {
 
 volatile std::sig_atomic_t stop_requested = 0;
 void on_stop_signal(int) { stop_requested = 1; }
+
+// Fault injection for the launcher's tests: DSRUN_TEST_CRASH_AT / DSRUN_TEST_HANG_AT = "RANK:STEP"
+// make that rank die by SIGKILL, or stop making progress, when it reaches that step.
+bool fault_requested(const char* variable, int rank, int64_t step) {
+  const char* v = std::getenv(variable);
+  if (!v) return false;
+  int r = -1;
+  long long s = -1;
+  return std::sscanf(v, "%d:%lld", &r, &s) == 2 && r == rank && s == step;
+}
 
 struct RankContext {
   int rank = 0, world = 1, local_rank = 0, local_world = 1;
@@ -89,11 +100,12 @@ class Trainer {
 
     LrScheduleOptions lr_options{r_.schedule, r_.optimizer.lr, r_.run.steps};
     for (int64_t step = 0; step < r_.run.steps; ++step) {
-      if (stop_requested) {
-        report_.send({{"type", "event"}, {"kind", "stopped"}, {"message", "stopped by signal before step " + std::to_string(step)}});
+      if (fault_requested("DSRUN_TEST_CRASH_AT", ctx_.rank, step + 1)) ::raise(SIGKILL);
+      while (fault_requested("DSRUN_TEST_HANG_AT", ctx_.rank, step + 1)) ::sleep(1);
+      if (!train_step(step, learning_rate_at(lr_options, step))) {
+        report_.send({{"type", "event"}, {"kind", "stopped"}, {"message", "stopped by signal after step " + std::to_string(step + 1)}});
         break;
       }
-      train_step(step, learning_rate_at(lr_options, step));
       if (step == 0) report_memory();
       if (r_.eval.every > 0 && ((step + 1) % r_.eval.every == 0 || step + 1 == r_.run.steps)) evaluate(step);
     }
@@ -101,7 +113,8 @@ class Trainer {
   }
 
  private:
-  void train_step(int64_t step, double lr) {
+  // Returns false when a rank was asked to stop: all ranks agree, so all stop after the same step.
+  bool train_step(int64_t step, double lr) {
     auto t0 = std::chrono::steady_clock::now();
     const int64_t micro = plan_.micro_batch, accumulation = plan_.accumulation;
     const int64_t per_rank = micro * accumulation;
@@ -136,12 +149,14 @@ class Trainer {
     zero_->after_step();
 
     // Metrics averaged over ranks (every rank has the same number of samples).
-    torch::Tensor totals = torch::tensor({loss_sum / accumulation, aux_sum / accumulation, static_cast<double>(correct)}, torch::kFloat64);
+    torch::Tensor totals = torch::tensor({loss_sum / accumulation, aux_sum / accumulation, static_cast<double>(correct),
+                                          stop_requested ? 1.0 : 0.0}, torch::kFloat64);
     comm_->all_reduce_sum(totals);
     const double step_seconds = seconds_since(t0);
     const double loss = totals[0].item<double>() / ctx_.world;
+    const bool go_on = totals[3].item<double>() == 0;
     report_.send({{"type", "beat"}, {"step", step + 1}});
-    if (ctx_.rank != 0) return;
+    if (ctx_.rank != 0) return go_on;
     nlohmann::json metrics = {{"loss", loss}, {"lr", lr}, {"grad_norm", grad_norm}, {"step_seconds", step_seconds},
                               {"tokens_per_second", static_cast<double>(items) * ctx_.world / step_seconds}};
     if (r_.model.moe.enabled()) metrics["aux_loss"] = totals[1].item<double>() / ctx_.world;
@@ -152,6 +167,7 @@ class Trainer {
     }
     if (!std::isfinite(loss)) throw Error("loss is " + std::to_string(loss) + " at step " + std::to_string(step + 1), ErrorContext{"", 0, 0, "optimizer.lr", 0, "lower the learning rate or enable clipping"});
     report_.send({{"type", "step"}, {"step", step + 1}, {"total", r_.run.steps}, {"metrics", metrics}, {"skipped", skipped}});
+    return go_on;
   }
 
   void evaluate(int64_t step) {

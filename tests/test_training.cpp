@@ -1,0 +1,212 @@
+// The engine end to end: real dsrun-rank processes, Gloo collectives, a real store.
+// ZeRO 0-3 on 1-3 ranks against one process, reruns, measured memory, failures and hangs.
+#include "storage/store.hpp"
+#include "test_util.hpp"
+
+#include <catch2/catch.hpp>
+#include <sys/wait.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+
+namespace {
+
+struct Run {
+  int code = -1;
+  std::string text;
+  std::string id;
+  std::vector<double> losses;
+  double seconds = 0;
+};
+
+bool contains(const std::string& haystack, const std::string& needle) { return haystack.find(needle) != std::string::npos; }
+
+// Trains tests/recipes/tiny_train.toml with extra settings; `env` goes before the command.
+Run train(const dsrun::test::TempDir& dir, const std::string& sets, const std::string& env = "", const std::string& recipe = "tests/recipes/tiny_train.toml") {
+  std::string cmd = "cd '" + dsrun::test::source_dir() + "' && " + env + " '" DSRUN_BINARY "' run " + recipe + " --db '" + dir.file("runs.db") + "' " + sets + " 2>&1";
+  Run run;
+  auto t0 = std::chrono::steady_clock::now();
+  FILE* pipe = popen(cmd.c_str(), "r");
+  REQUIRE(pipe);
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, pipe)) > 0) run.text.append(buf, n);
+  int status = pclose(pipe);
+  run.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  run.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  size_t at = run.text.find("\nrun ");
+  if (at != std::string::npos) run.id = run.text.substr(at + 5, 8);
+  if (!run.id.empty()) {
+    dsrun::Store store(dir.file("runs.db"));
+    for (const auto& m : store.metric_history(run.id, "loss")) run.losses.push_back(m.value);
+  }
+  return run;
+}
+
+std::string layout(int stage, int ranks) {
+  return "--set parallel.zero_stage=" + std::to_string(stage) + " --set parallel.data_parallel=" + std::to_string(ranks);
+}
+
+void check_same_trajectory(const std::vector<double>& reference, const Run& run, double tolerance) {
+  INFO(run.text);
+  REQUIRE(run.code == 0);
+  REQUIRE(run.losses.size() == reference.size());
+  for (size_t i = 0; i < reference.size(); ++i) {
+    INFO("step " << i + 1 << ": " << run.losses[i] << " vs " << reference[i]);
+    CHECK(std::fabs(run.losses[i] - reference[i]) <= tolerance * std::fabs(reference[i]));
+  }
+}
+
+// Model-state bytes each rank measured from its tensors against the plan's prediction.
+void check_memory_matches_plan(const dsrun::test::TempDir& dir, const Run& run, int ranks) {
+  dsrun::Store store(dir.file("runs.db"));
+  auto latest = store.latest_metrics(run.id);
+  for (int r = 0; r < ranks; ++r) {
+    std::string prefix = "memory/rank" + std::to_string(r) + "/";
+    REQUIRE(latest.count(prefix + "model_state_bytes"));
+    double measured = latest[prefix + "model_state_bytes"].value, predicted = latest[prefix + "predicted_model_state_bytes"].value;
+    INFO("rank " << r << ": measured " << measured << " predicted " << predicted);
+    CHECK(measured == Approx(predicted).epsilon(0.01));
+  }
+}
+
+const std::vector<double>& reference_losses() {
+  static dsrun::test::TempDir dir;
+  static Run reference = train(dir, layout(0, 1));
+  INFO(reference.text);
+  REQUIRE(reference.code == 0);
+  REQUIRE(reference.losses.size() == 20);
+  return reference.losses;
+}
+
+}  // namespace
+
+TEST_CASE("one process trains: the loss falls", "[training]") {
+  const std::vector<double>& ref = reference_losses();
+  CHECK(ref.back() < ref.front() - 1.0);
+}
+
+TEST_CASE("ZeRO 0-3 on 2 ranks follow the one-process trajectory, with the planned memory", "[training][zero]") {
+  const std::vector<double>& ref = reference_losses();
+  dsrun::test::TempDir dir;
+  for (int stage = 0; stage <= 3; ++stage) {
+    Run run = train(dir, layout(stage, 2));
+    INFO("stage " << stage);
+    check_same_trajectory(ref, run, 1e-5);
+    check_memory_matches_plan(dir, run, 2);
+  }
+}
+
+TEST_CASE("ZeRO 0-3 on 3 ranks (uneven shards) follow the one-process trajectory", "[training][zero]") {
+  const std::vector<double>& ref = reference_losses();
+  dsrun::test::TempDir dir;
+  for (int stage = 0; stage <= 3; ++stage) {
+    Run run = train(dir, layout(stage, 3));
+    INFO("stage " << stage);
+    check_same_trajectory(ref, run, 1e-5);
+    check_memory_matches_plan(dir, run, 3);
+  }
+}
+
+TEST_CASE("ZeRO 1-3 on 1 rank follow the one-process trajectory", "[training][zero]") {
+  const std::vector<double>& ref = reference_losses();
+  dsrun::test::TempDir dir;
+  for (int stage = 1; stage <= 3; ++stage) {
+    INFO("stage " << stage);
+    check_same_trajectory(ref, train(dir, layout(stage, 1)), 1e-5);
+  }
+}
+
+TEST_CASE("activation checkpointing recomputes exactly what it dropped", "[training][zero]") {
+  const std::vector<double>& ref = reference_losses();
+  dsrun::test::TempDir dir;
+  check_same_trajectory(ref, train(dir, layout(3, 2) + " --set parallel.activation_checkpointing=full"), 1e-5);
+}
+
+TEST_CASE("the same seed gives bitwise-identical losses on rerun", "[training]") {
+  dsrun::test::TempDir dir;
+  Run first = train(dir, layout(2, 2) + " --set run.steps=8");
+  Run second = train(dir, layout(2, 2) + " --set run.steps=8");
+  INFO(first.text << second.text);
+  REQUIRE(first.losses.size() == 8);
+  CHECK(first.losses == second.losses);
+}
+
+TEST_CASE("a crashing rank stops the others; the run is failed with its error", "[training][failure]") {
+  dsrun::test::TempDir dir;
+  Run run = train(dir, layout(2, 2) + " --set run.steps=200", "DSRUN_TEST_CRASH_AT=1:3");
+  INFO(run.text);
+  CHECK(run.code == 1);
+  CHECK(contains(run.text, "rank 1 was killed by signal 9"));
+  CHECK(run.seconds < 30);  // the surviving rank is stopped within seconds, not left waiting
+  dsrun::Store store(dir.file("runs.db"));
+  dsrun::RunRecord r = store.get_run(run.id);
+  CHECK(r.status == dsrun::RunStatus::Failed);
+  CHECK(contains(r.error, "rank 1"));
+  bool logged = false;
+  for (const auto& e : store.events(run.id)) logged |= e.kind == "failed" && e.rank == 1;
+  CHECK(logged);
+}
+
+TEST_CASE("a rank that stops making progress is reported as a hang, by rank", "[training][failure]") {
+  dsrun::test::TempDir dir;
+  Run run = train(dir, layout(0, 2) + " --set run.steps=200 --set run.step_timeout_s=3", "DSRUN_TEST_HANG_AT=0:4");
+  INFO(run.text);
+  CHECK(run.code == 1);
+  CHECK(contains(run.text, "hung"));
+  dsrun::Store store(dir.file("runs.db"));
+  CHECK(store.get_run(run.id).status == dsrun::RunStatus::Failed);
+}
+
+TEST_CASE("Ctrl-C stops the ranks cleanly and marks the run killed", "[training][failure]") {
+  dsrun::test::TempDir dir;
+  Run run = train(dir, layout(1, 2) + " --set run.steps=100000", "timeout --preserve-status -s INT 6");
+  INFO(run.text);
+  CHECK(run.code == 130);
+  dsrun::Store store(dir.file("runs.db"));
+  CHECK(store.get_run(run.id).status == dsrun::RunStatus::Killed);
+  CHECK_FALSE(run.losses.empty());
+}
+
+TEST_CASE("smoke runs a GPU recipe's layout on CPU ranks and says what it shrank", "[training][smoke]") {
+  dsrun::test::TempDir dir;
+  Run run = train(dir, "--smoke", "", "recipes/deepseek7b_zero2.toml");
+  INFO(run.text);
+  CHECK(run.code == 0);
+  CHECK(contains(run.text, "smoke run"));
+  CHECK(contains(run.text, "8 CPU ranks"));
+  CHECK(contains(run.text, "finished"));
+}
+
+TEST_CASE("smoke runs cover MoE, grouped-query attention and ZeRO-3 with offload", "[training][smoke]") {
+  dsrun::test::TempDir dir;
+  Run moe = train(dir, "--smoke", "", "recipes/deepseek_moe16b_h100.toml");
+  INFO(moe.text);
+  CHECK(moe.code == 0);
+  Run gqa = train(dir, "--smoke", "", "recipes/rtx4090x3_deepseek7b.toml --set model.kv_heads=8");
+  INFO(gqa.text);
+  CHECK(gqa.code == 0);
+  CHECK(contains(gqa.text, "3 CPU ranks"));
+}
+
+TEST_CASE("ranks started from outside (torchrun style, dsrun worker) train without the launcher", "[training][worker]") {
+  dsrun::test::TempDir dir;
+  std::string recipe = dir.write("two.toml", "base = \"" + dsrun::test::source_dir() + "/tests/recipes/tiny_train.toml\"\n"
+                                             "[run]\nsteps = 3\n[parallel]\ndata_parallel = 2\nzero_stage = 1\n");
+  std::string common = "WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29731 '" DSRUN_BINARY "' worker '" + recipe + "'";
+  std::string cmd = "(RANK=0 LOCAL_RANK=0 " + common + " & RANK=1 LOCAL_RANK=1 " + common + "; wait) 2>&1";
+  FILE* pipe = popen(cmd.c_str(), "r");
+  REQUIRE(pipe);
+  std::string text;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, pipe)) > 0) text.append(buf, n);
+  int status = pclose(pipe);
+  INFO(text);
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  CHECK(contains(text, "\"rank\":0") );
+  CHECK(contains(text, "\"type\":\"done\""));
+  CHECK(contains(text, "\"step\":3"));
+}
