@@ -20,6 +20,7 @@ groups=(
   "nlohmann_json:nlohmann-json3-dev"
   "gloo:libgloo-dev"          # headers only; gpu_build.sh uses them only if torch ships none
   "pkgconf:pkgconf-bin libpkgconf3"  # used only if the GPU machine has no pkg-config
+  "fortunes:fortunes fortunes-min"   # data: recipes/quickstart.toml trains on /usr/share/games/fortunes
 )
 
 all=()
@@ -56,13 +57,12 @@ else
   find "$sysroot/gloo" -mindepth 1 -maxdepth 2 ! -path "$sysroot/gloo/usr" ! -path "$sysroot/gloo/usr/include" \
     -exec rm -rf {} +
 
-  # .pc files name prefix=/usr; make them relative to where they lie.
+  # .pc files name /usr; make them relative to where they lie (usr/lib/<arch>/pkgconfig or usr/share/pkgconfig).
   while IFS= read -r pc; do
-    sed -i -E 's|^prefix=/usr$|prefix=${pcfiledir}/../../..|' "$pc"
-  done < <(find "$sysroot" -path '*/pkgconfig/*.pc' -path '*/lib/x86_64-linux-gnu/*')
-  while IFS= read -r pc; do   # arch-independent .pc files live in usr/share/pkgconfig
-    sed -i -E 's|^prefix=/usr$|prefix=${pcfiledir}/../..|' "$pc"
-  done < <(find "$sysroot" -path '*/usr/share/pkgconfig/*.pc')
+    case "$pc" in */lib/x86_64-linux-gnu/pkgconfig/*) up='${pcfiledir}/../../..' ;; *) up='${pcfiledir}/../..' ;; esac
+    sed -i -E -e "s|^prefix=/usr\$|prefix=$up|" -e 's|^([a-z_]+)=/usr(/.*)?$|\1=${prefix}\2|' \
+              -e "s|-I/usr/include|-I$up/include|g" "$pc"
+  done < <(find "$sysroot" -path '*/pkgconfig/*.pc')
 
   # No absolute symlinks may remain: they would point into the GPU machine's own /usr.
   if abs=$(find "$sysroot" -type l -lname '/*' -print) && [ -n "$abs" ]; then
@@ -78,7 +78,8 @@ for f in tomlplusplus/usr/include/toml++/toml.h spdlog/usr/include/spdlog/spdlog
          nlohmann_json/usr/include/nlohmann/json.hpp gloo/usr/include/gloo/algorithm.h \
          tomlplusplus/usr/lib/x86_64-linux-gnu/libtomlplusplus.so.3 spdlog/usr/lib/x86_64-linux-gnu/libspdlog.so.1.10 \
          fmt/usr/lib/x86_64-linux-gnu/libfmt.so.9 sqlite3/usr/lib/x86_64-linux-gnu/libsqlite3.so.0 \
-         sqlite3/usr/lib/x86_64-linux-gnu/pkgconfig/sqlite3.pc pkgconf/usr/bin/pkgconf; do
+         sqlite3/usr/lib/x86_64-linux-gnu/pkgconfig/sqlite3.pc pkgconf/usr/bin/pkgconf \
+         fortunes/usr/share/games/fortunes/fortunes; do
   [ -e "$sysroot/$f" ] || { echo "gpu_kit: missing $sysroot/$f"; missing=1; }
 done
 [ "$missing" -eq 0 ] || exit 1

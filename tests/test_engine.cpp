@@ -185,7 +185,7 @@ TEST_CASE("MoE: top-k routing, balance loss near its uniform value, gradients to
   for (auto& p : model->module().named_parameters()) {
     const std::string& name = p.key();
     if (name.find("router") != std::string::npos) router_grads += p.value().grad().defined() && p.value().grad().abs().sum().item<double>() > 0;
-    if (name.find(".expert") != std::string::npos && name.find("gate.weight") != std::string::npos) {
+    if (name.find(".expert") != std::string::npos && name.find("gate_up.weight") != std::string::npos) {
       ++experts;
       expert_grads += p.value().grad().defined();
     }

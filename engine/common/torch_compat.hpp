@@ -5,6 +5,9 @@
 #include <torch/torch.h>
 #include <torch/version.h>
 
+#include <limits>
+#include <map>
+
 #define DSRUN_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 
@@ -16,10 +19,15 @@ inline torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tenso
 #if DSRUN_TORCH_AT_LEAST(2, 0)
   return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true);
 #else
+  // Scale q (s·d elements) rather than the scores (s·s), and add a cached -inf upper triangle in
+  // place: the matmul's backward needs its inputs, not its output.
   const int64_t s = q.size(-2);
-  auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(q.size(-1)));
-  auto mask = torch::ones({s, s}, torch::TensorOptions().dtype(torch::kBool).device(q.device())).triu(1);
-  scores = scores.masked_fill(mask, -std::numeric_limits<float>::infinity());
+  static thread_local std::map<std::pair<int64_t, c10::ScalarType>, torch::Tensor> causal_bias;
+  torch::Tensor& bias = causal_bias[{s, q.scalar_type()}];
+  if (!bias.defined())
+    bias = torch::full({s, s}, -std::numeric_limits<float>::infinity(), q.options()).triu(1);
+  auto scores = torch::matmul(q * (1.0 / std::sqrt(static_cast<double>(q.size(-1)))), k.transpose(-2, -1));
+  scores.add_(bias);
   return torch::matmul(torch::softmax(scores.to(torch::kFloat32), -1).to(q.scalar_type()), v);
 #endif
 }

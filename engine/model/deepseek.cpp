@@ -44,18 +44,19 @@ struct Rotary {
   }
 };
 
+// q, k and v come from one fused projection (one matmul instead of three; the same parameters
+// as separate wq, wk, wv stacked by rows).
 struct AttentionImpl : nn::Module {
   AttentionImpl(const ModelSpec& m) : heads(m.heads), kv_heads(m.kv_heads), head_dim(m.head_dim()) {
-    wq = register_module("wq", linear(m.hidden, m.hidden));
-    wk = register_module("wk", linear(m.hidden, kv_heads * head_dim));
-    wv = register_module("wv", linear(m.hidden, kv_heads * head_dim));
+    wqkv = register_module("wqkv", linear(m.hidden, (heads + 2 * kv_heads) * head_dim));
     wo = register_module("wo", linear(m.hidden, m.hidden));
   }
   Tensor forward(const Tensor& x, const Rotary& rope) {
     const int64_t b = x.size(0), s = x.size(1);
-    Tensor q = wq(x).view({b, s, heads, head_dim}).transpose(1, 2);
-    Tensor k = wk(x).view({b, s, kv_heads, head_dim}).transpose(1, 2);
-    Tensor v = wv(x).view({b, s, kv_heads, head_dim}).transpose(1, 2);
+    std::vector<Tensor> qkv = wqkv(x).split_with_sizes({heads * head_dim, kv_heads * head_dim, kv_heads * head_dim}, -1);
+    Tensor q = qkv[0].view({b, s, heads, head_dim}).transpose(1, 2);
+    Tensor k = qkv[1].view({b, s, kv_heads, head_dim}).transpose(1, 2);
+    Tensor v = qkv[2].view({b, s, kv_heads, head_dim}).transpose(1, 2);
     q = rope.apply(q);
     k = rope.apply(k);
     if (kv_heads != heads) {  // grouped-query attention: each KV head serves heads/kv_heads query heads
@@ -66,18 +67,22 @@ struct AttentionImpl : nn::Module {
     return wo(out.transpose(1, 2).reshape({b, s, heads * head_dim}));
   }
   int64_t heads, kv_heads, head_dim;
-  nn::Linear wq{nullptr}, wk{nullptr}, wv{nullptr}, wo{nullptr};
+  nn::Linear wqkv{nullptr}, wo{nullptr};
 };
 TORCH_MODULE(Attention);
 
+// down(silu(gate(x)) * up(x)), with gate and up fused into one projection of 2 x inner rows.
 struct SwiGLUImpl : nn::Module {
-  SwiGLUImpl(int64_t hidden, int64_t inner) {
-    gate = register_module("gate", linear(hidden, inner));
-    up = register_module("up", linear(hidden, inner));
+  SwiGLUImpl(int64_t hidden, int64_t inner) : inner(inner) {
+    gate_up = register_module("gate_up", linear(hidden, 2 * inner));
     down = register_module("down", linear(inner, hidden));
   }
-  Tensor forward(const Tensor& x) { return down(torch::silu(gate(x)) * up(x)); }
-  nn::Linear gate{nullptr}, up{nullptr}, down{nullptr};
+  Tensor forward(const Tensor& x) {
+    std::vector<Tensor> gu = gate_up(x).chunk(2, -1);
+    return down(torch::silu(gu[0]) * gu[1]);
+  }
+  int64_t inner;
+  nn::Linear gate_up{nullptr}, down{nullptr};
 };
 TORCH_MODULE(SwiGLU);
 
