@@ -242,9 +242,11 @@ class Supervisor {
       else print_line("eval at step " + std::to_string(step) + ": " + m["metrics"].dump());
     } else if (type == "memory") {
       const std::string prefix = "memory/rank" + std::to_string(p.rank) + "/";
-      store_.add_metrics(run_id_, 0, {{prefix + "model_state_bytes", m.value("model_state_bytes", 0.0)},
-                                      {prefix + "predicted_model_state_bytes", m.value("predicted_model_state_bytes", 0.0)},
-                                      {prefix + "peak_rss_bytes", m.value("peak_rss_bytes", 0.0)}});
+      std::vector<std::pair<std::string, double>> values;
+      for (const char* key : {"model_state_bytes", "predicted_model_state_bytes", "peak_rss_bytes", "predicted_total_bytes",
+                              "peak_allocated_bytes", "peak_reserved_bytes"})
+        if (m.contains(key)) values.push_back({prefix + key, m[key].get<double>()});
+      store_.add_metrics(run_id_, 0, values);
     } else if (type == "event") {
       store_.add_event(run_id_, m.value("kind", std::string("event")), p.rank, m.value("message", std::string()));
     } else if (type == "error") {

@@ -29,8 +29,8 @@ class SingleProcess final : public Communicator {
 // it reduces in fp32 and derives reduce-scatter from all-reduce (same result, twice the traffic).
 class ProcessGroupCommunicator final : public Communicator {
  public:
-  ProcessGroupCommunicator(c10::intrusive_ptr<compat::CollectiveBackend> group, int rank, int world, bool nccl)
-      : group_(std::move(group)), rank_(rank), world_(world), nccl_(nccl) {}
+  ProcessGroupCommunicator(c10::intrusive_ptr<compat::CollectiveBackend> group, int rank, int world, bool nccl, int cuda_device)
+      : group_(std::move(group)), rank_(rank), world_(world), nccl_(nccl), cuda_device_(cuda_device) {}
 
   int rank() const override { return rank_; }
   int world_size() const override { return world_; }
@@ -45,10 +45,9 @@ class ProcessGroupCommunicator final : public Communicator {
   void reduce_scatter_sum(const torch::Tensor& full, torch::Tensor& shard) override {
     DSRUN_ASSERT(full.numel() == shard.numel() * world_, "reduce_scatter: full must be world_size x shard");
 #ifdef DSRUN_WITH_NCCL
-    if (nccl_) {
-      std::vector<torch::Tensor> out{shard};
-      std::vector<std::vector<torch::Tensor>> in{std::vector<torch::Tensor>(full.chunk(world_))};
-      group_->reduce_scatter(out, in)->wait();
+    if (nccl_) {  // flat buffers: NCCL's own reduce-scatter, no copies
+      torch::Tensor in = full, out = shard;
+      group_->_reduce_scatter_base(out, in)->wait();
       return;
     }
 #endif
@@ -60,6 +59,13 @@ class ProcessGroupCommunicator final : public Communicator {
 
   void all_gather(const torch::Tensor& shard, torch::Tensor& full) override {
     DSRUN_ASSERT(full.numel() == shard.numel() * world_, "all_gather: full must be world_size x shard");
+#ifdef DSRUN_WITH_NCCL
+    if (nccl_) {
+      torch::Tensor in = shard.contiguous(), out = full;
+      group_->_allgather_base(out, in)->wait();
+      return;
+    }
+#endif
     torch::Tensor wire_full = on_wire(full);
     std::vector<torch::Tensor> inputs{on_wire(shard).contiguous()};
     std::vector<std::vector<torch::Tensor>> outputs(1);
@@ -80,15 +86,18 @@ class ProcessGroupCommunicator final : public Communicator {
   void barrier() override { group_->barrier()->wait(); }
 
  private:
-  // Gloo reduces bf16 in fp32 (not every Gloo build has bf16 kernels).
+  // Gloo reduces bf16 in fp32 (not every Gloo build has bf16 kernels); NCCL needs CUDA tensors,
+  // so CPU scalars (metrics, norms) travel through this rank's GPU.
   torch::Tensor on_wire(const torch::Tensor& t) const {
     if (!nccl_ && t.scalar_type() == torch::kBFloat16) return t.to(torch::kFloat32);
+    if (nccl_ && t.is_cpu()) return t.to(torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(cuda_device_)));
     return t;
   }
 
   c10::intrusive_ptr<compat::CollectiveBackend> group_;
   int rank_, world_;
   bool nccl_;
+  int cuda_device_;
 };
 
 }  // namespace
@@ -118,7 +127,7 @@ std::unique_ptr<Communicator> connect_communicator(const RendezvousOptions& o) {
     auto options = c10d::ProcessGroupNCCL::Options::create();
     options->timeout = timeout;
     auto group = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, o.rank, o.world_size, options);
-    return std::make_unique<ProcessGroupCommunicator>(group, o.rank, o.world_size, true);
+    return std::make_unique<ProcessGroupCommunicator>(group, o.rank, o.world_size, true, o.cuda_device);
 #else
     ErrorContext c;
     c.rank = o.rank;
@@ -136,7 +145,7 @@ std::unique_ptr<Communicator> connect_communicator(const RendezvousOptions& o) {
   else
     options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
   auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, o.rank, o.world_size, options);
-  return std::make_unique<ProcessGroupCommunicator>(group, o.rank, o.world_size, false);
+  return std::make_unique<ProcessGroupCommunicator>(group, o.rank, o.world_size, false, 0);
 }
 
 }  // namespace dsrun

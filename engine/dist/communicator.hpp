@@ -16,6 +16,7 @@ struct RendezvousOptions {
   int world_size = 1;
   double timeout_s = 300;   // for rendezvous and for every collective
   bool use_nccl = false;    // CUDA tensors; needs a libtorch built with NCCL
+  int cuda_device = 0;      // with NCCL: this rank's GPU (LOCAL_RANK)
 };
 
 class Communicator {

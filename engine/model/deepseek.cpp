@@ -28,7 +28,8 @@ TORCH_MODULE(RMSNorm);
 
 // Rotary position embedding on [b, heads, s, d], rotating the two halves of each head (Llama layout).
 struct Rotary {
-  Tensor cos, sin;  // [max_seq, d]
+  Tensor cos, sin;  // [max_seq, d], fp32 on the CPU
+  mutable Tensor on_device, sin_on_device;  // cos and sin in the activations' device and dtype
   Rotary(int64_t head_dim, int64_t max_seq, double theta) {
     Tensor inv = 1.0 / torch::pow(theta, torch::arange(0, head_dim, 2, torch::kFloat64) / static_cast<double>(head_dim));
     Tensor angles = torch::outer(torch::arange(max_seq, torch::kFloat64), inv);
@@ -38,7 +39,11 @@ struct Rotary {
   }
   Tensor apply(const Tensor& x) const {
     const int64_t s = x.size(2), half = x.size(3) / 2;
-    Tensor c = cos.narrow(0, 0, s).to(x.scalar_type()), sn = sin.narrow(0, 0, s).to(x.scalar_type());
+    if (!on_device.defined() || on_device.device() != x.device() || on_device.scalar_type() != x.scalar_type()) {
+      on_device = cos.to(x.options());  // converted once per device and dtype, not per call
+      sin_on_device = sin.to(x.options());
+    }
+    Tensor c = on_device.narrow(0, 0, s), sn = sin_on_device.narrow(0, 0, s);
     Tensor rotated = torch::cat({-x.narrow(3, half, half), x.narrow(3, 0, half)}, -1);
     return x * c + rotated * sn;
   }
@@ -112,7 +117,7 @@ struct MoEImpl : nn::Module {
     if (shared) out = out + shared(tokens);
     // Expert-level balance loss (DeepSeek-MoE eq. 12): α Σ_i f_i P_i, f_i = E/(kT) · tokens routed to i,
     // P_i = mean router score of i. Equals α when routing is perfectly uniform.
-    Tensor counts = torch::zeros({experts_count}, torch::kFloat32).scatter_add(0, chosen.reshape({-1}), torch::ones({T * top_k}));
+    Tensor counts = torch::zeros({experts_count}, scores.options()).scatter_add(0, chosen.reshape({-1}), torch::ones({T * top_k}, scores.options()));
     Tensor f = counts * (static_cast<double>(experts_count) / (top_k * T));
     Tensor p = scores.mean(0);
     aux_loss = aux_loss + aux_weight * (f * p).sum();  // f counts tokens: no gradient flows through it
@@ -202,7 +207,7 @@ class DeepSeekModel final : public Model {
       }
       return state;
     };
-    Tensor zero = torch::zeros({}, torch::kFloat32);
+    Tensor zero = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat32).device(batch.inputs.device()));
     Tensor logits, aux;
     if (spec_.tie_embeddings) {
       Tensors out = runner.run(0, [&](const Tensors& in) {

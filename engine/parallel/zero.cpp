@@ -87,6 +87,15 @@ ZeroDataParallel::ZeroDataParallel(Model& model, Communicator& comm, const ZeroO
   const auto compute = scalar_type(options.dtype);
   const bool mixed = compute != torch::kFloat32;
   torch::NoGradGuard no_grad;
+  auto first_units = model.parameter_units();
+  const torch::Device device = first_units.empty() || first_units[0].params.empty() ? torch::Device(torch::kCPU) : first_units[0].params[0].device();
+  // ZeRO-Offload: fp32 master weights and optimizer states in (pinned) host memory. On CPU ranks
+  // host and device are one memory, so the same code runs with nothing moved.
+  offload_to_host_ = options.offload && device.is_cuda();
+  auto host_copy = [&](const Tensor& t) {
+    Tensor h = torch::empty(t.sizes(), t.options().device(torch::kCPU).pinned_memory(true));
+    return h.copy_(t);
+  };
 
   for (auto& pu : model.parameter_units()) {
     auto u = std::make_unique<Unit>();
@@ -104,7 +113,7 @@ ZeroDataParallel::ZeroDataParallel(Model& model, Communicator& comm, const ZeroO
     u->shard = sharded ? u->padded / world : u->padded;
     u->shard_begin = sharded ? comm.rank() * u->shard : 0;
 
-    Tensor flat32 = torch::zeros({u->padded}, torch::kFloat32);
+    Tensor flat32 = torch::zeros({u->padded}, torch::TensorOptions().dtype(torch::kFloat32).device(device));
     for (size_t i = 0; i < u->params.size(); ++i) flat32.narrow(0, u->offsets[i], u->numels[i]).copy_(u->params[i].detach().flatten());
     Tensor region32 = flat32.narrow(0, u->shard_begin, u->shard);
 
@@ -116,7 +125,8 @@ ZeroDataParallel::ZeroDataParallel(Model& model, Communicator& comm, const ZeroO
       u->param_shard = mixed ? region32.to(compute) : region32.clone();
       m.master = mixed ? region32.clone() : u->param_shard;
     }
-    u->grad_acc = torch::zeros({options.stage <= 1 ? u->padded : u->shard}, compute);
+    if (offload_to_host_) m.master = host_copy(region32);
+    u->grad_acc = torch::zeros({options.stage <= 1 ? u->padded : u->shard}, torch::TensorOptions().dtype(compute).device(device));
     for (size_t i = 0; i < u->params.size(); ++i) {
       if (u->shapes[i].size() < 2) continue;  // no weight decay on norms and biases
       int64_t begin = std::max(u->offsets[i], u->shard_begin), end = std::min(u->offsets[i] + u->numels[i], u->shard_begin + u->shard);
@@ -232,13 +242,14 @@ void ZeroDataParallel::reduce_gradients() {
     } else {
       reduced = u.grad_acc;
     }
-    shards_[k].grad = reduced.to(torch::kFloat32).mul_(inv_world);
+    shards_[k].grad = reduced.to(shards_[k].master.device(), torch::kFloat32).mul_(inv_world);
   }
 }
 
 double ZeroDataParallel::global_grad_norm() {
-  double local = 0;
-  for (auto& s : shards_) local += s.grad.pow(2).sum().item<double>();
+  torch::Tensor sum = torch::zeros({}, torch::kFloat64);
+  for (auto& s : shards_) sum += s.grad.pow(2).sum().to(torch::kCPU, torch::kFloat64);  // one sync at the end
+  double local = sum.item<double>();
   if (options_.stage >= 1) {  // shards are disjoint: sum over ranks
     Tensor t = torch::tensor({local}, torch::kFloat64);
     comm_.all_reduce_sum(t);
@@ -263,15 +274,16 @@ std::vector<MasterShard>& ZeroDataParallel::shards() { return shards_; }
 
 void ZeroDataParallel::after_step() {
   torch::NoGradGuard no_grad;
-  const bool mixed = options_.dtype != DType::Fp32;
+  // fp32 without offload updated the working parameters in place; otherwise copy them over.
+  const bool copy_master = options_.dtype != DType::Fp32 || offload_to_host_;
   for (size_t k = 0; k < units_.size(); ++k) {
     Unit& u = *units_[k];
     MasterShard& m = shards_[k];
     if (options_.stage == 3) {
-      if (mixed) u.param_shard.copy_(m.master);
+      if (copy_master) u.param_shard.copy_(m.master);
     } else {
       Tensor mine = u.full.narrow(0, u.shard_begin, u.shard);
-      if (mixed) mine.copy_(m.master);
+      if (copy_master) mine.copy_(m.master);
       if (options_.stage >= 1) comm_.all_gather(mine.clone(), u.full);
     }
     m.grad = Tensor();
@@ -294,7 +306,7 @@ double ZeroDataParallel::parameter_and_gradient_bytes() const {
 }
 
 double ZeroDataParallel::master_bytes() const {
-  if (options_.dtype == DType::Fp32) return 0;  // the master weights are the working parameters
+  if (options_.dtype == DType::Fp32 && !offload_to_host_) return 0;  // the master weights are the working parameters
   double bytes = 0;
   for (const auto& s : shards_) bytes += static_cast<double>(s.master.numel() * s.master.element_size());
   return bytes;

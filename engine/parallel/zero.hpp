@@ -56,6 +56,8 @@ class ZeroDataParallel final : public UnitRunner {
   // are added by the optimizer), to compare with the plan.
   double parameter_and_gradient_bytes() const;
   double master_bytes() const;
+  // Of those, the bytes kept in host memory (offload), not on the device.
+  double host_bytes() const { return offload_to_host_ ? master_bytes() : 0; }
 
  private:
   struct Unit;
@@ -69,6 +71,7 @@ class ZeroDataParallel final : public UnitRunner {
   std::vector<MasterShard> shards_;
   std::vector<std::shared_ptr<UnitFn>> live_fns_;  // callables checkpointed units need in backward
   std::vector<int> forward_stack_;                 // units whose computation is running (nesting)
+  bool offload_to_host_ = false;                   // master and optimizer states in host memory
 };
 
 }  // namespace dsrun

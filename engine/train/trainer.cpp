@@ -13,6 +13,11 @@
 #include "engine/train/report.hpp"
 #include "engine/train/schedule.hpp"
 
+#ifdef DSRUN_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -75,7 +80,24 @@ class Trainer {
 
   void run() {
     auto t_start = std::chrono::steady_clock::now();
+    const bool cuda = r_.hardware.device == Device::Cuda;
+    if (cuda) {
+      if (!torch::cuda::is_available() || static_cast<int>(torch::cuda::device_count()) <= ctx_.local_rank) {
+        ErrorContext c;
+        c.rank = ctx_.rank;
+        c.hint = "run where the GPUs are, or try the layout on CPU ranks with --smoke";
+        throw Error("the recipe needs CUDA device " + std::to_string(ctx_.local_rank) + "; this process sees " +
+                        std::to_string(torch::cuda::is_available() ? torch::cuda::device_count() : 0) + " GPU(s)",
+                    c);
+      }
+#ifdef DSRUN_WITH_CUDA
+      c10::cuda::set_device(static_cast<c10::DeviceIndex>(ctx_.local_rank));
+#endif
+      device_ = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(ctx_.local_rank));
+    }
     RendezvousOptions rv;
+    rv.use_nccl = cuda;
+    rv.cuda_device = ctx_.local_rank;
     rv.master_addr = env_string("MASTER_ADDR", "127.0.0.1");
     rv.master_port = env_int("MASTER_PORT", 29500);
     rv.rank = ctx_.rank;
@@ -85,6 +107,7 @@ class Trainer {
 
     torch::manual_seed(static_cast<uint64_t>(r_.run.seed));  // identical weights on every rank and world size
     model_ = build_model(r_.model, r_.batch.seq_len);
+    model_->module().to(device_);
     ZeroOptions zo;
     zo.stage = plan_.zero_stage;
     zo.dtype = plan_.dtype;
@@ -125,7 +148,7 @@ class Trainer {
     for (int64_t m = 0; m < accumulation; ++m) {
       // This rank's slice of the global batch: the same samples whatever the number of ranks.
       const int64_t first = step * r_.batch.global + ctx_.rank * per_rank + m * micro;
-      Batch batch = data_->train_batch(first, micro);
+      Batch batch = on_device(data_->train_batch(first, micro));
       ModelOutput out = model_->forward(batch, *zero_);
       (out.loss * (loss_scale / static_cast<double>(accumulation))).backward();
       zero_->after_backward();
@@ -176,7 +199,7 @@ class Trainer {
     double loss_sum = 0, correct = 0, items = 0;
     const int64_t micro = plan_.micro_batch;
     for (int64_t i = 0; i < r_.eval.batches; ++i) {
-      Batch batch = data_->val_batch((ctx_.rank * r_.eval.batches + i) * micro, micro);
+      Batch batch = on_device(data_->val_batch((ctx_.rank * r_.eval.batches + i) * micro, micro));
       ModelOutput out = model_->forward(batch, *zero_);
       loss_sum += out.task_loss;
       if (out.correct >= 0) correct += static_cast<double>(out.correct);
@@ -193,17 +216,34 @@ class Trainer {
     report_.send({{"type", "eval"}, {"step", step + 1}, {"metrics", metrics}});
   }
 
-  // Model states this rank holds, measured from its tensors, beside the plan's prediction.
+  Batch on_device(Batch b) const {
+    if (device_.is_cpu()) return b;
+    b.inputs = b.inputs.to(device_, /*non_blocking=*/true);
+    b.targets = b.targets.to(device_, /*non_blocking=*/true);
+    return b;
+  }
+
+  // Model states this rank holds, measured from its tensors, beside the plan's prediction; on a GPU
+  // also the caching allocator's peak, beside the plan's total.
   void report_memory() {
     const double measured = zero_->parameter_and_gradient_bytes() + zero_->master_bytes() + optimizer_->state_bytes();
     const double predicted = plan_.memory.states.device_total() + plan_.memory.states.host;
-    report_.send({{"type", "memory"}, {"model_state_bytes", measured}, {"predicted_model_state_bytes", predicted},
-                  {"peak_rss_bytes", peak_rss_bytes()}, {"predicted_total_bytes", plan_.memory.total()}});
+    nlohmann::json m = {{"type", "memory"}, {"model_state_bytes", measured}, {"predicted_model_state_bytes", predicted},
+                        {"peak_rss_bytes", peak_rss_bytes()}, {"predicted_total_bytes", plan_.memory.total()}};
+#ifdef DSRUN_WITH_CUDA
+    if (device_.is_cuda()) {
+      auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device_.index());
+      m["peak_allocated_bytes"] = static_cast<double>(stats.allocated_bytes[0].peak);
+      m["peak_reserved_bytes"] = static_cast<double>(stats.reserved_bytes[0].peak);
+    }
+#endif
+    report_.send(m);
   }
 
   const Recipe& r_;
   const Plan& plan_;
   RankContext ctx_;
+  torch::Device device_{torch::kCPU};
   RankReporter& report_;
   std::unique_ptr<Communicator> comm_;
   std::unique_ptr<Model> model_;
