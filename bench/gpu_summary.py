@@ -1,0 +1,46 @@
+"""Summarises the GPU runs of bench/gpu_check.sh from dsrun's store: loss agreement, memory
+measured against the plan, speed against the plan."""
+import json
+import sqlite3
+import sys
+
+db = sqlite3.connect(sys.argv[1])
+runs = db.execute("SELECT id, name, status, plan_json FROM runs ORDER BY created_at").fetchall()
+
+
+def series(run_id, key):
+    return [v for (v,) in db.execute("SELECT value FROM metrics WHERE run_id=? AND key=? ORDER BY step", (run_id, key))]
+
+
+def latest(run_id, key):
+    row = db.execute("SELECT value FROM metrics_latest WHERE run_id=? AND key=?", (run_id, key)).fetchone()
+    return row[0] if row else None
+
+
+reference = {}
+for run_id, name, status, plan_json in runs:
+    plan = json.loads(plan_json)
+    losses = series(run_id, "loss")
+    line = f"{name:32s} {status:9s} steps={len(losses):3d}"
+    if name.startswith("check-"):
+        dtype = name.split("-")[1]
+        ref = reference.setdefault(dtype, losses)
+        if losses and len(losses) == len(ref):
+            worst = max(abs(a - b) / abs(b) for a, b in zip(losses, ref))
+            line += f" max rel diff vs 1-GPU ZeRO-0 {worst:.2e}"
+        line += f" final loss {losses[-1]:.4f}" if losses else ""
+    measured = latest(run_id, "memory/rank0/model_state_bytes")
+    predicted = latest(run_id, "memory/rank0/predicted_model_state_bytes")
+    peak = latest(run_id, "memory/rank0/peak_allocated_bytes")
+    if measured and predicted:
+        line += f" | states {measured / 2**30:.3f} GiB vs plan {predicted / 2**30:.3f} GiB ({100 * (measured / predicted - 1):+.1f}%)"
+    if peak:
+        total = plan["memory_per_rank"]["total"]
+        line += f" | peak allocated {peak / 2**30:.2f} GiB vs plan total {total / 2**30:.2f} GiB ({100 * (peak / total - 1):+.1f}%)"
+    steps = series(run_id, "step_seconds")
+    if len(steps) > 5:
+        dt = sum(steps[5:]) / len(steps[5:])
+        tps = plan["batch"]["tokens_per_step"] / dt
+        mfu = plan["speed"]["model_flops_per_step"] / (dt * plan["speed"]["peak_flops"] * plan["topology"]["world_size"])
+        line += f" | {dt:.4f} s/step, {tps:.0f} tokens/s, MFU {100 * mfu:.1f}% (plan {plan['speed']['step_seconds']:.4f} s/step)"
+    print(line)
