@@ -104,7 +104,7 @@ TEST_CASE("model-state memory per rank matches the ZeRO paper", "[plan][memory]"
   CHECK(plan_model_states_per_rank(o).device_total() / 1e9 == Approx(1.88).epsilon(0.01));
 }
 
-TEST_CASE("shards that do not divide are padded; offload moves optimizer states to the host", "[plan][memory]") {
+TEST_CASE("shards that do not divide are padded, and offload moves optimizer states to the host", "[plan][memory]") {
   ModelStateOptions o;
   o.params = 10;
   o.data_parallel = 3;

@@ -96,7 +96,7 @@ TEST_CASE("status changes follow the lifecycle", "[store]") {
   CHECK_THROWS(run_status_from_string("done"));
 }
 
-TEST_CASE("runs are found by id, unique prefix or name; ambiguity is an error", "[store]") {
+TEST_CASE("runs are found by id, unique prefix or name, and ambiguity is an error", "[store]") {
   dsrun::test::TempDir dir;
   Store store(dir.file("runs.db"));
   std::vector<std::string> ids;

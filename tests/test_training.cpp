@@ -133,7 +133,7 @@ TEST_CASE("the same seed gives bitwise-identical losses on rerun", "[training]")
   CHECK(first.losses == second.losses);
 }
 
-TEST_CASE("a crashing rank stops the others; the run is failed with its error", "[training][failure]") {
+TEST_CASE("a crashing rank stops the others and the run is failed with its error", "[training][failure]") {
   dsrun::test::TempDir dir;
   Run run = train(dir, layout(2, 2) + " --set run.steps=200", "DSRUN_TEST_CRASH_AT=1:3");
   INFO(run.text);
