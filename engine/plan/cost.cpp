@@ -60,6 +60,7 @@ ModelCost decoder_cost(const ModelSpec& m, double s, double e, AttentionKernel k
   if (kernel == AttentionKernel::Math) c.terms.push_back({"  of which attention probabilities (math kernel)", e * s * m.layers * attention_probs});
   c.terms.push_back({"final norm, logits, fp32 log-softmax", s * head_bytes_per_token});
   c.activation_bytes_per_sample = e * s * per_token_layers + s * head_bytes_per_token;
+  c.head_backward_bytes_per_sample = s * (4 + 4 + e) * V;
 
   // Full checkpointing keeps each block's input (h per token) and, during backward, one block's
   // recomputed activations at a time.

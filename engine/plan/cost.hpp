@@ -28,6 +28,9 @@ struct ModelCost {
   double recompute_flops_per_sample = 0;    // extra forward when activations are checkpointed
   double activation_bytes_per_sample = 0;               // without checkpointing
   double checkpointed_activation_bytes_per_sample = 0;  // full checkpointing
+  // Live only at the start of backward, on top of all activations: the gradients of the fp32
+  // log-softmax and of the logits (fp32, then in the compute dtype). Measured on H200: docs/benchmarks.md.
+  double head_backward_bytes_per_sample = 0;
   std::vector<ActivationTerm> terms;  // how activation_bytes_per_sample adds up
 };
 

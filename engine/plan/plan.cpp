@@ -76,6 +76,7 @@ class Planner {
     MemoryBreakdown& m = ev.memory;
     m.states = plan_model_states_per_rank(o);
     m.activations = l.micro * (l.checkpointing ? cost_.checkpointed_activation_bytes_per_sample : cost_.activation_bytes_per_sample);
+    m.backward_peak = l.micro * cost_.head_backward_bytes_per_sample;
     const double e = bytes_per_element(r_.precision.dtype);
     if (l.stage == 3 && dp_ > 1) {
       // The layer being computed, the prefetched next one, and one layer's full gradient before reduce-scatter.
@@ -84,7 +85,7 @@ class Planner {
       m.comm_buffers = 2 * std::min(r_.parallel.bucket_bytes, cost_.params * e);  // bucket being reduced + the next
     }
     m.runtime = hw.runtime_memory_bytes;
-    m.fragmentation = hw.fragmentation * (m.states.device_total() + m.activations + m.comm_buffers);
+    m.fragmentation = hw.fragmentation * (m.states.device_total() + m.activations + m.backward_peak + m.comm_buffers);
     double on_device = m.total();
     if (hw.ranks_share_memory()) {
       on_device += m.states.host;  // "host" and "device" are the same memory on CPU ranks

@@ -32,10 +32,11 @@ ModelStateBytes plan_model_states_per_rank(const ModelStateOptions& o);
 struct MemoryBreakdown {
   ModelStateBytes states;
   double activations = 0;   // one micro-batch in flight
+  double backward_peak = 0; // transient gradients at the start of backward (the logits')
   double comm_buffers = 0;  // gradient buckets, ZeRO-3 gathered layers
   double runtime = 0;       // CUDA context, NCCL, libraries
   double fragmentation = 0; // allocator slack
-  double total() const { return states.device_total() + activations + comm_buffers + runtime + fragmentation; }
+  double total() const { return states.device_total() + activations + backward_peak + comm_buffers + runtime + fragmentation; }
 };
 
 struct CommTerm {

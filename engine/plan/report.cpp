@@ -53,6 +53,7 @@ std::string render_plan(const Plan& p) {
   t.add({"optimizer states", format_bytes(m.states.optimizer), p.offload != Offload::None ? "offloaded" : sharded(p.zero_stage, 1, p.data_parallel)});
   t.add({"activations", format_bytes(m.activations), "micro batch " + std::to_string(p.micro_batch) +
                                                          (p.activation_checkpointing ? ", checkpointed" : ", no recomputation")});
+  if (m.backward_peak > 0) t.add({"backward peak", format_bytes(m.backward_peak), "logits gradients at the start of backward"});
   t.add({"communication buffers", format_bytes(m.comm_buffers), p.zero_stage == 3 ? "gathered layers" : "gradient buckets"});
   t.add({"runtime", format_bytes(m.runtime), "context, libraries"});
   t.add({"allocator slack", format_bytes(m.fragmentation), "fragmentation"});
@@ -115,7 +116,7 @@ std::string plan_to_json(const Plan& p) {
                    {"activation_checkpointing", p.activation_checkpointing}, {"dtype", to_string(p.dtype)},
                    {"attention", kernel_name(p.attention)}};
   j["memory_per_rank"] = {{"params", m.states.params}, {"grads", m.states.grads}, {"master", m.states.master},
-                          {"optimizer", m.states.optimizer}, {"activations", m.activations}, {"comm_buffers", m.comm_buffers},
+                          {"optimizer", m.states.optimizer}, {"activations", m.activations}, {"backward_peak", m.backward_peak}, {"comm_buffers", m.comm_buffers},
                           {"runtime", m.runtime}, {"fragmentation", m.fragmentation}, {"offloaded_to_host", m.states.host},
                           {"total", m.total() + (p.device == Device::Cpu ? m.states.host : 0)}, {"capacity", p.memory_capacity}};
   j["host_memory_per_node"] = {{"needed", p.host_memory_needed}, {"capacity", p.host_memory_capacity}};
