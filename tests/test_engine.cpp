@@ -1,5 +1,7 @@
 // Engine pieces in one process (and the communicator across real processes): collectives against
 // a reference, the optimizer against libtorch's, MoE routing and balance loss, checkpointing.
+#include "engine/common/files.hpp"
+#include "engine/data/dataset.hpp"
 #include "engine/dist/communicator.hpp"
 #include "engine/model/model.hpp"
 #include "engine/parallel/zero.hpp"
@@ -249,4 +251,81 @@ TEST_CASE("global-norm clipping sees every shard", "[engine][clip]") {
       if (p.grad().defined()) sq += p.grad().pow(2).sum().item<double>();
     return std::fabs(sharded - std::sqrt(sq)) < 1e-4 * std::sqrt(sq) && rank >= 0;
   }));
+}
+
+TEST_CASE("token shards: written, read back, windows cut, bad shards refused", "[engine][data]") {
+  char pattern[] = "/tmp/dsrun-data-XXXXXX";
+  std::string dir = ::mkdtemp(pattern);
+  std::vector<uint32_t> tokens;
+  for (uint32_t i = 0; i < 1000; ++i) tokens.push_back(i % 300);
+  write_token_shard(dir + "/a.tokens", tokens, 2);
+  DataOptions data;
+  data.kind = DataKind::Tokens;
+  data.path = dir;
+  data.val_fraction = 0.1;
+  data.shuffle = false;
+  ModelSpec m = tiny_decoder();
+  m.vocab = 300;
+  auto set = open_dataset(data, m, 8, 1);
+  Batch b = set->train_batch(0, 2);
+  CHECK(b.inputs.sizes() == std::vector<int64_t>({2, 8}));
+  CHECK(b.inputs[1][0].item<int64_t>() == 8);        // window 1 starts at token 8
+  CHECK(b.targets[0][0].item<int64_t>() == 1);       // targets are the next tokens
+  // Shuffled order is a permutation, the same for the same seed.
+  data.shuffle = true;
+  auto a1 = open_dataset(data, m, 8, 5), a2 = open_dataset(data, m, 8, 5);
+  CHECK(torch::equal(a1->train_batch(3, 4).inputs, a2->train_batch(3, 4).inputs));
+  // A token outside the vocabulary, and a truncated shard, are errors naming the file.
+  m.vocab = 100;
+  CHECK_THROWS_WITH(open_dataset(data, m, 8, 1), Catch::Contains("outside the vocabulary"));
+  std::string bytes = read_file(dir + "/a.tokens");
+  write_file_atomic(dir + "/a.tokens", bytes.substr(0, bytes.size() - 3));
+  m.vocab = 300;
+  CHECK_THROWS_WITH(open_dataset(data, m, 8, 1), Catch::Contains("does not match its size"));
+  std::system(("rm -rf '" + dir + "'").c_str());
+}
+
+TEST_CASE("CIFAR-10 binary batches are read as normalised images with labels", "[engine][data]") {
+  char pattern[] = "/tmp/dsrun-cifar-XXXXXX";
+  std::string dir = ::mkdtemp(pattern);
+  for (const char* name : {"data_batch_1.bin", "data_batch_2.bin", "data_batch_3.bin", "data_batch_4.bin", "data_batch_5.bin", "test_batch.bin"}) {
+    std::string records;
+    for (int i = 0; i < 4; ++i) {
+      records.push_back(static_cast<char>(i % 10));  // label
+      records.append(3072, static_cast<char>(i * 40));
+    }
+    write_file_atomic(dir + "/" + name, records);
+  }
+  DataOptions data;
+  data.kind = DataKind::Cifar10;
+  data.path = dir;
+  data.shuffle = false;
+  ModelSpec m;
+  m.arch = ModelArch::ResNet;
+  auto set = open_dataset(data, m, 0, 1);
+  Batch b = set->train_batch(0, 4);
+  CHECK(b.inputs.sizes() == std::vector<int64_t>({4, 3, 32, 32}));
+  CHECK(b.targets[3].item<int64_t>() == 3);
+  CHECK(b.inputs[0][0][0][0].item<float>() == Approx((0.0 - 0.4914) / 0.2470).epsilon(1e-4));
+  CHECK(set->val_batch(0, 2).targets.size(0) == 2);
+  std::system(("rm -rf '" + dir + "'").c_str());
+}
+
+TEST_CASE("ResNet-18 trains a step on synthetic images and counts correct predictions", "[engine][resnet]") {
+  ModelSpec m;
+  m.arch = ModelArch::ResNet;
+  m.resnet.depth = 18;
+  m.resnet.width = 8;
+  m.resnet.image_size = 16;
+  DataOptions data;
+  auto set = open_dataset(data, m, 0, 1);
+  torch::manual_seed(1);
+  auto model = build_model(m, 0);
+  UnitRunner plain;
+  ModelOutput out = model->forward(set->train_batch(0, 8), plain);
+  CHECK(std::isfinite(out.task_loss));
+  CHECK(out.correct >= 0);
+  CHECK(out.correct <= 8);
+  out.loss.backward();
+  CHECK(model->parameter_units().size() == 1 + 8 + 1);  // stem, 8 basic blocks, head
 }

@@ -188,6 +188,10 @@ TEST_CASE("smoke runs cover MoE, grouped-query attention and ZeRO-3 with offload
   INFO(gqa.text);
   CHECK(gqa.code == 0);
   CHECK(contains(gqa.text, "3 CPU ranks"));
+  Run resnet = train(dir, "--smoke", "", "recipes/rtx4090x3_resnet50_cifar10.toml");
+  INFO(resnet.text);
+  CHECK(resnet.code == 0);
+  CHECK(contains(resnet.text, "ResNet-18"));
 }
 
 TEST_CASE("ranks started from outside (torchrun style, dsrun worker) train without the launcher", "[training][worker]") {

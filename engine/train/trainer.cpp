@@ -108,6 +108,14 @@ class Trainer {
     torch::manual_seed(static_cast<uint64_t>(r_.run.seed));  // identical weights on every rank and world size
     model_ = build_model(r_.model, r_.batch.seq_len);
     model_->module().to(device_);
+    // Buffers (BatchNorm statistics) in the compute dtype; parameters are converted by ZeRO,
+    // which keeps their fp32 initial values as the master copy.
+    compute_dtype_ = plan_.dtype == DType::Bf16 ? torch::kBFloat16 : plan_.dtype == DType::Fp16 ? torch::kFloat16 : torch::kFloat32;
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& b : model_->module().buffers())
+        if (b.is_floating_point()) b.set_data(b.to(compute_dtype_));
+    }
     ZeroOptions zo;
     zo.stage = plan_.zero_stage;
     zo.dtype = plan_.dtype;
@@ -217,6 +225,7 @@ class Trainer {
   }
 
   Batch on_device(Batch b) const {
+    if (b.inputs.is_floating_point()) b.inputs = b.inputs.to(compute_dtype_);  // images
     if (device_.is_cpu()) return b;
     b.inputs = b.inputs.to(device_, /*non_blocking=*/true);
     b.targets = b.targets.to(device_, /*non_blocking=*/true);
@@ -244,6 +253,7 @@ class Trainer {
   const Plan& plan_;
   RankContext ctx_;
   torch::Device device_{torch::kCPU};
+  torch::ScalarType compute_dtype_ = torch::kFloat32;
   RankReporter& report_;
   std::unique_ptr<Communicator> comm_;
   std::unique_ptr<Model> model_;
@@ -295,6 +305,11 @@ int rank_main(int argc, char** argv) {
     std::string text = e.describe();
     reporter.send({{"type", "error"}, {"message", text}});
     std::cerr << "rank " << ctx.rank << ": error: " << text << std::endl;
+    return 1;
+  } catch (const c10::Error& e) {
+    // libtorch's message without its C++ backtrace, which would bury it in the log tail.
+    reporter.send({{"type", "error"}, {"message", e.what_without_backtrace()}});
+    std::cerr << "rank " << ctx.rank << ": error: " << e.what_without_backtrace() << std::endl;
     return 1;
   } catch (const std::exception& e) {
     reporter.send({{"type", "error"}, {"message", e.what()}});
