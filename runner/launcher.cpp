@@ -79,7 +79,7 @@ struct RankProcess {
   bool running = true;
   int exit_code = 0;        // or 128 + signal
   bool ready = false;
-  int64_t step = 0;
+  int64_t step = 0;         // the last step this rank started
   double last_progress = 0;
   std::string error;        // the rank's own error message, if it sent one
   std::string log_path;
@@ -177,22 +177,42 @@ class Supervisor {
         }
       bool all_done = true;
       for (auto& p : ranks_) all_done &= !p.running;
+      if (all_done && !stopped_early_.empty()) {
+        // Stopped by a signal from outside (a scheduler, the OOM killer): not a finished run.
+        finish_progress();
+        store_.add_event(run_id_, "killed", -1, stopped_early_);
+        store_.set_status(run_id_, RunStatus::Killed, stopped_early_);
+        std::cerr << "dsrun: run " << run_id_ << " killed: " << stopped_early_ << "\n";
+        return RunStatus::Killed;
+      }
       if (all_done) {
         finish_progress();
         store_.set_status(run_id_, RunStatus::Finished);
         store_.add_event(run_id_, "finished", -1, "all ranks finished");
         return RunStatus::Finished;
       }
-      // Hangs: no progress from a rank within the step timeout (start-up has its own, longer one).
+      // Hangs: no progress within the step timeout (start-up has its own, longer one). When one
+      // rank hangs the others soon wait for it in a collective, so all go quiet: the culprit is the
+      // rank that got least far (started the fewest steps, or never became ready).
       const double now = now_seconds();
       for (auto& p : ranks_) {
         if (!p.running) continue;
         const double limit = p.ready ? r_.run.step_timeout_s : r_.run.startup_timeout_s;
-        if (now - p.last_progress > limit)
-          return stop_all(RunStatus::Failed,
-                          "rank " + std::to_string(p.rank) + " hung: no progress for " + format_seconds(now - p.last_progress) +
-                              (p.ready ? " after step " + std::to_string(p.step) + " (run.step_timeout_s)" : " during start-up (run.startup_timeout_s)"),
-                          p.rank);
+        if (now - p.last_progress <= limit) continue;
+        auto progress = [](const RankProcess& q) { return q.ready ? q.step : -1; };  // not ready: least of all
+        const RankProcess* culprit = &p;
+        bool all_level = true;
+        for (auto& q : ranks_) {
+          if (!q.running) continue;
+          all_level &= progress(q) == progress(p);
+          if (progress(q) < progress(*culprit)) culprit = &q;
+        }
+        std::string why = all_level ? "all ranks stopped making progress in step " + std::to_string(p.step) + " for " + format_seconds(now - p.last_progress) +
+                                          " (a collective that never completed?) (run.step_timeout_s)"
+                                    : "rank " + std::to_string(culprit->rank) + " hung: " +
+                                          (culprit->ready ? "it never started step " + std::to_string(culprit->step + 1) + " while others did (run.step_timeout_s)"
+                                                          : "no progress during start-up (run.startup_timeout_s)");
+        return stop_all(RunStatus::Failed, why, all_level ? -1 : culprit->rank);
       }
     }
   }
@@ -235,7 +255,10 @@ class Supervisor {
       p.step = m.value("step", int64_t{0});
     } else if (type == "step" || type == "eval") {
       std::vector<std::pair<std::string, double>> values;
-      for (auto& [k, v] : m["metrics"].items()) values.push_back({k, v.get<double>()});
+      for (auto& [k, v] : m["metrics"].items()) {
+        if (v.is_number()) values.push_back({k, v.get<double>()});
+        else store_.add_event(run_id_, "metric", p.rank, k + " is not a finite number at step " + std::to_string(m.value("step", int64_t{0})));
+      }
       const int64_t step = m.value("step", int64_t{0});
       store_.add_metrics(run_id_, step, values);
       if (type == "step") show_progress(step, m.value("total", int64_t{0}), m["metrics"]);
@@ -248,7 +271,9 @@ class Supervisor {
         if (m.contains(key)) values.push_back({prefix + key, m[key].get<double>()});
       store_.add_metrics(run_id_, 0, values);
     } else if (type == "event") {
-      store_.add_event(run_id_, m.value("kind", std::string("event")), p.rank, m.value("message", std::string()));
+      const std::string kind = m.value("kind", std::string("event"));
+      store_.add_event(run_id_, kind, p.rank, m.value("message", std::string()));
+      if (kind == "stopped") stopped_early_ = "a rank was asked to stop (" + m.value("message", std::string()) + ")";
     } else if (type == "error") {
       p.error = m.value("message", std::string());
     }
@@ -332,6 +357,7 @@ class Supervisor {
   std::vector<RankProcess> ranks_;
   double started_ = 0;
   bool progress_open_ = false;
+  std::string stopped_early_;  // why, when a rank stopped before the last step
 };
 
 void pin(Config& config, const std::string& key, Value value) {

@@ -151,10 +151,10 @@ TEST_CASE("a crashing rank stops the others and the run is failed with its error
 
 TEST_CASE("a rank that stops making progress is reported as a hang, by rank", "[training][failure]") {
   dsrun::test::TempDir dir;
-  Run run = train(dir, layout(0, 2) + " --set run.steps=200 --set run.step_timeout_s=3", "DSRUN_TEST_HANG_AT=0:4");
+  Run run = train(dir, layout(0, 3) + " --set run.steps=200 --set run.step_timeout_s=3", "DSRUN_TEST_HANG_AT=1:4");
   INFO(run.text);
   CHECK(run.code == 1);
-  CHECK(contains(run.text, "hung"));
+  CHECK(contains(run.text, "rank 1 hung: it never started step 4"));
   dsrun::Store store(dir.file("runs.db"));
   CHECK(store.get_run(run.id).status == dsrun::RunStatus::Failed);
 }

@@ -65,7 +65,12 @@ class TokenWindows final : public Dataset {
     return cut(train_, windows);
   }
   Batch val_batch(int64_t first, int64_t count) override {
-    DSRUN_ASSERT(val_windows_ > 0, "validation needs data.val_fraction > 0 (checked with eval.every)");
+    if (val_windows_ == 0) {
+      ErrorContext c;
+      c.key = "data.val_fraction";
+      c.hint = "raise data.val_fraction or use more data, or set eval.every = 0";
+      throw Error("the validation split has " + std::to_string(val_.numel()) + " tokens: not one sequence of " + std::to_string(seq_ + 1), c);
+    }
     std::vector<int64_t> windows;
     for (int64_t i = 0; i < count; ++i) windows.push_back((first + i) % val_windows_);
     return cut(val_, windows);
@@ -175,7 +180,7 @@ std::vector<int64_t> read_token_shards(const std::string& path, int64_t vocab) {
     std::memcpy(&version, bytes.data() + 8, 4);
     std::memcpy(&width, bytes.data() + 12, 4);
     std::memcpy(&count, bytes.data() + 16, 8);
-    if (version != 1 || (width != 2 && width != 4) || bytes.size() != 32 + count * width)
+    if (version != 1 || (width != 2 && width != 4) || count > (bytes.size() - 32) / width || bytes.size() != 32 + count * width)
       throw data_error(f, "token shard header does not match its size (version " + std::to_string(version) + ", " +
                               std::to_string(width) + " bytes per token, " + std::to_string(count) + " tokens)",
                        "rewrite the shard; it may be truncated");

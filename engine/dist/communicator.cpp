@@ -131,7 +131,7 @@ std::unique_ptr<Communicator> connect_communicator(const RendezvousOptions& o) {
 #else
     ErrorContext c;
     c.rank = o.rank;
-    c.hint = "build dsrun against a CUDA libtorch with NCCL (docs/gpu.md)";
+    c.hint = "build dsrun against a CUDA libtorch with NCCL (README: A GPU machine)";
     throw Error("this dsrun was built without NCCL", c);
 #endif
   }

@@ -89,11 +89,13 @@ ZeroDataParallel::ZeroDataParallel(Model& model, Communicator& comm, const ZeroO
   torch::NoGradGuard no_grad;
   auto first_units = model.parameter_units();
   const torch::Device device = first_units.empty() || first_units[0].params.empty() ? torch::Device(torch::kCPU) : first_units[0].params[0].device();
-  // ZeRO-Offload: fp32 master weights and optimizer states in (pinned) host memory. On CPU ranks
-  // host and device are one memory, so the same code runs with nothing moved.
-  offload_to_host_ = options.offload && device.is_cuda();
+  device_ = device;
+  // ZeRO-Offload: fp32 master weights and optimizer states in host memory (pinned, for fast copies,
+  // when there is a GPU). On CPU ranks host and device are one memory: the same code path runs,
+  // with separate host copies, and nothing crosses a bus.
+  offload_to_host_ = options.offload;
   auto host_copy = [&](const Tensor& t) {
-    Tensor h = torch::empty(t.sizes(), t.options().device(torch::kCPU).pinned_memory(true));
+    Tensor h = torch::empty(t.sizes(), t.options().device(torch::kCPU).pinned_memory(device.is_cuda()));
     return h.copy_(t);
   };
 
@@ -123,6 +125,7 @@ ZeroDataParallel::ZeroDataParallel(Model& model, Communicator& comm, const ZeroO
       m.master = mixed ? region32.clone() : u->full.narrow(0, u->shard_begin, u->shard);  // fp32: updated in place
     } else {
       u->param_shard = mixed ? region32.to(compute) : region32.clone();
+      if (options.offload_params) u->param_shard = host_copy(u->param_shard);  // gathered through the device
       m.master = mixed ? region32.clone() : u->param_shard;
     }
     if (offload_to_host_) m.master = host_copy(region32);
@@ -148,8 +151,9 @@ ZeroDataParallel::~ZeroDataParallel() = default;
 void ZeroDataParallel::gather(Unit& u) {
   if (u.gathered) return;
   torch::NoGradGuard no_grad;
-  u.full = torch::empty({u.padded}, u.param_shard.options());
-  comm_.all_gather(u.param_shard, u.full);
+  u.full = torch::empty({u.padded}, u.param_shard.options().device(device_).pinned_memory(false));
+  Tensor shard = u.param_shard.device() == device_ ? u.param_shard : u.param_shard.to(device_, /*non_blocking=*/true);
+  comm_.all_gather(shard, u.full);
   for (size_t i = 0; i < u.params.size(); ++i) u.params[i].set_data(u.full.narrow(0, u.offsets[i], u.numels[i]).view(u.shapes[i]));
   u.gathered = true;
 }
@@ -157,7 +161,8 @@ void ZeroDataParallel::gather(Unit& u) {
 void ZeroDataParallel::release(Unit& u) {
   torch::NoGradGuard no_grad;
   // Tensors autograd saved keep their own reference; the gathered buffer goes when they do.
-  for (auto& p : u.params) p.set_data(torch::empty({0}, u.param_shard.defined() ? u.param_shard.options() : p.options()));
+  for (auto& p : u.params)
+    p.set_data(torch::empty({0}, (u.param_shard.defined() ? u.param_shard.options() : p.options()).device(device_).pinned_memory(false)));
   u.full = Tensor();
   u.gathered = false;
   u.gathered_for_backward = false;

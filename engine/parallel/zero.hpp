@@ -17,7 +17,8 @@ struct ZeroOptions {
   int stage = 0;
   DType dtype = DType::Fp32;              // compute dtype of the working parameters and gradients
   bool activation_checkpointing = false;  // recompute checkpointable units in backward
-  bool offload = false;                   // optimizer states (and master) on the host
+  bool offload = false;                   // fp32 master weights and optimizer states on the host
+  bool offload_params = false;            // stage 3: the parameter shards on the host too
   double bucket_bytes = 25e6;             // stage 0 all-reduce granularity
 };
 
@@ -72,6 +73,7 @@ class ZeroDataParallel final : public UnitRunner {
   std::vector<std::shared_ptr<UnitFn>> live_fns_;  // callables checkpointed units need in backward
   std::vector<int> forward_stack_;                 // units whose computation is running (nesting)
   bool offload_to_host_ = false;                   // master and optimizer states in host memory
+  torch::Device device_{torch::kCPU};              // where the working parameters compute
 };
 
 }  // namespace dsrun

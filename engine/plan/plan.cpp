@@ -440,7 +440,7 @@ class Planner {
     if (hw.device == Device::Cuda && !hw.p2p && dp_ > 1)
       p.notes.push_back("no GPU peer-to-peer: collectives go through host memory (half the link bandwidth assumed); NCCL needs NCCL_P2P_DISABLE=1 here");
     if (hw.device == Device::Cpu && p.offload != Offload::None)
-      p.notes.push_back("offload on CPU ranks moves nothing (host and device memory are the same); the code path still runs");
+      p.notes.push_back("offload on CPU ranks moves nothing (host and device memory are the same); the same code path runs, with separate host copies");
     if (p.zero_stage > 0 && dp_ == 1) p.notes.push_back("ZeRO stage " + std::to_string(p.zero_stage) + " with one rank shards nothing");
     int64_t shard_pad = static_cast<int64_t>(std::ceil(cost_.params / dp_) * dp_ - cost_.params);
     if (p.zero_stage > 0 && shard_pad > 0)

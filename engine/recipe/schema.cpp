@@ -105,7 +105,7 @@ std::vector<KeySpec> build_schema() {
              "Keep optimizer states (and with ZeRO-3 parameters) in host memory."),
       choice("parallel.activation_checkpointing", "none", {"none", "full", "auto"},
              "Recompute each block's activations in backward. `auto`: only when activations would not fit."),
-      ranged("parallel.bucket_mb", T::Float, "25", 0.001, 1e6, "Gradient bucket size in MB for all-reduce / reduce-scatter."),
+      ranged("parallel.bucket_mb", T::Float, "25", 0.001, 1e6, "Gradient bucket size in MB for ZeRO-0's all-reduce (stages 1-3 reduce per unit)."),
 
       // ---- precision
       choice("precision.dtype", "fp32", {"fp32", "bf16", "fp16"},

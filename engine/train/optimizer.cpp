@@ -7,8 +7,10 @@ namespace dsrun {
 ShardOptimizer::ShardOptimizer(const OptimizerOptions& options, std::vector<MasterShard>& shards) : o_(options), shards_(shards) {
   for (auto& s : shards_) {
     const bool sgd = o_.kind == OptimizerKind::Sgd;
-    m_.push_back(!sgd || o_.momentum > 0 ? torch::zeros_like(s.master) : torch::Tensor());
-    v_.push_back(!sgd ? torch::zeros_like(s.master) : torch::Tensor());
+    // States live beside their master weights (in pinned host memory when offloaded).
+    auto like_master = [&] { return torch::zeros(s.master.sizes(), s.master.options().pinned_memory(s.master.is_pinned())); };
+    m_.push_back(!sgd || o_.momentum > 0 ? like_master() : torch::Tensor());
+    v_.push_back(!sgd ? like_master() : torch::Tensor());
   }
 }
 

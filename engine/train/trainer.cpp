@@ -113,6 +113,7 @@ class Trainer {
     compute_dtype_ = plan_.dtype == DType::Bf16 ? torch::kBFloat16 : plan_.dtype == DType::Fp16 ? torch::kFloat16 : torch::kFloat32;
     {
       torch::NoGradGuard no_grad;
+      // BatchNorm statistics stay per rank (not synchronised), as with PyTorch's DDP.
       for (auto& b : model_->module().buffers())
         if (b.is_floating_point()) b.set_data(b.to(compute_dtype_));
     }
@@ -121,18 +122,21 @@ class Trainer {
     zo.dtype = plan_.dtype;
     zo.activation_checkpointing = plan_.activation_checkpointing;
     zo.offload = plan_.offload != Offload::None;
+    zo.offload_params = plan_.offload == Offload::OptimizerAndParams;
     zo.bucket_bytes = r_.parallel.bucket_bytes;
     zero_ = std::make_unique<ZeroDataParallel>(*model_, *comm_, zo);
     optimizer_ = std::make_unique<ShardOptimizer>(r_.optimizer, zero_->shards());
     if (plan_.dtype == DType::Fp16) scaler_ = std::make_unique<DynamicLossScaler>(r_.precision.loss_scale);
     data_ = open_dataset(r_.data, r_.model, r_.batch.seq_len, r_.run.seed);
     if (ctx_.rank == 0) report_.send({{"type", "event"}, {"kind", "data"}, {"message", data_->describe()}});
+    if (r_.eval.every > 0) data_->val_batch(0, 1);  // a validation split too small fails now, not at the first evaluation
     report_.send({{"type", "ready"}, {"startup_seconds", seconds_since(t_start)}});
 
     LrScheduleOptions lr_options{r_.schedule, r_.optimizer.lr, r_.run.steps};
     for (int64_t step = 0; step < r_.run.steps; ++step) {
       if (fault_requested("DSRUN_TEST_CRASH_AT", ctx_.rank, step + 1)) ::raise(SIGKILL);
       while (fault_requested("DSRUN_TEST_HANG_AT", ctx_.rank, step + 1)) ::sleep(1);
+      report_.send({{"type", "beat"}, {"step", step + 1}});  // "started step N": the launcher names a rank that falls behind
       if (!train_step(step, learning_rate_at(lr_options, step))) {
         report_.send({{"type", "event"}, {"kind", "stopped"}, {"message", "stopped by signal after step " + std::to_string(step + 1)}});
         break;
@@ -186,7 +190,6 @@ class Trainer {
     const double step_seconds = seconds_since(t0);
     const double loss = totals[0].item<double>() / ctx_.world;
     const bool go_on = totals[3].item<double>() == 0;
-    report_.send({{"type", "beat"}, {"step", step + 1}});
     if (ctx_.rank != 0) return go_on;
     nlohmann::json metrics = {{"loss", loss}, {"lr", lr}, {"grad_norm", grad_norm}, {"step_seconds", step_seconds},
                               {"tokens_per_second", static_cast<double>(items) * ctx_.world / step_seconds}};
@@ -294,9 +297,10 @@ int rank_main(int argc, char** argv) {
       c.hint = "start as many ranks as the plan has (" + std::to_string(plan.world_size) + "), or set parallel.data_parallel";
       throw Error("WORLD_SIZE is " + std::to_string(ctx.world) + " but the plan has " + std::to_string(plan.world_size) + " ranks", c);
     }
-    // One compute thread per rank when ranks share the cores (as torchrun sets OMP_NUM_THREADS=1).
-    const int threads = std::max(1, host.cpu_cores / std::max(1, ctx.local_world));
-    torch::set_num_threads(threads);
+    // Compute threads: OMP_NUM_THREADS when set (the launcher sets the rank's share of the cores),
+    // else the cores divided among this node's ranks.
+    const int threads = env_int("OMP_NUM_THREADS", std::max(1, host.cpu_cores / std::max(1, ctx.local_world)));
+    torch::set_num_threads(std::max(1, threads));
     Trainer trainer(loaded.recipe, plan, ctx, reporter);
     trainer.run();
     reporter.send({{"type", "done"}});
