@@ -68,7 +68,7 @@ TEST_CASE("OneCycle rises from peak/div_factor and ends at initial/final_div_fac
   CHECK(learning_rate_at(o, 60) < learning_rate_at(o, 30));
 }
 
-TEST_CASE("the fp16 loss scaler backs off on overflow and recovers", "[scaler]") {
+TEST_CASE("the fp16 loss scaler backs off on overflow and recovers (DeepSpeed's hysteresis)", "[scaler]") {
   LossScaleOptions o;
   o.initial_power = 4;  // 16
   o.window = 3;
@@ -76,22 +76,23 @@ TEST_CASE("the fp16 loss scaler backs off on overflow and recovers", "[scaler]")
   o.min_scale = 2;
   DynamicLossScaler s(o);
   CHECK(s.scale() == 16);
-  CHECK(s.update(true));   // overflow: skip, hysteresis absorbs the first
+  CHECK(s.update(true));   // overflow: skipped, the hysteresis absorbs the first
   CHECK(s.scale() == 16);
   CHECK(s.update(true));   // second: halve
   CHECK(s.scale() == 8);
-  CHECK(s.skipped_steps() == 2);
-  CHECK_FALSE(s.update(false));
-  CHECK_FALSE(s.update(false));
-  CHECK(s.scale() == 8);
-  CHECK_FALSE(s.update(false));  // a clean window: double
-  CHECK(s.scale() == 16);
-  // Diverging: the scale may not fall below min_scale.
-  for (int i = 0; i < 4; ++i) s.update(true);
+  CHECK(s.update(true));   // hysteresis spent: every further overflow halves
   CHECK(s.scale() == 4);
-  s.update(true);
-  s.update(true);
+  CHECK(s.skipped_steps() == 3);
+  CHECK_FALSE(s.update(false));
+  CHECK_FALSE(s.update(false));
+  CHECK(s.scale() == 4);
+  CHECK_FALSE(s.update(false));  // a clean window: double, and the hysteresis is restored
+  CHECK(s.scale() == 8);
+  CHECK(s.update(true));         // absorbed again
+  CHECK(s.scale() == 8);
+  CHECK(s.update(true));
+  CHECK(s.scale() == 4);
+  CHECK(s.update(true));
   CHECK(s.scale() == 2);
-  s.update(true);  // absorbed by hysteresis
-  CHECK_THROWS_WITH(s.update(true), Catch::Contains("below the minimum"));
+  CHECK_THROWS_WITH(s.update(true), Catch::Contains("below the minimum"));  // diverging
 }

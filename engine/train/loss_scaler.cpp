@@ -19,16 +19,17 @@ bool DynamicLossScaler::update(bool overflowed) {
   }
   ++skipped_;
   clean_steps_ = 0;
-  if (--hysteresis_left_ <= 0) {
-    if (scale_ / 2 < options_.min_scale) {
-      ErrorContext c;
-      c.key = "precision.loss_scale.min_scale";
-      c.hint = "the fp16 loss keeps overflowing: lower the learning rate, or use bf16";
-      throw Error("loss scale would drop below the minimum " + std::to_string(options_.min_scale), c);
-    }
-    scale_ /= 2;
-    hysteresis_left_ = options_.hysteresis;
+  if (hysteresis_left_ > 1) {
+    --hysteresis_left_;  // tolerated: skip the step, keep the scale
+    return true;
   }
+  if (scale_ / 2 < options_.min_scale) {
+    ErrorContext c;
+    c.key = "precision.loss_scale.min_scale";
+    c.hint = "the fp16 loss keeps overflowing: lower the learning rate, or use bf16";
+    throw Error("loss scale would drop below the minimum " + std::to_string(options_.min_scale), c);
+  }
+  scale_ /= 2;  // hysteresis spent: every overflow halves until a clean window restores it
   return true;
 }
 

@@ -1,6 +1,7 @@
-// Dynamic loss scaling for fp16 (as DeepSpeed and apex do it): multiply the loss by a scale,
-// skip the step and halve the scale after `hysteresis` overflows, double it after `window`
-// clean steps. No torch: the overflow check is done by the caller.
+// Dynamic loss scaling for fp16, with DeepSpeed's semantics: multiply the loss by a scale; every
+// overflow skips the step; the first hysteresis - 1 overflows keep the scale, every later one halves
+// it; `window` clean steps in a row double it and restore the hysteresis. No torch: the caller
+// checks the gradients.
 #pragma once
 
 #include "engine/recipe/recipe.hpp"
