@@ -10,26 +10,13 @@
 
 namespace {
 
-struct Output {
-  int code = -1;
-  std::string text;  // stdout and stderr together
-};
+using Output = dsrun::test::CommandOutput;
+using dsrun::test::contains;
 
 // Runs dsrun from the source tree with the store in `dir`.
 Output dsrun_cli(const std::string& args, const dsrun::test::TempDir& dir) {
-  std::string cmd = "cd '" + dsrun::test::source_dir() + "' && DSRUN_DB='" + dir.file("runs.db") + "' '" DSRUN_BINARY "' " + args + " 2>&1";
-  Output out;
-  FILE* pipe = popen(cmd.c_str(), "r");
-  REQUIRE(pipe);
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, pipe)) > 0) out.text.append(buf, n);
-  int status = pclose(pipe);
-  out.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return out;
+  return dsrun::test::run_command("cd '" + dsrun::test::source_dir() + "' && DSRUN_DB='" + dir.file("runs.db") + "' '" DSRUN_BINARY "' " + args);
 }
-
-bool contains(const std::string& haystack, const std::string& needle) { return haystack.find(needle) != std::string::npos; }
 
 }  // namespace
 

@@ -20,21 +20,17 @@ struct Run {
   double seconds = 0;
 };
 
-bool contains(const std::string& haystack, const std::string& needle) { return haystack.find(needle) != std::string::npos; }
+using dsrun::test::contains;
 
 // Trains tests/recipes/tiny_train.toml with extra settings; `env` goes before the command.
 Run train(const dsrun::test::TempDir& dir, const std::string& sets, const std::string& env = "", const std::string& recipe = "tests/recipes/tiny_train.toml") {
-  std::string cmd = "cd '" + dsrun::test::source_dir() + "' && " + env + " '" DSRUN_BINARY "' run " + recipe + " --db '" + dir.file("runs.db") + "' " + sets + " 2>&1";
-  Run run;
   auto t0 = std::chrono::steady_clock::now();
-  FILE* pipe = popen(cmd.c_str(), "r");
-  REQUIRE(pipe);
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, pipe)) > 0) run.text.append(buf, n);
-  int status = pclose(pipe);
+  dsrun::test::CommandOutput out = dsrun::test::run_command("cd '" + dsrun::test::source_dir() + "' && " + env + " '" DSRUN_BINARY "' run " + recipe +
+                                                             " --db '" + dir.file("runs.db") + "' " + sets);
+  Run run;
+  run.code = out.code;
+  run.text = out.text;
   run.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  run.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   size_t at = run.text.find("\nrun ");
   if (at != std::string::npos) run.id = run.text.substr(at + 5, 8);
   if (!run.id.empty()) {
@@ -199,17 +195,10 @@ TEST_CASE("ranks started from outside (torchrun style, dsrun worker) train witho
   std::string recipe = dir.write("two.toml", "base = \"" + dsrun::test::source_dir() + "/tests/recipes/tiny_train.toml\"\n"
                                              "[run]\nsteps = 3\n[parallel]\ndata_parallel = 2\nzero_stage = 1\n");
   std::string common = "WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29731 '" DSRUN_BINARY "' worker '" + recipe + "'";
-  std::string cmd = "(RANK=0 LOCAL_RANK=0 " + common + " & RANK=1 LOCAL_RANK=1 " + common + "; wait) 2>&1";
-  FILE* pipe = popen(cmd.c_str(), "r");
-  REQUIRE(pipe);
-  std::string text;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, pipe)) > 0) text.append(buf, n);
-  int status = pclose(pipe);
+  dsrun::test::CommandOutput out = dsrun::test::run_command("(RANK=0 LOCAL_RANK=0 " + common + " & RANK=1 LOCAL_RANK=1 " + common + "; wait)");
+  const std::string& text = out.text;
   INFO(text);
-  CHECK(WIFEXITED(status));
-  CHECK(WEXITSTATUS(status) == 0);
+  CHECK(out.code == 0);
   CHECK(contains(text, "\"rank\":0") );
   CHECK(contains(text, "\"type\":\"done\""));
   CHECK(contains(text, "\"step\":3"));

@@ -5,6 +5,9 @@
 #include "engine/common/host.hpp"
 #include "engine/recipe/load.hpp"
 
+#include <sys/wait.h>
+
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -49,6 +52,26 @@ inline LoadedRecipe load_text(const std::string& text, std::vector<std::string> 
 }
 
 inline std::string source_dir() { return DSRUN_TEST_DIR "/.."; }
+
+struct CommandOutput {
+  int code = -1;     // exit status, -1 when killed by a signal
+  std::string text;  // stdout and stderr together
+};
+
+// Runs a shell command (a real process) and collects what it prints.
+inline CommandOutput run_command(const std::string& command) {
+  CommandOutput out;
+  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
+  if (!pipe) return out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, pipe)) > 0) out.text.append(buf, n);
+  int status = pclose(pipe);
+  out.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return out;
+}
+
+inline bool contains(const std::string& haystack, const std::string& needle) { return haystack.find(needle) != std::string::npos; }
 
 // Errors only (warnings dropped).
 inline std::vector<Diagnostic> errors_of(const LoadedRecipe& r) {
