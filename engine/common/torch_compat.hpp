@@ -32,8 +32,6 @@ inline torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tenso
 #endif
 }
 
-constexpr bool kHasFusedAttention = DSRUN_TORCH_AT_LEAST(2, 0);
-
 }  // namespace dsrun::compat
 
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -47,8 +45,5 @@ using CollectiveBackend = c10d::Backend;
 #else
 using CollectiveBackend = c10d::ProcessGroup;
 #endif
-
-// 1.13's Gloo has no reduce-scatter; 2.x's Gloo has none for CPU tensors either.
-constexpr bool kGlooHasReduceScatter = false;
 
 }  // namespace dsrun::compat
