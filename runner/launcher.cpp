@@ -22,6 +22,7 @@
 #include <cstring>
 #include <iostream>
 #include <limits.h>
+#include <random>
 
 namespace dsrun {
 
@@ -47,20 +48,23 @@ std::string absolute(const std::string& path) {
   return path_join(cwd, path);
 }
 
+// A port for the rendezvous store that is free now. Chosen at random below the kernel's ephemeral
+// range (32768+), so that outgoing connections made meanwhile cannot take it before rank 0 binds it.
 int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof addr;
-  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 || ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    if (fd >= 0) ::close(fd);
-    fail_at(__FILE__, __LINE__, std::string("cannot find a free port: ") + std::strerror(errno));
+  std::random_device random;
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    const int port = 20000 + static_cast<int>(random() % 12000);
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) break;
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_ANY);
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+    ::close(fd);
+    if (ok) return port;
   }
-  int port = ntohs(addr.sin_port);
-  ::close(fd);
-  return port;
+  fail_at(__FILE__, __LINE__, std::string("cannot find a free port: ") + std::strerror(errno));
 }
 
 std::string tail_of_file(const std::string& path, int lines) {

@@ -188,7 +188,7 @@ TEST_CASE("ranks started from outside (torchrun style, dsrun worker) train witho
   dsrun::test::TempDir dir;
   std::string recipe = dir.write("two.toml", "base = \"" + dsrun::test::source_dir() + "/tests/recipes/tiny_train.toml\"\n"
                                              "[run]\nsteps = 3\n[parallel]\ndata_parallel = 2\nzero_stage = 1\n");
-  std::string common = "WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29731 '" DSRUN_BINARY "' worker '" + recipe + "'";
+  std::string common = "WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=19731 '" DSRUN_BINARY "' worker '" + recipe + "'";
   dsrun::test::CommandOutput out = dsrun::test::run_command("(RANK=0 LOCAL_RANK=0 " + common + " & RANK=1 LOCAL_RANK=1 " + common + "; wait)");
   const std::string& text = out.text;
   INFO(text);
