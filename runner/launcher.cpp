@@ -182,7 +182,7 @@ class Supervisor {
       bool all_done = true;
       for (auto& p : ranks_) all_done &= !p.running;
       if (all_done && !stopped_early_.empty()) {
-        // Stopped by a signal from outside (a scheduler, the OOM killer): not a finished run.
+        // Ranks stopped by a SIGTERM from outside (a scheduler, a preemption): not a finished run.
         finish_progress();
         store_.add_event(run_id_, "killed", -1, stopped_early_);
         store_.set_status(run_id_, RunStatus::Killed, stopped_early_);
@@ -211,8 +211,10 @@ class Supervisor {
           all_level &= progress(q) == progress(p);
           if (progress(q) < progress(*culprit)) culprit = &q;
         }
-        std::string why = all_level ? "all ranks stopped making progress in step " + std::to_string(p.step) + " for " + format_seconds(now - p.last_progress) +
-                                          " (a collective that never completed?) (run.step_timeout_s)"
+        std::string why = all_level ? (p.ready ? "all ranks stopped making progress in step " + std::to_string(p.step) + " for " +
+                                                     format_seconds(now - p.last_progress) + " (a collective that never completed?) (run.step_timeout_s)"
+                                               : "no rank finished start-up within " + format_seconds(now - p.last_progress) +
+                                                     " (rendezvous or model build; run.startup_timeout_s)")
                                     : "rank " + std::to_string(culprit->rank) + " hung: " +
                                           (culprit->ready ? "it never started step " + std::to_string(culprit->step + 1) + " while others did (run.step_timeout_s)"
                                                           : "no progress during start-up (run.startup_timeout_s)");

@@ -109,6 +109,12 @@ class ImageSet final : public Dataset {
     return take(tx_, ty_, idx);
   }
   Batch val_batch(int64_t first, int64_t count) override {
+    if (vx_.size(0) == 0) {
+      ErrorContext c;
+      c.key = "data.path";
+      c.hint = "the validation images are missing (CIFAR-10: test_batch.bin); set eval.every = 0 to train without them";
+      throw Error("no validation images", c);
+    }
     std::vector<int64_t> idx;
     for (int64_t i = 0; i < count; ++i) idx.push_back((first + i) % vx_.size(0));
     return take(vx_, vy_, idx);
