@@ -12,10 +12,6 @@ using torch::autograd::variable_list;
 
 namespace {
 
-torch::ScalarType scalar_type(DType d) {
-  return d == DType::Bf16 ? torch::kBFloat16 : d == DType::Fp16 ? torch::kFloat16 : torch::kFloat32;
-}
-
 // Runs a unit without keeping its activations, and again with grad in backward (activation
 // checkpointing). Units take one or two tensors; `fn` points at a UnitFn kept alive until after_step.
 struct CheckpointedUnit : torch::autograd::Function<CheckpointedUnit> {
@@ -84,11 +80,11 @@ ZeroDataParallel::ZeroDataParallel(Model& model, Communicator& comm, const ZeroO
   DSRUN_ASSERT(options.stage >= 0 && options.stage <= 3, "ZeRO stage validated by the recipe");
   const int world = comm.world_size();
   const bool sharded = options.stage >= 1;
-  const auto compute = scalar_type(options.dtype);
+  const auto compute = torch_dtype(options.dtype);
   const bool mixed = compute != torch::kFloat32;
   torch::NoGradGuard no_grad;
-  auto first_units = model.parameter_units();
-  const torch::Device device = first_units.empty() || first_units[0].params.empty() ? torch::Device(torch::kCPU) : first_units[0].params[0].device();
+  std::vector<ParameterUnit> model_units = model.parameter_units();
+  const torch::Device device = model_units.empty() || model_units[0].params.empty() ? torch::Device(torch::kCPU) : model_units[0].params[0].device();
   device_ = device;
   // ZeRO-Offload: fp32 master weights and optimizer states in host memory (pinned, for fast copies,
   // when there is a GPU). On CPU ranks host and device are one memory: the same code path runs,
@@ -99,7 +95,7 @@ ZeroDataParallel::ZeroDataParallel(Model& model, Communicator& comm, const ZeroO
     return h.copy_(t);
   };
 
-  for (auto& pu : model.parameter_units()) {
+  for (auto& pu : model_units) {
     auto u = std::make_unique<Unit>();
     u->name = pu.name;
     u->checkpointable = pu.checkpointable;

@@ -22,6 +22,11 @@ struct ZeroOptions {
   double bucket_bytes = 25e6;             // stage 0 all-reduce granularity
 };
 
+// The torch dtype of a recipe dtype.
+inline torch::ScalarType torch_dtype(DType d) {
+  return d == DType::Bf16 ? torch::kBFloat16 : d == DType::Fp16 ? torch::kFloat16 : torch::kFloat32;
+}
+
 // The part of the flat parameter space one rank updates: fp32 master weights, their gradient,
 // and which elements get weight decay (matrices do; norms and biases do not).
 struct MasterShard {

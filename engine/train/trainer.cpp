@@ -110,7 +110,7 @@ class Trainer {
     model_->module().to(device_);
     // Buffers (BatchNorm statistics) in the compute dtype; parameters are converted by ZeRO,
     // which keeps their fp32 initial values as the master copy.
-    compute_dtype_ = plan_.dtype == DType::Bf16 ? torch::kBFloat16 : plan_.dtype == DType::Fp16 ? torch::kFloat16 : torch::kFloat32;
+    compute_dtype_ = torch_dtype(plan_.dtype);
     {
       torch::NoGradGuard no_grad;
       // BatchNorm statistics stay per rank (not synchronised), as with PyTorch's DDP.
