@@ -10,6 +10,7 @@ packages=(
   libgloo-dev                         # headers that c10d's ProcessGroupGloo.hpp includes
   libtomlplusplus-dev liblua5.4-dev libsqlite3-dev libspdlog-dev libcli11-dev catch2
   nlohmann-json3-dev                  # plan --json, stored plans and configs
+  libxxhash-dev                       # XXH3 checksums of checkpoint files (GB/s; zlib's crc32 is ~10x slower)
   fortunes                            # real English text for the quickstart's training data
   sqlite3                             # the sqlite3 shell, handy for looking into runs/dsrun.db
 )

@@ -1,5 +1,7 @@
 #include "runner/commands.hpp"
 
+#include "engine/checkpoint/checkpoint.hpp"
+#include "engine/checkpoint/export.hpp"
 #include "engine/common/error.hpp"
 #include "engine/common/files.hpp"
 #include "engine/common/host.hpp"
@@ -71,6 +73,73 @@ std::string first_comment_line(const std::string& path) {
   return "";
 }
 
+// What the store records of a run to be launched: its resolved config and plan (the caller adds
+// the name, the recipe as written and lineage).
+NewRun run_record(const LoadedRecipe& loaded, const Plan& plan, const std::string& plan_text, const HostFacts& host) {
+  NewRun run;
+  run.config_toml = config_to_toml(loaded.config);
+  run.plan_json = plan_to_json(plan);
+  run.plan_text = plan_text;
+  run.model = plan.model;
+  run.hardware = plan.hardware;
+  run.zero_stage = plan.zero_stage;
+  run.world_size = plan.world_size;
+  run.host = host.hostname;
+  return run;
+}
+
+// Launches a recorded run (from step 0, or from a checkpoint) and prints how it ended.
+int launch_and_report(const LoadedRecipe& loaded, const Plan& plan, Store& store, const std::string& id, const RunFlags& flags,
+                      const std::string& db_path, const std::string& resume_from) {
+  LaunchOptions launch;
+  launch.run_dir = path_join(parent_directory(db_path), id);
+  launch.nnodes = flags.nnodes;
+  launch.node_rank = flags.node_rank;
+  launch.master_addr = flags.master_addr;
+  launch.master_port = flags.master_port;
+  launch.nccl_debug = flags.nccl_debug;
+  launch.debug_rank = flags.debug_rank;
+  launch.progress = loaded.recipe.logging.progress;
+  launch.resume_from = resume_from;
+  RunStatus status = launch_run(loaded, plan, store, id, launch);
+  auto latest = store.latest_metrics(id);
+  std::cout << "run " << id << " " << to_string(status);
+  if (latest.count("loss")) std::cout << ": loss " << format_double(latest["loss"].value, 5) << " at step " << latest["loss"].step;
+  if (latest.count("val_loss")) std::cout << ", val_loss " << format_double(latest["val_loss"].value, 5);
+  std::cout << "\nsee it with: dsrun show " << id << "\n";
+  if (status == RunStatus::Finished) return kExitOk;
+  return status == RunStatus::Killed ? static_cast<int>(kExitInterrupted) : static_cast<int>(kExitError);
+}
+
+Store open_existing_store(const std::string& db_path) {
+  if (!file_exists(db_path)) {
+    ErrorContext c;
+    c.file = db_path;
+    c.hint = "run a recipe first, or pass --db";
+    throw Error("no run store here", c);
+  }
+  return Store(db_path);
+}
+
+// A recorded run's resolved config (RUNS/<id>/config.toml, what its ranks ran), with overrides.
+LoadedRecipe load_run_config(const std::string& db_path, const RunRecord& r, const std::vector<std::string>& sets, const HostFacts& host) {
+  const std::string path = path_join(path_join(parent_directory(db_path), r.id), "config.toml");
+  if (!file_exists(path)) {
+    ErrorContext c;
+    c.file = path;
+    c.hint = "only runs that were launched have a resolved config; start this one with dsrun run";
+    throw Error("run " + r.id + " has no resolved config", c);
+  }
+  return load_or_report(RecipeArgs{path, sets}, host);
+}
+
+std::string steps_available(const std::string& root) {
+  std::vector<std::string> steps;
+  for (const auto& c : list_checkpoints(root))
+    if (c.complete) steps.push_back(std::to_string(c.step));
+  return steps.empty() ? "none" : join(steps, ", ");
+}
+
 }  // namespace
 
 std::string default_store_path() {
@@ -89,7 +158,7 @@ int command_plan(const RecipeArgs& args, bool json) {
 // Keys the recipe language has but this build's engine does not act on yet: said, never ignored.
 static void warn_unimplemented(const LoadedRecipe& loaded) {
   static const std::pair<const char*, const char*> pending[] = {
-      {"checkpoint.", "checkpoints"}, {"run.max_restarts", "restarts"}, {"hooks.", "Lua hooks"},
+      {"hooks.", "Lua hooks"},
       {"logging.tensorboard", "TensorBoard files"}, {"logging.level", "log levels"}, {"logging.every", "logging intervals"}};
   for (const auto& [key, setting] : loaded.config) {
     if (setting.source.layer == Layer::Default || (!starts_with(key, "hooks.options.") && setting.value.toml() == default_value(key).toml())) continue;
@@ -188,19 +257,11 @@ int command_run(const RecipeArgs& args, const RunFlags& flags, const std::string
   warn_unimplemented(loaded);
   make_directories(parent_directory(db_path));
   Store store(db_path);
-  NewRun run;
+  NewRun run = run_record(loaded, plan, plan_text, host);
   run.name = loaded.recipe.run.name.empty() ? file_stem(args.path) : loaded.recipe.run.name;
   if (flags.smoke) run.name += " (smoke)";
   run.recipe_path = args.path;
   run.recipe_text = loaded.text;
-  run.config_toml = config_to_toml(loaded.config);
-  run.plan_json = plan_to_json(plan);
-  run.plan_text = plan_text;
-  run.model = plan.model;
-  run.hardware = plan.hardware;
-  run.zero_stage = plan.zero_stage;
-  run.world_size = plan.world_size;
-  run.host = host.hostname;
   run.git_revision = git_revision_of(args.path);
   std::string id = store.create_run(run);
   if (!plan.fits) {
@@ -209,23 +270,121 @@ int command_run(const RecipeArgs& args, const RunFlags& flags, const std::string
     return kExitDoesNotFit;
   }
   std::cout << "\nrun " << id << ": " << plan.world_size << " rank(s), logs in " << path_join(parent_directory(db_path), id + "/logs") << "\n";
-  LaunchOptions launch;
-  launch.run_dir = path_join(parent_directory(db_path), id);
-  launch.nnodes = flags.nnodes;
-  launch.node_rank = flags.node_rank;
-  launch.master_addr = flags.master_addr;
-  launch.master_port = flags.master_port;
-  launch.nccl_debug = flags.nccl_debug;
-  launch.debug_rank = flags.debug_rank;
-  launch.progress = loaded.recipe.logging.progress;
-  RunStatus status = launch_run(loaded, plan, store, id, launch);
-  auto latest = store.latest_metrics(id);
-  std::cout << "run " << id << " " << to_string(status);
-  if (latest.count("loss")) std::cout << ": loss " << format_double(latest["loss"].value, 5) << " at step " << latest["loss"].step;
-  if (latest.count("val_loss")) std::cout << ", val_loss " << format_double(latest["val_loss"].value, 5);
-  std::cout << "\nsee it with: dsrun show " << id << "\n";
-  if (status == RunStatus::Finished) return kExitOk;
-  return status == RunStatus::Killed ? static_cast<int>(kExitInterrupted) : static_cast<int>(kExitError);
+  return launch_and_report(loaded, plan, store, id, flags, db_path, "");
+}
+
+int command_resume(const ResumeArgs& args, const RunFlags& flags, const std::string& db_path) {
+  Store store = open_existing_store(db_path);
+  RunRecord r = store.get_run(store.resolve_run(args.run));
+  ErrorContext c;
+  c.key = "run " + r.id;
+  if (r.status == RunStatus::Running && !args.force) {
+    c.hint = "if its launcher is gone (killed -9, machine rebooted), pass --force";
+    throw Error("run is marked running", c);
+  }
+  if (r.status == RunStatus::Finished) {
+    c.hint = "to train further, start a child run: dsrun rollback " + r.id + " --to-step N --set run.steps=MORE";
+    throw Error("run already finished", c);
+  }
+  if (r.status != RunStatus::Failed && r.status != RunStatus::Killed && r.status != RunStatus::Running) {
+    c.hint = "only failed, killed or stopped runs resume";
+    throw Error(std::string("run is ") + to_string(r.status), c);
+  }
+  HostFacts host = read_host_facts();
+  LoadedRecipe loaded = load_run_config(db_path, r, args.sets, host);
+  Plan plan = make_plan(loaded.recipe, host);
+  if (!plan.fits) {
+    std::cout << render_plan(plan);
+    return kExitDoesNotFit;
+  }
+  const std::string run_dir = path_join(parent_directory(db_path), r.id);
+  const std::string root = checkpoint_root_of(loaded.recipe, run_dir, r.id);
+  std::vector<std::string> skipped;
+  auto found = find_checkpoint(root, -1, args.fallback, &skipped);
+  for (const auto& why : skipped) std::cerr << "dsrun: warning: skipped: " << why << "\n";
+  if (!found) {
+    c.file = root;
+    c.hint = "this run saved no complete checkpoint; set checkpoint.every (or keep checkpoint.at_end) and start it again with dsrun run";
+    throw Error("no complete checkpoint to resume from", c);
+  }
+  if (r.status == RunStatus::Running) store.set_status(r.id, RunStatus::Killed, "launcher vanished; resumed with --force");
+  std::string message = "resume from step " + std::to_string(found->step) + " (" + found->path + ")";
+  if (!args.sets.empty()) {
+    message += " with " + join(args.sets, " ");
+    store.update_plan(r.id, config_to_toml(loaded.config), plan_to_json(plan), render_plan(plan), plan.zero_stage, plan.world_size);
+  }
+  for (const auto& why : skipped) store.add_event(r.id, "checkpoint", -1, "skipped a checkpoint that does not verify", why);
+  store.add_event(r.id, "resume", -1, message);
+  std::cout << "run " << r.id << ": " << message << "; " << plan.world_size << " rank(s), ZeRO stage " << plan.zero_stage << "\n";
+  return launch_and_report(loaded, plan, store, r.id, flags, db_path, found->path);
+}
+
+int command_rollback(const std::string& run, int64_t to_step, const std::vector<std::string>& sets, const RunFlags& flags, const std::string& db_path) {
+  Store store = open_existing_store(db_path);
+  RunRecord parent = store.get_run(store.resolve_run(run));
+  HostFacts host = read_host_facts();
+  LoadedRecipe parent_config = load_run_config(db_path, parent, {}, host);
+  const std::string root = checkpoint_root_of(parent_config.recipe, path_join(parent_directory(db_path), parent.id), parent.id);
+  std::vector<std::string> skipped;
+  auto found = find_checkpoint(root, to_step, /*fallback=*/true, &skipped);
+  for (const auto& why : skipped) std::cerr << "dsrun: warning: skipped: " << why << "\n";
+  if (!found) {
+    ErrorContext c;
+    c.file = root;
+    c.key = "--to-step";
+    c.hint = "complete checkpoints of run " + parent.id + " are at steps: " + steps_available(root);
+    throw Error("no complete checkpoint at or before step " + std::to_string(to_step), c);
+  }
+  // The checkpoint's own config (what ran up to that step), plus the overrides.
+  CheckpointManifest manifest = read_checkpoint(found->path, false);
+  LoadOptions options;
+  options.overrides = sets;
+  options.host = host;
+  LoadedRecipe loaded = load_recipe_text(manifest.config_toml, path_join(found->path, kManifestFile), options);
+  if (!loaded.ok()) {
+    std::cerr << loaded.report();
+    throw Error("invalid config for the rollback", ErrorContext{found->path, 0, 0, "", -1, "fix the --set overrides"});
+  }
+  Plan plan = make_plan(loaded.recipe, host);
+  std::string plan_text = render_plan(plan);
+  NewRun child = run_record(loaded, plan, plan_text, host);
+  child.name = parent.name + "@" + std::to_string(found->step);
+  child.recipe_path = parent.recipe_path;
+  child.recipe_text = parent.recipe_text;
+  child.git_revision = parent.git_revision;
+  child.parent_run = parent.id;
+  child.parent_step = found->step;
+  std::string id = store.create_run(child);
+  if (!plan.fits) {
+    std::cout << plan_text;
+    store.set_status(id, RunStatus::Infeasible, plan.verdict.empty() ? "does not fit" : plan.verdict.front());
+    return kExitDoesNotFit;
+  }
+  store.add_event(id, "rollback", -1, "from run " + parent.id + " at step " + std::to_string(found->step) + (sets.empty() ? "" : " with " + join(sets, " ")));
+  std::cout << "run " << id << ": rolled back from run " << parent.id << " at step " << found->step << (found->step != to_step ? " (the newest checkpoint at or before " + std::to_string(to_step) + ")" : "")
+            << "; " << plan.world_size << " rank(s)\n";
+  return launch_and_report(loaded, plan, store, id, flags, db_path, found->path);
+}
+
+int command_export(const std::string& run, int64_t step, const std::string& to, const std::string& dtype, const std::string& db_path) {
+  Store store = open_existing_store(db_path);
+  RunRecord r = store.get_run(store.resolve_run(run));
+  HostFacts host = read_host_facts();
+  LoadedRecipe config = load_run_config(db_path, r, {}, host);
+  const std::string root = checkpoint_root_of(config.recipe, path_join(parent_directory(db_path), r.id), r.id);
+  auto found = find_checkpoint(root, step, /*fallback=*/false);
+  if (!found) {
+    ErrorContext c;
+    c.file = root;
+    c.key = "--step";
+    c.hint = "complete checkpoints are at steps: " + steps_available(root);
+    throw Error(step < 0 ? "run " + r.id + " has no complete checkpoint" : "no complete checkpoint at or before step " + std::to_string(step), c);
+  }
+  ExportResult out = export_checkpoint(found->path, to, dtype);
+  std::cout << "exported run " << r.id << " step " << out.step << ": " << out.tensors << " tensors, " << format_bytes(static_cast<double>(out.bytes)) << "\n  "
+            << out.weights_path << "\n  " << out.config_path << "\n";
+  store.add_event(r.id, "export", -1, "step " + std::to_string(out.step) + " exported (" + dtype + ") to " + out.weights_path);
+  return kExitOk;
 }
 
 void command_worker(const std::string& config_path) { exec_rank_process(config_path); }
@@ -258,13 +417,7 @@ int command_history(const std::string& db_path, int limit, const std::string& st
 }
 
 int command_show(const std::string& db_path, const std::string& query, bool json) {
-  if (!file_exists(db_path)) {
-    ErrorContext c;
-    c.file = db_path;
-    c.hint = "run a recipe first, or pass --db";
-    throw Error("no run store here", c);
-  }
-  Store store(db_path);
+  Store store = open_existing_store(db_path);
   RunRecord r = store.get_run(store.resolve_run(query));
   if (!json) {
     std::cout << render_run(store, r);
@@ -275,6 +428,11 @@ int command_show(const std::string& db_path, const std::string& query, bool json
                       {"recipe_path", r.recipe_path}, {"recipe_text", r.recipe_text}, {"config_toml", r.config_toml},
                       {"plan", nlohmann::json::parse(r.plan_json.empty() ? "null" : r.plan_json)}, {"host", r.host},
                       {"git_revision", r.git_revision}, {"parent_run", r.parent_run}, {"parent_step", r.parent_step}};
+  j["checkpoints"] = nlohmann::json::array();
+  for (const auto& c : store.checkpoints(r.id))
+    j["checkpoints"].push_back({{"step", c.step}, {"path", c.path}, {"bytes", c.bytes}, {"checksum", c.checksum}, {"created_at", c.created_at}});
+  j["children"] = nlohmann::json::array();
+  for (const auto& c : store.children(r.id)) j["children"].push_back({{"id", c.id}, {"parent_step", c.parent_step}, {"status", to_string(c.status)}});
   std::cout << j.dump(2) << "\n";
   return kExitOk;
 }

@@ -2,6 +2,7 @@
 // Each returns the process exit code (docs/cli.md lists them); errors travel up as dsrun::Error.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -31,6 +32,19 @@ std::string default_store_path();  // $DSRUN_DB, else runs/dsrun.db under the cu
 int command_plan(const RecipeArgs& args, bool json);
 int command_run(const RecipeArgs& args, const RunFlags& flags, const std::string& db_path);
 [[noreturn]] void command_worker(const std::string& config_path);
+// `dsrun resume RUN`: the run goes on from its newest complete checkpoint (--fallback: the newest
+// that verifies), with optional --set overrides (another world size or ZeRO stage re-cuts shards).
+struct ResumeArgs {
+  std::string run;
+  std::vector<std::string> sets;
+  bool fallback = false;
+  bool force = false;  // a run still marked running whose launcher is gone
+};
+int command_resume(const ResumeArgs& args, const RunFlags& flags, const std::string& db_path);
+// `dsrun rollback RUN --to-step N`: a new run (child of RUN) from RUN's checkpoint at or before N.
+int command_rollback(const std::string& run, int64_t to_step, const std::vector<std::string>& sets, const RunFlags& flags, const std::string& db_path);
+// `dsrun export RUN --to DIR`: consolidated safetensors + config.json from a checkpoint (-1: newest).
+int command_export(const std::string& run, int64_t step, const std::string& to, const std::string& dtype, const std::string& db_path);
 int command_history(const std::string& db_path, int limit, const std::string& status, bool json);
 int command_show(const std::string& db_path, const std::string& run, bool json);
 int command_init(const std::string& name, const std::string& template_name, bool force);

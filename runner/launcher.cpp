@@ -1,5 +1,6 @@
 #include "runner/launcher.hpp"
 
+#include "engine/checkpoint/checkpoint.hpp"
 #include "engine/common/error.hpp"
 #include "engine/common/files.hpp"
 #include "engine/common/host.hpp"
@@ -12,6 +13,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -30,6 +32,8 @@ namespace {
 
 volatile sig_atomic_t interrupted = 0;
 void on_interrupt(int) { interrupted = 1; }
+volatile sig_atomic_t checkpoint_requested = 0;  // SIGUSR1: forwarded to every rank
+void on_checkpoint_request(int) { checkpoint_requested = 1; }
 
 double now_seconds() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
@@ -95,18 +99,66 @@ class Supervisor {
       : r_(loaded.recipe), plan_(plan), store_(store), run_id_(run_id), o_(options) {}
 
   RunStatus run(const std::string& config_path) {
-    const int local_world = (plan_.world_size + o_.nnodes - 1) / o_.nnodes;
-    const int first_rank = o_.node_rank * local_world;
-    const int port = o_.master_port > 0 ? o_.master_port : free_port();
-    const std::string rank_binary = path_join(executable_directory(), "dsrun-rank");
-    const HostFacts host = read_host_facts();
     make_directories(path_join(o_.run_dir, "logs"));
-
     struct sigaction sa {};
     sa.sa_handler = on_interrupt;
     sigaction(SIGINT, &sa, nullptr);
     sigaction(SIGTERM, &sa, nullptr);
+    struct sigaction usr {};
+    usr.sa_handler = on_checkpoint_request;
+    sigaction(SIGUSR1, &usr, nullptr);
+
+    std::string resume_from = o_.resume_from;
+    for (int restarts = 0;; ++restarts) {
+      start_ranks(config_path, resume_from, restarts);
+      Ending end = watch();
+      const bool may_restart = end.status == RunStatus::Failed && end.restartable && restarts < r_.run.max_restarts;
+      if (!may_restart) return record(end);
+      // Restart every rank from the newest checkpoint that verifies (a torn one is skipped).
+      std::vector<std::string> skipped;
+      auto found = find_checkpoint(o_.checkpoint_root, -1, /*fallback=*/true, &skipped);
+      for (const auto& why : skipped) store_.add_event(run_id_, "checkpoint", -1, "skipped a checkpoint that does not verify", why);
+      resume_from = found ? found->path : "";
+      const std::string message = "restart " + std::to_string(restarts + 1) + " of " + std::to_string(r_.run.max_restarts) + " after: " + end.why + "; " +
+                                  (found ? "from the checkpoint at step " + std::to_string(found->step) : "from the start (no checkpoint yet)");
+      store_.add_event(run_id_, "restart", end.culprit, message);
+      print_line("dsrun: " + message);
+    }
+  }
+
+ private:
+  // How an attempt ended, before it is recorded: restartable failures are rank deaths and hangs,
+  // not errors a rank reported (a bad config or a NaN loss would only fail again).
+  struct Ending {
+    RunStatus status = RunStatus::Finished;
+    std::string why;
+    int culprit = -1;
+    bool restartable = false;
+  };
+
+  RunStatus record(const Ending& end) {
+    finish_progress();
+    if (end.status == RunStatus::Finished) {
+      store_.set_status(run_id_, RunStatus::Finished);
+      store_.add_event(run_id_, "finished", -1, "all ranks finished");
+      return end.status;
+    }
+    store_.set_status(run_id_, end.status, end.why);
+    std::cerr << "dsrun: run " << run_id_ << " " << to_string(end.status) << ": " << end.why << "\n";
+    return end.status;
+  }
+
+  void start_ranks(const std::string& config_path, const std::string& resume_from, int restart) {
+    ranks_.clear();
+    stopped_early_.clear();
+    const int local_world = (plan_.world_size + o_.nnodes - 1) / o_.nnodes;
+    const int first_rank = o_.node_rank * local_world;
+    // A fresh port per attempt: the last one may linger in TIME_WAIT.
+    const int port = o_.master_port > 0 ? o_.master_port : free_port();
+    const std::string rank_binary = path_join(executable_directory(), "dsrun-rank");
+    const HostFacts host = read_host_facts();
     started_ = now_seconds();
+    first_step_ = 1;
 
     for (int local = 0; local < local_world && first_rank + local < plan_.world_size; ++local) {
       RankProcess p;
@@ -119,6 +171,7 @@ class Supervisor {
       if (pid == 0) {
         // The child: its own process group (Ctrl-C reaches only the launcher), log file, environment.
         ::setpgid(0, 0);
+        ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // a launcher killed outright takes its ranks with it
         int log = ::open(p.log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
         if (log >= 0) {
           ::dup2(log, 1);
@@ -133,6 +186,11 @@ class Supervisor {
         ::setenv("MASTER_ADDR", o_.master_addr.c_str(), 1);
         ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
         ::setenv("DSRUN_REPORT_FD", "3", 1);
+        ::setenv("DSRUN_RUN_ID", run_id_.c_str(), 1);
+        ::setenv("DSRUN_RESTART", std::to_string(restart).c_str(), 1);
+        ::setenv("DSRUN_CHECKPOINT_DIR", o_.checkpoint_root.c_str(), 1);
+        if (!resume_from.empty()) ::setenv("DSRUN_RESUME_FROM", resume_from.c_str(), 1);
+        else ::unsetenv("DSRUN_RESUME_FROM");
         // Threads: torch's OpenMP pool gets the rank's share of the cores; OpenBLAS stays single-
         // threaded, since its own pool fights OpenMP's (measured: 0.57 -> 0.16 s/step, docs/benchmarks.md).
         // Values the user exported win.
@@ -156,12 +214,11 @@ class Supervisor {
       ranks_.push_back(p);
     }
     store_.add_event(run_id_, "launch", -1,
-                     "started " + std::to_string(ranks_.size()) + " rank(s) on port " + std::to_string(port) + ", logs in " + path_join(o_.run_dir, "logs"));
-    return watch();
+                     "started " + std::to_string(ranks_.size()) + " rank(s) on port " + std::to_string(port) + ", logs in " + path_join(o_.run_dir, "logs") +
+                         (resume_from.empty() ? "" : ", resuming from " + resume_from));
   }
 
- private:
-  RunStatus watch() {
+  Ending watch() {
     while (true) {
       std::vector<pollfd> fds;
       for (auto& p : ranks_)
@@ -171,30 +228,32 @@ class Supervisor {
       for (auto& p : ranks_) drain(p);
       reap();
 
-      if (interrupted) return stop_all(RunStatus::Killed, "interrupted (Ctrl-C or SIGTERM)", -1);
+      if (checkpoint_requested) {
+        checkpoint_requested = 0;
+        for (auto& p : ranks_)
+          if (p.running) ::kill(p.pid, SIGUSR1);
+        store_.add_event(run_id_, "checkpoint", -1, "checkpoint requested (SIGUSR1); saved after the current step");
+      }
+      if (interrupted) {
+        // Healthy ranks finish their step and save (checkpoint.at_end) before they exit.
+        const double grace = r_.checkpoint.at_end ? std::min(120.0, std::max(5.0, r_.run.step_timeout_s)) : 5.0;
+        return stop_all({RunStatus::Killed, "interrupted (Ctrl-C or SIGTERM)", -1, false}, grace);
+      }
       for (auto& p : ranks_)
         if (!p.running && p.exit_code != 0) {
           std::string why = "rank " + std::to_string(p.rank) + " " +
                             (p.exit_code > 128 ? "was killed by signal " + std::to_string(p.exit_code - 128) : "exited with code " + std::to_string(p.exit_code)) +
                             (p.error.empty() ? "" : ": " + p.error);
-          return stop_all(RunStatus::Failed, why, p.rank);
+          return stop_all({RunStatus::Failed, why, p.rank, p.error.empty()}, 5.0);
         }
       bool all_done = true;
       for (auto& p : ranks_) all_done &= !p.running;
       if (all_done && !stopped_early_.empty()) {
         // Ranks stopped by a SIGTERM from outside (a scheduler, a preemption): not a finished run.
-        finish_progress();
         store_.add_event(run_id_, "killed", -1, stopped_early_);
-        store_.set_status(run_id_, RunStatus::Killed, stopped_early_);
-        std::cerr << "dsrun: run " << run_id_ << " killed: " << stopped_early_ << "\n";
-        return RunStatus::Killed;
+        return {RunStatus::Killed, stopped_early_, -1, false};
       }
-      if (all_done) {
-        finish_progress();
-        store_.set_status(run_id_, RunStatus::Finished);
-        store_.add_event(run_id_, "finished", -1, "all ranks finished");
-        return RunStatus::Finished;
-      }
+      if (all_done) return {RunStatus::Finished, "", -1, false};
       // Hangs: no progress within the step timeout (start-up has its own, longer one). When one
       // rank hangs the others soon wait for it in a collective, so all go quiet: the culprit is the
       // rank that got least far (started the fewest steps, or never became ready).
@@ -218,7 +277,7 @@ class Supervisor {
                                     : "rank " + std::to_string(culprit->rank) + " hung: " +
                                           (culprit->ready ? "it never started step " + std::to_string(culprit->step + 1) + " while others did (run.step_timeout_s)"
                                                           : "no progress during start-up (run.startup_timeout_s)");
-        return stop_all(RunStatus::Failed, why, all_level ? -1 : culprit->rank);
+        return stop_all({RunStatus::Failed, why, all_level ? -1 : culprit->rank, true}, 5.0);
       }
     }
   }
@@ -255,6 +314,7 @@ class Supervisor {
     p.last_progress = now_seconds();
     if (type == "ready") {
       p.ready = true;
+      first_step_ = m.value("first_step", int64_t{1});
       if (p.rank == 0) store_.add_event(run_id_, "ready", -1, "ranks started in " + format_seconds(now_seconds() - started_));
       if (p.rank == 0) store_.add_metrics(run_id_, 0, {{"startup_seconds", m.value("startup_seconds", 0.0)}, {"launch_to_ready_seconds", now_seconds() - started_}});
     } else if (type == "beat") {
@@ -280,6 +340,17 @@ class Supervisor {
       const std::string kind = m.value("kind", std::string("event"));
       store_.add_event(run_id_, kind, p.rank, m.value("message", std::string()));
       if (kind == "stopped") stopped_early_ = "a rank was asked to stop (" + m.value("message", std::string()) + ")";
+    } else if (type == "checkpoint") {
+      CheckpointRecord c;
+      c.step = m.value("step", int64_t{0});
+      c.path = m.value("path", std::string());
+      c.bytes = m.value("bytes", int64_t{0});
+      c.checksum = m.value("checksum", std::string());
+      c.created_at = unix_now();
+      store_.add_checkpoint(run_id_, c);
+      for (const auto& removed : m.value("removed", std::vector<std::string>{})) store_.remove_checkpoint(run_id_, removed);
+      store_.add_event(run_id_, "checkpoint", -1, "saved step " + std::to_string(c.step) + " (" + m.value("why", std::string("interval")) + ") to " + c.path + ", " +
+                                                     format_bytes(static_cast<double>(c.bytes)) + " in " + format_seconds(m.value("seconds", 0.0)));
     } else if (type == "error") {
       p.error = m.value("message", std::string());
     }
@@ -297,13 +368,17 @@ class Supervisor {
     }
   }
 
-  // Stops every rank still running (SIGTERM, then SIGKILL after a grace period) and records why.
-  RunStatus stop_all(RunStatus status, const std::string& why, int culprit) {
+  // Stops every rank still running (SIGTERM, then SIGKILL after `grace` seconds) and records why.
+  Ending stop_all(const Ending& end, double grace) {
     finish_progress();
+    const RunStatus status = end.status;
+    const std::string& why = end.why;
+    const int culprit = end.culprit;
     for (auto& p : ranks_)
       if (p.running) ::kill(p.pid, SIGTERM);
-    const double deadline = now_seconds() + 5.0;
+    const double deadline = now_seconds() + grace;
     while (now_seconds() < deadline) {
+      for (auto& p : ranks_) drain(p);  // checkpoints saved while stopping are still recorded
       reap();
       bool any = false;
       for (auto& p : ranks_) any |= p.running;
@@ -324,15 +399,14 @@ class Supervisor {
         if (p.rank == culprit) detail = tail_of_file(p.log_path, 20);
     }
     store_.add_event(run_id_, status == RunStatus::Killed ? "killed" : "failed", culprit, why, detail);
-    store_.set_status(run_id_, status, why);
-    std::cerr << "dsrun: run " << run_id_ << " " << to_string(status) << ": " << why << "\n";
     if (!detail.empty()) std::cerr << "--- last lines of rank " << culprit << "'s log ---\n" << detail << "\n---\n";
-    return status;
+    return end;
   }
 
   void show_progress(int64_t step, int64_t total, const nlohmann::json& metrics) {
     const double elapsed = now_seconds() - started_;
-    const double eta = step > 0 ? elapsed / static_cast<double>(step) * static_cast<double>(total - step) : 0;
+    const int64_t done_here = step - first_step_ + 1;  // steps this attempt ran (a resumed run starts later)
+    const double eta = done_here > 0 ? elapsed / static_cast<double>(done_here) * static_cast<double>(total - step) : 0;
     std::string line = "step " + std::to_string(step) + "/" + std::to_string(total) + "  loss " + format_double(metrics.value("loss", 0.0), 5) +
                        "  lr " + format_double(metrics.value("lr", 0.0), 3) + "  " + format_count(metrics.value("tokens_per_second", 0.0)) +
                        (r_.model.arch == ModelArch::ResNet ? " img/s" : " tok/s") + "  ETA " + format_seconds(eta);
@@ -362,6 +436,7 @@ class Supervisor {
   LaunchOptions o_;
   std::vector<RankProcess> ranks_;
   double started_ = 0;
+  int64_t first_step_ = 1;
   bool progress_open_ = false;
   std::string stopped_early_;  // why, when a rank stopped before the last step
 };
@@ -385,8 +460,13 @@ std::string rank_config_toml(const LoadedRecipe& loaded, const Plan& plan) {
   pin(c, "hardware.host_memory_gib", Value::of_float(r.hardware.host_memory_bytes / GiB));
   pin(c, "data.path", Value::of_string(absolute(r.data.path)));
   pin(c, "hooks.script", Value::of_string(absolute(r.hooks.script)));
+  pin(c, "model.init_from", Value::of_string(absolute(r.model.init_from)));
   pin(c, "checkpoint.dir", Value::of_string(absolute(r.checkpoint.dir)));
   return config_to_toml(c);
+}
+
+std::string checkpoint_root_of(const Recipe& recipe, const std::string& run_dir, const std::string& run_id) {
+  return absolute(recipe.checkpoint.dir.empty() ? path_join(run_dir, "checkpoints") : path_join(recipe.checkpoint.dir, run_id));
 }
 
 RunStatus launch_run(const LoadedRecipe& loaded, const Plan& plan, Store& store, const std::string& run_id, const LaunchOptions& options) {
@@ -395,7 +475,10 @@ RunStatus launch_run(const LoadedRecipe& loaded, const Plan& plan, Store& store,
   write_file_atomic(config_path, rank_config_toml(loaded, plan));
   write_file_atomic(path_join(options.run_dir, "plan.json"), plan_to_json(plan));
   store.set_status(run_id, RunStatus::Running);
-  Supervisor supervisor(loaded, plan, store, run_id, options);
+  LaunchOptions o = options;
+  if (o.checkpoint_root.empty()) o.checkpoint_root = checkpoint_root_of(loaded.recipe, options.run_dir, run_id);
+  make_directories(o.checkpoint_root);
+  Supervisor supervisor(loaded, plan, store, run_id, o);
   return supervisor.run(config_path);
 }
 

@@ -20,13 +20,20 @@ struct LaunchOptions {
   bool nccl_debug = false;        // NCCL_DEBUG=INFO into the rank logs
   int debug_rank = -1;            // this rank waits for a debugger
   bool progress = true;           // the live progress line
+  std::string resume_from;        // a checkpoint directory the ranks start from ("": step 0)
+  std::string checkpoint_root;    // "": checkpoint_root_of(recipe, run_dir, run_id)
 };
+
+// Where a run's step_N/ checkpoint directories go: RUN_DIR/checkpoints, or checkpoint.dir/RUN_ID
+// when the recipe names a directory (so runs sharing it never mix their checkpoints).
+std::string checkpoint_root_of(const Recipe& recipe, const std::string& run_dir, const std::string& run_id);
 
 // The resolved config that ranks load: the recipe's config with every "auto" replaced by the
 // plan's choice and every relative path made absolute, so all ranks run exactly the plan.
 std::string rank_config_toml(const LoadedRecipe& loaded, const Plan& plan);
 
-// Returns the run's final status (Finished, Failed or Killed), recorded in the store.
+// Returns the run's final status (Finished, Failed or Killed), recorded in the store. A rank that
+// dies or hangs restarts all ranks from the newest checkpoint, up to run.max_restarts times.
 RunStatus launch_run(const LoadedRecipe& loaded, const Plan& plan, Store& store, const std::string& run_id, const LaunchOptions& options);
 
 // `dsrun worker CONFIG`: become a rank under an outside launcher (torchrun, Slurm, Kubernetes).

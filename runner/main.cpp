@@ -12,7 +12,7 @@
 
 namespace {
 
-const char* const kCommands[] = {"run", "plan", "history", "show", "init", "templates", "docs", "worker"};
+const char* const kCommands[] = {"run", "plan", "history", "show", "resume", "rollback", "export", "init", "templates", "docs", "worker"};
 
 // `dsrun recipes/x.toml ...` means `dsrun run recipes/x.toml ...`.
 std::vector<std::string> with_default_command(int argc, char** argv) {
@@ -51,12 +51,16 @@ int main(int argc, char** argv) {
   add_recipe_args(run);
   dsrun::RunFlags flags;
   run->add_flag("--smoke", flags.smoke, "Run the plan's layout with a shrunk model on CPU ranks, in seconds");
-  run->add_option("--nnodes", flags.nnodes, "Nodes in the job (as torchrun)")->check(CLI::Range(1, 100000));
-  run->add_option("--node-rank", flags.node_rank, "This node's index (as torchrun)")->check(CLI::Range(0, 100000));
-  run->add_option("--master-addr", flags.master_addr, "Address of node 0 (as torchrun)");
-  run->add_option("--master-port", flags.master_port, "Port of the rendezvous store; default: a free one")->check(CLI::Range(0, 65535));
-  run->add_flag("--nccl-debug", flags.nccl_debug, "NCCL_DEBUG=INFO (and TORCH_DISTRIBUTED_DEBUG=DETAIL) into the rank logs");
-  run->add_option("--debug-rank", flags.debug_rank, "This rank prints its pid and waits for a debugger")->check(CLI::Range(0, 1000000));
+  // Launch flags, shared by every command that starts ranks.
+  auto add_launch_flags = [&](CLI::App* cmd) {
+    cmd->add_option("--nnodes", flags.nnodes, "Nodes in the job (as torchrun)")->check(CLI::Range(1, 100000));
+    cmd->add_option("--node-rank", flags.node_rank, "This node's index (as torchrun)")->check(CLI::Range(0, 100000));
+    cmd->add_option("--master-addr", flags.master_addr, "Address of node 0 (as torchrun)");
+    cmd->add_option("--master-port", flags.master_port, "Port of the rendezvous store; default: a free one")->check(CLI::Range(0, 65535));
+    cmd->add_flag("--nccl-debug", flags.nccl_debug, "NCCL_DEBUG=INFO (and TORCH_DISTRIBUTED_DEBUG=DETAIL) into the rank logs");
+    cmd->add_option("--debug-rank", flags.debug_rank, "This rank prints its pid and waits for a debugger")->check(CLI::Range(0, 1000000));
+  };
+  add_launch_flags(run);
   bool json = false;
   CLI::App* plan = app.add_subcommand("plan", "Print the resolved plan; exit 2 if it does not fit");
   add_recipe_args(plan);
@@ -73,6 +77,31 @@ int main(int argc, char** argv) {
   CLI::App* show = app.add_subcommand("show", "Show one run whole: recipe, config, plan, metrics, events");
   show->add_option("run", run_id, "Run id, id prefix or run name")->required();
   show->add_flag("--json", json, "JSON instead of text");
+
+  dsrun::ResumeArgs resume_args;
+  CLI::App* resume = app.add_subcommand("resume", "Continue a failed or killed run from its newest complete checkpoint");
+  resume->add_option("run", resume_args.run, "Run id, id prefix or run name")->required();
+  resume->add_option("--set", resume_args.sets, "Override a key, e.g. another world size or ZeRO stage (shards are re-cut)");
+  resume->add_flag("--fallback", resume_args.fallback, "Skip checkpoints that fail verification and use the newest good one");
+  resume->add_flag("--force", resume_args.force, "Resume a run still marked running whose launcher is gone");
+  add_launch_flags(resume);
+
+  std::string rollback_run;
+  int64_t to_step = 0;
+  std::vector<std::string> rollback_sets;
+  CLI::App* rollback = app.add_subcommand("rollback", "Start a new run from a run's checkpoint at or before a step (the original is untouched)");
+  rollback->add_option("run", rollback_run, "Run id, id prefix or run name")->required();
+  rollback->add_option("--to-step", to_step, "Use the newest checkpoint at or before this step")->required()->check(CLI::Range(int64_t{0}, int64_t{1} << 50));
+  rollback->add_option("--set", rollback_sets, "Override a key of the checkpoint's config (repeatable)");
+  add_launch_flags(rollback);
+
+  std::string export_run, export_to, export_dtype = "fp32";
+  int64_t export_step = -1;
+  CLI::App* exporter = app.add_subcommand("export", "Write a checkpoint's weights as safetensors + config.json (Hugging Face names)");
+  exporter->add_option("run", export_run, "Run id, id prefix or run name")->required();
+  exporter->add_option("--step", export_step, "Newest checkpoint at or before this step; default: the newest");
+  exporter->add_option("--to", export_to, "Output directory")->required();
+  exporter->add_option("--dtype", export_dtype, "fp32 (exact) or bf16")->check(CLI::IsMember({"fp32", "bf16"}));
 
   std::string name, template_name = "quickstart";
   bool force = false;
@@ -103,6 +132,9 @@ int main(int argc, char** argv) {
     if (*plan) return dsrun::command_plan(recipe_args, json);
     if (*history) return dsrun::command_history(db, limit, status, json);
     if (*show) return dsrun::command_show(db, run_id, json);
+    if (*resume) return dsrun::command_resume(resume_args, flags, db);
+    if (*rollback) return dsrun::command_rollback(rollback_run, to_step, rollback_sets, flags, db);
+    if (*exporter) return dsrun::command_export(export_run, export_step, export_to, export_dtype, db);
     if (*init) return dsrun::command_init(name, template_name, force);
     if (*templates) return dsrun::command_templates();
     if (*docs) return dsrun::command_docs(topic);

@@ -58,7 +58,19 @@ std::string render_run(const Store& store, const RunRecord& r) {
   field("ranks", std::to_string(r.world_size) + ", ZeRO stage " + std::to_string(r.zero_stage));
   field("host", r.host);
   field("git", r.git_revision);
-  if (!r.parent_run.empty()) field("parent", r.parent_run + " at step " + std::to_string(r.parent_step));
+  // Lineage: the run this one was rolled back from, and the runs rolled back from this one.
+  if (!r.parent_run.empty()) {
+    std::string chain = r.parent_run + " at step " + std::to_string(r.parent_step);
+    RunRecord up = store.get_run(r.parent_run);
+    for (int depth = 0; !up.parent_run.empty() && depth < 50; ++depth) {
+      chain += " <- " + up.parent_run + " at step " + std::to_string(up.parent_step);
+      up = store.get_run(up.parent_run);
+    }
+    field("parent", chain);
+  }
+  std::vector<std::string> children;
+  for (const auto& c : store.children(r.id)) children.push_back(c.id + " from step " + std::to_string(c.parent_step) + " (" + to_string(c.status) + ")");
+  field("children", join(children, ", "));
   field("sweep", r.sweep_id);
 
   auto latest = store.latest_metrics(r.id);

@@ -369,6 +369,19 @@ void Store::add_checkpoint(const std::string& run_id, const CheckpointRecord& c)
   s.run();
 }
 
+void Store::remove_checkpoint(const std::string& run_id, const std::string& path) {
+  Statement s(db_.get(), "DELETE FROM checkpoints WHERE run_id = ? AND path = ?");
+  s.bind(1, run_id).bind(2, path);
+  s.run();
+}
+
+void Store::update_plan(const std::string& run_id, const std::string& config_toml, const std::string& plan_json, const std::string& plan_text,
+                        int zero_stage, int world_size) {
+  Statement s(db_.get(), "UPDATE runs SET config_toml = ?, plan_json = ?, plan_text = ?, zero_stage = ?, world_size = ? WHERE id = ?");
+  s.bind(1, config_toml).bind(2, plan_json).bind(3, plan_text).bind(4, zero_stage).bind(5, world_size).bind(6, run_id);
+  s.run();
+}
+
 std::string Store::resolve_run(const std::string& query) const {
   std::vector<std::string> matches;
   {
@@ -448,6 +461,15 @@ std::vector<CheckpointRecord> Store::checkpoints(const std::string& run_id) cons
   s.bind(1, run_id);
   std::vector<CheckpointRecord> out;
   while (s.step()) out.push_back({s.integer(0), s.text(1), s.integer(2), s.text(3), s.real(4)});
+  return out;
+}
+
+std::vector<RunRecord> Store::children(const std::string& run_id) const {
+  std::string sql = std::string("SELECT ") + kRunColumns + " FROM runs WHERE parent_run = ? AND deleted_at IS NULL ORDER BY created_at, rowid";
+  Statement s(db_.get(), sql.c_str());
+  s.bind(1, run_id);
+  std::vector<RunRecord> out;
+  while (s.step()) out.push_back(read_run(s));
   return out;
 }
 

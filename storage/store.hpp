@@ -87,6 +87,10 @@ class Store {
   void add_metrics(const std::string& run_id, int64_t step, const std::vector<std::pair<std::string, double>>& values);
   void add_event(const std::string& run_id, const std::string& kind, int rank, const std::string& message, const std::string& detail = "");
   void add_checkpoint(const std::string& run_id, const CheckpointRecord& checkpoint);
+  void remove_checkpoint(const std::string& run_id, const std::string& path);  // retention deleted it
+  // A resume with other settings (world size, ZeRO stage): the run's config and plan now.
+  void update_plan(const std::string& run_id, const std::string& config_toml, const std::string& plan_json, const std::string& plan_text,
+                   int zero_stage, int world_size);
 
   // A full id, a unique id prefix, or a unique run name -> the run's id; throws naming the matches otherwise.
   std::string resolve_run(const std::string& id_prefix_or_name) const;
@@ -96,6 +100,7 @@ class Store {
   std::vector<MetricValue> metric_history(const std::string& run_id, const std::string& key) const;
   std::vector<EventRecord> events(const std::string& run_id) const;
   std::vector<CheckpointRecord> checkpoints(const std::string& run_id) const;
+  std::vector<RunRecord> children(const std::string& run_id) const;  // runs rolled back from this one, oldest first
 
   sqlite3* handle() const { return db_.get(); }
 

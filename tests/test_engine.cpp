@@ -1,12 +1,17 @@
 // Engine pieces in one process (and the communicator across real processes): collectives against
 // a reference, the optimizer against libtorch's, MoE routing and balance loss, checkpointing.
+#include "engine/checkpoint/export.hpp"
+#include "engine/checkpoint/safetensors.hpp"
+#include "engine/common/error.hpp"
 #include "engine/common/files.hpp"
 #include "engine/common/host.hpp"
 #include "engine/data/dataset.hpp"
 #include "engine/dist/communicator.hpp"
 #include "engine/model/model.hpp"
 #include "engine/parallel/zero.hpp"
+#include "engine/train/checkpointing.hpp"
 #include "engine/train/optimizer.hpp"
+#include "test_util.hpp"
 
 #define CATCH_CONFIG_MAIN
 #include <catch2/catch.hpp>
@@ -75,6 +80,17 @@ ModelSpec tiny_decoder() {
   m.intermediate = 48;
   m.vocab = 64;
   m.max_seq_len = 16;
+  return m;
+}
+
+// The tiny decoder with DeepSeek-MoE layers after the first: `experts` routed, top-2, one shared.
+ModelSpec tiny_moe_decoder(int experts) {
+  ModelSpec m = tiny_decoder();
+  m.moe.routed_experts = experts;
+  m.moe.shared_experts = 1;
+  m.moe.top_k = 2;
+  m.moe.intermediate = 16;
+  m.moe.first_dense_layers = 1;
   return m;
 }
 
@@ -170,12 +186,7 @@ TEST_CASE("SGD with Nesterov momentum matches libtorch's SGD", "[engine][optimiz
 }
 
 TEST_CASE("MoE: top-k routing, balance loss near its uniform value, gradients to router and chosen experts", "[engine][moe]") {
-  ModelSpec m = tiny_decoder();
-  m.moe.routed_experts = 8;
-  m.moe.shared_experts = 1;
-  m.moe.top_k = 2;
-  m.moe.intermediate = 16;
-  m.moe.first_dense_layers = 1;
+  ModelSpec m = tiny_moe_decoder(8);
   m.moe.aux_loss_weight = 0.01;
   torch::manual_seed(3);
   auto model = build_model(m, 16);
@@ -408,5 +419,43 @@ TEST_CASE("CUDA: NCCL collectives agree with a reference on 2 GPUs", "[engine][c
     int status = 0;
     waitpid(pid, &status, 0);
     CHECK((WIFEXITED(status) && WEXITSTATUS(status) == 0));
+  }
+}
+
+TEST_CASE("weights written under Hugging Face names load back into the model exactly (MoE, GQA)", "[engine][import]") {
+  ModelSpec m = tiny_moe_decoder(4);
+  m.kv_heads = m.heads / 2;
+  torch::manual_seed(11);
+  auto source = build_model(m, 16);
+  torch::manual_seed(12);
+  auto target = build_model(m, 16);
+
+  // Source's parameters as Hugging Face tensors (fused q/k/v and gate/up split by rows).
+  std::vector<torch::Tensor> keep;
+  SafetensorsWriter writer;
+  for (const auto& p : source->module().named_parameters())
+    for (const auto& piece : hf_pieces(p.key(), p.value().sizes().vec(), m)) {
+      torch::Tensor rows = p.value().detach().narrow(0, piece.row_begin, piece.rows).contiguous();
+      keep.push_back(rows);
+      writer.add(piece.name, "F32", rows.sizes().vec(), rows.data_ptr());
+    }
+  dsrun::test::TempDir dir;
+  writer.write_atomic(dir.file("model.safetensors"));
+  load_pretrained_weights(*target, m, dir.path());
+  auto want = source->module().named_parameters();
+  for (const auto& p : target->module().named_parameters()) CHECK(torch::equal(p.value(), want[p.key()]));
+
+  ModelSpec other = m;
+  other.hidden = m.hidden * 2;
+  torch::manual_seed(13);
+  auto wrong = build_model(other, 16);
+  try {
+    load_pretrained_weights(*wrong, other, dir.path());
+    FAIL("a model of another width accepted the weights");
+  } catch (const std::exception& e) {
+    CHECK(std::string(e.what()).find("model.embed_tokens.weight has shape") != std::string::npos);
+    auto* error = dynamic_cast<const dsrun::Error*>(&e);
+    REQUIRE(error != nullptr);
+    CHECK(error->context().key == "model.init_from");
   }
 }

@@ -2,6 +2,7 @@
 // ZeRO 0-3 on 1-3 ranks against one process, reruns, measured memory, failures and hangs.
 #include "storage/store.hpp"
 #include "test_util.hpp"
+#include "train_util.hpp"
 
 #include <catch2/catch.hpp>
 #include <sys/wait.h>
@@ -10,49 +11,13 @@
 #include <cmath>
 #include <cstdio>
 
-namespace {
-
-struct Run {
-  int code = -1;
-  std::string text;
-  std::string id;
-  std::vector<double> losses;
-  double seconds = 0;
-};
-
+using dsrun::test::check_same_trajectory;
 using dsrun::test::contains;
+using dsrun::test::layout;
+using dsrun::test::Run;
+using dsrun::test::train;
 
-// Trains tests/recipes/tiny_train.toml with extra settings; `env` goes before the command.
-Run train(const dsrun::test::TempDir& dir, const std::string& sets, const std::string& env = "", const std::string& recipe = "tests/recipes/tiny_train.toml") {
-  auto t0 = std::chrono::steady_clock::now();
-  dsrun::test::CommandOutput out = dsrun::test::run_command("cd '" + dsrun::test::source_dir() + "' && " + env + " '" DSRUN_BINARY "' run " + recipe +
-                                                             " --db '" + dir.file("runs.db") + "' " + sets);
-  Run run;
-  run.code = out.code;
-  run.text = out.text;
-  run.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  size_t at = run.text.find("\nrun ");
-  if (at != std::string::npos) run.id = run.text.substr(at + 5, 8);
-  if (!run.id.empty()) {
-    dsrun::Store store(dir.file("runs.db"));
-    for (const auto& m : store.metric_history(run.id, "loss")) run.losses.push_back(m.value);
-  }
-  return run;
-}
-
-std::string layout(int stage, int ranks) {
-  return "--set parallel.zero_stage=" + std::to_string(stage) + " --set parallel.data_parallel=" + std::to_string(ranks);
-}
-
-void check_same_trajectory(const std::vector<double>& reference, const Run& run, double tolerance) {
-  INFO(run.text);
-  REQUIRE(run.code == 0);
-  REQUIRE(run.losses.size() == reference.size());
-  for (size_t i = 0; i < reference.size(); ++i) {
-    INFO("step " << i + 1 << ": " << run.losses[i] << " vs " << reference[i]);
-    CHECK(std::fabs(run.losses[i] - reference[i]) <= tolerance * std::fabs(reference[i]));
-  }
-}
+namespace {
 
 // Model-state bytes each rank measured from its tensors against the plan's prediction.
 void check_memory_matches_plan(const dsrun::test::TempDir& dir, const Run& run, int ranks) {
@@ -157,6 +122,10 @@ TEST_CASE("Ctrl-C stops the ranks cleanly and marks the run killed", "[training]
   dsrun::Store store(dir.file("runs.db"));
   CHECK(store.get_run(run.id).status == dsrun::RunStatus::Killed);
   CHECK_FALSE(run.losses.empty());
+  // checkpoint.at_end: the ranks finished their step and saved it before exiting.
+  auto saved = store.checkpoints(run.id);
+  REQUIRE(saved.size() == 1);
+  CHECK(saved[0].step == static_cast<int64_t>(run.losses.size()));
 }
 
 TEST_CASE("smoke runs a GPU recipe's layout on CPU ranks and says what it shrank", "[training][smoke]") {
@@ -187,7 +156,8 @@ TEST_CASE("smoke runs cover MoE, grouped-query attention and ZeRO-3 with offload
 TEST_CASE("ranks started from outside (torchrun style, dsrun worker) train without the launcher", "[training][worker]") {
   dsrun::test::TempDir dir;
   std::string recipe = dir.write("two.toml", "base = \"" + dsrun::test::source_dir() + "/tests/recipes/tiny_train.toml\"\n"
-                                             "[run]\nsteps = 3\n[parallel]\ndata_parallel = 2\nzero_stage = 1\n");
+                                             "[run]\nsteps = 3\n[parallel]\ndata_parallel = 2\nzero_stage = 1\n"
+                                             "[checkpoint]\ndir = \"" + dir.file("ckpt") + "\"\n");
   std::string common = "WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=19731 '" DSRUN_BINARY "' worker '" + recipe + "'";
   dsrun::test::CommandOutput out = dsrun::test::run_command("(RANK=0 LOCAL_RANK=0 " + common + " & RANK=1 LOCAL_RANK=1 " + common + "; wait)");
   const std::string& text = out.text;
@@ -196,4 +166,5 @@ TEST_CASE("ranks started from outside (torchrun style, dsrun worker) train witho
   CHECK(contains(text, "\"rank\":0") );
   CHECK(contains(text, "\"type\":\"done\""));
   CHECK(contains(text, "\"step\":3"));
+  CHECK(dsrun::file_exists(dir.file("ckpt/step_00000003/COMPLETE")));  // without a launcher, checkpoint.dir itself
 }

@@ -64,12 +64,31 @@ void write_file_atomic(const std::string& path, const std::string& content) {
     ::unlink(tmp.c_str());
     throw file_error("cannot rename into place", path);
   }
-  // Make the rename itself durable.
-  int dir = ::open(parent_directory(path).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  sync_directory(parent_directory(path));  // make the rename itself durable
+}
+
+void sync_directory(const std::string& path) {
+  int dir = ::open(path.empty() ? "." : path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dir >= 0) {
     ::fsync(dir);
     ::close(dir);
   }
+}
+
+void remove_tree(const std::string& path) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) return;
+  if (S_ISDIR(st.st_mode)) {
+    for (const auto& name : list_directory(path)) remove_tree(path_join(path, name));
+    if (::rmdir(path.c_str()) != 0 && errno != ENOENT) throw file_error("cannot remove directory", path);
+  } else if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
+    throw file_error("cannot remove file", path);
+  }
+}
+
+int64_t file_size(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 ? static_cast<int64_t>(st.st_size) : -1;
 }
 
 void make_directories(const std::string& path) {

@@ -2,6 +2,7 @@
 // shipped templates live. Everything that writes a file the user keeps goes through write_file_atomic.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,12 @@ bool is_directory(const std::string& path);
 void write_file_atomic(const std::string& path, const std::string& content);
 // Creates a directory and its parents (mkdir -p).
 void make_directories(const std::string& path);
+// fsync a directory, so that renames and new entries in it survive a power cut.
+void sync_directory(const std::string& path);
+// Deletes a directory and everything in it (rm -rf); a missing path is not an error.
+void remove_tree(const std::string& path);
+// Size of a file in bytes; -1 when it does not exist.
+int64_t file_size(const std::string& path);
 std::string parent_directory(const std::string& path);
 std::string file_stem(const std::string& path);   // "recipes/a.toml" -> "a"
 std::string path_join(const std::string& a, const std::string& b);

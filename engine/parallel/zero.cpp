@@ -274,6 +274,20 @@ bool ZeroDataParallel::gradients_overflowed() {
 std::vector<MasterShard>& ZeroDataParallel::shards() { return shards_; }
 
 void ZeroDataParallel::after_step() {
+  publish_master();
+  for (auto& m : shards_) m.grad = Tensor();
+  zero_gradients();
+  live_fns_.clear();
+}
+
+const std::string& ZeroDataParallel::unit_name(size_t k) const { return units_.at(k)->name; }
+int64_t ZeroDataParallel::unit_numel(size_t k) const { return units_.at(k)->numel; }
+int64_t ZeroDataParallel::master_begin(size_t k) const { return units_.at(k)->shard_begin; }
+const std::vector<Tensor>& ZeroDataParallel::unit_params(size_t k) const { return units_.at(k)->params; }
+const std::vector<int64_t>& ZeroDataParallel::unit_offsets(size_t k) const { return units_.at(k)->offsets; }
+const std::vector<int64_t>& ZeroDataParallel::unit_shape(size_t k, size_t i) const { return units_.at(k)->shapes.at(i); }
+
+void ZeroDataParallel::publish_master() {
   torch::NoGradGuard no_grad;
   // fp32 without offload updated the working parameters in place; otherwise copy them over.
   const bool copy_master = options_.dtype != DType::Fp32 || offload_to_host_;
@@ -287,10 +301,7 @@ void ZeroDataParallel::after_step() {
       if (copy_master) mine.copy_(m.master);
       if (options_.stage >= 1) comm_.all_gather(mine.clone(), u.full);
     }
-    m.grad = Tensor();
   }
-  zero_gradients();
-  live_fns_.clear();
 }
 
 void ZeroDataParallel::zero_gradients() {

@@ -56,6 +56,18 @@ class ZeroDataParallel final : public UnitRunner {
   std::vector<MasterShard>& shards();
   // After the optimizer: master weights -> working parameters on every rank; gradients zeroed.
   void after_step();
+  // Master weights -> working parameters on every rank (after_step's first half; also after a restore).
+  void publish_master();
+
+  // The flat layout, for checkpoints: unit k has unit_numel(k) elements (padding excluded), its
+  // parameters at unit_offsets(k), and shards()[k].master holds elements from master_begin(k).
+  size_t unit_count() const { return units_.size(); }
+  const std::string& unit_name(size_t k) const;
+  int64_t unit_numel(size_t k) const;
+  int64_t master_begin(size_t k) const;
+  const std::vector<torch::Tensor>& unit_params(size_t k) const;
+  const std::vector<int64_t>& unit_offsets(size_t k) const;
+  const std::vector<int64_t>& unit_shape(size_t k, size_t i) const;
   void zero_gradients();
 
   // Bytes this rank holds for model states now (parameters, gradients, master, optimizer states

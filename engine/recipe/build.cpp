@@ -317,6 +317,11 @@ void build_data(Builder& c, Recipe& r, const std::string& recipe_dir) {
                                               ? parent_directory(c.at("data.path").source.file)
                                               : recipe_dir);
   d.tokenizer = c.s("data.tokenizer");
+  r.model.init_from = resolve_path(c.s("model.init_from"), c.at("model.init_from").source.layer == Layer::Base
+                                                               ? parent_directory(c.at("model.init_from").source.file)
+                                                               : recipe_dir);
+  if (!r.model.init_from.empty() && !file_exists(r.model.init_from))
+    c.error("model.init_from", "\"" + r.model.init_from + "\" does not exist", "give a .safetensors file or a directory of them (dsrun export writes one)");
   d.val_fraction = c.f("data.val_fraction");
   d.shuffle = c.b("data.shuffle");
   if (d.kind != DataKind::Synthetic) {

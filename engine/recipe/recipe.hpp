@@ -83,6 +83,7 @@ struct ModelSpec {
   double rope_theta = 10000;
   double norm_eps = 1e-6;
   double init_std = 0.02;
+  std::string init_from;  // safetensors weights to start from (file or directory); empty: random
   MoeSpec moe;
   ResNetSpec resnet;
   int64_t head_dim() const { return hidden / heads; }

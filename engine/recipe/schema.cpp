@@ -85,6 +85,7 @@ std::vector<KeySpec> build_schema() {
       ranged("model.rope_theta", T::Float, "10000", 1, 1e12, "Rotary embedding base."),
       ranged("model.norm_eps", T::Float, "1e-6", 1e-12, 0.1, "RMSNorm epsilon."),
       ranged("model.init_std", T::Float, "0.02", 1e-6, 10, "Standard deviation of the normal weight initialisation."),
+      key("model.init_from", T::String, "\"\"", "Initialise the weights from safetensors (a file, or a directory of them) with Hugging Face Llama/DeepSeek names, as `dsrun export` writes; relative to the recipe. Empty: random."),
       ranged("model.moe.routed_experts", T::Int, "0", 0, 65536, "Routed experts per MoE layer; 0: dense model."),
       ranged("model.moe.shared_experts", T::Int, "0", 0, 1024, "Always-active shared experts per MoE layer."),
       ranged("model.moe.top_k", T::Int, "0", 0, 1024, "Routed experts chosen per token."),

@@ -10,6 +10,13 @@
 
 namespace dsrun {
 
+// Everything the scaler remembers between steps, for checkpoints.
+struct LossScalerState {
+  double scale = 0;
+  int hysteresis_left = 0;
+  int64_t clean_steps = 0, skipped = 0;
+};
+
 class DynamicLossScaler {
  public:
   explicit DynamicLossScaler(const LossScaleOptions& options);
@@ -18,6 +25,13 @@ class DynamicLossScaler {
   // Throws dsrun::Error when the scale would fall below min_scale (training has diverged).
   bool update(bool overflowed);
   int64_t skipped_steps() const { return skipped_; }
+  LossScalerState state() const { return {scale_, hysteresis_left_, clean_steps_, skipped_}; }
+  void restore(const LossScalerState& s) {
+    scale_ = s.scale;
+    hysteresis_left_ = s.hysteresis_left;
+    clean_steps_ = s.clean_steps;
+    skipped_ = s.skipped;
+  }
 
  private:
   LossScaleOptions options_;

@@ -1,5 +1,7 @@
 #include "engine/train/optimizer.hpp"
 
+#include "engine/common/error.hpp"
+
 #include <cmath>
 
 namespace dsrun {
@@ -64,6 +66,18 @@ void ShardOptimizer::step(double lr) {
       }
     }
   }
+}
+
+std::vector<std::string> ShardOptimizer::state_names() const {
+  if (o_.kind != OptimizerKind::Sgd) return {"exp_avg", "exp_avg_sq"};
+  if (o_.momentum > 0) return {"momentum_buffer"};
+  return {};
+}
+
+torch::Tensor& ShardOptimizer::state(const std::string& name, size_t k) {
+  if (name == "exp_avg" || name == "momentum_buffer") return m_.at(k);
+  DSRUN_ASSERT(name == "exp_avg_sq", "known optimizer state " + name);
+  return v_.at(k);
 }
 
 double ShardOptimizer::state_bytes() const {

@@ -18,6 +18,12 @@ class ShardOptimizer {
   double state_bytes() const;
   int64_t steps_taken() const { return t_; }
 
+  // Per-element states, for checkpoints: names ("exp_avg", "exp_avg_sq"; SGD: "momentum_buffer"
+  // or none) and shard k's tensor of each, shaped like shards()[k].master.
+  std::vector<std::string> state_names() const;
+  torch::Tensor& state(const std::string& name, size_t k);
+  void set_steps_taken(int64_t t) { t_ = t; }
+
  private:
   OptimizerOptions o_;
   std::vector<MasterShard>& shards_;

@@ -1,6 +1,7 @@
 #include "engine/train/trainer.hpp"
 
 #include "engine/common/error.hpp"
+#include "engine/common/files.hpp"
 #include "engine/common/host.hpp"
 #include "engine/data/dataset.hpp"
 #include "engine/dist/communicator.hpp"
@@ -8,6 +9,7 @@
 #include "engine/parallel/zero.hpp"
 #include "engine/plan/plan.hpp"
 #include "engine/recipe/load.hpp"
+#include "engine/train/checkpointing.hpp"
 #include "engine/train/loss_scaler.hpp"
 #include "engine/train/optimizer.hpp"
 #include "engine/train/report.hpp"
@@ -58,12 +60,16 @@ double peak_rss_bytes() {
 
 volatile std::sig_atomic_t stop_requested = 0;
 void on_stop_signal(int) { stop_requested = 1; }
+volatile std::sig_atomic_t save_requested = 0;  // SIGUSR1: checkpoint after the current step
+void on_save_signal(int) { save_requested = 1; }
 
 // Fault injection for the launcher's tests: DSRUN_TEST_CRASH_AT / DSRUN_TEST_HANG_AT = "RANK:STEP"
-// make that rank die by SIGKILL, or stop making progress, when it reaches that step.
+// make that rank die by SIGKILL, or stop making progress, when it reaches that step. Only in the
+// first attempt: ranks the launcher restarts (DSRUN_RESTART > 0) run clean, as after a real fault.
 bool fault_requested(const char* variable, int rank, int64_t step) {
   const char* v = std::getenv(variable);
-  if (!v) return false;
+  const char* restart = std::getenv("DSRUN_RESTART");
+  if (!v || (restart && std::atoi(restart) > 0)) return false;
   int r = -1;
   long long s = -1;
   return std::sscanf(v, "%d:%lld", &r, &s) == 2 && r == rank && s == step;
@@ -71,6 +77,16 @@ bool fault_requested(const char* variable, int rank, int64_t step) {
 
 struct RankContext {
   int rank = 0, world = 1, local_rank = 0, local_world = 1;
+  std::string run_id;           // DSRUN_RUN_ID from the launcher; "" under torchrun
+  std::string config_toml;      // the resolved config this rank runs, recorded in checkpoints
+  std::string checkpoint_root;  // where step_N/ directories go
+  std::string resume_from;      // a checkpoint directory to start from, or ""
+};
+
+// What every rank agrees on after a step (one all-reduce carries it with the metrics).
+struct StepOutcome {
+  bool stop = false;  // a rank was asked to stop
+  bool save = false;  // a rank was asked for a checkpoint
 };
 
 class Trainer {
@@ -107,6 +123,10 @@ class Trainer {
 
     torch::manual_seed(static_cast<uint64_t>(r_.run.seed));  // identical weights on every rank and world size
     model_ = build_model(r_.model, r_.batch.seq_len);
+    if (!r_.model.init_from.empty()) {
+      load_pretrained_weights(*model_, r_.model, r_.model.init_from);
+      if (ctx_.rank == 0) report_.send({{"type", "event"}, {"kind", "init"}, {"message", "weights initialised from " + r_.model.init_from}});
+    }
     model_->module().to(device_);
     // Buffers (BatchNorm statistics) in the compute dtype; parameters are converted by ZeRO,
     // which keeps their fp32 initial values as the master copy.
@@ -130,26 +150,61 @@ class Trainer {
     data_ = open_dataset(r_.data, r_.model, r_.batch.seq_len, r_.run.seed);
     if (ctx_.rank == 0) report_.send({{"type", "event"}, {"kind", "data"}, {"message", data_->describe()}});
     if (r_.eval.every > 0) data_->val_batch(0, 1);  // a validation split too small fails now, not at the first evaluation
-    report_.send({{"type", "ready"}, {"startup_seconds", seconds_since(t_start)}});
+    int64_t first_step = 0;
+    if (!ctx_.resume_from.empty()) {
+      RankTrainingState state = training_state();
+      RestoredProgress p = restore_checkpoint(state, ctx_.resume_from);
+      first_step = last_saved_step_ = p.step;
+      if (ctx_.rank == 0)
+        report_.send({{"type", "event"}, {"kind", "resumed"}, {"message", "resumed from " + ctx_.resume_from + " at step " + std::to_string(p.step) + " (saved by " +
+                                                                             std::to_string(p.from_world) + " rank(s), ZeRO stage " + std::to_string(p.from_stage) + ")"}});
+    }
+    report_.send({{"type", "ready"}, {"startup_seconds", seconds_since(t_start)}, {"first_step", first_step + 1}});
 
+    // Steps are numbered from 1 in reports and checkpoints; `step` here counts those completed.
     LrScheduleOptions lr_options{r_.schedule, r_.optimizer.lr, r_.run.steps};
-    for (int64_t step = 0; step < r_.run.steps; ++step) {
+    for (int64_t step = first_step; step < r_.run.steps; ++step) {
       if (fault_requested("DSRUN_TEST_CRASH_AT", ctx_.rank, step + 1)) ::raise(SIGKILL);
       while (fault_requested("DSRUN_TEST_HANG_AT", ctx_.rank, step + 1)) ::sleep(1);
       report_.send({{"type", "beat"}, {"step", step + 1}});  // "started step N": the launcher names a rank that falls behind
-      if (!train_step(step, learning_rate_at(lr_options, step))) {
-        report_.send({{"type", "event"}, {"kind", "stopped"}, {"message", "stopped by signal after step " + std::to_string(step + 1)}});
+      StepOutcome outcome = train_step(step, learning_rate_at(lr_options, step));
+      if (step == first_step) report_memory();
+      const int64_t done = step + 1;
+      if (!outcome.stop && r_.eval.every > 0 && (done % r_.eval.every == 0 || done == r_.run.steps)) evaluate(step);
+      const bool at_interval = r_.checkpoint.every > 0 && done % r_.checkpoint.every == 0;
+      const bool at_end = r_.checkpoint.at_end && (done == r_.run.steps || outcome.stop);
+      if (at_interval || at_end || outcome.save) save(done, outcome.save ? "requested" : at_interval ? "interval" : "end");
+      if (outcome.stop) {
+        report_.send({{"type", "event"}, {"kind", "stopped"}, {"message", "stopped by signal after step " + std::to_string(done)}});
         break;
       }
-      if (step == 0) report_memory();
-      if (r_.eval.every > 0 && ((step + 1) % r_.eval.every == 0 || step + 1 == r_.run.steps)) evaluate(step);
     }
     comm_->barrier();
   }
 
  private:
-  // Returns false when a rank was asked to stop: all ranks agree, so all stop after the same step.
-  bool train_step(int64_t step, double lr) {
+  RankTrainingState training_state() { return {*model_, *zero_, *optimizer_, scaler_.get(), *comm_}; }
+
+  void save(int64_t step, const std::string& why) {
+    if (step == last_saved_step_) return;  // already on disk (resumed from it, or saved just now)
+    auto t0 = std::chrono::steady_clock::now();
+    CheckpointRunFacts facts;
+    facts.run_id = ctx_.run_id;
+    facts.config_toml = ctx_.config_toml;
+    facts.dtype = to_string(plan_.dtype);
+    facts.optimizer = to_string(r_.optimizer.kind);
+    facts.zero_stage = plan_.zero_stage;
+    facts.global_batch = r_.batch.global;
+    RankTrainingState state = training_state();
+    SavedCheckpoint saved = save_checkpoint(state, facts, ctx_.checkpoint_root, step, "", r_.checkpoint.keep_last, r_.checkpoint.keep_every);
+    last_saved_step_ = step;
+    if (ctx_.rank == 0)
+      report_.send({{"type", "checkpoint"}, {"step", step}, {"path", saved.path}, {"bytes", saved.bytes}, {"checksum", saved.checksum},
+                    {"removed", saved.removed}, {"why", why}, {"seconds", seconds_since(t0)}});
+  }
+
+  // Every rank agrees on the outcome, so all stop (or save) after the same step.
+  StepOutcome train_step(int64_t step, double lr) {
     auto t0 = std::chrono::steady_clock::now();
     const int64_t micro = plan_.micro_batch, accumulation = plan_.accumulation;
     const int64_t per_rank = micro * accumulation;
@@ -185,12 +240,15 @@ class Trainer {
 
     // Metrics averaged over ranks (every rank has the same number of samples).
     torch::Tensor totals = torch::tensor({loss_sum / accumulation, aux_sum / accumulation, static_cast<double>(correct),
-                                          stop_requested ? 1.0 : 0.0}, torch::kFloat64);
+                                          stop_requested ? 1.0 : 0.0, save_requested ? 1.0 : 0.0}, torch::kFloat64);
+    save_requested = 0;
     comm_->all_reduce_sum(totals);
     const double step_seconds = seconds_since(t0);
     const double loss = totals[0].item<double>() / ctx_.world;
-    const bool go_on = totals[3].item<double>() == 0;
-    if (ctx_.rank != 0) return go_on;
+    StepOutcome outcome;
+    outcome.stop = totals[3].item<double>() > 0;
+    outcome.save = totals[4].item<double>() > 0;
+    if (ctx_.rank != 0) return outcome;
     nlohmann::json metrics = {{"loss", loss}, {"lr", lr}, {"grad_norm", grad_norm}, {"step_seconds", step_seconds},
                               {"tokens_per_second", static_cast<double>(items) * ctx_.world / step_seconds}};
     if (r_.model.moe.enabled()) metrics["aux_loss"] = totals[1].item<double>() / ctx_.world;
@@ -201,7 +259,7 @@ class Trainer {
     }
     if (!std::isfinite(loss)) throw Error("loss is " + std::to_string(loss) + " at step " + std::to_string(step + 1), ErrorContext{"", 0, 0, "optimizer.lr", 0, "lower the learning rate or enable clipping"});
     report_.send({{"type", "step"}, {"step", step + 1}, {"total", r_.run.steps}, {"metrics", metrics}, {"skipped", skipped}});
-    return go_on;
+    return outcome;
   }
 
   void evaluate(int64_t step) {
@@ -264,6 +322,7 @@ class Trainer {
   std::unique_ptr<ShardOptimizer> optimizer_;
   std::unique_ptr<DynamicLossScaler> scaler_;
   std::unique_ptr<Dataset> data_;
+  int64_t last_saved_step_ = -1;
 };
 
 }  // namespace
@@ -277,6 +336,7 @@ int rank_main(int argc, char** argv) {
   RankReporter reporter(ctx.rank, env_int("DSRUN_REPORT_FD", -1));
   std::signal(SIGTERM, on_stop_signal);
   std::signal(SIGINT, on_stop_signal);
+  std::signal(SIGUSR1, on_save_signal);
   try {
     if (argc < 2) throw Error("usage: dsrun-rank CONFIG.toml (started by `dsrun run`, or by torchrun via `dsrun worker`)");
     if (env_int("DSRUN_DEBUG_RANK", -1) == ctx.rank) {
@@ -301,6 +361,16 @@ int rank_main(int argc, char** argv) {
     // else the cores divided among this node's ranks.
     const int threads = env_int("OMP_NUM_THREADS", std::max(1, host.cpu_cores / std::max(1, ctx.local_world)));
     torch::set_num_threads(std::max(1, threads));
+    ctx.run_id = env_string("DSRUN_RUN_ID", "");
+    ctx.config_toml = read_file(argv[1]);
+    ctx.checkpoint_root = env_string("DSRUN_CHECKPOINT_DIR", loaded.recipe.checkpoint.dir.empty() ? "checkpoints" : loaded.recipe.checkpoint.dir);
+    ctx.resume_from = env_string("DSRUN_RESUME_FROM", "");
+    // Under torchrun, a restarted worker group (TORCHELASTIC_RESTART_COUNT > 0) goes on from the
+    // newest complete checkpoint, as the launcher's own restarts do; "latest" asks for the same.
+    if (ctx.resume_from == "latest" || (ctx.resume_from.empty() && env_int("TORCHELASTIC_RESTART_COUNT", 0) > 0)) {
+      auto newest = find_checkpoint(ctx.checkpoint_root, -1, /*fallback=*/true);
+      ctx.resume_from = newest ? newest->path : "";
+    }
     Trainer trainer(loaded.recipe, plan, ctx, reporter);
     trainer.run();
     reporter.send({{"type", "done"}});

@@ -1,0 +1,159 @@
+#include "engine/checkpoint/export.hpp"
+
+#include "engine/checkpoint/checkpoint.hpp"
+#include "engine/common/error.hpp"
+#include "engine/common/files.hpp"
+#include "engine/common/host.hpp"
+#include "engine/common/text.hpp"
+#include "engine/recipe/load.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <cstring>
+
+namespace dsrun {
+
+namespace {
+
+// "block12.attn.wqkv.weight" -> 12 and "attn.wqkv.weight"; false for names outside blocks.
+bool split_block_name(const std::string& name, int& layer, std::string& rest) {
+  if (!starts_with(name, "block")) return false;
+  size_t dot = name.find('.');
+  if (dot == std::string::npos || dot == 5) return false;
+  layer = std::atoi(name.substr(5, dot - 5).c_str());
+  rest = name.substr(dot + 1);
+  return true;
+}
+
+// gate_up (2 x inner rows) -> gate_proj, up_proj; down -> down_proj; under `prefix`.
+std::vector<WeightPiece> swiglu_pieces(const std::string& prefix, const std::string& leaf, int64_t rows) {
+  if (leaf == "gate_up.weight") return {{prefix + "gate_proj.weight", 0, rows / 2}, {prefix + "up_proj.weight", rows / 2, rows / 2}};
+  if (leaf == "down.weight") return {{prefix + "down_proj.weight", 0, rows}};
+  return {};
+}
+
+}  // namespace
+
+std::vector<WeightPiece> hf_pieces(const std::string& param, const std::vector<int64_t>& shape, const ModelSpec& spec) {
+  const int64_t rows = shape.empty() ? 1 : shape[0];
+  if (spec.arch == ModelArch::ResNet) return {{param, 0, rows}};
+  if (param == "embedding.weight") return {{"model.embed_tokens.weight", 0, rows}};
+  if (param == "norm.weight") return {{"model.norm.weight", 0, rows}};
+  if (param == "head.weight") return {{"lm_head.weight", 0, rows}};
+  int layer = 0;
+  std::string rest;
+  if (split_block_name(param, layer, rest)) {
+    const std::string p = "model.layers." + std::to_string(layer) + ".";
+    if (rest == "attn_norm.weight") return {{p + "input_layernorm.weight", 0, rows}};
+    if (rest == "mlp_norm.weight") return {{p + "post_attention_layernorm.weight", 0, rows}};
+    if (rest == "attn.wo.weight") return {{p + "self_attn.o_proj.weight", 0, rows}};
+    if (rest == "attn.wqkv.weight") {
+      const int64_t q = static_cast<int64_t>(spec.heads) * spec.head_dim(), kv = static_cast<int64_t>(spec.kv_heads) * spec.head_dim();
+      return {{p + "self_attn.q_proj.weight", 0, q}, {p + "self_attn.k_proj.weight", q, kv}, {p + "self_attn.v_proj.weight", q + kv, kv}};
+    }
+    if (starts_with(rest, "mlp.")) return swiglu_pieces(p + "mlp.", rest.substr(4), rows);
+    if (rest == "moe.router.weight") return {{p + "mlp.gate.weight", 0, rows}};
+    if (starts_with(rest, "moe.shared.")) return swiglu_pieces(p + "mlp.shared_experts.", rest.substr(11), rows);
+    if (starts_with(rest, "moe.expert")) {
+      size_t dot = rest.find('.', 10);
+      if (dot != std::string::npos) return swiglu_pieces(p + "mlp.experts." + rest.substr(10, dot - 10) + ".", rest.substr(dot + 1), rows);
+    }
+  }
+  fail_at(__FILE__, __LINE__, "no Hugging Face name for parameter " + param);
+}
+
+std::string hf_config_json(const ModelSpec& m, const std::string& torch_dtype) {
+  nlohmann::ordered_json j;
+  if (m.arch == ModelArch::ResNet) {
+    j["architectures"] = {"ResNet"};
+    j["model_type"] = "dsrun-resnet";
+    j["depth"] = m.resnet.depth;
+    j["width"] = m.resnet.width;
+    j["num_labels"] = m.resnet.classes;
+    j["image_size"] = m.resnet.image_size;
+    j["torch_dtype"] = torch_dtype;
+    return j.dump(2) + "\n";
+  }
+  const bool moe = m.moe.enabled();
+  j["architectures"] = {moe ? "DeepseekForCausalLM" : "LlamaForCausalLM"};
+  j["model_type"] = moe ? "deepseek" : "llama";
+  j["hidden_size"] = m.hidden;
+  j["intermediate_size"] = m.intermediate;
+  j["num_hidden_layers"] = m.layers;
+  j["num_attention_heads"] = m.heads;
+  j["num_key_value_heads"] = m.kv_heads;
+  j["vocab_size"] = m.vocab;
+  j["max_position_embeddings"] = m.max_seq_len;
+  j["rms_norm_eps"] = m.norm_eps;
+  j["rope_theta"] = m.rope_theta;
+  j["hidden_act"] = "silu";
+  j["tie_word_embeddings"] = m.tie_embeddings;
+  j["attention_bias"] = false;
+  if (moe) {
+    j["n_routed_experts"] = m.moe.routed_experts;
+    j["n_shared_experts"] = m.moe.shared_experts;
+    j["num_experts_per_tok"] = m.moe.top_k;
+    j["moe_intermediate_size"] = m.moe.intermediate;
+    j["first_k_dense_replace"] = m.moe.first_dense_layers;
+    j["moe_layer_freq"] = 1;
+    j["norm_topk_prob"] = false;
+    j["scoring_func"] = "softmax";
+    j["aux_loss_alpha"] = m.moe.aux_loss_weight;
+  }
+  j["torch_dtype"] = torch_dtype;
+  return j.dump(2) + "\n";
+}
+
+ExportResult export_checkpoint(const std::string& checkpoint_dir, const std::string& out_dir, const std::string& dtype) {
+  if (dtype != "fp32" && dtype != "bf16") {
+    ErrorContext c;
+    c.key = "--dtype";
+    c.hint = "use fp32 (exact) or bf16 (half the size)";
+    throw Error("cannot export as \"" + dtype + "\"", c);
+  }
+  CheckpointManifest manifest = read_checkpoint(checkpoint_dir, /*verify_files=*/true);
+  LoadOptions options;
+  options.host = read_host_facts();
+  LoadedRecipe loaded = load_recipe_text(manifest.config_toml, path_join(checkpoint_dir, kManifestFile), options);
+  require_valid(loaded);
+  const ModelSpec& spec = loaded.recipe.model;
+  auto reader = std::make_shared<CheckpointReader>(checkpoint_dir, manifest);
+  const bool bf16 = dtype == "bf16";
+  SafetensorsWriter writer;
+  writer.set_metadata("format", "pt");
+  writer.set_metadata("dsrun.run_id", manifest.run_id);
+  writer.set_metadata("dsrun.step", std::to_string(manifest.step));
+  ExportResult result;
+  for (size_t u = 0; u < manifest.units.size(); ++u)
+    for (const auto& p : manifest.units[u].params) {
+      int64_t row_elements = 1;
+      for (size_t d = 1; d < p.shape.size(); ++d) row_elements *= p.shape[d];
+      for (const auto& piece : hf_pieces(p.name, p.shape, spec)) {
+        std::vector<int64_t> shape = p.shape.empty() ? std::vector<int64_t>{} : p.shape;
+        if (!shape.empty()) shape[0] = piece.rows;
+        const int64_t first = p.offset + piece.row_begin * row_elements, count = piece.rows * row_elements;
+        writer.add(piece.name, bf16 ? "BF16" : "F32", shape, [reader, u, first, count, bf16](char* out) {
+          std::vector<float> values(static_cast<size_t>(count));
+          reader->read_unit("master", u, first, first + count, values.data());
+          if (!bf16) {
+            std::memcpy(out, values.data(), values.size() * 4);
+            return;
+          }
+          for (size_t i = 0; i < values.size(); ++i) {
+            uint16_t h = float_to_bf16(values[i]);
+            std::memcpy(out + 2 * i, &h, 2);
+          }
+        });
+        ++result.tensors;
+      }
+    }
+  make_directories(out_dir);
+  result.weights_path = path_join(out_dir, "model.safetensors");
+  result.config_path = path_join(out_dir, "config.json");
+  result.bytes = static_cast<int64_t>(writer.write_atomic(result.weights_path).bytes);
+  write_file_atomic(result.config_path, hf_config_json(spec, bf16 ? "bfloat16" : "float32"));
+  result.step = manifest.step;
+  return result;
+}
+
+}  // namespace dsrun

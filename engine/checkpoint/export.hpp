@@ -1,0 +1,37 @@
+// Interchange with Hugging Face: dsrun's parameter names <-> Llama/DeepSeek tensor names (fused
+// q/k/v and gate/up split by rows), config.json, and consolidating a sharded checkpoint into one
+// safetensors file. No torch: `dsrun export` runs without it; ranks use the same name table to import.
+#pragma once
+
+#include "engine/recipe/recipe.hpp"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace dsrun {
+
+// Rows [row_begin, row_begin + rows) of a dsrun parameter are the Hugging Face tensor `name`.
+struct WeightPiece {
+  std::string name;
+  int64_t row_begin = 0, rows = 0;
+};
+
+// The Hugging Face tensors a dsrun parameter is made of (one piece for most; q/k/v and gate/up
+// are fused here). ResNet parameters keep their dsrun names.
+std::vector<WeightPiece> hf_pieces(const std::string& param, const std::vector<int64_t>& shape, const ModelSpec& spec);
+
+// config.json for the model (LlamaForCausalLM for dense decoders, DeepseekForCausalLM for MoE).
+std::string hf_config_json(const ModelSpec& spec, const std::string& torch_dtype);
+
+struct ExportResult {
+  std::string weights_path, config_path;
+  int64_t tensors = 0, bytes = 0;
+  int64_t step = 0;
+};
+
+// Consolidates the checkpoint in `checkpoint_dir` (verified first) into OUT/model.safetensors and
+// OUT/config.json; dtype "fp32" (exact) or "bf16".
+ExportResult export_checkpoint(const std::string& checkpoint_dir, const std::string& out_dir, const std::string& dtype);
+
+}  // namespace dsrun

@@ -1,0 +1,310 @@
+#include "engine/checkpoint/safetensors.hpp"
+
+#include "engine/common/error.hpp"
+#include "engine/common/files.hpp"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+
+namespace dsrun {
+
+namespace {
+
+[[noreturn]] void bad_file(const std::string& path, const std::string& what, const std::string& hint = "") {
+  ErrorContext c;
+  c.file = path;
+  c.hint = hint.empty() ? "the file is damaged or not safetensors; use another checkpoint (dsrun resume --fallback) or re-export it" : hint;
+  throw Error(what, c);
+}
+
+// An owned file descriptor.
+struct Fd {
+  int fd = -1;
+  explicit Fd(int f) : fd(f) {}
+  ~Fd() {
+    if (fd >= 0) ::close(fd);
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+};
+
+void write_all(int fd, const void* data, size_t bytes, const std::string& path, XXH3_state_t* hash) {
+  const char* p = static_cast<const char*>(data);
+  if (hash) XXH3_64bits_update(hash, p, bytes);
+  while (bytes > 0) {
+    ssize_t n = ::write(fd, p, std::min<size_t>(bytes, size_t{1} << 30));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) bad_file(path, std::string("cannot write: ") + std::strerror(errno), "check free space and permissions");
+    p += n;
+    bytes -= static_cast<size_t>(n);
+  }
+}
+
+void read_at(int fd, uint64_t offset, void* out, uint64_t bytes, const std::string& path) {
+  char* p = static_cast<char*>(out);
+  while (bytes > 0) {
+    ssize_t n = ::pread(fd, p, std::min<uint64_t>(bytes, uint64_t{1} << 30), static_cast<off_t>(offset));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) bad_file(path, "file ends early (truncated?)");
+    p += n;
+    offset += static_cast<uint64_t>(n);
+    bytes -= static_cast<uint64_t>(n);
+  }
+}
+
+std::string hex64(uint64_t h) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(h));
+  return std::string("xxh3:") + buf;
+}
+
+}  // namespace
+
+int64_t SafetensorsEntry::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+int safetensors_dtype_size(const std::string& d) {
+  if (d == "F64" || d == "I64" || d == "U64") return 8;
+  if (d == "F32" || d == "I32" || d == "U32") return 4;
+  if (d == "F16" || d == "BF16" || d == "I16" || d == "U16") return 2;
+  if (d == "I8" || d == "U8" || d == "BOOL" || d == "F8_E4M3" || d == "F8_E5M2") return 1;
+  return 0;
+}
+
+void SafetensorsWriter::add(const std::string& name, const std::string& dtype, const std::vector<int64_t>& shape, const void* data) {
+  DSRUN_ASSERT(safetensors_dtype_size(dtype) > 0, "known dtype " + dtype);
+  DSRUN_ASSERT(name != "__metadata__", "tensor name");
+  Pending p{{name, dtype, shape, data_bytes_, 0}, data, nullptr};
+  p.entry.end = p.entry.begin + static_cast<uint64_t>(p.entry.numel()) * static_cast<uint64_t>(safetensors_dtype_size(dtype));
+  data_bytes_ = p.entry.end;
+  tensors_.push_back(std::move(p));
+}
+
+void SafetensorsWriter::add(const std::string& name, const std::string& dtype, const std::vector<int64_t>& shape, Fill fill) {
+  add(name, dtype, shape, static_cast<const void*>(nullptr));
+  tensors_.back().fill = std::move(fill);
+}
+
+WrittenFile SafetensorsWriter::write_atomic(const std::string& path) const {
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  if (!metadata_.empty()) header["__metadata__"] = metadata_;
+  for (const auto& t : tensors_) header[t.entry.name] = {{"dtype", t.entry.dtype}, {"shape", t.entry.shape}, {"data_offsets", {t.entry.begin, t.entry.end}}};
+  std::string text = header.dump();
+  // Spaces pad the header so the data starts 8-byte aligned (the format allows trailing whitespace).
+  while ((8 + text.size()) % 8 != 0) text += ' ';
+  unsigned char length[8];
+  for (int i = 0; i < 8; ++i) length[i] = static_cast<unsigned char>((static_cast<uint64_t>(text.size()) >> (8 * i)) & 0xff);
+
+  const std::string tmp = path + ".tmp";
+  Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  if (fd.fd < 0) bad_file(tmp, std::string("cannot create: ") + std::strerror(errno), "check that the directory exists and is writable");
+  XXH3_state_t* state = XXH3_createState();
+  DSRUN_ASSERT(state != nullptr, "xxhash state");
+  XXH3_64bits_reset(state);
+  try {
+    write_all(fd.fd, length, 8, tmp, state);
+    write_all(fd.fd, text.data(), text.size(), tmp, state);
+    std::vector<char> buffer;
+    for (const auto& t : tensors_) {
+      const void* data = t.data;
+      if (t.fill) {
+        buffer.assign(t.entry.end - t.entry.begin, 0);
+        t.fill(buffer.data());
+        data = buffer.data();
+      }
+      write_all(fd.fd, data, t.entry.end - t.entry.begin, tmp, state);
+    }
+  } catch (...) {
+    XXH3_freeState(state);
+    throw;
+  }
+  WrittenFile written{8 + text.size() + data_bytes_, hex64(XXH3_64bits_digest(state))};
+  XXH3_freeState(state);
+  if (::fsync(fd.fd) != 0) bad_file(tmp, std::string("fsync failed: ") + std::strerror(errno), "check the disk");
+  ::close(fd.fd);
+  fd.fd = -1;
+  if (::rename(tmp.c_str(), path.c_str()) != 0) bad_file(path, std::string("cannot rename into place: ") + std::strerror(errno), "check permissions");
+  sync_directory(parent_directory(path));
+  return written;
+}
+
+SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.fd < 0) bad_file(path, std::string("cannot open: ") + std::strerror(errno), "check the path; a checkpoint lists its files in manifest.json");
+  struct stat st {};
+  ::fstat(fd.fd, &st);
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size < 8) bad_file(path, "shorter than the 8-byte header length (" + std::to_string(size) + " bytes)");
+  unsigned char length[8];
+  read_at(fd.fd, 0, length, 8, path);
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | length[i];
+  if (n > size - 8 || n > (uint64_t{100} << 20))
+    bad_file(path, "header length " + std::to_string(n) + " does not fit in the file's " + std::to_string(size) + " bytes");
+  std::string text(n, '\0');
+  read_at(fd.fd, 8, text.data(), n, path);
+  if (text.empty() || text[0] != '{') bad_file(path, "header does not start with '{'");
+  nlohmann::json header = nlohmann::json::parse(text, nullptr, false);
+  if (header.is_discarded() || !header.is_object()) bad_file(path, "header is not a JSON object");
+  data_start_ = 8 + n;
+  const uint64_t data_bytes = size - data_start_;
+  for (auto& [name, value] : header.items()) {
+    if (name == "__metadata__") {
+      if (!value.is_object()) bad_file(path, "__metadata__ is not an object");
+      for (auto& [k, v] : value.items()) {
+        if (!v.is_string()) bad_file(path, "__metadata__." + k + " is not a string");
+        metadata_[k] = v.get<std::string>();
+      }
+      continue;
+    }
+    const auto& dtype = value.contains("dtype") ? value["dtype"] : nlohmann::json();
+    const auto& shape = value.contains("shape") ? value["shape"] : nlohmann::json();
+    const auto& offsets = value.contains("data_offsets") ? value["data_offsets"] : nlohmann::json();
+    if (!dtype.is_string() || safetensors_dtype_size(dtype.get<std::string>()) == 0) bad_file(path, "tensor \"" + name + "\": unknown or missing dtype");
+    if (!shape.is_array()) bad_file(path, "tensor \"" + name + "\": shape is not an array");
+    if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() || !offsets[1].is_number_unsigned())
+      bad_file(path, "tensor \"" + name + "\": data_offsets is not [begin, end]");
+    SafetensorsEntry e;
+    e.name = name;
+    e.dtype = dtype.get<std::string>();
+    for (const auto& d : shape) {
+      if (!d.is_number_unsigned()) bad_file(path, "tensor \"" + name + "\": shape has a negative or non-integer size");
+      e.shape.push_back(d.get<int64_t>());
+    }
+    e.begin = offsets[0].get<uint64_t>();
+    e.end = offsets[1].get<uint64_t>();
+    if (e.begin > e.end || e.end > data_bytes) bad_file(path, "tensor \"" + name + "\": data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) + "] outside the " + std::to_string(data_bytes) + " data bytes");
+    if (e.end - e.begin != static_cast<uint64_t>(e.numel()) * static_cast<uint64_t>(safetensors_dtype_size(e.dtype)))
+      bad_file(path, "tensor \"" + name + "\": " + std::to_string(e.end - e.begin) + " bytes for shape of " + std::to_string(e.numel()) + " " + e.dtype + " elements");
+    entries_.push_back(std::move(e));
+  }
+  // The specification: the data section is covered exactly, without holes or overlaps.
+  std::vector<const SafetensorsEntry*> order;
+  for (const auto& e : entries_) order.push_back(&e);
+  std::sort(order.begin(), order.end(), [](const SafetensorsEntry* a, const SafetensorsEntry* b) { return a->begin != b->begin ? a->begin < b->begin : a->end < b->end; });
+  uint64_t at = 0;
+  for (const auto* e : order) {
+    if (e->begin != at) bad_file(path, "tensor \"" + e->name + "\" starts at " + std::to_string(e->begin) + ", expected " + std::to_string(at) + " (hole or overlap)");
+    at = e->end;
+  }
+  if (at != data_bytes) bad_file(path, "tensors cover " + std::to_string(at) + " of " + std::to_string(data_bytes) + " data bytes (truncated or padded file?)");
+}
+
+const SafetensorsEntry* SafetensorsFile::find(const std::string& name) const {
+  for (const auto& e : entries_)
+    if (e.name == name) return &e;
+  return nullptr;
+}
+
+const SafetensorsEntry& SafetensorsFile::at(const std::string& name) const {
+  const SafetensorsEntry* e = find(name);
+  if (!e) bad_file(path_, "no tensor named \"" + name + "\"");
+  return *e;
+}
+
+void SafetensorsFile::read(const SafetensorsEntry& e, uint64_t offset, uint64_t bytes, void* out) const {
+  DSRUN_ASSERT(offset + bytes <= e.end - e.begin, "read inside the tensor");
+  if (bytes == 0) return;
+  Fd fd(::open(path_.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.fd < 0) bad_file(path_, std::string("cannot open: ") + std::strerror(errno));
+  read_at(fd.fd, data_start_ + e.begin + offset, out, bytes, path_);
+}
+
+std::vector<float> SafetensorsFile::read_f32(const SafetensorsEntry& e, int64_t first, int64_t count) const {
+  DSRUN_ASSERT(first >= 0 && count >= 0 && first + count <= e.numel(), "element range inside the tensor");
+  std::vector<float> out(static_cast<size_t>(count));
+  const int size = safetensors_dtype_size(e.dtype);
+  if (e.dtype == "F32") {
+    read(e, static_cast<uint64_t>(first) * 4, static_cast<uint64_t>(count) * 4, out.data());
+    return out;
+  }
+  std::vector<unsigned char> raw(static_cast<size_t>(count) * static_cast<size_t>(size));
+  read(e, static_cast<uint64_t>(first) * static_cast<uint64_t>(size), raw.size(), raw.data());
+  for (int64_t i = 0; i < count; ++i) {
+    const unsigned char* p = raw.data() + i * size;
+    if (e.dtype == "BF16" || e.dtype == "F16") {
+      uint16_t h;
+      std::memcpy(&h, p, 2);
+      out[static_cast<size_t>(i)] = e.dtype == "BF16" ? bf16_to_float(h) : f16_to_float(h);
+    } else if (e.dtype == "F64") {
+      double d;
+      std::memcpy(&d, p, 8);
+      out[static_cast<size_t>(i)] = static_cast<float>(d);
+    } else {
+      bad_file(path_, "tensor \"" + e.name + "\" has dtype " + e.dtype + "; weights must be F32, BF16, F16 or F64", "convert the weights to a floating-point dtype");
+    }
+  }
+  return out;
+}
+
+uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // quiet NaN
+  const uint32_t rounding = 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>((bits + rounding) >> 16);
+}
+
+float bf16_to_float(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+float f16_to_float(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16;
+  uint32_t exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ffu, bits;
+  if (exponent == 0x1f) bits = sign | 0x7f800000u | (mantissa << 13);  // inf, NaN
+  else if (exponent != 0) bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  else if (mantissa == 0) bits = sign;  // zero
+  else {                                // subnormal: normalise
+    exponent = 113;
+    while (!(mantissa & 0x400u)) {
+      mantissa <<= 1;
+      --exponent;
+    }
+    bits = sign | (exponent << 23) | ((mantissa & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+std::string checksum_bytes(const void* data, size_t bytes) { return hex64(XXH3_64bits(data, bytes)); }
+
+std::string checksum_file(const std::string& path) {
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.fd < 0) bad_file(path, std::string("cannot open: ") + std::strerror(errno), "the checkpoint is missing a file; use an earlier one (dsrun resume --fallback)");
+  XXH3_state_t* state = XXH3_createState();
+  XXH3_64bits_reset(state);
+  std::vector<char> buf(size_t{4} << 20);
+  while (true) {
+    ssize_t n = ::read(fd.fd, buf.data(), buf.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      XXH3_freeState(state);
+      bad_file(path, std::string("cannot read: ") + std::strerror(errno));
+    }
+    if (n == 0) break;
+    XXH3_64bits_update(state, buf.data(), static_cast<size_t>(n));
+  }
+  std::string out = hex64(XXH3_64bits_digest(state));
+  XXH3_freeState(state);
+  return out;
+}
+
+}  // namespace dsrun

@@ -1,0 +1,264 @@
+// Checkpoints end to end, with real ranks and a real store: resume bitwise, restarts after kill -9,
+// a crash during a save, resharding to other world sizes and ZeRO stages, corrupted shards,
+// rollback lineage and export.
+#include "engine/checkpoint/checkpoint.hpp"
+#include "engine/checkpoint/export.hpp"
+#include "engine/common/files.hpp"
+#include "engine/common/host.hpp"
+#include "engine/recipe/load.hpp"
+#include "storage/store.hpp"
+#include "test_util.hpp"
+#include "train_util.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <fstream>
+
+using dsrun::test::check_same_trajectory;
+using dsrun::test::contains;
+using dsrun::test::layout;
+using dsrun::test::recorded_losses;
+using dsrun::test::Run;
+using dsrun::test::TempDir;
+using dsrun::test::train;
+
+namespace {
+
+// Six steps with a checkpoint every two.
+const std::string kSixSteps = " --set run.steps=6 --set checkpoint.every=2";
+
+// The uninterrupted run every interrupted one is compared with: 2 ranks, ZeRO-1.
+const std::vector<double>& uninterrupted() {
+  static TempDir dir;
+  static Run run = train(dir, layout(1, 2) + kSixSteps);
+  INFO(run.text);
+  REQUIRE(run.code == 0);
+  REQUIRE(run.losses.size() == 6);
+  return run.losses;
+}
+
+dsrun::test::CommandOutput dsrun_command(const TempDir& dir, const std::string& args) {
+  return dsrun::test::run_command("cd '" + dsrun::test::source_dir() + "' && '" DSRUN_BINARY "' " + args + " --db '" + dir.file("runs.db") + "'");
+}
+
+std::string checkpoint_dir(const TempDir& dir, const std::string& run_id, int64_t step) {
+  return dir.file(run_id + "/checkpoints/" + dsrun::checkpoint_dir_name(step));
+}
+
+int count_events(const TempDir& dir, const std::string& run_id, const std::string& kind) {
+  dsrun::Store store(dir.file("runs.db"));
+  int n = 0;
+  for (const auto& e : store.events(run_id)) n += e.kind == kind;
+  return n;
+}
+
+// Rewrites one byte near the end of a file (inside the tensor data).
+void flip_byte(const std::string& path) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(-3, std::ios::end);
+  char c = 0;
+  f.read(&c, 1);
+  f.seekp(-3, std::ios::end);
+  c = static_cast<char>(c ^ 0x55);
+  f.write(&c, 1);
+}
+
+}  // namespace
+
+TEST_CASE("resume after a crash continues the uninterrupted trajectory bitwise, no metric row lost or repeated", "[resume]") {
+  TempDir dir;
+  Run crashed = train(dir, layout(1, 2) + kSixSteps, "DSRUN_TEST_CRASH_AT=1:5");
+  INFO(crashed.text);
+  REQUIRE(crashed.code == 1);
+  auto out = dsrun_command(dir, "resume " + crashed.id);
+  INFO(out.text);
+  REQUIRE(out.code == 0);
+  CHECK(contains(out.text, "resume from step 4"));
+  CHECK(recorded_losses(dir, crashed.id) == uninterrupted());  // bitwise, and exactly 6 rows
+  dsrun::Store store(dir.file("runs.db"));
+  CHECK(store.get_run(crashed.id).status == dsrun::RunStatus::Finished);
+  CHECK(count_events(dir, crashed.id, "resume") == 1);
+  CHECK(store.metric_history(crashed.id, "lr").size() == 6);
+}
+
+TEST_CASE("a rank killed with SIGKILL restarts all ranks from the latest checkpoint (run.max_restarts)", "[resume][restart]") {
+  TempDir dir;
+  Run run = train(dir, layout(1, 2) + kSixSteps + " --set run.max_restarts=2", "DSRUN_TEST_CRASH_AT=1:5");
+  INFO(run.text);
+  REQUIRE(run.code == 0);
+  CHECK(run.losses == uninterrupted());
+  CHECK(count_events(dir, run.id, "restart") == 1);
+  CHECK(contains(run.text, "restart 1 of 2 after: rank 1 was killed by signal 9; from the checkpoint at step 4"));
+}
+
+TEST_CASE("a crash in the middle of a save leaves the previous checkpoint usable", "[resume]") {
+  TempDir dir;
+  Run run = train(dir, layout(1, 2) + kSixSteps, "DSRUN_TEST_CRASH_IN_SAVE=0:4");
+  INFO(run.text);
+  REQUIRE(run.code == 1);
+  CHECK(dsrun::is_directory(checkpoint_dir(dir, run.id, 4)));  // half written...
+  CHECK_FALSE(dsrun::file_exists(checkpoint_dir(dir, run.id, 4) + "/COMPLETE"));  // ...so it does not exist
+  auto out = dsrun_command(dir, "resume " + run.id);
+  INFO(out.text);
+  REQUIRE(out.code == 0);
+  CHECK(contains(out.text, "resume from step 2"));
+  CHECK(recorded_losses(dir, run.id) == uninterrupted());
+}
+
+TEST_CASE("resharding: 2 ranks at ZeRO-1 resume on 1 rank at ZeRO-0, 1 rank resumes on 3 at ZeRO-3", "[resume][reshard]") {
+  TempDir dir;
+  Run two = train(dir, layout(1, 2) + kSixSteps, "DSRUN_TEST_CRASH_AT=1:5");
+  REQUIRE(two.code == 1);
+  auto out = dsrun_command(dir, "resume " + two.id + " --set parallel.data_parallel=1 --set parallel.zero_stage=0");
+  INFO(out.text);
+  REQUIRE(out.code == 0);
+  check_same_trajectory(uninterrupted(), Run{0, out.text, two.id, recorded_losses(dir, two.id), 0}, 1e-5);
+  CHECK(dsrun::Store(dir.file("runs.db")).get_run(two.id).world_size == 1);
+
+  Run one = train(dir, layout(0, 1) + kSixSteps, "DSRUN_TEST_CRASH_AT=0:5");
+  REQUIRE(one.code == 1);
+  out = dsrun_command(dir, "resume " + one.id + " --set parallel.data_parallel=3 --set parallel.zero_stage=3");
+  INFO(out.text);
+  REQUIRE(out.code == 0);
+  CHECK(contains(out.text, "3 rank(s), ZeRO stage 3"));
+  check_same_trajectory(uninterrupted(), Run{0, out.text, one.id, recorded_losses(dir, one.id), 0}, 1e-5);
+}
+
+TEST_CASE("a corrupted or truncated shard is named with its step, and --fallback resumes from the previous checkpoint", "[resume]") {
+  TempDir dir;
+  Run run = train(dir, layout(1, 2) + kSixSteps, "DSRUN_TEST_CRASH_AT=1:6");
+  REQUIRE(run.code == 1);
+  const std::string step4 = checkpoint_dir(dir, run.id, 4);
+  flip_byte(step4 + "/rank00001.safetensors");
+  auto out = dsrun_command(dir, "resume " + run.id);
+  INFO(out.text);
+  CHECK(out.code == 1);
+  CHECK(contains(out.text, "rank00001.safetensors"));
+  CHECK(contains(out.text, "checkpoint at step 4"));
+  CHECK(contains(out.text, "checksum"));
+  CHECK(contains(out.text, "--fallback"));
+
+  ::truncate((step4 + "/rank00000.safetensors").c_str(), 100);
+  out = dsrun_command(dir, "resume " + run.id);
+  CHECK(out.code == 1);
+  CHECK(contains(out.text, "rank00000.safetensors"));
+  CHECK(contains(out.text, "truncated"));
+
+  out = dsrun_command(dir, "resume " + run.id + " --fallback");
+  INFO(out.text);
+  REQUIRE(out.code == 0);
+  CHECK(contains(out.text, "skipped"));
+  CHECK(contains(out.text, "resume from step 2"));
+  CHECK(recorded_losses(dir, run.id) == uninterrupted());
+}
+
+TEST_CASE("rollback starts a child run from an earlier checkpoint with overrides, leaving the original untouched", "[resume][rollback]") {
+  TempDir dir;
+  Run parent = train(dir, layout(1, 2) + kSixSteps);
+  REQUIRE(parent.code == 0);
+  auto out = dsrun_command(dir, "rollback " + parent.id + " --to-step 3 --set optimizer.lr=1e-3");
+  INFO(out.text);
+  REQUIRE(out.code == 0);
+  CHECK(contains(out.text, "at step 2 (the newest checkpoint at or before 3)"));
+  const std::string child_id = out.text.substr(out.text.find("\nrun ") + 5, 8);
+  dsrun::Store store(dir.file("runs.db"));
+  dsrun::RunRecord child = store.get_run(child_id);
+  CHECK(child.parent_run == parent.id);
+  CHECK(child.parent_step == 2);
+  CHECK(child.status == dsrun::RunStatus::Finished);
+  CHECK(contains(child.config_toml, "lr = 0.001"));
+  auto child_losses = store.metric_history(child_id, "loss");
+  REQUIRE(child_losses.size() == 4);  // steps 3-6
+  CHECK(child_losses.front().step == 3);
+  CHECK(child_losses[0].value == uninterrupted()[2]);  // step 3's forward runs on the checkpoint's weights, bitwise
+  CHECK(child_losses[1].value != Approx(uninterrupted()[3]).epsilon(1e-9));  // then the new learning rate shows
+  CHECK(recorded_losses(dir, parent.id) == uninterrupted());
+  CHECK(store.get_run(parent.id).status == dsrun::RunStatus::Finished);
+  CHECK(contains(dsrun_command(dir, "show " + child_id).text, "parent      " + parent.id + " at step 2"));
+  CHECK(contains(dsrun_command(dir, "show " + parent.id).text, child_id + " from step 2"));
+}
+
+TEST_CASE("export writes safetensors with Hugging Face names holding exactly the checkpoint's weights", "[resume][export]") {
+  TempDir dir;
+  Run run = train(dir, layout(3, 2) + kSixSteps + " --set precision.dtype=\"bf16\"");
+  REQUIRE(run.code == 0);
+  auto out = dsrun_command(dir, "export " + run.id + " --to '" + dir.file("export") + "'");
+  INFO(out.text);
+  REQUIRE(out.code == 0);
+  CHECK(contains(out.text, "step 6"));
+  dsrun::SafetensorsFile exported(dir.file("export/model.safetensors"));
+  const std::string ckpt = checkpoint_dir(dir, run.id, 6);
+  dsrun::CheckpointManifest manifest = dsrun::read_checkpoint(ckpt, true);
+  dsrun::CheckpointReader reader(ckpt, manifest);
+  dsrun::LoadOptions options;
+  options.host = dsrun::test::small_host();
+  dsrun::ModelSpec spec = dsrun::load_recipe_text(manifest.config_toml, "manifest", options).recipe.model;
+  size_t tensors = 0;
+  for (size_t u = 0; u < manifest.units.size(); ++u)
+    for (const auto& p : manifest.units[u].params) {
+      std::vector<float> full = reader.read_param(u, p);
+      const int64_t row = p.shape.size() > 1 ? static_cast<int64_t>(full.size()) / p.shape[0] : 1;
+      for (const auto& piece : dsrun::hf_pieces(p.name, p.shape, spec)) {
+        const dsrun::SafetensorsEntry& e = exported.at(piece.name);
+        CHECK(e.dtype == "F32");
+        std::vector<float> got = exported.read_f32(e, 0, e.numel());
+        std::vector<float> want(full.begin() + piece.row_begin * row, full.begin() + (piece.row_begin + piece.rows) * row);
+        CHECK(got == want);
+        ++tensors;
+      }
+    }
+  CHECK(tensors == exported.entries().size());
+  CHECK(contains(dsrun::read_file(dir.file("export/config.json")), "\"LlamaForCausalLM\""));
+
+  out = dsrun_command(dir, "export " + run.id + " --step 5 --dtype bf16 --to '" + dir.file("export16") + "'");
+  INFO(out.text);
+  REQUIRE(out.code == 0);
+  CHECK(contains(out.text, "step 4"));
+  CHECK(dsrun::SafetensorsFile(dir.file("export16/model.safetensors")).at("model.embed_tokens.weight").dtype == "BF16");
+}
+
+TEST_CASE("a run initialised from exported weights starts where the exported run ended", "[resume][export]") {
+  TempDir dir;
+  Run first = train(dir, layout(0, 1) + kSixSteps);
+  REQUIRE(first.code == 0);
+  REQUIRE(dsrun_command(dir, "export " + first.id + " --to '" + dir.file("export") + "'").code == 0);
+  Run second = train(dir, layout(0, 1) + " --set run.steps=3 --set model.init_from=\"" + dir.file("export") + "\"");
+  INFO(second.text);
+  REQUIRE(second.code == 0);
+  // The first step's loss is measured on the imported weights: well below a fresh model's.
+  CHECK(second.losses.front() < first.losses.front() - 0.2);
+  Run mismatch = train(dir, layout(0, 1) + " --set run.steps=3 --set model.layers=3 --set model.init_from=\"" + dir.file("export") + "\"");
+  CHECK(mismatch.code == 1);
+  CHECK(contains(mismatch.text, "mismatch(es) between the weights and the model"));
+  CHECK(contains(mismatch.text, "unexpected model.layers.3.self_attn.q_proj.weight"));
+}
+
+TEST_CASE("a launcher killed with SIGKILL takes its ranks with it, and the run resumes with --force", "[resume][restart]") {
+  TempDir dir;
+  // Train "forever" with a checkpoint every 2 steps; kill -9 the launcher once one exists.
+  const std::string run_cmd = "'" DSRUN_BINARY "' run tests/recipes/tiny_train.toml --db '" + dir.file("runs.db") + "' " + layout(1, 2) +
+                              " --set run.steps=100000 --set checkpoint.every=2 --set schedule.name=\\\"constant\\\"";
+  auto out = dsrun::test::run_command("cd '" + dsrun::test::source_dir() + "' && (" + run_cmd + " > '" + dir.file("out.txt") + "' 2>&1 & echo $! > '" +
+                                      dir.file("pid") + "'); for i in $(seq 300); do ls '" + dir.path() + "'/*/checkpoints/step_*/COMPLETE >/dev/null 2>&1 && break; sleep 0.1; done; "
+                                      "kill -9 $(cat '" + dir.file("pid") + "'); sleep 1");
+  INFO(out.text << dsrun::read_file(dir.file("out.txt")));
+  dsrun::Store store(dir.file("runs.db"));
+  auto runs = store.list_runs({});
+  REQUIRE(runs.size() == 1);
+  const std::string id = runs[0].id;
+  CHECK(runs[0].status == dsrun::RunStatus::Running);  // nobody was left to record the end
+  // No rank outlived its launcher (their command lines name the run's config; "[k]" keeps pgrep
+  // from matching the shell that runs it).
+  CHECK(dsrun::test::run_command("pgrep -f 'dsrun-ran[k] " + dir.file(id + "/config.toml") + "'").code != 0);
+
+  auto refused = dsrun_command(dir, "resume " + id);
+  CHECK(refused.code == 1);
+  CHECK(contains(refused.text, "--force"));
+  auto newest = dsrun::find_checkpoint(dir.file(id + "/checkpoints"), -1, false);
+  REQUIRE(newest.has_value());
+  auto resumed = dsrun_command(dir, "resume " + id + " --force --set run.steps=" + std::to_string(newest->step + 2));
+  INFO(resumed.text);
+  CHECK(resumed.code == 0);
+  CHECK(contains(resumed.text, "resume from step " + std::to_string(newest->step)));
+  CHECK(store.get_run(id).status == dsrun::RunStatus::Finished);
+}
