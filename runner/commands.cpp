@@ -6,6 +6,7 @@
 #include "engine/common/files.hpp"
 #include "engine/common/host.hpp"
 #include "engine/common/text.hpp"
+#include "engine/hooks/hooks.hpp"
 #include "engine/plan/plan.hpp"
 #include "engine/recipe/load.hpp"
 #include "engine/recipe/schema.hpp"
@@ -70,6 +71,23 @@ std::string first_comment_line(const std::string& path) {
     if (starts_with(t, "#")) return trim(t.substr(1));
     if (!t.empty()) break;
   }
+  return "";
+}
+
+// The recipe's on_plan hook, when its script defines one: it may reject the plan (the returned
+// reason) or change settings, which re-resolve the recipe (`args`, `loaded` and `plan` updated).
+// Loading the script here also reports its syntax errors before any rank starts.
+std::string apply_plan_hook(RecipeArgs& args, LoadedRecipe& loaded, Plan& plan, const HostFacts& host) {
+  if (loaded.recipe.hooks.script.empty()) return "";
+  RecipeHooks hooks(loaded.recipe.hooks);
+  if (!hooks.defines("on_plan")) return "";
+  PlanVerdict verdict = hooks.on_plan(nlohmann::json::parse(plan_to_json(plan)));
+  if (!verdict.reject.empty()) return verdict.reject;
+  if (verdict.sets.empty()) return "";
+  std::cerr << "dsrun: on_plan (" << hooks.script() << ") set: " << join(verdict.sets, " ") << "\n";
+  for (const auto& kv : verdict.sets) args.sets.push_back(kv);
+  loaded = load_or_report(args, host);
+  plan = make_plan(loaded.recipe, host);
   return "";
 }
 
@@ -147,18 +165,24 @@ std::string default_store_path() {
   return "runs/dsrun.db";
 }
 
-int command_plan(const RecipeArgs& args, bool json) {
+int command_plan(const RecipeArgs& given, bool json) {
   HostFacts host = read_host_facts();
+  RecipeArgs args = given;
   LoadedRecipe loaded = load_or_report(args, host);
   Plan plan = make_plan(loaded.recipe, host);
+  const std::string rejected = apply_plan_hook(args, loaded, plan, host);
   std::cout << (json ? plan_to_json(plan) + "\n" : render_plan(plan));
+  if (!rejected.empty()) {
+    std::cout << (json ? "" : "\nrejected by on_plan (" + loaded.recipe.hooks.script + "): " + rejected + "\n");
+    if (json) std::cerr << "dsrun: rejected by on_plan: " << rejected << "\n";
+    return kExitDoesNotFit;
+  }
   return plan.fits ? kExitOk : kExitDoesNotFit;
 }
 
 // Keys the recipe language has but this build's engine does not act on yet: said, never ignored.
 static void warn_unimplemented(const LoadedRecipe& loaded) {
   static const std::pair<const char*, const char*> pending[] = {
-      {"hooks.", "Lua hooks"},
       {"logging.tensorboard", "TensorBoard files"}, {"logging.level", "log levels"}, {"logging.every", "logging intervals"}};
   for (const auto& [key, setting] : loaded.config) {
     if (setting.source.layer == Layer::Default || (!starts_with(key, "hooks.options.") && setting.value.toml() == default_value(key).toml())) continue;
@@ -227,10 +251,12 @@ std::vector<std::string> smoke_overrides(const Recipe& r, const Plan& p, std::ve
   return sets;
 }
 
-int command_run(const RecipeArgs& args, const RunFlags& flags, const std::string& db_path) {
+int command_run(const RecipeArgs& given, const RunFlags& flags, const std::string& db_path) {
   HostFacts host = read_host_facts();
+  RecipeArgs args = given;
   LoadedRecipe loaded = load_or_report(args, host);
   Plan plan = make_plan(loaded.recipe, host);
+  const std::string rejected = apply_plan_hook(args, loaded, plan, host);
   std::string plan_text = render_plan(plan);
   std::cout << plan_text;
   if (flags.smoke) {
@@ -264,6 +290,11 @@ int command_run(const RecipeArgs& args, const RunFlags& flags, const std::string
   run.recipe_text = loaded.text;
   run.git_revision = git_revision_of(args.path);
   std::string id = store.create_run(run);
+  if (!rejected.empty()) {
+    store.set_status(id, RunStatus::Infeasible, "rejected by on_plan: " + rejected);
+    std::cout << "\nrun " << id << " recorded as infeasible: rejected by on_plan (" << loaded.recipe.hooks.script << "): " << rejected << "\n";
+    return kExitDoesNotFit;
+  }
   if (!plan.fits) {
     store.set_status(id, RunStatus::Infeasible, plan.verdict.empty() ? "does not fit" : plan.verdict.front());
     std::cout << "\nrun " << id << " recorded as infeasible: the plan does not fit (see the suggestions above)\n";

@@ -15,6 +15,7 @@
 #include <fstream>
 
 using dsrun::test::contains;
+using dsrun::test::error_of;
 
 namespace {
 
@@ -26,17 +27,6 @@ std::string raw_bytes(const std::string& path) {
 void put_bytes(const std::string& path, const std::string& bytes) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   out << bytes;
-}
-
-// The error text of `fn`, or "" when it does not throw.
-template <typename Fn>
-std::string error_of(Fn fn) {
-  try {
-    fn();
-  } catch (const dsrun::Error& e) {
-    return e.describe();
-  }
-  return "";
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // Helpers shared by the tests: temporary directories, a fixed host, recipe loading from text.
 #pragma once
 
+#include "engine/common/error.hpp"
 #include "engine/common/files.hpp"
 #include "engine/common/host.hpp"
 #include "engine/recipe/load.hpp"
@@ -72,6 +73,17 @@ inline CommandOutput run_command(const std::string& command) {
 }
 
 inline bool contains(const std::string& haystack, const std::string& needle) { return haystack.find(needle) != std::string::npos; }
+
+// The dsrun::Error a call raises, described ("" when it raises none).
+template <typename Fn>
+std::string error_of(Fn fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.describe();
+  }
+  return "";
+}
 
 // Errors only (warnings dropped).
 inline std::vector<Diagnostic> errors_of(const LoadedRecipe& r) {

@@ -5,6 +5,7 @@
 #include "engine/common/host.hpp"
 #include "engine/data/dataset.hpp"
 #include "engine/dist/communicator.hpp"
+#include "engine/hooks/hooks.hpp"
 #include "engine/model/model.hpp"
 #include "engine/parallel/zero.hpp"
 #include "engine/plan/plan.hpp"
@@ -83,10 +84,13 @@ struct RankContext {
   std::string resume_from;      // a checkpoint directory to start from, or ""
 };
 
-// What every rank agrees on after a step (one all-reduce carries it with the metrics).
+// What every rank agrees on after a step: signals travel in the metrics' all-reduce, hook
+// decisions in a broadcast from rank 0.
 struct StepOutcome {
-  bool stop = false;  // a rank was asked to stop
-  bool save = false;  // a rank was asked for a checkpoint
+  bool stop = false;        // a rank was asked to stop, or a hook stopped the run
+  bool save = false;        // a rank or a hook asked for a checkpoint
+  bool hook_failed = false; // rank 0's hook failed under hooks.on_error = "fail"
+  std::string why;          // "signal" or the hook's reason
 };
 
 class Trainer {
@@ -151,35 +155,52 @@ class Trainer {
     if (ctx_.rank == 0) report_.send({{"type", "event"}, {"kind", "data"}, {"message", data_->describe()}});
     if (r_.eval.every > 0) data_->val_batch(0, 1);  // a validation split too small fails now, not at the first evaluation
     int64_t first_step = 0;
+    // Hooks run on rank 0 only; every rank learns their decisions from a broadcast.
+    hooks_active_ = !r_.hooks.script.empty();
+    if (hooks_active_ && ctx_.rank == 0) hooks_ = std::make_unique<RecipeHooks>(r_.hooks);
     if (!ctx_.resume_from.empty()) {
       RankTrainingState state = training_state();
       RestoredProgress p = restore_checkpoint(state, ctx_.resume_from);
       first_step = last_saved_step_ = p.step;
+      if (hooks_) restore_hook_state(p.hook_state);
       if (ctx_.rank == 0)
         report_.send({{"type", "event"}, {"kind", "resumed"}, {"message", "resumed from " + ctx_.resume_from + " at step " + std::to_string(p.step) + " (saved by " +
                                                                              std::to_string(p.from_world) + " rank(s), ZeRO stage " + std::to_string(p.from_stage) + ")"}});
     }
     report_.send({{"type", "ready"}, {"startup_seconds", seconds_since(t_start)}, {"first_step", first_step + 1}});
 
+    if (hooks_) run_hook([&] { hooks_->on_start(hook_context(first_step, {})); });
+
     // Steps are numbered from 1 in reports and checkpoints; `step` here counts those completed.
     LrScheduleOptions lr_options{r_.schedule, r_.optimizer.lr, r_.run.steps};
+    StepOutcome last;
+    int64_t done = first_step;
     for (int64_t step = first_step; step < r_.run.steps; ++step) {
       if (fault_requested("DSRUN_TEST_CRASH_AT", ctx_.rank, step + 1)) ::raise(SIGKILL);
       while (fault_requested("DSRUN_TEST_HANG_AT", ctx_.rank, step + 1)) ::sleep(1);
       report_.send({{"type", "beat"}, {"step", step + 1}});  // "started step N": the launcher names a rank that falls behind
       StepOutcome outcome = train_step(step, learning_rate_at(lr_options, step));
       if (step == first_step) report_memory();
-      const int64_t done = step + 1;
-      if (!outcome.stop && r_.eval.every > 0 && (done % r_.eval.every == 0 || done == r_.run.steps)) evaluate(step);
+      done = step + 1;
+      if (!outcome.stop && r_.eval.every > 0 && (done % r_.eval.every == 0 || done == r_.run.steps)) merge(outcome, evaluate(step));
       const bool at_interval = r_.checkpoint.every > 0 && done % r_.checkpoint.every == 0;
-      const bool at_end = r_.checkpoint.at_end && (done == r_.run.steps || outcome.stop);
+      const bool at_end = r_.checkpoint.at_end && (done == r_.run.steps || outcome.stop) && !outcome.hook_failed;
       if (at_interval || at_end || outcome.save) save(done, outcome.save ? "requested" : at_interval ? "interval" : "end");
+      last = outcome;
       if (outcome.stop) {
-        report_.send({{"type", "event"}, {"kind", "stopped"}, {"message", "stopped by signal after step " + std::to_string(done)}});
+        if (outcome.why == "signal")
+          report_.send({{"type", "event"}, {"kind", "stopped"}, {"message", "stopped by signal after step " + std::to_string(done)}});
+        else if (ctx_.rank == 0 && !outcome.hook_failed)
+          report_.send({{"type", "event"}, {"kind", "hook_stop"}, {"message", "stopped by a hook after step " + std::to_string(done) + ": " + outcome.why}});
         break;
       }
     }
+    if (hooks_ && !last.hook_failed)
+      run_hook([&] { hooks_->on_end(hook_context(done, {}), {{"steps", done}, {"reason", last.stop ? last.why : "finished"}, {"loss", last_loss_}}); });
     comm_->barrier();
+    // A hook that failed under hooks.on_error = "fail": every rank stopped cleanly at the same step;
+    // rank 0 now fails the run with the hook's error.
+    if (pending_hook_error_) throw *pending_hook_error_;
   }
 
  private:
@@ -196,14 +217,84 @@ class Trainer {
     facts.zero_stage = plan_.zero_stage;
     facts.global_batch = r_.batch.global;
     RankTrainingState state = training_state();
-    SavedCheckpoint saved = save_checkpoint(state, facts, ctx_.checkpoint_root, step, "", r_.checkpoint.keep_last, r_.checkpoint.keep_every);
+    SavedCheckpoint saved = save_checkpoint(state, facts, ctx_.checkpoint_root, step, hooks_ ? hook_state() : "", r_.checkpoint.keep_last, r_.checkpoint.keep_every);
     last_saved_step_ = step;
-    if (ctx_.rank == 0)
-      report_.send({{"type", "checkpoint"}, {"step", step}, {"path", saved.path}, {"bytes", saved.bytes}, {"checksum", saved.checksum},
-                    {"removed", saved.removed}, {"why", why}, {"seconds", seconds_since(t0)}});
+    if (ctx_.rank != 0) return;
+    report_.send({{"type", "checkpoint"}, {"step", step}, {"path", saved.path}, {"bytes", saved.bytes}, {"checksum", saved.checksum},
+                  {"removed", saved.removed}, {"why", why}, {"seconds", seconds_since(t0)}});
+    if (hooks_) run_hook([&] { hooks_->on_checkpoint(hook_context(step, {{"checkpoint", {{"step", step}, {"path", saved.path}, {"bytes", saved.bytes}}}})); });
   }
 
-  // Every rank agrees on the outcome, so all stop (or save) after the same step.
+  // ---- hooks (rank 0 runs them; decisions reach every rank through broadcast_decision) ----
+
+  // The context a hook sees: where the run is, plus `extra` fields.
+  nlohmann::json hook_context(int64_t step, nlohmann::json extra) const {
+    nlohmann::json ctx = {{"step", step}, {"steps", r_.run.steps}, {"run_id", ctx_.run_id}, {"world_size", ctx_.world},
+                          {"global_batch", r_.batch.global}, {"samples_seen", step * r_.batch.global}};
+    for (auto& [k, v] : extra.items()) ctx[k] = v;
+    return ctx;
+  }
+
+  // Calls a hook on rank 0 under hooks.on_error: a failure is kept to fail the run after every
+  // rank has stopped; errors of disabled hooks become events.
+  template <typename Fn>
+  bool run_hook(Fn&& fn) {
+    bool ok = true;
+    try {
+      fn();
+    } catch (const Error& e) {
+      if (!pending_hook_error_) pending_hook_error_ = std::make_unique<Error>(e);
+      report_.send({{"type", "event"}, {"kind", "hook_error"}, {"message", e.describe()}});
+      ok = false;
+    }
+    for (const auto& message : hooks_->take_errors()) report_.send({{"type", "event"}, {"kind", "hook_error"}, {"message", message}});
+    return ok;
+  }
+
+  // Rank 0's hook actions -> every rank: [stop, save, skip, failed, lr]. Reasons travel separately
+  // only to the launcher (rank 0 reports them); other ranks need the decision alone.
+  StepOutcome broadcast_decision(const HookActions& a, bool failed, double lr, bool& skip, double& lr_out) {
+    failed |= pending_hook_error_ != nullptr;  // also on_start's or on_checkpoint's failure
+    torch::Tensor d = torch::tensor({a.stop.empty() && !failed ? 0.0 : 1.0, a.save ? 1.0 : 0.0, a.skip ? 1.0 : 0.0, failed ? 1.0 : 0.0, lr}, torch::kFloat64);
+    comm_->broadcast(d, 0);
+    StepOutcome o;
+    o.stop = d[0].item<double>() > 0;
+    o.save = d[1].item<double>() > 0;
+    o.hook_failed = d[3].item<double>() > 0;
+    o.why = failed ? "hook failed" : a.stop;
+    skip = d[2].item<double>() > 0;
+    lr_out = d[4].item<double>();
+    return o;
+  }
+
+  void apply_actions_on_rank0(const HookActions& a, int64_t step) {
+    for (const auto& m : a.logs) report_.send({{"type", "event"}, {"kind", "hook"}, {"message", "step " + std::to_string(step) + ": " + m}});
+    if (a.lr) lr_override_ = *a.lr;
+  }
+
+  std::string hook_state() {
+    nlohmann::json s = {{"state", nullptr}, {"lr_override", lr_override_ ? nlohmann::json(*lr_override_) : nlohmann::json()}};
+    run_hook([&] { s["state"] = nlohmann::json::parse(hooks_->save_state()); });
+    return s.dump();
+  }
+
+  void restore_hook_state(const std::string& text) {
+    if (text.empty()) return;
+    nlohmann::json s = nlohmann::json::parse(text, nullptr, false);
+    if (!s.is_object()) return;
+    if (s.contains("lr_override") && s["lr_override"].is_number()) lr_override_ = s["lr_override"].get<double>();
+    if (s.contains("state") && !s["state"].is_null()) hooks_->restore_state(s["state"].dump());
+  }
+
+  static void merge(StepOutcome& into, const StepOutcome& more) {
+    into.stop |= more.stop;
+    into.save |= more.save;
+    into.hook_failed |= more.hook_failed;
+    if (into.why.empty()) into.why = more.why;
+  }
+
+  // Every rank agrees on the outcome, so all stop (or save) after the same step. The metrics are
+  // agreed before the update, so that a hook can see them and skip the update.
   StepOutcome train_step(int64_t step, double lr) {
     auto t0 = std::chrono::steady_clock::now();
     const int64_t micro = plan_.micro_batch, accumulation = plan_.accumulation;
@@ -225,44 +316,71 @@ class Trainer {
       if (out.correct >= 0) correct += out.correct;
     }
     zero_->reduce_gradients();
-    bool skipped = false;
+    bool overflow = false;
     if (scaler_) {
-      skipped = scaler_->update(zero_->gradients_overflowed());
-      if (!skipped) zero_->scale_gradients(1.0 / loss_scale);
+      overflow = scaler_->update(zero_->gradients_overflowed());
+      if (!overflow) zero_->scale_gradients(1.0 / loss_scale);
     }
-    double grad_norm = 0;
-    if (!skipped) {
-      grad_norm = zero_->global_grad_norm();
-      if (r_.optimizer.grad_clip > 0 && grad_norm > r_.optimizer.grad_clip) zero_->scale_gradients(r_.optimizer.grad_clip / (grad_norm + 1e-6));
-      optimizer_->step(lr);
-    }
-    zero_->after_step();
+    const double grad_norm = overflow ? 0.0 : zero_->global_grad_norm();
 
-    // Metrics averaged over ranks (every rank has the same number of samples).
+    // Metrics averaged over ranks (every rank has the same number of samples), with the signal flags.
     torch::Tensor totals = torch::tensor({loss_sum / accumulation, aux_sum / accumulation, static_cast<double>(correct),
                                           stop_requested ? 1.0 : 0.0, save_requested ? 1.0 : 0.0}, torch::kFloat64);
     save_requested = 0;
     comm_->all_reduce_sum(totals);
-    const double step_seconds = seconds_since(t0);
     const double loss = totals[0].item<double>() / ctx_.world;
+    last_loss_ = loss;
     StepOutcome outcome;
     outcome.stop = totals[3].item<double>() > 0;
     outcome.save = totals[4].item<double>() > 0;
-    if (ctx_.rank != 0) return outcome;
-    nlohmann::json metrics = {{"loss", loss}, {"lr", lr}, {"grad_norm", grad_norm}, {"step_seconds", step_seconds},
-                              {"tokens_per_second", static_cast<double>(items) * ctx_.world / step_seconds}};
+    if (outcome.stop) outcome.why = "signal";
+    nlohmann::json metrics = {{"loss", loss}, {"grad_norm", grad_norm}};
     if (r_.model.moe.enabled()) metrics["aux_loss"] = totals[1].item<double>() / ctx_.world;
     if (r_.model.arch == ModelArch::ResNet) metrics["accuracy"] = totals[2].item<double>() / static_cast<double>(r_.batch.global);
-    if (scaler_) {
-      metrics["loss_scale"] = loss_scale;
-      metrics["skipped_steps"] = static_cast<double>(scaler_->skipped_steps());
+    if (scaler_) metrics["loss_scale"] = loss_scale;
+
+    // Hooks: rank 0 asks lr(), metrics() and on_step(); every rank gets the same decision.
+    bool hook_skip = false;
+    if (hooks_active_) {
+      HookActions actions;
+      bool ok = true;
+      if (hooks_) {
+        if (lr_override_) lr = *lr_override_;
+        ok = run_hook([&] {
+          nlohmann::json ctx = hook_context(step + 1, {{"lr", lr}});
+          if (auto custom = hooks_->lr(step + 1, ctx)) lr = *custom;
+          ctx["lr"] = lr;
+          ctx["metrics"] = metrics;
+          for (const auto& [name, value] : hooks_->metrics(ctx)) metrics[name] = value;
+          ctx["metrics"] = metrics;
+          actions = hooks_->on_step(ctx);
+          for (const auto& [name, value] : actions.metrics) metrics[name] = value;
+        });
+        apply_actions_on_rank0(actions, step + 1);
+      }
+      merge(outcome, broadcast_decision(actions, !ok, lr, hook_skip, lr));
     }
-    if (!std::isfinite(loss)) throw Error("loss is " + std::to_string(loss) + " at step " + std::to_string(step + 1), ErrorContext{"", 0, 0, "optimizer.lr", 0, "lower the learning rate or enable clipping"});
+    const bool skipped = overflow || hook_skip;
+    if (!skipped && !outcome.hook_failed) {
+      if (r_.optimizer.grad_clip > 0 && grad_norm > r_.optimizer.grad_clip) zero_->scale_gradients(r_.optimizer.grad_clip / (grad_norm + 1e-6));
+      optimizer_->step(lr);
+    }
+    if (hook_skip) ++hook_skipped_steps_;
+    zero_->after_step();
+
+    if (ctx_.rank != 0) return outcome;
+    const double step_seconds = seconds_since(t0);
+    metrics["lr"] = lr;
+    metrics["step_seconds"] = step_seconds;
+    metrics["tokens_per_second"] = static_cast<double>(items) * ctx_.world / step_seconds;
+    if (scaler_) metrics["skipped_steps"] = static_cast<double>(scaler_->skipped_steps());
+    if (hooks_active_) metrics["hook_skipped_steps"] = static_cast<double>(hook_skipped_steps_);
+    if (!std::isfinite(loss) && !hook_skip) throw Error("loss is " + std::to_string(loss) + " at step " + std::to_string(step + 1), ErrorContext{"", 0, 0, "optimizer.lr", 0, "lower the learning rate or enable clipping"});
     report_.send({{"type", "step"}, {"step", step + 1}, {"total", r_.run.steps}, {"metrics", metrics}, {"skipped", skipped}});
     return outcome;
   }
 
-  void evaluate(int64_t step) {
+  StepOutcome evaluate(int64_t step) {
     torch::NoGradGuard no_grad;
     model_->module().eval();
     double loss_sum = 0, correct = 0, items = 0;
@@ -277,12 +395,25 @@ class Trainer {
     torch::Tensor totals = torch::tensor({loss_sum / static_cast<double>(r_.eval.batches), correct, items}, torch::kFloat64);
     comm_->all_reduce_sum(totals);
     model_->module().train();
-    if (ctx_.rank != 0) return;
     const double val_loss = totals[0].item<double>() / ctx_.world;
     nlohmann::json metrics = {{"val_loss", val_loss}};
     if (r_.model.arch == ModelArch::ResNet) metrics["val_accuracy"] = totals[1].item<double>() / totals[2].item<double>();
     else metrics["val_perplexity"] = std::exp(val_loss);
-    report_.send({{"type", "eval"}, {"step", step + 1}, {"metrics", metrics}});
+    StepOutcome outcome;
+    if (hooks_active_) {
+      HookActions actions;
+      bool ok = true;
+      if (hooks_) {
+        ok = run_hook([&] { actions = hooks_->on_eval(hook_context(step + 1, {}), metrics); });
+        for (const auto& [name, value] : actions.metrics) metrics[name] = value;
+        apply_actions_on_rank0(actions, step + 1);
+      }
+      bool unused_skip = false;
+      double unused_lr = 0;
+      outcome = broadcast_decision(actions, !ok, 0.0, unused_skip, unused_lr);
+    }
+    if (ctx_.rank == 0) report_.send({{"type", "eval"}, {"step", step + 1}, {"metrics", metrics}});
+    return outcome;
   }
 
   Batch on_device(Batch b) const {
@@ -323,6 +454,12 @@ class Trainer {
   std::unique_ptr<DynamicLossScaler> scaler_;
   std::unique_ptr<Dataset> data_;
   int64_t last_saved_step_ = -1;
+  bool hooks_active_ = false;             // the recipe has a hook script (known to every rank)
+  std::unique_ptr<RecipeHooks> hooks_;    // rank 0 only
+  std::optional<double> lr_override_;     // rank 0: set by a hook's lr action
+  std::unique_ptr<Error> pending_hook_error_;
+  int64_t hook_skipped_steps_ = 0;
+  double last_loss_ = 0;
 };
 
 }  // namespace
