@@ -125,7 +125,7 @@ int launch_and_report(const LoadedRecipe& loaded, const Plan& plan, Store& store
   if (latest.count("loss")) std::cout << ": loss " << format_double(latest["loss"].value, 5) << " at step " << latest["loss"].step;
   if (latest.count("val_loss")) std::cout << ", val_loss " << format_double(latest["val_loss"].value, 5);
   std::cout << "\nsee it with: dsrun show " << id << "\n";
-  if (status == RunStatus::Finished) return kExitOk;
+  if (status == RunStatus::Finished || status == RunStatus::Pruned) return kExitOk;
   return status == RunStatus::Killed ? static_cast<int>(kExitInterrupted) : static_cast<int>(kExitError);
 }
 
@@ -281,6 +281,10 @@ int command_run(const RecipeArgs& given, const RunFlags& flags, const std::strin
     throw Error("a multi-node run needs an agreed rendezvous port", c);
   }
   warn_unimplemented(loaded);
+  // A trial of a sweep: the sweep driver says which (runner/sweep.cpp).
+  const char* sweep_id = std::getenv("DSRUN_SWEEP_ID");
+  if (loaded.has_sweep && !sweep_id)
+    std::cerr << args.path << ": warning: the [sweep] section is ignored by `dsrun run`, which runs the recipe once; use `dsrun sweep " << args.path << "`\n";
   make_directories(parent_directory(db_path));
   Store store(db_path);
   NewRun run = run_record(loaded, plan, plan_text, host);
@@ -289,6 +293,12 @@ int command_run(const RecipeArgs& given, const RunFlags& flags, const std::strin
   run.recipe_path = args.path;
   run.recipe_text = loaded.text;
   run.git_revision = git_revision_of(args.path);
+  if (sweep_id) {
+    run.sweep_id = sweep_id;
+    run.trial_index = std::atoll(std::getenv("DSRUN_TRIAL_INDEX") ? std::getenv("DSRUN_TRIAL_INDEX") : "-1");
+    run.trial_params = std::getenv("DSRUN_TRIAL_PARAMS") ? std::getenv("DSRUN_TRIAL_PARAMS") : "";
+    run.name += " #" + std::to_string(run.trial_index);
+  }
   std::string id = store.create_run(run);
   if (!rejected.empty()) {
     store.set_status(id, RunStatus::Infeasible, "rejected by on_plan: " + rejected);
@@ -420,7 +430,7 @@ int command_export(const std::string& run, int64_t step, const std::string& to, 
 
 void command_worker(const std::string& config_path) { exec_rank_process(config_path); }
 
-int command_history(const std::string& db_path, int limit, const std::string& status, bool json) {
+int command_history(const std::string& db_path, int limit, const std::string& status, const std::string& sweep, bool json, bool csv) {
   if (!status.empty()) run_status_from_string(status);  // a typo is an error, not an empty list
   if (!file_exists(db_path)) {
     std::cout << "no runs yet (no store at " << db_path << ")\n";
@@ -430,7 +440,12 @@ int command_history(const std::string& db_path, int limit, const std::string& st
   RunListOptions options;
   options.limit = limit;
   options.status = status;
+  options.sweep = sweep.empty() ? "" : store.get_sweep(sweep).id;
   std::vector<RunRecord> runs = store.list_runs(options);
+  if (csv) {
+    std::cout << render_history_csv(store, runs);
+    return kExitOk;
+  }
   if (!json) {
     std::cout << render_history(store, runs);
     return kExitOk;
@@ -441,7 +456,8 @@ int command_history(const std::string& db_path, int limit, const std::string& st
     for (const auto& [k, m] : store.latest_metrics(r.id)) metrics[k] = {{"step", m.step}, {"value", m.value}};
     out.push_back({{"id", r.id}, {"name", r.name}, {"status", to_string(r.status)}, {"model", r.model}, {"hardware", r.hardware},
                    {"zero_stage", r.zero_stage}, {"world_size", r.world_size}, {"created_at", r.created_at},
-                   {"started_at", r.started_at}, {"ended_at", r.ended_at}, {"latest_metrics", metrics}});
+                   {"started_at", r.started_at}, {"ended_at", r.ended_at}, {"latest_metrics", metrics}, {"sweep_id", r.sweep_id},
+                   {"trial_index", r.trial_index}, {"trial_params", nlohmann::json::parse(r.trial_params.empty() ? "null" : r.trial_params, nullptr, false)}});
   }
   std::cout << out.dump(2) << "\n";
   return kExitOk;

@@ -34,6 +34,8 @@ volatile sig_atomic_t interrupted = 0;
 void on_interrupt(int) { interrupted = 1; }
 volatile sig_atomic_t checkpoint_requested = 0;  // SIGUSR1: forwarded to every rank
 void on_checkpoint_request(int) { checkpoint_requested = 1; }
+volatile sig_atomic_t prune_requested = 0;  // SIGUSR2: the sweep pruned this trial
+void on_prune_request(int) { prune_requested = 1; }
 
 double now_seconds() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
@@ -107,6 +109,9 @@ class Supervisor {
     struct sigaction usr {};
     usr.sa_handler = on_checkpoint_request;
     sigaction(SIGUSR1, &usr, nullptr);
+    struct sigaction prune {};
+    prune.sa_handler = on_prune_request;
+    sigaction(SIGUSR2, &prune, nullptr);
 
     std::string resume_from = o_.resume_from;
     for (int restarts = 0;; ++restarts) {
@@ -234,6 +239,7 @@ class Supervisor {
           if (p.running) ::kill(p.pid, SIGUSR1);
         store_.add_event(run_id_, "checkpoint", -1, "checkpoint requested (SIGUSR1); saved after the current step");
       }
+      if (prune_requested) return stop_all({RunStatus::Pruned, "pruned by its sweep (the pruned event says why)", -1, false}, 5.0);
       if (interrupted) {
         // Healthy ranks finish their step and save (checkpoint.at_end) before they exit.
         const double grace = r_.checkpoint.at_end ? std::min(120.0, std::max(5.0, r_.run.step_timeout_s)) : 5.0;
@@ -398,7 +404,7 @@ class Supervisor {
       for (auto& p : ranks_)
         if (p.rank == culprit) detail = tail_of_file(p.log_path, 20);
     }
-    store_.add_event(run_id_, status == RunStatus::Killed ? "killed" : "failed", culprit, why, detail);
+    if (status != RunStatus::Pruned) store_.add_event(run_id_, status == RunStatus::Killed ? "killed" : "failed", culprit, why, detail);
     if (!detail.empty()) std::cerr << "--- last lines of rank " << culprit << "'s log ---\n" << detail << "\n---\n";
     return end;
   }

@@ -1,6 +1,7 @@
 // dsrun's entry point: the CLI11 command tree. `dsrun RECIPE` is short for `dsrun run RECIPE`.
 #include "engine/common/error.hpp"
 #include "runner/commands.hpp"
+#include "runner/sweep.hpp"
 
 #include <CLI/CLI.hpp>
 #include <spdlog/sinks/stdout_color_sinks.h>
@@ -12,7 +13,7 @@
 
 namespace {
 
-const char* const kCommands[] = {"run", "plan", "history", "show", "resume", "rollback", "export", "init", "templates", "docs", "worker"};
+const char* const kCommands[] = {"run", "plan", "history", "show", "resume", "rollback", "export", "sweep", "init", "templates", "docs", "worker"};
 
 // `dsrun recipes/x.toml ...` means `dsrun run recipes/x.toml ...`.
 std::vector<std::string> with_default_command(int argc, char** argv) {
@@ -67,11 +68,23 @@ int main(int argc, char** argv) {
   plan->add_flag("--json", json, "JSON instead of the table");
 
   int limit = 50;
-  std::string status;
+  std::string status, sweep_filter;
+  bool csv = false;
   CLI::App* history = app.add_subcommand("history", "List runs, newest first");
   history->add_option("--limit", limit, "Most runs to list")->check(CLI::Range(1, 100000000));
   history->add_option("--status", status, "Only runs with this status");
+  history->add_option("--sweep", sweep_filter, "Only the trials of this sweep (id, prefix or name)");
   history->add_flag("--json", json, "JSON instead of the table");
+  history->add_flag("--csv", csv, "CSV instead of the table");
+
+  dsrun::SweepArgs sweep_args;
+  CLI::App* sweep = app.add_subcommand("sweep", "Run a recipe's [sweep]: trials, search, pruning; --resume, --show");
+  sweep->add_option("recipe", sweep_args.file, "Recipe with a [sweep] section");
+  sweep->add_option("--set", sweep_args.sets, "Override a key for every trial (the trial's own values win)");
+  sweep->add_option("--resume", sweep_args.resume, "Continue a stopped or crashed sweep: run only what is missing or failed");
+  sweep->add_option("--show", sweep_args.show, "Print a sweep's leaderboard");
+  sweep->add_flag("--json", sweep_args.json, "With --show: JSON");
+  sweep->add_flag("--csv", sweep_args.csv, "With --show: CSV");
 
   std::string run_id;
   CLI::App* show = app.add_subcommand("show", "Show one run whole: recipe, config, plan, metrics, events");
@@ -130,7 +143,8 @@ int main(int argc, char** argv) {
     if (*run) return dsrun::command_run(recipe_args, flags, db);
     if (*worker) dsrun::command_worker(worker_config);
     if (*plan) return dsrun::command_plan(recipe_args, json);
-    if (*history) return dsrun::command_history(db, limit, status, json);
+    if (*history) return dsrun::command_history(db, limit, status, sweep_filter, json, csv);
+    if (*sweep) return dsrun::command_sweep(sweep_args, db);
     if (*show) return dsrun::command_show(db, run_id, json);
     if (*resume) return dsrun::command_resume(resume_args, flags, db);
     if (*rollback) return dsrun::command_rollback(rollback_run, to_step, rollback_sets, flags, db);

@@ -41,6 +41,21 @@ std::string render_history(const Store& store, const std::vector<RunRecord>& run
   return t.render();
 }
 
+std::string render_history_csv(const Store& store, const std::vector<RunRecord>& runs) {
+  auto field = [](const std::string& s) { return csv_field(s); };
+  std::string out = "id,name,status,model,hardware,zero_stage,world_size,sweep_id,trial_index,trial_params,created_at,started_at,ended_at,loss,val_loss,error\n";
+  for (const auto& r : runs) {
+    auto latest = store.latest_metrics(r.id);
+    auto metric = [&](const char* k) { return latest.count(k) ? format_double(latest[k].value, 17) : std::string(); };
+    out += join({field(r.id), field(r.name), to_string(r.status), field(r.model), field(r.hardware), std::to_string(r.zero_stage), std::to_string(r.world_size),
+                 field(r.sweep_id), r.trial_index >= 0 ? std::to_string(r.trial_index) : "", field(r.trial_params), format_double(r.created_at, 15),
+                 r.started_at > 0 ? format_double(r.started_at, 15) : "", r.ended_at > 0 ? format_double(r.ended_at, 15) : "", metric("loss"), metric("val_loss"),
+                 field(r.error)},
+                ",") + "\n";
+  }
+  return out;
+}
+
 std::string render_run(const Store& store, const RunRecord& r) {
   std::string out;
   auto field = [&](const std::string& name, const std::string& value) {
@@ -71,7 +86,7 @@ std::string render_run(const Store& store, const RunRecord& r) {
   std::vector<std::string> children;
   for (const auto& c : store.children(r.id)) children.push_back(c.id + " from step " + std::to_string(c.parent_step) + " (" + to_string(c.status) + ")");
   field("children", join(children, ", "));
-  field("sweep", r.sweep_id);
+  field("sweep", r.sweep_id.empty() ? "" : r.sweep_id + " trial " + std::to_string(r.trial_index) + ": " + r.trial_params);
 
   auto latest = store.latest_metrics(r.id);
   if (!latest.empty()) {

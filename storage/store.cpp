@@ -170,6 +170,27 @@ END;
 ALTER TABLE runs ADD COLUMN deleted_at REAL;
 CREATE INDEX runs_status ON runs(status);
 )sql",
+    // 3: sweeps, and each trial's index and parameters on its run.
+    R"sql(
+CREATE TABLE sweeps(
+  id TEXT PRIMARY KEY,
+  name TEXT NOT NULL,
+  status TEXT NOT NULL,
+  created_at REAL NOT NULL,
+  ended_at REAL,
+  heartbeat_at REAL,
+  recipe_path TEXT NOT NULL,
+  recipe_text TEXT NOT NULL,
+  spec_json TEXT NOT NULL,
+  host TEXT,
+  pid INTEGER,
+  best_run TEXT,
+  error TEXT
+);
+ALTER TABLE runs ADD COLUMN trial_index INTEGER;
+ALTER TABLE runs ADD COLUMN trial_params TEXT;
+CREATE INDEX runs_sweep ON runs(sweep_id, trial_index);
+)sql",
 };
 constexpr int kSchemaVersion = sizeof(kMigrations) / sizeof(kMigrations[0]);
 
@@ -200,7 +221,7 @@ bool transition_allowed(RunStatus from, RunStatus to) {
 
 const char* kRunColumns =
     "id, name, status, created_at, started_at, ended_at, recipe_path, recipe_text, config_toml, plan_json, model, hardware, "
-    "zero_stage, world_size, host, git_revision, parent_run, parent_step, sweep_id, error, plan_text";
+    "zero_stage, world_size, host, git_revision, parent_run, parent_step, sweep_id, error, plan_text, trial_index, trial_params";
 
 RunRecord read_run(const Statement& s) {
   RunRecord r;
@@ -225,6 +246,8 @@ RunRecord read_run(const Statement& s) {
   r.sweep_id = s.text(18);
   r.error = s.text(19);
   r.plan_text = s.text(20);
+  r.trial_index = s.is_null(21) ? -1 : s.integer(21);
+  r.trial_params = s.text(22);
   return r;
 }
 
@@ -306,8 +329,8 @@ std::string Store::create_run(const NewRun& run) {
   DSRUN_ASSERT(!id.empty(), "16 random 32-bit ids collided");
   Statement s(db_.get(),
               "INSERT INTO runs(id, name, status, created_at, recipe_path, recipe_text, config_toml, plan_json, model, hardware, "
-              "zero_stage, world_size, host, git_revision, parent_run, parent_step, sweep_id, plan_text) "
-              "VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)");
+              "zero_stage, world_size, host, git_revision, parent_run, parent_step, sweep_id, plan_text, trial_index, trial_params) "
+              "VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)");
   s.bind(1, id).bind(2, run.name).bind(3, std::string(to_string(run.status))).bind(4, unix_now());
   s.bind(5, run.recipe_path).bind(6, run.recipe_text).bind(7, run.config_toml).bind(8, run.plan_json);
   s.bind(9, run.model).bind(10, run.hardware).bind(11, run.zero_stage).bind(12, run.world_size);
@@ -315,6 +338,9 @@ std::string Store::create_run(const NewRun& run) {
   if (run.parent_step >= 0) s.bind(16, run.parent_step);
   else s.bind_null(16);
   s.bind_optional(17, run.sweep_id).bind(18, run.plan_text);
+  if (run.trial_index >= 0) s.bind(19, run.trial_index);
+  else s.bind_null(19);
+  s.bind_optional(20, run.trial_params);
   s.run();
   t.commit();
   return id;
@@ -424,9 +450,9 @@ RunRecord Store::get_run(const std::string& run_id) const {
 
 std::vector<RunRecord> Store::list_runs(const RunListOptions& o) const {
   std::string sql = std::string("SELECT ") + kRunColumns + " FROM runs WHERE deleted_at IS NULL AND (?1 = '' OR status = ?1) "
-                    "ORDER BY created_at DESC, rowid DESC LIMIT ?2";
+                    "AND (?3 = '' OR sweep_id = ?3) ORDER BY created_at DESC, rowid DESC LIMIT ?2";
   Statement s(db_.get(), sql.c_str());
-  s.bind(1, o.status).bind(2, o.limit);
+  s.bind(1, o.status).bind(2, o.limit).bind(3, o.sweep);
   std::vector<RunRecord> out;
   while (s.step()) out.push_back(read_run(s));
   return out;
@@ -461,6 +487,94 @@ std::vector<CheckpointRecord> Store::checkpoints(const std::string& run_id) cons
   s.bind(1, run_id);
   std::vector<CheckpointRecord> out;
   while (s.step()) out.push_back({s.integer(0), s.text(1), s.integer(2), s.text(3), s.real(4)});
+  return out;
+}
+
+namespace {
+
+const char* kSweepColumns = "id, name, status, created_at, ended_at, heartbeat_at, recipe_path, recipe_text, spec_json, host, pid, best_run, error";
+
+SweepRecord read_sweep(const Statement& s) {
+  SweepRecord w;
+  w.id = s.text(0);
+  w.name = s.text(1);
+  w.status = s.text(2);
+  w.created_at = s.real(3);
+  w.ended_at = s.real(4);
+  w.heartbeat_at = s.real(5);
+  w.recipe_path = s.text(6);
+  w.recipe_text = s.text(7);
+  w.spec_json = s.text(8);
+  w.host = s.text(9);
+  w.pid = s.integer(10);
+  w.best_run = s.text(11);
+  w.error = s.text(12);
+  return w;
+}
+
+}  // namespace
+
+std::string Store::create_sweep(const SweepRecord& w) {
+  Transaction t(db_.get());
+  std::string id;
+  for (int attempt = 0; attempt < 16 && id.empty(); ++attempt) {
+    std::string candidate = "s" + random_id().substr(1);
+    Statement exists(db_.get(), "SELECT 1 FROM sweeps WHERE id = ?");
+    exists.bind(1, candidate);
+    if (!exists.step()) id = candidate;
+  }
+  DSRUN_ASSERT(!id.empty(), "16 random sweep ids collided");
+  Statement s(db_.get(), "INSERT INTO sweeps(id, name, status, created_at, heartbeat_at, recipe_path, recipe_text, spec_json, host, pid) VALUES(?,?,?,?,?,?,?,?,?,?)");
+  const double now = unix_now();
+  s.bind(1, id).bind(2, w.name).bind(3, std::string("running")).bind(4, now).bind(5, now).bind(6, w.recipe_path).bind(7, w.recipe_text);
+  s.bind(8, w.spec_json).bind(9, w.host).bind(10, w.pid);
+  s.run();
+  t.commit();
+  return id;
+}
+
+void Store::update_sweep(const std::string& id, const std::string& status, const std::string& best_run, const std::string& error, int64_t pid) {
+  const bool ended = status != "running";
+  Statement s(db_.get(), "UPDATE sweeps SET status = ?, best_run = ?, error = ?, heartbeat_at = ?, pid = ?, ended_at = ? WHERE id = ?");
+  s.bind(1, status).bind_optional(2, best_run).bind_optional(3, error).bind(4, unix_now()).bind(5, pid);
+  if (ended) s.bind(6, unix_now());
+  else s.bind_null(6);
+  s.bind(7, id);
+  s.run();
+}
+
+void Store::sweep_heartbeat(const std::string& id) {
+  Statement s(db_.get(), "UPDATE sweeps SET heartbeat_at = ? WHERE id = ?");
+  s.bind(1, unix_now()).bind(2, id);
+  s.run();
+}
+
+SweepRecord Store::get_sweep(const std::string& id_prefix) const {
+  std::string sql = std::string("SELECT ") + kSweepColumns + " FROM sweeps WHERE substr(id, 1, length(?1)) = ?1 OR name = ?1 ORDER BY created_at DESC";
+  Statement s(db_.get(), sql.c_str());
+  s.bind(1, id_prefix);
+  std::vector<SweepRecord> found;
+  while (s.step()) found.push_back(read_sweep(s));
+  if (found.size() == 1) return found[0];
+  ErrorContext c;
+  c.file = path_;
+  c.key = "sweep";
+  if (found.empty()) {
+    c.hint = "dsrun history lists runs with their sweep ids";
+    throw Error("no sweep \"" + id_prefix + "\"", c);
+  }
+  std::string ids;
+  for (size_t i = 0; i < found.size() && i < 5; ++i) ids += (i ? ", " : "") + found[i].id;
+  c.hint = "give more characters: " + ids;
+  throw Error(std::to_string(found.size()) + " sweeps match \"" + id_prefix + "\"", c);
+}
+
+std::vector<RunRecord> Store::sweep_trials(const std::string& sweep_id) const {
+  std::string sql = std::string("SELECT ") + kRunColumns + " FROM runs WHERE sweep_id = ? AND deleted_at IS NULL ORDER BY trial_index, created_at, rowid";
+  Statement s(db_.get(), sql.c_str());
+  s.bind(1, sweep_id);
+  std::vector<RunRecord> out;
+  while (s.step()) out.push_back(read_run(s));
   return out;
 }
 

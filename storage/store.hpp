@@ -32,6 +32,8 @@ struct NewRun {
   std::string parent_run;    // lineage (rollback), empty for none
   int64_t parent_step = -1;
   std::string sweep_id;
+  int64_t trial_index = -1;  // a sweep's trial number, -1 outside sweeps
+  std::string trial_params;  // the trial's parameters, JSON
   RunStatus status = RunStatus::Planned;
 };
 
@@ -66,6 +68,18 @@ struct CheckpointRecord {
 struct RunListOptions {
   int limit = 50;
   std::string status;  // empty: any
+  std::string sweep;   // empty: any
+};
+
+// A sweep: its spec and where it stands; its trials are runs with its sweep_id.
+struct SweepRecord {
+  std::string id, name;
+  std::string status;  // running, finished, stopped, failed
+  double created_at = 0, ended_at = 0, heartbeat_at = 0;
+  std::string recipe_path, recipe_text, spec_json;
+  std::string host;
+  int64_t pid = 0;     // the driver's process, for telling a live sweep from a dead one
+  std::string best_run, error;
 };
 
 // An owned sqlite3 connection (closed on destruction).
@@ -101,6 +115,12 @@ class Store {
   std::vector<EventRecord> events(const std::string& run_id) const;
   std::vector<CheckpointRecord> checkpoints(const std::string& run_id) const;
   std::vector<RunRecord> children(const std::string& run_id) const;  // runs rolled back from this one, oldest first
+
+  std::string create_sweep(const SweepRecord& sweep);  // status running; returns the id ("s" + 7 hex)
+  void update_sweep(const std::string& id, const std::string& status, const std::string& best_run, const std::string& error, int64_t pid);
+  void sweep_heartbeat(const std::string& id);
+  SweepRecord get_sweep(const std::string& id_prefix_or_name) const;  // throws naming the matches
+  std::vector<RunRecord> sweep_trials(const std::string& sweep_id) const;  // by trial index
 
   sqlite3* handle() const { return db_.get(); }
 

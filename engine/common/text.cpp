@@ -82,6 +82,13 @@ std::string format_bytes(double bytes) { return with_unit(bytes, 1024.0, {" B", 
 
 std::string format_count(double n) { return with_unit(n, 1000.0, {"", " K", " M", " B", " T", " P", " E"}, "%.0f"); }
 
+std::string csv_field(const std::string& s) {
+  if (s.find_first_of(",\"\n") == std::string::npos) return s;
+  std::string q = "\"";
+  for (char c : s) q += c == '"' ? std::string("\"\"") : std::string(1, c);
+  return q + "\"";
+}
+
 std::string format_seconds(double s) {
   if (!std::isfinite(s)) return "n/a";
   if (s < 1e-3) return printf_string("%.1f us", s * 1e6);

@@ -16,6 +16,7 @@ std::string nearest(const std::string& word, const std::vector<std::string>& can
 std::string format_bytes(double bytes);          // "13.2 GiB"
 std::string format_count(double n);              // "6.91 B", "870.4 K"
 std::string format_seconds(double seconds);      // "1.25 s", "3 h 12 min"
+std::string csv_field(const std::string& s);     // quoted (RFC 4180) when it holds a comma, quote or newline
 std::string format_double(double v, int precision = 6);  // shortest round-trip-ish form, no trailing zeros
 std::string join(const std::vector<std::string>& parts, const std::string& sep);
 std::vector<std::string> split(const std::string& s, char sep);

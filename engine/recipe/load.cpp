@@ -156,6 +156,7 @@ struct Parser {
   std::vector<Diagnostic> diagnostics;
   std::vector<std::string> files;
   std::vector<std::string> stack;  // bases being loaded, for cycle detection
+  bool has_sweep = false;          // a [sweep] section was seen (and left to dsrun sweep)
 
   void error(Source src, std::string key, std::string message, std::string fix = "") {
     diagnostics.push_back({Diagnostic::Severity::Error, std::move(src), std::move(key), std::move(message), std::move(fix)});
@@ -172,6 +173,11 @@ struct Parser {
 
   void flatten(const toml::table& table, const std::string& prefix, Layer layer, const std::string& file) {
     for (auto&& [k, node] : table) {
+      // A [sweep] section belongs to `dsrun sweep` (engine/sweep reads it); the recipe is the rest.
+      if (prefix.empty() && k.str() == "sweep" && node.is_table()) {
+        has_sweep = true;
+        continue;
+      }
       std::string key = prefix.empty() ? std::string(k.str()) : prefix + "." + std::string(k.str());
       if (const toml::table* sub = node.as_table()) {
         flatten(*sub, key, layer, file);
@@ -482,6 +488,7 @@ LoadedRecipe finish(Parser& p, const std::string& name, std::string text) {
   out.config = std::move(validated);
   out.diagnostics = std::move(p.diagnostics);
   out.files = std::move(p.files);
+  out.has_sweep = p.has_sweep;
   return out;
 }
 

@@ -71,6 +71,7 @@ struct LoadedRecipe {
   std::vector<Diagnostic> diagnostics;  // errors and warnings: parsing first, then key checks in key order, then cross-key rules
   std::string text;                     // the recipe file's own text, as written
   std::vector<std::string> files;       // the recipe and every base it pulled in
+  bool has_sweep = false;               // the file has a [sweep] section (for `dsrun sweep`; `run` ignores it)
 
   bool ok() const;
   std::string report() const;           // every diagnostic, formatted, errors first

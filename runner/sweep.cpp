@@ -1,0 +1,484 @@
+#include "runner/sweep.hpp"
+
+#include "engine/common/error.hpp"
+#include "engine/common/files.hpp"
+#include "engine/common/host.hpp"
+#include "engine/common/text.hpp"
+#include "engine/recipe/load.hpp"
+#include "engine/sweep/sweep.hpp"
+#include "runner/terminal.hpp"
+#include "storage/store.hpp"
+
+#include <fcntl.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <map>
+#include <optional>
+#include <set>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <iostream>
+#include <sstream>
+
+namespace dsrun {
+
+namespace {
+
+volatile sig_atomic_t sweep_interrupted = 0;
+void on_sweep_interrupt(int) { sweep_interrupted = 1; }
+
+double now_seconds() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+std::string self_executable() {
+  char buf[4096];
+  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
+  if (n <= 0) fail_at(__FILE__, __LINE__, "cannot find the dsrun executable");
+  buf[n] = 0;
+  return buf;
+}
+
+// A finished trial's objective: its metric's curve summarised as the sweep says.
+std::optional<double> objective_of(const Store& store, const SweepSpec& spec, const std::string& run_id) {
+  Curve curve;
+  for (const auto& m : store.metric_history(run_id, spec.metric)) curve.push_back({m.step, m.value});
+  return summarize_curve(curve, spec.summary, spec.maximize);
+}
+
+TrialParams params_of(const RunRecord& r) {
+  TrialParams p;
+  nlohmann::json j = nlohmann::json::parse(r.trial_params.empty() ? "{}" : r.trial_params, nullptr, false);
+  if (j.is_object())
+    for (auto& [k, v] : j.items()) p[k] = v;
+  return p;
+}
+
+// The leaderboard: trials with an objective first, best first; then the rest.
+struct Row {
+  RunRecord run;
+  std::optional<double> objective;
+};
+
+std::vector<Row> leaderboard(const Store& store, const SweepSpec& spec, const std::string& sweep_id) {
+  std::vector<Row> rows;
+  for (auto& r : store.sweep_trials(sweep_id)) rows.push_back({r, r.status == RunStatus::Infeasible ? std::nullopt : objective_of(store, spec, r.id)});
+  std::stable_sort(rows.begin(), rows.end(), [&](const Row& a, const Row& b) {
+    const bool fa = a.run.status == RunStatus::Finished && a.objective, fb = b.run.status == RunStatus::Finished && b.objective;
+    if (fa != fb) return fa;
+    if (fa) return spec.maximize ? *a.objective > *b.objective : *a.objective < *b.objective;
+    return a.run.trial_index < b.run.trial_index;
+  });
+  return rows;
+}
+
+std::string duration_text(const RunRecord& r) {
+  if (r.started_at <= 0) return "";
+  return format_seconds((r.ended_at > 0 ? r.ended_at : unix_now()) - r.started_at);
+}
+
+void print_leaderboard(const Store& store, const SweepSpec& spec, const SweepRecord& sweep, bool json, bool csv) {
+  std::vector<Row> rows = leaderboard(store, spec, sweep.id);
+  if (json) {
+    nlohmann::json out = {{"sweep", sweep.id}, {"name", sweep.name}, {"status", sweep.status}, {"metric", spec.metric},
+                          {"goal", spec.maximize ? "maximize" : "minimize"}, {"best_run", sweep.best_run}, {"trials", nlohmann::json::array()}};
+    for (const auto& r : rows)
+      out["trials"].push_back({{"trial", r.run.trial_index + 1}, {"run", r.run.id}, {"status", to_string(r.run.status)},
+                               {"objective", r.objective ? nlohmann::json(*r.objective) : nlohmann::json()},
+                               {"params", nlohmann::json::parse(r.run.trial_params.empty() ? "{}" : r.run.trial_params)},
+                               {"seconds", r.run.started_at > 0 ? (r.run.ended_at > 0 ? r.run.ended_at : unix_now()) - r.run.started_at : 0.0},
+                               {"error", r.run.error}});
+    std::cout << out.dump(2) << "\n";
+    return;
+  }
+  if (csv) {
+    std::vector<std::string> keys;
+    for (const auto& p : spec.parameters)
+      for (const auto& k : p.keys) keys.push_back(k);
+    std::cout << "rank,trial,run,status," << spec.metric;
+    for (const auto& k : keys) std::cout << "," << csv_field(k);
+    std::cout << ",seconds,error\n";
+    int rank = 1;
+    for (const auto& r : rows) {
+      TrialParams p = params_of(r.run);
+      std::cout << rank++ << "," << r.run.trial_index + 1 << "," << r.run.id << "," << to_string(r.run.status) << ","
+                << (r.objective ? format_double(*r.objective, 17) : "");
+      for (const auto& k : keys) std::cout << "," << csv_field(p.count(k) ? (p[k].is_string() ? p[k].get<std::string>() : p[k].dump()) : "");
+      const double secs = r.run.started_at > 0 ? (r.run.ended_at > 0 ? r.run.ended_at : unix_now()) - r.run.started_at : 0.0;
+      std::cout << "," << format_double(secs, 6) << "," << csv_field(r.run.error) << "\n";
+    }
+    return;
+  }
+  std::cout << "sweep " << sweep.id << " (" << sweep.name << "): " << sweep.status << ", " << rows.size() << " trial(s), "
+            << (spec.maximize ? "maximize " : "minimize ") << spec.metric << "\n";
+  TextTable t({"#", "trial", "run", "status", spec.metric, "parameters", "duration"});
+  int rank = 1;
+  for (const auto& r : rows)
+    t.add({std::to_string(rank++), std::to_string(r.run.trial_index + 1), r.run.id, to_string(r.run.status), r.objective ? format_double(*r.objective, 5) : "-",
+           describe_params(params_of(r.run)), duration_text(r.run)});
+  std::cout << t.render("  ");
+  if (!sweep.best_run.empty()) std::cout << "best run: " << sweep.best_run << " (dsrun show " << sweep.best_run << ")\n";
+}
+
+// The cores (and GPUs) of one concurrency slot: the machine divided evenly between running trials.
+struct Slot {
+  std::vector<int> cpus;
+  std::vector<int> gpus;
+};
+
+std::vector<Slot> divide_devices(int concurrency) {
+  std::vector<Slot> slots(static_cast<size_t>(concurrency));
+  cpu_set_t mask;
+  CPU_ZERO(&mask);
+  std::vector<int> cpus;
+  if (sched_getaffinity(0, sizeof mask, &mask) == 0)
+    for (int c = 0; c < CPU_SETSIZE; ++c)
+      if (CPU_ISSET(c, &mask)) cpus.push_back(c);
+  if (cpus.empty()) cpus.push_back(0);
+  const HostFacts host = read_host_facts();
+  for (int s = 0; s < concurrency; ++s) {
+    // More slots than cores: slots share cores round-robin (CPU ranks can oversubscribe).
+    const size_t per = std::max<size_t>(1, cpus.size() / static_cast<size_t>(concurrency));
+    for (size_t i = 0; i < per; ++i) slots[static_cast<size_t>(s)].cpus.push_back(cpus[(static_cast<size_t>(s) * per + i) % cpus.size()]);
+    const int per_gpu = host.cuda_devices / concurrency;
+    for (int g = 0; g < per_gpu; ++g) slots[static_cast<size_t>(s)].gpus.push_back(s * per_gpu + g);
+  }
+  return slots;
+}
+
+std::string list_text(const std::vector<int>& v) {
+  std::vector<std::string> parts;
+  for (int x : v) parts.push_back(std::to_string(x));
+  return join(parts, ",");
+}
+
+class SweepDriver {
+ public:
+  SweepDriver(const SweepSpec& spec, Store& store, const SweepRecord& sweep, const std::string& db_path, std::vector<std::string> base_sets)
+      : spec_(spec), store_(store), sweep_(sweep), db_path_(db_path), base_sets_(std::move(base_sets)) {}
+
+  int run() {
+    struct sigaction sa {};
+    sa.sa_handler = on_sweep_interrupt;
+    sigaction(SIGINT, &sa, nullptr);
+    sigaction(SIGTERM, &sa, nullptr);
+    slots_ = divide_devices(spec_.concurrency);
+    busy_.assign(slots_.size(), false);
+    log_dir_ = path_join(parent_directory(db_path_), "sweeps/" + sweep_.id);
+    make_directories(log_dir_);
+    const int64_t budget = trial_budget(spec_);
+    const double deadline = spec_.max_minutes > 0 ? now_seconds() + spec_.max_minutes * 60 : 0;
+
+    // What earlier attempts of this sweep finished stays; failed and killed trials run again.
+    std::vector<bool> done(static_cast<size_t>(budget), false);
+    for (const auto& r : store_.sweep_trials(sweep_.id)) {
+      if (r.trial_index < 0 || r.trial_index >= budget) continue;
+      if (r.status == RunStatus::Finished || r.status == RunStatus::Pruned || r.status == RunStatus::Infeasible) done[static_cast<size_t>(r.trial_index)] = true;
+      if (r.status == RunStatus::Finished)
+        if (auto o = objective_of(store_, spec_, r.id)) finished_.push_back({params_of(r), *o});
+      note_best(r);
+    }
+    for (int64_t i = 0; i < budget; ++i)
+      if (!done[static_cast<size_t>(i)]) pending_.push_back(i);
+    std::cout << "sweep " << sweep_.id << ": " << pending_.size() << " of " << budget << " trial(s) to run, " << spec_.concurrency
+              << " at a time; trial logs in " << log_dir_ << "\n";
+
+    std::string stop_reason;
+    while (true) {
+      store_.sweep_heartbeat(sweep_.id);
+      reap();
+      if (sweep_interrupted && stop_reason.empty()) {
+        stop_reason = "interrupted";
+        for (auto& t : running_) ::kill(t.pid, SIGTERM);
+      }
+      if (stop_reason.empty() && target_reached_) {
+        stop_reason = "target reached";
+        prune_all("the sweep's target " + format_double(*spec_.target, 6) + " was reached by run " + best_run_);
+      }
+      if (stop_reason.empty() && deadline > 0 && now_seconds() > deadline) {
+        stop_reason = "time budget";
+        prune_all("the sweep's time budget of " + format_double(spec_.max_minutes, 4) + " min ran out");
+      }
+      if (stop_reason.empty()) prune_poor_trials();
+      while (stop_reason.empty() && !pending_.empty() && static_cast<int>(running_.size()) < spec_.concurrency) {
+        launch(pending_.front());
+        pending_.erase(pending_.begin());
+      }
+      if (running_.empty() && (pending_.empty() || !stop_reason.empty())) break;
+      ::usleep(200000);
+    }
+    const std::string status = stop_reason == "interrupted" ? "stopped" : "finished";
+    store_.update_sweep(sweep_.id, status, best_run_, stop_reason == "interrupted" ? "interrupted (Ctrl-C or SIGTERM)" : "", ::getpid());
+    std::cout << "\n";
+    print_leaderboard(store_, spec_, store_.get_sweep(sweep_.id), false, false);
+    if (!stop_reason.empty() && stop_reason != "interrupted") std::cout << "ended early: " << stop_reason << "\n";
+    return stop_reason == "interrupted" ? 130 : 0;
+  }
+
+ private:
+  struct Trial {
+    int64_t index = 0;
+    TrialParams params;
+    pid_t pid = -1;
+    size_t slot = 0;
+    std::string run_id;
+    double started = 0;
+    bool prune_sent = false;
+  };
+
+  void launch(int64_t index) {
+    Trial t;
+    t.index = index;
+    t.params = next_trial(spec_, index, finished_);
+    t.started = unix_now();
+    t.slot = static_cast<size_t>(std::find(busy_.begin(), busy_.end(), false) - busy_.begin());
+    busy_[t.slot] = true;
+    const Slot& slot = slots_[t.slot];
+    std::vector<std::string> args = {self_executable(), "run", spec_.path, "--db", db_path_, "--set", "logging.progress=false"};
+    for (const auto& s : base_sets_) args.insert(args.end(), {"--set", s});
+    for (const auto& s : trial_overrides(t.params)) args.insert(args.end(), {"--set", s});
+    nlohmann::json params_json = nlohmann::json::object();
+    for (const auto& [k, v] : t.params) params_json[k] = v;
+    const std::string log = path_join(log_dir_, "trial" + std::to_string(index) + ".log");
+    pid_t pid = ::fork();
+    if (pid < 0) fail_at(__FILE__, __LINE__, "fork failed");
+    if (pid == 0) {
+      ::setpgid(0, 0);                       // Ctrl-C reaches the sweep, which stops its trials
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);    // a sweep killed outright takes its trials with it
+      int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+      if (fd >= 0) {
+        ::dup2(fd, 1);
+        ::dup2(fd, 2);
+      }
+      cpu_set_t mask;
+      CPU_ZERO(&mask);
+      for (int c : slot.cpus) CPU_SET(c, &mask);
+      sched_setaffinity(0, sizeof mask, &mask);  // the trial's ranks see only its cores
+      if (!slot.gpus.empty()) ::setenv("CUDA_VISIBLE_DEVICES", list_text(slot.gpus).c_str(), 1);
+      ::setenv("DSRUN_SWEEP_ID", sweep_.id.c_str(), 1);
+      ::setenv("DSRUN_TRIAL_INDEX", std::to_string(index).c_str(), 1);
+      ::setenv("DSRUN_TRIAL_PARAMS", params_json.dump().c_str(), 1);
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      ::execv(argv[0], argv.data());
+      _exit(127);
+    }
+    t.pid = pid;
+    std::cout << "trial " << index + 1 << "/" << trial_budget(spec_) << " started: " << describe_params(t.params) << " (cores " << list_text(slot.cpus)
+              << (slot.gpus.empty() ? "" : ", GPUs " + list_text(slot.gpus)) << ")\n" << std::flush;
+    running_.push_back(t);
+  }
+
+  // The run a trial's child recorded (it appears once the child has planned).
+  void discover_run(Trial& t) {
+    if (!t.run_id.empty()) return;
+    for (const auto& r : store_.sweep_trials(sweep_.id))
+      if (r.trial_index == t.index && r.created_at >= t.started - 1 && !known_runs_.count(r.id)) {
+        t.run_id = r.id;
+        known_runs_.insert(r.id);
+        return;
+      }
+  }
+
+  void reap() {
+    for (auto it = running_.begin(); it != running_.end();) {
+      discover_run(*it);
+      int status = 0;
+      if (::waitpid(it->pid, &status, WNOHANG) != it->pid) {
+        ++it;
+        continue;
+      }
+      discover_run(*it);
+      busy_[it->slot] = false;
+      report_end(*it, WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
+      it = running_.erase(it);
+    }
+  }
+
+  void report_end(const Trial& t, int code) {
+    const std::string head = "trial " + std::to_string(t.index + 1) + "/" + std::to_string(trial_budget(spec_)) + " ";
+    if (t.run_id.empty()) {
+      std::cout << head << "failed before recording a run (exit " << code << "); see " << path_join(log_dir_, "trial" + std::to_string(t.index) + ".log") << "\n";
+      return;
+    }
+    RunRecord r = store_.get_run(t.run_id);
+    std::string line = head + to_string(r.status) + ": run " + r.id;
+    if (r.status == RunStatus::Finished) {
+      if (auto o = objective_of(store_, spec_, r.id)) {
+        finished_.push_back({t.params, *o});
+        line += ", " + spec_.metric + " " + format_double(*o, 5);
+      }
+    } else if (!r.error.empty()) {
+      line += ": " + r.error;
+    }
+    note_best(r);
+    line += "  (" + describe_params(t.params) + ")";
+    if (!best_run_.empty()) line += "  best: " + best_run_ + " " + format_double(best_value_, 5);
+    std::cout << line << "\n" << std::flush;
+  }
+
+  void note_best(const RunRecord& r) {
+    if (r.status != RunStatus::Finished) return;
+    auto o = objective_of(store_, spec_, r.id);
+    if (!o) return;
+    if (best_run_.empty() || (spec_.maximize ? *o > best_value_ : *o < best_value_)) {
+      best_run_ = r.id;
+      best_value_ = *o;
+    }
+    if (spec_.target && (spec_.maximize ? *o >= *spec_.target : *o <= *spec_.target)) target_reached_ = true;
+  }
+
+  void prune(Trial& t, const std::string& reason) {
+    if (t.prune_sent || t.run_id.empty()) return;
+    store_.add_event(t.run_id, "pruned", -1, reason);
+    ::kill(t.pid, SIGUSR2);  // the trial's launcher stops its ranks and records the run as pruned
+    t.prune_sent = true;
+    std::cout << "trial " << t.index + 1 << " pruning run " << t.run_id << ": " << reason << "\n" << std::flush;
+  }
+
+  void prune_all(const std::string& reason) {
+    for (auto& t : running_) prune(t, reason);
+  }
+
+  void prune_poor_trials() {
+    if (spec_.pruning.method == PruneMethod::None) return;
+    std::map<std::string, Curve> curves;
+    for (const auto& r : store_.sweep_trials(sweep_.id)) {
+      if (r.status == RunStatus::Infeasible) continue;
+      Curve c;
+      for (const auto& m : store_.metric_history(r.id, spec_.metric)) c.push_back({m.step, m.value});
+      curves[r.id] = c;
+    }
+    for (auto& t : running_) {
+      if (t.run_id.empty() || t.prune_sent || !curves.count(t.run_id)) continue;
+      std::vector<Curve> others;
+      for (const auto& [id, c] : curves)
+        if (id != t.run_id) others.push_back(c);
+      if (auto reason = prune_reason(spec_.pruning, spec_.maximize, curves[t.run_id], others)) prune(t, *reason);
+    }
+  }
+
+  const SweepSpec& spec_;
+  Store& store_;
+  SweepRecord sweep_;
+  std::string db_path_;
+  std::vector<std::string> base_sets_;
+  std::string log_dir_;
+  std::vector<Slot> slots_;
+  std::vector<bool> busy_;
+  std::vector<int64_t> pending_;
+  std::vector<Trial> running_;
+  std::vector<TrialOutcome> finished_;
+  std::set<std::string> known_runs_;
+  std::string best_run_;
+  double best_value_ = 0;
+  bool target_reached_ = false;
+};
+
+// A process that exists and is not a zombie (a killed driver may linger unreaped as one).
+bool process_alive(int64_t pid) {
+  if (pid <= 0 || (::kill(static_cast<pid_t>(pid), 0) != 0 && errno != EPERM)) return false;
+  const std::string stat = file_exists("/proc/" + std::to_string(pid) + "/stat") ? read_file("/proc/" + std::to_string(pid) + "/stat") : "";
+  const size_t paren = stat.rfind(')');
+  return paren == std::string::npos || paren + 2 >= stat.size() || stat[paren + 2] != 'Z';
+}
+
+}  // namespace
+
+int command_sweep(const SweepArgs& args, const std::string& db_path) {
+  if (!args.show.empty() || !args.resume.empty()) {
+    if (!file_exists(db_path)) throw Error("no run store here", ErrorContext{db_path, 0, 0, "", -1, "pass --db"});
+  }
+  if (!args.show.empty()) {
+    Store store(db_path);
+    SweepRecord sweep = store.get_sweep(args.show);
+    print_leaderboard(store, sweep_spec_from_json(nlohmann::json::parse(sweep.spec_json)), sweep, args.json, args.csv);
+    return 0;
+  }
+  make_directories(parent_directory(db_path));
+  Store store(db_path);
+  SweepRecord sweep;
+  SweepSpec spec;
+  std::vector<std::string> sets = args.sets;
+  const HostFacts host = read_host_facts();
+  if (!args.resume.empty()) {
+    sweep = store.get_sweep(args.resume);
+    spec = sweep_spec_from_json(nlohmann::json::parse(sweep.spec_json));
+    const double age = unix_now() - sweep.heartbeat_at;
+    if (sweep.status == "running" && sweep.host == host.hostname && process_alive(sweep.pid) && age < 15) {
+      ErrorContext c;
+      c.key = "sweep " + sweep.id;
+      c.hint = "it is still running in process " + std::to_string(sweep.pid) + "; stop it first";
+      throw Error("sweep is running", c);
+    }
+    // Trials a dead sweep left running: their processes died with it.
+    for (const auto& r : store.sweep_trials(sweep.id))
+      if (r.status == RunStatus::Running) {
+        const std::string why = "abandoned: its sweep process died (last heartbeat " + format_seconds(unix_now() - sweep.heartbeat_at) + " ago)";
+        store.add_event(r.id, "failed", -1, why);
+        store.set_status(r.id, RunStatus::Failed, why);
+      }
+    store.update_sweep(sweep.id, "running", sweep.best_run, "", ::getpid());
+    std::cout << "resuming sweep " << sweep.id << " (" << sweep.name << ")\n";
+  } else {
+    if (args.file.empty()) throw Error("dsrun sweep needs a recipe with a [sweep] section, --resume SWEEP or --show SWEEP");
+    spec = load_sweep_spec(args.file);
+    // The base recipe must be valid, and every swept value acceptable for its key, before anything runs.
+    LoadOptions options;
+    options.host = host;
+    options.overrides = sets;
+    LoadedRecipe base = load_recipe_file(args.file, options);
+    if (!base.ok()) {
+      std::cerr << base.report();
+      throw Error("invalid recipe", ErrorContext{args.file, 0, 0, "", -1, "fix the errors above"});
+    }
+    std::vector<std::string> problems;
+    for (const auto& p : spec.parameters) {
+      std::vector<nlohmann::json> probes = p.values;
+      if (p.distribution != Distribution::Values) probes = {p.min, p.max};
+      for (const auto& v : probes) {
+        TrialParams one;
+        if (p.keys.size() == 1) one[p.keys[0]] = p.distribution == Distribution::IntUniform ? nlohmann::json(static_cast<int64_t>(v.get<double>())) : v;
+        else
+          for (size_t k = 0; k < p.keys.size(); ++k) one[p.keys[k]] = v[k];
+        LoadOptions o = options;
+        for (const auto& s : trial_overrides(one)) o.overrides.push_back(s);
+        LoadedRecipe r = load_recipe_file(args.file, o);
+        for (const auto& d : r.diagnostics)
+          if (d.severity == Diagnostic::Severity::Error && one.count(d.key)) problems.push_back(d.key + " = " + one[d.key].dump() + ": " + d.message);
+      }
+    }
+    if (!problems.empty()) {
+      ErrorContext c;
+      c.file = args.file;
+      c.key = "sweep.parameters";
+      c.hint = "change the swept values";
+      throw Error("swept values the recipe does not accept:\n  " + join(problems, "\n  "), c);
+    }
+    sweep.name = base.recipe.run.name.empty() ? file_stem(args.file) : base.recipe.run.name;
+    sweep.recipe_path = args.file;
+    sweep.recipe_text = read_file(args.file);
+    nlohmann::json spec_json = sweep_spec_to_json(spec);
+    spec_json["base_sets"] = sets;
+    sweep.spec_json = spec_json.dump();
+    sweep.host = host.hostname;
+    sweep.pid = ::getpid();
+    sweep.id = store.create_sweep(sweep);
+    sweep.status = "running";
+    std::cout << "sweep " << sweep.id << " (" << sweep.name << "): " << trial_budget(spec) << " trial(s), "
+              << (spec.method == SweepMethod::Grid ? "grid" : spec.method == SweepMethod::Random ? "random" : "TPE") << ", "
+              << (spec.maximize ? "maximize " : "minimize ") << spec.metric << "\n";
+  }
+  nlohmann::json stored = nlohmann::json::parse(sweep.spec_json);
+  if (stored.contains("base_sets") && args.resume.size()) sets = stored["base_sets"].get<std::vector<std::string>>();
+  SweepDriver driver(spec, store, sweep, db_path, sets);
+  return driver.run();
+}
+
+}  // namespace dsrun

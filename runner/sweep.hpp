@@ -1,0 +1,20 @@
+// `dsrun sweep`: runs a recipe's [sweep] as trials, each a normal `dsrun run` child process with
+// its share of the devices, prunes poor trials from their metrics in the store, and can resume.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace dsrun {
+
+struct SweepArgs {
+  std::string file;               // the recipe with a [sweep] section
+  std::vector<std::string> sets;  // --set overrides applied to every trial (the trial's values win)
+  std::string resume;             // --resume SWEEP: continue that sweep
+  std::string show;               // --show SWEEP: print its leaderboard only
+  bool json = false, csv = false; // leaderboard format
+};
+
+int command_sweep(const SweepArgs& args, const std::string& db_path);
+
+}  // namespace dsrun
