@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Installs every Debian package dsrun needs and builds it into ./build.
+# ./setup.sh --with-test-tools also installs what only the tests use (Chromium for the report test).
 # Safe to run again: apt skips what is installed, CMake rebuilds only what changed.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -14,6 +15,10 @@ packages=(
   fortunes                            # real English text for the quickstart's training data
   sqlite3                             # the sqlite3 shell, handy for looking into runs/dsrun.db
 )
+# --with-test-tools: what only the tests need (the README's test command passes it).
+if [ "${1:-}" = "--with-test-tools" ]; then
+  packages+=(chromium)                # renders the HTML report in the report test (headless)
+fi
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -96,6 +96,7 @@ std::string apply_plan_hook(RecipeArgs& args, LoadedRecipe& loaded, Plan& plan, 
 NewRun run_record(const LoadedRecipe& loaded, const Plan& plan, const std::string& plan_text, const HostFacts& host) {
   NewRun run;
   run.config_toml = config_to_toml(loaded.config);
+  run.config_json = config_to_json(loaded.config);
   run.plan_json = plan_to_json(plan);
   run.plan_text = plan_text;
   run.model = plan.model;
@@ -183,7 +184,7 @@ int command_plan(const RecipeArgs& given, bool json) {
 // Keys the recipe language has but this build's engine does not act on yet: said, never ignored.
 static void warn_unimplemented(const LoadedRecipe& loaded) {
   static const std::pair<const char*, const char*> pending[] = {
-      {"logging.tensorboard", "TensorBoard files"}, {"logging.level", "log levels"}, {"logging.every", "logging intervals"}};
+      {"logging.level", "log levels"}, {"logging.every", "logging intervals"}};
   for (const auto& [key, setting] : loaded.config) {
     if (setting.source.layer == Layer::Default || (!starts_with(key, "hooks.options.") && setting.value.toml() == default_value(key).toml())) continue;
     for (const auto& [prefix, what] : pending)
@@ -429,39 +430,6 @@ int command_export(const std::string& run, int64_t step, const std::string& to, 
 }
 
 void command_worker(const std::string& config_path) { exec_rank_process(config_path); }
-
-int command_history(const std::string& db_path, int limit, const std::string& status, const std::string& sweep, bool json, bool csv) {
-  if (!status.empty()) run_status_from_string(status);  // a typo is an error, not an empty list
-  if (!file_exists(db_path)) {
-    std::cout << "no runs yet (no store at " << db_path << ")\n";
-    return kExitOk;
-  }
-  Store store(db_path);
-  RunListOptions options;
-  options.limit = limit;
-  options.status = status;
-  options.sweep = sweep.empty() ? "" : store.get_sweep(sweep).id;
-  std::vector<RunRecord> runs = store.list_runs(options);
-  if (csv) {
-    std::cout << render_history_csv(store, runs);
-    return kExitOk;
-  }
-  if (!json) {
-    std::cout << render_history(store, runs);
-    return kExitOk;
-  }
-  nlohmann::json out = nlohmann::json::array();
-  for (const auto& r : runs) {
-    nlohmann::json metrics = nlohmann::json::object();
-    for (const auto& [k, m] : store.latest_metrics(r.id)) metrics[k] = {{"step", m.step}, {"value", m.value}};
-    out.push_back({{"id", r.id}, {"name", r.name}, {"status", to_string(r.status)}, {"model", r.model}, {"hardware", r.hardware},
-                   {"zero_stage", r.zero_stage}, {"world_size", r.world_size}, {"created_at", r.created_at},
-                   {"started_at", r.started_at}, {"ended_at", r.ended_at}, {"latest_metrics", metrics}, {"sweep_id", r.sweep_id},
-                   {"trial_index", r.trial_index}, {"trial_params", nlohmann::json::parse(r.trial_params.empty() ? "null" : r.trial_params, nullptr, false)}});
-  }
-  std::cout << out.dump(2) << "\n";
-  return kExitOk;
-}
 
 int command_show(const std::string& db_path, const std::string& query, bool json) {
   Store store = open_existing_store(db_path);

@@ -45,7 +45,6 @@ int command_resume(const ResumeArgs& args, const RunFlags& flags, const std::str
 int command_rollback(const std::string& run, int64_t to_step, const std::vector<std::string>& sets, const RunFlags& flags, const std::string& db_path);
 // `dsrun export RUN --to DIR`: consolidated safetensors + config.json from a checkpoint (-1: newest).
 int command_export(const std::string& run, int64_t step, const std::string& to, const std::string& dtype, const std::string& db_path);
-int command_history(const std::string& db_path, int limit, const std::string& status, const std::string& sweep, bool json, bool csv);
 int command_show(const std::string& db_path, const std::string& run, bool json);
 int command_init(const std::string& name, const std::string& template_name, bool force);
 int command_templates();

@@ -5,6 +5,7 @@
 #include "engine/common/files.hpp"
 #include "engine/common/host.hpp"
 #include "engine/common/text.hpp"
+#include "storage/tensorboard.hpp"
 
 #include <nlohmann/json.hpp>
 
@@ -113,6 +114,7 @@ class Supervisor {
     prune.sa_handler = on_prune_request;
     sigaction(SIGUSR2, &prune, nullptr);
 
+    if (r_.logging.tensorboard) tensorboard_ = std::make_unique<TensorBoardWriter>(path_join(o_.run_dir, "tensorboard"), read_host_facts().hostname);
     std::string resume_from = o_.resume_from;
     for (int restarts = 0;; ++restarts) {
       start_ranks(config_path, resume_from, restarts);
@@ -333,6 +335,14 @@ class Supervisor {
       }
       const int64_t step = m.value("step", int64_t{0});
       store_.add_metrics(run_id_, step, values);
+      if (tensorboard_) {
+        try {
+          tensorboard_->add_scalars(step, values);
+        } catch (const Error& e) {  // recorded, and the run goes on without event files
+          store_.add_event(run_id_, "tensorboard", -1, e.describe());
+          tensorboard_.reset();
+        }
+      }
       if (type == "step") show_progress(step, m.value("total", int64_t{0}), m["metrics"]);
       else print_line("eval at step " + std::to_string(step) + ": " + m["metrics"].dump());
     } else if (type == "memory") {
@@ -443,6 +453,7 @@ class Supervisor {
   std::vector<RankProcess> ranks_;
   double started_ = 0;
   int64_t first_step_ = 1;
+  std::unique_ptr<TensorBoardWriter> tensorboard_;  // logging.tensorboard: RUN_DIR/tensorboard/
   bool progress_open_ = false;
   std::string stopped_early_;  // why, when a rank stopped before the last step
 };

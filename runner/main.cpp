@@ -1,6 +1,8 @@
 // dsrun's entry point: the CLI11 command tree. `dsrun RECIPE` is short for `dsrun run RECIPE`.
 #include "engine/common/error.hpp"
 #include "runner/commands.hpp"
+#include "runner/history.hpp"
+#include "runner/report.hpp"
 #include "runner/sweep.hpp"
 
 #include <CLI/CLI.hpp>
@@ -13,7 +15,7 @@
 
 namespace {
 
-const char* const kCommands[] = {"run", "plan", "history", "show", "resume", "rollback", "export", "sweep", "init", "templates", "docs", "worker"};
+const char* const kCommands[] = {"run", "plan", "history", "show", "resume", "rollback", "export", "sweep", "compare", "watch", "delete", "restore", "gc", "report", "init", "templates", "docs", "worker"};
 
 // `dsrun recipes/x.toml ...` means `dsrun run recipes/x.toml ...`.
 std::vector<std::string> with_default_command(int argc, char** argv) {
@@ -67,15 +69,49 @@ int main(int argc, char** argv) {
   add_recipe_args(plan);
   plan->add_flag("--json", json, "JSON instead of the table");
 
-  int limit = 50;
-  std::string status, sweep_filter;
-  bool csv = false;
-  CLI::App* history = app.add_subcommand("history", "List runs, newest first");
-  history->add_option("--limit", limit, "Most runs to list")->check(CLI::Range(1, 100000000));
-  history->add_option("--status", status, "Only runs with this status");
-  history->add_option("--sweep", sweep_filter, "Only the trials of this sweep (id, prefix or name)");
-  history->add_flag("--json", json, "JSON instead of the table");
-  history->add_flag("--csv", csv, "CSV instead of the table");
+  dsrun::HistoryArgs hist;
+  CLI::App* history = app.add_subcommand("history", "List runs, newest first; filter, query, sort");
+  history->add_option("--limit", hist.limit, "Most runs to list")->check(CLI::Range(1, 100000000));
+  history->add_option("--status", hist.status, "Only runs with this status");
+  history->add_option("--sweep", hist.sweep, "Only the trials of this sweep (id, prefix or name)");
+  history->add_option("--model", hist.model, "Only runs whose model name contains this");
+  history->add_option("--hardware", hist.hardware, "Only runs whose hardware name contains this");
+  history->add_option("--recipe", hist.recipe, "Only runs whose recipe path contains this");
+  history->add_option("--since", hist.since, "Only runs created within this long: 2 days, 3h, 30 min");
+  history->add_option("--where", hist.where, "An expression: optimizer.lr > 1e-4 and metrics.val_loss < 2.5 and status = finished");
+  history->add_option("--sort", hist.sort, "Sort by a column, config key or metrics.KEY (default: newest first)");
+  history->add_flag("--asc", hist.ascending, "Ascending order");
+  history->add_flag("--deleted", hist.deleted, "List soft-deleted runs instead");
+  history->add_flag("--json", hist.json, "JSON instead of the table");
+  history->add_flag("--csv", hist.csv, "CSV instead of the table");
+
+  std::vector<std::string> run_list;
+  CLI::App* del = app.add_subcommand("delete", "Soft-delete runs (hidden from history; restore brings them back; gc frees their files)");
+  del->add_option("runs", run_list, "Run ids, prefixes or names")->required();
+  CLI::App* restore = app.add_subcommand("restore", "Restore soft-deleted runs");
+  restore->add_option("runs", run_list, "Run ids, prefixes or names")->required();
+  bool dry_run = false;
+  CLI::App* gc = app.add_subcommand("gc", "Remove the files (run directories, checkpoints) of deleted runs; report bytes freed");
+  gc->add_flag("--dry-run", dry_run, "Only report what would be freed");
+
+  dsrun::CompareArgs cmp;
+  CLI::App* compare = app.add_subcommand("compare", "Compare runs: config and plan differences, metrics, predicted vs measured");
+  compare->add_option("runs", cmp.runs, "Two or more runs")->required();
+  compare->add_flag("--all", cmp.all, "Every config key, not only those that differ");
+  compare->add_option("--at-step", cmp.at_step, "Also each metric at this step");
+  compare->add_flag("--json", cmp.json, "JSON instead of tables");
+
+  std::vector<std::string> report_runs;
+  std::string report_out = "report.html";
+  CLI::App* report = app.add_subcommand("report", "Write one self-contained HTML page: charts, memory, recipes, plans, events");
+  report->add_option("runs", report_runs, "Runs to put on the page (overlaid)")->required();
+  report->add_option("-o,--output", report_out, "The HTML file");
+
+  std::string watch_run;
+  double watch_interval = 1.0;
+  CLI::App* watch = app.add_subcommand("watch", "Follow a running run from the store until it ends");
+  watch->add_option("run", watch_run, "Run id, prefix or name")->required();
+  watch->add_option("--interval", watch_interval, "Seconds between polls")->check(CLI::Range(0.05, 3600.0));
 
   dsrun::SweepArgs sweep_args;
   CLI::App* sweep = app.add_subcommand("sweep", "Run a recipe's [sweep]: trials, search, pruning; --resume, --show");
@@ -143,7 +179,13 @@ int main(int argc, char** argv) {
     if (*run) return dsrun::command_run(recipe_args, flags, db);
     if (*worker) dsrun::command_worker(worker_config);
     if (*plan) return dsrun::command_plan(recipe_args, json);
-    if (*history) return dsrun::command_history(db, limit, status, sweep_filter, json, csv);
+    if (*history) return dsrun::command_history(hist, db);
+    if (*del) return dsrun::command_delete(run_list, db);
+    if (*restore) return dsrun::command_restore(run_list, db);
+    if (*gc) return dsrun::command_gc(dry_run, db);
+    if (*compare) return dsrun::command_compare(cmp, db);
+    if (*watch) return dsrun::command_watch(watch_run, watch_interval, db);
+    if (*report) return dsrun::command_report(report_runs, report_out, db);
     if (*sweep) return dsrun::command_sweep(sweep_args, db);
     if (*show) return dsrun::command_show(db, run_id, json);
     if (*resume) return dsrun::command_resume(resume_args, flags, db);

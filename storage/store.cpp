@@ -5,6 +5,7 @@
 #include <sqlite3.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 
@@ -191,6 +192,10 @@ ALTER TABLE runs ADD COLUMN trial_index INTEGER;
 ALTER TABLE runs ADD COLUMN trial_params TEXT;
 CREATE INDEX runs_sweep ON runs(sweep_id, trial_index);
 )sql",
+    // 4: the resolved config as flat JSON, for `history --where optimizer.lr > 1e-4`.
+    R"sql(
+ALTER TABLE runs ADD COLUMN config_json TEXT;
+)sql",
 };
 constexpr int kSchemaVersion = sizeof(kMigrations) / sizeof(kMigrations[0]);
 
@@ -221,7 +226,7 @@ bool transition_allowed(RunStatus from, RunStatus to) {
 
 const char* kRunColumns =
     "id, name, status, created_at, started_at, ended_at, recipe_path, recipe_text, config_toml, plan_json, model, hardware, "
-    "zero_stage, world_size, host, git_revision, parent_run, parent_step, sweep_id, error, plan_text, trial_index, trial_params";
+    "zero_stage, world_size, host, git_revision, parent_run, parent_step, sweep_id, error, plan_text, trial_index, trial_params, deleted_at";
 
 RunRecord read_run(const Statement& s) {
   RunRecord r;
@@ -248,6 +253,7 @@ RunRecord read_run(const Statement& s) {
   r.plan_text = s.text(20);
   r.trial_index = s.is_null(21) ? -1 : s.integer(21);
   r.trial_params = s.text(22);
+  r.deleted_at = s.real(23);
   return r;
 }
 
@@ -329,8 +335,8 @@ std::string Store::create_run(const NewRun& run) {
   DSRUN_ASSERT(!id.empty(), "16 random 32-bit ids collided");
   Statement s(db_.get(),
               "INSERT INTO runs(id, name, status, created_at, recipe_path, recipe_text, config_toml, plan_json, model, hardware, "
-              "zero_stage, world_size, host, git_revision, parent_run, parent_step, sweep_id, plan_text, trial_index, trial_params) "
-              "VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)");
+              "zero_stage, world_size, host, git_revision, parent_run, parent_step, sweep_id, plan_text, trial_index, trial_params, config_json) "
+              "VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)");
   s.bind(1, id).bind(2, run.name).bind(3, std::string(to_string(run.status))).bind(4, unix_now());
   s.bind(5, run.recipe_path).bind(6, run.recipe_text).bind(7, run.config_toml).bind(8, run.plan_json);
   s.bind(9, run.model).bind(10, run.hardware).bind(11, run.zero_stage).bind(12, run.world_size);
@@ -340,7 +346,7 @@ std::string Store::create_run(const NewRun& run) {
   s.bind_optional(17, run.sweep_id).bind(18, run.plan_text);
   if (run.trial_index >= 0) s.bind(19, run.trial_index);
   else s.bind_null(19);
-  s.bind_optional(20, run.trial_params);
+  s.bind_optional(20, run.trial_params).bind_optional(21, run.config_json);
   s.run();
   t.commit();
   return id;
@@ -408,16 +414,16 @@ void Store::update_plan(const std::string& run_id, const std::string& config_tom
   s.run();
 }
 
-std::string Store::resolve_run(const std::string& query) const {
+std::string Store::resolve_run(const std::string& query, bool include_deleted) const {
   std::vector<std::string> matches;
   {
-    Statement s(db_.get(), "SELECT id FROM runs WHERE substr(id, 1, length(?1)) = ?1 AND deleted_at IS NULL ORDER BY created_at DESC");
-    s.bind(1, query);
+    Statement s(db_.get(), "SELECT id FROM runs WHERE substr(id, 1, length(?1)) = ?1 AND (deleted_at IS NULL OR ?2) ORDER BY created_at DESC");
+    s.bind(1, query).bind(2, include_deleted ? 1 : 0);
     while (s.step()) matches.push_back(s.text(0));
   }
   if (matches.empty()) {
-    Statement s(db_.get(), "SELECT id FROM runs WHERE name = ? AND deleted_at IS NULL ORDER BY created_at DESC");
-    s.bind(1, query);
+    Statement s(db_.get(), "SELECT id FROM runs WHERE name = ? AND (deleted_at IS NULL OR ?2) ORDER BY created_at DESC");
+    s.bind(1, query).bind(2, include_deleted ? 1 : 0);
     while (s.step()) matches.push_back(s.text(0));
   }
   ErrorContext c;
@@ -456,6 +462,69 @@ std::vector<RunRecord> Store::list_runs(const RunListOptions& o) const {
   std::vector<RunRecord> out;
   while (s.step()) out.push_back(read_run(s));
   return out;
+}
+
+std::vector<RunRecord> Store::query_runs(const RunQuery& q) const {
+  std::string sql = std::string("SELECT ") + kRunColumns + " FROM runs WHERE " + (q.deleted ? "deleted_at IS NOT NULL" : "deleted_at IS NULL");
+  std::vector<SqlFragment::Param> params;
+  auto text = [&](const std::string& clause, const std::string& value) {
+    if (value.empty()) return;
+    sql += clause;
+    params.push_back({false, 0, value});
+  };
+  text(" AND status = ?", q.status);
+  text(" AND sweep_id = ?", q.sweep);
+  auto contains = [&](const char* column, const std::string& value) {  // a substring, LIKE wildcards escaped
+    if (value.empty()) return;
+    std::string pattern = "%";
+    for (char c : value) pattern += (c == '%' || c == '_' || c == '\\') ? std::string("\\") + c : std::string(1, c);
+    text(std::string(" AND ") + column + " LIKE ? ESCAPE '\\'", pattern + "%");
+  };
+  contains("model", q.model);
+  contains("hardware", q.hardware);
+  contains("recipe_path", q.recipe);
+  if (q.since_seconds > 0) {
+    sql += " AND created_at >= ?";
+    params.push_back({true, unix_now() - q.since_seconds, ""});
+  }
+  if (!q.where.sql.empty()) {
+    sql += " AND (" + q.where.sql + ")";
+    params.insert(params.end(), q.where.params.begin(), q.where.params.end());
+  }
+  if (!q.sort.sql.empty()) {
+    // Runs without the sort value (a metric never recorded) go last either way.
+    sql += " ORDER BY (" + q.sort.sql + ") IS NULL, (" + q.sort.sql + ")" + (q.ascending ? " ASC" : " DESC") + ", created_at DESC";
+    params.insert(params.end(), q.sort.params.begin(), q.sort.params.end());
+    params.insert(params.end(), q.sort.params.begin(), q.sort.params.end());
+  } else {
+    sql += std::string(" ORDER BY created_at ") + (q.ascending ? "ASC" : "DESC") + ", rowid DESC";
+  }
+  sql += " LIMIT ?";
+  params.push_back({true, static_cast<double>(q.limit), ""});
+  Statement s(db_.get(), sql.c_str());
+  for (size_t i = 0; i < params.size(); ++i) {
+    const int index = static_cast<int>(i) + 1;
+    if (!params[i].is_number) s.bind(index, params[i].text);
+    else if (std::floor(params[i].number) == params[i].number && std::fabs(params[i].number) < 9e15) s.bind(index, static_cast<int64_t>(params[i].number));
+    else s.bind(index, params[i].number);
+  }
+  std::vector<RunRecord> out;
+  while (s.step()) out.push_back(read_run(s));
+  return out;
+}
+
+void Store::set_deleted(const std::string& run_id, bool deleted) {
+  Statement s(db_.get(), "UPDATE runs SET deleted_at = ? WHERE id = ?");
+  if (deleted) s.bind(1, unix_now());
+  else s.bind_null(1);
+  s.bind(2, run_id);
+  s.run();
+}
+
+int64_t Store::count_runs() const {
+  Statement s(db_.get(), "SELECT count(*) FROM runs WHERE deleted_at IS NULL");
+  s.step();
+  return s.integer(0);
 }
 
 std::map<std::string, MetricValue> Store::latest_metrics(const std::string& run_id) const {

@@ -2,6 +2,8 @@
 // schema and migrations. WAL mode and short transactions keep it consistent if a process is killed.
 #pragma once
 
+#include "storage/run_query.hpp"
+
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -34,12 +36,14 @@ struct NewRun {
   std::string sweep_id;
   int64_t trial_index = -1;  // a sweep's trial number, -1 outside sweeps
   std::string trial_params;  // the trial's parameters, JSON
+  std::string config_json;   // the resolved config flattened to {"dotted.key": value} (queried by --where)
   RunStatus status = RunStatus::Planned;
 };
 
 struct RunRecord : NewRun {
   std::string id;
   double created_at = 0, started_at = 0, ended_at = 0;  // unix seconds, 0 when not yet
+  double deleted_at = 0;
   std::string error;
 };
 
@@ -69,6 +73,18 @@ struct RunListOptions {
   int limit = 50;
   std::string status;  // empty: any
   std::string sweep;   // empty: any
+};
+
+// `dsrun history`'s filters; empty fields do not filter.
+struct RunQuery {
+  int limit = 50;
+  std::string status, sweep;
+  std::string model, hardware, recipe;  // substrings
+  double since_seconds = 0;             // created within this many seconds
+  SqlFragment where;                    // parse_where()
+  SqlFragment sort;                     // sort_expression(); empty: created_at
+  bool ascending = false;
+  bool deleted = false;                 // list soft-deleted runs instead
 };
 
 // A sweep: its spec and where it stands; its trials are runs with its sweep_id.
@@ -107,9 +123,12 @@ class Store {
                    int zero_stage, int world_size);
 
   // A full id, a unique id prefix, or a unique run name -> the run's id; throws naming the matches otherwise.
-  std::string resolve_run(const std::string& id_prefix_or_name) const;
+  std::string resolve_run(const std::string& id_prefix_or_name, bool include_deleted = false) const;
   RunRecord get_run(const std::string& run_id) const;
   std::vector<RunRecord> list_runs(const RunListOptions& options) const;  // newest first
+  std::vector<RunRecord> query_runs(const RunQuery& query) const;
+  void set_deleted(const std::string& run_id, bool deleted);  // soft delete and restore
+  int64_t count_runs() const;
   std::map<std::string, MetricValue> latest_metrics(const std::string& run_id) const;
   std::vector<MetricValue> metric_history(const std::string& run_id, const std::string& key) const;
   std::vector<EventRecord> events(const std::string& run_id) const;

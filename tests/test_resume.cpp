@@ -16,6 +16,7 @@
 
 using dsrun::test::check_same_trajectory;
 using dsrun::test::contains;
+using dsrun::test::dsrun_command;
 using dsrun::test::layout;
 using dsrun::test::recorded_losses;
 using dsrun::test::Run;
@@ -35,10 +36,6 @@ const std::vector<double>& uninterrupted() {
   REQUIRE(run.code == 0);
   REQUIRE(run.losses.size() == 6);
   return run.losses;
-}
-
-dsrun::test::CommandOutput dsrun_command(const TempDir& dir, const std::string& args) {
-  return dsrun::test::run_command("cd '" + dsrun::test::source_dir() + "' && '" DSRUN_BINARY "' " + args + " --db '" + dir.file("runs.db") + "'");
 }
 
 std::string checkpoint_dir(const TempDir& dir, const std::string& run_id, int64_t step) {

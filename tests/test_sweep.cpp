@@ -5,6 +5,7 @@
 #include "engine/sweep/sweep.hpp"
 #include "storage/store.hpp"
 #include "test_util.hpp"
+#include "train_util.hpp"
 
 #include <catch2/catch.hpp>
 #include <sys/wait.h>
@@ -15,6 +16,7 @@
 #include <set>
 
 using dsrun::test::contains;
+using dsrun::test::dsrun_command;
 using dsrun::test::error_of;
 using dsrun::test::TempDir;
 
@@ -22,10 +24,6 @@ namespace {
 
 std::string sweep_file(const TempDir& dir, const std::string& sweep, const std::string& recipe_extra = "") {
   return dir.write("sweep.toml", "base = \"" + dsrun::test::source_dir() + "/tests/recipes/tiny_train.toml\"\n" + recipe_extra + "\n" + sweep);
-}
-
-dsrun::test::CommandOutput dsrun_command(const TempDir& dir, const std::string& args) {
-  return dsrun::test::run_command("cd '" + dsrun::test::source_dir() + "' && '" DSRUN_BINARY "' " + args + " --db '" + dir.file("runs.db") + "'");
 }
 
 // The sweep id a `dsrun sweep` printed ("sweep sXXXXXXX ...").

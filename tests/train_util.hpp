@@ -55,6 +55,11 @@ inline void check_same_trajectory(const std::vector<double>& reference, const Ru
   }
 }
 
+// `dsrun ARGS --db DIR/runs.db`, run from the source tree.
+inline CommandOutput dsrun_command(const TempDir& dir, const std::string& args) {
+  return run_command("cd '" + source_dir() + "' && '" DSRUN_BINARY "' " + args + " --db '" + dir.file("runs.db") + "'");
+}
+
 // Losses a run recorded, read again (after a resume they cover both attempts).
 inline std::vector<double> recorded_losses(const TempDir& dir, const std::string& run_id) {
   Store store(dir.file("runs.db"));

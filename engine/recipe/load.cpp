@@ -1,5 +1,7 @@
 #include "engine/recipe/load.hpp"
 
+#include <nlohmann/json.hpp>
+
 #include "engine/common/error.hpp"
 #include "engine/common/files.hpp"
 #include "engine/common/text.hpp"
@@ -508,6 +510,29 @@ LoadedRecipe load_recipe_file(const std::string& path, const LoadOptions& option
     throw Error("recipe file not found", c);
   }
   return load_recipe_text(read_file(path), path, options);
+}
+
+namespace {
+nlohmann::json value_json(const Value& v) {
+  switch (v.kind) {
+    case Value::Kind::Int: return v.i;
+    case Value::Kind::Float: return v.f;
+    case Value::Kind::Bool: return v.b;
+    case Value::Kind::String: return v.s;
+    case Value::Kind::Array: {
+      nlohmann::json a = nlohmann::json::array();
+      for (const auto& item : v.items) a.push_back(value_json(item));
+      return a;
+    }
+    default: return v.s;
+  }
+}
+}  // namespace
+
+std::string config_to_json(const Config& config) {
+  nlohmann::json j = nlohmann::json::object();
+  for (const auto& [key, setting] : config) j[key] = value_json(setting.value);
+  return j.dump();
 }
 
 std::string config_to_toml(const Config& config) {

@@ -88,6 +88,8 @@ Value default_value(const std::string& key);
 
 // The resolved config as a nested TOML document (what `dsrun show` prints and the store keeps).
 std::string config_to_toml(const Config& config);
+// The config as one flat JSON object {"section.key": value} (the store queries it).
+std::string config_to_json(const Config& config);
 
 // Step 3 (build.cpp): typed Recipe from a schema-validated config, plus cross-key rules.
 Recipe build_recipe(const Config& config, const HostFacts& host, const std::string& recipe_dir,

@@ -1,0 +1,34 @@
+// Looking at past runs: `history` with filters, a query expression and sorting; soft `delete`,
+// `restore` and `gc`; `compare` (config, plan, metrics, predicted vs measured); `watch`.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace dsrun {
+
+struct HistoryArgs {
+  int limit = 50;
+  std::string status, sweep, model, hardware, recipe, since, where, sort;
+  bool ascending = false, deleted = false, json = false, csv = false;
+};
+int command_history(const HistoryArgs& args, const std::string& db_path);
+
+int command_delete(const std::vector<std::string>& runs, const std::string& db_path);
+int command_restore(const std::vector<std::string>& runs, const std::string& db_path);
+// Removes the files (run directory, checkpoints) of soft-deleted runs; reports the bytes freed.
+int command_gc(bool dry_run, const std::string& db_path);
+
+struct CompareArgs {
+  std::vector<std::string> runs;
+  bool all = false;     // every config key, not only those that differ
+  int64_t at_step = -1; // also each metric at this step
+  bool json = false;
+};
+int command_compare(const CompareArgs& args, const std::string& db_path);
+
+// Follows a run from the store until it ends (another process is running it).
+int command_watch(const std::string& run, double interval_s, const std::string& db_path);
+
+}  // namespace dsrun

@@ -1,0 +1,304 @@
+#include "storage/run_query.hpp"
+
+#include "engine/common/error.hpp"
+
+#include <algorithm>
+#include <cctype>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+
+namespace dsrun {
+
+namespace {
+
+// Run columns by the names the query language uses.
+const std::map<std::string, std::string>& columns() {
+  static const std::map<std::string, std::string> c = {
+      {"id", "runs.id"},           {"name", "runs.name"},         {"status", "runs.status"},       {"model", "runs.model"},
+      {"hardware", "runs.hardware"}, {"zero_stage", "runs.zero_stage"}, {"world_size", "runs.world_size"}, {"host", "runs.host"},
+      {"recipe", "runs.recipe_path"}, {"created_at", "runs.created_at"}, {"started_at", "runs.started_at"}, {"ended_at", "runs.ended_at"},
+      {"duration", "(COALESCE(runs.ended_at, runs.heartbeat_at) - runs.started_at)"}, {"sweep", "runs.sweep_id"},
+      {"trial", "runs.trial_index"}, {"parent", "runs.parent_run"}, {"git", "runs.git_revision"}};
+  return c;
+}
+
+int distance(const std::string& a, const std::string& b) {
+  std::vector<int> prev(b.size() + 1), cur(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) prev[j] = static_cast<int>(j);
+  for (size_t i = 1; i <= a.size(); ++i) {
+    cur[0] = static_cast<int>(i);
+    for (size_t j = 1; j <= b.size(); ++j) cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
+    std::swap(prev, cur);
+  }
+  return prev[b.size()];
+}
+
+struct Token {
+  enum Kind { Name, Number, String, Op, LParen, RParen, End } kind = End;
+  std::string text;
+  double number = 0;
+  size_t at = 0;  // column in the expression
+};
+
+class WhereParser {
+ public:
+  WhereParser(std::string text, const QueryNames& names) : text_(std::move(text)), names_(names) { tokenize(); }
+
+  SqlFragment parse() {
+    SqlFragment f = parse_or();
+    if (peek().kind != Token::End) fail(peek(), "unexpected \"" + peek().text + "\"", "join conditions with and / or");
+    return f;
+  }
+
+  SqlFragment name_value(const Token& t) {
+    SqlFragment f;
+    const std::string lower = lowercase(t.text);
+    if (auto it = columns().find(lower); it != columns().end()) {
+      f.sql = it->second;
+      return f;
+    }
+    if (t.text.rfind("metrics.", 0) == 0 && t.text.size() > 8) {
+      f.sql = "(SELECT ml.value FROM metrics_latest ml WHERE ml.run_id = runs.id AND ml.key = ?)";
+      f.params.push_back({false, 0, t.text.substr(8)});
+      return f;
+    }
+    if (names_.is_config_key && names_.is_config_key(t.text)) {
+      f.sql = "json_extract(runs.config_json, ?)";
+      f.params.push_back({false, 0, "$.\"" + t.text + "\""});
+      return f;
+    }
+    std::vector<std::string> known = names_.known_names;
+    for (const auto& [k, v] : columns()) known.push_back(k);
+    std::string best;
+    int best_d = 1 << 30;
+    for (const auto& k : known) {
+      int d = distance(t.text, k);
+      if (d < best_d) {
+        best_d = d;
+        best = k;
+      }
+    }
+    fail(t, "unknown name \"" + t.text + "\"",
+         (best_d <= std::max<int>(2, static_cast<int>(t.text.size()) / 3) ? "did you mean " + best + "? " : std::string()) +
+             "Names are run columns (status, name, model, ...), config keys (optimizer.lr) and metrics.KEY (metrics.val_loss)");
+  }
+
+ private:
+  static std::string lowercase(std::string s) {
+    for (auto& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    return s;
+  }
+
+  [[noreturn]] void fail(const Token& t, const std::string& message, const std::string& hint) const {
+    ErrorContext c;
+    c.key = "--where";
+    c.hint = hint;
+    throw Error(message + " at column " + std::to_string(t.at + 1) + "\n    " + text_ + "\n    " + std::string(t.at, ' ') + "^", c);
+  }
+
+  void tokenize() {
+    size_t i = 0;
+    while (i < text_.size()) {
+      const char ch = text_[i];
+      if (std::isspace(static_cast<unsigned char>(ch))) {
+        ++i;
+        continue;
+      }
+      Token t;
+      t.at = i;
+      if (std::isalpha(static_cast<unsigned char>(ch)) || ch == '_') {
+        size_t j = i;
+        while (j < text_.size() && (std::isalnum(static_cast<unsigned char>(text_[j])) || text_[j] == '_' || text_[j] == '.' || text_[j] == '/' || text_[j] == '-'))
+          ++j;
+        t.kind = Token::Name;
+        t.text = text_.substr(i, j - i);
+        i = j;
+      } else if (std::isdigit(static_cast<unsigned char>(ch)) || ((ch == '-' || ch == '.') && i + 1 < text_.size() && (std::isdigit(static_cast<unsigned char>(text_[i + 1])) || text_[i + 1] == '.'))) {
+        const char* begin = text_.c_str() + i;
+        char* end = nullptr;
+        t.number = std::strtod(begin, &end);
+        if (end == begin) {
+          t.text = std::string(1, ch);
+          fail(t, "not a number", "");
+        }
+        t.kind = Token::Number;
+        t.text = text_.substr(i, static_cast<size_t>(end - begin));
+        i += static_cast<size_t>(end - begin);
+      } else if (ch == '\'' || ch == '"') {
+        std::string value;
+        size_t j = i + 1;
+        bool closed = false;
+        while (j < text_.size()) {
+          if (text_[j] == ch) {
+            if (j + 1 < text_.size() && text_[j + 1] == ch) {  // a doubled quote is a quote
+              value += ch;
+              j += 2;
+              continue;
+            }
+            closed = true;
+            ++j;
+            break;
+          }
+          value += text_[j++];
+        }
+        t.text = std::string(1, ch);
+        if (!closed) fail(t, "unterminated string", "close it with " + std::string(1, ch));
+        t.kind = Token::String;
+        t.text = value;
+        i = j;
+      } else if (ch == '(' || ch == ')') {
+        t.kind = ch == '(' ? Token::LParen : Token::RParen;
+        t.text = std::string(1, ch);
+        ++i;
+      } else {
+        static const char* ops[] = {"<=", ">=", "!=", "<>", "==", "=", "<", ">"};
+        bool matched = false;
+        for (const char* op : ops)
+          if (text_.compare(i, std::strlen(op), op) == 0) {
+            t.kind = Token::Op;
+            t.text = op;
+            i += std::strlen(op);
+            matched = true;
+            break;
+          }
+        if (!matched) {
+          t.text = std::string(1, ch);
+          fail(t, "unexpected character \"" + t.text + "\"", "use names, numbers, 'strings', = != < <= > >=, like, is null, and, or, not, ( )");
+        }
+      }
+      tokens_.push_back(t);
+    }
+    Token end;
+    end.at = text_.size();
+    end.text = "end of expression";
+    tokens_.push_back(end);
+  }
+
+  const Token& peek() const { return tokens_[pos_]; }
+  Token next() { return tokens_[pos_ < tokens_.size() - 1 ? pos_++ : pos_]; }
+  bool word(const std::string& w) const { return peek().kind == Token::Name && lowercase(peek().text) == w; }
+
+  SqlFragment parse_or() {
+    SqlFragment f = parse_and();
+    while (word("or")) {
+      next();
+      f = join(f, " OR ", parse_and());
+    }
+    return f;
+  }
+
+  SqlFragment parse_and() {
+    SqlFragment f = parse_not();
+    while (word("and")) {
+      next();
+      f = join(f, " AND ", parse_not());
+    }
+    return f;
+  }
+
+  SqlFragment parse_not() {
+    if (word("not")) {
+      next();
+      SqlFragment inner = parse_not();
+      inner.sql = "NOT (" + inner.sql + ")";
+      return inner;
+    }
+    return parse_comparison();
+  }
+
+  SqlFragment parse_comparison() {
+    if (peek().kind == Token::LParen) {
+      next();
+      SqlFragment inner = parse_or();
+      if (peek().kind != Token::RParen) fail(peek(), "expected \")\"", "close the parenthesis");
+      next();
+      inner.sql = "(" + inner.sql + ")";
+      return inner;
+    }
+    const Token left = next();
+    if (left.kind != Token::Name) fail(left, "expected a name (a column, config key or metrics.KEY)", "for example: optimizer.lr > 1e-4");
+    SqlFragment f = name_value(left);
+    if (word("is")) {
+      next();
+      bool negated = false;
+      if (word("not")) {
+        next();
+        negated = true;
+      }
+      if (!word("null")) fail(peek(), "expected null after is", "");
+      next();
+      f.sql = "(" + f.sql + (negated ? " IS NOT NULL)" : " IS NULL)");
+      return f;
+    }
+    std::string op;
+    if (peek().kind == Token::Op) op = next().text;
+    else if (word("like")) {
+      next();
+      op = "LIKE";
+    } else {
+      fail(peek(), "expected a comparison (= != < <= > >= like) after " + left.text, "");
+    }
+    if (op == "==") op = "=";
+    if (op == "<>") op = "!=";
+    const Token right = next();
+    SqlFragment::Param value;
+    if (right.kind == Token::Number) {
+      value.is_number = true;
+      value.number = right.number;
+    } else if (right.kind == Token::String || right.kind == Token::Name) {
+      value.text = right.text;  // a bare word is a string: status = finished
+    } else {
+      fail(right, "expected a value after " + op, "a number, a 'string' or a word");
+    }
+    f.sql = "(" + f.sql + " " + op + " ?)";
+    f.params.push_back(value);
+    return f;
+  }
+
+  static SqlFragment join(SqlFragment a, const std::string& how, const SqlFragment& b) {
+    a.sql = a.sql + how + b.sql;
+    a.params.insert(a.params.end(), b.params.begin(), b.params.end());
+    return a;
+  }
+
+  std::string text_;
+  const QueryNames& names_;
+  std::vector<Token> tokens_;
+  size_t pos_ = 0;
+};
+
+}  // namespace
+
+SqlFragment parse_where(const std::string& expression, const QueryNames& names) {
+  WhereParser p(expression, names);
+  return p.parse();
+}
+
+SqlFragment sort_expression(const std::string& name, const QueryNames& names) {
+  WhereParser p(name, names);
+  Token t;
+  t.kind = Token::Name;
+  t.text = name;
+  return p.name_value(t);
+}
+
+double parse_duration(const std::string& text) {
+  const char* begin = text.c_str();
+  char* end = nullptr;
+  const double n = std::strtod(begin, &end);
+  std::string unit(end);
+  unit.erase(std::remove_if(unit.begin(), unit.end(), [](unsigned char c) { return std::isspace(c); }), unit.end());
+  static const std::vector<std::pair<std::vector<std::string>, double>> units = {
+      {{"s", "sec", "secs", "second", "seconds"}, 1},   {{"m", "min", "mins", "minute", "minutes"}, 60}, {{"h", "hour", "hours"}, 3600},
+      {{"d", "day", "days"}, 86400},                    {{"w", "week", "weeks"}, 604800}};
+  if (end != begin && n >= 0)
+    for (const auto& [names, seconds] : units)
+      if (std::find(names.begin(), names.end(), unit) != names.end()) return n * seconds;
+  ErrorContext c;
+  c.key = "--since";
+  c.hint = "write a number and a unit: 30 min, 3h, 2 days, 1 week";
+  throw Error("cannot read \"" + text + "\" as a duration", c);
+}
+
+}  // namespace dsrun
