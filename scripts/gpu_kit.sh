@@ -18,6 +18,8 @@ groups=(
   "sqlite3:libsqlite3-dev libsqlite3-0"
   "catch2:catch2"
   "nlohmann_json:nlohmann-json3-dev"
+  "lua:liblua5.4-dev liblua5.4-0"     # recipe hooks
+  "xxhash:libxxhash-dev libxxhash0"   # checkpoint checksums
   "gloo:libgloo-dev"          # headers only; gpu_build.sh uses them only if torch ships none
   "pkgconf:pkgconf-bin libpkgconf3"  # used only if the GPU machine has no pkg-config
   "fortunes:fortunes fortunes-min"   # data: recipes/quickstart.toml trains on /usr/share/games/fortunes
@@ -64,6 +66,10 @@ else
               -e "s|-I/usr/include|-I$up/include|g" "$pc"
   done < <(find "$sysroot" -path '*/pkgconfig/*.pc')
 
+  # Debian's luaconf.h includes "lua5.4-deb-multiarch.h", which lives in the multiarch include
+  # directory (a default path on Debian, not elsewhere); beside luaconf.h the quoted include finds it.
+  cp "$sysroot"/lua/usr/include/x86_64-linux-gnu/lua5.4-deb-multiarch.h "$sysroot"/lua/usr/include/lua5.4/
+
   # No absolute symlinks may remain: they would point into the GPU machine's own /usr.
   if abs=$(find "$sysroot" -type l -lname '/*' -print) && [ -n "$abs" ]; then
     echo "gpu_kit: absolute symlinks left:"; echo "$abs"; exit 1
@@ -76,6 +82,7 @@ missing=0
 for f in tomlplusplus/usr/include/toml++/toml.h spdlog/usr/include/spdlog/spdlog.h fmt/usr/include/fmt/format.h \
          cli11/usr/include/CLI/CLI.hpp sqlite3/usr/include/sqlite3.h catch2/usr/include/catch2/catch.hpp \
          nlohmann_json/usr/include/nlohmann/json.hpp gloo/usr/include/gloo/algorithm.h \
+         lua/usr/include/lua5.4/lua.h xxhash/usr/include/xxhash.h \
          tomlplusplus/usr/lib/x86_64-linux-gnu/libtomlplusplus.so.3 spdlog/usr/lib/x86_64-linux-gnu/libspdlog.so.1.10 \
          fmt/usr/lib/x86_64-linux-gnu/libfmt.so.9 sqlite3/usr/lib/x86_64-linux-gnu/libsqlite3.so.0 \
          sqlite3/usr/lib/x86_64-linux-gnu/pkgconfig/sqlite3.pc pkgconf/usr/bin/pkgconf \
