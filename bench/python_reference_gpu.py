@@ -77,7 +77,11 @@ def main():
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--micro", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--profile", default="", help="write a torch.profiler kernel table here (rank 0)")
     args = ap.parse_args()
+    global SEQ
+    SEQ = args.seq
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -92,6 +96,11 @@ def main():
     if world > 1:
         model = nn.parallel.DistributedDataParallel(model, device_ids=[local], gradient_as_bucket_view=True)
     times = []
+    prof = None
+    if args.profile and rank == 0:
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA],
+                                      schedule=torch.profiler.schedule(wait=args.warmup, warmup=1, active=3))
+        prof.start()
     for step in range(args.steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -109,6 +118,15 @@ def main():
                 p.copy_(m)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+        if prof:
+            prof.step()
+    if prof:
+        prof.stop()
+        with open(args.profile, "w") as f:
+            try:
+                f.write(prof.key_averages().table(sort_by="self_device_time_total", row_limit=40))
+            except Exception:  # older PyTorch names it after CUDA
+                f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40))
     if rank == 0:
         n = sum(p.numel() for p in params) - VOCAB * H
         flops_per_token = 6 * n + 12 * L * H * SEQ

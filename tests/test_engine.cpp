@@ -7,6 +7,7 @@
 #include "engine/common/host.hpp"
 #include "engine/data/dataset.hpp"
 #include "engine/dist/communicator.hpp"
+#include "engine/model/fused_ops.hpp"
 #include "engine/model/model.hpp"
 #include "engine/parallel/zero.hpp"
 #include "engine/train/checkpointing.hpp"
@@ -239,6 +240,63 @@ TEST_CASE("checkpointed units give the same loss and gradients as stored activat
   for (size_t i = 0; i < grads_a.size(); ++i) CHECK(torch::allclose(grads_a[i], grads_b[i], 1e-5, 1e-7));
 }
 
+TEST_CASE("gradient reductions start during backward, as soon as a unit's gradients are complete", "[engine][overlap]") {
+  // 2 Gloo ranks, one micro-batch: every dense unit starts its reduction from autograd's hooks;
+  // an MoE block (an expert may see no token) waits for after_backward. Gradients stay right:
+  // the same batch on both ranks averages to the one-process gradient.
+  CHECK(in_processes(2, [](int rank, Communicator& comm) {
+    bool ok = true;
+    for (bool moe : {false, true}) {
+      for (int stage : {0, 1, 2, 3}) {
+        ModelSpec m = moe ? tiny_moe_decoder(4) : tiny_decoder();
+        torch::manual_seed(21);
+        auto model = build_model(m, 16);
+        ZeroOptions zo;
+        zo.stage = stage;
+        ZeroDataParallel zero(*model, comm, zo);
+        model->forward(token_batch(2, 16, m.vocab, 22), zero).loss.backward();
+        const int64_t during_backward = zero.overlapped_reductions();
+        zero.after_backward();
+        zero.reduce_gradients();
+        const int64_t units = static_cast<int64_t>(zero.unit_count());
+        const int64_t moe_blocks = moe ? m.layers - m.moe.first_dense_layers : 0;
+        if (during_backward != units - moe_blocks) {
+          std::fprintf(stderr, "rank %d stage %d moe %d: %lld of %lld units overlapped\n", rank, stage, moe ? 1 : 0,
+                       static_cast<long long>(during_backward), static_cast<long long>(units - moe_blocks));
+          ok = false;
+        }
+        torch::manual_seed(21);
+        auto reference = build_model(m, 16);
+        UnitRunner plain;
+        reference->forward(token_batch(2, 16, m.vocab, 22), plain).loss.backward();
+        double ref = 0;
+        for (auto& p : reference->module().parameters())
+          if (p.grad().defined()) ref += p.grad().pow(2).sum().item<double>();
+        ok &= std::abs(zero.global_grad_norm() - std::sqrt(ref)) <= 1e-5 * std::sqrt(ref);
+      }
+    }
+    return ok;
+  }));
+}
+
+TEST_CASE("rotary embedding rotates each head's halves by its position's angle", "[engine][fused]") {
+  // One head of dimension 4 (two angles: theta^0 and theta^-1/2), q and k side by side.
+  const int64_t s = 3, d = 4;
+  torch::Tensor qk = torch::randn({1, s, 2 * d});
+  torch::Tensor inv = torch::tensor({1.0, 1.0 / std::sqrt(10000.0)}, torch::kFloat64);
+  torch::Tensor angles = torch::outer(torch::arange(8, torch::kFloat64), inv);
+  torch::Tensor full = torch::cat({angles, angles}, -1);
+  torch::Tensor out = fused::rotary(qk, d, full.cos().to(torch::kFloat32), full.sin().to(torch::kFloat32));
+  for (int64_t pos = 0; pos < s; ++pos)
+    for (int64_t head = 0; head < 2; ++head)
+      for (int64_t i = 0; i < d / 2; ++i) {
+        const double a = angles[pos][i].item<double>();
+        const double x1 = qk[0][pos][head * d + i].item<double>(), x2 = qk[0][pos][head * d + i + d / 2].item<double>();
+        CHECK(out[0][pos][head * d + i].item<double>() == Approx(x1 * std::cos(a) - x2 * std::sin(a)).margin(1e-6));
+        CHECK(out[0][pos][head * d + i + d / 2].item<double>() == Approx(x2 * std::cos(a) + x1 * std::sin(a)).margin(1e-6));
+      }
+}
+
 TEST_CASE("global-norm clipping sees every shard", "[engine][clip]") {
   CHECK(in_processes(2, [](int rank, Communicator& comm) {
     ModelSpec m = tiny_decoder();
@@ -373,6 +431,48 @@ TEST_CASE("CUDA: ZeRO-0 and ZeRO-3 on one GPU give the CPU's loss and gradients"
     auto gpu = run_on(torch::Device(torch::kCUDA, 0), stage);
     CHECK(gpu.first == Approx(cpu.first).epsilon(1e-4));
     CHECK(gpu.second == Approx(cpu.second).epsilon(1e-3));
+  }
+}
+
+TEST_CASE("CUDA: the fused RMSNorm, rotary and SwiGLU kernels match the reference ops, forward and backward", "[engine][cuda][fused]") {
+  if (!torch::cuda::is_available()) {
+    WARN("SKIPPED: no CUDA device visible (this test runs on GPU machines: scripts/gpu_build.sh)");
+    return;
+  }
+  const torch::Device gpu(torch::kCUDA, 0);
+  CHECK(fused::fused_kernels_active(torch::zeros({1}, torch::TensorOptions().device(gpu))));
+  // The CPU runs the reference expressions; the GPU the kernels. Same inputs, compared in fp32.
+  auto compare = [&](const std::string& what, auto&& op, std::vector<torch::Tensor> inputs, torch::ScalarType dtype, double tol) {
+    std::vector<torch::Tensor> cpu_in, gpu_in;
+    for (auto& t : inputs) {
+      cpu_in.push_back(t.to(dtype).detach().requires_grad_(t.is_floating_point()));
+      gpu_in.push_back(t.to(gpu, dtype).detach().requires_grad_(t.is_floating_point()));
+    }
+    torch::Tensor cpu_out = op(cpu_in), gpu_out = op(gpu_in);
+    torch::Tensor upstream = torch::randn(cpu_out.sizes()).to(dtype);
+    cpu_out.backward(upstream);
+    gpu_out.backward(upstream.to(gpu));
+    INFO(what << " in " << c10::toString(dtype));
+    CHECK(torch::allclose(gpu_out.cpu().to(torch::kFloat32), cpu_out.to(torch::kFloat32), tol, tol));
+    for (size_t i = 0; i < inputs.size(); ++i)
+      CHECK(torch::allclose(gpu_in[i].grad().cpu().to(torch::kFloat32), cpu_in[i].grad().to(torch::kFloat32), 10 * tol, 10 * tol));
+  };
+  torch::manual_seed(31);
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    const double tol = dtype == torch::kFloat32 ? 1e-4 : 3e-2;
+    for (int64_t cols : {64, 2048}) {
+      compare("rms_norm", [](std::vector<torch::Tensor>& in) { return fused::rms_norm(in[0], in[1], 1e-6); },
+              {torch::randn({3, 5, cols}), 1 + 0.1 * torch::randn({cols})}, dtype, tol);
+    }
+    torch::Tensor inv = 1.0 / torch::pow(10000.0, torch::arange(0, 16, 2, torch::kFloat64) / 16.0);
+    torch::Tensor full = torch::cat({torch::outer(torch::arange(32, torch::kFloat64), inv), torch::outer(torch::arange(32, torch::kFloat64), inv)}, -1);
+    torch::Tensor cos = full.cos().to(torch::kFloat32), sin = full.sin().to(torch::kFloat32);
+    // q and k heads taken from a wider projection (v beside them): the kernel reads a strided input.
+    compare("rotary", [&](std::vector<torch::Tensor>& in) {
+      torch::Tensor qk = in[0].narrow(-1, 0, 3 * 16);
+      return fused::rotary(qk, 16, in[0].is_cuda() ? cos.to(in[0].device()) : cos, in[0].is_cuda() ? sin.to(in[0].device()) : sin);
+    }, {torch::randn({2, 20, 4 * 16})}, dtype, tol);
+    compare("swiglu", [](std::vector<torch::Tensor>& in) { return fused::swiglu(in[0]); }, {torch::randn({4, 7, 2 * 96})}, dtype, tol);
   }
 }
 

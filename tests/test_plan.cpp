@@ -61,9 +61,14 @@ TEST_CASE("activation bytes follow what autograd keeps in a DeepSeek block", "[p
   ModelSpec m = model_from("deepseek-llm-7b");
   const double s = 4096, h = 4096, f = 11008, V = 102400, L = 30, e = 2;
   ModelCost flash = model_cost(m, 4096, DType::Bf16, AttentionKernel::Flash);
-  const double head = s * (e * 2 * h + e * V + 4 * V);
+  const double head = s * (e * 2 * h + 4 * V);  // final norm in/out, fp32 log-softmax
   CHECK(flash.activation_bytes_per_sample == Approx(e * s * L * (8 * h + 4 * f) + head));
-  CHECK(flash.checkpointed_activation_bytes_per_sample == Approx(e * s * (L * h + 8 * h + 4 * f) + head));
+  CHECK(flash.checkpointed_activation_bytes_per_sample == Approx(e * s * L * h + head));
+  CHECK(flash.recomputed_layer_bytes_per_sample == Approx(e * s * (8 * h + 4 * f)));
+  CHECK(flash.head_backward_bytes_per_sample == Approx(s * 8 * V));
+  // The fused RMSNorm/SwiGLU kernels (CUDA builds) keep gate|up and the product, not silu(gate).
+  ModelCost fused = model_cost(m, 4096, DType::Bf16, AttentionKernel::Flash, /*fused_elementwise=*/true);
+  CHECK(flash.activation_bytes_per_sample - fused.activation_bytes_per_sample == Approx(e * s * L * f));
   // The math kernel also keeps the s x s probabilities of every head.
   ModelCost math = model_cost(m, 4096, DType::Bf16, AttentionKernel::Math);
   CHECK(math.activation_bytes_per_sample - flash.activation_bytes_per_sample == Approx(e * s * L * 32 * s));

@@ -7,6 +7,7 @@
 
 #include <limits>
 #include <map>
+#include <vector>
 
 #define DSRUN_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
@@ -29,6 +30,30 @@ inline torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tenso
   auto scores = torch::matmul(q * (1.0 / std::sqrt(static_cast<double>(q.size(-1)))), k.transpose(-2, -1));
   scores.add_(bias);
   return torch::matmul(torch::softmax(scores.to(torch::kFloat32), -1).to(q.scalar_type()), v);
+#endif
+}
+
+// One fused Adam (L2) or AdamW (decoupled) update over lists of fp32 tensors, every list on one
+// device: PyTorch >= 2.4 has multi-tensor kernels for CUDA and CPU (the same update as the plain
+// expressions in optimizer.cpp, in one pass over memory). False where this libtorch has none.
+// `step` is the bias-correction step count, a scalar float tensor on the tensors' device.
+// kHasFusedAdam says at compile time whether it does anything.
+constexpr bool kHasFusedAdam = DSRUN_TORCH_AT_LEAST(2, 4);
+inline bool fused_adam_step(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,
+                            const std::vector<torch::Tensor>& exp_avgs, const std::vector<torch::Tensor>& exp_avg_sqs,
+                            const torch::Tensor& step, double lr, double beta1, double beta2, double weight_decay, double eps,
+                            bool decoupled) {
+#if DSRUN_TORCH_AT_LEAST(2, 4)
+  std::vector<torch::Tensor> steps(params.size(), step);
+  if (decoupled)
+    at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, {}, steps, lr, beta1, beta2, weight_decay, eps, false, false);
+  else
+    at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, {}, steps, lr, beta1, beta2, weight_decay, eps, false, false);
+  return true;
+#else
+  (void)params, (void)grads, (void)exp_avgs, (void)exp_avg_sqs, (void)step, (void)lr, (void)beta1, (void)beta2;
+  (void)weight_decay, (void)eps, (void)decoupled;
+  return false;
 #endif
 }
 

@@ -18,8 +18,11 @@ class SingleProcess final : public Communicator {
  public:
   int rank() const override { return 0; }
   int world_size() const override { return 1; }
-  void all_reduce_sum(torch::Tensor&) override {}
-  void reduce_scatter_sum(const torch::Tensor& full, torch::Tensor& shard) override { shard.copy_(full); }
+  PendingCollective all_reduce_sum_async(torch::Tensor&) override { return {}; }
+  PendingCollective reduce_scatter_sum_async(const torch::Tensor& full, torch::Tensor& shard) override {
+    shard.copy_(full);
+    return {};
+  }
   void all_gather(const torch::Tensor& shard, torch::Tensor& full) override { full.copy_(shard); }
   void broadcast(torch::Tensor&, int) override {}
   void barrier() override {}
@@ -35,26 +38,35 @@ class ProcessGroupCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int world_size() const override { return world_; }
 
-  void all_reduce_sum(torch::Tensor& tensor) override {
+  // Collectives run on c10d's own stream (NCCL) or threads (Gloo); c10d keeps their tensors alive
+  // until they finish, so callers may drop their references before wait().
+  PendingCollective all_reduce_sum_async(torch::Tensor& tensor) override {
     torch::Tensor wire = on_wire(tensor);
     std::vector<torch::Tensor> tensors{wire};
-    group_->allreduce(tensors)->wait();
-    if (!wire.is_same(tensor)) tensor.copy_(wire);
+    auto work = group_->allreduce(tensors);
+    return PendingCollective([work, wire, tensor]() mutable {
+      work->wait();
+      if (!wire.is_same(tensor)) tensor.copy_(wire);
+    });
   }
 
-  void reduce_scatter_sum(const torch::Tensor& full, torch::Tensor& shard) override {
+  PendingCollective reduce_scatter_sum_async(const torch::Tensor& full, torch::Tensor& shard) override {
     DSRUN_ASSERT(full.numel() == shard.numel() * world_, "reduce_scatter: full must be world_size x shard");
 #ifdef DSRUN_WITH_NCCL
     if (nccl_) {  // flat buffers: NCCL's own reduce-scatter, no copies
       torch::Tensor in = full, out = shard;
-      group_->_reduce_scatter_base(out, in)->wait();
-      return;
+      auto work = group_->_reduce_scatter_base(out, in);
+      return PendingCollective([work]() { work->wait(); });
     }
 #endif
     torch::Tensor reduced = on_wire(full).clone();
     std::vector<torch::Tensor> tensors{reduced};
-    group_->allreduce(tensors)->wait();
-    shard.copy_(reduced.narrow(0, rank_ * shard.numel(), shard.numel()));
+    auto work = group_->allreduce(tensors);
+    const int64_t begin = rank_ * shard.numel();
+    return PendingCollective([work, reduced, shard, begin]() mutable {
+      work->wait();
+      shard.copy_(reduced.narrow(0, begin, shard.numel()));
+    });
   }
 
   void all_gather(const torch::Tensor& shard, torch::Tensor& full) override {

@@ -4,6 +4,7 @@
 
 #include <torch/torch.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -19,15 +20,37 @@ struct RendezvousOptions {
   int cuda_device = 0;      // with NCCL: this rank's GPU (LOCAL_RANK)
 };
 
+// A collective started but not waited for. wait() makes its result usable by what follows: on
+// GPUs it orders the current CUDA stream after NCCL's (the CPU goes on), on CPU ranks it blocks;
+// then it runs whatever must follow (a copy back from the wire format). Waiting twice is harmless.
+class PendingCollective {
+ public:
+  PendingCollective() = default;
+  explicit PendingCollective(std::function<void()> finish) : finish_(std::move(finish)) {}
+  void wait() {
+    if (!finish_) return;
+    auto f = std::move(finish_);
+    finish_ = nullptr;
+    f();
+  }
+
+ private:
+  std::function<void()> finish_;
+};
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
   virtual int rank() const = 0;
   virtual int world_size() const = 0;
   // In place: every rank ends with the elementwise sum.
-  virtual void all_reduce_sum(torch::Tensor& tensor) = 0;
+  void all_reduce_sum(torch::Tensor& tensor) { all_reduce_sum_async(tensor).wait(); }
   // full has world_size × shard.numel() elements; this rank's shard receives the sum of its slice.
-  virtual void reduce_scatter_sum(const torch::Tensor& full, torch::Tensor& shard) = 0;
+  void reduce_scatter_sum(const torch::Tensor& full, torch::Tensor& shard) { reduce_scatter_sum_async(full, shard).wait(); }
+  // The same, started now and finished by wait(): gradients are reduced while backward goes on.
+  // Every rank must start the same collectives in the same order.
+  virtual PendingCollective all_reduce_sum_async(torch::Tensor& tensor) = 0;
+  virtual PendingCollective reduce_scatter_sum_async(const torch::Tensor& full, torch::Tensor& shard) = 0;
   // full has world_size × shard.numel() elements; slice r receives rank r's shard.
   virtual void all_gather(const torch::Tensor& shard, torch::Tensor& full) = 0;
   virtual void broadcast(torch::Tensor& tensor, int root) = 0;

@@ -2,6 +2,7 @@
 // attention, optional tied embeddings, and DeepSeek-MoE layers (fine-grained routed experts plus
 // shared experts, top-k softmax gating, expert-level load-balance loss, first layers dense).
 #include "engine/common/torch_compat.hpp"
+#include "engine/model/fused_ops.hpp"
 #include "engine/model/model.hpp"
 
 #include <cmath>
@@ -17,19 +18,17 @@ nn::Linear linear(int64_t in, int64_t out) { return nn::Linear(nn::LinearOptions
 
 struct RMSNormImpl : nn::Module {
   RMSNormImpl(int64_t dim, double eps) : eps(eps) { weight = register_parameter("weight", torch::ones({dim})); }
-  Tensor forward(const Tensor& x) {
-    Tensor xf = x.to(torch::kFloat32);  // the mean of squares in fp32, as DeepSeek does
-    return (xf * torch::rsqrt(xf.pow(2).mean(-1, true) + eps)).to(x.scalar_type()) * weight;
-  }
+  Tensor forward(const Tensor& x) { return fused::rms_norm(x, weight, eps); }  // mean of squares in fp32
   Tensor weight;
   double eps;
 };
 TORCH_MODULE(RMSNorm);
 
-// Rotary position embedding on [b, heads, s, d], rotating the two halves of each head (Llama layout).
+// Rotary position embedding tables: cos and sin of every position's angles, [max_seq, head_dim]
+// fp32 with equal halves (Llama layout); fused::rotary applies them.
 struct Rotary {
-  Tensor cos, sin;  // [max_seq, d], fp32 on the CPU
-  mutable Tensor on_device, sin_on_device;  // cos and sin in the activations' device and dtype
+  Tensor cos, sin;  // on the CPU
+  mutable Tensor cos_on_device, sin_on_device;
   Rotary(int64_t head_dim, int64_t max_seq, double theta) {
     Tensor inv = 1.0 / torch::pow(theta, torch::arange(0, head_dim, 2, torch::kFloat64) / static_cast<double>(head_dim));
     Tensor angles = torch::outer(torch::arange(max_seq, torch::kFloat64), inv);
@@ -37,15 +36,13 @@ struct Rotary {
     cos = full.cos().to(torch::kFloat32);
     sin = full.sin().to(torch::kFloat32);
   }
-  Tensor apply(const Tensor& x) const {
-    const int64_t s = x.size(2), half = x.size(3) / 2;
-    if (!on_device.defined() || on_device.device() != x.device() || on_device.scalar_type() != x.scalar_type()) {
-      on_device = cos.to(x.options());  // converted once per device and dtype, not per call
-      sin_on_device = sin.to(x.options());
+  // q and k heads side by side, [b, s, heads · head_dim] -> rotated, contiguous.
+  Tensor apply(const Tensor& qk, int64_t head_dim) const {
+    if (!cos_on_device.defined() || cos_on_device.device() != qk.device()) {
+      cos_on_device = cos.to(qk.device());  // copied once per device, not per call
+      sin_on_device = sin.to(qk.device());
     }
-    Tensor c = on_device.narrow(0, 0, s), sn = sin_on_device.narrow(0, 0, s);
-    Tensor rotated = torch::cat({-x.narrow(3, half, half), x.narrow(3, 0, half)}, -1);
-    return x * c + rotated * sn;
+    return fused::rotary(qk, head_dim, cos_on_device, sin_on_device);
   }
 };
 
@@ -58,12 +55,12 @@ struct AttentionImpl : nn::Module {
   }
   Tensor forward(const Tensor& x, const Rotary& rope) {
     const int64_t b = x.size(0), s = x.size(1);
-    std::vector<Tensor> qkv = wqkv(x).split_with_sizes({heads * head_dim, kv_heads * head_dim, kv_heads * head_dim}, -1);
-    Tensor q = qkv[0].view({b, s, heads, head_dim}).transpose(1, 2);
-    Tensor k = qkv[1].view({b, s, kv_heads, head_dim}).transpose(1, 2);
-    Tensor v = qkv[2].view({b, s, kv_heads, head_dim}).transpose(1, 2);
-    q = rope.apply(q);
-    k = rope.apply(k);
+    // q and k rotate together (one kernel); v passes through. [b, s, heads, d] viewed as [b, heads, s, d].
+    std::vector<Tensor> qk_v = wqkv(x).split_with_sizes({(heads + kv_heads) * head_dim, kv_heads * head_dim}, -1);
+    Tensor qk = rope.apply(qk_v[0], head_dim);
+    Tensor q = qk.narrow(-1, 0, heads * head_dim).view({b, s, heads, head_dim}).transpose(1, 2);
+    Tensor k = qk.narrow(-1, heads * head_dim, kv_heads * head_dim).view({b, s, kv_heads, head_dim}).transpose(1, 2);
+    Tensor v = qk_v[1].view({b, s, kv_heads, head_dim}).transpose(1, 2);
     if (kv_heads != heads) {  // grouped-query attention: each KV head serves heads/kv_heads query heads
       k = k.repeat_interleave(heads / kv_heads, 1);
       v = v.repeat_interleave(heads / kv_heads, 1);
@@ -83,8 +80,7 @@ struct SwiGLUImpl : nn::Module {
     down = register_module("down", linear(inner, hidden));
   }
   Tensor forward(const Tensor& x) {
-    std::vector<Tensor> gu = gate_up(x).chunk(2, -1);
-    return down(torch::silu(gu[0]) * gu[1]);
+    return down(fused::swiglu(gate_up(x)));
   }
   int64_t inner;
   nn::Linear gate_up{nullptr}, down{nullptr};
@@ -187,7 +183,10 @@ class DeepSeekModel final : public Model {
     } else {
       units.push_back({"embedding", params_of(*net_->embedding), false});
     }
-    for (size_t i = 0; i < net_->blocks.size(); ++i) units.push_back({"block " + std::to_string(i), params_of(*net_->blocks[i]), true});
+    for (size_t i = 0; i < net_->blocks.size(); ++i) {
+      const bool moe = static_cast<bool>(net_->blocks[i]->moe);  // an expert no token chose gets no gradient
+      units.push_back({"block " + std::to_string(i), params_of(*net_->blocks[i]), true, !moe});
+    }
     if (!spec_.tie_embeddings) units.push_back({"head", concat(params_of(*net_->norm), params_of(*net_->head)), false});
     return units;
   }

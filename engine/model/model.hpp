@@ -31,6 +31,9 @@ struct ParameterUnit {
   std::string name;                  // "embedding", "block 3", "head"
   std::vector<torch::Tensor> params;  // leaf tensors owned by the model
   bool checkpointable = false;       // a transformer block or residual block
+  // Every parameter gets a gradient in every backward (false for MoE blocks, whose experts may see
+  // no token): only then may data parallelism reduce the unit as soon as autograd is done with it.
+  bool always_gets_gradients = true;
 };
 
 struct Batch {

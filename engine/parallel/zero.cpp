@@ -2,6 +2,9 @@
 
 #include "engine/common/error.hpp"
 
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
 #include <cmath>
 
 namespace dsrun {
@@ -59,6 +62,16 @@ struct CheckpointedUnit : torch::autograd::Function<CheckpointedUnit> {
   }
 };
 
+// Runs after a parameter's AccumulateGrad node: its gradient for this backward is complete.
+struct GradientReadyHook : torch::autograd::FunctionPostHook {
+  explicit GradientReadyHook(std::function<void()> fn) : fn(std::move(fn)) {}
+  variable_list operator()(const variable_list& outputs, const variable_list& /*inputs*/) override {
+    fn();
+    return outputs;
+  }
+  std::function<void()> fn;
+};
+
 }  // namespace
 
 struct ZeroDataParallel::Unit {
@@ -70,9 +83,13 @@ struct ZeroDataParallel::Unit {
   int64_t numel = 0, padded = 0, shard = 0, shard_begin = 0;
   Tensor full;         // working parameters, compute dtype, [padded]; stage 3: only while gathered
   Tensor param_shard;  // stage 3: this rank's slice of the working parameters
-  Tensor grad_acc;     // stage 0-1: [padded]; stage 2-3: [shard]; compute dtype
+  Tensor grad_acc;     // stage 0-1: [padded], the parameters' .grad are views of it; stage 2-3: [shard]; compute dtype
+  Tensor reduced;      // stage 1: this rank's reduced shard of grad_acc, once the last micro-batch's reduction is done
   bool gathered = false;
   bool gathered_for_backward = false;
+  bool always_gets_gradients = true;  // may start its reduction from the gradient-ready hooks
+  size_t grads_ready = 0;             // parameters whose gradient is complete in this backward
+  bool reduction_started = false;     // in this micro-batch
 };
 
 ZeroDataParallel::ZeroDataParallel(Model& model, Communicator& comm, const ZeroOptions& options)
@@ -99,6 +116,7 @@ ZeroDataParallel::ZeroDataParallel(Model& model, Communicator& comm, const ZeroO
     auto u = std::make_unique<Unit>();
     u->name = pu.name;
     u->checkpointable = pu.checkpointable;
+    u->always_gets_gradients = pu.always_gets_gradients;
     u->params = pu.params;
     for (auto& p : u->params) {
       u->shapes.push_back(p.sizes().vec());
@@ -136,13 +154,30 @@ ZeroDataParallel::ZeroDataParallel(Model& model, Communicator& comm, const ZeroO
       u->gathered = true;
       for (size_t i = 0; i < u->params.size(); ++i) u->params[i].set_data(u->full.narrow(0, u->offsets[i], u->numels[i]).view(u->shapes[i]));
     } else {
-      release(*u);
+      // The gradient accumulators below record the parameters' shape and dtype: give them the
+      // gathered ones before the first release.
+      for (size_t i = 0; i < u->params.size(); ++i) u->params[i].set_data(torch::empty(u->shapes[i], torch::TensorOptions().dtype(compute).device(device)));
     }
+    // Stage 0-1: autograd accumulates straight into grad_acc (gradients as views of it, as DDP's
+    // gradient_as_bucket_view), so nothing is copied between micro-batches.
+    if (options.stage <= 1)
+      for (size_t i = 0; i < u->params.size(); ++i) u->params[i].mutable_grad() = u->grad_acc.narrow(0, u->offsets[i], u->numels[i]).view(u->shapes[i]);
+    const size_t index = units_.size();
+    for (auto& p : u->params) {
+      std::shared_ptr<torch::autograd::Node> accumulator = torch::autograd::impl::grad_accumulator(p);
+      DSRUN_ASSERT(accumulator != nullptr, "model parameters require gradients");
+      accumulator->add_post_hook(std::make_unique<GradientReadyHook>([alive = alive_, index] {
+        if (*alive) (*alive)->on_gradient_ready(index);
+      }));
+      grad_accumulators_.push_back(std::move(accumulator));
+    }
+    if (options.stage == 3) release(*u);
     units_.push_back(std::move(u));
   }
 }
 
-ZeroDataParallel::~ZeroDataParallel() = default;
+// The model may outlive this object, and with it the accumulators' hooks: they check alive_.
+ZeroDataParallel::~ZeroDataParallel() { *alive_ = nullptr; }
 
 void ZeroDataParallel::gather(Unit& u) {
   if (u.gathered) return;
@@ -201,50 +236,82 @@ Tensors ZeroDataParallel::run(int index, const UnitFn& fn, const Tensors& inputs
   return out;
 }
 
-void ZeroDataParallel::after_backward() {
+void ZeroDataParallel::begin_micro_batch(bool last) { last_micro_batch_ = last; }
+
+void ZeroDataParallel::on_gradient_ready(size_t index) {
+  Unit& u = *units_[index];
+  if (++u.grads_ready == u.params.size() && u.always_gets_gradients) start_reduction(u);
+}
+
+// Runs on autograd's thread (from the hooks) or the trainer's (after_backward), always in the
+// same order on every rank: the backward graph is the same on all of them.
+void ZeroDataParallel::start_reduction(Unit& u) {
+  if (u.reduction_started) return;
+  u.reduction_started = true;
   torch::NoGradGuard no_grad;
-  for (auto& up : units_) {
-    Unit& u = *up;
-    // Released only now: gradient accumulation into the parameters reads their shape.
-    if (u.gathered_for_backward) release(u);
-    Tensor flat = torch::zeros({u.padded}, u.grad_acc.options());
-    for (size_t i = 0; i < u.params.size(); ++i) {
-      Tensor& g = u.params[i].mutable_grad();
-      if (!g.defined()) continue;  // an MoE expert no token chose: zero gradient
-      flat.narrow(0, u.offsets[i], u.numels[i]).copy_(g.flatten());
-      g = Tensor();
-    }
-    if (options_.stage <= 1) {
-      u.grad_acc.add_(flat);  // reduced once per step, after the last micro-batch
+  if (options_.stage <= 1 && !last_micro_batch_) return;  // keep accumulating in grad_acc; reduced once per step
+  if (!in_after_backward_) ++overlapped_reductions_;
+  if (options_.stage <= 1) {
+    if (options_.stage == 0) {
+      const int64_t bucket = std::max<int64_t>(1, static_cast<int64_t>(options_.bucket_bytes / u.grad_acc.element_size()));
+      for (int64_t begin = 0; begin < u.padded; begin += bucket) {
+        Tensor slice = u.grad_acc.narrow(0, begin, std::min(bucket, u.padded - begin));
+        pending_.push_back(comm_.all_reduce_sum_async(slice));
+      }
     } else {
-      Tensor mine = torch::empty({u.shard}, flat.options());
-      comm_.reduce_scatter_sum(flat, mine);  // every micro-batch: only the shard is kept
-      u.grad_acc.add_(mine);
+      u.reduced = torch::empty({u.shard}, u.grad_acc.options());
+      pending_.push_back(comm_.reduce_scatter_sum_async(u.grad_acc, u.reduced));
     }
+    return;
+  }
+  // Stage 2-3: this micro-batch's full gradient goes to one flat buffer and is reduce-scattered;
+  // the parameters' own gradients (and at stage 3 their gathered values) are freed now.
+  Tensor flat = torch::empty({u.padded}, u.grad_acc.options());
+  if (u.padded > u.numel) flat.narrow(0, u.numel, u.padded - u.numel).zero_();
+  for (size_t i = 0; i < u.params.size(); ++i) {
+    Tensor& g = u.params[i].mutable_grad();
+    Tensor slot = flat.narrow(0, u.offsets[i], u.numels[i]);
+    if (g.defined()) slot.copy_(g.flatten());
+    else slot.zero_();  // an MoE expert no token chose: zero gradient
+    g = Tensor();
+  }
+  if (u.gathered_for_backward) release(u);
+  Tensor mine = torch::empty({u.shard}, flat.options());
+  PendingCollective reduce = comm_.reduce_scatter_sum_async(flat, mine);
+  Tensor acc = u.grad_acc;
+  pending_.push_back(PendingCollective([reduce, acc, mine]() mutable {
+    reduce.wait();
+    acc.add_(mine);
+  }));
+}
+
+void ZeroDataParallel::wait_pending() {
+  for (auto& p : pending_) p.wait();
+  pending_.clear();
+}
+
+void ZeroDataParallel::after_backward() {
+  in_after_backward_ = true;
+  for (auto& up : units_) start_reduction(*up);  // units the hooks did not start, in unit order
+  in_after_backward_ = false;
+  if (options_.stage >= 2) wait_pending();
+  for (auto& up : units_) {
+    up->grads_ready = 0;
+    up->reduction_started = false;
   }
 }
 
 void ZeroDataParallel::reduce_gradients() {
   torch::NoGradGuard no_grad;
+  wait_pending();
   const double inv_world = 1.0 / comm_.world_size();
   for (size_t k = 0; k < units_.size(); ++k) {
     Unit& u = *units_[k];
-    Tensor reduced;
-    if (options_.stage == 0) {
-      const int64_t bucket = std::max<int64_t>(1, static_cast<int64_t>(options_.bucket_bytes / u.grad_acc.element_size()));
-      for (int64_t begin = 0; begin < u.padded; begin += bucket) {
-        Tensor slice = u.grad_acc.narrow(0, begin, std::min(bucket, u.padded - begin));
-        comm_.all_reduce_sum(slice);
-      }
-      reduced = u.grad_acc;
-    } else if (options_.stage == 1) {
-      reduced = torch::empty({u.shard}, u.grad_acc.options());
-      comm_.reduce_scatter_sum(u.grad_acc, reduced);
-    } else {
-      reduced = u.grad_acc;
-    }
+    Tensor reduced = options_.stage == 1 ? u.reduced : u.grad_acc;
     shards_[k].grad = reduced.to(shards_[k].master.device(), torch::kFloat32).mul_(inv_world);
+    u.reduced = Tensor();
   }
+  last_micro_batch_ = true;
 }
 
 double ZeroDataParallel::global_grad_norm() {

@@ -43,8 +43,15 @@ class ZeroDataParallel final : public UnitRunner {
   // UnitRunner: gathers (stage 3), checkpoints, and arranges the re-gather for backward.
   Tensors run(int unit, const UnitFn& fn, const Tensors& inputs) override;
 
-  // After each micro-batch's backward: folds the parameters' gradients into this rank's
-  // accumulators (stage >= 2: reduce-scatter now) and frees them.
+  // Before each micro-batch's forward: whether its backward is the last before reduce_gradients()
+  // (stages 0-1 reduce once per step, after the last micro-batch; 2-3 after every one). Without
+  // a call every backward counts as the last.
+  void begin_micro_batch(bool last);
+  // Gradient reduction overlaps backward: as soon as autograd has accumulated every gradient of a
+  // unit, that unit's all-reduce (stage 0-1, last micro-batch) or reduce-scatter (stage 2-3) starts
+  // on the communicator's stream, and stage 2-3 free the unit's full gradients (stage 3 also its
+  // gathered parameters). after_backward() starts what is left (units some of whose parameters
+  // got no gradient, such as MoE blocks) and, at stage 2-3, waits for this micro-batch's reductions.
   void after_backward();
   // After the last micro-batch: completes the reduction so that shards() hold averaged gradients.
   void reduce_gradients();
@@ -69,6 +76,8 @@ class ZeroDataParallel final : public UnitRunner {
   const std::vector<int64_t>& unit_offsets(size_t k) const;
   const std::vector<int64_t>& unit_shape(size_t k, size_t i) const;
   void zero_gradients();
+  // Reductions that started from the gradient-ready hooks, during backward (since construction).
+  int64_t overlapped_reductions() const { return overlapped_reductions_; }
 
   // Bytes this rank holds for model states now (parameters, gradients, master, optimizer states
   // are added by the optimizer), to compare with the plan.
@@ -81,6 +90,9 @@ class ZeroDataParallel final : public UnitRunner {
   struct Unit;
   void gather(Unit& u);
   void release(Unit& u);
+  void on_gradient_ready(size_t unit);  // an AccumulateGrad of one of the unit's parameters finished
+  void start_reduction(Unit& u);
+  void wait_pending();
 
   Model& model_;
   Communicator& comm_;
@@ -89,6 +101,12 @@ class ZeroDataParallel final : public UnitRunner {
   std::vector<MasterShard> shards_;
   std::vector<std::shared_ptr<UnitFn>> live_fns_;  // callables checkpointed units need in backward
   std::vector<int> forward_stack_;                 // units whose computation is running (nesting)
+  std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;  // own the gradient-ready hooks
+  std::shared_ptr<ZeroDataParallel*> alive_ = std::make_shared<ZeroDataParallel*>(this);  // null once destroyed
+  std::vector<PendingCollective> pending_;         // reductions started and not yet waited for
+  bool last_micro_batch_ = true;
+  bool in_after_backward_ = false;   // start_reduction called by after_backward, not by a hook
+  int64_t overlapped_reductions_ = 0;
   bool offload_to_host_ = false;                   // master and optimizer states in host memory
   torch::Device device_{torch::kCPU};              // where the working parameters compute
 };

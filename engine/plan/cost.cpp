@@ -8,7 +8,7 @@ namespace dsrun {
 namespace {
 
 // DeepSeek/Llama decoder. e = bytes per element of the compute dtype, s = sequence length.
-ModelCost decoder_cost(const ModelSpec& m, double s, double e, AttentionKernel kernel) {
+ModelCost decoder_cost(const ModelSpec& m, double s, double e, AttentionKernel kernel, bool fused) {
   ModelCost c;
   const double h = static_cast<double>(m.hidden);
   const double kv = static_cast<double>(m.kv_heads) * static_cast<double>(m.head_dim());
@@ -44,28 +44,32 @@ ModelCost decoder_cost(const ModelSpec& m, double s, double e, AttentionKernel k
 
   // Activations autograd keeps, elements per token (see docs/plan.md for the derivation):
   //   RMSNorm inputs 2h, q/k/v projection input h, q k v after rotary h + 2kv (math kernel: k, v are
-  //   repeated to h each), attention output h, MLP input h, SwiGLU: gate, silu(gate), up, product 4f.
+  //   repeated to h each), attention output h, MLP input h, SwiGLU: gate|up and the product 3f
+  //   fused; libtorch's silu and mul also keep silu(gate): 4f.
   const double qkv = kernel == AttentionKernel::Flash ? h + 2 * kv : 3 * h;
   const double attention_probs = kernel == AttentionKernel::Math ? m.heads * s : 0;  // per token
-  const double per_token_dense = 5 * h + qkv + attention_probs + 4 * f;
+  const double swiglu = fused ? 3 : 4;  // per inner element
+  const double per_token_dense = 5 * h + qkv + attention_probs + swiglu * f;
   // MoE layer: router probabilities (fp32), the token copy sent to each chosen expert, and SwiGLU
   // activations in each routed and shared expert the token visits.
-  const double per_token_moe = 5 * h + qkv + attention_probs + (4.0 / e) * E + k * h + (k + S) * 4 * fe;
+  const double per_token_moe = 5 * h + qkv + attention_probs + (4.0 / e) * E + k * h + (k + S) * swiglu * fe;
   const double per_token_layers = dense_layers * per_token_dense + moe_layers * per_token_moe;
-  // Outside the blocks: final norm input and output, logits in the compute dtype, and the fp32
-  // log-softmax the cross-entropy keeps.
-  const double head_bytes_per_token = e * 2 * h + e * V + 4 * V;
+  // Outside the blocks: final norm input and output, and the fp32 log-softmax the cross-entropy
+  // keeps. The logits themselves (compute dtype, then fp32) are freed once converted: forward's
+  // transient e·V + 4·V stays below backward's 8·V.
+  const double head_bytes_per_token = e * 2 * h + 4 * V;
 
   c.terms.push_back({"blocks (" + std::to_string(m.layers) + " layers)", e * s * per_token_layers});
   if (kernel == AttentionKernel::Math) c.terms.push_back({"  of which attention probabilities (math kernel)", e * s * m.layers * attention_probs});
   c.terms.push_back({"final norm, logits, fp32 log-softmax", s * head_bytes_per_token});
   c.activation_bytes_per_sample = e * s * per_token_layers + s * head_bytes_per_token;
-  c.head_backward_bytes_per_sample = s * (4 + 4 + e) * V;
+  c.head_backward_bytes_per_sample = s * (4 + 4) * V;
 
   // Full checkpointing keeps each block's input (h per token) and, during backward, one block's
-  // recomputed activations at a time.
+  // recomputed activations at a time — after the head's backward has freed its own.
   const double largest_layer = std::max(dense_layers > 0 ? per_token_dense : 0.0, moe_layers > 0 ? per_token_moe : 0.0);
-  c.checkpointed_activation_bytes_per_sample = e * s * (m.layers * h + largest_layer) + s * head_bytes_per_token;
+  c.checkpointed_activation_bytes_per_sample = e * s * m.layers * h + s * head_bytes_per_token;
+  c.recomputed_layer_bytes_per_sample = e * s * largest_layer;
   return c;
 }
 
@@ -134,17 +138,18 @@ ModelCost resnet_cost(const ResNetSpec& r, double e) {
   c.model_flops_per_sample = 3 * flops;  // backward ≈ 2 × forward
   c.recompute_flops_per_sample = flops;
   c.activation_bytes_per_sample = e * activations;
-  c.checkpointed_activation_bytes_per_sample = e * (stem + block_inputs + largest_block + cin);
+  c.checkpointed_activation_bytes_per_sample = e * (stem + block_inputs + cin);
+  c.recomputed_layer_bytes_per_sample = e * largest_block;
   c.terms.push_back({"conv/BN/ReLU outputs of every layer", e * activations});
   return c;
 }
 
 }  // namespace
 
-ModelCost model_cost(const ModelSpec& model, int64_t seq_len, DType dtype, AttentionKernel kernel) {
+ModelCost model_cost(const ModelSpec& model, int64_t seq_len, DType dtype, AttentionKernel kernel, bool fused_elementwise) {
   const double e = bytes_per_element(dtype);
   if (model.arch == ModelArch::ResNet) return resnet_cost(model.resnet, e);
-  return decoder_cost(model, static_cast<double>(seq_len), e, kernel);
+  return decoder_cost(model, static_cast<double>(seq_len), e, kernel, fused_elementwise);
 }
 
 }  // namespace dsrun

@@ -26,14 +26,18 @@ struct ModelCost {
   double tokens_per_sample = 1;    // seq_len for decoders, 1 for images
   double model_flops_per_sample = 0;        // forward + backward, the MFU numerator
   double recompute_flops_per_sample = 0;    // extra forward when activations are checkpointed
-  double activation_bytes_per_sample = 0;               // without checkpointing
-  double checkpointed_activation_bytes_per_sample = 0;  // full checkpointing
-  // Live only at the start of backward, on top of all activations: the gradients of the fp32
-  // log-softmax and of the logits (fp32, then in the compute dtype). Measured on H200: docs/benchmarks.md.
+  double activation_bytes_per_sample = 0;               // without checkpointing: what forward leaves for backward
+  double checkpointed_activation_bytes_per_sample = 0;  // full checkpointing: block inputs and the head
+  // Live only at the start of backward, on top of the activations: the fp32 gradients of the
+  // log-softmax's output and input while its backward runs. Measured on H200: docs/benchmarks.md.
   double head_backward_bytes_per_sample = 0;
+  // Full checkpointing: one block's activations, recomputed during its backward (after the head's).
+  double recomputed_layer_bytes_per_sample = 0;
   std::vector<ActivationTerm> terms;  // how activation_bytes_per_sample adds up
 };
 
-ModelCost model_cost(const ModelSpec& model, int64_t seq_len, DType dtype, AttentionKernel kernel);
+// fused_elementwise: RMSNorm and SwiGLU run as single kernels that keep only their inputs (CUDA
+// builds, engine/model/fused_ops); otherwise libtorch's separate ops keep their intermediates too.
+ModelCost model_cost(const ModelSpec& model, int64_t seq_len, DType dtype, AttentionKernel kernel, bool fused_elementwise = false);
 
 }  // namespace dsrun

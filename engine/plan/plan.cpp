@@ -58,7 +58,7 @@ class Planner {
     dp_ = r.parallel.data_parallel.value_or(hw.total_devices());
     ranks_per_node_ = (dp_ + hw.nodes - 1) / hw.nodes;
     kernel_ = hw.device == Device::Cuda ? AttentionKernel::Flash : AttentionKernel::Math;
-    cost_ = model_cost(r.model, r.batch.seq_len, r.precision.dtype, kernel_);
+    cost_ = model_cost(r.model, r.batch.seq_len, r.precision.dtype, kernel_, /*fused_elementwise=*/hw.device == Device::Cuda);
     capacity_ = hw.ranks_share_memory() ? hw.memory_bytes / ranks_per_node_ : hw.memory_bytes;
   }
 
@@ -76,7 +76,10 @@ class Planner {
     MemoryBreakdown& m = ev.memory;
     m.states = plan_model_states_per_rank(o);
     m.activations = l.micro * (l.checkpointing ? cost_.checkpointed_activation_bytes_per_sample : cost_.activation_bytes_per_sample);
-    m.backward_peak = l.micro * cost_.head_backward_bytes_per_sample;
+    // Backward's transient on top: the loss gradient at its start, or with recomputation whichever
+    // is larger of that and one block's recomputed activations (they are never live together).
+    m.backward_peak = l.micro * (l.checkpointing ? std::max(cost_.head_backward_bytes_per_sample, cost_.recomputed_layer_bytes_per_sample)
+                                                 : cost_.head_backward_bytes_per_sample);
     const double e = bytes_per_element(r_.precision.dtype);
     if (l.stage == 3 && dp_ > 1) {
       // The layer being computed, the prefetched next one, and one layer's full gradient before reduce-scatter.

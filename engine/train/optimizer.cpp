@@ -1,6 +1,7 @@
 #include "engine/train/optimizer.hpp"
 
 #include "engine/common/error.hpp"
+#include "engine/common/torch_compat.hpp"
 
 #include <cmath>
 
@@ -16,9 +17,44 @@ ShardOptimizer::ShardOptimizer(const OptimizerOptions& options, std::vector<Mast
   }
 }
 
+// Adam/AdamW through libtorch's fused multi-tensor kernel, where it has one: the shards cut into
+// the ranges that get weight decay and those that do not, one call for each group.
+void ShardOptimizer::fused_adam_step(double lr) {
+  if (shards_.empty()) return;
+  std::vector<torch::Tensor> p[2], g[2], m[2], v[2];  // [0]: no weight decay, [1]: weight decay
+  for (size_t k = 0; k < shards_.size(); ++k) {
+    MasterShard& s = shards_[k];
+    auto add = [&](int group, int64_t begin, int64_t end) {
+      if (end <= begin) return;
+      p[group].push_back(s.master.narrow(0, begin, end - begin));
+      g[group].push_back(s.grad.narrow(0, begin, end - begin));
+      m[group].push_back(m_[k].narrow(0, begin, end - begin));
+      v[group].push_back(v_[k].narrow(0, begin, end - begin));
+    };
+    int64_t at = 0;
+    for (auto [begin, end] : s.decay_ranges) {  // ascending and disjoint (zero.cpp)
+      add(0, at, begin);
+      add(1, begin, end);
+      at = end;
+    }
+    add(0, at, s.master.numel());
+  }
+  torch::Tensor step = torch::full({}, static_cast<double>(t_), shards_[0].master.options());
+  const bool decoupled = o_.kind == OptimizerKind::AdamW;
+  for (int group : {0, 1}) {
+    if (p[group].empty()) continue;
+    const double wd = group == 1 ? o_.weight_decay : 0.0;
+    compat::fused_adam_step(p[group], g[group], m[group], v[group], step, lr, o_.beta1, o_.beta2, wd, o_.eps, decoupled);
+  }
+}
+
 void ShardOptimizer::step(double lr) {
   torch::NoGradGuard no_grad;
   ++t_;
+  if (o_.kind != OptimizerKind::Sgd && compat::kHasFusedAdam) {
+    fused_adam_step(lr);
+    return;
+  }
   for (size_t k = 0; k < shards_.size(); ++k) {
     torch::Tensor& p = shards_[k].master;
     torch::Tensor g = shards_[k].grad;

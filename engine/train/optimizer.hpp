@@ -27,6 +27,7 @@ class ShardOptimizer {
  private:
   OptimizerOptions o_;
   std::vector<MasterShard>& shards_;
+  void fused_adam_step(double lr);  // libtorch's fused kernel (2.x); step() falls back to the plain expressions
   std::vector<torch::Tensor> m_, v_;  // Adam: first and second moments; SGD: m_ is the momentum
   int64_t t_ = 0;
 };

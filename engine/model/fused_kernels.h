@@ -1,0 +1,43 @@
+// CUDA kernels for the decoder's elementwise work (RMSNorm, rotary embedding, SwiGLU), forward and
+// backward, one pass over memory each: a flat C interface on raw pointers, so nvcc compiles no torch.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+extern "C" {
+
+// Element types of activations and weights; norms and rotations compute in fp32 whatever they are.
+enum DsrunFusedDType { DSRUN_F32 = 0, DSRUN_BF16 = 1, DSRUN_F16 = 2 };
+
+// Row sizes the RMSNorm kernels take: cols a multiple of 32 and at most 16384.
+int dsrun_rms_norm_supported(int64_t cols);
+// The number of partial weight-gradient rows dsrun_rms_norm_backward writes (sum them over rows).
+int dsrun_rms_norm_partials(int64_t rows);
+
+// y = (x · rstd) · w, rstd = 1/sqrt(mean(x²) + eps) per row of x [rows, cols]; the normalised
+// value is rounded to the element type before the weight multiplies it (as the reference does).
+void dsrun_rms_norm_forward(const void* x, const void* w, void* y, float* rstd, int64_t rows, int64_t cols, float eps,
+                            int dtype, cudaStream_t stream);
+// dx and partial sums of dw ([dsrun_rms_norm_partials(rows), cols], fp32) from dy, x, w, rstd.
+void dsrun_rms_norm_backward(const void* dy, const void* x, const void* w, const float* rstd, void* dx, float* dw_partial,
+                             int64_t rows, int64_t cols, int dtype, cudaStream_t stream);
+
+// Rotates the first half of each head against its second half (Llama layout), in fp32:
+// out1 = x1·cos - x2·sin, out2 = x2·cos + x1·sin. in: [tokens, heads·head_dim] with row stride
+// in_stride (elements); out: contiguous [tokens, heads·head_dim]; cos/sin: [>= seq, head_dim] fp32
+// with equal halves (the first half is read);
+// token t sits at position t % seq. inverse = 1 rotates by -angle (the backward).
+void dsrun_rotary(const void* in, int64_t in_stride, void* out, const float* cos, const float* sin, int64_t tokens,
+                  int64_t heads, int64_t head_dim, int64_t seq, int inverse, int dtype, cudaStream_t stream);
+
+// out[r, j] = silu(g) · u with g = gate_up[r, j], u = gate_up[r, inner + j]; gate_up [rows, 2·inner].
+void dsrun_swiglu_forward(const void* gate_up, void* out, int64_t rows, int64_t inner, int dtype, cudaStream_t stream);
+// d_gate_up [rows, 2·inner] from d_out [rows, inner] and gate_up.
+void dsrun_swiglu_backward(const void* d_out, const void* gate_up, void* d_gate_up, int64_t rows, int64_t inner, int dtype,
+                           cudaStream_t stream);
+
+// The last launch error as text, or nullptr: callers turn it into an exception with file:line.
+const char* dsrun_fused_last_error(void);
+}

@@ -1,0 +1,176 @@
+#include "engine/model/fused_ops.hpp"
+
+#include "engine/common/error.hpp"
+
+#ifdef DSRUN_WITH_FUSED_KERNELS
+#include "engine/model/fused_kernels.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#endif
+
+namespace dsrun::fused {
+
+namespace {
+
+using torch::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The reference expressions: what the kernels compute, and what runs where they do not.
+Tensor rms_norm_reference(const Tensor& x, const Tensor& weight, double eps) {
+  Tensor xf = x.to(torch::kFloat32);  // the mean of squares in fp32, as DeepSeek does
+  return (xf * torch::rsqrt(xf.pow(2).mean(-1, true) + eps)).to(x.scalar_type()) * weight;
+}
+
+Tensor rotary_reference(const Tensor& qk, int64_t head_dim, const Tensor& cos, const Tensor& sin) {
+  const int64_t b = qk.size(0), s = qk.size(1), heads = qk.size(2) / head_dim, half = head_dim / 2;
+  Tensor x = qk.reshape({b, s, heads, head_dim});
+  Tensor c = cos.narrow(0, 0, s).to(qk.scalar_type()).view({1, s, 1, head_dim});
+  Tensor sn = sin.narrow(0, 0, s).to(qk.scalar_type()).view({1, s, 1, head_dim});
+  Tensor rotated = torch::cat({-x.narrow(3, half, half), x.narrow(3, 0, half)}, -1);
+  return (x * c + rotated * sn).reshape({b, s, heads * head_dim});
+}
+
+Tensor swiglu_reference(const Tensor& gate_up) {
+  std::vector<Tensor> gu = gate_up.chunk(2, -1);
+  return torch::silu(gu[0]) * gu[1];
+}
+
+#ifdef DSRUN_WITH_FUSED_KERNELS
+
+#define DSRUN_CHECK_LAUNCH()                                                                         \
+  do {                                                                                               \
+    if (const char* e = dsrun_fused_last_error()) ::dsrun::fail_at(__FILE__, __LINE__, std::string("CUDA kernel launch failed: ") + e); \
+  } while (0)
+
+int kernel_dtype(const Tensor& t) {
+  switch (t.scalar_type()) {
+    case torch::kBFloat16: return DSRUN_BF16;
+    case torch::kFloat16: return DSRUN_F16;
+    default: return DSRUN_F32;
+  }
+}
+
+bool kernel_dtype_ok(const Tensor& t) {
+  const auto d = t.scalar_type();
+  return d == torch::kFloat32 || d == torch::kBFloat16 || d == torch::kFloat16;
+}
+
+cudaStream_t stream() { return at::cuda::getCurrentCUDAStream().stream(); }
+
+struct RmsNormFunction : torch::autograd::Function<RmsNormFunction> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, double eps) {
+    const int64_t cols = x.size(-1), rows = x.numel() / cols;
+    Tensor x2 = x.contiguous();
+    Tensor y = torch::empty_like(x2);
+    Tensor rstd = torch::empty({rows}, x.options().dtype(torch::kFloat32));
+    dsrun_rms_norm_forward(x2.data_ptr(), weight.contiguous().data_ptr(), y.data_ptr(), rstd.data_ptr<float>(), rows, cols,
+                           static_cast<float>(eps), kernel_dtype(x), stream());
+    DSRUN_CHECK_LAUNCH();
+    ctx->save_for_backward({x2, weight, rstd});
+    return y;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list saved = ctx->get_saved_variables();
+    const Tensor &x = saved[0], &weight = saved[1], &rstd = saved[2];
+    const int64_t cols = x.size(-1), rows = x.numel() / cols;
+    Tensor dy = grads[0].contiguous();
+    Tensor dx = torch::empty_like(x);
+    Tensor partial = torch::empty({dsrun_rms_norm_partials(rows), cols}, x.options().dtype(torch::kFloat32));
+    dsrun_rms_norm_backward(dy.data_ptr(), x.data_ptr(), weight.contiguous().data_ptr(), rstd.data_ptr<float>(), dx.data_ptr(),
+                            partial.data_ptr<float>(), rows, cols, kernel_dtype(x), stream());
+    DSRUN_CHECK_LAUNCH();
+    return {dx, partial.sum(0).to(weight.scalar_type()), Tensor()};
+  }
+};
+
+struct RotaryFunction : torch::autograd::Function<RotaryFunction> {
+  // qk: [b, s, n] with unit stride in its last dimension; the result is contiguous.
+  static Tensor forward(AutogradContext* ctx, const Tensor& qk, int64_t head_dim, const Tensor& cos, const Tensor& sin) {
+    const int64_t b = qk.size(0), s = qk.size(1), n = qk.size(2);
+    Tensor in = qk.stride(2) == 1 && qk.stride(0) == s * qk.stride(1) ? qk : qk.contiguous();
+    Tensor out = torch::empty({b, s, n}, qk.options());
+    dsrun_rotary(in.data_ptr(), in.stride(1), out.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), b * s, n / head_dim,
+                 head_dim, s, /*inverse=*/0, kernel_dtype(qk), stream());
+    DSRUN_CHECK_LAUNCH();
+    ctx->saved_data["head_dim"] = head_dim;
+    ctx->save_for_backward({cos, sin});
+    return out;
+  }
+  // The rotation is orthogonal: its gradient is the rotation by the opposite angle.
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list saved = ctx->get_saved_variables();
+    const int64_t head_dim = ctx->saved_data["head_dim"].toInt();
+    Tensor g = grads[0].contiguous();
+    const int64_t b = g.size(0), s = g.size(1), n = g.size(2);
+    Tensor dx = torch::empty_like(g);
+    dsrun_rotary(g.data_ptr(), n, dx.data_ptr(), saved[0].data_ptr<float>(), saved[1].data_ptr<float>(), b * s, n / head_dim,
+                 head_dim, s, /*inverse=*/1, kernel_dtype(g), stream());
+    DSRUN_CHECK_LAUNCH();
+    return {dx, Tensor(), Tensor(), Tensor()};
+  }
+};
+
+struct SwigluFunction : torch::autograd::Function<SwigluFunction> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& gate_up) {
+    Tensor in = gate_up.contiguous();
+    const int64_t inner = in.size(-1) / 2, rows = in.numel() / in.size(-1);
+    std::vector<int64_t> shape = in.sizes().vec();
+    shape.back() = inner;
+    Tensor out = torch::empty(shape, in.options());
+    dsrun_swiglu_forward(in.data_ptr(), out.data_ptr(), rows, inner, kernel_dtype(in), stream());
+    DSRUN_CHECK_LAUNCH();
+    ctx->save_for_backward({in});
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    Tensor in = ctx->get_saved_variables()[0];
+    Tensor d_out = grads[0].contiguous();
+    const int64_t inner = in.size(-1) / 2, rows = in.numel() / in.size(-1);
+    Tensor d_in = torch::empty_like(in);
+    dsrun_swiglu_backward(d_out.data_ptr(), in.data_ptr(), d_in.data_ptr(), rows, inner, kernel_dtype(in), stream());
+    DSRUN_CHECK_LAUNCH();
+    return {d_in};
+  }
+};
+
+#endif  // DSRUN_WITH_FUSED_KERNELS
+
+}  // namespace
+
+bool fused_kernels_active(const torch::Tensor& x) {
+#ifdef DSRUN_WITH_FUSED_KERNELS
+  return x.is_cuda() && kernel_dtype_ok(x);
+#else
+  (void)x;
+  return false;
+#endif
+}
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+#ifdef DSRUN_WITH_FUSED_KERNELS
+  if (fused_kernels_active(x) && weight.scalar_type() == x.scalar_type() && dsrun_rms_norm_supported(x.size(-1)))
+    return RmsNormFunction::apply(x, weight, eps);
+#endif
+  return rms_norm_reference(x, weight, eps);
+}
+
+torch::Tensor rotary(const torch::Tensor& qk, int64_t head_dim, const torch::Tensor& cos, const torch::Tensor& sin) {
+  DSRUN_ASSERT(qk.dim() == 3 && qk.size(2) % head_dim == 0 && head_dim % 2 == 0, "rotary takes [b, s, heads · head_dim]");
+#ifdef DSRUN_WITH_FUSED_KERNELS
+  if (fused_kernels_active(qk) && qk.stride(2) == 1 && cos.is_cuda() && cos.scalar_type() == torch::kFloat32) {
+    // The kernel reads the tables' rows by position and the first half of each row.
+    return RotaryFunction::apply(qk, head_dim, cos.contiguous(), sin.contiguous());
+  }
+#endif
+  return rotary_reference(qk, head_dim, cos, sin);
+}
+
+torch::Tensor swiglu(const torch::Tensor& gate_up) {
+#ifdef DSRUN_WITH_FUSED_KERNELS
+  if (fused_kernels_active(gate_up)) return SwigluFunction::apply(gate_up);
+#endif
+  return swiglu_reference(gate_up);
+}
+
+}  // namespace dsrun::fused
