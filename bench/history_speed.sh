@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `dsrun history` on a large store: 10,000 runs and 10 million metric rows (1,000 steps of
+# `dsrun history` on a large store: 10,000 runs and 10 million metric rows (500 steps of
 # loss and val_loss per run), built with the sqlite3 shell; then the plain listing, a filtered
 # query over config and metrics, a sort by a metric, and a CSV export, each timed by hyperfine-like
 # repetition (best of 5). Goal: under 300 ms. Results go in docs/benchmarks.md.

@@ -2,12 +2,16 @@
 
 #include "engine/common/error.hpp"
 #include "engine/common/files.hpp"
+#include "engine/common/host.hpp"
 #include "engine/common/text.hpp"
 #include "engine/recipe/schema.hpp"
+#include "runner/launcher.hpp"
 #include "runner/terminal.hpp"
 #include "storage/store.hpp"
 
 #include <dirent.h>
+#include <limits.h>
+#include <stdlib.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -46,6 +50,37 @@ int64_t tree_bytes(const std::string& path) {
   int64_t total = 0;
   for (const auto& name : list_directory(path)) total += tree_bytes(path_join(path, name));
   return total;
+}
+
+// `path` with its folders resolved to an absolute canonical form, or "" when it does not exist.
+// The last component stays as it is: a symbolic link is removed, never what it points to.
+std::string canonical_path(std::string path) {
+  while (path.size() > 1 && path.back() == '/') path.pop_back();
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) return "";
+  char folder[PATH_MAX];
+  if (!::realpath(parent_directory(path).c_str(), folder)) return "";
+  const std::string name = path.substr(path.find_last_of('/') == std::string::npos ? 0 : path.find_last_of('/') + 1);
+  return path_join(folder, name);
+}
+
+// The paths to size and remove, each once: checkpoints usually lie inside the run directory, and
+// counting both would report their bytes twice. Paths that do not exist are left out.
+std::vector<std::string> outermost_paths(const std::vector<std::string>& paths) {
+  std::vector<std::string> real;
+  for (const auto& p : paths) {
+    const std::string c = canonical_path(p);
+    if (!c.empty()) real.push_back(c);
+  }
+  // Shortest first: a folder comes before everything under it.
+  std::stable_sort(real.begin(), real.end(), [](const std::string& a, const std::string& b) { return a.size() < b.size(); });
+  std::vector<std::string> out;
+  for (const auto& p : real) {
+    bool counted = false;
+    for (const auto& kept : out) counted |= p == kept || p.rfind(kept == "/" ? kept : kept + "/", 0) == 0;
+    if (!counted) out.push_back(p);
+  }
+  return out;
 }
 
 // A TOML document flattened to "a.b" -> value text.
@@ -106,8 +141,19 @@ std::vector<std::vector<std::string>> differences(const std::vector<std::map<std
   return rows;
 }
 
-bool higher_is_better(const std::string& key) {
-  return key.find("accuracy") != std::string::npos || key.find("tokens_per_second") != std::string::npos || key.find("mfu") != std::string::npos;
+// Which way a metric improves. Settings and diagnostics (the learning rate, the fp16 loss scale,
+// the gradient norm) have no better direction, so compare shows no best for them.
+enum class Better { Lower, Higher, Neither };
+Better better_direction(const std::string& key) {
+  if (key == "lr" || key == "loss_scale" || key == "grad_norm") return Better::Neither;
+  if (key.find("accuracy") != std::string::npos || key.find("tokens_per_second") != std::string::npos || key.find("mfu") != std::string::npos)
+    return Better::Higher;
+  return Better::Lower;
+}
+
+// Plan numbers that are sizes in bytes (shown as KiB, MiB, GiB rather than 3.47158e+06).
+bool is_byte_quantity(const std::string& plan_key) {
+  return plan_key.rfind("memory_per_rank.", 0) == 0 || plan_key.rfind("host_memory_per_node.", 0) == 0 || plan_key.find("bytes") != std::string::npos;
 }
 
 double mean_after_first(const std::vector<MetricValue>& h) {
@@ -118,11 +164,18 @@ double mean_after_first(const std::vector<MetricValue>& h) {
   return sum / static_cast<double>(n);
 }
 
-std::string percent_error(double measured, double predicted) {
-  if (!std::isfinite(measured) || !std::isfinite(predicted) || predicted == 0) return "-";
-  const double e = (measured - predicted) / predicted * 100;
+// (measured - predicted) / predicted in percent; NaN when either is missing.
+double error_percent(double measured, double predicted) {
+  if (!std::isfinite(measured) || !std::isfinite(predicted) || predicted == 0) return NAN;
+  return (measured - predicted) / predicted * 100;
+}
+
+std::string percent_text(double e) {
+  if (!std::isfinite(e)) return "-";
   return (e >= 0 ? "+" : "") + format_double(e, 3) + "%";
 }
+
+nlohmann::json number_or_null(double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(); }
 
 }  // namespace
 
@@ -152,7 +205,9 @@ int command_history(const HistoryArgs& a, const std::string& db_path) {
     return 0;
   }
   if (!a.json) {
-    std::cout << render_history(store, runs);
+    const bool filtered = !a.status.empty() || !a.sweep.empty() || !a.model.empty() || !a.hardware.empty() || !a.recipe.empty() ||
+                          !a.since.empty() || !a.where.empty() || a.deleted;
+    std::cout << render_history(store, runs, filtered);
     return 0;
   }
   nlohmann::json out = nlohmann::json::array();
@@ -169,11 +224,20 @@ int command_history(const HistoryArgs& a, const std::string& db_path) {
   return 0;
 }
 
-int command_delete(const std::vector<std::string>& runs, const std::string& db_path) {
+int command_delete(const std::vector<std::string>& runs, bool force, const std::string& db_path) {
   Store store = open_store(db_path);
+  const std::string this_host = read_host_facts().hostname;
   for (const auto& q : runs) {
     const std::string id = store.resolve_run(q);
-    if (store.get_run(id).status == RunStatus::Running) throw Error("run " + id + " is running", ErrorContext{db_path, 0, 0, q, -1, "stop it first (Ctrl-C its dsrun run)"});
+    const RunRecord r = store.get_run(id);
+    if (r.status == RunStatus::Running) {
+      // --force is only for runs whose launcher is gone; a live run must be stopped by its launcher.
+      const std::string gone = launcher_gone(r, this_host, unix_now());
+      if (gone.empty()) throw Error("run " + id + " is running", ErrorContext{db_path, 0, 0, q, -1, "stop it first (Ctrl-C its dsrun run)"});
+      if (!force)
+        throw Error("run " + id + " is marked running, but " + gone, ErrorContext{db_path, 0, 0, q, -1, "pass --force to delete it (it is recorded as killed)"});
+      store.set_status(id, RunStatus::Killed, "launcher gone (" + gone + "); deleted with --force");
+    }
     store.set_deleted(id, true);
     store.add_event(id, "deleted", -1, "soft-deleted; `dsrun restore " + id + "` brings it back, `dsrun gc` frees its files");
     std::cout << "deleted run " << id << " (restore with: dsrun restore " << id << ")\n";
@@ -199,10 +263,9 @@ int command_gc(bool dry_run, const std::string& db_path) {
   q.limit = 1 << 30;
   int64_t freed = 0, runs = 0;
   for (const auto& r : store.query_runs(q)) {
-    std::vector<std::string> paths;
-    for (const auto& c : store.checkpoints(r.id)) paths.push_back(c.path);
-    const std::string run_dir = path_join(parent_directory(db_path), r.id);
-    paths.push_back(run_dir);
+    std::vector<std::string> listed{path_join(parent_directory(db_path), r.id)};
+    for (const auto& c : store.checkpoints(r.id)) listed.push_back(c.path);
+    const std::vector<std::string> paths = outermost_paths(listed);
     int64_t bytes = 0;
     for (const auto& p : paths) bytes += tree_bytes(p);
     if (bytes == 0) continue;
@@ -211,7 +274,15 @@ int command_gc(bool dry_run, const std::string& db_path) {
     std::cout << (dry_run ? "would free " : "freed ") << format_bytes(static_cast<double>(bytes)) << " of run " << r.id << " (" << r.name << ")\n";
     if (dry_run) continue;
     for (const auto& p : paths) remove_tree(p);
-    for (const auto& c : store.checkpoints(r.id)) store.remove_checkpoint(r.id, c.path);
+    for (const auto& c : store.checkpoints(r.id)) {
+      // A custom checkpoint.dir holds the run's checkpoints in a folder of its own (DIR/RUN_ID):
+      // once they are gone, so is that folder if nothing else is in it.
+      const std::string folder = parent_directory(c.path);
+      if (folder.size() > r.id.size() && folder.compare(folder.size() - r.id.size() - 1, std::string::npos, "/" + r.id) == 0 &&
+          is_directory(folder) && list_directory(folder).empty())
+        remove_tree(folder);
+      store.remove_checkpoint(r.id, c.path);
+    }
     store.add_event(r.id, "gc", -1, "files removed: " + format_bytes(static_cast<double>(bytes)));
   }
   std::cout << (dry_run ? "gc would free " : "gc freed ") << format_bytes(static_cast<double>(freed)) << " (" << freed << " bytes) from " << runs << " deleted run(s)\n";
@@ -239,6 +310,14 @@ int command_compare(const CompareArgs& a, const std::string& db_path) {
   }
   auto config_rows = differences(configs, a.all);
   auto plan_rows = differences(plans, false);
+  auto plan_text_rows = plan_rows;  // JSON keeps the numbers as recorded
+  for (auto& row : plan_text_rows)
+    if (is_byte_quantity(row[0]))
+      for (size_t i = 1; i < row.size(); ++i) {
+        char* end = nullptr;
+        const double v = std::strtod(row[i].c_str(), &end);
+        if (end != row[i].c_str() && *end == 0) row[i] = format_bytes(v);
+      }
 
   // Metrics: final, best, and at a step.
   std::set<std::string> keys;
@@ -257,10 +336,11 @@ int command_compare(const CompareArgs& a, const std::string& db_path) {
         at_row.push_back("-");
         continue;
       }
+      const Better better = better_direction(k);
       double best = h[0].value;
       int64_t best_step = h[0].step;
       for (const auto& m : h)
-        if (higher_is_better(k) ? m.value > best : m.value < best) {
+        if (better == Better::Higher ? m.value > best : m.value < best) {
           best = m.value;
           best_step = m.step;
         }
@@ -268,46 +348,67 @@ int command_compare(const CompareArgs& a, const std::string& db_path) {
       for (const auto& m : h)
         if (m.step == a.at_step) at = format_double(m.value, 5);
       final_row.push_back(format_double(h.back().value, 5) + " @" + std::to_string(h.back().step));
-      best_row.push_back(format_double(best, 5) + " @" + std::to_string(best_step));
+      best_row.push_back(better == Better::Neither ? "-" : format_double(best, 5) + " @" + std::to_string(best_step));
       at_row.push_back(at);
-      metrics_json[r.id][k] = {{"final", h.back().value}, {"final_step", h.back().step}, {"best", best}, {"best_step", best_step}};
+      metrics_json[r.id][k] = {{"final", h.back().value}, {"final_step", h.back().step}, {"best", nullptr}, {"best_step", nullptr}};
+      if (better != Better::Neither) {
+        metrics_json[r.id][k]["best"] = best;
+        metrics_json[r.id][k]["best_step"] = best_step;
+      }
     }
     metric_rows.push_back(final_row);
     metric_rows.push_back(best_row);
     if (a.at_step >= 0) metric_rows.push_back(at_row);
   }
 
-  // The plan's predictions beside what was measured.
+  // The plan's predictions beside what was measured. Peak memory is one row per rank: ranks
+  // differ (uneven shards, rank 0's extra work), and the largest alone hides which one.
   std::vector<std::vector<std::string>> predicted;
   nlohmann::json predicted_json = nlohmann::json::object();
   for (const auto& r : runs) {
     nlohmann::json plan = nlohmann::json::parse(r.plan_json.empty() ? "{}" : r.plan_json, nullptr, false);
-    auto latest = store.latest_metrics(r.id);
-    auto rank_metric = [&](const std::string& name) {  // the largest over ranks
+    // memory/rankN/KEY -> rank -> KEY -> value
+    std::map<int, std::map<std::string, double>> by_rank;
+    for (const auto& [k, m] : store.latest_metrics(r.id)) {
+      if (k.rfind("memory/rank", 0) != 0) continue;
+      const size_t slash = k.find('/', 11);
+      if (slash == std::string::npos || slash == 11 || k.find_first_not_of("0123456789", 11) != slash) continue;
+      by_rank[std::stoi(k.substr(11, slash - 11))][k.substr(slash + 1)] = m.value;
+    }
+    auto largest = [&](const std::string& key) {  // over ranks
       double v = NAN;
-      for (const auto& [k, m] : latest)
-        if (k.rfind("memory/rank", 0) == 0 && k.size() > name.size() && k.compare(k.size() - name.size(), name.size(), name) == 0 && k[k.size() - name.size() - 1] == '/')
-          v = std::isnan(v) ? m.value : std::max(v, m.value);
+      for (const auto& [rank, values] : by_rank)
+        if (values.count(key)) v = std::isnan(v) ? values.at(key) : std::max(v, values.at(key));
       return v;
     };
-    const double peak_gpu = rank_metric("peak_allocated_bytes"), peak_rss = rank_metric("peak_rss_bytes");
-    const double mem_measured = std::isfinite(peak_gpu) ? peak_gpu : peak_rss;
-    const double mem_predicted = rank_metric("predicted_total_bytes");
-    const double states_measured = rank_metric("model_state_bytes"), states_predicted = rank_metric("predicted_model_state_bytes");
-    const double step_measured = mean_after_first(store.metric_history(r.id, "step_seconds"));
-    const double tps_measured = mean_after_first(store.metric_history(r.id, "tokens_per_second"));
+    auto text = [](double v, bool bytes) { return !std::isfinite(v) ? std::string("-") : bytes ? format_bytes(v) : format_double(v, 4); };
+    auto entry = [](double pred, double measured) {
+      return nlohmann::json{{"predicted", number_or_null(pred)}, {"measured", number_or_null(measured)}, {"error_pct", number_or_null(error_percent(measured, pred))}};
+    };
+    auto row = [&](const std::string& what, double measured, double pred, bool bytes) {
+      predicted.push_back({r.id, what, text(pred, bytes), text(measured, bytes), percent_text(error_percent(measured, pred))});
+      predicted_json[r.id][what] = entry(pred, measured);
+    };
+    row("model states per rank", largest("model_state_bytes"), largest("predicted_model_state_bytes"), true);
+    predicted_json[r.id]["peak memory per rank"] = nlohmann::json::array();
+    for (const auto& [rank, values] : by_rank) {
+      // GPU ranks report the CUDA allocator's peak; CPU ranks only the process's peak RSS.
+      const bool gpu = values.count("peak_allocated_bytes") > 0;
+      if (!gpu && !values.count("peak_rss_bytes")) continue;
+      const std::string kind = gpu ? "GPU allocated" : "CPU RSS";
+      const double measured = values.at(gpu ? "peak_allocated_bytes" : "peak_rss_bytes");
+      const double pred = values.count("predicted_total_bytes") ? values.at("predicted_total_bytes") : NAN;
+      predicted.push_back({r.id, "peak memory rank " + std::to_string(rank) + " (" + kind + ")", text(pred, true), text(measured, true),
+                           percent_text(error_percent(measured, pred))});
+      nlohmann::json e = entry(pred, measured);
+      e["rank"] = rank;
+      e["kind"] = kind;
+      predicted_json[r.id]["peak memory per rank"].push_back(e);
+    }
     const double step_predicted = plan.is_object() ? plan.value("/speed/step_seconds"_json_pointer, NAN) : NAN;
     const double tps_predicted = plan.is_object() ? plan.value("/speed/tokens_per_second"_json_pointer, NAN) : NAN;
-    auto row = [&](const std::string& what, double measured, double pred, bool bytes) {
-      auto text = [&](double v) { return !std::isfinite(v) ? std::string("-") : bytes ? format_bytes(v) : format_double(v, 4); };
-      predicted.push_back({r.id, what, text(pred), text(measured), percent_error(measured, pred)});
-      predicted_json[r.id][what] = {{"predicted", std::isfinite(pred) ? nlohmann::json(pred) : nlohmann::json()},
-                                    {"measured", std::isfinite(measured) ? nlohmann::json(measured) : nlohmann::json()}};
-    };
-    row("model states per rank", states_measured, states_predicted, true);
-    row(std::string("peak memory per rank") + (std::isfinite(peak_gpu) ? " (GPU allocated)" : " (CPU RSS)"), mem_measured, mem_predicted, true);
-    row("step seconds", step_measured, step_predicted, false);
-    row("tokens/s", tps_measured, tps_predicted, false);
+    row("step seconds", mean_after_first(store.metric_history(r.id, "step_seconds")), step_predicted, false);
+    row("tokens/s", mean_after_first(store.metric_history(r.id, "tokens_per_second")), tps_predicted, false);
   }
 
   if (a.json) {
@@ -331,7 +432,7 @@ int command_compare(const CompareArgs& a, const std::string& db_path) {
     std::cout << t.render("  ");
   };
   print(a.all ? "config (all keys)" : "config differences", header, config_rows, "none: the resolved configs are identical");
-  print("plan differences", header, plan_rows, "none");
+  print("plan differences", header, plan_text_rows, "none");
   print("metrics", header, metric_rows, "no metrics recorded");
   print("predicted vs measured", {"run", "quantity", "predicted", "measured", "error"}, predicted, "nothing to compare");
   return 0;
@@ -340,6 +441,7 @@ int command_compare(const CompareArgs& a, const std::string& db_path) {
 int command_watch(const std::string& query, double interval_s, const std::string& db_path) {
   Store store = open_store(db_path);
   const std::string id = store.resolve_run(query);
+  const std::string this_host = read_host_facts().hostname;
   int64_t last_step = 0, last_event = 0;
   while (true) {
     RunRecord r = store.get_run(id);
@@ -362,6 +464,11 @@ int command_watch(const std::string& query, double interval_s, const std::string
       std::cout << "run " << id << " " << to_string(r.status) << (r.error.empty() ? "" : ": " + r.error) << "\n";
       return r.status == RunStatus::Finished ? 0 : r.status == RunStatus::Killed ? 130 : 1;
     }
+    // A launcher killed with -9 (or a rebooted machine) never records the end: waiting would be forever.
+    const std::string gone = launcher_gone(r, this_host, unix_now());
+    if (!gone.empty())
+      throw Error("run " + id + " is marked running, but " + gone,
+                  ErrorContext{db_path, 0, 0, "", -1, "continue it with `dsrun resume " + id + " --force`, or remove it with `dsrun delete " + id + " --force`"});
     ::usleep(static_cast<useconds_t>(interval_s * 1e6));
   }
 }

@@ -15,7 +15,8 @@ struct HistoryArgs {
 };
 int command_history(const HistoryArgs& args, const std::string& db_path);
 
-int command_delete(const std::vector<std::string>& runs, const std::string& db_path);
+// A run marked running is refused, unless its launcher is gone (launcher_gone) and `force` is set.
+int command_delete(const std::vector<std::string>& runs, bool force, const std::string& db_path);
 int command_restore(const std::vector<std::string>& runs, const std::string& db_path);
 // Removes the files (run directory, checkpoints) of soft-deleted runs; reports the bytes freed.
 int command_gc(bool dry_run, const std::string& db_path);
@@ -28,7 +29,8 @@ struct CompareArgs {
 };
 int command_compare(const CompareArgs& args, const std::string& db_path);
 
-// Follows a run from the store until it ends (another process is running it).
+// Follows a run from the store until it ends (another process is running it); an error when the
+// run is marked running but its launcher is gone (launcher_gone).
 int command_watch(const std::string& run, double interval_s, const std::string& db_path);
 
 }  // namespace dsrun

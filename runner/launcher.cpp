@@ -19,6 +19,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -39,6 +40,10 @@ volatile sig_atomic_t prune_requested = 0;  // SIGUSR2: the sweep pruned this tr
 void on_prune_request(int) { prune_requested = 1; }
 
 double now_seconds() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+// How often the launcher records that it is alive (runs.heartbeat_at). launcher_gone() allows
+// kLauncherSilentSeconds, many times this, so a busy store or a slow shutdown never looks dead.
+constexpr double kHeartbeatSeconds = 10;
 
 std::string executable_directory() {
   char buf[PATH_MAX];
@@ -225,8 +230,17 @@ class Supervisor {
                          (resume_from.empty() ? "" : ", resuming from " + resume_from));
   }
 
+  // `dsrun watch` and `dsrun delete` on another terminal tell a dead launcher by this.
+  void heartbeat() {
+    const double now = now_seconds();
+    if (now - last_heartbeat_ < kHeartbeatSeconds) return;
+    last_heartbeat_ = now;
+    store_.run_heartbeat(run_id_, hostname_, ::getpid());
+  }
+
   Ending watch() {
     while (true) {
+      heartbeat();
       std::vector<pollfd> fds;
       for (auto& p : ranks_)
         if (p.fd >= 0) fds.push_back({p.fd, POLLIN, 0});
@@ -394,6 +408,7 @@ class Supervisor {
       if (p.running) ::kill(p.pid, SIGTERM);
     const double deadline = now_seconds() + grace;
     while (now_seconds() < deadline) {
+      heartbeat();  // the grace period may be minutes (checkpoint.at_end)
       for (auto& p : ranks_) drain(p);  // checkpoints saved while stopping are still recorded
       reap();
       bool any = false;
@@ -456,6 +471,8 @@ class Supervisor {
   std::unique_ptr<TensorBoardWriter> tensorboard_;  // logging.tensorboard: RUN_DIR/tensorboard/
   bool progress_open_ = false;
   std::string stopped_early_;  // why, when a rank stopped before the last step
+  std::string hostname_ = read_host_facts().hostname;
+  double last_heartbeat_ = 0;
 };
 
 void pin(Config& config, const std::string& key, Value value) {
@@ -492,11 +509,30 @@ RunStatus launch_run(const LoadedRecipe& loaded, const Plan& plan, Store& store,
   write_file_atomic(config_path, rank_config_toml(loaded, plan));
   write_file_atomic(path_join(options.run_dir, "plan.json"), plan_to_json(plan));
   store.set_status(run_id, RunStatus::Running);
+  store.run_heartbeat(run_id, read_host_facts().hostname, ::getpid());
   LaunchOptions o = options;
   if (o.checkpoint_root.empty()) o.checkpoint_root = checkpoint_root_of(loaded.recipe, options.run_dir, run_id);
   make_directories(o.checkpoint_root);
   Supervisor supervisor(loaded, plan, store, run_id, o);
   return supervisor.run(config_path);
+}
+
+bool process_alive(int64_t pid) {
+  if (pid <= 0 || (::kill(static_cast<pid_t>(pid), 0) != 0 && errno != EPERM)) return false;
+  const std::string stat = file_exists("/proc/" + std::to_string(pid) + "/stat") ? read_file("/proc/" + std::to_string(pid) + "/stat") : "";
+  const size_t paren = stat.rfind(')');
+  return paren == std::string::npos || paren + 2 >= stat.size() || stat[paren + 2] != 'Z';
+}
+
+std::string launcher_gone(const RunRecord& run, const std::string& this_host, double now) {
+  if (run.status != RunStatus::Running) return "";
+  if (run.pid > 0 && !run.host.empty() && run.host == this_host && !process_alive(run.pid))
+    return "its launcher, process " + std::to_string(run.pid) + " on this host, has exited";
+  // Runs recorded before schema v5 have no heartbeat of their own until their first metrics.
+  const double last_sign = run.heartbeat_at > 0 ? run.heartbeat_at : run.started_at > 0 ? run.started_at : run.created_at;
+  if (now - last_sign > kLauncherSilentSeconds)
+    return "no heartbeat from its launcher" + (run.host.empty() ? std::string() : " on " + run.host) + " for " + format_seconds(now - last_sign);
+  return "";
 }
 
 void exec_rank_process(const std::string& config_path) {

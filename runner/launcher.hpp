@@ -36,6 +36,17 @@ std::string rank_config_toml(const LoadedRecipe& loaded, const Plan& plan);
 // dies or hangs restarts all ranks from the newest checkpoint, up to run.max_restarts times.
 RunStatus launch_run(const LoadedRecipe& loaded, const Plan& plan, Store& store, const std::string& run_id, const LaunchOptions& options);
 
+// A process that exists and is not a zombie (a killed launcher may linger unreaped as one).
+bool process_alive(int64_t pid);
+
+// A launcher that heartbeats every 10 s and has been silent this long is taken for dead.
+constexpr double kLauncherSilentSeconds = 600;
+
+// Why a run marked running has no live launcher, or "" when it may still be running: on the
+// launcher's own host its process has exited; on any host, no heartbeat for
+// kLauncherSilentSeconds (a killed -9 launcher or a rebooted machine never marks its run ended).
+std::string launcher_gone(const RunRecord& run, const std::string& this_host, double now);
+
 // `dsrun worker CONFIG`: become a rank under an outside launcher (torchrun, Slurm, Kubernetes).
 [[noreturn]] void exec_rank_process(const std::string& config_path);
 

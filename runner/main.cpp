@@ -88,6 +88,8 @@ int main(int argc, char** argv) {
   std::vector<std::string> run_list;
   CLI::App* del = app.add_subcommand("delete", "Soft-delete runs (hidden from history; restore brings them back; gc frees their files)");
   del->add_option("runs", run_list, "Run ids, prefixes or names")->required();
+  bool delete_force = false;
+  del->add_flag("--force", delete_force, "Delete a run still marked running whose launcher is gone");
   CLI::App* restore = app.add_subcommand("restore", "Restore soft-deleted runs");
   restore->add_option("runs", run_list, "Run ids, prefixes or names")->required();
   bool dry_run = false;
@@ -180,7 +182,7 @@ int main(int argc, char** argv) {
     if (*worker) dsrun::command_worker(worker_config);
     if (*plan) return dsrun::command_plan(recipe_args, json);
     if (*history) return dsrun::command_history(hist, db);
-    if (*del) return dsrun::command_delete(run_list, db);
+    if (*del) return dsrun::command_delete(run_list, delete_force, db);
     if (*restore) return dsrun::command_restore(run_list, db);
     if (*gc) return dsrun::command_gc(dry_run, db);
     if (*compare) return dsrun::command_compare(cmp, db);

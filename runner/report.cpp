@@ -108,7 +108,11 @@ std::string svg_chart(const std::string& title, const std::vector<Series>& serie
 // Bars: for each label, a measured and a predicted value (memory per rank against the plan).
 std::string svg_bars(const std::string& title, const std::vector<std::tuple<std::string, double, double>>& bars) {
   if (bars.empty()) return "";
-  const double W = 600, row = 26, top = 30, left = 170, right = 90;
+  auto value_label = [](double measured, double predicted) { return format_bytes(measured) + " / " + format_bytes(predicted); };
+  size_t longest = 0;
+  for (const auto& [label, measured, predicted] : bars) longest = std::max(longest, value_label(measured, predicted).size());
+  // The longest bar's value label must fit to its right: about 7 px a character at 11 px.
+  const double W = 600, row = 26, top = 30, left = 170, right = 12 + 7 * static_cast<double>(longest);
   const double H = top + row * static_cast<double>(bars.size()) + 24;
   double most = 0;
   for (const auto& [label, measured, predicted] : bars) most = std::max({most, measured, predicted});
@@ -125,7 +129,7 @@ std::string svg_bars(const std::string& title, const std::vector<std::tuple<std:
     s += "<rect class=\"bar measured\" x=\"" + format_double(left, 6) + "\" y=\"" + format_double(y + 12, 6) + "\" width=\"" + format_double(len(measured), 6) +
          "\" height=\"9\" fill=\"#08519c\"/>\n";
     s += "<text x=\"" + format_double(left + len(std::max(measured, predicted)) + 4, 6) + "\" y=\"" + format_double(y + 15, 6) + "\" class=\"legend\" style=\"text-anchor:start\">" +
-         escape(format_bytes(measured)) + " / " + escape(format_bytes(predicted)) + "</text>\n";
+         escape(value_label(measured, predicted)) + "</text>\n";
     y += row;
   }
   s += "</svg>\n";
@@ -209,7 +213,10 @@ int command_report(const std::vector<std::string>& queries, const std::string& o
   if (!file_exists(db_path)) throw Error("no run store here", ErrorContext{db_path, 0, 0, "", -1, "run a recipe first, or pass --db"});
   Store store(db_path);
   std::vector<std::string> ids;
-  for (const auto& q : queries) ids.push_back(store.resolve_run(q));
+  for (const auto& q : queries) {
+    const std::string id = store.resolve_run(q);
+    if (std::find(ids.begin(), ids.end(), id) == ids.end()) ids.push_back(id);  // named twice (id and name): drawn once
+  }
   write_file_atomic(output, render_report_html(store, ids));
   std::cout << "wrote " << output << " (" << ids.size() << " run(s))\n";
   return 0;

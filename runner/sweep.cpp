@@ -6,6 +6,7 @@
 #include "engine/common/text.hpp"
 #include "engine/recipe/load.hpp"
 #include "engine/sweep/sweep.hpp"
+#include "runner/launcher.hpp"
 #include "runner/terminal.hpp"
 #include "storage/store.hpp"
 
@@ -380,14 +381,6 @@ class SweepDriver {
   double best_value_ = 0;
   bool target_reached_ = false;
 };
-
-// A process that exists and is not a zombie (a killed driver may linger unreaped as one).
-bool process_alive(int64_t pid) {
-  if (pid <= 0 || (::kill(static_cast<pid_t>(pid), 0) != 0 && errno != EPERM)) return false;
-  const std::string stat = file_exists("/proc/" + std::to_string(pid) + "/stat") ? read_file("/proc/" + std::to_string(pid) + "/stat") : "";
-  const size_t paren = stat.rfind(')');
-  return paren == std::string::npos || paren + 2 >= stat.size() || stat[paren + 2] != 'Z';
-}
 
 }  // namespace
 

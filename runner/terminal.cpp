@@ -32,7 +32,8 @@ static std::string key_metric(const Store& store, const std::string& run_id) {
   return "-";
 }
 
-std::string render_history(const Store& store, const std::vector<RunRecord>& runs) {
+std::string render_history(const Store& store, const std::vector<RunRecord>& runs, bool filtered) {
+  if (runs.empty() && filtered) return "no runs match in " + store.path() + " (dsrun history without filters lists every run)\n";
   if (runs.empty()) return "no runs yet in " + store.path() + "\n";
   TextTable t({"id", "name", "status", "model", "hardware", "zero", "ranks", "key metric", "created", "duration"});
   for (const auto& r : runs)

@@ -4,9 +4,12 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <map>
+#include <sstream>
 
 namespace dsrun {
 
@@ -41,9 +44,20 @@ struct Token {
   size_t at = 0;  // column in the expression
 };
 
+// Deeper nesting of ( and not is refused: the parser recurses once per level (30,000 levels
+// overflow the stack) and SQLite's own parser gives up below a hundred levels.
+constexpr int kMaxNesting = 64;
+// So are longer and / or chains: SQLite nests them one level per condition and refuses
+// expressions deeper than 1000.
+constexpr int kMaxConditions = 256;
+
 class WhereParser {
  public:
-  WhereParser(std::string text, const QueryNames& names) : text_(std::move(text)), names_(names) { tokenize(); }
+  // `option` names the command-line option the text came from (--where, --sort), for errors.
+  WhereParser(std::string text, const QueryNames& names, std::string option)
+      : text_(std::move(text)), names_(names), option_(std::move(option)) {
+    tokenize();
+  }
 
   SqlFragment parse() {
     SqlFragment f = parse_or();
@@ -92,7 +106,7 @@ class WhereParser {
 
   [[noreturn]] void fail(const Token& t, const std::string& message, const std::string& hint) const {
     ErrorContext c;
-    c.key = "--where";
+    c.key = option_;
     c.hint = hint;
     throw Error(message + " at column " + std::to_string(t.at + 1) + "\n    " + text_ + "\n    " + std::string(t.at, ' ') + "^", c);
   }
@@ -197,11 +211,22 @@ class WhereParser {
     return f;
   }
 
+  // Called on the token that opens a level (a "(" or a "not"), before parsing inside it.
+  void enter_level() {
+    if (++depth_ > kMaxNesting)
+      fail(peek(), "nested deeper than " + std::to_string(kMaxNesting) + " levels of ( and not",
+           "write the condition flatter: and / or chains need no parentheses");
+  }
+
   SqlFragment parse_not() {
     if (word("not")) {
+      enter_level();
       next();
       SqlFragment inner = parse_not();
-      inner.sql = "NOT (" + inner.sql + ")";
+      --depth_;
+      // The inner fragment is already parenthesised (or another NOT): no parentheses of our own,
+      // so each level costs SQLite's parser one stack slot, not two.
+      inner.sql = "NOT " + inner.sql;
       return inner;
     }
     return parse_comparison();
@@ -209,13 +234,17 @@ class WhereParser {
 
   SqlFragment parse_comparison() {
     if (peek().kind == Token::LParen) {
+      enter_level();
       next();
       SqlFragment inner = parse_or();
       if (peek().kind != Token::RParen) fail(peek(), "expected \")\"", "close the parenthesis");
       next();
+      --depth_;
       inner.sql = "(" + inner.sql + ")";
       return inner;
     }
+    if (++conditions_ > kMaxConditions)
+      fail(peek(), "more than " + std::to_string(kMaxConditions) + " conditions", "shorten the and / or chain, e.g. with like or a range (x >= a and x <= b)");
     const Token left = next();
     if (left.kind != Token::Name) fail(left, "expected a name (a column, config key or metrics.KEY)", "for example: optimizer.lr > 1e-4");
     SqlFragment f = name_value(left);
@@ -246,6 +275,10 @@ class WhereParser {
     if (right.kind == Token::Number) {
       value.is_number = true;
       value.number = right.number;
+    } else if (right.kind == Token::Name && (lowercase(right.text) == "true" || lowercase(right.text) == "false")) {
+      // Config booleans are stored as JSON true/false, which json_extract reads as 1/0.
+      value.is_number = true;
+      value.number = lowercase(right.text) == "true" ? 1 : 0;
     } else if (right.kind == Token::String || right.kind == Token::Name) {
       value.text = right.text;  // a bare word is a string: status = finished
     } else {
@@ -264,40 +297,93 @@ class WhereParser {
 
   std::string text_;
   const QueryNames& names_;
+  std::string option_;
   std::vector<Token> tokens_;
   size_t pos_ = 0;
+  int depth_ = 0;       // ( and not levels open at the current token
+  int conditions_ = 0;  // comparisons so far
 };
 
 }  // namespace
 
 SqlFragment parse_where(const std::string& expression, const QueryNames& names) {
-  WhereParser p(expression, names);
+  WhereParser p(expression, names, "--where");
   return p.parse();
 }
 
 SqlFragment sort_expression(const std::string& name, const QueryNames& names) {
-  WhereParser p(name, names);
+  WhereParser p(name, names, "--sort");
   Token t;
   t.kind = Token::Name;
   t.text = name;
   return p.name_value(t);
 }
 
+namespace {
+
+std::string normalized_phrase(const std::string& text) {
+  std::istringstream in(text);
+  std::string word, out;
+  while (in >> word) out += (out.empty() ? "" : " ") + word;
+  for (auto& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return out;
+}
+
+bool strip_prefix(std::string& s, const std::string& prefix) {
+  if (s.rfind(prefix, 0) != 0) return false;
+  s.erase(0, prefix.size());
+  return true;
+}
+
+bool strip_suffix(std::string& s, const std::string& suffix) {
+  if (s.size() < suffix.size() || s.compare(s.size() - suffix.size(), suffix.size(), suffix) != 0) return false;
+  s.erase(s.size() - suffix.size());
+  return true;
+}
+
+// Seconds from the start of yesterday (local midnight) to now.
+double seconds_since_yesterday_began() {
+  const std::time_t now = std::time(nullptr);
+  std::tm day{};
+  localtime_r(&now, &day);
+  day.tm_hour = day.tm_min = day.tm_sec = 0;
+  day.tm_mday -= 1;
+  day.tm_isdst = -1;  // let mktime work out daylight saving for that day
+  return std::difftime(now, std::mktime(&day));
+}
+
+}  // namespace
+
 double parse_duration(const std::string& text) {
-  const char* begin = text.c_str();
+  ErrorContext c;
+  c.key = "--since";
+  c.hint = "write a number and a unit, or a phrase: 30 min, 3h, 2 days, 1 week, last 2 days, 2 days ago, last day, yesterday";
+  std::string phrase = normalized_phrase(text);
+  if (phrase == "yesterday") return seconds_since_yesterday_began();
+  // "last 2 days", "past week" and "2 days ago" mean what "2 days" and "1 week" mean.
+  const bool last = strip_prefix(phrase, "last ") || strip_prefix(phrase, "past ");
+  if (!last) strip_suffix(phrase, " ago");
+
+  const char* begin = phrase.c_str();
   char* end = nullptr;
-  const double n = std::strtod(begin, &end);
+  double n = std::strtod(begin, &end);
+  if (end == begin) {
+    if (!last) throw Error("cannot read \"" + text + "\" as a duration", c);
+    n = 1;  // "last day"
+  }
   std::string unit(end);
-  unit.erase(std::remove_if(unit.begin(), unit.end(), [](unsigned char c) { return std::isspace(c); }), unit.end());
+  unit.erase(std::remove_if(unit.begin(), unit.end(), [](unsigned char ch) { return std::isspace(ch); }), unit.end());
   static const std::vector<std::pair<std::vector<std::string>, double>> units = {
       {{"s", "sec", "secs", "second", "seconds"}, 1},   {{"m", "min", "mins", "minute", "minutes"}, 60}, {{"h", "hour", "hours"}, 3600},
       {{"d", "day", "days"}, 86400},                    {{"w", "week", "weeks"}, 604800}};
-  if (end != begin && n >= 0)
-    for (const auto& [names, seconds] : units)
-      if (std::find(names.begin(), names.end(), unit) != names.end()) return n * seconds;
-  ErrorContext c;
-  c.key = "--since";
-  c.hint = "write a number and a unit: 30 min, 3h, 2 days, 1 week";
+  for (const auto& [names, seconds] : units) {
+    if (std::find(names.begin(), names.end(), unit) == names.end()) continue;
+    if (!std::isfinite(n) || n <= 0 || !std::isfinite(n * seconds)) {
+      c.hint = "give a finite number above zero: 30 min, 2 days";
+      throw Error("\"" + text + "\" is not a duration above zero", c);
+    }
+    return n * seconds;
+  }
   throw Error("cannot read \"" + text + "\" as a duration", c);
 }
 

@@ -28,12 +28,16 @@ struct QueryNames {
 };
 
 // "optimizer.lr > 1e-4 and metrics.val_loss < 2.5 and status = finished" -> a WHERE condition.
-// Bare words on the right of a comparison are strings (status = finished). Throws dsrun::Error
-// with the expression and a caret under the bad token.
+// Bare words on the right of a comparison are strings (status = finished), except true and false,
+// which are 1 and 0 (how config booleans compare). Throws dsrun::Error with the expression and a
+// caret under the bad token, also for ( and not nested deeper than 64 levels and for more than
+// 256 conditions.
 SqlFragment parse_where(const std::string& expression, const QueryNames& names);
-// One name (column, config key or metrics.KEY) as a sortable SQL value.
+// One name (column, config key or metrics.KEY) as a sortable SQL value; errors name --sort.
 SqlFragment sort_expression(const std::string& name, const QueryNames& names);
-// "2 days", "3h", "30 min", "1 week" -> seconds. Throws on anything else.
+// "2 days", "3h", "30 min", "1 week", "last 2 days", "2 days ago", "last day" -> seconds;
+// "yesterday" -> seconds since yesterday's local midnight. Throws (naming --since) on anything
+// else, and on zero, negative or non-finite numbers.
 double parse_duration(const std::string& text);
 
 }  // namespace dsrun

@@ -196,6 +196,11 @@ CREATE INDEX runs_sweep ON runs(sweep_id, trial_index);
     R"sql(
 ALTER TABLE runs ADD COLUMN config_json TEXT;
 )sql",
+    // 5: the launcher's process id (with runs.host and runs.heartbeat_at: is a running run's
+    //    launcher still alive?).
+    R"sql(
+ALTER TABLE runs ADD COLUMN pid INTEGER;
+)sql",
 };
 constexpr int kSchemaVersion = sizeof(kMigrations) / sizeof(kMigrations[0]);
 
@@ -226,7 +231,8 @@ bool transition_allowed(RunStatus from, RunStatus to) {
 
 const char* kRunColumns =
     "id, name, status, created_at, started_at, ended_at, recipe_path, recipe_text, config_toml, plan_json, model, hardware, "
-    "zero_stage, world_size, host, git_revision, parent_run, parent_step, sweep_id, error, plan_text, trial_index, trial_params, deleted_at";
+    "zero_stage, world_size, host, git_revision, parent_run, parent_step, sweep_id, error, plan_text, trial_index, trial_params, deleted_at, "
+    "heartbeat_at, pid";
 
 RunRecord read_run(const Statement& s) {
   RunRecord r;
@@ -254,6 +260,8 @@ RunRecord read_run(const Statement& s) {
   r.trial_index = s.is_null(21) ? -1 : s.integer(21);
   r.trial_params = s.text(22);
   r.deleted_at = s.real(23);
+  r.heartbeat_at = s.real(24);
+  r.pid = s.is_null(25) ? 0 : s.integer(25);
   return r;
 }
 
@@ -384,6 +392,12 @@ void Store::add_metrics(const std::string& run_id, int64_t step, const std::vect
   hb.bind(1, now).bind(2, run_id);
   hb.run();
   t.commit();
+}
+
+void Store::run_heartbeat(const std::string& run_id, const std::string& host, int64_t pid) {
+  Statement s(db_.get(), "UPDATE runs SET heartbeat_at = ?, host = ?, pid = ? WHERE id = ?");
+  s.bind(1, unix_now()).bind(2, host).bind(3, pid).bind(4, run_id);
+  s.run();
 }
 
 void Store::add_event(const std::string& run_id, const std::string& kind, int rank, const std::string& message, const std::string& detail) {

@@ -45,6 +45,8 @@ struct RunRecord : NewRun {
   double created_at = 0, started_at = 0, ended_at = 0;  // unix seconds, 0 when not yet
   double deleted_at = 0;
   std::string error;
+  double heartbeat_at = 0;  // the launcher's last sign of life (unix seconds), 0 when none
+  int64_t pid = 0;          // the launcher's process on `host`, 0 when not recorded (before schema v5)
 };
 
 struct MetricValue {
@@ -115,6 +117,8 @@ class Store {
   std::string create_run(const NewRun& run);  // returns the new run's id
   void set_status(const std::string& run_id, RunStatus status, const std::string& error = "");
   void add_metrics(const std::string& run_id, int64_t step, const std::vector<std::pair<std::string, double>>& values);
+  // The launcher is alive: records the time, and its host and process (a resume may run elsewhere).
+  void run_heartbeat(const std::string& run_id, const std::string& host, int64_t pid);
   void add_event(const std::string& run_id, const std::string& kind, int rank, const std::string& message, const std::string& detail = "");
   void add_checkpoint(const std::string& run_id, const CheckpointRecord& checkpoint);
   void remove_checkpoint(const std::string& run_id, const std::string& path);  // retention deleted it

@@ -12,8 +12,14 @@
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
+#include <sqlite3.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <cstring>
+#include <filesystem>
 #include <fstream>
+#include <regex>
 
 using dsrun::test::contains;
 using dsrun::test::dsrun_command;
@@ -27,8 +33,8 @@ namespace {
 
 dsrun::QueryNames names() {
   dsrun::QueryNames n;
-  n.is_config_key = [](const std::string& k) { return k == "optimizer.lr" || k == "batch.micro" || k == "run.name"; };
-  n.known_names = {"optimizer.lr", "batch.micro", "run.name"};
+  n.is_config_key = [](const std::string& k) { return k == "optimizer.lr" || k == "batch.micro" || k == "run.name" || k == "logging.tensorboard"; };
+  n.known_names = {"optimizer.lr", "batch.micro", "run.name", "logging.tensorboard"};
   return n;
 }
 
@@ -52,12 +58,35 @@ void fill_store(const std::string& db) {
     n.recipe_text = n.config_toml = "x";
     n.model = r.model;
     n.hardware = "cpu";
-    n.config_json = nlohmann::json({{"optimizer.lr", r.lr}, {"batch.micro", 2}, {"run.name", r.name}}).dump();
+    const bool tensorboard = r.lr < 2.5e-3;  // a, b and d
+    n.config_json = nlohmann::json({{"optimizer.lr", r.lr}, {"batch.micro", 2}, {"run.name", r.name}, {"logging.tensorboard", tensorboard}}).dump();
     const std::string id = store.create_run(n);
     store.set_status(id, dsrun::RunStatus::Running);
     store.add_metrics(id, 10, {{"val_loss", r.val_loss}, {"loss", r.val_loss + 0.1}});
     store.set_status(id, r.status, r.status == dsrun::RunStatus::Failed ? "boom" : "");
   }
+}
+
+// Bytes of the regular files under `path`, as the file system reports them.
+int64_t disk_bytes(const std::string& path) {
+  int64_t total = 0;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(path))
+    if (e.is_regular_file() && !e.is_symlink()) total += static_cast<int64_t>(e.file_size());
+  return total;
+}
+
+// `dsrun ARGS --db DB` under a time limit, for commands that would wait forever if they were wrong.
+dsrun::test::CommandOutput dsrun_with_timeout(const std::string& db, const std::string& args, int seconds) {
+  return dsrun::test::run_command("cd '" + dsrun::test::source_dir() + "' && timeout " + std::to_string(seconds) + " '" DSRUN_BINARY "' " + args +
+                                  " --db '" + db + "'");
+}
+
+// The lines of `text` from the one starting with `from` up to (not including) the first empty line.
+std::string section(const std::string& text, const std::string& from) {
+  const size_t at = text.find("\n" + from + "\n");
+  if (at == std::string::npos) return "";
+  const size_t end = text.find("\n\n", at + 1);
+  return text.substr(at + 1, end == std::string::npos ? std::string::npos : end - at - 1);
 }
 
 std::vector<std::string> names_of(const std::vector<dsrun::RunRecord>& runs) {
@@ -142,6 +171,118 @@ TEST_CASE("history filters, queries and sorts a real store, and injection attemp
   CHECK(contains(bad.text, "--where: unexpected character"));
 }
 
+TEST_CASE("history --since reads natural phrases and refuses zero, negative and non-finite spans", "[history][query]") {
+  CHECK(dsrun::parse_duration("2 days") == 172800);
+  CHECK(dsrun::parse_duration("last 2 days") == 172800);
+  CHECK(dsrun::parse_duration("2 days ago") == 172800);
+  CHECK(dsrun::parse_duration("Last  Day") == 86400);
+  CHECK(dsrun::parse_duration("last week") == 604800);
+  CHECK(dsrun::parse_duration("1 week") == 604800);
+  CHECK(dsrun::parse_duration("30 min") == 1800);
+  CHECK(dsrun::parse_duration("3h") == 10800);
+  const double yesterday = dsrun::parse_duration("yesterday");  // since yesterday's local midnight
+  CHECK(yesterday >= 86400 - 3600);                              // an hour of slack for daylight saving
+  CHECK(yesterday <= 2 * 86400 + 3600);
+  for (const char* bad : {"0 days", "inf days", "-2 h", "nan days", "1e400 days", "last 0 days"}) {
+    INFO(bad);
+    const std::string e = error_of([&] { dsrun::parse_duration(bad); });
+    CHECK(contains(e, "--since: \"" + std::string(bad) + "\" is not a duration above zero"));
+    CHECK(contains(e, "fix: "));
+  }
+  CHECK(contains(error_of([] { dsrun::parse_duration("last fortnight"); }), "--since: cannot read"));
+  CHECK(contains(error_of([] { dsrun::parse_duration("day"); }), "--since: cannot read"));
+
+  TempDir dir;
+  fill_store(dir.file("runs.db"));
+  auto phrase = dsrun_command(dir, "history --since 'last 2 days' --csv");
+  INFO(phrase.text);
+  CHECK(phrase.code == 0);
+  CHECK(dsrun::split(phrase.text, '\n').size() >= 6);  // the header and five runs
+  auto zero = dsrun_command(dir, "history --since '0 days'");
+  CHECK(zero.code == 1);
+  CHECK(contains(zero.text, "--since"));
+}
+
+TEST_CASE("history --where refuses ( and not nested deeper than 64 and more than 256 conditions, at the token", "[history][query]") {
+  TempDir dir;
+  fill_store(dir.file("runs.db"));
+  dsrun::Store store(dir.file("runs.db"));
+  auto repeat = [](const std::string& s, int n) {
+    std::string out;
+    for (int i = 0; i < n; ++i) out += s;
+    return out;
+  };
+  // At the limit the query runs in SQLite (the metrics lookup is the deepest SQL a condition makes).
+  for (const std::string& expression : {repeat("(", 64) + "metrics.val_loss < 2.5" + repeat(")", 64), repeat("not ", 64) + "metrics.val_loss < 2.5",
+                                        repeat("not (", 32) + "metrics.val_loss < 2.5" + repeat(")", 32)}) {
+    INFO(expression);
+    dsrun::RunQuery q;
+    q.where = dsrun::parse_where(expression, names());
+    CHECK(store.query_runs(q).size() == 4);  // an even number of nots: val_loss < 2.5
+  }
+  std::string e = error_of([&] { dsrun::parse_where(repeat("(", 65) + "status = x" + repeat(")", 65), names()); });
+  CHECK(contains(e, "--where: nested deeper than 64 levels of ( and not at column 65"));
+  CHECK(contains(e, "\n    " + std::string(64, ' ') + "^"));  // the caret under the 65th (
+  CHECK(contains(e, "fix: "));
+  e = error_of([&] { dsrun::parse_where("status = x and " + repeat("not ", 65) + "status = y", names()); });
+  CHECK(contains(e, "nested deeper than 64 levels of ( and not at column " + std::to_string(15 + 64 * 4 + 1)));
+  // Far deeper once crashed the parser (stack overflow) or reached SQLite's own "parser stack overflow".
+  CHECK(contains(error_of([&] { dsrun::parse_where(repeat("(", 30000) + "status = x", names()); }), "nested deeper than 64"));
+  CHECK(contains(error_of([&] { dsrun::parse_where(repeat("not ", 30000) + "status = x", names()); }), "nested deeper than 64"));
+  auto cli = dsrun_command(dir, "history --where '" + repeat("(", 1000) + "status = x" + repeat(")", 1000) + "'");
+  CHECK(cli.code == 1);
+  CHECK(contains(cli.text, "nested deeper than 64"));
+  CHECK_FALSE(contains(cli.text, "SQLite"));
+
+  // Long and / or chains nest in SQLite too: 256 conditions run, more are refused.
+  dsrun::RunQuery q;
+  q.where = dsrun::parse_where("metrics.val_loss < 2.5" + repeat(" or metrics.val_loss < 0", 255), names());
+  CHECK(store.query_runs(q).size() == 4);
+  e = error_of([&] { dsrun::parse_where("status = x" + repeat(" or status = x", 256), names()); });
+  CHECK(contains(e, "--where: more than 256 conditions at column " + std::to_string(10 + 255 * 14 + 5)));
+}
+
+TEST_CASE("bare true and false in --where match boolean config keys", "[history][query]") {
+  TempDir dir;
+  fill_store(dir.file("runs.db"));
+  dsrun::Store store(dir.file("runs.db"));
+  auto matching = [&](const std::string& expression) {
+    dsrun::RunQuery q;
+    q.where = dsrun::parse_where(expression, names());
+    q.ascending = true;
+    return names_of(store.query_runs(q));
+  };
+  CHECK(matching("logging.tensorboard = true") == std::vector<std::string>{"a", "b", "d"});
+  CHECK(matching("logging.tensorboard = FALSE") == std::vector<std::string>{"c", "e"});
+  CHECK(matching("logging.tensorboard != true and status = finished") == std::vector<std::string>{"c", "e"});
+  CHECK(matching("logging.tensorboard = 'true'").empty());  // quoted, it is the text "true"
+  auto cli = dsrun_command(dir, "history --where 'logging.tensorboard = true' --csv");
+  INFO(cli.text);
+  CHECK(cli.code == 0);
+  CHECK(dsrun::split(cli.text, '\n').size() >= 4);  // the header and three runs
+}
+
+TEST_CASE("history --sort errors name --sort, and history says when filters match nothing", "[history][query][cli]") {
+  const std::string e = error_of([] { dsrun::sort_expression("bogus", names()); });
+  CHECK(contains(e, "--sort: unknown name \"bogus\""));
+  CHECK_FALSE(contains(e, "--where"));
+  TempDir dir;
+  fill_store(dir.file("runs.db"));
+  auto sort = dsrun_command(dir, "history --sort bogus");
+  CHECK(sort.code == 1);
+  CHECK(contains(sort.text, "--sort: unknown name \"bogus\""));
+  for (const char* filter : {"--model nosuch", "--where 'metrics.val_loss < 0'", "--status killed", "--deleted", "--since '1 s' --recipe x"}) {
+    auto none = dsrun_command(dir, std::string("history ") + filter);
+    INFO(filter << "\n" << none.text);
+    CHECK(none.code == 0);
+    CHECK(contains(none.text, "no runs match"));
+    CHECK_FALSE(contains(none.text, "no runs yet"));
+  }
+  TempDir empty;
+  dsrun::Store{empty.file("runs.db")};
+  CHECK(contains(dsrun_command(empty, "history").text, "no runs yet"));
+}
+
 TEST_CASE("soft delete hides a run, restore brings it back, gc frees the files of deleted runs", "[history][gc]") {
   TempDir dir;
   Run run = train(dir, layout(0, 1) + " --set run.steps=4 --set checkpoint.every=2");
@@ -162,6 +303,116 @@ TEST_CASE("soft delete hides a run, restore brings it back, gc frees the files o
   CHECK_FALSE(contains(gc.text, "gc freed 0 B"));
   CHECK_FALSE(dsrun::is_directory(dir.file(run.id)));
   CHECK(dsrun::Store(dir.file("runs.db")).checkpoints(run.id).empty());
+}
+
+TEST_CASE("gc reports the bytes it frees exactly once, checkpoints inside the run directory or elsewhere", "[history][gc]") {
+  TempDir dir;
+  Run inside = train(dir, layout(0, 1) + " --set run.steps=4 --set checkpoint.every=2");
+  Run outside = train(dir, layout(0, 1) + " --set run.steps=4 --set checkpoint.every=2 --set checkpoint.dir='" + dir.file("elsewhere") + "'");
+  REQUIRE(inside.code == 0);
+  REQUIRE(outside.code == 0);
+  REQUIRE_FALSE(dsrun::Store(dir.file("runs.db")).checkpoints(inside.id).empty());
+  REQUIRE(dsrun::is_directory(dir.file("elsewhere/" + outside.id)));
+  const int64_t on_disk = disk_bytes(dir.file(inside.id)) + disk_bytes(dir.file(outside.id)) + disk_bytes(dir.file("elsewhere/" + outside.id));
+  REQUIRE(dsrun_command(dir, "delete " + inside.id + " " + outside.id).code == 0);
+  const std::string expected = "(" + std::to_string(on_disk) + " bytes) from 2 deleted run(s)";
+  auto dry = dsrun_command(dir, "gc --dry-run");
+  INFO(dry.text);
+  CHECK(contains(dry.text, "gc would free " + dsrun::format_bytes(static_cast<double>(on_disk)) + " " + expected));
+  auto gc = dsrun_command(dir, "gc");
+  INFO(gc.text);
+  CHECK(gc.code == 0);
+  CHECK(contains(gc.text, expected));
+  CHECK_FALSE(dsrun::is_directory(dir.file(inside.id)));
+  CHECK_FALSE(dsrun::is_directory(dir.file(outside.id)));
+  CHECK_FALSE(dsrun::is_directory(dir.file("elsewhere/" + outside.id)));
+}
+
+TEST_CASE("watch and delete tell a run whose launcher is gone from a live one", "[history][watch]") {
+  TempDir dir;
+  const std::string db = dir.file("runs.db");
+  dsrun::Store store(db);
+  auto running = [&](const std::string& name) {
+    dsrun::NewRun n;
+    n.name = name;
+    n.recipe_text = n.config_toml = "x";
+    const std::string id = store.create_run(n);
+    store.set_status(id, dsrun::RunStatus::Running);
+    return id;
+  };
+  const std::string host = dsrun::read_host_facts().hostname;
+  const pid_t exited = ::fork();  // a process id that is no longer alive
+  if (exited == 0) ::_exit(0);
+  int status = 0;
+  REQUIRE(::waitpid(exited, &status, 0) == exited);
+  const std::string dead = running("dead"), silent = running("silent"), live = running("live");
+  store.run_heartbeat(dead, host, exited);
+  store.run_heartbeat(silent, "another-host", 1);  // its host cannot be checked from here; its heartbeat can
+  REQUIRE(sqlite3_exec(store.handle(), ("UPDATE runs SET heartbeat_at = heartbeat_at - 3 * 3600 WHERE id = '" + silent + "'").c_str(), nullptr, nullptr, nullptr) ==
+          SQLITE_OK);
+  store.run_heartbeat(live, host, ::getpid());  // this test process: alive
+
+  auto watch_dead = dsrun_with_timeout(db, "watch " + dead + " --interval 0.1", 20);
+  INFO(watch_dead.text);
+  CHECK(watch_dead.code == 1);  // not 124: it did not wait for the time limit
+  CHECK(contains(watch_dead.text, "marked running, but its launcher, process " + std::to_string(exited) + " on this host, has exited"));
+  CHECK(contains(watch_dead.text, "dsrun resume " + dead + " --force"));
+  auto watch_silent = dsrun_with_timeout(db, "watch " + silent + " --interval 0.1", 20);
+  INFO(watch_silent.text);
+  CHECK(watch_silent.code == 1);
+  CHECK(contains(watch_silent.text, "no heartbeat from its launcher on another-host for 3.0 h"));
+  CHECK(dsrun_with_timeout(db, "watch " + live + " --interval 0.1", 2).code == 124);  // still following
+
+  auto delete_live = dsrun_with_timeout(db, "delete " + live, 20);
+  CHECK(delete_live.code == 1);
+  CHECK(contains(delete_live.text, "is running"));
+  CHECK_FALSE(contains(delete_live.text, "--force"));  // it would not help: the launcher is alive
+  CHECK(dsrun_with_timeout(db, "delete " + live + " --force", 20).code == 1);
+  auto delete_dead = dsrun_with_timeout(db, "delete " + dead, 20);
+  CHECK(delete_dead.code == 1);
+  CHECK(contains(delete_dead.text, "pass --force"));
+  CHECK(dsrun_with_timeout(db, "delete " + dead + " " + silent + " --force", 20).code == 0);
+  CHECK(store.get_run(dead).status == dsrun::RunStatus::Killed);
+  CHECK(contains(store.get_run(silent).error, "deleted with --force"));
+  CHECK(store.get_run(live).status == dsrun::RunStatus::Running);
+  auto deleted = dsrun_with_timeout(db, "history --deleted", 20).text;
+  CHECK(contains(deleted, dead));
+  CHECK(contains(deleted, silent));
+}
+
+TEST_CASE("compare: peak memory row per rank with a stable JSON key, no best for lr, plan bytes readable", "[history][compare]") {
+  TempDir dir;
+  Run a = train(dir, layout(0, 1) + " --set run.steps=3");
+  Run b = train(dir, layout(1, 2) + " --set run.steps=3");
+  REQUIRE(a.code == 0);
+  REQUIRE(b.code == 0);
+  auto out = dsrun_command(dir, "compare " + a.id + " " + b.id);
+  INFO(out.text);
+  CHECK(out.code == 0);
+  CHECK(contains(out.text, "peak memory rank 0 (CPU RSS)"));
+  CHECK(contains(out.text, "peak memory rank 1 (CPU RSS)"));
+  CHECK(std::regex_search(out.text, std::regex("\n  lr best +- +-\n")));  // no best for a setting
+  CHECK(std::regex_search(out.text, std::regex("\n  loss best +[0-9.]+ @[0-9]+ ")));
+  const std::string plan = section(out.text, "plan differences");
+  CHECK(contains(plan, "memory_per_rank."));
+  CHECK(contains(plan, "iB"));          // KiB, MiB or GiB
+  CHECK_FALSE(contains(plan, "e+0"));   // not 3.47158e+06
+
+  auto j = nlohmann::json::parse(dsrun_command(dir, "compare " + a.id + " " + b.id + " --json").text);
+  const auto& peaks = j["predicted_vs_measured"][b.id]["peak memory per rank"];
+  REQUIRE(peaks.is_array());
+  REQUIRE(peaks.size() == 2);
+  for (int rank = 0; rank < 2; ++rank) {
+    CHECK(peaks[rank]["rank"] == rank);
+    CHECK(peaks[rank]["kind"] == "CPU RSS");
+    const double measured = peaks[rank]["measured"], predicted = peaks[rank]["predicted"], error = peaks[rank]["error_pct"];
+    CHECK(measured > 0);
+    CHECK(error == Approx((measured - predicted) / predicted * 100));
+  }
+  CHECK(j["predicted_vs_measured"][a.id]["peak memory per rank"].size() == 1);
+  CHECK(j["predicted_vs_measured"][a.id]["model states per rank"].contains("error_pct"));
+  CHECK(j["metrics"][a.id]["lr"]["best"].is_null());
+  CHECK(j["metrics"][a.id]["loss"]["best"].is_number());
 }
 
 TEST_CASE("compare shows config and plan differences, metrics, and predictions beside measurements", "[history][compare]") {
@@ -199,6 +450,11 @@ TEST_CASE("watch follows a run from the store until it ends", "[history][watch]"
   CHECK(out.code == 0);
   CHECK(contains(out.text, "step 3  loss"));
   CHECK(contains(out.text, "run " + run.id + " finished"));
+  // What tells a live launcher from a dead one (launcher_gone): its host, process and heartbeat.
+  const dsrun::RunRecord r = dsrun::Store(dir.file("runs.db")).get_run(run.id);
+  CHECK(r.host == dsrun::read_host_facts().hostname);
+  CHECK(r.pid > 0);
+  CHECK(r.heartbeat_at >= r.started_at);
 }
 
 TEST_CASE("TensorBoard records: CRC-32C, masking and Event bytes as computed by hand", "[history][tensorboard]") {
@@ -293,4 +549,37 @@ TEST_CASE("the HTML report renders in headless Chromium with a chart per metric 
   REQUIRE(image.size() > 10000);
   CHECK(image.compare(0, 8, "\x89PNG\r\n\x1a\n") == 0);
   WARN("report screenshot: " << shot << " (" << image.size() << " bytes)");
+}
+
+TEST_CASE("the HTML report's bar labels fit inside their charts, and a run named twice is drawn once", "[history][report]") {
+  TempDir dir;
+  Run a = train(dir, layout(1, 2) + " --set run.steps=3");
+  REQUIRE(a.code == 0);
+  auto out = dsrun_command(dir, "report " + a.id + " " + a.id.substr(0, 6) + " -o '" + dir.file("report.html") + "'");
+  INFO(out.text);
+  REQUIRE(out.code == 0);
+  CHECK(contains(out.text, "(1 run(s))"));
+  std::string html = dsrun::read_file(dir.file("report.html"));
+  const size_t chart = html.find("data-metric=\"loss\"");
+  REQUIRE(chart != std::string::npos);
+  size_t lines = 0;
+  for (size_t at = html.find("<polyline", chart); at != std::string::npos && at < html.find("</svg>", chart); at = html.find("<polyline", at + 1)) ++lines;
+  CHECK(lines == 1);
+
+  // Chromium measures every label: the test's own copy of the page gets a script that lists the
+  // texts reaching past their chart's edges (the report itself has no scripts).
+  const std::string measure =
+      "<script>const out=[];for(const svg of document.querySelectorAll('svg.chart')){const w=svg.width.baseVal.value;"
+      "for(const t of svg.querySelectorAll('text')){const b=t.getBBox();if(b.x<0||b.x+b.width>w)out.push(svg.dataset.metric+': '+t.textContent);}}"
+      "document.body.insertAdjacentHTML('beforeend','<pre id=\"clipped\">['+out.join('|')+']</pre>');</script>";
+  html.insert(html.rfind("</body>"), measure);
+  dsrun::write_file_atomic(dir.file("measure.html"), html);
+  auto chromium = dsrun::test::run_command("command -v chromium");
+  INFO("Chromium is needed for this test: ./setup.sh --with-test-tools installs Debian's chromium");
+  REQUIRE(chromium.code == 0);
+  const std::string flags = "--headless --no-sandbox --disable-gpu --disable-dev-shm-usage --user-data-dir='" + dir.file("chrome") + "'";
+  auto dom = dsrun::test::run_command("chromium " + flags + " --dump-dom 'file://" + dir.file("measure.html") + "' 2>/dev/null");
+  REQUIRE(dom.code == 0);
+  CHECK(contains(dom.text, "data-metric=\"model states per rank\""));
+  CHECK(contains(dom.text, "<pre id=\"clipped\">[]</pre>"));
 }
