@@ -3,11 +3,7 @@
 # CUDA libtorch and run the test suite, then ZeRO 0-3 on 1 and 2 GPUs (fp32, bf16), memory against
 # the plan, and the ~1B model's speed against PyTorch eager. Writes logs to $OUT.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-out=${OUT:-/tmp/out}
-mkdir -p "$out"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast here
-gpus=$(nvidia-smi -L | wc -l)
+source "$(dirname "$0")/gpu_env.sh"
 echo "gpus: $gpus"; nvidia-smi -L
 # The whole suite runs on the CPU machines (CI); here only what the CUDA build changes, quickly.
 ctest_args=(-j 8 -R "Gloo|AdamW|SGD|MoE|checkpointed|global-norm|parameter counts|ZeRO paper|ZeRO 0-3 on 2 ranks")

@@ -2,11 +2,7 @@
 # Peak GPU memory per ZeRO stage for the ~1B decoder on all GPUs of the machine, against the plan,
 # plus recomputation and optimizer offload (docs/benchmarks.md). Builds first if needed.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-out=${OUT:-/tmp/out}
-mkdir -p "$out"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-gpus=$(nvidia-smi -L | wc -l)
+source "$(dirname "$0")/gpu_env.sh"
 [ -x build-gpu/dsrun ] || scripts/gpu_build.sh -j 8 -R "parameter counts" > "$out/build.log" 2>&1 || { tail -50 "$out/build.log"; exit 1; }
 db=/tmp/mem.db
 big=recipes/gpu/deepseek_1b_h200.toml

@@ -1,10 +1,7 @@
 #!/usr/bin/env bash
 # fp16 with dynamic loss scaling and ZeRO-3 parameter offload on one GPU (docs/benchmarks.md).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-out=${OUT:-/tmp/out}
-mkdir -p "$out"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source "$(dirname "$0")/gpu_env.sh"
 [ -x build-gpu/dsrun ] || scripts/gpu_build.sh -j 8 -R "parameter counts|AdamW" > "$out/build.log" 2>&1 || { tail -50 "$out/build.log"; exit 1; }
 db=/tmp/paths.db
 small=recipes/gpu/small_gpu_check.toml

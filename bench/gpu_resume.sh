@@ -5,11 +5,7 @@
 # with run.max_restarts = 1; resumed on 1 GPU at ZeRO-3 (resharding); an lr hook on 2 GPUs; export.
 # Prints each run's losses and the largest difference from the uninterrupted run. Logs in $OUT.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-out=${OUT:-/tmp/out}
-mkdir -p "$out"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast here
-gpus=$(nvidia-smi -L | wc -l)
+source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi -L
 # The CPU-rank tests are slow here (every rank loads the CUDA libtorch) and run in CI anyway:
 # by default only the CUDA and NCCL tests; GPU_CTEST="-j 8" runs everything.

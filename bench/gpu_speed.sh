@@ -4,16 +4,9 @@
 # eager and against the plan, at sequence 2048 and 4096 (docs/benchmarks.md). Logs go to $OUT.
 # Usage (device): bash bench/gpu_speed.sh        with .device carried (scripts/gpu_kit.sh)
 set -uo pipefail
-cd "$(dirname "$0")/.."
-out=${OUT:-/tmp/out}
-mkdir -p "$out"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast here
+source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi -L
-t0=$(date +%s)
-scripts/gpu_build.sh -j 8 -R "${GPU_TESTS:-cuda|fused|overlap|AdamW|SGD|Gloo|ZeRO 0-3 on 2 ranks}" > "$out/build_and_tests.log" 2>&1
-echo "build+tests exit $? in $(( $(date +%s) - t0 )) s"
-grep -E "tests passed|tests failed|Failed|SKIPPED" "$out/build_and_tests.log" | head -20
-[ -x build-gpu/dsrun ] || { tail -80 "$out/build_and_tests.log"; exit 1; }
+build_and_test "${GPU_TESTS:-cuda|fused|reductions start during backward|AdamW|SGD|Gloo|ZeRO 0-3 on 2 ranks}"
 db=/tmp/speed.db
 big=recipes/gpu/deepseek_1b_h200.toml
 one=(--set parallel.data_parallel=1 --set hardware.devices_per_node=1 --set run.steps=${STEPS:-20})

@@ -4,17 +4,9 @@
 # PyTorch DDP, memory per stage against the plan, recomputation and optimizer offload.
 # Usage (device): bash bench/gpu_two.sh        with .device carried (scripts/gpu_kit.sh)
 set -uo pipefail
-cd "$(dirname "$0")/.."
-out=${OUT:-/tmp/out}
-mkdir -p "$out"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast here
-gpus=$(nvidia-smi -L | wc -l)
+source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi -L; nvidia-smi topo -m 2>/dev/null | head -5
-t0=$(date +%s)
-scripts/gpu_build.sh -j 8 -R "${GPU_TESTS:-CUDA|reductions start during backward|AdamW|Gloo}" > "$out/build_and_tests.log" 2>&1
-echo "build+tests exit $? in $(( $(date +%s) - t0 )) s"
-grep -E "tests passed|tests failed|Failed|SKIPPED" "$out/build_and_tests.log" | head -20
-[ -x build-gpu/dsrun ] || { tail -80 "$out/build_and_tests.log"; exit 1; }
+build_and_test "${GPU_TESTS:-CUDA|reductions start during backward|AdamW|Gloo}"
 db=/tmp/two.db
 run() { build-gpu/dsrun run "$@" --db "$db" --set hardware.devices_per_node=$gpus >> "$out/runs.log" 2>&1; echo "run ${*: -1} -> $?"; }
 small=recipes/gpu/small_gpu_check.toml

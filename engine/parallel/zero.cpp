@@ -240,17 +240,17 @@ void ZeroDataParallel::begin_micro_batch(bool last) { last_micro_batch_ = last; 
 
 void ZeroDataParallel::on_gradient_ready(size_t index) {
   Unit& u = *units_[index];
-  if (++u.grads_ready == u.params.size() && u.always_gets_gradients) start_reduction(u);
+  if (++u.grads_ready == u.params.size() && u.always_gets_gradients) start_reduction(u, /*during_backward=*/true);
 }
 
 // Runs on autograd's thread (from the hooks) or the trainer's (after_backward), always in the
 // same order on every rank: the backward graph is the same on all of them.
-void ZeroDataParallel::start_reduction(Unit& u) {
+void ZeroDataParallel::start_reduction(Unit& u, bool during_backward) {
   if (u.reduction_started) return;
   u.reduction_started = true;
   torch::NoGradGuard no_grad;
   if (options_.stage <= 1 && !last_micro_batch_) return;  // keep accumulating in grad_acc; reduced once per step
-  if (!in_after_backward_) ++overlapped_reductions_;
+  if (during_backward) ++overlapped_reductions_;
   if (options_.stage <= 1) {
     if (options_.stage == 0) {
       const int64_t bucket = std::max<int64_t>(1, static_cast<int64_t>(options_.bucket_bytes / u.grad_acc.element_size()));
@@ -291,9 +291,7 @@ void ZeroDataParallel::wait_pending() {
 }
 
 void ZeroDataParallel::after_backward() {
-  in_after_backward_ = true;
-  for (auto& up : units_) start_reduction(*up);  // units the hooks did not start, in unit order
-  in_after_backward_ = false;
+  for (auto& up : units_) start_reduction(*up, /*during_backward=*/false);  // units the hooks did not start, in unit order
   if (options_.stage >= 2) wait_pending();
   for (auto& up : units_) {
     up->grads_ready = 0;

@@ -91,7 +91,7 @@ class ZeroDataParallel final : public UnitRunner {
   void gather(Unit& u);
   void release(Unit& u);
   void on_gradient_ready(size_t unit);  // an AccumulateGrad of one of the unit's parameters finished
-  void start_reduction(Unit& u);
+  void start_reduction(Unit& u, bool during_backward);
   void wait_pending();
 
   Model& model_;
@@ -105,7 +105,6 @@ class ZeroDataParallel final : public UnitRunner {
   std::shared_ptr<ZeroDataParallel*> alive_ = std::make_shared<ZeroDataParallel*>(this);  // null once destroyed
   std::vector<PendingCollective> pending_;         // reductions started and not yet waited for
   bool last_micro_batch_ = true;
-  bool in_after_backward_ = false;   // start_reduction called by after_backward, not by a hook
   int64_t overlapped_reductions_ = 0;
   bool offload_to_host_ = false;                   // master and optimizer states in host memory
   torch::Device device_{torch::kCPU};              // where the working parameters compute
