@@ -11,6 +11,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <chrono>
 #include <cmath>
 
 using dsrun::test::contains;
@@ -94,6 +95,162 @@ TEST_CASE("an infinite loop or a memory bomb ends the call with an error naming 
   dsrun::LuaSandbox lua(script, {100000, 4e6});
   CHECK_FALSE(error_of([&] { lua.call("spin", {}); }).empty());
   CHECK(lua.call("ok", {}) == 42);
+}
+
+// Every way out of the budget that the adversarial review found, and their relatives: each must
+// end with an error naming what ran over, within the call, and leave a usable state.
+TEST_CASE("no script escapes the budget: message handlers, finalizers, to-be-closed handlers, C functions", "[hooks][sandbox][budget]") {
+  TempDir dir;
+  const std::vector<std::pair<std::string, std::string>> escapes = {
+      // xpcall's handler runs after the failed call has unwound, so it is counted
+      {"xpcall(function() while true do end end, function(e) while true do end end)", "instruction limit"},
+      {"xpcall(function() error('x') end, function(e) while true do end end)", "instruction limit"},
+      {"xpcall(function() xpcall(function() while true do end end, function() while true do end end) end, function() while true do end end)", "instruction limit"},
+      {"xpcall(function() while true do end end, function(e) local t = {} while true do t[#t + 1] = e .. #t end end)", "instruction limit"},
+      // finalizers would run at collection or lua_close, with hooks off: refused
+      {"setmetatable({}, {__gc = function() while true do end end})", "__gc finalizers are not allowed"},
+      {"local mt = {__gc = true}; for i = 1, 10 do setmetatable({}, mt) end", "__gc finalizers are not allowed"},
+      // to-be-closed handlers run as ordinary calls, and a coroutine that died by the budget does not run them
+      {"local x <close> = setmetatable({}, {__close = function() while true do end end})", "instruction limit"},
+      {"local co = coroutine.create(function() local x <close> = setmetatable({}, {__close = function() while true do end end}) while true do end end)\n"
+       "coroutine.resume(co); coroutine.close(co); while true do end",
+       "instruction limit"},
+      {"local f = coroutine.wrap(function() local x <close> = setmetatable({}, {__close = function() while true do end end}) while true do end end)\n"
+       "pcall(f); while true do end",
+       "instruction limit"},
+      // C functions that would run for ages without an instruction
+      {"return string.find(string.rep('a', 5000), '.-.-.-.-.-b')", "string.find: pattern"},
+      {"return string.match(string.rep('a', 3000), '(a*)(a*)(a*)b')", "string.match: pattern"},
+      {"return select('#', string.gsub(string.rep('a', 3000), 'a-a-a-b', ''))", "string.gsub: pattern"},
+      {"for w in string.gmatch(string.rep('ab', 2000), '(.-)%1x') do end", "string.gmatch: pattern"},
+      {"return ('x'):rep(10):find(string.rep('a?', 40) .. string.rep('a', 40))", "string.find: pattern"},
+      {"return #string.rep('', 1e15)", "string.rep: 1000000000000000 repetitions"},
+      {"return #string.rep('ab', 1e9, ',')", "string.rep:"},
+      {"return table.move({}, 1, 1e15, 2)", "table.move:"},
+      {"table.insert(setmetatable({}, {__len = function() return 1e15 end}), 1, 'x')", "table.insert:"},
+      {"table.remove(setmetatable({}, {__len = function() return 1e15 end}), 1)", "table.remove:"},
+  };
+  for (const auto& [body, expected] : escapes) {
+    INFO(body);
+    const auto t0 = std::chrono::steady_clock::now();
+    std::string e;
+    {
+      dsrun::LuaSandbox lua(dir.write("hook.lua", "function on_step(ctx)\n" + body + "\nend\nfunction ok() return 42 end\n"), {1000000, 4e6, 5.0});
+      e = error_of([&] { lua.call("on_step", {nlohmann::json::object()}); });
+      CHECK(lua.call("ok", {}) == 42);  // the state stays usable
+    }  // lua_close runs no script code
+    CHECK(contains(e, "hook on_step"));
+    CHECK(contains(e, expected));
+    CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < 20);
+  }
+}
+
+TEST_CASE("ordinary patterns, repetitions and table moves stay allowed", "[hooks][sandbox][budget]") {
+  TempDir dir;
+  CHECK(result_of(dir, "return (('a=1, b=2'):gsub('(%w+)=(%w+)', '%2=%1'))") == "\"1=a, 2=b\"");
+  CHECK(result_of(dir, "return (string.rep(' ', 4000) .. 'x' .. string.rep(' ', 4000)):match('^%s*(.-)%s*$')") == "\"x\"");
+  CHECK(result_of(dir, "local n = 0 for w in string.rep('word ', 20000):gmatch('%a+') do n = n + 1 end return n") == "20000");
+  CHECK(result_of(dir, "return #string.rep('ab', 100000, ',')") == "299999");
+  CHECK(result_of(dir, "local t = table.move({1, 2, 3}, 1, 3, 2) table.insert(t, 1, 0) return t") == "[0,1,1,2,3]");
+  CHECK(result_of(dir, "return string.find(string.rep('a', 100000), 'aab', 1, true)") == "null");
+  // The estimate: a repetition followed by more of the pattern multiplies by the subject length.
+  CHECK(dsrun::lua_pattern_cost("%s+", 1000000, true) < 1e7);
+  CHECK(dsrun::lua_pattern_cost("^%s*(.-)%s*$", 4000, true) < 1e9);
+  CHECK(dsrun::lua_pattern_cost(".-.-.-.-.-b", 5000, true) > 1e18);
+  CHECK(dsrun::lua_pattern_cost("a*b", 100, true) == Approx(3.0 * 101 * 101));
+}
+
+TEST_CASE("a wall-clock deadline ends a call that the instruction budget would let run", "[hooks][sandbox][budget]") {
+  TempDir dir;
+  dsrun::LuaSandbox lua(on_step_script(dir, "while true do end"), {int64_t(1e15), 4e6, 0.3});
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string e = error_of([&] { lua.call("on_step", {nlohmann::json::object()}); });
+  CHECK(contains(e, "time limit of 0.3 s exceeded (hooks.time_limit_s)"));
+  CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < 5);
+  // Time spent inside C functions (here the compiler) counts too.
+  dsrun::LuaSandbox allocating(on_step_script(dir, "local s = string.rep('a = 1 ', 500000) while true do load(s) end"), {int64_t(1e15), 64e6, 0.3});
+  CHECK(contains(error_of([&] { allocating.call("on_step", {nlohmann::json::object()}); }), "time limit"));
+}
+
+TEST_CASE("a hostile metatable on _G cannot crash dsrun: lookups run protected, under the policy", "[hooks][sandbox]") {
+  TempDir dir;
+  std::string raising = dir.write("raising.lua", "setmetatable(_G, {__index = function(t, k) error('x') end})\n");
+  dsrun::RecipeHooks fail(hook_options(raising));
+  CHECK(contains(error_of([&] { fail.defines("on_step"); }), "raising.lua:1: x"));
+  CHECK(contains(error_of([&] { fail.on_step(nlohmann::json::object()); }), "looking up hook on_step"));
+  dsrun::RecipeHooks disable(hook_options(raising, dsrun::HookErrorPolicy::Disable));
+  CHECK_FALSE(disable.defines("on_step"));
+  CHECK(disable.on_step(nlohmann::json::object()).stop.empty());
+  CHECK(disable.take_errors().size() == 1);
+  // A lookup that loops is stopped by the budget; one that yields a function works.
+  std::string looping = dir.write("looping.lua", "setmetatable(_G, {__index = function(t, k) while true do end end})\n");
+  CHECK(contains(error_of([&] { dsrun::RecipeHooks(hook_options(looping)).defines("lr"); }), "instruction limit"));
+  std::string giving = dir.write("giving.lua", "setmetatable(_G, {__index = function(t, k) if k == 'on_step' then return function() return {save = true} end end end})\n");
+  dsrun::RecipeHooks works(hook_options(giving));
+  CHECK(works.on_step(nlohmann::json::object()).save);
+  // The same script through the command line: an error message, exit 1, never an abort.
+  auto out = dsrun::test::run_command("cd '" + dsrun::test::source_dir() + "' && '" DSRUN_BINARY "' plan recipes/quickstart.toml --set hooks.script=\\\"" + raising + "\\\"");
+  INFO(out.text);
+  CHECK(out.code == 1);
+  CHECK(contains(out.text, "raising.lua:1: x"));
+}
+
+TEST_CASE("a hook's output is capped: prints, log messages, metrics, returned values", "[hooks][sandbox][caps]") {
+  TempDir dir;
+  // print: 64 KiB per call kept, then one notice; the call itself succeeds.
+  auto printed = dsrun::test::run_command("cd '" + dsrun::test::source_dir() + "' && '" DSRUN_BINARY "' plan recipes/quickstart.toml --set hooks.script=\\\"" +
+                                          dir.write("print.lua", "function on_plan(p) for i = 1, 300 do print(string.rep('x', 1 << 20)) end end\n") + "\\\"");
+  CHECK(printed.code == 0);
+  CHECK(printed.text.size() < 200000);
+  CHECK(contains(printed.text, "[hooks] print output cap reached"));
+
+  const std::vector<std::pair<std::string, std::string>> too_much = {
+      {"return {log = string.rep('x', 30 << 20)}", "too large to leave the hook"},
+      {"return {log = string.rep('x', 5000)}", "a log message of 5000 bytes"},
+      {"local l = {} for i = 1, 17 do l[i] = 'm' end return {log = l}", "17 log messages"},
+      {"local m = {} for i = 1, 200000 do m['k' .. i] = i end return {metrics = m}", "custom metrics in one call"},
+      {"return {metrics = {[string.rep('n', 65)] = 1}}", "a metric name must have 1 to 64 bytes"},
+      {"local t = {} t[1] = t t[2] = t return {metrics = t}", "nested deeper than 32 levels"},
+  };
+  for (const auto& [body, expected] : too_much) {
+    INFO(body);
+    dsrun::HookOptions roomy = hook_options(on_step_script(dir, body));
+    roomy.memory_limit_bytes = 256e6;  // room for the 30 MiB string and the 200,000 names
+    roomy.instruction_limit = 100000000;
+    dsrun::RecipeHooks hooks(roomy);
+    CHECK(contains(error_of([&] { hooks.on_step(nlohmann::json::object()); }), expected));
+  }
+  // Log text per run: 1 MiB, then the hook fails (or is disabled) like any other hook error.
+  dsrun::RecipeHooks logging(hook_options(on_step_script(dir, "return {log = string.rep('y', 4000)}"), dsrun::HookErrorPolicy::Disable));
+  int calls = 0;
+  while (logging.defines("on_step") && calls < 1000) {
+    logging.on_step(nlohmann::json::object());
+    ++calls;
+  }
+  CHECK(calls == (1 << 20) / 4000 + 1);
+  auto errors = logging.take_errors();
+  REQUIRE(errors.size() == 1);
+  CHECK(contains(errors[0], "log messages passed 1048576 bytes in this run"));
+}
+
+TEST_CASE("under \"disable\" a hook state that cannot be saved keeps the last good one", "[hooks][sandbox]") {
+  TempDir dir;
+  std::string script = on_step_script(dir, "state.n = (state.n or 0) + 1; if state.n == 2 then state.bad = function() end end");
+  dsrun::RecipeHooks fail(hook_options(script));
+  fail.on_step(nlohmann::json::object());
+  fail.on_step(nlohmann::json::object());
+  CHECK(contains(error_of([&] { fail.save_state(); }), "a function cannot leave the hook"));
+
+  dsrun::RecipeHooks disable(hook_options(script, dsrun::HookErrorPolicy::Disable));
+  CHECK(disable.save_state() == "{}");
+  disable.on_step(nlohmann::json::object());
+  CHECK(disable.save_state() == "{\"n\":1}");
+  disable.on_step(nlohmann::json::object());
+  CHECK(disable.save_state() == "{\"n\":1}");  // the function cannot be saved: the last good state
+  auto errors = disable.take_errors();
+  REQUIRE(errors.size() == 1);
+  CHECK(contains(errors[0], "the checkpoint keeps the last hook state that could be saved"));
+  CHECK(disable.defines("on_step"));  // the hooks go on
 }
 
 TEST_CASE("hook errors carry the script and line, and the recipe's policy decides", "[hooks]") {

@@ -55,19 +55,32 @@ RecipeHooks::RecipeHooks(const HookOptions& options) : options_(options) {
   LuaSandboxOptions so;
   so.instruction_limit = options.instruction_limit;
   so.memory_limit_bytes = options.memory_limit_bytes;
+  so.time_limit_seconds = options.time_limit_seconds;
   sandbox_ = std::make_unique<LuaSandbox>(options.script, so, nlohmann::json{{"options", hook_options_json(options)}});
 }
 
-bool RecipeHooks::defines(const std::string& hook) const { return !disabled_.count(hook) && sandbox_->has_function(hook); }
+void RecipeHooks::fail_or_disable(const std::string& hook, const Error& e) {
+  if (options_.on_error == HookErrorPolicy::Fail) throw e;
+  disabled_.insert(hook);
+  errors_.push_back(std::string(e.what()) + " (hook " + hook + " disabled: hooks.on_error = \"disable\")");
+}
+
+bool RecipeHooks::defines(const std::string& hook) {
+  if (disabled_.count(hook)) return false;
+  try {
+    return sandbox_->has_function(hook);
+  } catch (const Error& e) {
+    fail_or_disable(hook, e);
+    return false;
+  }
+}
 
 nlohmann::json RecipeHooks::guarded(const std::string& hook, const std::vector<nlohmann::json>& args) {
   if (!defines(hook)) return nullptr;
   try {
     return sandbox_->call(hook, args);
   } catch (const Error& e) {
-    if (options_.on_error == HookErrorPolicy::Fail) throw;
-    disabled_.insert(hook);
-    errors_.push_back(std::string(e.what()) + " (hook " + hook + " disabled: hooks.on_error = \"disable\")");
+    fail_or_disable(hook, e);
     return nullptr;
   }
 }
@@ -103,9 +116,24 @@ HookActions RecipeHooks::actions_of(const std::string& hook, const nlohmann::jso
         } else {
           bad("log must be a string or a list of strings");
         }
+        using L = HookOutputLimits;
+        if (a.logs.size() > L::log_messages_per_call)
+          bad("returned " + std::to_string(a.logs.size()) + " log messages; at most " + std::to_string(L::log_messages_per_call) + " per call");
+        for (const auto& m : a.logs) {
+          if (m.size() > L::log_message_bytes)
+            bad("a log message of " + std::to_string(m.size()) + " bytes; at most " + std::to_string(L::log_message_bytes) + " (print() writes longer text to the rank's log)");
+          log_bytes_ += static_cast<int64_t>(m.size());
+        }
+        if (log_bytes_ > L::log_bytes_per_run)
+          bad("log messages passed " + std::to_string(L::log_bytes_per_run) + " bytes in this run; log less often (they become events in the store)");
       } else if (key == "metrics") {
         if (!v.is_object()) bad("metrics must be a table of name = number");
+        using L = HookOutputLimits;
+        if (v.size() > L::metrics_per_call)
+          bad(std::to_string(v.size()) + " custom metrics in one call; at most " + std::to_string(L::metrics_per_call));
         for (const auto& [name, value] : v.items()) {
+          if (name.empty() || name.size() > L::metric_name_bytes)
+            bad("a metric name must have 1 to " + std::to_string(L::metric_name_bytes) + " bytes: \"" + name.substr(0, 80) + "\"");
           if (!value.is_number()) bad("metrics." + name + " must be a number");
           a.metrics[name] = value.get<double>();
         }
@@ -116,9 +144,7 @@ HookActions RecipeHooks::actions_of(const std::string& hook, const nlohmann::jso
       }
     }
   } catch (const Error& e) {
-    if (options_.on_error == HookErrorPolicy::Fail) throw;
-    disabled_.insert(hook);
-    errors_.push_back(std::string(e.what()) + " (hook " + hook + " disabled: hooks.on_error = \"disable\")");
+    fail_or_disable(hook, e);
     return HookActions{};
   }
   return a;
@@ -165,10 +191,8 @@ std::optional<double> RecipeHooks::lr(int64_t step, const nlohmann::json& ctx) {
   nlohmann::json r = guarded("lr", {step, ctx});
   if (r.is_null()) return std::nullopt;
   if (!r.is_number() || !std::isfinite(r.get<double>()) || r.get<double>() < 0) {
-    Error e("hook lr: must return a finite number >= 0 (or nil for the recipe's schedule), got " + r.dump(), ErrorContext{script(), 0, 0, "hooks.script", -1, ""});
-    if (options_.on_error == HookErrorPolicy::Fail) throw e;
-    disabled_.insert("lr");
-    errors_.push_back(std::string(e.what()) + " (hook lr disabled)");
+    fail_or_disable("lr", Error("hook lr: must return a finite number >= 0 (or nil for the recipe's schedule), got " + r.dump().substr(0, 200),
+                                ErrorContext{script(), 0, 0, "hooks.script", -1, ""}));
     return std::nullopt;
   }
   return r.get<double>();
@@ -180,7 +204,17 @@ std::map<std::string, double> RecipeHooks::metrics(const nlohmann::json& ctx) {
   return actions_of("metrics", nlohmann::json{{"metrics", r}}, false).metrics;
 }
 
-std::string RecipeHooks::save_state() { return sandbox_->get_global("state").dump(); }
+std::string RecipeHooks::save_state() {
+  try {
+    last_state_ = sandbox_->get_global("state").dump();
+  } catch (const Error& e) {
+    if (options_.on_error == HookErrorPolicy::Fail) throw;
+    // The hooks go on; a checkpoint keeps the last state that could be saved.
+    errors_.push_back(std::string(e.what()) + " (hooks.on_error = \"disable\": the checkpoint keeps the last hook state that could be saved" +
+                      (last_state_ == "null" ? ", none" : "") + ")");
+  }
+  return last_state_;
+}
 
 void RecipeHooks::restore_state(const std::string& json_text) {
   if (json_text.empty()) return;

@@ -3,6 +3,7 @@
 // hook state. Torch-free; the launcher runs on_plan, rank 0 runs the rest (docs/hooks.md).
 #pragma once
 
+#include "engine/common/error.hpp"
 #include "engine/hooks/lua_sandbox.hpp"
 #include "engine/recipe/recipe.hpp"
 
@@ -16,6 +17,16 @@
 #include <vector>
 
 namespace dsrun {
+
+// What one hook call may hand back, and one run in all (docs/hooks.md). Exceeding one is a hook
+// error, under hooks.on_error like any other.
+struct HookOutputLimits {
+  static constexpr size_t log_messages_per_call = 16;
+  static constexpr size_t log_message_bytes = 4096;
+  static constexpr int64_t log_bytes_per_run = 1 << 20;
+  static constexpr size_t metrics_per_call = 64;
+  static constexpr size_t metric_name_bytes = 64;
+};
 
 // What on_step and on_eval may ask for. Rank 0 decides; every rank applies the same decision.
 struct HookActions {
@@ -37,7 +48,9 @@ class RecipeHooks {
  public:
   explicit RecipeHooks(const HookOptions& options);
   const std::string& script() const { return sandbox_->script(); }
-  bool defines(const std::string& hook) const;
+  // Whether the script defines `hook` and it is not disabled. Looking it up runs script code (a
+  // metatable on _G), so it is guarded like a call.
+  bool defines(const std::string& hook);
 
   PlanVerdict on_plan(const nlohmann::json& plan);
   void on_start(const nlohmann::json& ctx);
@@ -58,12 +71,16 @@ class RecipeHooks {
  private:
   // Calls `hook` under the error policy: fail rethrows; disable records, disables, returns null.
   nlohmann::json guarded(const std::string& hook, const std::vector<nlohmann::json>& args);
+  // The error policy for an error of `hook`: "fail" rethrows; "disable" records and disables it.
+  void fail_or_disable(const std::string& hook, const Error& e);
   HookActions actions_of(const std::string& hook, const nlohmann::json& result, bool may_skip);
 
   HookOptions options_;
   std::unique_ptr<LuaSandbox> sandbox_;
   std::set<std::string> disabled_;
   std::vector<std::string> errors_;
+  int64_t log_bytes_ = 0;        // log text returned so far (capped per run)
+  std::string last_state_ = "null";  // the last hook state that could be saved (JSON)
 };
 
 // The recipe's [hooks.options] as a JSON object (TOML values converted).

@@ -366,6 +366,7 @@ void build_rest(Builder& c, Recipe& r, const std::string& recipe_dir) {
   h.script = resolve_path(script.value.s, script.source.layer == Layer::Base ? parent_directory(script.source.file) : recipe_dir);
   h.on_error = c.s("hooks.on_error") == "disable" ? HookErrorPolicy::Disable : HookErrorPolicy::Fail;
   h.instruction_limit = c.i("hooks.instruction_limit");
+  h.time_limit_seconds = c.f("hooks.time_limit_s");
   h.memory_limit_bytes = c.f("hooks.memory_limit_mb") * 1e6;
   for (const auto& [key, setting] : c.config)
     if (starts_with(key, "hooks.options.")) h.options[key.substr(14)] = setting.value.toml();

@@ -183,6 +183,7 @@ struct HookOptions {
   std::string script;  // resolved against the recipe's directory; empty: no hooks
   HookErrorPolicy on_error = HookErrorPolicy::Fail;
   int64_t instruction_limit = 10000000;
+  double time_limit_seconds = 10;
   double memory_limit_bytes = 64e6;
   std::map<std::string, std::string> options;  // key -> value as TOML text
 };

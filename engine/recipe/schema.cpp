@@ -173,6 +173,7 @@ std::vector<KeySpec> build_schema() {
       key("hooks.script", T::String, "\"\"", "Lua script with hook functions, relative to the recipe."),
       choice("hooks.on_error", "fail", {"fail", "disable"}, "A hook error fails the run, or disables the hook and is recorded."),
       ranged("hooks.instruction_limit", T::Int, "10000000", 1000, 1e12, "Lua instructions allowed per hook call."),
+      ranged("hooks.time_limit_s", T::Float, "10", 0.01, 3600, "Wall-clock seconds allowed per hook call."),
       ranged("hooks.memory_limit_mb", T::Float, "64", 0.1, 1e6, "Memory the Lua state may use."),
   };
 }
