@@ -3,6 +3,7 @@
 #include "engine/common/error.hpp"
 
 #include <sqlite3.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
@@ -11,12 +12,16 @@
 
 namespace dsrun {
 
+// The message names the store file and SQLite's reason; the statement and dsrun's source line go
+// to the origin (shown with DSRUN_DEBUG=1).
 [[noreturn]] static void sqlite_fail(sqlite3* db, int rc, const char* what, const char* file, int line) {
   ErrorContext c;
-  c.file = file;
-  c.line = line;
+  const char* path = db ? sqlite3_db_filename(db, "main") : nullptr;
+  c.file = path ? path : "";
+  c.hint = rc == SQLITE_BUSY || rc == SQLITE_LOCKED ? "another dsrun holds the store for long; try again" :
+           rc == SQLITE_FULL || rc == SQLITE_IOERR ? "check free disk space and the file system" : "";
   std::string detail = db ? sqlite3_errmsg(db) : sqlite3_errstr(rc);
-  throw Error(std::string("SQLite error ") + std::to_string(rc) + " (" + detail + ") in " + what, c);
+  throw Error("run store: " + detail + " (SQLite error " + std::to_string(rc) + ")", c).with_origin(source_origin(file, line) + ": " + what);
 }
 
 // Every SQLite return code goes through this: anything but OK/ROW/DONE throws with file:line.
@@ -73,7 +78,10 @@ class Statement {
   sqlite3_stmt* stmt_ = nullptr;
 };
 
-void exec(sqlite3* db, const char* sql) { SQLITE_CHECK(db, sqlite3_exec(db, sql, nullptr, nullptr, nullptr)); }
+void exec(sqlite3* db, const char* sql) {
+  const int rc = sqlite3_exec(db, sql, nullptr, nullptr, nullptr);
+  if (rc != SQLITE_OK) sqlite_fail(db, rc, sql, __FILE__, __LINE__);
+}
 
 // One transaction; rolled back unless commit() is reached (an exception leaves the store untouched).
 class Transaction {
@@ -293,21 +301,43 @@ RunStatus run_status_from_string(const std::string& s) {
   throw Error("unknown run status \"" + s + "\"", c);
 }
 
+// Switches a new store to WAL (a persistent setting). SQLite answers a switch that races another
+// connection with SQLITE_BUSY at once, without its busy handler, so this one retries for as long
+// as the busy timeout would have waited.
+void use_wal(sqlite3* db) {
+  for (int attempt = 0;; ++attempt) {
+    {
+      Statement mode(db, "PRAGMA journal_mode");
+      if (mode.step() && mode.text(0) == "wal") return;
+    }
+    const int rc = sqlite3_exec(db, "PRAGMA journal_mode = WAL", nullptr, nullptr, nullptr);
+    if (rc == SQLITE_OK) return;
+    if ((rc != SQLITE_BUSY && rc != SQLITE_LOCKED) || attempt >= 500) sqlite_fail(db, rc, "PRAGMA journal_mode = WAL", __FILE__, __LINE__);
+    ::usleep(static_cast<useconds_t>(5000 + (attempt * 7919) % 15000));  // 5-20 ms, staggered
+  }
+}
+
+// Creation and every migration in one exclusive transaction, the version read inside it: of many
+// processes opening a new store at once, one creates it and the others find it created. A kill
+// leaves the old schema or the new one.
 void migrate_store(sqlite3* db, int target_version) {
-  int version = read_user_version(db);
-  if (version > kSchemaVersion) {
+  auto check_not_newer = [&](int version) {
+    if (version <= kSchemaVersion) return;
     ErrorContext c;
     c.file = sqlite3_db_filename(db, "main");
     c.hint = "use a newer dsrun, or point --db at another file";
     throw Error("the run store has schema version " + std::to_string(version) + ", newer than this dsrun's " + std::to_string(kSchemaVersion), c);
-  }
-  for (int v = version; v < target_version; ++v) {
-    // Each migration and its version bump commit together: a kill leaves the old or the new schema.
-    Transaction t(db);
-    exec(db, kMigrations[v]);
-    exec(db, ("PRAGMA user_version = " + std::to_string(v + 1)).c_str());
-    t.commit();
-  }
+  };
+  int version = read_user_version(db);
+  check_not_newer(version);
+  if (version >= target_version) return;
+  Transaction t(db);
+  version = read_user_version(db);
+  check_not_newer(version);
+  if (version >= target_version) return;
+  for (int v = version; v < target_version; ++v) exec(db, kMigrations[v]);
+  exec(db, ("PRAGMA user_version = " + std::to_string(target_version)).c_str());
+  t.commit();
 }
 
 Store::Store(const std::string& path) : path_(path) {
@@ -322,7 +352,7 @@ Store::Store(const std::string& path) : path_(path) {
   }
   // Readers never block the writer; a writer waits up to 10 s for another instead of failing.
   SQLITE_CHECK(raw, sqlite3_busy_timeout(raw, 10000));
-  exec(raw, "PRAGMA journal_mode = WAL");
+  use_wal(raw);
   exec(raw, "PRAGMA synchronous = NORMAL");  // with WAL: durable at checkpoints, never corrupt
   exec(raw, "PRAGMA foreign_keys = ON");
   migrate_store(raw, kSchemaVersion);

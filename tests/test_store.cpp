@@ -189,3 +189,69 @@ TEST_CASE("the store stays consistent when its writer is killed at any point", "
     CHECK(store.latest_metrics(id).at("loss").step == count(db, "SELECT max(step) FROM metrics WHERE key = 'loss'"));
   }
 }
+
+TEST_CASE("any number of processes can create a new store at once", "[store][concurrency]") {
+  test::TempDir dir;
+  constexpr int kProcesses = 8, kRounds = 15;
+  for (int round = 0; round < kRounds; ++round) {
+    const std::string path = dir.file("new" + std::to_string(round) + ".db");
+    std::vector<pid_t> children;
+    int go[2];
+    REQUIRE(::pipe(go) == 0);
+    for (int p = 0; p < kProcesses; ++p) {
+      pid_t pid = ::fork();
+      REQUIRE(pid >= 0);
+      if (pid == 0) {
+        ::close(go[1]);
+        char c;
+        if (::read(go[0], &c, 1) < 0) _exit(3);  // all start together when the pipe closes
+        try {
+          Store store(path);
+          store.create_run(sample_run("p" + std::to_string(p)));
+          if (p % 2 == 0) store.list_runs({});
+          _exit(0);
+        } catch (const Error& e) {
+          std::fprintf(stderr, "%s\n", e.describe().c_str());
+          _exit(1);
+        }
+      }
+      children.push_back(pid);
+    }
+    ::close(go[0]);
+    ::close(go[1]);
+    int failed = 0;
+    for (pid_t pid : children) {
+      int status = 0;
+      ::waitpid(pid, &status, 0);
+      failed += !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    }
+    INFO("round " << round);
+    CHECK(failed == 0);
+    Store store(path);
+    CHECK(store.list_runs({}).size() == kProcesses);
+    CHECK(store.schema_version() == Store::current_schema_version());
+  }
+}
+
+TEST_CASE("store errors name the store file, never dsrun's source", "[store]") {
+  test::TempDir dir;
+  const std::string path = dir.file("runs.db");
+  { Store store(path); }
+  sqlite3* raw = nullptr;
+  REQUIRE(sqlite3_open(path.c_str(), &raw) == SQLITE_OK);
+  REQUIRE(sqlite3_exec(raw, "DROP TABLE events", nullptr, nullptr, nullptr) == SQLITE_OK);
+  sqlite3_close(raw);
+  Store store(path);
+  std::string id = store.create_run(sample_run("x"));
+  ::unsetenv("DSRUN_DEBUG");
+  std::string e = test::error_of([&] { store.add_event(id, "note", -1, "text"); });
+  CHECK(test::contains(e, path));
+  CHECK(test::contains(e, "no such table: events"));
+  CHECK_FALSE(test::contains(e, "store.cpp"));
+  CHECK_FALSE(test::contains(e, "INSERT"));
+  ::setenv("DSRUN_DEBUG", "1", 1);  // for a bug report: where, and the statement
+  e = test::error_of([&] { store.add_event(id, "note", -1, "text"); });
+  ::unsetenv("DSRUN_DEBUG");
+  CHECK(test::contains(e, "(raised at store.cpp:"));
+  CHECK(test::contains(e, "INSERT"));
+}

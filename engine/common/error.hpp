@@ -22,14 +22,26 @@ class Error : public std::runtime_error {
   explicit Error(std::string message, ErrorContext context = {})
       : std::runtime_error(std::move(message)), context_(std::move(context)) {}
   const ErrorContext& context() const { return context_; }
-  // "file:line:col: [rank R] key: message (fix: hint)"
+  // Where in dsrun's own source (and what statement), for bug reports: shown only with
+  // DSRUN_DEBUG=1, never in an ordinary message.
+  Error& with_origin(std::string origin) {
+    origin_ = std::move(origin);
+    return *this;
+  }
+  const std::string& origin() const { return origin_; }
+  // "file:line:col: [rank R] key: message (fix: hint)"; the origin too with DSRUN_DEBUG=1
   std::string describe() const;
 
  private:
   ErrorContext context_;
+  std::string origin_;
 };
 
-// Throws dsrun::Error naming the source location; for invariants that validation already guaranteed.
+// "store.cpp:123": where in dsrun's source, for ErrorContext::origin.
+std::string source_origin(const char* where_file, int where_line);
+
+// Throws dsrun::Error with its source location as origin; for system failures and invariants
+// that validation already guaranteed.
 [[noreturn]] void fail_at(const char* where_file, int where_line, const std::string& message);
 
 }  // namespace dsrun

@@ -1,5 +1,7 @@
 #include "engine/common/text.hpp"
 
+#include <cstdlib>
+
 #include "engine/common/error.hpp"
 
 #include <algorithm>
@@ -22,14 +24,19 @@ std::string Error::describe() const {
   if (!c.key.empty()) out += c.key + ": ";
   out += what();
   if (!c.hint.empty()) out += "\n  fix: " + c.hint;
+  const char* debug = std::getenv("DSRUN_DEBUG");
+  if (!origin_.empty() && debug && *debug && std::string(debug) != "0") out += "\n  (raised at " + origin_ + ")";
   return out;
 }
 
+std::string source_origin(const char* where_file, int where_line) {
+  std::string f = where_file;
+  const size_t slash = f.rfind('/');
+  return (slash == std::string::npos ? f : f.substr(slash + 1)) + ":" + std::to_string(where_line);
+}
+
 void fail_at(const char* where_file, int where_line, const std::string& message) {
-  ErrorContext c;
-  c.file = where_file;
-  c.line = where_line;
-  throw Error(message, c);
+  throw Error(message).with_origin(source_origin(where_file, where_line));
 }
 
 size_t edit_distance(const std::string& a, const std::string& b) {
