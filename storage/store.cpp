@@ -39,7 +39,10 @@ namespace {
 // An owned prepared statement with typed binds and reads.
 class Statement {
  public:
-  Statement(sqlite3* db, const char* sql) : db_(db) { SQLITE_CHECK(db, sqlite3_prepare_v2(db, sql, -1, &stmt_, nullptr)); }
+  Statement(sqlite3* db, const char* sql) : db_(db) {
+    const int rc = sqlite3_prepare_v2(db, sql, -1, &stmt_, nullptr);
+    if (rc != SQLITE_OK) sqlite_fail(db, rc, sql, __FILE__, __LINE__);
+  }
   ~Statement() { sqlite3_finalize(stmt_); }
   Statement(const Statement&) = delete;
   Statement& operator=(const Statement&) = delete;
