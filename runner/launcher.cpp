@@ -504,17 +504,34 @@ std::string checkpoint_root_of(const Recipe& recipe, const std::string& run_dir,
 }
 
 RunStatus launch_run(const LoadedRecipe& loaded, const Plan& plan, Store& store, const std::string& run_id, const LaunchOptions& options) {
-  make_directories(options.run_dir);
-  const std::string config_path = absolute(path_join(options.run_dir, "config.toml"));
-  write_file_atomic(config_path, rank_config_toml(loaded, plan));
-  write_file_atomic(path_join(options.run_dir, "plan.json"), plan_to_json(plan));
-  store.set_status(run_id, RunStatus::Running);
-  store.run_heartbeat(run_id, read_host_facts().hostname, ::getpid());
-  LaunchOptions o = options;
-  if (o.checkpoint_root.empty()) o.checkpoint_root = checkpoint_root_of(loaded.recipe, options.run_dir, run_id);
-  make_directories(o.checkpoint_root);
-  Supervisor supervisor(loaded, plan, store, run_id, o);
-  return supervisor.run(config_path);
+  // Whatever fails here, before the ranks start or after they end, ends the run `failed` with the
+  // reason: a run is never left `running` without a launcher.
+  try {
+    make_directories(options.run_dir);
+    const std::string config_path = absolute(path_join(options.run_dir, "config.toml"));
+    write_file_atomic(config_path, rank_config_toml(loaded, plan));
+    write_file_atomic(path_join(options.run_dir, "plan.json"), plan_to_json(plan));
+    store.set_status(run_id, RunStatus::Running);
+    store.run_heartbeat(run_id, read_host_facts().hostname, ::getpid());
+    LaunchOptions o = options;
+    if (o.checkpoint_root.empty()) o.checkpoint_root = checkpoint_root_of(loaded.recipe, options.run_dir, run_id);
+    make_directories(o.checkpoint_root);
+    Supervisor supervisor(loaded, plan, store, run_id, o);
+    return supervisor.run(config_path);
+  } catch (const std::exception& e) {
+    const Error* error = dynamic_cast<const Error*>(&e);
+    const std::string why = "the launcher failed: " + (error ? error->describe() : std::string(e.what()));
+    try {
+      const RunStatus now = store.get_run(run_id).status;
+      if (now == RunStatus::Planned || now == RunStatus::Running) {
+        store.add_event(run_id, "failed", -1, why);
+        store.set_status(run_id, RunStatus::Failed, why);
+      }
+    } catch (const Error& unrecorded) {  // the store itself failed: both errors reach the user
+      throw Error(why + "; and it could not be recorded: " + unrecorded.describe());
+    }
+    throw;
+  }
 }
 
 bool process_alive(int64_t pid) {

@@ -158,6 +158,57 @@ std::string list_text(const std::vector<int>& v) {
   return join(parts, ",");
 }
 
+// What one trial sees of the machine when `concurrency` trials run side by side.
+HostFacts trial_share(HostFacts host, int concurrency) {
+  const Slot slot = divide_devices(concurrency).front();
+  host.cpu_cores = static_cast<int>(slot.cpus.size());
+  host.cuda_devices = static_cast<int>(slot.gpus.size());
+  return host;
+}
+
+// The largest number of concurrent trials (below `tried`) whose share runs the recipe; 0 if none.
+int fitting_concurrency(const std::string& recipe, LoadOptions options, int tried) {
+  const HostFacts whole = options.host;
+  for (int c = tried - 1; c >= 1; --c) {
+    options.host = trial_share(whole, c);
+    if (load_recipe_file(recipe, options).ok()) return c;
+  }
+  return 0;
+}
+
+Error share_error(const std::string& recipe, int concurrency, const HostFacts& whole, const HostFacts& share, int fits) {
+  ErrorContext c;
+  c.file = recipe;
+  c.key = "sweep.concurrency";
+  c.hint = (fits > 0 ? "run " + std::to_string(fits) + " trial(s) at a time (sweep.concurrency = " + std::to_string(fits) + "), or " : std::string()) +
+           "let each trial use what its share has: parallel.data_parallel = \"auto\" (or fewer ranks)";
+  const bool gpus = whole.cuda_devices > 0;
+  return Error(std::to_string(concurrency) + " concurrent trials get " + std::to_string(gpus ? share.cuda_devices : share.cpu_cores) + " " +
+                  (gpus ? "GPU(s)" : "core(s)") + " each (of " + std::to_string(gpus ? whole.cuda_devices : whole.cpu_cores) +
+                  "), and the recipe cannot run on that share (the errors above)",
+              c);
+}
+
+// Grid and random trials are known before any result: each is loaded on its share now, so a
+// trial that could not start is reported before the first one runs.
+void check_every_trial(const std::string& recipe, const SweepSpec& spec, const LoadOptions& options) {
+  std::vector<std::string> problems;
+  for (int64_t i = 0; i < trial_budget(spec) && problems.size() < 10; ++i) {
+    const TrialParams params = next_trial(spec, i, {});
+    LoadOptions o = options;
+    for (const auto& s : trial_overrides(params)) o.overrides.push_back(s);
+    LoadedRecipe r = load_recipe_file(recipe, o);
+    for (const auto& d : r.diagnostics)
+      if (d.severity == Diagnostic::Severity::Error) problems.push_back("trial " + std::to_string(i + 1) + " (" + describe_params(params) + "): " + d.key + ": " + d.message);
+  }
+  if (problems.empty()) return;
+  ErrorContext c;
+  c.file = recipe;
+  c.key = "sweep.parameters";
+  c.hint = "change the swept values, or sweep.concurrency (each trial gets 1/concurrency of the machine)";
+  throw Error("trials that could not start on their share of this machine:\n  " + join(problems, "\n  "), c);
+}
+
 class SweepDriver {
  public:
   SweepDriver(const SweepSpec& spec, Store& store, const SweepRecord& sweep, const std::string& db_path, std::vector<std::string> base_sets)
@@ -422,15 +473,20 @@ int command_sweep(const SweepArgs& args, const std::string& db_path) {
   } else {
     if (args.file.empty()) throw Error("dsrun sweep needs a recipe with a [sweep] section, --resume SWEEP or --show SWEEP");
     spec = load_sweep_spec(args.file);
-    // The base recipe must be valid, and every swept value acceptable for its key, before anything runs.
+    // The base recipe must be valid on one trial's share of the machine, and every swept value
+    // acceptable for its key, before anything runs.
     LoadOptions options;
-    options.host = host;
+    options.host = trial_share(host, spec.concurrency);
     options.overrides = sets;
     LoadedRecipe base = load_recipe_file(args.file, options);
     if (!base.ok()) {
       std::cerr << base.report();
-      throw Error("invalid recipe", ErrorContext{args.file, 0, 0, "", -1, "fix the errors above"});
+      LoadOptions whole = options;
+      whole.host = host;
+      if (!load_recipe_file(args.file, whole).ok()) throw Error("invalid recipe", ErrorContext{args.file, 0, 0, "", -1, "fix the errors above"});
+      throw share_error(args.file, spec.concurrency, host, options.host, fitting_concurrency(args.file, whole, spec.concurrency));
     }
+    if (spec.method != SweepMethod::Tpe) check_every_trial(args.file, spec, options);
     std::vector<std::string> problems;
     for (const auto& p : spec.parameters) {
       std::vector<nlohmann::json> probes = p.values;

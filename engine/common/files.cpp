@@ -22,12 +22,85 @@ static Error file_error(const std::string& what, const std::string& path) {
   return Error(what + ": " + std::strerror(errno), c);
 }
 
+namespace {
+
+// Closes a file descriptor when it goes out of scope.
+struct FdOwner {
+  int fd;
+  ~FdOwner() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+std::string file_kind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
+  if (S_ISSOCK(mode)) return "a socket";
+  if (S_ISLNK(mode)) return "a symbolic link";
+  return "not a regular file";
+}
+
+}  // namespace
+
+// Regular files only, opened without blocking (a FIFO would wait for a writer) and read up to the
+// size stat reports, so /dev/zero or a pipe cannot make dsrun read forever. Files that report size
+// 0 (those under /proc) are read to their end, up to 64 MiB.
 std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw file_error("cannot open file", path);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  FdOwner f{::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK)};
+  if (f.fd < 0) throw file_error("cannot open file", path);
+  struct stat st {};
+  if (::fstat(f.fd, &st) != 0) throw file_error("cannot stat file", path);
+  if (!S_ISREG(st.st_mode)) {
+    ErrorContext c;
+    c.file = path;
+    c.hint = "give a regular file";
+    throw Error("is " + file_kind(st.st_mode) + ", not a regular file", c);
+  }
+  const size_t limit = st.st_size > 0 ? static_cast<size_t>(st.st_size) : size_t{64} << 20;
+  std::string out(st.st_size > 0 ? limit : 0, '\0');
+  size_t have = 0;
+  char chunk[65536];
+  while (have < limit) {
+    const size_t want = std::min(limit - have, sizeof chunk);
+    const ssize_t n = ::read(f.fd, st.st_size > 0 ? out.data() + have : chunk, want);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw file_error("cannot read file", path);
+    if (n == 0) break;
+    if (st.st_size == 0) out.append(chunk, static_cast<size_t>(n));
+    have += static_cast<size_t>(n);
+  }
+  if (st.st_size > 0 && have != limit) {
+    ErrorContext c;
+    c.file = path;
+    c.hint = "do not change the file while dsrun reads it";
+    throw Error("shrank while being read (" + std::to_string(have) + " of " + std::to_string(limit) + " bytes)", c);
+  }
+  return out;
+}
+
+std::string regular_file_target(const std::string& path, const std::string& key) {
+  auto refuse = [&](const std::string& what) {
+    ErrorContext c;
+    c.file = path;
+    c.key = key;
+    c.hint = "point " + key + " at regular files (or a directory of them)";
+    throw Error(what, c);
+  };
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) refuse(std::string("cannot read: ") + std::strerror(errno));
+  if (S_ISREG(st.st_mode)) return path;
+  if (!S_ISLNK(st.st_mode)) refuse("is " + file_kind(st.st_mode) + ", not a regular file");
+  char buffer[4096];
+  const ssize_t n = ::readlink(path.c_str(), buffer, sizeof buffer - 1);
+  if (n <= 0) refuse(std::string("cannot read the symbolic link: ") + std::strerror(errno));
+  std::string target(buffer, static_cast<size_t>(n));
+  if (target[0] != '/') target = path_join(parent_directory(path), target);
+  struct stat end {};
+  if (::lstat(target.c_str(), &end) != 0) refuse("is a symbolic link to " + target + ", which cannot be read: " + std::strerror(errno));
+  if (!S_ISREG(end.st_mode)) refuse("is a symbolic link to " + target + ", which is " + file_kind(end.st_mode) + ", not a regular file");
+  return target;
 }
 
 bool file_exists(const std::string& path) {

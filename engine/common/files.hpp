@@ -8,8 +8,12 @@
 
 namespace dsrun {
 
-// Reads a whole file; throws dsrun::Error naming the path when it cannot.
+// Reads a whole regular file (never a device, FIFO or socket: those are errors); throws
+// dsrun::Error naming the path when it cannot.
 std::string read_file(const std::string& path);
+// The regular file that `path` names: itself, or the target of one symbolic link, which must be a
+// regular file. Anything else is an error naming the path and the recipe `key` it came from.
+std::string regular_file_target(const std::string& path, const std::string& key);
 bool file_exists(const std::string& path);
 bool is_directory(const std::string& path);
 // Writes `content` to `path` so that a reader sees either the old file or the new one, never half.

@@ -18,7 +18,7 @@ namespace {
 // The order of samples in epoch e: a permutation of 0..n-1 seeded by (seed, e).
 class EpochOrder {
  public:
-  EpochOrder(int64_t n, uint64_t seed, bool shuffle) : n_(n), seed_(seed), shuffle_(shuffle) {}
+  EpochOrder(int64_t n, uint64_t seed, bool shuffle) : n_(n), seed_(seed), shuffle_(shuffle) { DSRUN_ASSERT(n > 0, "an epoch of no samples"); }
   int64_t at(int64_t g) {
     const int64_t epoch = g / n_, i = g % n_;
     if (!shuffle_) return i;
@@ -53,7 +53,7 @@ class TokenWindows final : public Dataset {
     val_windows_ = val_.numel() > seq_ ? (val_.numel() - 1) / seq_ : 0;
     if (train_windows_ < 1) {
       ErrorContext c;
-      c.key = "data";
+      c.key = "data.path";
       c.hint = "use more data or a shorter batch.seq_len";
       throw Error(what_ + " has " + std::to_string(n) + " tokens: not one training sequence of " + std::to_string(seq_ + 1), c);
     }
@@ -154,7 +154,7 @@ bool is_regular_file(const std::string& path) {
 // *.dat indexes that the fortunes package keeps beside its text).
 std::vector<std::string> data_files(const std::string& path, const std::string& only_suffix) {
   if (!file_exists(path)) throw data_error(path, "data path not found", "check data.path (relative to the recipe)");
-  if (!is_directory(path)) return {path};
+  if (!is_directory(path)) return {regular_file_target(path, "data.path")};
   std::vector<std::string> files;
   for (const auto& name : list_directory(path)) {
     std::string full = path_join(path, name);
@@ -219,7 +219,8 @@ std::unique_ptr<Dataset> cifar10(const std::string& path, uint64_t seed, bool sh
     std::vector<torch::Tensor> xs, ys;
     for (const auto& n : names) {
       std::string f = path_join(path, n);
-      std::string bytes = read_file(f);
+      std::string bytes = read_file(regular_file_target(f, "data.path"));
+      if (bytes.empty()) throw data_error(f, "is empty: a CIFAR-10 batch holds 10,000 images of 3073 bytes", "use the binary version of CIFAR-10 (cifar-10-batches-bin)");
       if (bytes.size() % 3073 != 0) throw data_error(f, "not a CIFAR-10 binary batch (size is not a multiple of 3073)", "use the binary version of CIFAR-10");
       const int64_t records = static_cast<int64_t>(bytes.size() / 3073);
       torch::Tensor raw = torch::from_blob(bytes.data(), {records, 3073}, torch::kUInt8).clone();
