@@ -50,6 +50,8 @@ constexpr int kMaxNesting = 64;
 // So are longer and / or chains: SQLite nests them one level per condition and refuses
 // expressions deeper than 1000.
 constexpr int kMaxConditions = 256;
+constexpr size_t kMaxLikeBytes = 1000;    // SQLite's own limit is 50,000; a name or key is far shorter
+constexpr long kMaxLikePercents = 16;
 
 class WhereParser {
  public:
@@ -108,7 +110,10 @@ class WhereParser {
     ErrorContext c;
     c.key = option_;
     c.hint = hint;
-    throw Error(message + " at column " + std::to_string(t.at + 1) + "\n    " + text_ + "\n    " + std::string(t.at, ' ') + "^", c);
+    // A long expression is shown as a window around the caret.
+    const size_t width = 160, from = text_.size() > width && t.at > 60 ? t.at - 60 : 0;
+    const std::string shown = (from > 0 ? "..." : "") + text_.substr(from, width) + (from + width < text_.size() ? "..." : "");
+    throw Error(message + " at column " + std::to_string(t.at + 1) + "\n    " + shown + "\n    " + std::string(t.at - from + (from > 0 ? 3 : 0), ' ') + "^", c);
   }
 
   void tokenize() {
@@ -281,12 +286,25 @@ class WhereParser {
       value.number = lowercase(right.text) == "true" ? 1 : 0;
     } else if (right.kind == Token::String || right.kind == Token::Name) {
       value.text = right.text;  // a bare word is a string: status = finished
+      if (op == "LIKE") check_like_pattern(right);
     } else {
       fail(right, "expected a value after " + op, "a number, a 'string' or a word");
     }
     f.sql = "(" + f.sql + " " + op + " ?)";
     f.params.push_back(value);
     return f;
+  }
+
+  // SQLite refuses long LIKE patterns, and each % lets its matcher try every position again:
+  // bounded here, with the place in the expression, rather than as a raw SQLite error.
+  void check_like_pattern(const Token& t) const {
+    if (t.text.size() > kMaxLikeBytes)
+      fail(t, "a like pattern of " + std::to_string(t.text.size()) + " bytes (at most " + std::to_string(kMaxLikeBytes) + ")",
+           "shorten the pattern: % matches any run of characters, _ any one");
+    const auto percents = std::count(t.text.begin(), t.text.end(), '%');
+    if (percents > kMaxLikePercents)
+      fail(t, "a like pattern with " + std::to_string(percents) + " % wildcards (at most " + std::to_string(kMaxLikePercents) + ")",
+           "one % between fixed parts is enough: '%lr%sweep%'");
   }
 
   static SqlFragment join(SqlFragment a, const std::string& how, const SqlFragment& b) {

@@ -234,6 +234,19 @@ TEST_CASE("history --where refuses ( and not nested deeper than 64 and more than
   CHECK(contains(cli.text, "nested deeper than 64"));
   CHECK_FALSE(contains(cli.text, "SQLite"));
 
+  // LIKE patterns SQLite would refuse (too long) or search slowly (many %) are --where errors.
+  e = error_of([&] { dsrun::parse_where("name like '" + repeat("%a", 30000) + "'", names()); });
+  CHECK(contains(e, "--where: a like pattern of 60000 bytes (at most 1000) at column 11"));
+  CHECK(e.size() < 600);  // a window of the expression around the caret, not all of it
+  e = error_of([&] { dsrun::parse_where("status = x and name like '" + repeat("%_", 20) + "x'", names()); });
+  CHECK(contains(e, "a like pattern with 20 % wildcards (at most 16) at column 26"));
+  CHECK(contains(e, "\n    " + std::string(25, ' ') + "^"));
+  cli = dsrun_command(dir, "history --where \"name like '" + repeat("%a", 30000) + "'\"");
+  CHECK(cli.code == 1);
+  CHECK(contains(cli.text, "a like pattern of 60000 bytes"));
+  CHECK_FALSE(contains(cli.text, "SQLite"));
+  CHECK_FALSE(contains(cli.text, ".cpp"));
+
   // Long and / or chains nest in SQLite too: 256 conditions run, more are refused.
   dsrun::RunQuery q;
   q.where = dsrun::parse_where("metrics.val_loss < 2.5" + repeat(" or metrics.val_loss < 0", 255), names());

@@ -190,7 +190,11 @@ TEST_CASE("malformed TOML and odd encodings are errors with a position", "[recip
   CHECK(contains(d.message, "malformed TOML"));
   CHECK(d.source.line == 2);
   CHECK(contains(only_error(load_text(std::string("\xFF\xFE[\0r\0", 6))).fix, "UTF-8"));
-  CHECK(contains(only_error(load_text(std::string("[run]\nname = \"a\0b\"\n", 18))).message, "NUL"));
+  const Diagnostic& nul = only_error(load_text(std::string("[run]\nname = \"a\0b\"\n", 18)));
+  CHECK(contains(nul.message, "NUL"));
+  CHECK(nul.source.line == 2);  // located: line 2, column 10 (name = "a^@b")
+  CHECK(nul.source.column == 10);
+  CHECK(only_error(load_text(std::string("\0", 1))).source.column == 1);
   CHECK_FALSE(load_text("[run]\nname = \"\xC3\x28\"\n").ok());  // invalid UTF-8
   CHECK_FALSE(load_text("[run]\nsteps = 1\n[run]\nseed = 2\n").ok());  // duplicate table
 }
@@ -288,4 +292,27 @@ TEST_CASE("did-you-mean distance", "[recipe][text]") {
   CHECK(edit_distance("kitten", "sitting") == 3);
   CHECK(nearest("optimzer.lr", {"optimizer.lr", "run.steps"}) == "optimizer.lr");
   CHECK(nearest("zzzzzz", {"optimizer.lr", "run.steps"}).empty());
+}
+
+TEST_CASE("a rule that spans keys is located at the key the user set, the later one when both are", "[recipe][rules]") {
+  // hidden set, heads default: the error is about heads, at hidden's line.
+  const Diagnostic& odd = only_error(load_text("[run]\nsteps = 5\n[model]\nhidden = 12\n"));
+  CHECK(odd.key == "model.heads");
+  CHECK(odd.source.layer == Layer::Recipe);
+  CHECK(odd.source.line == 4);
+  // Both set: the later line.
+  const Diagnostic& both = only_error(load_text("[model]\nheads = 5\nhidden = 15\nkv_heads = 5\n"));
+  CHECK(both.source.line == 3);
+  const Diagnostic& both_reversed = only_error(load_text("[model]\nhidden = 15\nheads = 5\nkv_heads = 5\n"));
+  CHECK(both_reversed.source.line == 3);
+  // The command line wins over the file; the batch rule points at what the user changed.
+  const Diagnostic& warmup = only_error(load_text("[schedule]\nwarmup_steps = 10\n", {"run.steps=5"}));
+  CHECK(warmup.key == "schedule.warmup_steps");
+  CHECK(warmup.source.layer == Layer::CommandLine);
+  const Diagnostic& global = only_error(load_text("[parallel]\ndata_parallel = 2\n[batch]\nglobal = 7\nmicro = 1\n"));
+  CHECK(global.key == "batch.global");
+  CHECK(global.source.line == 4);
+  const Diagnostic& split = only_error(load_text("[batch]\nglobal = 8\nmicro = 1\n[parallel]\ndata_parallel = 3\nzero_stage = 1\n[hardware]\ndevices_per_node = 3\n"));
+  CHECK(split.key == "batch.global");
+  CHECK(split.source.line == 5);  // data_parallel, after global
 }

@@ -40,8 +40,18 @@ struct Builder {
     return layer == Layer::Recipe || layer == Layer::CommandLine;
   }
 
-  void error(const std::string& key, std::string message, std::string fix) {
-    diagnostics.push_back({Diagnostic::Severity::Error, at(key).source, key, std::move(message), std::move(fix)});
+  // Where to point for a rule about `key` that `related` keys take part in: the setting the user
+  // wrote (the command line, else the later line of the recipe), else one a base set, else key's.
+  const Source& located(const std::string& key, std::initializer_list<const char*> related) const {
+    const Source* best = &at(key).source;
+    for (const char* k : related) {
+      const Source& s = at(k).source;
+      if (s.layer > best->layer || (s.layer == best->layer && s.file == best->file && s.line > best->line)) best = &s;
+    }
+    return *best;
+  }
+  void error(const std::string& key, std::string message, std::string fix, std::initializer_list<const char*> related = {}) {
+    diagnostics.push_back({Diagnostic::Severity::Error, located(key, related), key, std::move(message), std::move(fix)});
   }
   void warning(const std::string& key, std::string message, std::string fix = "") {
     diagnostics.push_back({Diagnostic::Severity::Warning, at(key).source, key, std::move(message), std::move(fix)});
@@ -116,11 +126,11 @@ void build_hardware(Builder& c, Recipe& r, const HostFacts& host) {
 
   if (h.nodes > 1 && h.inter_node_bandwidth <= 0)
     c.error("hardware.inter_node_bandwidth_gbs", "a job of " + std::to_string(h.nodes) + " nodes needs the network bandwidth between them",
-            "set hardware.inter_node_bandwidth_gbs (e.g. 25 for 200 Gb/s InfiniBand)");
+            "set hardware.inter_node_bandwidth_gbs (e.g. 25 for 200 Gb/s InfiniBand)", {"hardware.nodes"});
   if (h.memory_bytes > 0 && h.runtime_memory_bytes >= h.memory_bytes)
-    c.error("hardware.runtime_memory_gib", "runtime memory is not smaller than the device memory", "lower hardware.runtime_memory_gib");
+    c.error("hardware.runtime_memory_gib", "runtime memory is not smaller than the device memory", "lower hardware.runtime_memory_gib", {"hardware.memory_gib"});
   if (h.device == Device::Cpu && h.link == "nvlink")
-    c.error("hardware.link", "cpu ranks do not talk over NVLink", "use link = \"shm\" for ranks on one machine");
+    c.error("hardware.link", "cpu ranks do not talk over NVLink", "use link = \"shm\" for ranks on one machine", {"hardware.device"});
 }
 
 void build_model(Builder& c, Recipe& r) {
@@ -158,21 +168,21 @@ void build_model(Builder& c, Recipe& r) {
   }
   if (m.hidden % m.heads != 0)
     c.error("model.heads", "hidden (" + std::to_string(m.hidden) + ") is not divisible by heads (" + std::to_string(m.heads) + ")",
-            "use a divisor of " + std::to_string(m.hidden) + ", such as " + std::to_string(closest_divisor(m.hidden, m.heads)));
+            "use a divisor of " + std::to_string(m.hidden) + ", such as " + std::to_string(closest_divisor(m.hidden, m.heads)), {"model.hidden"});
   else if (m.head_dim() % 2 != 0)
     c.error("model.heads", "head dimension hidden/heads = " + std::to_string(m.head_dim()) + " is odd; rotary embeddings rotate pairs",
-            "choose heads so that hidden/heads is even");
+            "choose heads so that hidden/heads is even", {"model.hidden"});
   if (m.heads % m.kv_heads != 0)
     c.error("model.kv_heads", "heads (" + std::to_string(m.heads) + ") is not divisible by kv_heads (" + std::to_string(m.kv_heads) + ")",
-            "use a divisor of " + std::to_string(m.heads) + ", such as " + std::to_string(closest_divisor(m.heads, m.kv_heads)));
+            "use a divisor of " + std::to_string(m.heads) + ", such as " + std::to_string(closest_divisor(m.heads, m.kv_heads)), {"model.heads"});
   if (m.moe.enabled()) {
     if (m.moe.top_k < 1 || m.moe.top_k > m.moe.routed_experts)
       c.error("model.moe.top_k", "top_k must be between 1 and routed_experts (" + std::to_string(m.moe.routed_experts) + ")",
-              "DeepSeek-MoE 16B uses top_k = 6 of 64 routed experts");
+              "DeepSeek-MoE 16B uses top_k = 6 of 64 routed experts", {"model.moe.routed_experts"});
     if (m.moe.intermediate < 1)
       c.error("model.moe.intermediate", "an MoE model needs the experts' inner size", "set model.moe.intermediate (DeepSeek-MoE 16B: 1408)");
     if (m.moe.first_dense_layers > m.layers)
-      c.error("model.moe.first_dense_layers", "more dense layers than layers", "use at most model.layers (" + std::to_string(m.layers) + ")");
+      c.error("model.moe.first_dense_layers", "more dense layers than layers", "use at most model.layers (" + std::to_string(m.layers) + ")", {"model.layers"});
   }
 }
 
@@ -189,13 +199,13 @@ void build_parallel(Builder& c, Recipe& r) {
   int devices = r.hardware.total_devices();
   if (p.data_parallel && devices > 0 && *p.data_parallel > devices)
     c.error("parallel.data_parallel", std::to_string(*p.data_parallel) + " ranks but the hardware has " + std::to_string(devices) + " devices",
-            "use at most " + std::to_string(devices) + ", or \"auto\"");
+            "use at most " + std::to_string(devices) + ", or \"auto\"", {"hardware.devices_per_node", "hardware.nodes"});
   if (p.zero_stage && p.offload == Offload::OptimizerAndParams && *p.zero_stage != 3)
     c.error("parallel.offload", "offloading parameters needs ZeRO stage 3 (only stage 3 shards parameters)",
-            "set parallel.zero_stage = 3, or offload = \"optimizer\"");
+            "set parallel.zero_stage = 3, or offload = \"optimizer\"", {"parallel.zero_stage"});
   if (p.zero_stage && p.offload == Offload::Optimizer && *p.zero_stage == 0)
     c.error("parallel.offload", "offloading the optimizer needs ZeRO stage 1, 2 or 3 (ZeRO-Offload moves the optimizer shards)",
-            "set parallel.zero_stage to 1, 2 or 3 (or \"auto\"), or offload = \"none\"");
+            "set parallel.zero_stage to 1, 2 or 3 (or \"auto\"), or offload = \"none\"", {"parallel.zero_stage"});
 }
 
 void build_precision(Builder& c, Recipe& r) {
@@ -209,13 +219,13 @@ void build_precision(Builder& c, Recipe& r) {
   const HardwareSpec& h = r.hardware;
   if (r.precision.dtype == DType::Bf16 && h.peak_flops_bf16 <= 0)
     c.error("precision.dtype", "hardware \"" + h.name + "\" does not support bf16 (hardware.peak_tflops_bf16 = 0)",
-            h.peak_flops_fp16 > 0 ? "use dtype = \"fp16\" or \"fp32\"" : "use dtype = \"fp32\"");
+            h.peak_flops_fp16 > 0 ? "use dtype = \"fp16\" or \"fp32\"" : "use dtype = \"fp32\"", {"hardware.peak_tflops_bf16"});
   if (r.precision.dtype == DType::Fp16 && h.peak_flops_fp16 <= 0)
     c.error("precision.dtype", "hardware \"" + h.name + "\" does not support fp16 (hardware.peak_tflops_fp16 = 0)",
-            h.peak_flops_bf16 > 0 ? "use dtype = \"bf16\" or \"fp32\"" : "use dtype = \"fp32\"");
+            h.peak_flops_bf16 > 0 ? "use dtype = \"bf16\" or \"fp32\"" : "use dtype = \"fp32\"", {"hardware.peak_tflops_fp16"});
   if (ls.min_scale > std::ldexp(1.0, ls.initial_power))
     c.error("precision.loss_scale.min_scale", "the minimum scale is above the initial scale 2^" + std::to_string(ls.initial_power),
-            "lower min_scale or raise initial_power");
+            "lower min_scale or raise initial_power", {"precision.loss_scale.initial_power"});
 }
 
 void build_batch(Builder& c, Recipe& r) {
@@ -229,22 +239,22 @@ void build_batch(Builder& c, Recipe& r) {
   if (b.global % dp != 0) {
     int64_t lower = b.global / dp * dp, upper = lower + dp;
     c.error("batch.global", "global batch " + std::to_string(b.global) + " does not split evenly over data_parallel = " + dp_text + " ranks",
-            "use a multiple of " + std::to_string(dp) + ": " + (lower > 0 ? std::to_string(lower) + " or " : "") + std::to_string(upper));
+            "use a multiple of " + std::to_string(dp) + ": " + (lower > 0 ? std::to_string(lower) + " or " : "") + std::to_string(upper), {"parallel.data_parallel"});
     return;
   }
   if (b.micro) {
     int64_t per_rank = b.global / dp;
     if (*b.micro > per_rank)
       c.error("batch.micro", "micro batch " + std::to_string(*b.micro) + " exceeds the per-rank batch global/data_parallel = " + std::to_string(per_rank),
-              "use micro <= " + std::to_string(per_rank) + ", or raise batch.global");
+              "use micro <= " + std::to_string(per_rank) + ", or raise batch.global", {"batch.global", "parallel.data_parallel"});
     else if (per_rank % *b.micro != 0)
       c.error("batch.micro", "global (" + std::to_string(b.global) + ") != micro (" + std::to_string(*b.micro) + ") x accumulation x data_parallel (" +
                                  dp_text + ") for any whole accumulation",
-              "use a micro batch that divides " + std::to_string(per_rank) + ", such as " + std::to_string(closest_divisor(per_rank, *b.micro)));
+              "use a micro batch that divides " + std::to_string(per_rank) + ", such as " + std::to_string(closest_divisor(per_rank, *b.micro)), {"batch.global", "parallel.data_parallel"});
   }
   if (r.model.arch == ModelArch::DeepSeek && b.seq_len > r.model.max_seq_len)
     c.error("batch.seq_len", "sequence length " + std::to_string(b.seq_len) + " exceeds model.max_seq_len = " + std::to_string(r.model.max_seq_len),
-            "use seq_len <= " + std::to_string(r.model.max_seq_len) + " or raise model.max_seq_len");
+            "use seq_len <= " + std::to_string(r.model.max_seq_len) + " or raise model.max_seq_len", {"model.max_seq_len"});
 }
 
 void build_optimizer(Builder& c, Recipe& r) {
@@ -265,7 +275,7 @@ void build_optimizer(Builder& c, Recipe& r) {
   o.nesterov = c.b("optimizer.nesterov");
   o.grad_clip = c.f("optimizer.grad_clip");
   if (o.kind == OptimizerKind::Sgd && o.nesterov && o.momentum == 0)
-    c.error("optimizer.nesterov", "Nesterov momentum needs momentum > 0", "set optimizer.momentum, or nesterov = false");
+    c.error("optimizer.nesterov", "Nesterov momentum needs momentum > 0", "set optimizer.momentum, or nesterov = false", {"optimizer.momentum"});
 }
 
 void build_schedule(Builder& c, Recipe& r) {
@@ -288,7 +298,7 @@ void build_schedule(Builder& c, Recipe& r) {
   int64_t steps = r.run.steps;
   if (s.kind != ScheduleKind::OneCycle && s.warmup_steps >= steps && s.warmup_steps > 0)
     c.error("schedule.warmup_steps", "warmup (" + std::to_string(s.warmup_steps) + " steps) is not shorter than the run (" + std::to_string(steps) + ")",
-            "use fewer warmup steps than run.steps");
+            "use fewer warmup steps than run.steps", {"run.steps"});
   if (s.kind == ScheduleKind::MultiStep) {
     for (size_t i = 0; i < s.milestones.size(); ++i)
       if (s.milestones[i] <= 0 || s.milestones[i] >= 1 || (i > 0 && s.milestones[i] <= s.milestones[i - 1])) {
@@ -298,15 +308,15 @@ void build_schedule(Builder& c, Recipe& r) {
     if (s.factors.size() != s.milestones.size())
       c.error("schedule.factors", "one factor per milestone: " + std::to_string(s.milestones.size()) + " milestones, " +
                                       std::to_string(s.factors.size()) + " factors",
-              "give as many factors as milestones");
+              "give as many factors as milestones", {"schedule.milestones"});
     if (s.milestones.empty()) c.error("schedule.milestones", "multistep needs at least one milestone", "write milestones = [0.8, 0.9]");
     for (double f : s.factors)
       if (f <= 0) c.error("schedule.factors", "a factor of 0 stops learning", "use factors > 0");
     if (!s.milestones.empty() && s.milestones.front() * steps <= s.warmup_steps)
-      c.error("schedule.milestones", "the first milestone falls inside the warmup", "move the milestone later or shorten the warmup");
+      c.error("schedule.milestones", "the first milestone falls inside the warmup", "move the milestone later or shorten the warmup", {"schedule.warmup_steps", "run.steps"});
   }
   if (s.kind == ScheduleKind::Wsd && s.warmup_steps + s.decay_fraction * steps > steps)
-    c.error("schedule.decay_fraction", "warmup plus decay is longer than the run", "shorten the warmup or lower decay_fraction");
+    c.error("schedule.decay_fraction", "warmup plus decay is longer than the run", "shorten the warmup or lower decay_fraction", {"schedule.warmup_steps", "run.steps"});
 }
 
 void build_data(Builder& c, Recipe& r, const std::string& recipe_dir) {
@@ -332,23 +342,23 @@ void build_data(Builder& c, Recipe& r, const std::string& recipe_dir) {
   }
   bool images = r.model.arch == ModelArch::ResNet;
   if (images && (d.kind == DataKind::Text || d.kind == DataKind::Tokens))
-    c.error("data.kind", "a ResNet trains on images, not " + kind, "use data.kind = \"cifar10\" or \"synthetic\"");
+    c.error("data.kind", "a ResNet trains on images, not " + kind, "use data.kind = \"cifar10\" or \"synthetic\"", {"model.arch"});
   if (!images && d.kind == DataKind::Cifar10)
-    c.error("data.kind", "CIFAR-10 images need model.arch = \"resnet\"", "use text, tokens or synthetic data for a decoder");
+    c.error("data.kind", "CIFAR-10 images need model.arch = \"resnet\"", "use text, tokens or synthetic data for a decoder", {"model.arch"});
   if (images && d.kind == DataKind::Cifar10) {
     const ResNetSpec& rn = r.model.resnet;
     if (rn.image_size != 32 || rn.channels != 3 || rn.classes != 10)
-      c.error("model.resnet.classes", "CIFAR-10 is 32x32 RGB in 10 classes", "set image_size = 32, channels = 3, classes = 10");
+      c.error("model.resnet.classes", "CIFAR-10 is 32x32 RGB in 10 classes", "set image_size = 32, channels = 3, classes = 10", {"model.resnet.image_size", "model.resnet.channels", "data.kind"});
   }
   if (!images && d.kind == DataKind::Text && r.model.vocab < 256)
-    c.error("model.vocab", "byte-level text needs a vocabulary of at least 256", "set model.vocab = 256");
+    c.error("model.vocab", "byte-level text needs a vocabulary of at least 256", "set model.vocab = 256", {"data.kind"});
 }
 
 void build_rest(Builder& c, Recipe& r, const std::string& recipe_dir) {
   r.eval.every = c.i("eval.every");
   r.eval.batches = c.i("eval.batches");
   if (r.eval.every > 0 && r.data.val_fraction <= 0)
-    c.error("eval.every", "evaluation needs a validation split", "set data.val_fraction > 0, or eval.every = 0");
+    c.error("eval.every", "evaluation needs a validation split", "set data.val_fraction > 0, or eval.every = 0", {"data.val_fraction"});
 
   r.checkpoint.every = c.i("checkpoint.every");
   r.checkpoint.keep_last = c.i("checkpoint.keep_last");

@@ -9,6 +9,7 @@
 
 #include <toml++/toml.h>
 
+#include <algorithm>
 #include <charconv>
 #include <climits>
 #include <cmath>
@@ -215,11 +216,14 @@ struct Parser {
 
   // Parses one document (the recipe or a base), loading its own bases first.
   void load_document(const std::string& text, const std::string& file, Layer layer) {
-    if (text.find('\0') != std::string::npos) {
+    if (const size_t nul = text.find('\0'); nul != std::string::npos) {
       Source s;
       s.layer = layer;
       s.file = file;
-      error(s, "", "the file contains NUL bytes; a recipe is UTF-8 text", "save the recipe as UTF-8 text");
+      s.line = 1 + static_cast<int>(std::count(text.begin(), text.begin() + static_cast<long>(nul), '\n'));
+      const size_t line_start = text.rfind('\n', nul == 0 ? 0 : nul - 1);
+      s.column = 1 + static_cast<int>(nul - (line_start == std::string::npos || nul == 0 ? 0 : line_start + 1));
+      error(s, "", "a NUL byte; a recipe is UTF-8 text", "save the recipe as UTF-8 text (an editor or a binary copy left NUL bytes here)");
       return;
     }
     toml::table table;
