@@ -447,6 +447,23 @@ TEST_CASE("a failing hook fails the run cleanly under \"fail\" and is disabled a
   CHECK(count_events(dir, disabled.id, "hook_error", "hook on_step disabled") == 1);
 }
 
+TEST_CASE("a hook escaping through a message handler is a hook error in a real run, on every rank at the same step", "[hooks][run][budget]") {
+  TempDir dir;
+  // Before: the handler ran with hooks off and the run hung until run.step_timeout_s.
+  std::string script = on_step_script(dir, "if ctx.step == 2 then xpcall(function() while true do end end, function(e) while true do end end) end");
+  Run failed = train(dir, layout(1, 2) + " --set run.steps=4 --set run.step_timeout_s=600 --set hooks.instruction_limit=100000" + with_hook(script, "fail"));
+  INFO(failed.text);
+  CHECK(failed.code == 1);
+  CHECK(failed.seconds < 60);
+  CHECK(contains(failed.text, "instruction limit of 100000 exceeded"));
+  CHECK(failed.losses.size() == 2);
+  Run disabled = train(dir, layout(1, 2) + " --set run.steps=4 --set hooks.instruction_limit=100000" + with_hook(script, "disable"));
+  INFO(disabled.text);
+  CHECK(disabled.code == 0);
+  CHECK(disabled.losses.size() == 4);
+  CHECK(count_events(dir, disabled.id, "hook_error", "hook on_step disabled") == 1);
+}
+
 TEST_CASE("hook state is saved in checkpoints and restored on resume", "[hooks][run][resume]") {
   TempDir dir;
   std::string script = on_step_script(dir, "state.calls = (state.calls or 0) + 1; return {metrics = {calls = state.calls}}");
