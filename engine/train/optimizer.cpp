@@ -7,7 +7,8 @@
 
 namespace dsrun {
 
-ShardOptimizer::ShardOptimizer(const OptimizerOptions& options, std::vector<MasterShard>& shards) : o_(options), shards_(shards) {
+ShardOptimizer::ShardOptimizer(const OptimizerOptions& options, std::vector<MasterShard>& shards, int host_threads)
+    : o_(options), shards_(shards), pool_(std::max(1, host_threads)) {
   for (auto& s : shards_) {
     const bool sgd = o_.kind == OptimizerKind::Sgd;
     // States live beside their master weights (in pinned host memory when offloaded).
@@ -48,9 +49,54 @@ void ShardOptimizer::fused_adam_step(double lr) {
   }
 }
 
+// Every shard cut into chunks of at most kHostChunk elements, split where weight decay starts or
+// ends; the pool runs them in any order (chunks are disjoint).
+void ShardOptimizer::host_step(double lr) {
+  constexpr int64_t kHostChunk = 1 << 16;
+  HostStep st;
+  st.rule = o_.kind == OptimizerKind::AdamW ? HostRule::AdamW : o_.kind == OptimizerKind::Adam ? HostRule::Adam : HostRule::Sgd;
+  st.lr = lr;
+  st.beta1 = o_.beta1;
+  st.beta2 = o_.beta2;
+  st.eps = o_.eps;
+  st.weight_decay = o_.weight_decay;
+  st.momentum = o_.momentum;
+  st.nesterov = o_.nesterov;
+  st.t = t_;
+  std::vector<HostChunk> chunks;
+  for (size_t k = 0; k < shards_.size(); ++k) {
+    MasterShard& s = shards_[k];
+    DSRUN_ASSERT(s.grad.scalar_type() == torch::kFloat32 && s.grad.is_contiguous() && s.master.is_contiguous(), "fp32 contiguous shard and gradient");
+    auto add = [&](int64_t begin, int64_t end, bool decay) {
+      for (int64_t at = begin; at < end; at += kHostChunk) {
+        HostChunk c;
+        c.master = s.master.data_ptr<float>() + at;
+        c.m = m_[k].defined() ? m_[k].data_ptr<float>() + at : nullptr;
+        c.v = v_[k].defined() ? v_[k].data_ptr<float>() + at : nullptr;
+        c.grad = s.grad.data_ptr<float>() + at;
+        c.n = std::min(kHostChunk, end - at);
+        c.decay = decay;
+        chunks.push_back(c);
+      }
+    };
+    int64_t at = 0;
+    for (auto [begin, end] : s.decay_ranges) {  // ascending and disjoint (zero.cpp)
+      add(at, begin, false);
+      add(begin, end, true);
+      at = end;
+    }
+    add(at, s.master.numel(), false);
+  }
+  pool_.run(static_cast<int64_t>(chunks.size()), [&](int64_t i) { host_optimizer_step(chunks[static_cast<size_t>(i)], st); });
+}
+
 void ShardOptimizer::step(double lr) {
   torch::NoGradGuard no_grad;
   ++t_;
+  if (!shards_.empty() && shards_[0].master.device().is_cpu()) {
+    host_step(lr);
+    return;
+  }
   if (o_.kind != OptimizerKind::Sgd && compat::kHasFusedAdam) {
     fused_adam_step(lr);
     return;

@@ -1,9 +1,11 @@
 // AdamW, Adam and SGD with momentum on flat fp32 master shards, written out as plainly as the
-// papers state them. States are sized to the shard, so ZeRO >= 1 shards them for free.
+// papers state them. States are sized to the shard, so ZeRO >= 1 shards them for free. Shards in
+// host memory (CPU ranks, offload) take the fused host step of host_optimizer.hpp.
 #pragma once
 
 #include "engine/parallel/zero.hpp"
 #include "engine/recipe/recipe.hpp"
+#include "engine/train/host_optimizer.hpp"
 
 #include <torch/torch.h>
 
@@ -13,7 +15,8 @@ namespace dsrun {
 
 class ShardOptimizer {
  public:
-  ShardOptimizer(const OptimizerOptions& options, std::vector<MasterShard>& shards);
+  // host_threads: threads of the fused host step (1 on CPU ranks, whose cores compute).
+  ShardOptimizer(const OptimizerOptions& options, std::vector<MasterShard>& shards, int host_threads = 1);
   void step(double lr);  // uses each shard's grad; updates master in place
   double state_bytes() const;
   int64_t steps_taken() const { return t_; }
@@ -28,6 +31,8 @@ class ShardOptimizer {
   OptimizerOptions o_;
   std::vector<MasterShard>& shards_;
   void fused_adam_step(double lr);  // libtorch's fused kernel (2.x); step() falls back to the plain expressions
+  void host_step(double lr);        // shards in host memory: host_optimizer_step over chunks, on the pool
+  HostThreadPool pool_;
   std::vector<torch::Tensor> m_, v_;  // Adam: first and second moments; SGD: m_ is the momentum
   int64_t t_ = 0;
 };
