@@ -17,6 +17,9 @@
 #define CATCH_CONFIG_MAIN
 #include <catch2/catch.hpp>
 
+#include <cstring>
+#include <limits>
+
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -107,7 +110,7 @@ Batch token_batch(int64_t b, int64_t s, int64_t vocab, uint64_t seed) {
 // The gradient norm of one process training `m` (weights from `model_seed`) on one batch.
 double reference_grad_norm(const ModelSpec& m, uint64_t model_seed, uint64_t batch_seed) {
   torch::manual_seed(model_seed);
-  auto reference = build_model(m, 16);
+  auto reference = build_model(m, 16, {model_seed});
   UnitRunner plain;
   reference->forward(token_batch(2, 16, m.vocab, batch_seed), plain).loss.backward();
   double sq = 0;
@@ -173,6 +176,103 @@ TEST_CASE("AdamW on a flat shard matches libtorch's AdamW", "[engine][optimizer]
   CHECK(ours.state_bytes() == 2 * 64 * 4);
 }
 
+namespace {
+
+// Bit for bit where torch runs its AVX2/AVX-512 kernels (they fuse multiply-adds exactly where the
+// host step does); elsewhere within about an ulp.
+bool same_step(const torch::Tensor& ours, const torch::Tensor& plain) {
+  return __builtin_cpu_supports("avx2") ? torch::equal(ours, plain) : torch::allclose(ours, plain, 2.4e-7, 1e-9);
+}
+
+}  // namespace
+
+// The host step against ShardOptimizer's plain torch expressions, one step from the same states:
+// bit for bit where torch runs its AVX2/AVX-512 kernels (this machine), within 1 ulp otherwise.
+TEST_CASE("the fused host step gives the plain expressions' bits, on any thread count", "[engine][optimizer][host]") {
+  torch::manual_seed(11);
+  // A multiple of every vector width (torch's scalar tail loop may round differently), but not
+  // of the host step's chunks.
+  const int64_t n = 300032;
+  torch::Tensor start = torch::randn({n}), m0 = torch::randn({n}) * 0.1, v0 = torch::rand({n}) * 0.01;
+  torch::Tensor g = torch::randn({n}) * 0.5;
+  for (OptimizerKind kind : {OptimizerKind::AdamW, OptimizerKind::Adam, OptimizerKind::Sgd}) {
+    INFO("optimizer " << static_cast<int>(kind));
+    OptimizerOptions o;
+    o.kind = kind;
+    o.weight_decay = 0.1;
+    o.momentum = 0.9;
+    o.nesterov = kind == OptimizerKind::Sgd;
+    const double lr = 3e-3;
+    // Ours, on 1 and on 4 threads, from the same states at step 7.
+    std::vector<torch::Tensor> masters;
+    for (int threads : {1, 4}) {
+      std::vector<MasterShard> shards(1);
+      shards[0].master = start.clone();
+      shards[0].grad = g.clone();
+      shards[0].decay_ranges = {{1000, 200000}};
+      ShardOptimizer ours(o, shards, threads);
+      ours.set_steps_taken(6);
+      for (const auto& name : ours.state_names()) ours.state(name, 0).copy_(name == "exp_avg_sq" ? v0 : m0);
+      ours.step(lr);
+      masters.push_back(shards[0].master);
+      if (threads == 4) {
+        CHECK(torch::equal(masters[0], masters[1]));  // the same bits, whatever the thread count
+        // The plain torch expressions of the same step.
+        torch::Tensor p = start.clone(), gr = g.clone(), m = m0.clone(), v = v0.clone();
+        torch::Tensor pd = p.narrow(0, 1000, 199000), gd = gr.narrow(0, 1000, 199000);
+        if (kind == OptimizerKind::AdamW) pd.mul_(1 - lr * o.weight_decay);
+        else gd.add_(pd, o.weight_decay);
+        if (kind == OptimizerKind::Sgd) {
+          m.mul_(o.momentum).add_(gr);
+          p.add_(gr.add(m, o.momentum), -lr);
+        } else {
+          m.mul_(o.beta1).add_(gr, 1 - o.beta1);
+          v.mul_(o.beta2).addcmul_(gr, gr, 1 - o.beta2);
+          const double bias1 = 1 - std::pow(o.beta1, 7.0), bias2 = 1 - std::pow(o.beta2, 7.0);
+          p.addcdiv_(m, (v / bias2).sqrt_().add_(o.eps), -lr / bias1);
+          CHECK(same_step(ours.state("exp_avg_sq", 0), v));
+        }
+        CHECK(same_step(ours.state(kind == OptimizerKind::Sgd ? "momentum_buffer" : "exp_avg", 0), m));
+        CHECK(same_step(shards[0].master, p));
+      }
+    }
+  }
+}
+
+TEST_CASE("the host step reads bf16/fp16 gradients and writes bf16/fp16 parameters as torch rounds them", "[engine][optimizer][host]") {
+  torch::manual_seed(12);
+  torch::Tensor x = torch::randn({4096}) * 1000;
+  x[0] = 3.0f;  // (NaN is checked apart: torch's vector and scalar paths give different NaN bits)
+  x[1] = std::numeric_limits<float>::infinity();
+  x[2] = 1.00390625f;  // halfway between two bf16 values: ties to even
+  x[3] = 65520.0f;     // rounds to infinity in fp16
+  x[4] = 1e-8f;        // an fp16 subnormal
+  torch::Tensor bf = x.to(torch::kBFloat16), hf = x.to(torch::kFloat16);
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    const float f = x[i].item<float>();
+    CHECK(dsrun::host_to_bf16(f) == reinterpret_cast<const uint16_t*>(bf.data_ptr())[i]);
+    CHECK(dsrun::host_to_f16(f) == reinterpret_cast<const uint16_t*>(hf.data_ptr())[i]);
+  }
+  CHECK(std::isnan(dsrun::host_from_bf16(dsrun::host_to_bf16(std::numeric_limits<float>::quiet_NaN()))));
+  CHECK(std::isnan(dsrun::host_from_f16(dsrun::host_to_f16(std::numeric_limits<float>::quiet_NaN()))));
+  // A step from bf16 gradients into bf16 parameters: the master as from the widened gradient,
+  // and the parameters its bf16 rounding.
+  const int64_t n = 10000;
+  torch::Tensor master = torch::randn({n}), grad16 = (torch::randn({n}) * 0.01).to(torch::kBFloat16);
+  torch::Tensor m = torch::zeros({n}), v = torch::zeros({n}), out = torch::empty({n}, torch::kBFloat16);
+  torch::Tensor master2 = master.clone(), m2 = m.clone(), v2 = v.clone(), grad32 = grad16.to(torch::kFloat32);
+  dsrun::HostStep st;
+  st.lr = 1e-3;
+  dsrun::host_optimizer_step({master.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(), grad16.data_ptr(), dsrun::HostDType::BF16,
+                              out.data_ptr(), dsrun::HostDType::BF16, 0.5, 0.25, n, false},
+                             st);
+  dsrun::host_optimizer_step({master2.data_ptr<float>(), m2.data_ptr<float>(), v2.data_ptr<float>(), grad32.data_ptr(), dsrun::HostDType::F32, nullptr,
+                              dsrun::HostDType::F32, 0.5, 0.25, n, false},
+                             st);
+  CHECK(torch::equal(master, master2));
+  CHECK(torch::equal(out, master.to(torch::kBFloat16)));
+}
+
 TEST_CASE("SGD with Nesterov momentum matches libtorch's SGD", "[engine][optimizer]") {
   torch::manual_seed(2);
   torch::Tensor start = torch::randn({16});
@@ -202,7 +302,7 @@ TEST_CASE("MoE: top-k routing, balance loss near its uniform value, gradients to
   ModelSpec m = tiny_moe_decoder(8);
   m.moe.aux_loss_weight = 0.01;
   torch::manual_seed(3);
-  auto model = build_model(m, 16);
+  auto model = build_model(m, 16, {3});
   UnitRunner plain;
   ModelOutput out = model->forward(token_batch(4, 16, m.vocab, 4), plain);
   // With near-uniform router scores, Σ f_i P_i ≈ 1, so the loss is close to its weight.
@@ -231,7 +331,7 @@ TEST_CASE("checkpointed units give the same loss and gradients as stored activat
   Batch batch = token_batch(2, 16, m.vocab, 5);
   auto grads_with = [&](bool checkpointing) {
     torch::manual_seed(6);
-    auto model = build_model(m, 16);
+    auto model = build_model(m, 16, {6});
     auto comm = single_process_communicator();
     ZeroOptions zo;
     zo.stage = 0;
@@ -242,7 +342,7 @@ TEST_CASE("checkpointed units give the same loss and gradients as stored activat
     zero.after_backward();
     zero.reduce_gradients();
     std::vector<torch::Tensor> g;
-    for (auto& s : zero.shards()) g.push_back(s.grad.clone());
+    for (auto& s : zero.shards()) g.push_back(s.scaled_grad());
     return std::make_pair(out.loss.item<double>(), g);
   };
   auto [loss_a, grads_a] = grads_with(false);
@@ -250,6 +350,45 @@ TEST_CASE("checkpointed units give the same loss and gradients as stored activat
   CHECK(loss_a == loss_b);
   REQUIRE(grads_a.size() == grads_b.size());
   for (size_t i = 0; i < grads_a.size(); ++i) CHECK(torch::allclose(grads_a[i], grads_b[i], 1e-5, 1e-7));
+}
+
+TEST_CASE("a deferred model built unit by unit has the eager model's weights on any layout", "[engine][init]") {
+  // The same seed gives the same weights: eager (whole model in fp32), and deferred (parameters
+  // without values, each unit built by ZeRO) at stages 0-3 on 1-3 ranks; each rank holds its shards.
+  ModelSpec m = tiny_moe_decoder(4);
+  auto eager = build_model(m, 16, {42});
+  std::vector<torch::Tensor> flat_units;
+  for (auto& unit : eager->parameter_units()) {
+    std::vector<torch::Tensor> parts;
+    for (auto& p : unit.params) parts.push_back(p.detach().flatten());
+    flat_units.push_back(torch::cat(parts));
+  }
+  CHECK(build_model(m, 16, {42, true})->deferred());
+  CHECK_FALSE(torch::equal(flat_units[1], [&] {  // another seed, other weights
+    auto other = build_model(m, 16, {43});
+    auto units = other->parameter_units();
+    std::vector<torch::Tensor> parts;
+    for (auto& p : units[1].params) parts.push_back(p.detach().flatten());
+    return torch::cat(parts);
+  }()));
+  for (int world : {1, 2, 3})
+    for (int stage : {0, 1, 3}) {
+      INFO("world " << world << ", stage " << stage);
+      CHECK(in_processes(world, [&](int rank, Communicator& comm) {
+        auto deferred = build_model(m, 16, {42, true});
+        ZeroOptions zo;
+        zo.stage = stage;
+        zo.dtype = DType::Bf16;
+        ZeroDataParallel zero(*deferred, comm, zo);
+        bool same = true;
+        for (size_t k = 0; k < zero.unit_count(); ++k) {
+          const torch::Tensor& master = zero.shards()[k].master;
+          const int64_t begin = zero.master_begin(k), count = std::min<int64_t>(master.numel(), zero.unit_numel(k) - begin);
+          if (count > 0) same &= torch::equal(master.narrow(0, 0, count), flat_units[k].narrow(0, begin, count));
+        }
+        return same;
+      }));
+    }
 }
 
 TEST_CASE("gradient reductions start during backward, as soon as a unit's gradients are complete", "[engine][overlap]") {
@@ -262,7 +401,7 @@ TEST_CASE("gradient reductions start during backward, as soon as a unit's gradie
       for (int stage : {0, 1, 2, 3}) {
         ModelSpec m = moe ? tiny_moe_decoder(4) : tiny_decoder();
         torch::manual_seed(21);
-        auto model = build_model(m, 16);
+        auto model = build_model(m, 16, {21});
         ZeroOptions zo;
         zo.stage = stage;
         ZeroDataParallel zero(*model, comm, zo);
@@ -307,7 +446,7 @@ TEST_CASE("global-norm clipping sees every shard", "[engine][clip]") {
   CHECK(in_processes(2, [](int rank, Communicator& comm) {
     ModelSpec m = tiny_decoder();
     torch::manual_seed(7);
-    auto model = build_model(m, 16);
+    auto model = build_model(m, 16, {7});
     ZeroOptions zo;
     zo.stage = 2;
     ZeroDataParallel zero(*model, comm, zo);
@@ -390,7 +529,7 @@ TEST_CASE("ResNet-18 trains a step on synthetic images and counts correct predic
   DataOptions data;
   auto set = open_dataset(data, m, 0, 1);
   torch::manual_seed(1);
-  auto model = build_model(m, 0);
+  auto model = build_model(m, 0, {1});
   UnitRunner plain;
   ModelOutput out = model->forward(set->train_batch(0, 8), plain);
   CHECK(std::isfinite(out.task_loss));
@@ -411,7 +550,7 @@ TEST_CASE("CUDA: ZeRO-0 and ZeRO-3 on one GPU give the CPU's loss and gradients"
   Batch batch = token_batch(2, 16, m.vocab, 9);
   auto run_on = [&](torch::Device device, int stage) {
     torch::manual_seed(10);
-    auto model = build_model(m, 16);
+    auto model = build_model(m, 16, {10});
     model->module().to(device);
     auto comm = single_process_communicator();
     ZeroOptions zo;
@@ -526,9 +665,9 @@ TEST_CASE("weights written under Hugging Face names load back into the model exa
   ModelSpec m = tiny_moe_decoder(4);
   m.kv_heads = m.heads / 2;
   torch::manual_seed(11);
-  auto source = build_model(m, 16);
+  auto source = build_model(m, 16, {11});
   torch::manual_seed(12);
-  auto target = build_model(m, 16);
+  auto target = build_model(m, 16, {12});
 
   // Source's parameters as Hugging Face tensors (fused q/k/v and gate/up split by rows).
   std::vector<torch::Tensor> keep;
@@ -548,7 +687,7 @@ TEST_CASE("weights written under Hugging Face names load back into the model exa
   ModelSpec other = m;
   other.hidden = m.hidden * 2;
   torch::manual_seed(13);
-  auto wrong = build_model(other, 16);
+  auto wrong = build_model(other, 16, {13});
   try {
     load_pretrained_weights(*wrong, other, dir.path());
     FAIL("a model of another width accepted the weights");

@@ -14,10 +14,26 @@ namespace {
 using torch::Tensor;
 namespace nn = torch::nn;
 
-nn::Linear linear(int64_t in, int64_t out) { return nn::Linear(nn::LinearOptions(in, out).bias(false)); }
+// Parameters are created uninitialised: torch::empty reserves address space and writes nothing, so
+// a deferred model's pages are never touched (no resident memory) until ZeRO replaces each
+// parameter's storage with its flat buffers; the values come from initialize_parameter. (libtorch
+// 1.13 cannot set_data a meta tensor to a real one, or the meta device would do.)
+struct LinearImpl : nn::Module {
+  LinearImpl(int64_t in, int64_t out, const torch::TensorOptions& o) { weight = register_parameter("weight", torch::empty({out, in}, o)); }
+  Tensor forward(const Tensor& x) { return torch::linear(x, weight); }
+  Tensor weight;
+};
+TORCH_MODULE(Linear);
+
+struct EmbeddingImpl : nn::Module {
+  EmbeddingImpl(int64_t vocab, int64_t dim, const torch::TensorOptions& o) { weight = register_parameter("weight", torch::empty({vocab, dim}, o)); }
+  Tensor forward(const Tensor& ids) { return torch::embedding(weight, ids); }
+  Tensor weight;
+};
+TORCH_MODULE(Embedding);
 
 struct RMSNormImpl : nn::Module {
-  RMSNormImpl(int64_t dim, double eps) : eps(eps) { weight = register_parameter("weight", torch::ones({dim})); }
+  RMSNormImpl(int64_t dim, double eps, const torch::TensorOptions& o) : eps(eps) { weight = register_parameter("weight", torch::empty({dim}, o)); }
   Tensor forward(const Tensor& x) { return fused::rms_norm(x, weight, eps); }  // mean of squares in fp32
   Tensor weight;
   double eps;
@@ -49,9 +65,9 @@ struct Rotary {
 // q, k and v come from one fused projection (one matmul instead of three; the same parameters
 // as separate wq, wk, wv stacked by rows).
 struct AttentionImpl : nn::Module {
-  AttentionImpl(const ModelSpec& m) : heads(m.heads), kv_heads(m.kv_heads), head_dim(m.head_dim()) {
-    wqkv = register_module("wqkv", linear(m.hidden, (heads + 2 * kv_heads) * head_dim));
-    wo = register_module("wo", linear(m.hidden, m.hidden));
+  AttentionImpl(const ModelSpec& m, const torch::TensorOptions& o) : heads(m.heads), kv_heads(m.kv_heads), head_dim(m.head_dim()) {
+    wqkv = register_module("wqkv", Linear(m.hidden, (heads + 2 * kv_heads) * head_dim, o));
+    wo = register_module("wo", Linear(m.hidden, m.hidden, o));
   }
   Tensor forward(const Tensor& x, const Rotary& rope) {
     const int64_t b = x.size(0), s = x.size(1);
@@ -69,32 +85,32 @@ struct AttentionImpl : nn::Module {
     return wo(out.transpose(1, 2).reshape({b, s, heads * head_dim}));
   }
   int64_t heads, kv_heads, head_dim;
-  nn::Linear wqkv{nullptr}, wo{nullptr};
+  Linear wqkv{nullptr}, wo{nullptr};
 };
 TORCH_MODULE(Attention);
 
 // down(silu(gate(x)) * up(x)), with gate and up fused into one projection of 2 x inner rows.
 struct SwiGLUImpl : nn::Module {
-  SwiGLUImpl(int64_t hidden, int64_t inner) : inner(inner) {
-    gate_up = register_module("gate_up", linear(hidden, 2 * inner));
-    down = register_module("down", linear(inner, hidden));
+  SwiGLUImpl(int64_t hidden, int64_t inner, const torch::TensorOptions& o) : inner(inner) {
+    gate_up = register_module("gate_up", Linear(hidden, 2 * inner, o));
+    down = register_module("down", Linear(inner, hidden, o));
   }
   Tensor forward(const Tensor& x) {
     return down(fused::swiglu(gate_up(x)));
   }
   int64_t inner;
-  nn::Linear gate_up{nullptr}, down{nullptr};
+  Linear gate_up{nullptr}, down{nullptr};
 };
 TORCH_MODULE(SwiGLU);
 
 // DeepSeek-MoE: every token goes through the shared experts and through its top-k routed experts,
 // weighted by the router's softmax scores (not renormalised, as in DeepSeek-MoE 16B).
 struct MoEImpl : nn::Module {
-  MoEImpl(const ModelSpec& m) : top_k(m.moe.top_k), experts_count(m.moe.routed_experts), aux_weight(m.moe.aux_loss_weight) {
-    router = register_module("router", linear(m.hidden, experts_count));
-    for (int e = 0; e < experts_count; ++e) experts.push_back(register_module("expert" + std::to_string(e), SwiGLU(m.hidden, m.moe.intermediate)));
+  MoEImpl(const ModelSpec& m, const torch::TensorOptions& o) : top_k(m.moe.top_k), experts_count(m.moe.routed_experts), aux_weight(m.moe.aux_loss_weight) {
+    router = register_module("router", Linear(m.hidden, experts_count, o));
+    for (int e = 0; e < experts_count; ++e) experts.push_back(register_module("expert" + std::to_string(e), SwiGLU(m.hidden, m.moe.intermediate, o)));
     if (m.moe.shared_experts > 0)  // S shared experts of size fe act like one SwiGLU of size S·fe
-      shared = register_module("shared", SwiGLU(m.hidden, m.moe.shared_experts * m.moe.intermediate));
+      shared = register_module("shared", SwiGLU(m.hidden, m.moe.shared_experts * m.moe.intermediate, o));
   }
   Tensor forward(const Tensor& x, Tensor& aux_loss) {
     const auto shape = x.sizes().vec();
@@ -121,19 +137,19 @@ struct MoEImpl : nn::Module {
   }
   int top_k, experts_count;
   double aux_weight;
-  nn::Linear router{nullptr};
+  Linear router{nullptr};
   std::vector<SwiGLU> experts;
   SwiGLU shared{nullptr};
 };
 TORCH_MODULE(MoE);
 
 struct BlockImpl : nn::Module {
-  BlockImpl(const ModelSpec& m, bool moe) {
-    attn_norm = register_module("attn_norm", RMSNorm(m.hidden, m.norm_eps));
-    attn = register_module("attn", Attention(m));
-    mlp_norm = register_module("mlp_norm", RMSNorm(m.hidden, m.norm_eps));
-    if (moe) this->moe = register_module("moe", MoE(m));
-    else mlp = register_module("mlp", SwiGLU(m.hidden, m.intermediate));
+  BlockImpl(const ModelSpec& m, bool moe, const torch::TensorOptions& o) {
+    attn_norm = register_module("attn_norm", RMSNorm(m.hidden, m.norm_eps, o));
+    attn = register_module("attn", Attention(m, o));
+    mlp_norm = register_module("mlp_norm", RMSNorm(m.hidden, m.norm_eps, o));
+    if (moe) this->moe = register_module("moe", MoE(m, o));
+    else mlp = register_module("mlp", SwiGLU(m.hidden, m.intermediate, o));
   }
   Tensor forward(const Tensor& x, const Rotary& rope, Tensor& aux_loss) {
     Tensor h = x + attn(attn_norm(x), rope);
@@ -147,47 +163,81 @@ struct BlockImpl : nn::Module {
 TORCH_MODULE(Block);
 
 struct DecoderModule : nn::Module {
-  DecoderModule(const ModelSpec& m) {
-    embedding = register_module("embedding", nn::Embedding(m.vocab, m.hidden));
+  DecoderModule(const ModelSpec& m, const torch::TensorOptions& o) {
+    embedding = register_module("embedding", Embedding(m.vocab, m.hidden, o));
     for (int i = 0; i < m.layers; ++i) {
       bool moe = m.moe.enabled() && i >= m.moe.first_dense_layers;
-      blocks.push_back(register_module("block" + std::to_string(i), Block(m, moe)));
+      blocks.push_back(register_module("block" + std::to_string(i), Block(m, moe, o)));
     }
-    norm = register_module("norm", RMSNorm(m.hidden, m.norm_eps));
-    if (!m.tie_embeddings) head = register_module("head", linear(m.hidden, m.vocab));
+    norm = register_module("norm", RMSNorm(m.hidden, m.norm_eps, o));
+    if (!m.tie_embeddings) head = register_module("head", Linear(m.hidden, m.vocab, o));
   }
-  nn::Embedding embedding{nullptr};
+  Embedding embedding{nullptr};
   std::vector<Block> blocks;
   RMSNorm norm{nullptr};
-  nn::Linear head{nullptr};
+  Linear head{nullptr};
 };
 
-std::vector<torch::Tensor> params_of(nn::Module& m) { return m.parameters(); }
+// A module's parameters and their names in the whole model ("block3.attn.wqkv.weight").
+struct Named {
+  std::vector<Tensor> params;
+  std::vector<std::string> names;
+};
+Named params_of(nn::Module& m, const std::string& prefix) {
+  Named out;
+  for (auto& p : m.named_parameters()) {
+    out.params.push_back(p.value());
+    out.names.push_back(prefix + "." + p.key());
+  }
+  return out;
+}
 
 class DeepSeekModel final : public Model {
  public:
-  DeepSeekModel(const ModelSpec& spec, int64_t seq_len)
-      : spec_(spec), net_(std::make_shared<DecoderModule>(spec)), rope_(spec.head_dim(), std::max(seq_len, spec.max_seq_len), spec.rope_theta) {
+  DeepSeekModel(const ModelSpec& spec, int64_t seq_len, bool deferred, uint64_t seed)
+      : spec_(spec), seed_(seed),
+        net_(std::make_shared<DecoderModule>(spec, torch::TensorOptions().dtype(torch::kFloat32))), rope_(spec.head_dim(), std::max(seq_len, spec.max_seq_len), spec.rope_theta),
+        deferred_(deferred) {
+    if (deferred) return;
     torch::NoGradGuard no_grad;
-    for (auto& p : net_->named_parameters()) {
-      if (p.key().find("norm") != std::string::npos) continue;  // RMSNorm weights stay 1
-      p.value().normal_(0.0, spec.init_std);
+    for (auto& p : net_->named_parameters()) initialize_parameter(p.key(), p.value());
+  }
+
+  // Norm weights are 1; every other weight is N(0, init_std²) from a generator of its own, seeded
+  // by the run's seed and the parameter's name: the same values whatever the layout, the rank, or
+  // the order in which units are built.
+  void initialize_parameter(const std::string& name, Tensor& values) const override {
+    torch::NoGradGuard no_grad;
+    if (name.find("norm") != std::string::npos) {
+      values.fill_(1.0);
+      return;
     }
+    uint64_t h = 1469598103934665603ULL;  // FNV-1a of the name, mixed with the seed
+    for (unsigned char c : name) h = (h ^ c) * 1099511628211ULL;
+    torch::Generator gen = at::detail::createCPUGenerator(h ^ (seed_ * 0x9E3779B97F4A7C15ULL));
+    values.normal_(0.0, spec_.init_std, gen);
   }
 
   std::vector<ParameterUnit> parameter_units() override {
     std::vector<ParameterUnit> units;
-    if (spec_.tie_embeddings) {
-      // The embedding is also the output projection: one outer unit holds it and the final norm.
-      units.push_back({"embedding+head", concat(params_of(*net_->embedding), params_of(*net_->norm)), false});
-    } else {
-      units.push_back({"embedding", params_of(*net_->embedding), false});
-    }
+    auto unit = [&](const std::string& name, std::vector<Named> parts, bool checkpointable, bool always = true) {
+      ParameterUnit u{name, {}, checkpointable, always, {}};
+      for (auto& part : parts) {
+        u.params.insert(u.params.end(), part.params.begin(), part.params.end());
+        u.names.insert(u.names.end(), part.names.begin(), part.names.end());
+      }
+      units.push_back(std::move(u));
+    };
+    // Tied: the embedding is also the output projection; one outer unit holds it and the final norm.
+    unit(spec_.tie_embeddings ? "embedding+head" : "embedding",
+         spec_.tie_embeddings ? std::vector<Named>{params_of(*net_->embedding, "embedding"), params_of(*net_->norm, "norm")}
+                              : std::vector<Named>{params_of(*net_->embedding, "embedding")},
+         false);
     for (size_t i = 0; i < net_->blocks.size(); ++i) {
       const bool moe = static_cast<bool>(net_->blocks[i]->moe);  // an expert no token chose gets no gradient
-      units.push_back({"block " + std::to_string(i), params_of(*net_->blocks[i]), true, !moe});
+      unit("block " + std::to_string(i), {params_of(*net_->blocks[i], "block" + std::to_string(i))}, true, !moe);
     }
-    if (!spec_.tie_embeddings) units.push_back({"head", concat(params_of(*net_->norm), params_of(*net_->head)), false});
+    if (!spec_.tie_embeddings) unit("head", {params_of(*net_->norm, "norm"), params_of(*net_->head, "head")}, false);
     return units;
   }
 
@@ -231,24 +281,26 @@ class DeepSeekModel final : public Model {
   }
 
   nn::Module& module() override { return *net_; }
+  bool deferred() const override { return deferred_; }
 
  private:
-  static std::vector<Tensor> concat(std::vector<Tensor> a, const std::vector<Tensor>& b) {
-    a.insert(a.end(), b.begin(), b.end());
-    return a;
-  }
   ModelSpec spec_;
+  uint64_t seed_;
   std::shared_ptr<DecoderModule> net_;
   Rotary rope_;
+  bool deferred_;
 };
 
 }  // namespace
 
 std::unique_ptr<Model> build_resnet(const ResNetSpec& spec);  // resnet.cpp
 
-std::unique_ptr<Model> build_model(const ModelSpec& spec, int64_t seq_len) {
-  if (spec.arch == ModelArch::ResNet) return build_resnet(spec.resnet);
-  return std::make_unique<DeepSeekModel>(spec, seq_len);
+std::unique_ptr<Model> build_model(const ModelSpec& spec, int64_t seq_len, const ModelBuild& build) {
+  if (spec.arch == ModelArch::ResNet) {
+    torch::manual_seed(build.seed);
+    return build_resnet(spec.resnet);
+  }
+  return std::make_unique<DeepSeekModel>(spec, seq_len, build.deferred, build.seed);
 }
 
 }  // namespace dsrun

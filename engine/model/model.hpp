@@ -3,6 +3,7 @@
 // nothing of ranks; parallelism reaches in only through the UnitRunner their forward calls.
 #pragma once
 
+#include "engine/common/error.hpp"
 #include "engine/recipe/recipe.hpp"
 
 #include <torch/torch.h>
@@ -34,6 +35,7 @@ struct ParameterUnit {
   // Every parameter gets a gradient in every backward (false for MoE blocks, whose experts may see
   // no token): only then may data parallelism reduce the unit as soon as autograd is done with it.
   bool always_gets_gradients = true;
+  std::vector<std::string> names;    // the parameters' names in the model, for initialize_parameter
 };
 
 struct Batch {
@@ -55,9 +57,23 @@ class Model {
   virtual std::vector<ParameterUnit> parameter_units() = 0;
   virtual ModelOutput forward(const Batch& batch, UnitRunner& runner) = 0;
   virtual torch::nn::Module& module() = 0;
+  // Deferred: the parameters have shapes but no values (never written, so no resident memory);
+  // ZeRO builds each unit from initialize_parameter.
+  virtual bool deferred() const { return false; }
+  // Writes parameter `name`'s initial values into `values` (fp32, on the CPU, its shape). Only
+  // models that can be built deferred need it.
+  virtual void initialize_parameter(const std::string& name, torch::Tensor& values) const {
+    DSRUN_ASSERT(false, "this model is never built deferred (" + name + ")");
+  }
 };
 
-// Builds the recipe's model in fp32 on the CPU, initialised from the current torch seed.
-std::unique_ptr<Model> build_model(const ModelSpec& spec, int64_t seq_len);
+struct ModelBuild {
+  uint64_t seed = 0;      // the run's seed: the initial weights are a function of it alone
+  bool deferred = false;  // parameters without values, materialised unit by unit by ZeRO
+};
+
+// Builds the recipe's model in fp32 on the CPU (DeepSeek deferred: no memory until ZeRO builds
+// each unit, so no rank ever holds the whole model in fp32). ResNet is always built whole.
+std::unique_ptr<Model> build_model(const ModelSpec& spec, int64_t seq_len, const ModelBuild& build);
 
 }  // namespace dsrun

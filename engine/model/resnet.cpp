@@ -86,9 +86,9 @@ class ResNetModel final : public Model {
     std::vector<ParameterUnit> units;
     std::vector<Tensor> stem = net_->stem_conv->parameters();
     for (auto& p : net_->stem_bn->parameters()) stem.push_back(p);
-    units.push_back({"stem", stem, false});
-    for (size_t i = 0; i < net_->blocks.size(); ++i) units.push_back({"block " + std::to_string(i), net_->blocks[i]->parameters(), true});
-    units.push_back({"head", net_->fc->parameters(), false});
+    units.push_back({"stem", stem, false, true, {}});
+    for (size_t i = 0; i < net_->blocks.size(); ++i) units.push_back({"block " + std::to_string(i), net_->blocks[i]->parameters(), true, true, {}});
+    units.push_back({"head", net_->fc->parameters(), false, true, {}});
     return units;
   }
 

@@ -101,7 +101,8 @@ ZeroDataParallel::ZeroDataParallel(Model& model, Communicator& comm, const ZeroO
   const bool mixed = compute != torch::kFloat32;
   torch::NoGradGuard no_grad;
   std::vector<ParameterUnit> model_units = model.parameter_units();
-  const torch::Device device = model_units.empty() || model_units[0].params.empty() ? torch::Device(torch::kCPU) : model_units[0].params[0].device();
+  const bool deferred = model.deferred();
+  const torch::Device device = deferred || model_units.empty() || model_units[0].params.empty() ? options.device : model_units[0].params[0].device();
   device_ = device;
   // ZeRO-Offload: fp32 master weights and optimizer states in host memory (pinned, for fast copies,
   // when there is a GPU). On CPU ranks host and device are one memory: the same code path runs,
@@ -130,7 +131,14 @@ ZeroDataParallel::ZeroDataParallel(Model& model, Communicator& comm, const ZeroO
     u->shard_begin = sharded ? comm.rank() * u->shard : 0;
 
     Tensor flat32 = torch::zeros({u->padded}, torch::TensorOptions().dtype(torch::kFloat32).device(device));
-    for (size_t i = 0; i < u->params.size(); ++i) flat32.narrow(0, u->offsets[i], u->numels[i]).copy_(u->params[i].detach().flatten());
+    for (size_t i = 0; i < u->params.size(); ++i) {
+      Tensor values = u->params[i].detach();
+      if (deferred) {  // this parameter's initial values, built now and dropped after the copy
+        values = torch::empty(u->shapes[i], torch::TensorOptions().dtype(torch::kFloat32));
+        model.initialize_parameter(pu.names.at(i), values);
+      }
+      flat32.narrow(0, u->offsets[i], u->numels[i]).copy_(values.flatten());
+    }
     Tensor region32 = flat32.narrow(0, u->shard_begin, u->shard);
 
     MasterShard m;
@@ -143,6 +151,11 @@ ZeroDataParallel::ZeroDataParallel(Model& model, Communicator& comm, const ZeroO
       m.master = mixed ? region32.clone() : u->param_shard;
     }
     if (offload_to_host_) m.master = host_copy(region32);
+    // The host step writes the working parameters itself where they are in host memory too.
+    if (m.master.device().is_cpu() && (mixed || offload_to_host_)) {
+      Tensor slot = options.stage == 3 ? u->param_shard : u->full.narrow(0, u->shard_begin, u->shard);
+      if (slot.device().is_cpu()) m.param_out = slot;
+    }
     u->grad_acc = torch::zeros({options.stage <= 1 ? u->padded : u->shard}, torch::TensorOptions().dtype(compute).device(device));
     for (size_t i = 0; i < u->params.size(); ++i) {
       if (u->shapes[i].size() < 2) continue;  // no weight decay on norms and biases
@@ -305,8 +318,15 @@ void ZeroDataParallel::reduce_gradients() {
   const double inv_world = 1.0 / comm_.world_size();
   for (size_t k = 0; k < units_.size(); ++k) {
     Unit& u = *units_[k];
+    MasterShard& m = shards_[k];
     Tensor reduced = options_.stage == 1 ? u.reduced : u.grad_acc;
-    shards_[k].grad = reduced.to(shards_[k].master.device(), torch::kFloat32).mul_(inv_world);
+    if (m.master.device().is_cpu()) {  // the fused host step reads it as it is
+      m.grad = reduced.to(torch::kCPU);
+      m.grad_scale = inv_world;
+      m.clip_scale = 1;
+    } else {
+      m.grad = reduced.to(m.master.device(), torch::kFloat32).mul_(inv_world);
+    }
     u.reduced = Tensor();
   }
   last_micro_batch_ = true;
@@ -314,7 +334,7 @@ void ZeroDataParallel::reduce_gradients() {
 
 double ZeroDataParallel::global_grad_norm() {
   torch::Tensor sum = torch::zeros({}, torch::kFloat64);
-  for (auto& s : shards_) sum += s.grad.pow(2).sum().to(torch::kCPU, torch::kFloat64);  // one sync at the end
+  for (auto& s : shards_) sum += s.scaled_grad().pow(2).sum().to(torch::kCPU, torch::kFloat64);  // one sync at the end
   double local = sum.item<double>();
   if (options_.stage >= 1) {  // shards are disjoint: sum over ranks
     Tensor t = torch::tensor({local}, torch::kFloat64);
@@ -325,7 +345,18 @@ double ZeroDataParallel::global_grad_norm() {
 }
 
 void ZeroDataParallel::scale_gradients(double factor) {
-  for (auto& s : shards_) s.grad.mul_(factor);
+  for (auto& s : shards_) {
+    if (s.master.device().is_cpu()) s.clip_scale *= factor;  // applied by the host step
+    else s.grad.mul_(factor);
+  }
+}
+
+// The same roundings as the fused host step: (g · grad_scale) · clip_scale, each in fp32.
+torch::Tensor MasterShard::scaled_grad() const {
+  Tensor g = grad.to(torch::kFloat32);
+  if (grad_scale != 1) g = g * grad_scale;
+  if (clip_scale != 1) g = g * clip_scale;
+  return g;
 }
 
 bool ZeroDataParallel::gradients_overflowed() {
@@ -340,7 +371,10 @@ std::vector<MasterShard>& ZeroDataParallel::shards() { return shards_; }
 
 void ZeroDataParallel::after_step() {
   publish_master();
-  for (auto& m : shards_) m.grad = Tensor();
+  for (auto& m : shards_) {
+    m.grad = Tensor();
+    m.grad_scale = m.clip_scale = 1;
+  }
   zero_gradients();
   live_fns_.clear();
 }
@@ -359,11 +393,13 @@ void ZeroDataParallel::publish_master() {
   for (size_t k = 0; k < units_.size(); ++k) {
     Unit& u = *units_[k];
     MasterShard& m = shards_[k];
+    const bool copy = copy_master && !m.params_written;  // the host step wrote them already
+    m.params_written = false;
     if (options_.stage == 3) {
-      if (copy_master) u.param_shard.copy_(m.master);
+      if (copy) u.param_shard.copy_(m.master);
     } else {
       Tensor mine = u.full.narrow(0, u.shard_begin, u.shard);
-      if (copy_master) mine.copy_(m.master);
+      if (copy) mine.copy_(m.master);
       if (options_.stage >= 1) comm_.all_gather(mine.clone(), u.full);
     }
   }

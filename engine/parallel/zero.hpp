@@ -1,4 +1,6 @@
 // Data parallelism with ZeRO stages 0-3 over flat per-unit buffers, applied to a Model from outside.
+// A deferred model (parameters without values) is materialised here unit by unit: a rank holds
+// one unit in fp32 at a time, then only what its stage keeps.
 // Stage 0 all-reduces gradients; 1 shards fp32 master weights and optimizer states; 2 also shards
 // gradients (reduce-scatter every micro-batch); 3 also shards parameters, gathered per unit.
 #pragma once
@@ -20,6 +22,7 @@ struct ZeroOptions {
   bool offload = false;                   // fp32 master weights and optimizer states on the host
   bool offload_params = false;            // stage 3: the parameter shards on the host too
   double bucket_bytes = 25e6;             // stage 0 all-reduce granularity
+  torch::Device device = torch::kCPU;     // where a deferred model's units are built (otherwise: its parameters' device)
 };
 
 // The torch dtype of a recipe dtype.
@@ -31,8 +34,19 @@ inline torch::ScalarType torch_dtype(DType d) {
 // and which elements get weight decay (matrices do; norms and biases do not).
 struct MasterShard {
   torch::Tensor master;  // fp32, updated in place by the optimizer
-  torch::Tensor grad;    // fp32, the averaged gradient for master
+  // The averaged gradient for master is grad · grad_scale · clip_scale. A master on the device
+  // gets grad in fp32 with the factors applied (both 1). A master in host memory (CPU ranks,
+  // offload) gets grad as reduced, in the working dtype, and the fused host step applies the
+  // factors as it reads it: no fp32 copy of the gradient is ever made.
+  torch::Tensor grad;
+  double grad_scale = 1, clip_scale = 1;
+  // Host masters whose working parameters are in host memory too: the host step writes them here
+  // (the rank's slice), and publish_master has nothing to copy. Undefined otherwise.
+  torch::Tensor param_out;
+  bool params_written = false;
   std::vector<std::pair<int64_t, int64_t>> decay_ranges;  // [begin, end) within master
+  // The gradient as fp32 with its factors applied (norms, overflow checks, tests).
+  torch::Tensor scaled_grad() const;
 };
 
 class ZeroDataParallel final : public UnitRunner {

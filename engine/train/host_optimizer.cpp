@@ -116,7 +116,7 @@ void host_optimizer_step(const HostChunk& c, const HostStep& st) {
   s.step_size = static_cast<float>(-st.lr / (1 - std::pow(st.beta1, static_cast<double>(st.t))));
   s.momentum = static_cast<float>(st.momentum);
   s.neg_lr = static_cast<float>(-st.lr);
-  const float scale = static_cast<float>(st.grad_scale), clip = static_cast<float>(st.clip_scale);
+  const float scale = static_cast<float>(c.grad_scale), clip = static_cast<float>(c.clip_scale);
   const bool adam = st.rule != HostRule::Sgd;
   const bool decay = c.decay && st.weight_decay > 0;
   alignas(64) float g[kBlock];

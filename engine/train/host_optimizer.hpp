@@ -24,6 +24,8 @@ struct HostChunk {
   HostDType grad_dtype = HostDType::F32;
   void* param_out = nullptr;   // the working parameters to write (n elements of param_dtype), or null
   HostDType param_dtype = HostDType::F32;
+  double grad_scale = 1;       // averaging over ranks (1/world), applied first
+  double clip_scale = 1;       // global-norm clipping (1: none), applied second
   int64_t n = 0;
   bool decay = false;          // weight decay applies here (matrices, not norms or biases)
 };
@@ -32,7 +34,7 @@ enum class HostRule { AdamW, Adam, Sgd };
 
 // The step's scalars. The arithmetic follows the plain expressions of ShardOptimizer as torch's
 // vectorised CPU kernels round them (one rounding per op; add-with-alpha and addcmul fused multiply-adds),
-// in fp32: g = g·grad_scale·clip_scale;
+// in fp32: g = (g·grad_scale)·clip_scale (the chunk's factors);
 // AdamW: p·(1-lr·wd), m = m·β1 + (1-β1)·g, v = v·β2 + (1-β2)·g·g, p += (-lr/(1-β1^t) · m) / (sqrt(v/(1-β2^t)) + ε);
 // Adam: g += wd·p first; SGD: g += wd·p, b = b·μ + g, g = nesterov ? g + μ·b : b, p += -lr·g.
 struct HostStep {
@@ -41,8 +43,6 @@ struct HostStep {
   double momentum = 0;
   bool nesterov = false;
   int64_t t = 1;            // Adam's step count, from 1
-  double grad_scale = 1;    // averaging over ranks (1/world), applied first
-  double clip_scale = 1;    // global-norm clipping (1: none), applied second
 };
 
 void host_optimizer_step(const HostChunk& chunk, const HostStep& step);

@@ -7,6 +7,10 @@
 
 namespace dsrun {
 
+namespace {
+HostDType host_dtype(const torch::Tensor& t);
+}
+
 ShardOptimizer::ShardOptimizer(const OptimizerOptions& options, std::vector<MasterShard>& shards, int host_threads)
     : o_(options), shards_(shards), pool_(std::max(1, host_threads)) {
   for (auto& s : shards_) {
@@ -49,6 +53,17 @@ void ShardOptimizer::fused_adam_step(double lr) {
   }
 }
 
+namespace {
+HostDType host_dtype(const torch::Tensor& t) {
+  switch (t.scalar_type()) {
+    case torch::kFloat32: return HostDType::F32;
+    case torch::kBFloat16: return HostDType::BF16;
+    case torch::kFloat16: return HostDType::F16;
+    default: fail_at(__FILE__, __LINE__, std::string("no host step for ") + c10::toString(t.scalar_type()));
+  }
+}
+}  // namespace
+
 // Every shard cut into chunks of at most kHostChunk elements, split where weight decay starts or
 // ends; the pool runs them in any order (chunks are disjoint).
 void ShardOptimizer::host_step(double lr) {
@@ -66,14 +81,24 @@ void ShardOptimizer::host_step(double lr) {
   std::vector<HostChunk> chunks;
   for (size_t k = 0; k < shards_.size(); ++k) {
     MasterShard& s = shards_[k];
-    DSRUN_ASSERT(s.grad.scalar_type() == torch::kFloat32 && s.grad.is_contiguous() && s.master.is_contiguous(), "fp32 contiguous shard and gradient");
+    DSRUN_ASSERT(s.grad.device().is_cpu() && s.grad.is_contiguous() && s.master.is_contiguous(), "host gradient and shard, contiguous");
+    const HostDType grad_dtype = host_dtype(s.grad);
+    const auto* grad = static_cast<const char*>(s.grad.data_ptr());
+    auto* out = s.param_out.defined() ? static_cast<char*>(s.param_out.data_ptr()) : nullptr;
     auto add = [&](int64_t begin, int64_t end, bool decay) {
       for (int64_t at = begin; at < end; at += kHostChunk) {
         HostChunk c;
         c.master = s.master.data_ptr<float>() + at;
         c.m = m_[k].defined() ? m_[k].data_ptr<float>() + at : nullptr;
         c.v = v_[k].defined() ? v_[k].data_ptr<float>() + at : nullptr;
-        c.grad = s.grad.data_ptr<float>() + at;
+        c.grad = grad + at * s.grad.element_size();
+        c.grad_dtype = grad_dtype;
+        c.grad_scale = s.grad_scale;
+        c.clip_scale = s.clip_scale;
+        if (out) {
+          c.param_out = out + at * s.param_out.element_size();
+          c.param_dtype = host_dtype(s.param_out);
+        }
         c.n = std::min(kHostChunk, end - at);
         c.decay = decay;
         chunks.push_back(c);
@@ -88,6 +113,7 @@ void ShardOptimizer::host_step(double lr) {
     add(at, s.master.numel(), false);
   }
   pool_.run(static_cast<int64_t>(chunks.size()), [&](int64_t i) { host_optimizer_step(chunks[static_cast<size_t>(i)], st); });
+  for (auto& s : shards_) s.params_written = s.param_out.defined();
 }
 
 void ShardOptimizer::step(double lr) {

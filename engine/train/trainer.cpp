@@ -125,13 +125,17 @@ class Trainer {
     rv.timeout_s = r_.run.startup_timeout_s;
     comm_ = connect_communicator(rv);
 
-    torch::manual_seed(static_cast<uint64_t>(r_.run.seed));  // identical weights on every rank and world size
-    model_ = build_model(r_.model, r_.batch.seq_len);
+    // Identical weights on every rank and world size. A decoder is built deferred: ZeRO builds
+    // one unit at a time and keeps what this rank's stage holds (weights from a file load whole).
+    ModelBuild build;
+    build.seed = static_cast<uint64_t>(r_.run.seed);
+    build.deferred = r_.model.arch == ModelArch::DeepSeek && r_.model.init_from.empty();
+    model_ = build_model(r_.model, r_.batch.seq_len, build);
     if (!r_.model.init_from.empty()) {
       load_pretrained_weights(*model_, r_.model, r_.model.init_from);
       if (ctx_.rank == 0) report_.send({{"type", "event"}, {"kind", "init"}, {"message", "weights initialised from " + r_.model.init_from}});
     }
-    model_->module().to(device_);
+    if (!build.deferred) model_->module().to(device_);
     // Buffers (BatchNorm statistics) in the compute dtype; parameters are converted by ZeRO,
     // which keeps their fp32 initial values as the master copy.
     compute_dtype_ = torch_dtype(plan_.dtype);
@@ -148,6 +152,7 @@ class Trainer {
     zo.offload = plan_.offload != Offload::None;
     zo.offload_params = plan_.offload == Offload::OptimizerAndParams;
     zo.bucket_bytes = r_.parallel.bucket_bytes;
+    zo.device = device_;
     zero_ = std::make_unique<ZeroDataParallel>(*model_, *comm_, zo);
     optimizer_ = std::make_unique<ShardOptimizer>(r_.optimizer, zero_->shards());
     if (plan_.dtype == DType::Fp16) scaler_ = std::make_unique<DynamicLossScaler>(r_.precision.loss_scale);
