@@ -79,6 +79,60 @@ TEST_CASE("activation checkpointing recomputes exactly what it dropped", "[train
   check_same_trajectory(ref, train(dir, layout(3, 2) + " --set parallel.activation_checkpointing=full"), 1e-5);
 }
 
+TEST_CASE("an offloaded run follows the non-offloaded trajectory bitwise (fp32, ZeRO 1-3, 1-3 ranks)", "[training][offload]") {
+  // On CPU ranks host and device are one memory: offload keeps separate host copies of the master
+  // weights and states and takes the same fused host step, so the losses are the same bits.
+  dsrun::test::TempDir dir;
+  struct Case {
+    int stage, ranks;
+    const char* offload;
+  };
+  for (const Case& c : {Case{1, 1, "optimizer"}, Case{2, 2, "optimizer"}, Case{3, 3, "optimizer"}, Case{3, 2, "optimizer+params"}}) {
+    INFO("ZeRO-" << c.stage << " on " << c.ranks << " rank(s), offload " << c.offload);
+    const std::string common = layout(c.stage, c.ranks) + " --set run.steps=6";
+    Run plain = train(dir, common);
+    Run offloaded = train(dir, common + " --set parallel.offload=\\\"" + c.offload + "\\\"");
+    INFO(offloaded.text);
+    REQUIRE(plain.losses.size() == 6);
+    CHECK(offloaded.losses == plain.losses);
+  }
+}
+
+TEST_CASE("an offloaded CPU run's peak resident memory is within 10% of the plan's host term", "[training][offload][memory]") {
+  // A 27 M-parameter decoder, so that model states (not the process's libraries) are most of it.
+  dsrun::test::TempDir dir;
+  const std::string model = " --set run.steps=3 --set model.hidden=512 --set model.layers=8 --set model.heads=8 --set model.kv_heads=8 --set model.intermediate=1536";
+  for (const std::string& layout_sets : {layout(2, 2) + " --set parallel.offload=\\\"optimizer\\\"", layout(1, 3) + " --set parallel.offload=\\\"optimizer\\\""}) {
+    Run run = train(dir, layout_sets + model);
+    INFO(run.text);
+    REQUIRE(run.code == 0);
+    dsrun::Store store(dir.file("runs.db"));
+    auto latest = store.latest_metrics(run.id);
+    for (int rank = 0; rank < (contains(layout_sets, "data_parallel=3") ? 3 : 2); ++rank) {
+      const std::string prefix = "memory/rank" + std::to_string(rank) + "/";
+      REQUIRE(latest.count(prefix + "peak_rss_bytes"));
+      const double measured = latest[prefix + "peak_rss_bytes"].value, planned = latest[prefix + "predicted_host_bytes"].value;
+      INFO(layout_sets << " rank " << rank << ": peak RSS " << measured / 1048576 << " MiB, plan " << planned / 1048576 << " MiB");
+      CHECK(std::fabs(measured - planned) <= 0.10 * planned);
+      CHECK(latest[prefix + "model_state_bytes"].value == Approx(latest[prefix + "predicted_model_state_bytes"].value).epsilon(0.001));  // padding per unit
+    }
+  }
+}
+
+TEST_CASE("a recipe whose host memory does not fit is refused before launch, naming the key", "[training][offload]") {
+  dsrun::test::TempDir dir;
+  Run run = train(dir, layout(2, 2) + " --set parallel.offload=\\\"optimizer\\\" --set hardware.memory_gib=8 --set hardware.host_memory_gib=0.5");
+  INFO(run.text);
+  CHECK(run.code == 2);
+  CHECK(contains(run.text, "host memory does not fit (hardware.host_memory_gib)"));
+  CHECK(run.losses.empty());
+  auto plan = dsrun::test::run_command("cd '" + dsrun::test::source_dir() + "' && '" DSRUN_BINARY "' plan recipes/rtx4090x3_deepseek7b.toml --set hardware.host_memory_gib=64");
+  INFO(plan.text);
+  CHECK(plan.code == 2);
+  CHECK(contains(plan.text, "host memory does not fit (hardware.host_memory_gib)"));
+  CHECK(contains(plan.text, "3 rank(s) x"));
+}
+
 TEST_CASE("the same seed gives bitwise-identical losses on rerun", "[training]") {
   dsrun::test::TempDir dir;
   Run first = train(dir, layout(2, 2) + " --set run.steps=8");

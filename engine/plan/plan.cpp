@@ -1,6 +1,7 @@
 #include "engine/plan/plan.hpp"
 
 #include "engine/common/error.hpp"
+#include "engine/common/files.hpp"
 #include "engine/common/text.hpp"
 
 #include <algorithm>
@@ -24,10 +25,10 @@ ModelStateBytes plan_model_states_per_rank(const ModelStateOptions& o) {
   b.master = (o.zero_stage >= 1 ? shard : psi) * master_per_param;
   b.optimizer = (o.zero_stage >= 1 ? shard : psi) * optimizer_per_param;
   if (o.offload != Offload::None) {
-    // ZeRO-Offload: master weights and optimizer states live on the host, with an fp32 copy of
-    // the gradient shard for the host-side step.
-    // fp32 training has no separate master copy on the device, but the host step needs the weights.
-    b.host = b.master + b.optimizer + shard * 4 + (mixed ? 0 : shard * 4);
+    // ZeRO-Offload: master weights and optimizer states live on the host, with the gradient shard
+    // in the working dtype that the fused host step reads. fp32 training has no separate master
+    // copy on the device, but the host step needs the weights.
+    b.host = b.master + b.optimizer + (o.same_memory ? 0 : shard * e) + (mixed ? 0 : shard * 4);
     b.master = b.optimizer = 0;
   }
   if (o.offload == Offload::OptimizerAndParams) {
@@ -47,9 +48,36 @@ struct Layout {
 
 struct Evaluation {
   MemoryBreakdown memory;
+  HostMemory host;         // per rank
   double host_needed = 0;  // per node
   bool fits = false;
 };
+
+// Bytes of the data set as the ranks load it today (int64 tokens, or fp32 images), at the peak of
+// loading: the whole stream twice. Reads the data files' sizes (docs/plan.md).
+double data_bytes(const Recipe& r, int64_t seq_len) {
+  const DataOptions& d = r.data;
+  if (r.model.arch == ModelArch::ResNet) {
+    const ResNetSpec& n = r.model.resnet;
+    const double images = d.kind == DataKind::Cifar10 ? 60000 : 2048 + 256;
+    return images * n.channels * n.image_size * n.image_size * 4 * 2;
+  }
+  double tokens = 0;
+  if (d.kind == DataKind::Synthetic) {
+    tokens = static_cast<double>(std::max<int64_t>(1 << 20, 64 * (seq_len + 1)));
+  } else {
+    std::vector<std::string> files;
+    if (is_directory(d.path))
+      for (const auto& name : list_directory(d.path)) files.push_back(path_join(d.path, name));
+    else
+      files.push_back(d.path);
+    for (const auto& f : files) {
+      const double bytes = static_cast<double>(std::max<int64_t>(0, file_size(f)));
+      tokens += d.kind == DataKind::Text ? bytes : std::max(0.0, bytes - 32) / 2;  // token shards: 2 or 4 bytes a token, 2 at most
+    }
+  }
+  return tokens * 16;
+}
 
 class Planner {
  public:
@@ -60,6 +88,7 @@ class Planner {
     kernel_ = hw.device == Device::Cuda ? AttentionKernel::Flash : AttentionKernel::Math;
     cost_ = model_cost(r.model, r.batch.seq_len, r.precision.dtype, kernel_, /*fused_elementwise=*/hw.device == Device::Cuda);
     capacity_ = hw.ranks_share_memory() ? hw.memory_bytes / ranks_per_node_ : hw.memory_bytes;
+    data_bytes_ = data_bytes(r, r.batch.seq_len);
   }
 
   Evaluation evaluate(const Layout& l) const {
@@ -73,6 +102,7 @@ class Planner {
     o.optimizer = r_.optimizer.kind;
     o.momentum = r_.optimizer.momentum;
     o.offload = r_.parallel.offload;
+    o.same_memory = hw.ranks_share_memory();
     MemoryBreakdown& m = ev.memory;
     m.states = plan_model_states_per_rank(o);
     m.activations = l.micro * (l.checkpointing ? cost_.checkpointed_activation_bytes_per_sample : cost_.activation_bytes_per_sample);
@@ -84,20 +114,41 @@ class Planner {
     if (l.stage == 3 && dp_ > 1) {
       // The layer being computed, the prefetched next one, and one layer's full gradient before reduce-scatter.
       m.comm_buffers = 3 * e * cost_.largest_unit_params;
+      // Without recomputation autograd keeps every layer's gathered weights (matmuls save them for
+      // backward) until that layer's backward has run: the whole model, gathered, at the end of forward.
+      if (!l.checkpointing) m.comm_buffers += e * cost_.params;
     } else if (dp_ > 1) {
       m.comm_buffers = 2 * std::min(r_.parallel.bucket_bytes, cost_.params * e);  // bucket being reduced + the next
     }
     m.runtime = hw.runtime_memory_bytes;
     m.fragmentation = hw.fragmentation * (m.states.device_total() + m.activations + m.backward_peak + m.comm_buffers);
     double on_device = m.total();
-    if (hw.ranks_share_memory()) {
-      on_device += m.states.host;  // "host" and "device" are the same memory on CPU ranks
-      ev.host_needed = 0;
-    } else {
-      ev.host_needed = m.states.host * ranks_per_node_;
-    }
+    if (hw.ranks_share_memory()) on_device += m.states.host;  // "host" and "device" are the same memory on CPU ranks
+    ev.host = host_memory(m);
+    ev.host_needed = ev.host.total() * ranks_per_node_;
     ev.fits = on_device <= capacity_ && ev.host_needed <= hw.host_memory_bytes;
     return ev;
+  }
+
+  // Every host byte a rank holds (docs/plan.md): its process, offloaded states, the model build's
+  // transient, the data; on CPU ranks the device terms too. The build runs before training: on
+  // CPU ranks only what it needs beyond training's transients adds to the peak.
+  HostMemory host_memory(const MemoryBreakdown& m) const {
+    const HardwareSpec& hw = r_.hardware;
+    HostMemory h;
+    h.offloaded = m.states.host;
+    h.data = data_bytes_;
+    // A decoder is built deferred, one unit at a time; a ResNet or weights from a file, whole.
+    const bool deferred = r_.model.arch == ModelArch::DeepSeek && r_.model.init_from.empty();
+    const double build = 4 * (deferred ? cost_.largest_unit_params : cost_.params);
+    if (hw.ranks_share_memory()) {
+      h.device = m.total();
+      h.model_build = std::max(0.0, build - (m.activations + m.backward_peak + m.comm_buffers));
+    } else {
+      h.process = hw.host_runtime_memory_bytes;
+      h.model_build = build;
+    }
+    return h;
   }
 
   double rank_total(const Evaluation& ev) const {
@@ -248,6 +299,7 @@ class Planner {
     DSRUN_ASSERT(p.accumulation * chosen.micro * dp_ == r_.batch.global, "batch divisibility was validated");
     p.tokens_per_step = static_cast<double>(r_.batch.global) * cost_.tokens_per_sample;
     p.memory = ev.memory;
+    p.host = ev.host;
     p.host_memory_needed = ev.host_needed;
     p.fits = ev.fits;
 
@@ -258,9 +310,10 @@ class Planner {
     else
       p.verdict.push_back("does not fit: needs " + format_bytes(total) + " per rank, " + format_bytes(capacity_) + " available (short by " +
                           format_bytes(total - capacity_) + ")");
-    if (ev.host_needed > 0)
-      p.verdict.push_back(std::string(ev.host_needed <= r_.hardware.host_memory_bytes ? "host memory for offload fits: " : "host memory for offload does not fit: ") +
-                          format_bytes(ev.host_needed) + " of " + format_bytes(r_.hardware.host_memory_bytes) + " per node");
+    if (r_.hardware.device == Device::Cuda || ev.host_needed > r_.hardware.host_memory_bytes)
+      p.verdict.push_back(std::string(ev.host_needed <= r_.hardware.host_memory_bytes ? "host memory fits: " : "host memory does not fit (hardware.host_memory_gib): ") +
+                          format_bytes(ev.host_needed) + " of " + format_bytes(r_.hardware.host_memory_bytes) + " per node (" +
+                          std::to_string(ranks_per_node_) + " rank(s) x " + format_bytes(ev.host.total()) + ")");
     if (!p.fits) suggest(p, chosen);
   }
 
@@ -455,6 +508,7 @@ class Planner {
 
   const Recipe& r_;
   HostFacts host_;
+  double data_bytes_ = 0;
   int dp_ = 1;
   int ranks_per_node_ = 1;
   AttentionKernel kernel_ = AttentionKernel::Flash;

@@ -26,6 +26,7 @@ struct ModelStateOptions {
   OptimizerKind optimizer = OptimizerKind::AdamW;
   double momentum = 0.9;  // SGD: 0 keeps no momentum buffer
   Offload offload = Offload::None;
+  bool same_memory = false;  // CPU ranks: the offloaded step reads the gradient where it is (no host copy)
 };
 ModelStateBytes plan_model_states_per_rank(const ModelStateOptions& o);
 
@@ -37,6 +38,17 @@ struct MemoryBreakdown {
   double runtime = 0;       // CUDA context, NCCL, libraries
   double fragmentation = 0; // allocator slack
   double total() const { return states.device_total() + activations + backward_peak + comm_buffers + runtime + fragmentation; }
+};
+
+// What one rank holds in host memory. On CPU ranks host and device are one memory: `device` is
+// then the whole MemoryBreakdown, and the process is its runtime term.
+struct HostMemory {
+  double process = 0;      // a GPU rank process itself (hardware.host_runtime_memory_gib)
+  double offloaded = 0;    // offloaded model states (MemoryBreakdown::states.host)
+  double model_build = 0;  // transient while ZeRO builds the model: one unit's fp32 initial values
+  double data = 0;         // the token stream, at the peak of loading (16 bytes per token)
+  double device = 0;       // CPU ranks: MemoryBreakdown::total(), less what the build overlaps
+  double total() const { return process + offloaded + model_build + data + device; }
 };
 
 struct CommTerm {
@@ -76,7 +88,8 @@ struct Plan {
   ModelCost cost;
   MemoryBreakdown memory;       // per rank, on the device
   double memory_capacity = 0;   // per rank
-  double host_memory_needed = 0;    // per node, for offload
+  HostMemory host;                  // per rank
+  double host_memory_needed = 0;    // per node: host.total() × ranks per node
   double host_memory_capacity = 0;  // per node
   bool fits = false;
 

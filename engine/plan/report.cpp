@@ -62,6 +62,19 @@ std::string render_plan(const Plan& p) {
   t.add({"total", format_bytes(total), "of " + format_bytes(p.memory_capacity)});
   out += t.render("  ");
 
+  section("host memory per rank");
+  const HostMemory& h = p.host;
+  TextTable ht({"component", "bytes", "how"});
+  if (h.process > 0) ht.add({"process", format_bytes(h.process), "libraries, the CUDA context's host side (hardware.host_runtime_memory_gib)"});
+  if (h.device > 0) ht.add({"device terms", format_bytes(h.device), "the memory table above: the same memory on CPU ranks"});
+  if (h.offloaded > 0) ht.add({"offloaded states", format_bytes(h.offloaded), "master weights, optimizer states, gradient shard" +
+                                                                                  std::string(p.offload == Offload::OptimizerAndParams ? ", parameter shard" : "")});
+  if (h.model_build > 0) ht.add({"model build", format_bytes(h.model_build), "one unit's fp32 initial values while it is built"});
+  ht.add({"data", format_bytes(h.data), "tokens as loaded (int64, twice at the peak)"});
+  ht.add({"total", format_bytes(h.total()), "x " + std::to_string(p.ranks_per_node) + " rank(s) = " + format_bytes(p.host_memory_needed) + " of " +
+                                                format_bytes(p.host_memory_capacity) + " per node"});
+  out += ht.render("  ");
+
   section(p.fits ? "verdict: FITS" : "verdict: DOES NOT FIT");
   for (const auto& v : p.verdict) line(v);
   for (const auto& s : p.suggestions) line("suggestion: " + s);
@@ -119,6 +132,8 @@ std::string plan_to_json(const Plan& p) {
                           {"optimizer", m.states.optimizer}, {"activations", m.activations}, {"backward_peak", m.backward_peak}, {"comm_buffers", m.comm_buffers},
                           {"runtime", m.runtime}, {"fragmentation", m.fragmentation}, {"offloaded_to_host", m.states.host},
                           {"total", m.total() + (p.device == Device::Cpu ? m.states.host : 0)}, {"capacity", p.memory_capacity}};
+  j["host_memory_per_rank"] = {{"process", p.host.process}, {"device", p.host.device}, {"offloaded", p.host.offloaded},
+                               {"model_build", p.host.model_build}, {"data", p.host.data}, {"total", p.host.total()}};
   j["host_memory_per_node"] = {{"needed", p.host_memory_needed}, {"capacity", p.host_memory_capacity}};
   j["fits"] = p.fits;
   j["verdict"] = p.verdict;

@@ -122,6 +122,7 @@ void build_hardware(Builder& c, Recipe& r, const HostFacts& host) {
   h.matmul_efficiency = c.f("hardware.matmul_efficiency");
   h.comm_efficiency = c.f("hardware.comm_efficiency");
   h.runtime_memory_bytes = c.f("hardware.runtime_memory_gib") * GiB;
+  h.host_runtime_memory_bytes = c.f("hardware.host_runtime_memory_gib") * GiB;
   h.fragmentation = c.f("hardware.fragmentation");
 
   if (h.nodes > 1 && h.inter_node_bandwidth <= 0)

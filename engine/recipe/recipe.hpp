@@ -43,6 +43,7 @@ struct HardwareSpec {
   double matmul_efficiency = 0.5;
   double comm_efficiency = 0.8;
   double runtime_memory_bytes = 0;
+  double host_runtime_memory_bytes = 0;  // a GPU rank process's own host memory
   double fragmentation = 0.05;
 
   int total_devices() const { return nodes * devices_per_node; }

@@ -436,7 +436,8 @@ class Trainer {
     const double measured = zero_->parameter_and_gradient_bytes() + zero_->master_bytes() + optimizer_->state_bytes();
     const double predicted = plan_.memory.states.device_total() + plan_.memory.states.host;
     nlohmann::json m = {{"type", "memory"}, {"model_state_bytes", measured}, {"predicted_model_state_bytes", predicted},
-                        {"peak_rss_bytes", peak_rss_bytes()}, {"predicted_total_bytes", plan_.memory.total()}};
+                        {"peak_rss_bytes", peak_rss_bytes()}, {"predicted_total_bytes", plan_.memory.total()},
+                        {"predicted_host_bytes", plan_.host.total()}};
 #ifdef DSRUN_WITH_CUDA
     if (device_.is_cuda()) {
       auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device_.index());
