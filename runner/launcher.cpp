@@ -266,6 +266,9 @@ class Supervisor {
           std::string why = "rank " + std::to_string(p.rank) + " " +
                             (p.exit_code > 128 ? "was killed by signal " + std::to_string(p.exit_code - 128) : "exited with code " + std::to_string(p.exit_code)) +
                             (p.error.empty() ? "" : ": " + p.error);
+          if (p.exit_code == 128 + SIGKILL && p.error.empty())  // what the kernel's out-of-memory killer sends
+            why += " (out of memory? the plan counts " + format_bytes(plan_.host.total()) + " of host memory per rank, " + format_bytes(plan_.host_memory_needed) +
+                   " per node: check hardware.host_memory_gib and parallel.offload against this machine)";
           return stop_all({RunStatus::Failed, why, p.rank, p.error.empty()}, 5.0);
         }
       bool all_done = true;
@@ -503,10 +506,24 @@ std::string checkpoint_root_of(const Recipe& recipe, const std::string& run_dir,
   return absolute(recipe.checkpoint.dir.empty() ? path_join(run_dir, "checkpoints") : path_join(recipe.checkpoint.dir, run_id));
 }
 
+// The plan fits the recipe's hardware; this node must also have that much host memory free now,
+// or the kernel would kill a rank mid-run with a bare SIGKILL.
+static void check_host_memory_available(const Plan& plan) {
+  const HostFacts host = read_host_facts();
+  if (host.available_bytes <= 0 || plan.host_memory_needed <= host.available_bytes) return;
+  ErrorContext c;
+  c.key = "hardware.host_memory_gib";
+  c.hint = "free host memory, run fewer ranks on this node, or lower what each holds (parallel.offload, parallel.zero_stage); `dsrun plan` shows the host table";
+  throw Error("the plan needs " + format_bytes(plan.host_memory_needed) + " of host memory on this node (" + std::to_string(plan.ranks_per_node) + " rank(s) x " +
+                  format_bytes(plan.host.total()) + "), but only " + format_bytes(host.available_bytes) + " is available now (MemAvailable)",
+              c);
+}
+
 RunStatus launch_run(const LoadedRecipe& loaded, const Plan& plan, Store& store, const std::string& run_id, const LaunchOptions& options) {
   // Whatever fails here, before the ranks start or after they end, ends the run `failed` with the
   // reason: a run is never left `running` without a launcher.
   try {
+    check_host_memory_available(plan);
     make_directories(options.run_dir);
     const std::string config_path = absolute(path_join(options.run_dir, "config.toml"));
     write_file_atomic(config_path, rank_config_toml(loaded, plan));

@@ -140,3 +140,17 @@ TEST_CASE("non-finite metrics from a hook are recorded as events, not dropped", 
   CHECK(inf_events == 3);
   CHECK(store.metric_history(run.id, "fine").size() == 3);
 }
+
+TEST_CASE("a run needing more host memory than the node has free fails before its ranks start, naming the key and the bytes", "[reliability][launcher]") {
+  TempDir dir;
+  // A 19 B-parameter decoder on hardware declared large enough: the plan fits, this machine does not.
+  Run run = train(dir, "--set run.steps=3 --set hardware.memory_gib=100000 --set hardware.host_memory_gib=100000 --set model.hidden=8192 "
+                       "--set model.layers=24 --set model.heads=64 --set model.kv_heads=64 --set model.intermediate=22016");
+  INFO(run.text);
+  CHECK(run.code == 1);
+  CHECK(contains(run.text, "hardware.host_memory_gib: the plan needs"));
+  CHECK(contains(run.text, "is available now (MemAvailable)"));
+  CHECK(run.seconds < 30);
+  REQUIRE(run.id.size() == 8);
+  CHECK(status_of(dir, run.id) == dsrun::RunStatus::Failed);
+}

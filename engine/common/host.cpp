@@ -41,10 +41,8 @@ HostFacts read_host_facts() {
   double kib = 0;
   std::string unit;
   while (meminfo >> key >> kib >> unit) {
-    if (key == "MemTotal:") {
-      h.memory_bytes = kib * 1024.0;
-      break;
-    }
+    if (key == "MemTotal:") h.memory_bytes = kib * 1024.0;
+    if (key == "MemAvailable:") h.available_bytes = kib * 1024.0;
   }
   h.cuda_devices = count_nvidia_gpus();
   char name[256] = {0};

@@ -10,6 +10,7 @@ namespace dsrun {
 struct HostFacts {
   int cpu_cores = 1;            // usable cores (sched affinity), not sockets × threads
   double memory_bytes = 0;      // MemTotal
+  double available_bytes = 0;   // MemAvailable when read: what a run can still take without swapping
   int cuda_devices = 0;         // NVIDIA GPUs visible to the driver (0 on a CPU machine)
   std::string hostname;
 };

@@ -109,7 +109,17 @@ ZeroDataParallel::ZeroDataParallel(Model& model, Communicator& comm, const ZeroO
   // with separate host copies, and nothing crosses a bus.
   offload_to_host_ = options.offload;
   auto host_copy = [&](const Tensor& t) {
-    Tensor h = torch::empty(t.sizes(), t.options().device(torch::kCPU).pinned_memory(device.is_cuda()));
+    Tensor h;
+    try {
+      h = torch::empty(t.sizes(), t.options().device(torch::kCPU).pinned_memory(device.is_cuda()));
+    } catch (const std::exception& e) {  // out of (pinnable) host memory: say which setting holds it
+      ErrorContext c;
+      c.key = "parallel.offload";
+      c.hint = "the plan's host table counts what offload holds; check hardware.host_memory_gib against this machine, or offload less";
+      throw Error("cannot allocate " + std::to_string(t.numel() * t.element_size()) + " bytes of " + (device.is_cuda() ? "pinned " : "") +
+                      "host memory for an offloaded shard: " + std::string(e.what()).substr(0, 200),
+                  c);
+    }
     return h.copy_(t);
   };
 
