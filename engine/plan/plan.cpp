@@ -462,8 +462,11 @@ class Planner {
     int states = r_.optimizer.kind == OptimizerKind::Sgd ? (r_.optimizer.momentum > 0 ? 1 : 0) : 2;
     double touched = 8 + 8.0 * states + e + (mixed ? e : 0);
     const double shard = p.zero_stage >= 1 ? std::ceil(cost_.params / dp_) : cost_.params;
-    const double bandwidth = p.offload != Offload::None && r_.hardware.device == Device::Cuda ? r_.hardware.host_memory_bandwidth
-                                                                                             : r_.hardware.memory_bandwidth;
+    // Offloaded, the step runs on the host, whose memory bandwidth the node's ranks share. The
+    // gradients come down, the step runs, the parameters go up, one after the other (the engine
+    // does not pipeline them yet: docs/plan.md).
+    const bool host_step = p.offload != Offload::None && r_.hardware.device == Device::Cuda;
+    const double bandwidth = host_step ? r_.hardware.host_memory_bandwidth / ranks_per_node_ : r_.hardware.memory_bandwidth;
     p.optimizer_seconds = shard * touched / bandwidth;
     p.step_seconds = p.compute_seconds + p.exposed_comm_seconds + p.optimizer_seconds + p.offload_seconds;
     p.tokens_per_second = p.tokens_per_step / p.step_seconds;

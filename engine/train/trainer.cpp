@@ -154,7 +154,10 @@ class Trainer {
     zo.bucket_bytes = r_.parallel.bucket_bytes;
     zo.device = device_;
     zero_ = std::make_unique<ZeroDataParallel>(*model_, *comm_, zo);
-    optimizer_ = std::make_unique<ShardOptimizer>(r_.optimizer, zero_->shards());
+    // The host step of offloaded GPU ranks gets this rank's share of the node's cores; CPU ranks
+    // compute on theirs, one thread each.
+    const int host_threads = device_.is_cuda() && plan_.offload != Offload::None ? std::max(1, read_host_facts().cpu_cores / std::max(1, ctx_.local_world)) : 1;
+    optimizer_ = std::make_unique<ShardOptimizer>(r_.optimizer, zero_->shards(), host_threads);
     if (plan_.dtype == DType::Fp16) scaler_ = std::make_unique<DynamicLossScaler>(r_.precision.loss_scale);
     data_ = open_dataset(r_.data, r_.model, r_.batch.seq_len, r_.run.seed);
     if (ctx_.rank == 0) report_.send({{"type", "event"}, {"kind", "data"}, {"message", data_->describe()}});
