@@ -38,6 +38,10 @@ for run_id, name, status, plan_json in runs:
         # The allocator never sees the runtime (CUDA context, NCCL): compare without it.
         total = plan["memory_per_rank"]["total"] - plan["memory_per_rank"]["runtime"]
         line += f" | peak allocated {peak / 2**30:.2f} GiB vs plan {total / 2**30:.2f} GiB ({100 * (peak / total - 1):+.1f}%)"
+    rss = latest(run_id, "memory/rank0/peak_rss_bytes")
+    host = latest(run_id, "memory/rank0/predicted_host_bytes")
+    if rss and host:
+        line += f" | host peak RSS {rss / 2**30:.2f} GiB vs plan {host / 2**30:.2f} GiB ({100 * (rss / host - 1):+.1f}%)"
     steps = series(run_id, "step_seconds")
     if len(steps) > 5:
         dt = sum(steps[5:]) / len(steps[5:])
