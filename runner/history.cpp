@@ -153,7 +153,7 @@ Better better_direction(const std::string& key) {
 
 // Plan numbers that are sizes in bytes (shown as KiB, MiB, GiB rather than 3.47158e+06).
 bool is_byte_quantity(const std::string& plan_key) {
-  return plan_key.rfind("memory_per_rank.", 0) == 0 || plan_key.rfind("host_memory_per_node.", 0) == 0 || plan_key.find("bytes") != std::string::npos;
+  return plan_key.rfind("memory_per_rank.", 0) == 0 || plan_key.rfind("host_memory_per_node.", 0) == 0 || plan_key.rfind("host_memory_per_rank.", 0) == 0 || plan_key.find("bytes") != std::string::npos;
 }
 
 double mean_after_first(const std::vector<MetricValue>& h) {

@@ -127,7 +127,10 @@ TEST_CASE("shards that do not divide are padded, and offload moves optimizer sta
   b = plan_model_states_per_rank(o);
   CHECK(b.master == 0);
   CHECK(b.optimizer == 0);
-  CHECK(b.host == Approx((12 + 4) * 1e9 / 4));  // master + Adam moments + fp32 gradient shard
+  CHECK(b.host == Approx((12 + 2 + 2) * 1e9 / 4));  // master + Adam moments + pinned bf16 gradient and upload buffers
+  o.same_memory = true;  // CPU ranks: the step reads the gradient where it is, writes the parameters in place
+  CHECK(plan_model_states_per_rank(o).host == Approx(12 * 1e9 / 4));
+  o.same_memory = false;
   o.zero_stage = 3;
   o.offload = Offload::OptimizerAndParams;
   b = plan_model_states_per_rank(o);

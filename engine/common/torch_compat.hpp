@@ -14,6 +14,10 @@
 
 namespace dsrun::compat {
 
+// Whether this libtorch's vectorised CPU optimizer expressions round exactly as the fused host step
+// (engine/train/host_optimizer.cpp): 1.13's do; 2.x's addcdiv rounds its quotient differently.
+constexpr bool kHostStepMatchesTorchBits = !DSRUN_TORCH_AT_LEAST(2, 0);
+
 // Causal attention over [batch, heads, seq, head_dim]. 2.x has a fused kernel (flash on CUDA);
 // 1.13 gets the plain softmax(QK^T/sqrt(d))V, which keeps the probabilities for backward.
 inline torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {

@@ -161,11 +161,14 @@ ZeroDataParallel::ZeroDataParallel(Model& model, Communicator& comm, const ZeroO
       m.master = mixed ? region32.clone() : u->param_shard;
     }
     if (offload_to_host_) m.master = host_copy(region32);
-    // The host step writes the working parameters itself where they are in host memory too.
+    // The host step writes the working parameters itself: into their slice where it is in host
+    // memory too, else into a pinned buffer that goes up in one copy. A GPU rank's gradient shard
+    // comes down into a pinned buffer of its own.
     if (m.master.device().is_cpu() && (mixed || offload_to_host_)) {
       Tensor slot = options.stage == 3 ? u->param_shard : u->full.narrow(0, u->shard_begin, u->shard);
-      if (slot.device().is_cpu()) m.param_out = slot;
+      m.param_out = slot.device().is_cpu() ? slot : host_copy(torch::empty({u->shard}, slot.options().device(torch::kCPU)));
     }
+    if (m.master.device().is_cpu() && device.is_cuda()) m.grad_staging = host_copy(torch::zeros({u->shard}, torch::TensorOptions().dtype(compute)));
     u->grad_acc = torch::zeros({options.stage <= 1 ? u->padded : u->shard}, torch::TensorOptions().dtype(compute).device(device));
     for (size_t i = 0; i < u->params.size(); ++i) {
       if (u->shapes[i].size() < 2) continue;  // no weight decay on norms and biases
@@ -331,7 +334,13 @@ void ZeroDataParallel::reduce_gradients() {
     MasterShard& m = shards_[k];
     Tensor reduced = options_.stage == 1 ? u.reduced : u.grad_acc;
     if (m.master.device().is_cpu()) {  // the fused host step reads it as it is
-      m.grad = reduced.to(torch::kCPU);
+      // The norm is taken where the gradient is (on the GPU: no fp32 copy on the host), with
+      // exactly the roundings of MasterShard::scaled_grad.
+      Tensor g = reduced.to(torch::kFloat32);
+      if (inv_world != 1) g = g * inv_world;
+      m.grad_sq = g.pow(2).sum().to(torch::kCPU, torch::kFloat64).item<double>();
+      if (m.grad_staging.defined()) m.grad = m.grad_staging.copy_(reduced);  // pinned: one DMA at full speed
+      else m.grad = reduced.to(torch::kCPU);
       m.grad_scale = inv_world;
       m.clip_scale = 1;
     } else {
@@ -344,7 +353,7 @@ void ZeroDataParallel::reduce_gradients() {
 
 double ZeroDataParallel::global_grad_norm() {
   torch::Tensor sum = torch::zeros({}, torch::kFloat64);
-  for (auto& s : shards_) sum += s.scaled_grad().pow(2).sum().to(torch::kCPU, torch::kFloat64);  // one sync at the end
+  for (auto& s : shards_) sum += s.grad_sq >= 0 ? torch::tensor(s.grad_sq, torch::kFloat64) : s.scaled_grad().pow(2).sum().to(torch::kCPU, torch::kFloat64);
   double local = sum.item<double>();
   if (options_.stage >= 1) {  // shards are disjoint: sum over ranks
     Tensor t = torch::tensor({local}, torch::kFloat64);
@@ -384,6 +393,7 @@ void ZeroDataParallel::after_step() {
   for (auto& m : shards_) {
     m.grad = Tensor();
     m.grad_scale = m.clip_scale = 1;
+    m.grad_sq = -1;
   }
   zero_gradients();
   live_fns_.clear();
@@ -403,13 +413,15 @@ void ZeroDataParallel::publish_master() {
   for (size_t k = 0; k < units_.size(); ++k) {
     Unit& u = *units_[k];
     MasterShard& m = shards_[k];
-    const bool copy = copy_master && !m.params_written;  // the host step wrote them already
+    // The host step wrote them already (to their slice, or to the upload buffer).
+    const Tensor& source = m.params_written ? m.param_out : m.master;
+    const bool copy = copy_master && !(m.params_written && m.param_out.device() == device_);
     m.params_written = false;
     if (options_.stage == 3) {
-      if (copy) u.param_shard.copy_(m.master);
+      if (copy && !source.is_same(u.param_shard)) u.param_shard.copy_(source);
     } else {
       Tensor mine = u.full.narrow(0, u.shard_begin, u.shard);
-      if (copy) mine.copy_(m.master);
+      if (copy && !source.is_same(mine)) mine.copy_(source);
       if (options_.stage >= 1) comm_.all_gather(mine.clone(), u.full);
     }
   }

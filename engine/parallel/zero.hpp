@@ -40,10 +40,13 @@ struct MasterShard {
   // factors as it reads it: no fp32 copy of the gradient is ever made.
   torch::Tensor grad;
   double grad_scale = 1, clip_scale = 1;
-  // Host masters whose working parameters are in host memory too: the host step writes them here
-  // (the rank's slice), and publish_master has nothing to copy. Undefined otherwise.
+  double grad_sq = -1;  // host masters: Σ (g · grad_scale)², taken where the gradient was reduced (-1: not taken)
+  // Host masters: where the host step writes the working parameters (the rank's slice): the slice
+  // itself when it is in host memory, else a pinned upload buffer that publish_master copies to
+  // the device. Undefined for device masters.
   torch::Tensor param_out;
   bool params_written = false;
+  torch::Tensor grad_staging;  // host masters of a GPU rank: pinned, the gradient shard comes down into it
   std::vector<std::pair<int64_t, int64_t>> decay_ranges;  // [begin, end) within master
   // The gradient as fp32 with its factors applied (norms, overflow checks, tests).
   torch::Tensor scaled_grad() const;

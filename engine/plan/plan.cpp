@@ -28,7 +28,10 @@ ModelStateBytes plan_model_states_per_rank(const ModelStateOptions& o) {
     // ZeRO-Offload: master weights and optimizer states live on the host, with the gradient shard
     // in the working dtype that the fused host step reads. fp32 training has no separate master
     // copy on the device, but the host step needs the weights.
-    b.host = b.master + b.optimizer + (o.same_memory ? 0 : shard * e) + (mixed ? 0 : shard * 4);
+    // On GPU ranks two pinned buffers of the shard in the working dtype: the gradient coming down
+    // and (unless the parameter shard itself lives on the host) the parameters going up.
+    const double staging = o.same_memory ? 0 : shard * e * (o.offload == Offload::OptimizerAndParams ? 1 : 2);
+    b.host = b.master + b.optimizer + staging + (mixed ? 0 : shard * 4);
     b.master = b.optimizer = 0;
   }
   if (o.offload == Offload::OptimizerAndParams) {
@@ -358,7 +361,8 @@ class Planner {
       Recipe alt = r_;
       alt.parallel.data_parallel = n;
       alt.batch.global = n;  // only the memory per rank matters here
-      alt.hardware.devices_per_node = std::max(alt.hardware.devices_per_node, (n + alt.hardware.nodes - 1) / alt.hardware.nodes);
+      // More nodes of this kind (each with its own host memory), not more GPUs in one node.
+      alt.hardware.nodes = std::max(alt.hardware.nodes, (n + alt.hardware.devices_per_node - 1) / alt.hardware.devices_per_node);
       Planner alt_planner(alt, host_);
       if (alt_planner.evaluate({3, true, 1}).fits) {
         p.suggestions.push_back("with ZeRO-3, full recomputation and micro batch 1, " + std::to_string(n) +

@@ -69,7 +69,7 @@ std::vector<KeySpec> build_schema() {
              "Fraction of peak FLOP/s that training reaches; calibrated by bench/ (docs/benchmarks.md)."),
       ranged("hardware.comm_efficiency", T::Float, "0.8", 0.001, 1, "Fraction of link bandwidth that collectives reach."),
       ranged("hardware.runtime_memory_gib", T::Float, "0.3", 0, 1e6, "Memory per rank in GiB taken before training starts (CUDA context, NCCL, libraries)."),
-      ranged("hardware.host_runtime_memory_gib", T::Float, "3", 0, 1e6, "Host memory per GPU rank process in GiB (libraries, the CUDA context's host side); CPU ranks count runtime_memory_gib."),
+      ranged("hardware.host_runtime_memory_gib", T::Float, "1", 0, 1e6, "Host memory per GPU rank process in GiB (libraries, the CUDA context's host side); CPU ranks count runtime_memory_gib."),
       ranged("hardware.fragmentation", T::Float, "0.05", 0, 0.9, "Allocator slack: fraction of the allocated bytes lost to fragmentation and caching."),
 
       // ---- model
