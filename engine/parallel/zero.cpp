@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <cmath>
+#include <map>
 
 namespace dsrun {
 
@@ -108,19 +109,36 @@ ZeroDataParallel::ZeroDataParallel(Model& model, Communicator& comm, const ZeroO
   // when there is a GPU). On CPU ranks host and device are one memory: the same code path runs,
   // with separate host copies, and nothing crosses a bus.
   offload_to_host_ = options.offload;
-  auto host_copy = [&](const Tensor& t) {
-    Tensor h;
-    try {
-      h = torch::empty(t.sizes(), t.options().device(torch::kCPU).pinned_memory(device.is_cuda()));
-    } catch (const std::exception& e) {  // out of (pinnable) host memory: say which setting holds it
-      ErrorContext c;
-      c.key = "parallel.offload";
-      c.hint = "the plan's host table counts what offload holds; check hardware.host_memory_gib against this machine, or offload less";
-      throw Error("cannot allocate " + std::to_string(t.numel() * t.element_size()) + " bytes of " + (device.is_cuda() ? "pinned " : "") +
-                      "host memory for an offloaded shard: " + std::string(e.what()).substr(0, 200),
-                  c);
+  // Host buffers come from one block per purpose, sliced shard by shard: CUDA's pinned-memory
+  // allocator rounds every block up to a power of two, which per-shard blocks would pay many times.
+  int64_t all_shards = 0;
+  for (const auto& pu : model_units) {
+    int64_t numel = 0;
+    for (const auto& p : pu.params) numel += p.numel();
+    all_shards += sharded ? (numel + world - 1) / world : numel;
+  }
+  struct HostBlock {
+    Tensor block;
+    int64_t used = 0;
+  };
+  std::map<std::string, HostBlock> blocks;
+  auto host_copy = [&](const std::string& purpose, const Tensor& t) {
+    HostBlock& b = blocks[purpose];
+    if (!b.block.defined()) {
+      try {
+        b.block = torch::empty({all_shards}, t.options().device(torch::kCPU).pinned_memory(device.is_cuda()));
+      } catch (const std::exception& e) {  // out of (pinnable) host memory: say which setting holds it
+        ErrorContext c;
+        c.key = "parallel.offload";
+        c.hint = "the plan's host table counts what offload holds; check hardware.host_memory_gib against this machine, or offload less";
+        throw Error("cannot allocate " + std::to_string(all_shards * t.element_size()) + " bytes of " + (device.is_cuda() ? "pinned " : "") +
+                        "host memory for the offloaded " + purpose + ": " + std::string(e.what()).substr(0, 200),
+                    c);
+      }
     }
-    return h.copy_(t);
+    Tensor slot = b.block.narrow(0, b.used, t.numel());
+    b.used += t.numel();
+    return slot.copy_(t.flatten());
   };
 
   for (auto& pu : model_units) {
@@ -157,18 +175,18 @@ ZeroDataParallel::ZeroDataParallel(Model& model, Communicator& comm, const ZeroO
       m.master = mixed ? region32.clone() : u->full.narrow(0, u->shard_begin, u->shard);  // fp32: updated in place
     } else {
       u->param_shard = mixed ? region32.to(compute) : region32.clone();
-      if (options.offload_params) u->param_shard = host_copy(u->param_shard);  // gathered through the device
+      if (options.offload_params) u->param_shard = host_copy("parameter shards", u->param_shard);  // gathered through the device
       m.master = mixed ? region32.clone() : u->param_shard;
     }
-    if (offload_to_host_) m.master = host_copy(region32);
+    if (offload_to_host_) m.master = host_copy("master weights", region32);
     // The host step writes the working parameters itself: into their slice where it is in host
     // memory too, else into a pinned buffer that goes up in one copy. A GPU rank's gradient shard
     // comes down into a pinned buffer of its own.
     if (m.master.device().is_cpu() && (mixed || offload_to_host_)) {
       Tensor slot = options.stage == 3 ? u->param_shard : u->full.narrow(0, u->shard_begin, u->shard);
-      m.param_out = slot.device().is_cpu() ? slot : host_copy(torch::empty({u->shard}, slot.options().device(torch::kCPU)));
+      m.param_out = slot.device().is_cpu() ? slot : host_copy("upload buffers", torch::empty({u->shard}, slot.options().device(torch::kCPU)));
     }
-    if (m.master.device().is_cpu() && device.is_cuda()) m.grad_staging = host_copy(torch::zeros({u->shard}, torch::TensorOptions().dtype(compute)));
+    if (m.master.device().is_cpu() && device.is_cuda()) m.grad_staging = host_copy("gradient staging", torch::zeros({u->shard}, torch::TensorOptions().dtype(compute)));
     u->grad_acc = torch::zeros({options.stage <= 1 ? u->padded : u->shard}, torch::TensorOptions().dtype(compute).device(device));
     for (size_t i = 0; i < u->params.size(); ++i) {
       if (u->shapes[i].size() < 2) continue;  // no weight decay on norms and biases

@@ -13,12 +13,23 @@ HostDType host_dtype(const torch::Tensor& t);
 
 ShardOptimizer::ShardOptimizer(const OptimizerOptions& options, std::vector<MasterShard>& shards, int host_threads)
     : o_(options), shards_(shards), pool_(std::max(1, host_threads)) {
+  // States live beside their master weights (in pinned host memory when offloaded), each state in
+  // one block sliced per shard (the pinned allocator would round per-shard blocks up to powers of two).
+  const bool sgd = o_.kind == OptimizerKind::Sgd;
+  int64_t total = 0;
+  for (auto& s : shards_) total += s.master.numel();
+  auto block = [&] {
+    if (shards_.empty()) return torch::Tensor();
+    const auto& first = shards_[0].master;
+    return torch::zeros({total}, first.options().pinned_memory(first.is_pinned()));
+  };
+  torch::Tensor m_block = !sgd || o_.momentum > 0 ? block() : torch::Tensor(), v_block = !sgd ? block() : torch::Tensor();
+  int64_t at = 0;
   for (auto& s : shards_) {
-    const bool sgd = o_.kind == OptimizerKind::Sgd;
-    // States live beside their master weights (in pinned host memory when offloaded).
-    auto like_master = [&] { return torch::zeros(s.master.sizes(), s.master.options().pinned_memory(s.master.is_pinned())); };
-    m_.push_back(!sgd || o_.momentum > 0 ? like_master() : torch::Tensor());
-    v_.push_back(!sgd ? like_master() : torch::Tensor());
+    const int64_t n = s.master.numel();
+    m_.push_back(m_block.defined() ? m_block.narrow(0, at, n) : torch::Tensor());
+    v_.push_back(v_block.defined() ? v_block.narrow(0, at, n) : torch::Tensor());
+    at += n;
   }
 }
 
