@@ -207,13 +207,15 @@ int capped_print(lua_State* L) {
   std::fwrite(text, 1, kept, stdout);
   b.printed_call += static_cast<int64_t>(kept);
   b.printed_run += static_cast<int64_t>(kept);
-  if (kept < length && !b.print_notice_given) {
-    b.print_notice_given = true;
-    std::fprintf(stdout, "\n[hooks] print output cap reached (%lld bytes per call, %lld per run); further output of this hook call%s is dropped\n",
+  // One notice when a call reaches its cap, and one when the run reaches its own; then silence.
+  const bool run_full = b.printed_run >= b.limits.print_bytes_per_run;
+  if (kept < length && !b.run_notice_given && (run_full || !b.call_notice_given)) {
+    b.call_notice_given = true;
+    b.run_notice_given = run_full;
+    std::fprintf(stdout, "\n[hooks] print output cap reached (%lld bytes per call, %lld per run); further output of this %s is dropped\n",
                  static_cast<long long>(b.limits.print_bytes_per_call), static_cast<long long>(b.limits.print_bytes_per_run),
-                 b.printed_run >= b.limits.print_bytes_per_run ? " and of the run" : "");
+                 run_full ? "run's hooks" : "hook call");
   }
-  if (b.printed_call < b.limits.print_bytes_per_call) b.print_notice_given = false;
   std::fflush(stdout);
   return 0;
 }
@@ -573,6 +575,7 @@ void LuaSandbox::run_protected(Op op, const std::string& name, const std::vector
   b.used = 0;
   b.timed_out = false;
   b.printed_call = 0;
+  b.call_notice_given = false;
   b.deadline = steady_now() + b.limits.time_limit_seconds;
   lua_sethook(L, count_hook, LUA_MASKCOUNT, kCountStep);  // re-armed: a spent budget fired on every instruction
   Request req{op, &name, &args};

@@ -54,7 +54,7 @@ class LuaSandbox {
     bool timed_out = false;
     double memory_used = 0;
     int64_t printed_call = 0, printed_run = 0;
-    bool print_notice_given = false;
+    bool call_notice_given = false, run_notice_given = false;
   };
   // What a protected call does: run the loaded chunk, or call, set, read or test global `name`.
   enum class Op { RunChunk, Call, Set, Get, IsFunction };
