@@ -127,6 +127,7 @@ class Trainer {
 
     // Identical weights on every rank and world size. A decoder is built deferred: ZeRO builds
     // one unit at a time and keeps what this rank's stage holds (weights from a file load whole).
+    torch::manual_seed(static_cast<uint64_t>(r_.run.seed));  // whatever else draws from torch's generator
     ModelBuild build;
     build.seed = static_cast<uint64_t>(r_.run.seed);
     build.deferred = r_.model.arch == ModelArch::DeepSeek && r_.model.init_from.empty();
