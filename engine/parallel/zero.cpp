@@ -63,6 +63,15 @@ struct CheckpointedUnit : torch::autograd::Function<CheckpointedUnit> {
   }
 };
 
+// A gradient in fp32 with its factors applied, with the same roundings as the fused host step:
+// (g · grad_scale) · clip_scale, each in fp32.
+Tensor scaled_fp32(const Tensor& grad, double grad_scale, double clip_scale) {
+  Tensor g = grad.to(torch::kFloat32);
+  if (grad_scale != 1) g = g * grad_scale;
+  if (clip_scale != 1) g = g * clip_scale;
+  return g;
+}
+
 // Runs after a parameter's AccumulateGrad node: its gradient for this backward is complete.
 struct GradientReadyHook : torch::autograd::FunctionPostHook {
   explicit GradientReadyHook(std::function<void()> fn) : fn(std::move(fn)) {}
@@ -354,9 +363,7 @@ void ZeroDataParallel::reduce_gradients() {
     if (m.master.device().is_cpu()) {  // the fused host step reads it as it is
       // The norm is taken where the gradient is (on the GPU: no fp32 copy on the host), with
       // exactly the roundings of MasterShard::scaled_grad.
-      Tensor g = reduced.to(torch::kFloat32);
-      if (inv_world != 1) g = g * inv_world;
-      m.grad_sq = g.pow(2).sum().to(torch::kCPU, torch::kFloat64).item<double>();
+      m.grad_sq = scaled_fp32(reduced, inv_world, 1).pow(2).sum().to(torch::kCPU, torch::kFloat64).item<double>();
       if (m.grad_staging.defined()) m.grad = m.grad_staging.copy_(reduced);  // pinned: one DMA at full speed
       else m.grad = reduced.to(torch::kCPU);
       m.grad_scale = inv_world;
@@ -388,13 +395,7 @@ void ZeroDataParallel::scale_gradients(double factor) {
   }
 }
 
-// The same roundings as the fused host step: (g · grad_scale) · clip_scale, each in fp32.
-torch::Tensor MasterShard::scaled_grad() const {
-  Tensor g = grad.to(torch::kFloat32);
-  if (grad_scale != 1) g = g * grad_scale;
-  if (clip_scale != 1) g = g * clip_scale;
-  return g;
-}
+torch::Tensor MasterShard::scaled_grad() const { return scaled_fp32(grad, grad_scale, clip_scale); }
 
 bool ZeroDataParallel::gradients_overflowed() {
   double bad = 0;
