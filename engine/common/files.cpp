@@ -1,6 +1,7 @@
 #include "engine/common/files.hpp"
 
 #include "engine/common/error.hpp"
+#include "engine/common/text.hpp"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -78,6 +79,18 @@ std::string read_file(const std::string& path) {
     throw Error("shrank while being read (" + std::to_string(have) + " of " + std::to_string(limit) + " bytes)", c);
   }
   return out;
+}
+
+std::vector<std::string> data_directory_files(const std::string& directory, const std::string& only_suffix) {
+  std::vector<std::string> files;
+  for (const auto& name : list_directory(directory)) {
+    const std::string full = path_join(directory, name);
+    struct stat st {};
+    if (::lstat(full.c_str(), &st) != 0 || !S_ISREG(st.st_mode) || ends_with(name, ".dat")) continue;
+    if (!only_suffix.empty() && !ends_with(name, only_suffix)) continue;
+    files.push_back(full);
+  }
+  return files;
 }
 
 std::string regular_file_target(const std::string& path, const std::string& key) {

@@ -11,6 +11,10 @@ namespace dsrun {
 // Reads a whole regular file (never a device, FIFO or socket: those are errors); throws
 // dsrun::Error naming the path when it cannot.
 std::string read_file(const std::string& path);
+// The files a data directory contributes, in name order: regular files only (no symbolic links,
+// subdirectories, or the *.dat indexes the fortunes package keeps beside its text), ending in
+// `only_suffix` when it is given. The data loader and the plan read the same list.
+std::vector<std::string> data_directory_files(const std::string& directory, const std::string& only_suffix);
 // The regular file that `path` names: itself, or the target of one symbolic link, which must be a
 // regular file. Anything else is an error naming the path and the recipe `key` it came from.
 std::string regular_file_target(const std::string& path, const std::string& key);

@@ -4,8 +4,6 @@
 #include "engine/common/files.hpp"
 #include "engine/common/text.hpp"
 
-#include <sys/stat.h>
-
 #include <algorithm>
 #include <cstring>
 #include <numeric>
@@ -145,23 +143,11 @@ Error data_error(const std::string& path, const std::string& what, const std::st
   return Error(what, c);
 }
 
-bool is_regular_file(const std::string& path) {
-  struct stat st;
-  return ::lstat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
-}
-
-// A file, or every regular file of a directory in name order (skipping symlinks and the binary
-// *.dat indexes that the fortunes package keeps beside its text).
+// data_directory_files, with the errors of a data path that holds nothing to read.
 std::vector<std::string> data_files(const std::string& path, const std::string& only_suffix) {
   if (!file_exists(path)) throw data_error(path, "data path not found", "check data.path (relative to the recipe)");
   if (!is_directory(path)) return {regular_file_target(path, "data.path")};
-  std::vector<std::string> files;
-  for (const auto& name : list_directory(path)) {
-    std::string full = path_join(path, name);
-    if (!is_regular_file(full) || ends_with(name, ".dat")) continue;
-    if (!only_suffix.empty() && !ends_with(name, only_suffix)) continue;
-    files.push_back(full);
-  }
+  std::vector<std::string> files = data_directory_files(path, only_suffix);
   if (files.empty()) throw data_error(path, "no data files in the directory", "point data.path at the files");
   return files;
 }

@@ -69,14 +69,11 @@ double data_bytes(const Recipe& r, int64_t seq_len) {
   if (d.kind == DataKind::Synthetic) {
     tokens = static_cast<double>(std::max<int64_t>(1 << 20, 64 * (seq_len + 1)));
   } else {
-    std::vector<std::string> files;
-    if (is_directory(d.path))
-      for (const auto& name : list_directory(d.path)) files.push_back(path_join(d.path, name));
-    else
-      files.push_back(d.path);
+    const bool shards = d.kind == DataKind::Tokens;
+    std::vector<std::string> files = is_directory(d.path) ? data_directory_files(d.path, shards ? ".tokens" : "") : std::vector<std::string>{d.path};
     for (const auto& f : files) {
       const double bytes = static_cast<double>(std::max<int64_t>(0, file_size(f)));
-      tokens += d.kind == DataKind::Text ? bytes : std::max(0.0, bytes - 32) / 2;  // token shards: 2 or 4 bytes a token, 2 at most
+      tokens += d.kind == DataKind::Text ? bytes : std::max(0.0, bytes - 32) / 2;  // token shards: 2 or 4 bytes a token; 2 gives the most tokens
     }
   }
   return tokens * 16;

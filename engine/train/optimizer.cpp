@@ -8,8 +8,15 @@
 namespace dsrun {
 
 namespace {
-HostDType host_dtype(const torch::Tensor& t);
+HostDType host_dtype(const torch::Tensor& t) {
+  switch (t.scalar_type()) {
+    case torch::kFloat32: return HostDType::F32;
+    case torch::kBFloat16: return HostDType::BF16;
+    case torch::kFloat16: return HostDType::F16;
+    default: fail_at(__FILE__, __LINE__, std::string("no host step for ") + c10::toString(t.scalar_type()));
+  }
 }
+}  // namespace
 
 ShardOptimizer::ShardOptimizer(const OptimizerOptions& options, std::vector<MasterShard>& shards, int host_threads)
     : o_(options), shards_(shards), pool_(std::max(1, host_threads)) {
@@ -64,16 +71,6 @@ void ShardOptimizer::fused_adam_step(double lr) {
   }
 }
 
-namespace {
-HostDType host_dtype(const torch::Tensor& t) {
-  switch (t.scalar_type()) {
-    case torch::kFloat32: return HostDType::F32;
-    case torch::kBFloat16: return HostDType::BF16;
-    case torch::kFloat16: return HostDType::F16;
-    default: fail_at(__FILE__, __LINE__, std::string("no host step for ") + c10::toString(t.scalar_type()));
-  }
-}
-}  // namespace
 
 // Every shard cut into chunks of at most kHostChunk elements, split where weight decay starts or
 // ends; the pool runs them in any order (chunks are disjoint).
