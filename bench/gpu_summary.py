@@ -48,4 +48,16 @@ for run_id, name, status, plan_json in runs:
         tps = plan["batch"]["tokens_per_step"] / dt
         mfu = plan["speed"]["model_flops_per_step"] / (dt * plan["speed"]["peak_flops"] * plan["topology"]["world_size"])
         line += f" | {dt:.4f} s/step, {tps:.0f} tokens/s, MFU {100 * mfu:.1f}% (plan {plan['speed']['step_seconds']:.4f} s/step)"
+        if name.startswith("offload-"):
+            reference.setdefault("offload", dt)
+            plan_s = plan["speed"]["step_seconds"]
+            line += f" | x{dt / reference['offload']:.2f} of no offload, plan {100 * (plan_s / dt - 1):+.1f}%"
+            # Where the time goes: until the gradients' norm, and the host update beside it.
+            for key, label in (("backward_end_seconds", "to norm"), ("host_update_seconds", "host update"), ("host_update_wait_seconds", "compute waited")):
+                values = series(run_id, key)[5:]
+                if values:
+                    line += f" | {label} {sum(values) / len(values):.4f} s"
+            host = series(run_id, "host_update_seconds")[5:]
+            if host and plan["speed"].get("optimizer_seconds"):
+                line += f" (plan host step {plan['speed']['optimizer_seconds']:.4f} s)"
     print(line)

@@ -576,6 +576,64 @@ TEST_CASE("CUDA: ZeRO-0 and ZeRO-3 on one GPU give the CPU's loss and gradients"
   }
 }
 
+TEST_CASE("CUDA: the offload pipeline (gradients down in backward, host update beside the next forward) follows the device optimizer", "[engine][cuda][offload]") {
+  if (!torch::cuda::is_available()) {
+    WARN("SKIPPED: no CUDA device visible (this test runs on GPU machines: scripts/gpu_build.sh)");
+    return;
+  }
+  // Four steps of bf16 training, ZeRO-2 and ZeRO-3 on one GPU: the offloaded pipeline (pinned
+  // staging, copy streams, the worker's uploads awaited unit by unit) against the same step on the
+  // device; the delayed update's first two losses are the device run's first and the loss at w0.
+  ModelSpec m = tiny_decoder();
+  const torch::Device gpu(torch::kCUDA, 0);
+  auto train = [&](int stage, bool offload, bool offload_params, bool delayed) {
+    auto model = build_model(m, 16, {10, /*deferred=*/true});
+    auto comm = single_process_communicator();
+    ZeroOptions zo;
+    zo.stage = stage;
+    zo.dtype = DType::Bf16;
+    zo.offload = offload;
+    zo.offload_params = offload_params;
+    zo.delayed_update = delayed;
+    zo.device = gpu;
+    ZeroDataParallel zero(*model, *comm, zo);
+    OptimizerOptions oo;
+    oo.lr = 1e-2;
+    ShardOptimizer opt(oo, zero.shards(), 4);
+    std::vector<double> losses;
+    for (int step = 0; step < 4; ++step) {
+      Batch b = token_batch(2, 16, m.vocab, 20 + step);
+      b.inputs = b.inputs.to(gpu);
+      b.targets = b.targets.to(gpu);
+      ModelOutput out = model->forward(b, zero);
+      out.loss.backward();
+      zero.after_backward();
+      zero.reduce_gradients();
+      const double norm = zero.global_grad_norm();
+      CHECK(std::isfinite(norm));
+      if (zero.host_update_pipelined()) zero.start_host_update(opt.host_update(1e-2));
+      else opt.step(1e-2);
+      zero.after_step();
+      losses.push_back(out.task_loss);
+    }
+    zero.wait_host_update();
+    return losses;
+  };
+  for (int stage : {2, 3}) {
+    INFO("ZeRO-" << stage);
+    std::vector<double> device = train(stage, false, false, false);
+    std::vector<double> offloaded = train(stage, true, false, false);
+    for (size_t i = 0; i < device.size(); ++i) CHECK(offloaded[i] == Approx(device[i]).epsilon(2e-2));
+    if (stage == 3) {
+      std::vector<double> params_too = train(3, true, true, false);
+      for (size_t i = 0; i < device.size(); ++i) CHECK(params_too[i] == Approx(offloaded[i]).epsilon(1e-6));
+    }
+    std::vector<double> delayed = train(stage, true, false, true);
+    CHECK(delayed[0] == Approx(offloaded[0]).epsilon(1e-6));
+    CHECK(delayed[1] != Approx(offloaded[1]).epsilon(1e-6));  // still at w0
+  }
+}
+
 TEST_CASE("CUDA: the fused RMSNorm, rotary and SwiGLU kernels match the reference ops, forward and backward", "[engine][cuda][fused]") {
   if (!torch::cuda::is_available()) {
     WARN("SKIPPED: no CUDA device visible (this test runs on GPU machines: scripts/gpu_build.sh)");

@@ -128,8 +128,14 @@ TEST_CASE("shards that do not divide are padded, and offload moves optimizer sta
   CHECK(b.master == 0);
   CHECK(b.optimizer == 0);
   CHECK(b.host == Approx((12 + 2 + 2) * 1e9 / 4));  // master + Adam moments + pinned bf16 gradient and upload buffers
-  o.same_memory = true;  // CPU ranks: the step reads the gradient where it is, writes the parameters in place
-  CHECK(plan_model_states_per_rank(o).host == Approx(12 * 1e9 / 4));
+  o.delayed_update = true;  // a second gradient buffer: one read by the host step, one filled by backward
+  CHECK(plan_model_states_per_rank(o).host == Approx((12 + 2 + 2 + 2) * 1e9 / 4));
+  o.same_memory = true;  // CPU ranks: the gradient is copied out of the reduction, the parameters written in place
+  o.delayed_update = false;
+  CHECK(plan_model_states_per_rank(o).host == Approx((12 + 2) * 1e9 / 4));
+  o.delayed_update = true;  // ... except with the delayed update (they change only between steps)
+  CHECK(plan_model_states_per_rank(o).host == Approx((12 + 2 + 2 + 2) * 1e9 / 4));
+  o.delayed_update = false;
   o.same_memory = false;
   o.zero_stage = 3;
   o.offload = Offload::OptimizerAndParams;

@@ -98,6 +98,35 @@ TEST_CASE("an offloaded run follows the non-offloaded trajectory bitwise (fp32, 
   }
 }
 
+TEST_CASE("the delayed update computes step t's gradients on the parameters of update t-2", "[training][offload]") {
+  // Semantics (docs/plan.md): step 1 at w0; update 1 runs beside step 2, which still computes at w0;
+  // step 3 computes at w1 = update 1 applied to w0. Runs whose hook skips update 1 (or 2) see the
+  // same parameters at step 2 (or 3): those losses are the same bits.
+  dsrun::test::TempDir dir;
+  auto skipping = [&](int step) {
+    const std::string script = dir.write("skip" + std::to_string(step) + ".lua",
+                                         "function on_step(ctx) if ctx.step == " + std::to_string(step) + " then return {skip = true} end end\n");
+    return " --set hooks.script=\\\"" + script + "\\\"";
+  };
+  const std::string common = layout(2, 2) + " --set run.steps=4 --set parallel.offload=\\\"optimizer\\\"";
+  Run delayed = train(dir, common + " --set parallel.delayed_update=true");
+  Run plain = train(dir, common);
+  Run skip1 = train(dir, common + skipping(1));
+  Run skip2 = train(dir, common + skipping(2));
+  INFO(delayed.text);
+  REQUIRE(delayed.losses.size() == 4);
+  REQUIRE(skip1.losses.size() == 4);
+  REQUIRE(skip2.losses.size() == 4);
+  CHECK(delayed.losses[0] == plain.losses[0]);
+  CHECK(delayed.losses[1] == skip1.losses[1]);
+  CHECK(delayed.losses[2] == skip2.losses[2]);
+  CHECK(delayed.losses[3] != plain.losses[3]);  // stale by one update: a different trajectory
+  // Refused where the parameters live on the host.
+  Run refused = train(dir, layout(3, 1) + " --set parallel.offload=\\\"optimizer+params\\\" --set parallel.delayed_update=true");
+  CHECK(refused.code != 0);
+  CHECK(contains(refused.text, "parallel.delayed_update"));
+}
+
 TEST_CASE("an offloaded CPU run's peak resident memory is within 10% of the plan's host term", "[training][offload][memory]") {
   // A 27 M-parameter decoder, so that model states (not the process's libraries) are most of it.
   dsrun::test::TempDir dir;

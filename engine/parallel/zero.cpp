@@ -72,6 +72,15 @@ Tensor scaled_fp32(const Tensor& grad, double grad_scale, double clip_scale) {
   return g;
 }
 
+// Σ (g · scale)² as an fp64 scalar where g is. On CPUs with exactly the roundings of
+// MasterShard::scaled_grad (offloaded runs follow the others bitwise); on GPUs the norm kernel
+// reads the working dtype, so no fp32 copy of the shard is made.
+Tensor squared_norm(const Tensor& g, double scale) {
+  if (g.is_cuda())
+    return at::linalg_vector_norm(g, 2, c10::nullopt, false, torch::kFloat32).to(torch::kFloat64).pow(2).mul(scale * scale);
+  return scaled_fp32(g, scale, 1).pow(2).sum().to(torch::kFloat64);
+}
+
 // Runs after a parameter's AccumulateGrad node: its gradient for this backward is complete.
 struct GradientReadyHook : torch::autograd::FunctionPostHook {
   explicit GradientReadyHook(std::function<void()> fn) : fn(std::move(fn)) {}
@@ -85,6 +94,7 @@ struct GradientReadyHook : torch::autograd::FunctionPostHook {
 }  // namespace
 
 struct ZeroDataParallel::Unit {
+  size_t index = 0;
   std::string name;
   bool checkpointable = false;
   std::vector<Tensor> params;
@@ -100,6 +110,11 @@ struct ZeroDataParallel::Unit {
   bool always_gets_gradients = true;  // may start its reduction from the gradient-ready hooks
   size_t grads_ready = 0;             // parameters whose gradient is complete in this backward
   bool reduction_started = false;     // in this micro-batch
+  // Offload: the events of this unit's gradient coming down and parameters going up, and whether
+  // a host update of this unit is under way or its parameters have not been awaited yet.
+  CopyEvent down, up;
+  bool gradient_down = false;
+  bool awaiting_update = false;
 };
 
 ZeroDataParallel::ZeroDataParallel(Model& model, Communicator& comm, const ZeroOptions& options)
@@ -118,6 +133,10 @@ ZeroDataParallel::ZeroDataParallel(Model& model, Communicator& comm, const ZeroO
   // when there is a GPU). On CPU ranks host and device are one memory: the same code path runs,
   // with separate host copies, and nothing crosses a bus.
   offload_to_host_ = options.offload;
+  DSRUN_ASSERT(!options.delayed_update || (options.offload && !options.offload_params), "the delayed update is validated by the recipe");
+  gradients_down_in_backward_ = offload_to_host_ && device.is_cuda();
+  down_stream_ = std::make_unique<CopyStream>(device);
+  up_stream_ = std::make_unique<CopyStream>(device);
   // Host buffers come from one block per purpose, sliced shard by shard: CUDA's pinned-memory
   // allocator rounds every block up to a power of two, which per-shard blocks would pay many times.
   int64_t all_shards = 0;
@@ -152,6 +171,7 @@ ZeroDataParallel::ZeroDataParallel(Model& model, Communicator& comm, const ZeroO
 
   for (auto& pu : model_units) {
     auto u = std::make_unique<Unit>();
+    u->index = units_.size();
     u->name = pu.name;
     u->checkpointable = pu.checkpointable;
     u->always_gets_gradients = pu.always_gets_gradients;
@@ -189,13 +209,18 @@ ZeroDataParallel::ZeroDataParallel(Model& model, Communicator& comm, const ZeroO
     }
     if (offload_to_host_) m.master = host_copy("master weights", region32);
     // The host step writes the working parameters itself: into their slice where it is in host
-    // memory too, else into a pinned buffer that goes up in one copy. A GPU rank's gradient shard
-    // comes down into a pinned buffer of its own.
+    // memory too, else into a pinned buffer that goes up in one copy (also on the host with the
+    // delayed update, whose parameters change only between steps). The gradient shard comes
+    // down into a buffer of its own, which the host step reads while the next step computes.
     if (m.master.device().is_cpu() && (mixed || offload_to_host_)) {
       Tensor slot = options.stage == 3 ? u->param_shard : u->full.narrow(0, u->shard_begin, u->shard);
-      m.param_out = slot.device().is_cpu() ? slot : host_copy("upload buffers", torch::empty({u->shard}, slot.options().device(torch::kCPU)));
+      m.param_out = slot.device().is_cpu() && !options.delayed_update ? slot : host_copy("upload buffers", torch::empty({u->shard}, slot.options().device(torch::kCPU)));
     }
-    if (m.master.device().is_cpu() && device.is_cuda()) m.grad_staging = host_copy("gradient staging", torch::zeros({u->shard}, torch::TensorOptions().dtype(compute)));
+    if (offload_to_host_) {
+      auto staging = [&](const std::string& purpose) { return host_copy(purpose, torch::zeros({u->shard}, torch::TensorOptions().dtype(compute))); };
+      m.grad_staging = staging("gradient staging");
+      if (options.delayed_update) m.grad_staging_spare = staging("gradient staging (delayed update)");
+    }
     u->grad_acc = torch::zeros({options.stage <= 1 ? u->padded : u->shard}, torch::TensorOptions().dtype(compute).device(device));
     for (size_t i = 0; i < u->params.size(); ++i) {
       if (u->shapes[i].size() < 2) continue;  // no weight decay on norms and biases
@@ -227,10 +252,18 @@ ZeroDataParallel::ZeroDataParallel(Model& model, Communicator& comm, const ZeroO
     if (options.stage == 3) release(*u);
     units_.push_back(std::move(u));
   }
+  for (const auto& [purpose, b] : blocks)
+    if (purpose != "master weights" && purpose != "parameter shards") offload_buffer_bytes_ += static_cast<double>(b.block.numel() * b.block.element_size());
 }
 
 // The model may outlive this object, and with it the accumulators' hooks: they check alive_.
-ZeroDataParallel::~ZeroDataParallel() { *alive_ = nullptr; }
+ZeroDataParallel::~ZeroDataParallel() {
+  *alive_ = nullptr;
+  try {
+    worker_.wait_all();
+  } catch (const std::exception&) {  // the run is ending with an error already; this one would hide it
+  }
+}
 
 void ZeroDataParallel::gather(Unit& u) {
   if (u.gathered) return;
@@ -256,6 +289,7 @@ Tensors ZeroDataParallel::run(int index, const UnitFn& fn, const Tensors& inputs
   Unit& u = *units_.at(index);
   const bool stage3 = options_.stage == 3;
   const bool grad = torch::GradMode::is_enabled();
+  await_update(u);
   if (stage3) gather(u);
   forward_stack_.push_back(index);
   Tensors out;
@@ -293,6 +327,8 @@ void ZeroDataParallel::begin_micro_batch(bool last) { last_micro_batch_ = last; 
 
 void ZeroDataParallel::on_gradient_ready(size_t index) {
   Unit& u = *units_[index];
+  // Backward reads every unit's parameters: a unit the forward did not run is awaited here.
+  if (!options_.delayed_update) await_all_updates();
   if (++u.grads_ready == u.params.size() && u.always_gets_gradients) start_reduction(u, /*during_backward=*/true);
 }
 
@@ -313,7 +349,9 @@ void ZeroDataParallel::start_reduction(Unit& u, bool during_backward) {
       }
     } else {
       u.reduced = torch::empty({u.shard}, u.grad_acc.options());
-      pending_.push_back(comm_.reduce_scatter_sum_async(u.grad_acc, u.reduced));
+      PendingCollective reduce = comm_.reduce_scatter_sum_async(u.grad_acc, u.reduced);
+      if (gradients_down_in_backward_) send_gradient_down(u, std::move(reduce), Tensor(), u.reduced);
+      else pending_.push_back(std::move(reduce));
     }
     return;
   }
@@ -331,11 +369,94 @@ void ZeroDataParallel::start_reduction(Unit& u, bool during_backward) {
   if (u.gathered_for_backward) release(u);
   Tensor mine = torch::empty({u.shard}, flat.options());
   PendingCollective reduce = comm_.reduce_scatter_sum_async(flat, mine);
+  if (gradients_down_in_backward_ && last_micro_batch_) {
+    send_gradient_down(u, std::move(reduce), flat, mine);
+    return;
+  }
   Tensor acc = u.grad_acc;
   pending_.push_back(PendingCollective([reduce, acc, mine]() mutable {
     reduce.wait();
     acc.add_(mine);
   }));
+}
+
+void ZeroDataParallel::send_gradient_down(Unit& u, PendingCollective reduce, const Tensor& flat, const Tensor& mine) {
+  MasterShard& m = shards_[u.index];
+  const double inv_world = 1.0 / comm_.world_size();
+  // After what the compute stream queued (the flat gradient), and after the reduction itself.
+  down_stream_->follow_current();
+  down_stream_->run([&] {
+    reduce.wait();
+    Tensor reduced = mine;
+    if (options_.stage >= 2) reduced = u.grad_acc.add_(mine);  // earlier micro-batches' sum
+    m.grad_sq = squared_norm(reduced, inv_world);
+    m.grad_staging.copy_(reduced, /*non_blocking=*/true);
+  });
+  down_stream_->keep_alive(flat);
+  down_stream_->keep_alive(mine);
+  u.down = down_stream_->record();
+  u.gradient_down = true;
+}
+
+void ZeroDataParallel::upload_parameters(Unit& u) {
+  MasterShard& m = shards_[u.index];
+  Tensor slot = options_.stage == 3 ? u.param_shard : u.full.narrow(0, u.shard_begin, u.shard);
+  if (!m.param_out.defined() || m.param_out.data_ptr() == slot.data_ptr()) {  // written in place
+    u.up = CopyEvent();
+    return;
+  }
+  up_stream_->run([&] {
+    torch::NoGradGuard no_grad;
+    slot.copy_(m.param_out, /*non_blocking=*/true);
+  });
+  u.up = up_stream_->record();
+}
+
+void ZeroDataParallel::await_update(Unit& u) {
+  if (!u.awaiting_update) return;
+  // The delayed update's parameters went up at the last step's end; the worker is on the next update.
+  if (!options_.delayed_update) worker_.wait(u.index);
+  u.up.block_current();
+  u.awaiting_update = false;
+  if (options_.stage <= 2 && comm_.world_size() > 1) {  // the other ranks' slices (they publish theirs in the same order)
+    torch::NoGradGuard no_grad;
+    comm_.all_gather(u.full.narrow(0, u.shard_begin, u.shard).clone(), u.full);
+  }
+}
+
+void ZeroDataParallel::await_all_updates() {
+  for (auto& u : units_) await_update(*u);
+}
+
+void ZeroDataParallel::start_host_update(std::function<void(size_t)> update_unit) {
+  DSRUN_ASSERT(offload_to_host_, "a host update needs offloaded master weights");
+  worker_.wait_all();
+  const bool delayed = options_.delayed_update;
+  // Uploads go after everything queued so far: the compute that last read the parameters.
+  up_stream_->follow_current();
+  if (!delayed)  // (the delayed update's units await the previous update, flagged by reduce_gradients)
+    for (auto& u : units_) u->awaiting_update = true;
+  update_launched_ = delayed;
+  worker_.start(units_.size(), [this, update_unit = std::move(update_unit), delayed](size_t k) {
+    torch::NoGradGuard no_grad;
+    Unit& u = *units_[k];
+    u.down.synchronize();            // the gradient shard is in host memory
+    if (delayed) u.up.synchronize();  // the previous parameters have left the upload buffer
+    update_unit(k);
+    if (!delayed) upload_parameters(u);
+  });
+  // The delayed update's next backward fills the other staging buffer.
+  if (delayed)
+    for (auto& m : shards_) std::swap(m.grad_staging, m.grad_staging_spare);
+}
+
+void ZeroDataParallel::wait_host_update() { worker_.wait_all(); }
+
+ZeroDataParallel::OffloadTimes ZeroDataParallel::take_offload_times() {
+  OffloadTimes t;
+  t.host_update_s = worker_.last_run_seconds();
+  t.waited_s = worker_.take_wait_seconds();
+  return t;
 }
 
 void ZeroDataParallel::wait_pending() {
@@ -346,6 +467,9 @@ void ZeroDataParallel::wait_pending() {
 void ZeroDataParallel::after_backward() {
   for (auto& up : units_) start_reduction(*up, /*during_backward=*/false);  // units the hooks did not start, in unit order
   if (options_.stage >= 2) wait_pending();
+  // The gradients that came down were read on down_stream_: what follows (zeroing them, the
+  // norm) waits for it.
+  if (gradients_down_in_backward_ && last_micro_batch_) down_stream_->record().block_current();
   for (auto& up : units_) {
     up->grads_ready = 0;
     up->reduction_started = false;
@@ -355,17 +479,31 @@ void ZeroDataParallel::after_backward() {
 void ZeroDataParallel::reduce_gradients() {
   torch::NoGradGuard no_grad;
   wait_pending();
+  // The delayed update: the previous step's host update has run beside this step's compute; its
+  // parameters go up now that backward is done with the old ones, and the next forward awaits them.
+  if (update_launched_) {
+    worker_.wait_all();
+    up_stream_->follow_current();
+    for (auto& u : units_) {
+      upload_parameters(*u);
+      u->awaiting_update = true;
+    }
+    update_launched_ = false;
+  }
   const double inv_world = 1.0 / comm_.world_size();
   for (size_t k = 0; k < units_.size(); ++k) {
     Unit& u = *units_[k];
     MasterShard& m = shards_[k];
     Tensor reduced = options_.stage == 1 ? u.reduced : u.grad_acc;
     if (m.master.device().is_cpu()) {  // the fused host step reads it as it is
-      // The norm is taken where the gradient is (on the GPU: no fp32 copy on the host), with
-      // exactly the roundings of MasterShard::scaled_grad.
-      m.grad_sq = scaled_fp32(reduced, inv_world, 1).pow(2).sum().to(torch::kCPU, torch::kFloat64).item<double>();
-      if (m.grad_staging.defined()) m.grad = m.grad_staging.copy_(reduced);  // pinned: one DMA at full speed
-      else m.grad = reduced.to(torch::kCPU);
+      if (u.gradient_down) {  // came down during backward (send_gradient_down)
+        m.grad = m.grad_staging;
+        u.gradient_down = false;
+      } else {
+        // The norm is taken where the gradient is (on the GPU: no fp32 copy on the host).
+        m.grad_sq = squared_norm(reduced, inv_world);
+        m.grad = m.grad_staging.defined() ? m.grad_staging.copy_(reduced) : reduced.to(torch::kCPU);
+      }
       m.grad_scale = inv_world;
       m.clip_scale = 1;
     } else {
@@ -377,9 +515,14 @@ void ZeroDataParallel::reduce_gradients() {
 }
 
 double ZeroDataParallel::global_grad_norm() {
-  torch::Tensor sum = torch::zeros({}, torch::kFloat64);
-  for (auto& s : shards_) sum += s.grad_sq >= 0 ? torch::tensor(s.grad_sq, torch::kFloat64) : s.scaled_grad().pow(2).sum().to(torch::kCPU, torch::kFloat64);
-  double local = sum.item<double>();
+  // Summed in fp64, shard by shard, where the squares are (one transfer at the end).
+  torch::Tensor sum;
+  for (auto& s : shards_) {
+    Tensor term = s.grad_sq.defined() ? s.grad_sq : s.scaled_grad().pow(2).sum().to(torch::kFloat64);
+    if (!sum.defined()) sum = torch::zeros({}, term.options());
+    sum += term;
+  }
+  double local = sum.defined() ? sum.item<double>() : 0.0;
   if (options_.stage >= 1) {  // shards are disjoint: sum over ranks
     Tensor t = torch::tensor({local}, torch::kFloat64);
     comm_.all_reduce_sum(t);
@@ -398,6 +541,7 @@ void ZeroDataParallel::scale_gradients(double factor) {
 torch::Tensor MasterShard::scaled_grad() const { return scaled_fp32(grad, grad_scale, clip_scale); }
 
 bool ZeroDataParallel::gradients_overflowed() {
+  for (auto& u : units_) u->down.synchronize();  // the host copies are complete
   double bad = 0;
   for (auto& s : shards_) bad += s.grad.isfinite().logical_not().any().item<bool>() ? 1 : 0;
   Tensor t = torch::tensor({bad}, torch::kFloat64);
@@ -405,14 +549,18 @@ bool ZeroDataParallel::gradients_overflowed() {
   return t.item<double>() > 0;
 }
 
-std::vector<MasterShard>& ZeroDataParallel::shards() { return shards_; }
+std::vector<MasterShard>& ZeroDataParallel::shards() {
+  wait_host_update();  // callers read or write master weights and states
+  return shards_;
+}
 
 void ZeroDataParallel::after_step() {
-  publish_master();
+  if (!offload_to_host_) publish_master();  // offloaded: the host update does it
   for (auto& m : shards_) {
     m.grad = Tensor();
     m.grad_scale = m.clip_scale = 1;
-    m.grad_sq = -1;
+    m.grad_sq = Tensor();
+    if (offload_to_host_) m.params_written = false;
   }
   zero_gradients();
   live_fns_.clear();
@@ -427,6 +575,9 @@ const std::vector<int64_t>& ZeroDataParallel::unit_shape(size_t k, size_t i) con
 
 void ZeroDataParallel::publish_master() {
   torch::NoGradGuard no_grad;
+  wait_host_update();
+  for (auto& u : units_) u->awaiting_update = false;  // replaced by what follows
+  update_launched_ = false;
   // fp32 without offload updated the working parameters in place; otherwise copy them over.
   const bool copy_master = options_.dtype != DType::Fp32 || offload_to_host_;
   for (size_t k = 0; k < units_.size(); ++k) {

@@ -7,6 +7,8 @@
 
 #include "engine/dist/communicator.hpp"
 #include "engine/model/model.hpp"
+#include "engine/parallel/copy_stream.hpp"
+#include "engine/parallel/unit_worker.hpp"
 
 #include <torch/torch.h>
 
@@ -21,6 +23,9 @@ struct ZeroOptions {
   bool activation_checkpointing = false;  // recompute checkpointable units in backward
   bool offload = false;                   // fp32 master weights and optimizer states on the host
   bool offload_params = false;            // stage 3: the parameter shards on the host too
+  // Offload: the host step of step t runs while step t+1 computes, on the parameters from before
+  // it (ZeRO-Offload's one-step delayed parameter update). Not with offload_params.
+  bool delayed_update = false;
   double bucket_bytes = 25e6;             // stage 0 all-reduce granularity
   torch::Device device = torch::kCPU;     // where a deferred model's units are built (otherwise: its parameters' device)
 };
@@ -40,13 +45,16 @@ struct MasterShard {
   // factors as it reads it: no fp32 copy of the gradient is ever made.
   torch::Tensor grad;
   double grad_scale = 1, clip_scale = 1;
-  double grad_sq = -1;  // host masters: Σ (g · grad_scale)², taken where the gradient was reduced (-1: not taken)
+  torch::Tensor grad_sq;  // host masters: Σ (g · grad_scale)² as an fp64 scalar, taken where the gradient was reduced (undefined: not taken)
   // Host masters: where the host step writes the working parameters (the rank's slice): the slice
   // itself when it is in host memory, else a pinned upload buffer that publish_master copies to
   // the device. Undefined for device masters.
   torch::Tensor param_out;
   bool params_written = false;
-  torch::Tensor grad_staging;  // host masters of a GPU rank: pinned, the gradient shard comes down into it
+  // Offload: the gradient shard comes down into this host buffer (pinned on GPU ranks), so that
+  // the host step can read it while the next step's gradients accumulate. The delayed update has
+  // two, swapped every step: one read by the host step, one filled by the backward under way.
+  torch::Tensor grad_staging, grad_staging_spare;
   std::vector<std::pair<int64_t, int64_t>> decay_ranges;  // [begin, end) within master
   // The gradient as fp32 with its factors applied (norms, overflow checks, tests).
   torch::Tensor scaled_grad() const;
@@ -79,7 +87,21 @@ class ZeroDataParallel final : public UnitRunner {
   bool gradients_overflowed();
   std::vector<MasterShard>& shards();
   // After the optimizer: master weights -> working parameters on every rank; gradients zeroed.
+  // With offload the host update does the first half itself (start_host_update).
   void after_step();
+  // Offload: the optimizer step runs on a host thread, one task per unit in forward order
+  // (update_unit(k) updates shard k's master and writes its param_out); each unit's parameters go
+  // up as soon as they are written, and the next forward waits for each unit alone. With the
+  // delayed update they go up after the next step's backward instead.
+  bool host_update_pipelined() const { return offload_to_host_; }
+  void start_host_update(std::function<void(size_t)> update_unit);
+  // Waits for the host update under way (before reading master weights or optimizer states).
+  void wait_host_update();
+  // Seconds the last host update ran, and seconds compute waited for host updates since the last call.
+  struct OffloadTimes {
+    double host_update_s = 0, waited_s = 0;
+  };
+  OffloadTimes take_offload_times();
   // Master weights -> working parameters on every rank (after_step's first half; also after a restore).
   void publish_master();
 
@@ -101,7 +123,9 @@ class ZeroDataParallel final : public UnitRunner {
   double parameter_and_gradient_bytes() const;
   double master_bytes() const;
   // Of those, the bytes kept in host memory (offload), not on the device.
-  double host_bytes() const { return offload_to_host_ ? master_bytes() : 0; }
+  double host_bytes() const { return offload_to_host_ ? master_bytes() + offload_buffer_bytes_ : 0; }
+  // Offload's gradient staging and upload buffers (in host memory).
+  double offload_buffer_bytes() const { return offload_buffer_bytes_; }
 
  private:
   struct Unit;
@@ -109,6 +133,12 @@ class ZeroDataParallel final : public UnitRunner {
   void release(Unit& u);
   void on_gradient_ready(size_t unit);  // an AccumulateGrad of one of the unit's parameters finished
   void start_reduction(Unit& u, bool during_backward);
+  // Offload on a GPU, last micro-batch: the reduced shard comes down on down_stream_ as soon as its
+  // reduction is done, its squared norm taken on the device on the way.
+  void send_gradient_down(Unit& u, PendingCollective reduce, const torch::Tensor& flat, const torch::Tensor& mine);
+  void upload_parameters(Unit& u);     // param_out -> the unit's working slice, on up_stream_
+  void await_update(Unit& u);          // before a unit's parameters are read: its host update is done and up
+  void await_all_updates();
   void wait_pending();
 
   Model& model_;
@@ -125,6 +155,11 @@ class ZeroDataParallel final : public UnitRunner {
   int64_t overlapped_reductions_ = 0;
   bool offload_to_host_ = false;                   // master and optimizer states in host memory
   torch::Device device_{torch::kCPU};              // where the working parameters compute
+  bool gradients_down_in_backward_ = false;        // offload on a GPU: send_gradient_down
+  double offload_buffer_bytes_ = 0;
+  bool update_launched_ = false;                   // delayed update: a host update whose parameters have not gone up
+  std::unique_ptr<CopyStream> down_stream_, up_stream_;
+  UnitWorker worker_;  // last member: destroyed first, so its tasks never outlive what they use
 };
 
 }  // namespace dsrun

@@ -28,9 +28,12 @@ ModelStateBytes plan_model_states_per_rank(const ModelStateOptions& o) {
     // ZeRO-Offload: master weights and optimizer states live on the host, with the gradient shard
     // in the working dtype that the fused host step reads. fp32 training has no separate master
     // copy on the device, but the host step needs the weights.
-    // On GPU ranks two pinned buffers of the shard in the working dtype: the gradient coming down
-    // and (unless the parameter shard itself lives on the host) the parameters going up.
-    const double staging = o.same_memory ? 0 : shard * e * (o.offload == Offload::OptimizerAndParams ? 1 : 2);
+    // Buffers of the shard in the working dtype (pinned on GPU ranks): the gradient, copied out of
+    // the reduction so that the host step can read it beside the next step (the delayed update
+    // keeps two); and on GPU ranks, unless the parameter shard itself lives on the host, the
+    // parameters going up (the delayed update needs that one on CPU ranks too).
+    const bool upload = o.same_memory ? o.delayed_update : o.offload != Offload::OptimizerAndParams;
+    const double staging = shard * e * ((o.delayed_update ? 2 : 1) + (upload ? 1 : 0));
     b.host = b.master + b.optimizer + staging + (mixed ? 0 : shard * 4);
     b.master = b.optimizer = 0;
   }
@@ -103,6 +106,7 @@ class Planner {
     o.momentum = r_.optimizer.momentum;
     o.offload = r_.parallel.offload;
     o.same_memory = hw.ranks_share_memory();
+    o.delayed_update = r_.parallel.delayed_update;
     MemoryBreakdown& m = ev.memory;
     m.states = plan_model_states_per_rank(o);
     m.activations = l.micro * (l.checkpointing ? cost_.checkpointed_activation_bytes_per_sample : cost_.activation_bytes_per_sample);
@@ -453,6 +457,29 @@ class Planner {
     return p.hardware_flops_per_step / dp_ / (p.peak_flops * r_.hardware.matmul_efficiency);
   }
 
+  // The offload pipeline (docs/plan.md): gradients come down unit by unit during backward; the
+  // host step starts once their norm is known and runs unit by unit in forward order, each unit's
+  // parameters going up as soon as they are written, and the next forward waits for each unit
+  // (so it overlaps the host step's tail). The delayed update runs the whole host step beside the
+  // next step's compute instead. ZeRO-3 parameter fetches from the host are not hidden.
+  double hidden_offload_seconds(const Plan& p, double shard, double e) const {
+    const double link = r_.hardware.host_link_bandwidth;
+    const double forward = p.compute_seconds / 3, backward = p.compute_seconds - forward;
+    const double down = shard * e / link;
+    const double up = p.offload == Offload::OptimizerAndParams ? 0 : shard * e / link;
+    const double fetch = std::max(0.0, p.offload_seconds - down - up);
+    const double host = p.optimizer_seconds;
+    const double exposed_down = std::max(0.0, down - backward);
+    double exposed = 0;
+    if (r_.parallel.delayed_update) {
+      const double device_side = p.compute_seconds + p.exposed_comm_seconds + exposed_down + std::max(0.0, up - forward) + fetch;
+      exposed = std::max(device_side, host) - p.compute_seconds - p.exposed_comm_seconds;
+    } else {
+      exposed = exposed_down + std::max(0.0, std::max(host, up) - forward) + fetch;
+    }
+    return std::max(0.0, host + p.offload_seconds - exposed);
+  }
+
   void predict_time(Plan& p) {
     p.compute_seconds = compute_seconds(p);
     // The optimizer step is memory-bound. Per parameter of the shard it reads and writes the fp32
@@ -463,13 +490,12 @@ class Planner {
     int states = r_.optimizer.kind == OptimizerKind::Sgd ? (r_.optimizer.momentum > 0 ? 1 : 0) : 2;
     double touched = 8 + 8.0 * states + e + (mixed ? e : 0);
     const double shard = p.zero_stage >= 1 ? std::ceil(cost_.params / dp_) : cost_.params;
-    // Offloaded, the step runs on the host, whose memory bandwidth the node's ranks share. The
-    // gradients come down, the step runs, the parameters go up, one after the other (the engine
-    // does not pipeline them yet: docs/plan.md).
+    // Offloaded, the step runs on the host, whose memory bandwidth the node's ranks share.
     const bool host_step = p.offload != Offload::None && r_.hardware.device == Device::Cuda;
     const double bandwidth = host_step ? r_.hardware.host_memory_bandwidth / ranks_per_node_ : r_.hardware.memory_bandwidth;
     p.optimizer_seconds = shard * touched / bandwidth;
-    p.step_seconds = p.compute_seconds + p.exposed_comm_seconds + p.optimizer_seconds + p.offload_seconds;
+    p.offload_hidden_seconds = host_step ? hidden_offload_seconds(p, shard, e) : 0;
+    p.step_seconds = p.compute_seconds + p.exposed_comm_seconds + p.optimizer_seconds + p.offload_seconds - p.offload_hidden_seconds;
     p.tokens_per_second = p.tokens_per_step / p.step_seconds;
     p.mfu = p.model_flops_per_step / (p.step_seconds * p.peak_flops * p.world_size);
     p.total_seconds = p.step_seconds * static_cast<double>(r_.run.steps);

@@ -26,7 +26,8 @@ struct ModelStateOptions {
   OptimizerKind optimizer = OptimizerKind::AdamW;
   double momentum = 0.9;  // SGD: 0 keeps no momentum buffer
   Offload offload = Offload::None;
-  bool same_memory = false;  // CPU ranks: the offloaded step reads the gradient where it is (no host copy)
+  bool same_memory = false;  // CPU ranks: host and device are one memory (the parameters are written in place)
+  bool delayed_update = false;  // offload: a second gradient staging buffer, and a separate upload buffer
 };
 ModelStateBytes plan_model_states_per_rank(const ModelStateOptions& o);
 
@@ -100,6 +101,7 @@ struct Plan {
   double hardware_flops_per_step = 0;    // all ranks, recomputation included
   double model_flops_per_step = 0;       // all ranks, the MFU numerator
   double compute_seconds = 0, optimizer_seconds = 0, offload_seconds = 0;
+  double offload_hidden_seconds = 0;     // of optimizer + offload: what runs beside the device's compute
   double step_seconds = 0, tokens_per_second = 0, mfu = 0, total_seconds = 0;
   int64_t steps = 0;
 

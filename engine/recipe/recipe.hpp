@@ -97,6 +97,7 @@ struct ParallelOptions {
   std::optional<int> data_parallel;  // nullopt: auto
   std::optional<int> zero_stage;     // nullopt: auto
   Offload offload = Offload::None;
+  bool delayed_update = false;  // offload: the host step of step t runs beside step t+1 (docs/plan.md)
   Checkpointing activation_checkpointing = Checkpointing::None;
   double bucket_bytes = 25e6;
 };

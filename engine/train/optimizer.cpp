@@ -72,10 +72,7 @@ void ShardOptimizer::fused_adam_step(double lr) {
 }
 
 
-// Every shard cut into chunks of at most kHostChunk elements, split where weight decay starts or
-// ends; the pool runs them in any order (chunks are disjoint).
-void ShardOptimizer::host_step(double lr) {
-  constexpr int64_t kHostChunk = 1 << 16;
+HostStep ShardOptimizer::host_step_scalars(double lr) const {
   HostStep st;
   st.rule = o_.kind == OptimizerKind::AdamW ? HostRule::AdamW : o_.kind == OptimizerKind::Adam ? HostRule::Adam : HostRule::Sgd;
   st.lr = lr;
@@ -86,9 +83,14 @@ void ShardOptimizer::host_step(double lr) {
   st.momentum = o_.momentum;
   st.nesterov = o_.nesterov;
   st.t = t_;
-  std::vector<HostChunk> chunks;
+  return st;
+}
+
+std::vector<std::vector<HostChunk>> ShardOptimizer::host_chunks() const {
+  constexpr int64_t kHostChunk = 1 << 16;
+  std::vector<std::vector<HostChunk>> all(shards_.size());
   for (size_t k = 0; k < shards_.size(); ++k) {
-    MasterShard& s = shards_[k];
+    const MasterShard& s = shards_[k];
     DSRUN_ASSERT(s.grad.device().is_cpu() && s.grad.is_contiguous() && s.master.is_contiguous(), "host gradient and shard, contiguous");
     const HostDType grad_dtype = host_dtype(s.grad);
     const auto* grad = static_cast<const char*>(s.grad.data_ptr());
@@ -109,7 +111,7 @@ void ShardOptimizer::host_step(double lr) {
         }
         c.n = std::min(kHostChunk, end - at);
         c.decay = decay;
-        chunks.push_back(c);
+        all[k].push_back(c);
       }
     };
     int64_t at = 0;
@@ -120,8 +122,28 @@ void ShardOptimizer::host_step(double lr) {
     }
     add(at, s.master.numel(), false);
   }
+  return all;
+}
+
+// The chunks are disjoint: the pool runs them in any order.
+void ShardOptimizer::host_step(double lr) {
+  const HostStep st = host_step_scalars(lr);
+  std::vector<HostChunk> chunks;
+  for (auto& shard : host_chunks()) chunks.insert(chunks.end(), shard.begin(), shard.end());
   pool_.run(static_cast<int64_t>(chunks.size()), [&](int64_t i) { host_optimizer_step(chunks[static_cast<size_t>(i)], st); });
   for (auto& s : shards_) s.params_written = s.param_out.defined();
+}
+
+std::function<void(size_t)> ShardOptimizer::host_update(double lr) {
+  DSRUN_ASSERT(!shards_.empty() && shards_[0].master.device().is_cpu(), "host_update is for master weights in host memory");
+  ++t_;
+  auto chunks = std::make_shared<std::vector<std::vector<HostChunk>>>(host_chunks());
+  const HostStep st = host_step_scalars(lr);
+  for (auto& s : shards_) s.params_written = s.param_out.defined();
+  return [this, chunks, st](size_t k) {
+    const std::vector<HostChunk>& mine = chunks->at(k);
+    pool_.run(static_cast<int64_t>(mine.size()), [&](int64_t i) { host_optimizer_step(mine[static_cast<size_t>(i)], st); });
+  };
 }
 
 void ShardOptimizer::step(double lr) {

@@ -9,6 +9,7 @@
 
 #include <torch/torch.h>
 
+#include <functional>
 #include <vector>
 
 namespace dsrun {
@@ -18,6 +19,10 @@ class ShardOptimizer {
   // host_threads: threads of the fused host step (1 on CPU ranks, whose cores compute).
   ShardOptimizer(const OptimizerOptions& options, std::vector<MasterShard>& shards, int host_threads = 1);
   void step(double lr);  // uses each shard's grad; updates master in place
+  // Host masters: the same step as step(lr), returned as one task per shard to run later (on
+  // ZeroDataParallel's worker, shard by shard, while the next forward starts). It reads each
+  // shard's grad, factors and param_out as they are now; the step counter advances now.
+  std::function<void(size_t)> host_update(double lr);
   double state_bytes() const;
   int64_t steps_taken() const { return t_; }
 
@@ -31,7 +36,11 @@ class ShardOptimizer {
   OptimizerOptions o_;
   std::vector<MasterShard>& shards_;
   void fused_adam_step(double lr);  // libtorch's fused kernel (2.x); step() falls back to the plain expressions
-  void host_step(double lr);        // shards in host memory: host_optimizer_step over chunks, on the pool
+  // Shards in host memory: host_optimizer_step over chunks of at most 64K elements, split where
+  // weight decay starts or ends; chunks[k] are shard k's.
+  std::vector<std::vector<HostChunk>> host_chunks() const;
+  void host_step(double lr);
+  HostStep host_step_scalars(double lr) const;
   HostThreadPool pool_;
   std::vector<torch::Tensor> m_, v_;  // Adam: first and second moments; SGD: m_ is the momentum
   int64_t t_ = 0;

@@ -152,12 +152,14 @@ class Trainer {
     zo.activation_checkpointing = plan_.activation_checkpointing;
     zo.offload = plan_.offload != Offload::None;
     zo.offload_params = plan_.offload == Offload::OptimizerAndParams;
+    zo.delayed_update = r_.parallel.delayed_update;
     zo.bucket_bytes = r_.parallel.bucket_bytes;
     zo.device = device_;
     zero_ = std::make_unique<ZeroDataParallel>(*model_, *comm_, zo);
     // The host step of offloaded GPU ranks gets this rank's share of the node's cores; CPU ranks
     // compute on theirs, one thread each.
-    const int host_threads = device_.is_cuda() && plan_.offload != Offload::None ? std::max(1, read_host_facts().cpu_cores / std::max(1, ctx_.local_world)) : 1;
+    // One core stays with the thread that launches the GPU's work while the host step runs.
+    const int host_threads = device_.is_cuda() && plan_.offload != Offload::None ? std::max(1, read_host_facts().cpu_cores / std::max(1, ctx_.local_world) - 1) : 1;
     optimizer_ = std::make_unique<ShardOptimizer>(r_.optimizer, zero_->shards(), host_threads);
     if (plan_.dtype == DType::Fp16) scaler_ = std::make_unique<DynamicLossScaler>(r_.precision.loss_scale);
     data_ = open_dataset(r_.data, r_.model, r_.batch.seq_len, r_.run.seed);
@@ -332,6 +334,7 @@ class Trainer {
       if (!overflow) zero_->scale_gradients(1.0 / loss_scale);
     }
     const double grad_norm = overflow ? 0.0 : zero_->global_grad_norm();
+    const double backward_end_seconds = seconds_since(t0);  // the norm waited for the device
 
     // Metrics averaged over ranks (every rank has the same number of samples), with the signal flags.
     torch::Tensor totals = torch::tensor({loss_sum / accumulation, aux_sum / accumulation, static_cast<double>(correct),
@@ -373,13 +376,23 @@ class Trainer {
     const bool skipped = overflow || hook_skip;
     if (!skipped && !outcome.hook_failed) {
       if (r_.optimizer.grad_clip > 0 && grad_norm > r_.optimizer.grad_clip) zero_->scale_gradients(r_.optimizer.grad_clip / (grad_norm + 1e-6));
-      optimizer_->step(lr);
+      if (zero_->host_update_pipelined()) zero_->start_host_update(optimizer_->host_update(lr));
+      else optimizer_->step(lr);
     }
     if (hook_skip) ++hook_skipped_steps_;
     zero_->after_step();
 
+    const ZeroDataParallel::OffloadTimes offload_times = zero_->take_offload_times();
     if (ctx_.rank != 0) return outcome;
     const double step_seconds = seconds_since(t0);
+    // Where the step's time went (docs/plan.md): until the gradients' norm (forward, backward,
+    // reductions, the device finishing), and with offload the host update (previous step's,
+    // beside this one's compute) and the time compute waited for it.
+    metrics["backward_end_seconds"] = backward_end_seconds;
+    if (plan_.offload != Offload::None) {
+      metrics["host_update_seconds"] = offload_times.host_update_s;
+      metrics["host_update_wait_seconds"] = offload_times.waited_s;
+    }
     metrics["lr"] = lr;
     metrics["step_seconds"] = step_seconds;
     metrics["tokens_per_second"] = static_cast<double>(items) * ctx_.world / step_seconds;
@@ -437,7 +450,7 @@ class Trainer {
   // Model states this rank holds, measured from its tensors, beside the plan's prediction; on a GPU
   // also the caching allocator's peak, beside the plan's total.
   void report_memory() {
-    const double measured = zero_->parameter_and_gradient_bytes() + zero_->master_bytes() + optimizer_->state_bytes();
+    const double measured = zero_->parameter_and_gradient_bytes() + zero_->master_bytes() + zero_->offload_buffer_bytes() + optimizer_->state_bytes();
     const double predicted = plan_.memory.states.device_total() + plan_.memory.states.host;
     nlohmann::json m = {{"type", "memory"}, {"model_state_bytes", measured}, {"predicted_model_state_bytes", predicted},
                         {"peak_rss_bytes", peak_rss_bytes()}, {"predicted_total_bytes", plan_.memory.total()},

@@ -1,0 +1,96 @@
+#include "engine/parallel/copy_stream.hpp"
+
+#ifdef DSRUN_WITH_CUDA
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include <optional>
+
+namespace dsrun {
+
+#ifdef DSRUN_WITH_CUDA
+struct CopyEvent::Impl {
+  at::cuda::CUDAEvent event;
+  c10::DeviceIndex device = 0;
+};
+struct CopyStream::Impl {
+  std::optional<c10::cuda::CUDAStream> stream;  // empty: not a CUDA device
+  c10::DeviceIndex device = 0;
+};
+#else
+struct CopyEvent::Impl {};
+struct CopyStream::Impl {};
+#endif
+
+CopyEvent::CopyEvent() = default;
+CopyEvent::~CopyEvent() = default;
+CopyEvent::CopyEvent(const CopyEvent&) = default;
+CopyEvent& CopyEvent::operator=(const CopyEvent&) = default;
+
+void CopyEvent::block_current() const {
+#ifdef DSRUN_WITH_CUDA
+  if (impl_) impl_->event.block(c10::cuda::getCurrentCUDAStream(impl_->device));
+#endif
+}
+
+void CopyEvent::synchronize() const {
+#ifdef DSRUN_WITH_CUDA
+  if (impl_) impl_->event.synchronize();
+#endif
+}
+
+CopyStream::CopyStream(torch::Device device) : impl_(std::make_unique<Impl>()) {
+#ifdef DSRUN_WITH_CUDA
+  if (device.is_cuda()) {
+    impl_->device = device.index() < 0 ? c10::cuda::current_device() : device.index();
+    impl_->stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, impl_->device);
+  }
+#else
+  (void)device;
+#endif
+}
+
+CopyStream::~CopyStream() = default;
+
+void CopyStream::follow_current() {
+#ifdef DSRUN_WITH_CUDA
+  if (!impl_->stream) return;
+  at::cuda::CUDAEvent queued;
+  queued.record(c10::cuda::getCurrentCUDAStream(impl_->device));
+  queued.block(*impl_->stream);
+#endif
+}
+
+void CopyStream::run(const std::function<void()>& fn) {
+#ifdef DSRUN_WITH_CUDA
+  if (impl_->stream) {
+    c10::cuda::CUDAStreamGuard on_this_stream(*impl_->stream);
+    fn();
+    return;
+  }
+#endif
+  fn();
+}
+
+void CopyStream::keep_alive(const torch::Tensor& t) {
+#ifdef DSRUN_WITH_CUDA
+  if (impl_->stream && t.defined() && t.is_cuda()) t.record_stream(*impl_->stream);
+#else
+  (void)t;
+#endif
+}
+
+CopyEvent CopyStream::record() {
+  CopyEvent e;
+#ifdef DSRUN_WITH_CUDA
+  if (!impl_->stream) return e;
+  e.impl_ = std::make_shared<CopyEvent::Impl>();
+  e.impl_->device = impl_->device;
+  e.impl_->event.record(*impl_->stream);
+#endif
+  return e;
+}
+
+}  // namespace dsrun

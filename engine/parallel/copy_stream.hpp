@@ -1,0 +1,51 @@
+// Host <-> GPU copies on a stream of their own, ordered against the compute stream by events.
+// On CPU ranks (and CPU-only builds) nothing crosses a bus: every call runs inline, every event is complete.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <functional>
+#include <memory>
+
+namespace dsrun {
+
+// A point in a stream's queued work. Default-constructed (or on the CPU): already complete.
+class CopyEvent {
+ public:
+  CopyEvent();
+  ~CopyEvent();
+  CopyEvent(const CopyEvent&);
+  CopyEvent& operator=(const CopyEvent&);
+  // The calling thread's current stream waits for it (on the GPU; the CPU goes on).
+  void block_current() const;
+  // The calling thread waits for it.
+  void synchronize() const;
+
+ private:
+  friend class CopyStream;
+  struct Impl;
+  std::shared_ptr<Impl> impl_;
+};
+
+class CopyStream {
+ public:
+  explicit CopyStream(torch::Device device);  // a CUDA device gets a stream of its own; others are inert
+  ~CopyStream();
+  CopyStream(const CopyStream&) = delete;
+  CopyStream& operator=(const CopyStream&) = delete;
+  // This stream waits for what the calling thread's current stream has queued so far.
+  void follow_current();
+  // Runs fn with this stream as the current one: the copies and kernels it queues go here.
+  void run(const std::function<void()>& fn);
+  // The caching allocator keeps t's memory until this stream's queued work is done (tensors made
+  // on the compute stream and read here).
+  void keep_alive(const torch::Tensor& t);
+  // Marks what is queued on this stream now.
+  CopyEvent record();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace dsrun
