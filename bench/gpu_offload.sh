@@ -39,7 +39,7 @@ run --set parallel.zero_stage=2 --set run.name=offload-none-zero2
 run --set parallel.zero_stage=2 --set parallel.offload=optimizer --set run.name=offload-optimizer-zero2
 run --set parallel.zero_stage=2 --set parallel.offload=optimizer --set parallel.delayed_update=true --set run.name=offload-optimizer-zero2-delayed
 run --set parallel.zero_stage=3 --set parallel.offload=optimizer+params --set run.name=offload-params-zero3
-run --set parallel.zero_stage=3 --set parallel.offload=optimizer --set parallel.delayed_update=true --set run.name=offload-optimizer-zero3-delayed
+run --set parallel.zero_stage=3 --set parallel.offload=optimizer+params --set parallel.delayed_update=true --set run.name=offload-params-zero3-delayed
 python3 bench/gpu_summary.py "$db" | tee "$out/summary.txt"
 cat "$out/probe.txt" >> "$out/summary.txt"
 grep -E "host memory|verdict|fits" "$out/runs.log" | head -20

@@ -627,6 +627,9 @@ TEST_CASE("CUDA: the offload pipeline (gradients down in backward, host update b
     if (stage == 3) {
       std::vector<double> params_too = train(3, true, true, false);
       for (size_t i = 0; i < device.size(); ++i) CHECK(params_too[i] == Approx(offloaded[i]).epsilon(1e-6));
+      std::vector<double> params_delayed = train(3, true, true, true);
+      std::vector<double> delayed = train(3, true, false, true);
+      for (size_t i = 0; i < device.size(); ++i) CHECK(params_delayed[i] == Approx(delayed[i]).epsilon(1e-6));
     }
     std::vector<double> delayed = train(stage, true, false, true);
     CHECK(delayed[0] == Approx(offloaded[0]).epsilon(1e-6));

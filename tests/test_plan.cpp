@@ -142,6 +142,10 @@ TEST_CASE("shards that do not divide are padded, and offload moves optimizer sta
   b = plan_model_states_per_rank(o);
   CHECK(b.params == 0);
   CHECK(b.device_total() == Approx(2 * 1e9 / 4));  // only the bf16 gradient shard stays
+  CHECK(b.host == Approx((12 + 2 + 2) * 1e9 / 4));  // + the bf16 parameter shard and the gradient staging
+  o.delayed_update = true;  // + a second gradient staging and a buffer the host step writes the next parameters into
+  CHECK(plan_model_states_per_rank(o).host == Approx((12 + 2 + 2 + 2 + 2) * 1e9 / 4));
+  o.delayed_update = false;
 
   o.offload = Offload::None;
   o.optimizer = OptimizerKind::Sgd;

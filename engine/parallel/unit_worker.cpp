@@ -65,6 +65,12 @@ void UnitWorker::wait_all() {
   if (thread_.joinable()) wait(units_ == 0 ? 0 : units_ - 1);
 }
 
+bool UnitWorker::finished(size_t unit) {
+  if (!thread_.joinable()) return true;
+  std::lock_guard<std::mutex> lock(mutex_);
+  return done_ > unit && !error_;
+}
+
 double UnitWorker::take_wait_seconds() {
   std::lock_guard<std::mutex> lock(mutex_);
   double s = wait_seconds_;

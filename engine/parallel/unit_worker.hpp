@@ -23,6 +23,8 @@ class UnitWorker {
   // Returns once task(unit) has finished; rethrows the error of any task up to it (later units never run).
   void wait(size_t unit);
   void wait_all();
+  // Whether task(unit) has finished, without waiting (false once a task failed: wait() reports it).
+  bool finished(size_t unit);
   bool running() const { return thread_.joinable(); }
   // Seconds the last finished run took on the worker, and seconds callers spent waiting since the last call.
   double last_run_seconds() const { return last_run_seconds_; }

@@ -105,6 +105,8 @@ struct ZeroDataParallel::Unit {
   Tensor param_shard;  // stage 3: this rank's slice of the working parameters
   Tensor grad_acc;     // stage 0-1: [padded], the parameters' .grad are views of it; stage 2-3: [shard]; compute dtype
   Tensor reduced;      // stage 1: this rank's reduced shard of grad_acc, once the last micro-batch's reduction is done
+  Tensor prefetched;   // stage 3, parameter shards on the host: this unit's shard already on its way to the device
+  CopyEvent prefetch_done;
   bool gathered = false;
   bool gathered_for_backward = false;
   bool always_gets_gradients = true;  // may start its reduction from the gradient-ready hooks
@@ -133,7 +135,7 @@ ZeroDataParallel::ZeroDataParallel(Model& model, Communicator& comm, const ZeroO
   // when there is a GPU). On CPU ranks host and device are one memory: the same code path runs,
   // with separate host copies, and nothing crosses a bus.
   offload_to_host_ = options.offload;
-  DSRUN_ASSERT(!options.delayed_update || (options.offload && !options.offload_params), "the delayed update is validated by the recipe");
+  DSRUN_ASSERT(!options.delayed_update || options.offload, "the delayed update is validated by the recipe");
   gradients_down_in_backward_ = offload_to_host_ && device.is_cuda();
   down_stream_ = std::make_unique<CopyStream>(device);
   up_stream_ = std::make_unique<CopyStream>(device);
@@ -265,14 +267,36 @@ ZeroDataParallel::~ZeroDataParallel() {
   }
 }
 
-void ZeroDataParallel::gather(Unit& u) {
+void ZeroDataParallel::gather(Unit& u, int direction) {
   if (u.gathered) return;
   torch::NoGradGuard no_grad;
   u.full = torch::empty({u.padded}, u.param_shard.options().device(device_).pinned_memory(false));
-  Tensor shard = u.param_shard.device() == device_ ? u.param_shard : u.param_shard.to(device_, /*non_blocking=*/true);
+  Tensor shard;
+  if (u.prefetched.defined()) {
+    u.prefetch_done.block_current();
+    shard = std::move(u.prefetched);
+  } else {
+    shard = u.param_shard.device() == device_ ? u.param_shard : u.param_shard.to(device_, /*non_blocking=*/true);
+  }
   comm_.all_gather(shard, u.full);
   for (size_t i = 0; i < u.params.size(); ++i) u.params[i].set_data(u.full.narrow(0, u.offsets[i], u.numels[i]).view(u.shapes[i]));
   u.gathered = true;
+  // Parameter shards in host memory: the next unit's comes up on up_stream_ while this one computes
+  // (forward: the next unit; backward: the previous), once its host update is done.
+  const int64_t next_index = static_cast<int64_t>(u.index) + direction;
+  if (!options_.offload_params || !device_.is_cuda() || next_index < 0 || next_index >= static_cast<int64_t>(units_.size())) return;
+  Unit& next = *units_[static_cast<size_t>(next_index)];
+  if (next.gathered || next.prefetched.defined()) return;
+  if (next.awaiting_update) {
+    if (!options_.delayed_update && !worker_.finished(next.index)) return;  // not written yet: no waiting here
+    await_update(next);
+  }
+  Tensor buffer = torch::empty({next.shard}, next.param_shard.options().device(device_).pinned_memory(false));
+  up_stream_->follow_current();  // the buffer's memory was last used by the compute stream
+  up_stream_->run([&] { buffer.copy_(next.param_shard, /*non_blocking=*/true); });
+  up_stream_->keep_alive(buffer);
+  next.prefetch_done = up_stream_->record();
+  next.prefetched = buffer;
 }
 
 void ZeroDataParallel::release(Unit& u) {
@@ -290,7 +314,7 @@ Tensors ZeroDataParallel::run(int index, const UnitFn& fn, const Tensors& inputs
   const bool stage3 = options_.stage == 3;
   const bool grad = torch::GradMode::is_enabled();
   await_update(u);
-  if (stage3) gather(u);
+  if (stage3) gather(u, +1);
   forward_stack_.push_back(index);
   Tensors out;
   if (options_.activation_checkpointing && u.checkpointable && grad) {
@@ -312,7 +336,7 @@ Tensors ZeroDataParallel::run(int index, const UnitFn& fn, const Tensors& inputs
         o.register_hook([this, index](const Tensor& g) {
           Unit& unit = *units_[index];
           if (!unit.gathered) {
-            gather(unit);
+            gather(unit, -1);
             unit.gathered_for_backward = true;
           }
           return g;
@@ -403,6 +427,15 @@ void ZeroDataParallel::upload_parameters(Unit& u) {
   Tensor slot = options_.stage == 3 ? u.param_shard : u.full.narrow(0, u.shard_begin, u.shard);
   if (!m.param_out.defined() || m.param_out.data_ptr() == slot.data_ptr()) {  // written in place
     u.up = CopyEvent();
+    return;
+  }
+  if (options_.offload_params) {
+    // The delayed update with the parameter shard in host memory: the buffer the host step wrote
+    // becomes the shard, and the old shard the next update's buffer, once the device has stopped
+    // reading it (the event marks the compute queued so far).
+    std::swap(u.param_shard, m.param_out);
+    up_stream_->follow_current();
+    u.up = up_stream_->record();
     return;
   }
   up_stream_->run([&] {

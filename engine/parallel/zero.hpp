@@ -24,7 +24,7 @@ struct ZeroOptions {
   bool offload = false;                   // fp32 master weights and optimizer states on the host
   bool offload_params = false;            // stage 3: the parameter shards on the host too
   // Offload: the host step of step t runs while step t+1 computes, on the parameters from before
-  // it (ZeRO-Offload's one-step delayed parameter update). Not with offload_params.
+  // it (ZeRO-Offload's one-step delayed parameter update).
   bool delayed_update = false;
   double bucket_bytes = 25e6;             // stage 0 all-reduce granularity
   torch::Device device = torch::kCPU;     // where a deferred model's units are built (otherwise: its parameters' device)
@@ -129,7 +129,7 @@ class ZeroDataParallel final : public UnitRunner {
 
  private:
   struct Unit;
-  void gather(Unit& u);
+  void gather(Unit& u, int direction);  // direction: +1 in forward, -1 in backward (which unit to prefetch)
   void release(Unit& u);
   void on_gradient_ready(size_t unit);  // an AccumulateGrad of one of the unit's parameters finished
   void start_reduction(Unit& u, bool during_backward);

@@ -31,8 +31,8 @@ ModelStateBytes plan_model_states_per_rank(const ModelStateOptions& o) {
     // Buffers of the shard in the working dtype (pinned on GPU ranks): the gradient, copied out of
     // the reduction so that the host step can read it beside the next step (the delayed update
     // keeps two); and on GPU ranks, unless the parameter shard itself lives on the host, the
-    // parameters going up (the delayed update needs that one on CPU ranks too).
-    const bool upload = o.same_memory ? o.delayed_update : o.offload != Offload::OptimizerAndParams;
+    // parameters going up (the delayed update always has one: parameters change between steps).
+    const bool upload = o.delayed_update || (!o.same_memory && o.offload != Offload::OptimizerAndParams);
     const double staging = shard * e * ((o.delayed_update ? 2 : 1) + (upload ? 1 : 0));
     b.host = b.master + b.optimizer + staging + (mixed ? 0 : shard * 4);
     b.master = b.optimizer = 0;
@@ -461,13 +461,14 @@ class Planner {
   // host step starts once their norm is known and runs unit by unit in forward order, each unit's
   // parameters going up as soon as they are written, and the next forward waits for each unit
   // (so it overlaps the host step's tail). The delayed update runs the whole host step beside the
-  // next step's compute instead. ZeRO-3 parameter fetches from the host are not hidden.
+  // next step's compute instead. ZeRO-3 parameter fetches from the host are prefetched a unit
+  // ahead: hidden behind compute where they take less time than it.
   double hidden_offload_seconds(const Plan& p, double shard, double e) const {
     const double link = r_.hardware.host_link_bandwidth;
     const double forward = p.compute_seconds / 3, backward = p.compute_seconds - forward;
     const double down = shard * e / link;
     const double up = p.offload == Offload::OptimizerAndParams ? 0 : shard * e / link;
-    const double fetch = std::max(0.0, p.offload_seconds - down - up);
+    const double fetch = std::max(0.0, p.offload_seconds - down - up - p.compute_seconds);
     const double host = p.optimizer_seconds;
     const double exposed_down = std::max(0.0, down - backward);
     double exposed = 0;

@@ -208,10 +208,9 @@ void build_parallel(Builder& c, Recipe& r) {
   if (p.zero_stage && p.offload == Offload::Optimizer && *p.zero_stage == 0)
     c.error("parallel.offload", "offloading the optimizer needs ZeRO stage 1, 2 or 3 (ZeRO-Offload moves the optimizer shards)",
             "set parallel.zero_stage to 1, 2 or 3 (or \"auto\"), or offload = \"none\"", {"parallel.zero_stage"});
-  if (p.delayed_update && p.offload != Offload::Optimizer)
-    c.error("parallel.delayed_update", p.offload == Offload::None ? "the delayed update is a way of running an offloaded optimizer, and nothing is offloaded"
-                                                                 : "the delayed update needs the parameters on the device while the host updates its copy; offload = \"optimizer+params\" keeps them on the host",
-            "set parallel.offload = \"optimizer\", or delayed_update = false", {"parallel.offload"});
+  if (p.delayed_update && p.offload == Offload::None)
+    c.error("parallel.delayed_update", "the delayed update is a way of running an offloaded optimizer, and nothing is offloaded",
+            "set parallel.offload = \"optimizer\" (or \"optimizer+params\"), or delayed_update = false", {"parallel.offload"});
 }
 
 void build_precision(Builder& c, Recipe& r) {

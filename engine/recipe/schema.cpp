@@ -107,7 +107,7 @@ std::vector<KeySpec> build_schema() {
              "Keep optimizer states (and with ZeRO-3 parameters) in host memory."),
       key("parallel.delayed_update", T::Bool, "false",
           "Offload: run step t's host optimizer step while step t+1 computes, on the parameters from before it "
-          "(ZeRO-Offload's one-step delayed parameter update, DPU). Faster; each step's gradients are one update stale. Needs offload = \"optimizer\"."),
+          "(ZeRO-Offload's one-step delayed parameter update, DPU). Faster; each step's gradients are one update stale. Needs parallel.offload."),
       choice("parallel.activation_checkpointing", "none", {"none", "full", "auto"},
              "Recompute each block's activations in backward. `auto`: only when activations would not fit."),
       ranged("parallel.bucket_mb", T::Float, "25", 0.001, 1e6, "Gradient bucket size in MB for ZeRO-0's all-reduce (stages 1-3 reduce per unit)."),

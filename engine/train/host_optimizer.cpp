@@ -4,11 +4,13 @@
 #include <cstring>
 
 // Each loop below is compiled for AVX-512, AVX2 (with F16C and FMA) and baseline x86-64, and the
-// loader picks the best the CPU has. The file is built with -ffp-contract=off: a multiply-add is
+// loader picks the best the CPU has. The clones name ISA levels (x86-64-v4, -v3), which dispatch on
+// the CPU's features: named CPUs ("arch=haswell") dispatch on the CPU's model, so an AMD EPYC or
+// any Intel newer than the one named got the baseline loop, where every fma is a library call. The file is built with -ffp-contract=off: a multiply-add is
 // fused exactly where torch's vectorised kernels fuse it (add with alpha, addcmul), written as
 // std::fma, and nowhere else, so every clone gives the same bits.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define DSRUN_CLONES __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
+#define DSRUN_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define DSRUN_CLONES
 #endif
