@@ -1,6 +1,12 @@
 #include "engine/parallel/copy_stream.hpp"
 
+#include "engine/common/error.hpp"
+
+#include <algorithm>
+#include <cstdlib>
+
 #ifdef DSRUN_WITH_CUDA
+#include <cuda_runtime_api.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -23,6 +29,26 @@ struct CopyStream::Impl {
 struct CopyEvent::Impl {};
 struct CopyStream::Impl {};
 #endif
+
+torch::Tensor pinned_host_tensor(int64_t numel, torch::ScalarType dtype) {
+#ifdef DSRUN_WITH_CUDA
+  const size_t bytes = std::max<size_t>(1, static_cast<size_t>(numel) * c10::elementSize(dtype));
+  void* p = nullptr;
+  if (::posix_memalign(&p, 4096, bytes) != 0) throw Error("cannot allocate " + std::to_string(bytes) + " bytes of host memory");
+  const cudaError_t status = ::cudaHostRegister(p, bytes, cudaHostRegisterDefault);
+  if (status != cudaSuccess) {
+    ::free(p);
+    (void)::cudaGetLastError();  // clear it: the error is reported here, not by the next CUDA call
+    throw Error("cannot pin " + std::to_string(bytes) + " bytes of host memory (cudaHostRegister: " + ::cudaGetErrorString(status) + ")");
+  }
+  return torch::from_blob(p, {numel}, [](void* q) {
+    (void)::cudaHostUnregister(q);  // at exit the driver may be gone already; the memory goes either way
+    ::free(q);
+  }, torch::TensorOptions().dtype(dtype));
+#else
+  return torch::empty({numel}, torch::TensorOptions().dtype(dtype));
+#endif
+}
 
 CopyEvent::CopyEvent() = default;
 CopyEvent::~CopyEvent() = default;

@@ -27,6 +27,11 @@ class CopyEvent {
   std::shared_ptr<Impl> impl_;
 };
 
+// numel elements of dtype in page-locked host memory, pinned exactly (CUDA's caching pinned
+// allocator rounds every block up to a power of two: a 27.6 GB block of a 7B model's states takes
+// 32 GB). Without CUDA, ordinary host memory. Throws (naming the bytes) when it cannot be pinned.
+torch::Tensor pinned_host_tensor(int64_t numel, torch::ScalarType dtype);
+
 class CopyStream {
  public:
   explicit CopyStream(torch::Device device);  // a CUDA device gets a stream of its own; others are inert

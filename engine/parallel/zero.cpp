@@ -156,7 +156,7 @@ ZeroDataParallel::ZeroDataParallel(Model& model, Communicator& comm, const ZeroO
     HostBlock& b = blocks[purpose];
     if (!b.block.defined()) {
       try {
-        b.block = torch::empty({all_shards}, t.options().device(torch::kCPU).pinned_memory(device.is_cuda()));
+        b.block = device.is_cuda() ? pinned_host_tensor(all_shards, t.scalar_type()) : torch::empty({all_shards}, t.options().device(torch::kCPU));
       } catch (const std::exception& e) {  // out of (pinnable) host memory: say which setting holds it
         ErrorContext c;
         c.key = "parallel.offload";

@@ -28,7 +28,15 @@ ShardOptimizer::ShardOptimizer(const OptimizerOptions& options, std::vector<Mast
   auto block = [&] {
     if (shards_.empty()) return torch::Tensor();
     const auto& first = shards_[0].master;
-    return torch::zeros({total}, first.options().pinned_memory(first.is_pinned()));
+    if (!first.is_pinned()) return torch::zeros({total}, first.options());
+    try {
+      return pinned_host_tensor(total, torch::kFloat32).zero_();
+    } catch (const std::exception& e) {  // out of pinnable host memory: say which setting holds it
+      ErrorContext c;
+      c.key = "parallel.offload";
+      c.hint = "the plan's host table counts what offload holds; check hardware.host_memory_gib against this machine, or offload less";
+      throw Error("the offloaded optimizer states: " + std::string(e.what()), c);
+    }
   };
   torch::Tensor m_block = !sgd || o_.momentum > 0 ? block() : torch::Tensor(), v_block = !sgd ? block() : torch::Tensor();
   int64_t at = 0;
