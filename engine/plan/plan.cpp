@@ -473,8 +473,10 @@ class Planner {
     const double exposed_down = std::max(0.0, down - backward);
     double exposed = 0;
     if (r_.parallel.delayed_update) {
+      // Beside compute the host step shares host memory with the copies the GPU makes meanwhile.
+      const double host_beside = host + p.offload_seconds * link / (r_.hardware.host_memory_bandwidth / ranks_per_node_);
       const double device_side = p.compute_seconds + p.exposed_comm_seconds + exposed_down + std::max(0.0, up - forward) + fetch;
-      exposed = std::max(device_side, host) - p.compute_seconds - p.exposed_comm_seconds;
+      exposed = std::max(device_side, host_beside) - p.compute_seconds - p.exposed_comm_seconds;
     } else {
       exposed = exposed_down + std::max(0.0, std::max(host, up) - forward) + fetch;
     }
