@@ -108,6 +108,17 @@ Batch token_batch(int64_t b, int64_t s, int64_t vocab, uint64_t seed) {
   return batch;
 }
 
+// One micro-batch on `device` through ZeRO: forward, backward and the reduction; its task loss.
+double reduced_micro_batch(Model& model, ZeroDataParallel& zero, Batch b, torch::Device device = torch::kCPU) {
+  b.inputs = b.inputs.to(device);
+  b.targets = b.targets.to(device);
+  ModelOutput out = model.forward(b, zero);
+  out.loss.backward();
+  zero.after_backward();
+  zero.reduce_gradients();
+  return out.task_loss;
+}
+
 // The gradient norm of one process training `m` (weights from `model_seed`) on one batch.
 double reference_grad_norm(const ModelSpec& m, uint64_t model_seed, uint64_t batch_seed) {
   torch::manual_seed(model_seed);
@@ -454,10 +465,7 @@ TEST_CASE("global-norm clipping sees every shard", "[engine][clip]") {
     zo.stage = 2;
     ZeroDataParallel zero(*model, comm, zo);
     // Same batch on both ranks: the averaged gradient is the one-process gradient.
-    ModelOutput out = model->forward(token_batch(2, 16, m.vocab, 8), zero);
-    out.loss.backward();
-    zero.after_backward();
-    zero.reduce_gradients();
+    reduced_micro_batch(*model, zero, token_batch(2, 16, m.vocab, 8));
     const double sharded = zero.global_grad_norm();
 
     const double ref = reference_grad_norm(m, 7, 8);
@@ -559,14 +567,8 @@ TEST_CASE("CUDA: ZeRO-0 and ZeRO-3 on one GPU give the CPU's loss and gradients"
     ZeroOptions zo;
     zo.stage = stage;
     ZeroDataParallel zero(*model, *comm, zo);
-    Batch b = batch;
-    b.inputs = b.inputs.to(device);
-    b.targets = b.targets.to(device);
-    ModelOutput out = model->forward(b, zero);
-    out.loss.backward();
-    zero.after_backward();
-    zero.reduce_gradients();
-    return std::make_pair(out.task_loss, zero.global_grad_norm());
+    const double loss = reduced_micro_batch(*model, zero, batch, device);
+    return std::make_pair(loss, zero.global_grad_norm());
   };
   auto cpu = run_on(torch::kCPU, 0);
   for (int stage : {0, 3}) {
@@ -602,19 +604,13 @@ TEST_CASE("CUDA: the offload pipeline (gradients down in backward, host update b
     ShardOptimizer opt(oo, zero.shards(), 4);
     std::vector<double> losses;
     for (int step = 0; step < 4; ++step) {
-      Batch b = token_batch(2, 16, m.vocab, 20 + step);
-      b.inputs = b.inputs.to(gpu);
-      b.targets = b.targets.to(gpu);
-      ModelOutput out = model->forward(b, zero);
-      out.loss.backward();
-      zero.after_backward();
-      zero.reduce_gradients();
+      const double loss = reduced_micro_batch(*model, zero, token_batch(2, 16, m.vocab, 20 + step), gpu);
       const double norm = zero.global_grad_norm();
       CHECK(std::isfinite(norm));
       if (zero.host_update_pipelined()) zero.start_host_update(opt.host_update(1e-2));
       else opt.step(1e-2);
       zero.after_step();
-      losses.push_back(out.task_loss);
+      losses.push_back(loss);
     }
     zero.wait_host_update();
     return losses;

@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <cmath>
+#include <iostream>
 #include <map>
 
 namespace dsrun {
@@ -263,7 +264,8 @@ ZeroDataParallel::~ZeroDataParallel() {
   *alive_ = nullptr;
   try {
     worker_.wait_all();
-  } catch (const std::exception&) {  // the run is ending with an error already; this one would hide it
+  } catch (const std::exception& e) {  // reached only while another error unwinds (the trainer waits at its end)
+    std::cerr << "host update failed while the run was ending: " << e.what() << std::endl;
   }
 }
 
@@ -432,9 +434,8 @@ void ZeroDataParallel::upload_parameters(Unit& u) {
   if (options_.offload_params) {
     // The delayed update with the parameter shard in host memory: the buffer the host step wrote
     // becomes the shard, and the old shard the next update's buffer, once the device has stopped
-    // reading it (the event marks the compute queued so far).
+    // reading it (the caller's up_stream_ follows the compute queued so far; the event marks it).
     std::swap(u.param_shard, m.param_out);
-    up_stream_->follow_current();
     u.up = up_stream_->record();
     return;
   }
@@ -465,10 +466,11 @@ void ZeroDataParallel::start_host_update(std::function<void(size_t)> update_unit
   DSRUN_ASSERT(offload_to_host_, "a host update needs offloaded master weights");
   worker_.wait_all();
   const bool delayed = options_.delayed_update;
-  // Uploads go after everything queued so far: the compute that last read the parameters.
-  up_stream_->follow_current();
-  if (!delayed)  // (the delayed update's units await the previous update, flagged by reduce_gradients)
+  if (!delayed) {  // (the delayed update uploads, and flags units to await, in reduce_gradients)
+    // Uploads go after everything queued so far: the compute that last read the parameters.
+    up_stream_->follow_current();
     for (auto& u : units_) u->awaiting_update = true;
+  }
   update_launched_ = delayed;
   worker_.start(units_.size(), [this, update_unit = std::move(update_unit), delayed](size_t k) {
     torch::NoGradGuard no_grad;

@@ -206,6 +206,7 @@ class Trainer {
         break;
       }
     }
+    zero_->wait_host_update();  // the last host update's errors surface here, not in a destructor
     if (hooks_ && !last.hook_failed)
       run_hook([&] { hooks_->on_end(hook_context(done, {}), {{"steps", done}, {"reason", last.stop ? last.why : "finished"}, {"loss", last_loss_}}); });
     comm_->barrier();
