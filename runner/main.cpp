@@ -1,6 +1,7 @@
 // dsrun's entry point: the CLI11 command tree. `dsrun RECIPE` is short for `dsrun run RECIPE`.
 #include "engine/common/error.hpp"
 #include "runner/commands.hpp"
+#include "runner/data_commands.hpp"
 #include "runner/history.hpp"
 #include "runner/report.hpp"
 #include "runner/sweep.hpp"
@@ -15,7 +16,7 @@
 
 namespace {
 
-const char* const kCommands[] = {"run", "plan", "history", "show", "resume", "rollback", "export", "sweep", "compare", "watch", "delete", "restore", "gc", "report", "init", "templates", "docs", "worker"};
+const char* const kCommands[] = {"run", "plan", "history", "show", "resume", "rollback", "export", "sweep", "compare", "watch", "delete", "restore", "gc", "report", "init", "templates", "docs", "worker", "tokenize"};
 
 // `dsrun recipes/x.toml ...` means `dsrun run recipes/x.toml ...`.
 std::vector<std::string> with_default_command(int argc, char** argv) {
@@ -169,6 +170,16 @@ int main(int argc, char** argv) {
   CLI::App* docs = app.add_subcommand("docs", "Print a generated reference page (recipe)");
   docs->add_option("topic", topic, "recipe")->required();
 
+  dsrun::TokenizeArgs tok;
+  CLI::App* tokenize = app.add_subcommand("tokenize", "Print each line of FILE as a JSON array of token ids (--decode: back to text)");
+  tokenize->add_option("--tokenizer", tok.tokenizer, "tokenizer.json, tokenizer.model, or a directory holding one")->required();
+  tokenize->add_option("file", tok.file, "Text file, one document per line; - for standard input");
+  tokenize->add_flag("--special", tok.special, "Add the tokenizer's special tokens (BOS/EOS) around each line");
+  tokenize->add_flag("--decode", tok.decode, "Read arrays of ids, one per line, and print their text");
+  tokenize->add_flag("--skip-special", tok.skip_special, "With --decode: leave special tokens out of the text");
+  tokenize->add_option("--threads", tok.threads, "Threads (default: every core)")->check(CLI::Range(1, 1024));
+  tokenize->add_flag("--stats", tok.stats, "Print lines, tokens and MB/s to standard error");
+
   std::vector<std::string> args = with_default_command(argc, argv);
   std::reverse(args.begin(), args.end());  // CLI11 takes a reversed vector
   try {
@@ -196,6 +207,7 @@ int main(int argc, char** argv) {
     if (*init) return dsrun::command_init(name, template_name, force);
     if (*templates) return dsrun::command_templates();
     if (*docs) return dsrun::command_docs(topic);
+    if (*tokenize) return dsrun::command_tokenize(tok);
   } catch (const dsrun::Error& e) {
     spdlog::error("{}", e.describe());
     return dsrun::kExitError;

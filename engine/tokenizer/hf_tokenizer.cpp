@@ -1,0 +1,1034 @@
+// Hugging Face tokenizer.json: added tokens, normalizers, pre-tokenizers, the BPE model, the
+// post-processor and decoders, each following the `tokenizers` crate (Rust) so ids are identical.
+// Anything in the file dsrun does not implement is an error naming its JSON path.
+#include "engine/common/error.hpp"
+#include "engine/common/files.hpp"
+#include "engine/tokenizer/bpe.hpp"
+#include "engine/tokenizer/regex.hpp"
+#include "engine/tokenizer/tokenizer.hpp"
+#include "engine/tokenizer/unicode.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <functional>
+#include <map>
+#include <set>
+
+namespace dsrun {
+namespace {
+
+using json = nlohmann::json;
+
+// Where in which file, for every error while reading a tokenizer.json.
+struct JsonPlace {
+  const std::string* file;
+  std::string path;  // "pre_tokenizer.pretokenizers[1]"
+  JsonPlace at(const std::string& key) const { return {file, path.empty() ? key : path + "." + key}; }
+  JsonPlace at(size_t index) const { return {file, path + "[" + std::to_string(index) + "]"}; }
+};
+
+[[noreturn]] void fail(const JsonPlace& place, const std::string& message, const std::string& hint) {
+  ErrorContext c;
+  c.file = *place.file;
+  c.key = place.path;
+  c.hint = hint;
+  throw Error(message, c);
+}
+
+[[noreturn]] void unsupported(const JsonPlace& place, const std::string& what) {
+  fail(place, what + " is not supported by dsrun's tokenizer",
+       "use a tokenizer.json without it (docs/tokenizers.md lists what is supported); dsrun never guesses, since ids would differ");
+}
+
+const json& member(const json& object, const JsonPlace& place, const char* key) {
+  if (!object.is_object() || !object.contains(key)) fail(place.at(key), std::string("missing key \"") + key + "\"", "check the tokenizer.json");
+  return object[key];
+}
+
+std::string string_member(const json& object, const JsonPlace& place, const char* key) {
+  const json& v = member(object, place, key);
+  if (!v.is_string()) fail(place.at(key), "expected a string", "check the tokenizer.json");
+  return v.get<std::string>();
+}
+
+bool bool_member(const json& object, const JsonPlace& place, const char* key, bool fallback) {
+  if (!object.contains(key) || object[key].is_null()) return fallback;
+  if (!object[key].is_boolean()) fail(place.at(key), "expected true or false", "check the tokenizer.json");
+  return object[key].get<bool>();
+}
+
+// Keys a component may carry; any other key could change ids, so it is refused.
+void expect_keys(const json& object, const JsonPlace& place, std::initializer_list<const char*> known) {
+  for (const auto& item : object.items()) {
+    if (item.key() == "type") continue;
+    if (std::none_of(known.begin(), known.end(), [&](const char* k) { return item.key() == k; })) {
+      unsupported(place.at(item.key()), "the key \"" + item.key() + "\"");
+    }
+  }
+}
+
+// {"String": "..."} or {"Regex": "..."}: tokenizer.json's patterns.
+std::unique_ptr<Regex> pattern_member(const json& object, const JsonPlace& place, const char* key) {
+  const json& p = member(object, place, key);
+  const JsonPlace where = place.at(key);
+  if (p.is_object() && p.contains("String") && p["String"].is_string()) {
+    return std::make_unique<Regex>(regex_escape(p["String"].get<std::string>()), where.path + ".String");
+  }
+  if (p.is_object() && p.contains("Regex") && p["Regex"].is_string()) {
+    try {
+      return std::make_unique<Regex>(p["Regex"].get<std::string>(), where.path + ".Regex");
+    } catch (const Error& e) {
+      fail(where.at("Regex"), e.what(), e.context().hint);
+    }
+  }
+  fail(where, "expected {\"String\": ...} or {\"Regex\": ...}", "check the tokenizer.json");
+}
+
+// ---------------------------------------------------------------- normalizers
+
+struct Normalizer {
+  enum class Kind { nfc, nfd, nfkc, nfkd, lowercase, replace, prepend, strip, strip_accents };
+  Kind kind;
+  std::unique_ptr<Regex> pattern;  // replace
+  std::string content;             // replace, prepend
+  bool left = false, right = false;  // strip
+};
+
+void parse_normalizer(const json& j, const JsonPlace& place, std::vector<Normalizer>& out) {
+  if (j.is_null()) return;
+  const std::string type = string_member(j, place, "type");
+  Normalizer n;
+  if (type == "Sequence") {
+    expect_keys(j, place, {"normalizers"});
+    const json& list = member(j, place, "normalizers");
+    for (size_t i = 0; i < list.size(); ++i) parse_normalizer(list[i], place.at("normalizers").at(i), out);
+    return;
+  }
+  static const std::map<std::string, Normalizer::Kind> forms = {
+      {"NFC", Normalizer::Kind::nfc}, {"NFD", Normalizer::Kind::nfd}, {"NFKC", Normalizer::Kind::nfkc},
+      {"NFKD", Normalizer::Kind::nfkd}, {"Lowercase", Normalizer::Kind::lowercase}, {"StripAccents", Normalizer::Kind::strip_accents}};
+  if (const auto it = forms.find(type); it != forms.end()) {
+    expect_keys(j, place, {});
+    n.kind = it->second;
+  } else if (type == "Replace") {
+    expect_keys(j, place, {"pattern", "content"});
+    n.kind = Normalizer::Kind::replace;
+    n.pattern = pattern_member(j, place, "pattern");
+    n.content = string_member(j, place, "content");
+  } else if (type == "Prepend") {
+    expect_keys(j, place, {"prepend"});
+    n.kind = Normalizer::Kind::prepend;
+    n.content = string_member(j, place, "prepend");
+  } else if (type == "Strip") {
+    expect_keys(j, place, {"strip_left", "strip_right"});
+    n.kind = Normalizer::Kind::strip;
+    n.left = bool_member(j, place, "strip_left", false);
+    n.right = bool_member(j, place, "strip_right", false);
+  } else {
+    unsupported(place.at("type"), "the normalizer \"" + type + "\"");
+  }
+  out.push_back(std::move(n));
+}
+
+std::string replace_all(const Regex& pattern, std::string_view text, const std::string& content) {
+  thread_local std::vector<std::pair<size_t, size_t>> matches;
+  pattern.find_all(text, matches);
+  if (matches.empty()) return std::string(text);
+  std::string out;
+  size_t at = 0;
+  for (const auto& [s, e] : matches) {
+    out.append(text.substr(at, s - at));
+    out += content;
+    at = e;
+  }
+  out.append(text.substr(at));
+  return out;
+}
+
+std::string apply_normalizers(const std::vector<Normalizer>& normalizers, std::string text) {
+  for (const Normalizer& n : normalizers) {
+    switch (n.kind) {
+      case Normalizer::Kind::nfc: text = unicode::normalize(text, unicode::NormalForm::nfc); break;
+      case Normalizer::Kind::nfd: text = unicode::normalize(text, unicode::NormalForm::nfd); break;
+      case Normalizer::Kind::nfkc: text = unicode::normalize(text, unicode::NormalForm::nfkc); break;
+      case Normalizer::Kind::nfkd: text = unicode::normalize(text, unicode::NormalForm::nfkd); break;
+      case Normalizer::Kind::lowercase: text = unicode::lowercase(text); break;
+      case Normalizer::Kind::replace: text = replace_all(*n.pattern, text, n.content); break;
+      case Normalizer::Kind::prepend:
+        if (!text.empty()) text = n.content + text;  // the crate prepends to non-empty text only
+        break;
+      case Normalizer::Kind::strip: {
+        size_t b = 0, e = text.size();
+        int len;
+        while (n.left && b < e && unicode::is_whitespace(unicode::decode_at(text, b, &len))) b += len;
+        while (n.right && e > b) {
+          size_t k = e - 1;
+          while (k > b && (static_cast<unsigned char>(text[k]) & 0xC0) == 0x80) --k;
+          if (!unicode::is_whitespace(unicode::decode_at(text, k, &len))) break;
+          e = k;
+        }
+        text = text.substr(b, e - b);
+        break;
+      }
+      case Normalizer::Kind::strip_accents: {
+        std::string out;
+        for (size_t i = 0; i < text.size();) {
+          int len;
+          const char32_t cp = unicode::decode_at(text, i, &len);
+          if (!unicode::is_nonspacing_mark(cp)) out.append(text, i, len);
+          i += len;
+        }
+        text = std::move(out);
+        break;
+      }
+    }
+  }
+  return text;
+}
+
+// ---------------------------------------------------------------- pre-tokenizers
+
+// One table feeds parsing and the error listing the accepted names.
+enum class SplitBehavior { removed, isolated, merged_with_previous, merged_with_next, contiguous };
+const std::map<std::string, SplitBehavior>& split_behaviors() {
+  static const std::map<std::string, SplitBehavior> table = {
+      {"Removed", SplitBehavior::removed}, {"Isolated", SplitBehavior::isolated},
+      {"MergedWithPrevious", SplitBehavior::merged_with_previous}, {"MergedWithNext", SplitBehavior::merged_with_next},
+      {"Contiguous", SplitBehavior::contiguous}};
+  return table;
+}
+
+SplitBehavior behavior_member(const json& j, const JsonPlace& place, const char* key, SplitBehavior fallback) {
+  if (!j.contains(key)) return fallback;
+  const std::string name = string_member(j, place, key);
+  const auto it = split_behaviors().find(name);
+  if (it == split_behaviors().end()) {
+    std::string names;
+    for (const auto& [k, v] : split_behaviors()) names += (names.empty() ? "" : ", ") + k;
+    fail(place.at(key), "unknown split behavior \"" + name + "\"", "one of " + names);
+  }
+  return it->second;
+}
+
+// A piece of text on its way through the pre-tokenizers; `at_start`: it begins the input
+// (Metaspace's prepend_scheme "first" needs to know).
+struct Piece {
+  std::string text;
+  bool at_start;
+};
+
+struct Segment {
+  size_t start, end;
+  bool match;
+};
+
+// The crate's NormalizedString::split: segments (matches and the text between) combined by
+// `behavior`, empty pieces dropped.
+void split_piece(const Piece& piece, std::vector<Segment>& segments, SplitBehavior behavior, bool invert, std::vector<Piece>& out) {
+  if (invert) for (Segment& s : segments) s.match = !s.match;
+  std::vector<std::pair<size_t, size_t>> spans;
+  bool previous_match = false;
+  switch (behavior) {
+    case SplitBehavior::removed:
+      for (const Segment& s : segments) if (!s.match) spans.emplace_back(s.start, s.end);
+      break;
+    case SplitBehavior::isolated:
+      for (const Segment& s : segments) spans.emplace_back(s.start, s.end);
+      break;
+    case SplitBehavior::merged_with_previous:
+      for (const Segment& s : segments) {
+        if (s.match && !previous_match && !spans.empty()) spans.back().second = s.end;
+        else spans.emplace_back(s.start, s.end);
+        previous_match = s.match;
+      }
+      break;
+    case SplitBehavior::merged_with_next:
+      for (auto it = segments.rbegin(); it != segments.rend(); ++it) {
+        if (it->match && !previous_match && !spans.empty()) spans.back().first = it->start;
+        else spans.emplace_back(it->start, it->end);
+        previous_match = it->match;
+      }
+      std::reverse(spans.begin(), spans.end());
+      break;
+    case SplitBehavior::contiguous:
+      for (const Segment& s : segments) {
+        if (s.match == previous_match && !spans.empty()) spans.back().second = s.end;
+        else spans.emplace_back(s.start, s.end);
+        previous_match = s.match;
+      }
+      break;
+  }
+  for (const auto& [s, e] : spans) {
+    if (e > s) out.push_back({piece.text.substr(s, e - s), piece.at_start && s == 0});
+  }
+}
+
+// Segments from a regex: each match, and the text between matches.
+void regex_segments(const Regex& regex, std::string_view text, std::vector<Segment>& segments) {
+  thread_local std::vector<std::pair<size_t, size_t>> matches;
+  segments.clear();
+  if (text.empty()) {
+    segments.push_back({0, 0, false});
+    return;
+  }
+  regex.find_all(text, matches);
+  size_t previous = 0;
+  for (const auto& [s, e] : matches) {
+    if (previous != s) segments.push_back({previous, s, false});
+    segments.push_back({s, e, true});
+    previous = e;
+  }
+  if (previous != text.size()) segments.push_back({previous, text.size(), false});
+}
+
+// Segments from a character predicate: each matching character alone, runs of the others.
+void char_segments(std::string_view text, const std::function<bool(char32_t)>& is_match, std::vector<Segment>& segments) {
+  segments.clear();
+  if (text.empty()) {
+    segments.push_back({0, 0, false});
+    return;
+  }
+  size_t last = 0;
+  for (size_t i = 0; i < text.size();) {
+    int len;
+    const char32_t cp = unicode::decode_at(text, i, &len);
+    if (is_match(cp)) {
+      if (last < i) segments.push_back({last, i, false});
+      segments.push_back({i, i + len, true});
+      last = i + len;
+    }
+    i += len;
+  }
+  if (last < text.size()) segments.push_back({last, text.size(), false});
+}
+
+constexpr const char* kByteLevelRegex = R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+
+struct PreTokenizer {
+  enum class Kind { split, byte_level, digits, metaspace, whitespace, whitespace_split, punctuation, bert };
+  Kind kind;
+  std::unique_ptr<Regex> regex;  // split, byte_level with use_regex, whitespace
+  SplitBehavior behavior = SplitBehavior::isolated;
+  bool invert = false;
+  bool add_prefix_space = false;   // byte_level
+  bool individual_digits = false;  // digits
+  char32_t replacement = 0x2581;   // metaspace
+  std::string replacement_text;
+  enum class Prepend { always, never, first } prepend = Prepend::always;
+  bool metaspace_split = true;
+};
+
+void parse_pre_tokenizer(const json& j, const JsonPlace& place, std::vector<PreTokenizer>& out) {
+  if (j.is_null()) return;
+  const std::string type = string_member(j, place, "type");
+  PreTokenizer p;
+  if (type == "Sequence") {
+    expect_keys(j, place, {"pretokenizers"});
+    const json& list = member(j, place, "pretokenizers");
+    for (size_t i = 0; i < list.size(); ++i) parse_pre_tokenizer(list[i], place.at("pretokenizers").at(i), out);
+    return;
+  } else if (type == "Split") {
+    expect_keys(j, place, {"pattern", "behavior", "invert"});
+    p.kind = PreTokenizer::Kind::split;
+    p.regex = pattern_member(j, place, "pattern");
+    p.behavior = behavior_member(j, place, "behavior", SplitBehavior::isolated);
+    p.invert = bool_member(j, place, "invert", false);
+  } else if (type == "ByteLevel") {
+    expect_keys(j, place, {"add_prefix_space", "trim_offsets", "use_regex"});  // trim_offsets: offsets only
+    p.kind = PreTokenizer::Kind::byte_level;
+    p.add_prefix_space = bool_member(j, place, "add_prefix_space", true);
+    if (bool_member(j, place, "use_regex", true)) p.regex = std::make_unique<Regex>(kByteLevelRegex, place.path + " (byte-level regex)");
+  } else if (type == "Digits") {
+    expect_keys(j, place, {"individual_digits"});
+    p.kind = PreTokenizer::Kind::digits;
+    p.individual_digits = bool_member(j, place, "individual_digits", false);
+  } else if (type == "Metaspace") {
+    expect_keys(j, place, {"replacement", "prepend_scheme", "split", "add_prefix_space", "str_rep"});
+    p.kind = PreTokenizer::Kind::metaspace;
+    p.replacement_text = string_member(j, place, "replacement");
+    int len = 0;
+    if (p.replacement_text.empty() || (p.replacement = unicode::decode_at(p.replacement_text, 0, &len), size_t(len) != p.replacement_text.size())) {
+      fail(place.at("replacement"), "the replacement must be one character", "check the tokenizer.json");
+    }
+    if (j.contains("prepend_scheme")) {
+      const std::string scheme = string_member(j, place, "prepend_scheme");
+      if (scheme == "always") p.prepend = PreTokenizer::Prepend::always;
+      else if (scheme == "never") p.prepend = PreTokenizer::Prepend::never;
+      else if (scheme == "first") p.prepend = PreTokenizer::Prepend::first;
+      else fail(place.at("prepend_scheme"), "unknown prepend_scheme \"" + scheme + "\"", "always, never or first");
+    } else {
+      p.prepend = bool_member(j, place, "add_prefix_space", true) ? PreTokenizer::Prepend::always : PreTokenizer::Prepend::never;
+    }
+    p.metaspace_split = bool_member(j, place, "split", true);
+  } else if (type == "Whitespace") {
+    expect_keys(j, place, {});
+    p.kind = PreTokenizer::Kind::whitespace;
+    p.regex = std::make_unique<Regex>(R"(\w+|[^\w\s]+)", place.path + " (whitespace regex)");
+  } else if (type == "WhitespaceSplit") {
+    expect_keys(j, place, {});
+    p.kind = PreTokenizer::Kind::whitespace_split;
+  } else if (type == "Punctuation") {
+    expect_keys(j, place, {"behavior"});
+    p.kind = PreTokenizer::Kind::punctuation;
+    p.behavior = behavior_member(j, place, "behavior", SplitBehavior::isolated);
+  } else if (type == "BertPreTokenizer") {
+    expect_keys(j, place, {});
+    p.kind = PreTokenizer::Kind::bert;
+  } else {
+    unsupported(place.at("type"), "the pre-tokenizer \"" + type + "\"");
+  }
+  out.push_back(std::move(p));
+}
+
+bool is_bert_punctuation(char32_t cp) {
+  return (cp < 0x80 && std::ispunct(static_cast<int>(cp))) || unicode::is_punctuation(cp);
+}
+
+void apply_pre_tokenizer(const PreTokenizer& p, std::vector<Piece>& pieces) {
+  std::vector<Piece> out;
+  out.reserve(pieces.size() * 2);
+  thread_local std::vector<Segment> segments;
+  for (Piece& piece : pieces) {
+    switch (p.kind) {
+      case PreTokenizer::Kind::split:
+        regex_segments(*p.regex, piece.text, segments);
+        split_piece(piece, segments, p.behavior, p.invert, out);
+        break;
+      case PreTokenizer::Kind::byte_level: {
+        if (p.add_prefix_space && piece.text.compare(0, 1, " ") != 0) piece.text.insert(0, " ");
+        const size_t first = out.size();
+        if (p.regex) {
+          regex_segments(*p.regex, piece.text, segments);
+          split_piece(piece, segments, SplitBehavior::isolated, false, out);
+        } else {
+          out.push_back(std::move(piece));
+        }
+        const auto& alphabet = unicode::byte_to_char();
+        for (size_t k = first; k < out.size(); ++k) {
+          std::string mapped;
+          mapped.reserve(out[k].text.size() * 2);
+          for (const char c : out[k].text) mapped += alphabet[static_cast<unsigned char>(c)];
+          out[k].text = std::move(mapped);
+        }
+        break;
+      }
+      case PreTokenizer::Kind::digits:
+        char_segments(piece.text, unicode::is_numeric, segments);
+        split_piece(piece, segments, p.individual_digits ? SplitBehavior::isolated : SplitBehavior::contiguous, false, out);
+        break;
+      case PreTokenizer::Kind::metaspace: {
+        std::string text;
+        text.reserve(piece.text.size() + 3);
+        for (const char c : piece.text) {
+          if (c == ' ') text += p.replacement_text;
+          else text += c;
+        }
+        const bool starts = text.compare(0, p.replacement_text.size(), p.replacement_text) == 0;
+        if (!starts && (p.prepend == PreTokenizer::Prepend::always || (p.prepend == PreTokenizer::Prepend::first && piece.at_start))) {
+          text.insert(0, p.replacement_text);
+        }
+        Piece replaced{std::move(text), piece.at_start};
+        if (p.metaspace_split) {
+          char_segments(replaced.text, [&](char32_t cp) { return cp == p.replacement; }, segments);
+          split_piece(replaced, segments, SplitBehavior::merged_with_next, false, out);
+        } else if (!replaced.text.empty()) {
+          out.push_back(std::move(replaced));
+        }
+        break;
+      }
+      case PreTokenizer::Kind::whitespace:
+        regex_segments(*p.regex, piece.text, segments);
+        split_piece(piece, segments, SplitBehavior::removed, true, out);
+        break;
+      case PreTokenizer::Kind::whitespace_split:
+        char_segments(piece.text, unicode::is_whitespace, segments);
+        split_piece(piece, segments, SplitBehavior::removed, false, out);
+        break;
+      case PreTokenizer::Kind::punctuation:
+        char_segments(piece.text, is_bert_punctuation, segments);
+        split_piece(piece, segments, p.behavior, false, out);
+        break;
+      case PreTokenizer::Kind::bert: {
+        std::vector<Piece> words;
+        char_segments(piece.text, unicode::is_whitespace, segments);
+        split_piece(piece, segments, SplitBehavior::removed, false, words);
+        for (const Piece& w : words) {
+          char_segments(w.text, is_bert_punctuation, segments);
+          split_piece(w, segments, SplitBehavior::isolated, false, out);
+        }
+        break;
+      }
+    }
+  }
+  pieces = std::move(out);
+}
+
+// ---------------------------------------------------------------- added tokens
+
+struct AddedToken {
+  uint32_t id;
+  std::string content;
+  bool single_word, lstrip, rstrip, normalized, special;
+};
+
+// Leftmost-longest matching of the added tokens (the crate uses Aho-Corasick with that rule): a
+// byte trie walked from each position.
+class AddedTokenMatcher {
+ public:
+  void add(const std::string& text, int token) {
+    if (text.empty()) return;
+    int node = 0;
+    for (const char c : text) {
+      auto& children = nodes_[node].children;
+      auto it = std::find_if(children.begin(), children.end(), [&](const auto& e) { return e.first == c; });
+      if (it == children.end()) {
+        children.emplace_back(c, static_cast<int>(nodes_.size()));
+        node = static_cast<int>(nodes_.size());
+        nodes_.push_back({});
+      } else {
+        node = it->second;
+      }
+    }
+    if (nodes_[node].token < 0) nodes_[node].token = token;
+  }
+  bool empty() const { return nodes_.size() == 1; }
+  // The longest token starting at text[i]: its index and length, or -1.
+  int longest_at(std::string_view text, size_t i, size_t* length) const {
+    int node = 0, best = -1;
+    for (size_t k = i; k < text.size(); ++k) {
+      const auto& children = nodes_[node].children;
+      auto it = std::find_if(children.begin(), children.end(), [&](const auto& e) { return e.first == text[k]; });
+      if (it == children.end()) break;
+      node = it->second;
+      if (nodes_[node].token >= 0) {
+        best = nodes_[node].token;
+        *length = k + 1 - i;
+      }
+    }
+    return best;
+  }
+
+ private:
+  struct Node {
+    std::vector<std::pair<char, int>> children;
+    int token = -1;
+  };
+  std::vector<Node> nodes_{Node{}};
+};
+
+bool ends_with_word_char(std::string_view text) {
+  if (text.empty()) return false;
+  size_t k = text.size() - 1;
+  while (k > 0 && (static_cast<unsigned char>(text[k]) & 0xC0) == 0x80) --k;
+  int len;
+  const char32_t cp = unicode::decode_at(text, k, &len);
+  return cp == '_' || unicode::is_alphanumeric(cp);
+}
+
+bool starts_with_word_char(std::string_view text) {
+  if (text.empty()) return false;
+  int len;
+  const char32_t cp = unicode::decode_at(text, 0, &len);
+  return cp == '_' || unicode::is_alphanumeric(cp);
+}
+
+// A stretch of input: an added token (token >= 0) or text for the rest of the pipeline.
+struct Split {
+  size_t start, end;
+  int token;
+};
+
+// The crate's AddedVocabulary::find_matches: single_word, lstrip and rstrip as it applies them.
+void find_added(const AddedTokenMatcher& matcher, const std::vector<AddedToken>& tokens, std::string_view text, std::vector<Split>& out) {
+  out.clear();
+  size_t offset = 0;
+  if (!matcher.empty()) {
+    for (size_t i = 0; i < text.size();) {
+      size_t length = 0;
+      const int t = matcher.longest_at(text, i, &length);
+      if (t < 0) {
+        ++i;
+        continue;
+      }
+      const AddedToken& token = tokens[t];
+      size_t start = i, stop = i + length;
+      i = stop;
+      if (token.single_word && (ends_with_word_char(text.substr(0, start)) || starts_with_word_char(text.substr(stop)))) continue;
+      if (token.lstrip) {
+        size_t s = start;
+        while (s > 0) {
+          size_t k = s - 1;
+          while (k > 0 && (static_cast<unsigned char>(text[k]) & 0xC0) == 0x80) --k;
+          int len;
+          if (!unicode::is_whitespace(unicode::decode_at(text, k, &len))) break;
+          s = k;
+        }
+        start = std::max(s, offset);
+      }
+      if (token.rstrip) {
+        int len;
+        while (stop < text.size() && unicode::is_whitespace(unicode::decode_at(text, stop, &len))) stop += len;
+        i = stop;
+      }
+      if (offset < start) out.push_back({offset, start, -1});
+      out.push_back({start, stop, t});
+      offset = stop;
+    }
+  }
+  if (offset < text.size() || text.empty()) out.push_back({offset, text.size(), -1});
+}
+
+// ---------------------------------------------------------------- decoders
+
+struct Decoder {
+  enum class Kind { byte_level, metaspace, replace, byte_fallback, fuse, strip, bpe };
+  Kind kind;
+  std::unique_ptr<Regex> pattern;  // replace
+  std::string content;             // replace: the new text; strip: the character; bpe: the suffix
+  char32_t replacement = 0x2581;   // metaspace
+  bool prepend = true;             // metaspace: prepend_scheme is not "never"
+  size_t start = 0, stop = 0;      // strip
+};
+
+void parse_decoder(const json& j, const JsonPlace& place, std::vector<Decoder>& out) {
+  if (j.is_null()) return;
+  const std::string type = string_member(j, place, "type");
+  Decoder d;
+  if (type == "Sequence") {
+    expect_keys(j, place, {"decoders"});
+    const json& list = member(j, place, "decoders");
+    for (size_t i = 0; i < list.size(); ++i) parse_decoder(list[i], place.at("decoders").at(i), out);
+    return;
+  } else if (type == "ByteLevel") {
+    expect_keys(j, place, {"add_prefix_space", "trim_offsets", "use_regex"});
+    d.kind = Decoder::Kind::byte_level;
+  } else if (type == "Metaspace") {
+    expect_keys(j, place, {"replacement", "prepend_scheme", "split", "add_prefix_space", "str_rep"});
+    d.kind = Decoder::Kind::metaspace;
+    const std::string r = string_member(j, place, "replacement");
+    int len = 0;
+    if (r.empty() || (d.replacement = unicode::decode_at(r, 0, &len), size_t(len) != r.size())) {
+      fail(place.at("replacement"), "the replacement must be one character", "check the tokenizer.json");
+    }
+    d.prepend = j.contains("prepend_scheme") ? string_member(j, place, "prepend_scheme") != "never" : bool_member(j, place, "add_prefix_space", true);
+  } else if (type == "Replace") {
+    expect_keys(j, place, {"pattern", "content"});
+    d.kind = Decoder::Kind::replace;
+    d.pattern = pattern_member(j, place, "pattern");
+    d.content = string_member(j, place, "content");
+  } else if (type == "ByteFallback") {
+    expect_keys(j, place, {});
+    d.kind = Decoder::Kind::byte_fallback;
+  } else if (type == "Fuse") {
+    expect_keys(j, place, {});
+    d.kind = Decoder::Kind::fuse;
+  } else if (type == "Strip") {
+    expect_keys(j, place, {"content", "start", "stop"});
+    d.kind = Decoder::Kind::strip;
+    d.content = string_member(j, place, "content");
+    const json& a = member(j, place, "start");
+    const json& b = member(j, place, "stop");
+    if (!a.is_number_unsigned() || !b.is_number_unsigned()) fail(place, "start and stop must be counts", "check the tokenizer.json");
+    d.start = a.get<size_t>();
+    d.stop = b.get<size_t>();
+  } else if (type == "BPEDecoder") {
+    expect_keys(j, place, {"suffix"});
+    d.kind = Decoder::Kind::bpe;
+    d.content = j.contains("suffix") ? string_member(j, place, "suffix") : "</w>";
+  } else {
+    unsupported(place.at("type"), "the decoder \"" + type + "\"");
+  }
+  out.push_back(std::move(d));
+}
+
+std::vector<std::string> apply_decoder(const Decoder& d, std::vector<std::string> tokens) {
+  switch (d.kind) {
+    case Decoder::Kind::byte_level: {
+      std::string bytes;
+      for (const std::string& t : tokens) {
+        std::string mapped;
+        bool all_mapped = true;
+        for (size_t i = 0; i < t.size();) {
+          int len;
+          const int b = unicode::char_to_byte(unicode::decode_at(t, i, &len));
+          if (b < 0) { all_mapped = false; break; }
+          mapped += static_cast<char>(b);
+          i += len;
+        }
+        bytes += all_mapped ? mapped : t;  // a token outside the alphabet (an added token) as written
+      }
+      return {unicode::repair_utf8(bytes)};
+    }
+    case Decoder::Kind::metaspace:
+      for (size_t i = 0; i < tokens.size(); ++i) {
+        std::string out;
+        for (size_t k = 0; k < tokens[i].size();) {
+          int len;
+          const char32_t cp = unicode::decode_at(tokens[i], k, &len);
+          if (cp != d.replacement) out.append(tokens[i], k, len);
+          else if (!(i == 0 && d.prepend)) out += ' ';
+          k += len;
+        }
+        tokens[i] = std::move(out);
+      }
+      return tokens;
+    case Decoder::Kind::replace:
+      for (std::string& t : tokens) t = replace_all(*d.pattern, t, d.content);
+      return tokens;
+    case Decoder::Kind::byte_fallback: {
+      std::vector<std::string> out;
+      std::string bytes;
+      size_t byte_tokens = 0;
+      const auto flush = [&] {
+        if (byte_tokens == 0) return;
+        if (unicode::is_valid_utf8(bytes)) {
+          out.push_back(bytes);
+        } else {
+          for (size_t k = 0; k < byte_tokens; ++k) out.push_back("\xEF\xBF\xBD");
+        }
+        bytes.clear();
+        byte_tokens = 0;
+      };
+      for (std::string& t : tokens) {
+        const bool is_byte = t.size() == 6 && t.compare(0, 3, "<0x") == 0 && t[5] == '>' && std::isxdigit(static_cast<unsigned char>(t[3])) &&
+                             std::isxdigit(static_cast<unsigned char>(t[4]));
+        if (is_byte) {
+          bytes += static_cast<char>(std::stoi(t.substr(3, 2), nullptr, 16));
+          ++byte_tokens;
+        } else {
+          flush();
+          out.push_back(std::move(t));
+        }
+      }
+      flush();
+      return out;
+    }
+    case Decoder::Kind::fuse: {
+      std::string all;
+      for (const std::string& t : tokens) all += t;
+      return {all};
+    }
+    case Decoder::Kind::strip:
+      for (std::string& t : tokens) {
+        std::vector<std::pair<size_t, int>> chars;  // offset, length
+        for (size_t k = 0; k < t.size();) {
+          int len;
+          unicode::decode_at(t, k, &len);
+          chars.emplace_back(k, len);
+          k += len;
+        }
+        size_t cut_start = 0, cut_stop = chars.size();
+        for (size_t i = 0; i < std::min(d.start, chars.size()); ++i) {
+          if (t.compare(chars[i].first, chars[i].second, d.content) != 0) break;
+          cut_start = i + 1;
+        }
+        for (size_t i = 0; i < std::min(d.stop, chars.size()); ++i) {
+          const size_t index = chars.size() - i - 1;
+          if (t.compare(chars[index].first, chars[index].second, d.content) != 0) break;
+          cut_stop = index;
+        }
+        if (cut_start >= cut_stop) t.clear();
+        else t = t.substr(chars[cut_start].first, chars[cut_stop - 1].first + chars[cut_stop - 1].second - chars[cut_start].first);
+      }
+      return tokens;
+    case Decoder::Kind::bpe:
+      for (size_t i = 0; i < tokens.size(); ++i) {
+        const std::string with = i + 1 == tokens.size() ? "" : " ";
+        std::string out;
+        size_t at = 0, found;
+        while (!d.content.empty() && (found = tokens[i].find(d.content, at)) != std::string::npos) {
+          out.append(tokens[i], at, found - at);
+          out += with;
+          at = found + d.content.size();
+        }
+        out.append(tokens[i], at, std::string::npos);
+        tokens[i] = std::move(out);
+      }
+      return tokens;
+  }
+  return tokens;
+}
+
+// ---------------------------------------------------------------- the tokenizer
+
+class HfTokenizer final : public Tokenizer {
+ public:
+  explicit HfTokenizer(const std::string& path);
+
+  void encode(std::string_view input, bool add_special, std::vector<uint32_t>& ids) const override;
+  std::string decode(const std::vector<uint32_t>& ids, bool skip_special) const override;
+  int64_t vocab_size() const override { return vocab_size_; }
+  std::optional<uint32_t> bos() const override { return bos_; }
+  std::optional<uint32_t> eos() const override { return eos_; }
+  std::string describe() const override {
+    return path_ + " (BPE, " + std::to_string(vocab_size_) + " ids, " + std::to_string(added_.size()) + " added tokens)";
+  }
+
+ private:
+  void encode_text(std::string_view text, bool at_start, std::vector<uint32_t>& ids) const;
+  void parse_post_processor(const json& j, const JsonPlace& place);
+  std::optional<uint32_t> config_token(const json& config, const char* key) const;
+
+  std::string path_;
+  std::vector<Normalizer> normalizers_;
+  std::vector<PreTokenizer> pre_tokenizers_;
+  std::unique_ptr<Bpe> model_;
+  std::vector<Decoder> decoders_;
+  std::vector<AddedToken> added_;
+  std::map<uint32_t, size_t> added_by_id_;
+  AddedTokenMatcher raw_added_, normalized_added_;
+  // What `add_special` puts around the ids (the post-processor, or tokenizer_config.json's flags).
+  std::vector<uint32_t> prefix_, suffix_;
+  std::optional<uint32_t> bos_, eos_;
+  int64_t vocab_size_ = 0;
+};
+
+std::optional<uint32_t> HfTokenizer::config_token(const json& config, const char* key) const {
+  if (!config.contains(key)) return std::nullopt;
+  const json& v = config[key];
+  std::string content;
+  if (v.is_string()) content = v.get<std::string>();
+  else if (v.is_object() && v.contains("content") && v["content"].is_string()) content = v["content"].get<std::string>();
+  else return std::nullopt;
+  for (const AddedToken& t : added_) if (t.content == content) return t.id;
+  return model_->token_id(content);
+}
+
+void HfTokenizer::parse_post_processor(const json& j, const JsonPlace& place) {
+  if (j.is_null()) return;
+  const std::string type = string_member(j, place, "type");
+  if (type == "Sequence") {
+    expect_keys(j, place, {"processors"});
+    const json& list = member(j, place, "processors");
+    for (size_t i = 0; i < list.size(); ++i) parse_post_processor(list[i], place.at("processors").at(i));
+  } else if (type == "ByteLevel") {
+    expect_keys(j, place, {"add_prefix_space", "trim_offsets", "use_regex"});  // offsets only
+  } else if (type == "TemplateProcessing") {
+    expect_keys(j, place, {"single", "pair", "special_tokens"});
+    const json& single = member(j, place, "single");
+    const json& specials = member(j, place, "special_tokens");
+    bool after = false;
+    for (size_t i = 0; i < single.size(); ++i) {
+      const JsonPlace at = place.at("single").at(i);
+      if (single[i].contains("Sequence")) {
+        if (after) unsupported(at, "a template with the sequence twice");
+        after = true;
+      } else if (single[i].contains("SpecialToken")) {
+        const std::string name = string_member(single[i]["SpecialToken"], at.at("SpecialToken"), "id");
+        if (!specials.contains(name)) fail(at, "special token \"" + name + "\" is not in special_tokens", "check the tokenizer.json");
+        for (const json& id : member(specials[name], place.at("special_tokens").at(name), "ids")) {
+          (after ? suffix_ : prefix_).push_back(id.get<uint32_t>());
+        }
+      } else {
+        fail(at, "expected Sequence or SpecialToken", "check the tokenizer.json");
+      }
+    }
+  } else if (type == "RobertaProcessing" || type == "BertProcessing") {
+    const json& cls = member(j, place, "cls");
+    const json& sep = member(j, place, "sep");
+    prefix_.push_back(cls.at(1).get<uint32_t>());
+    suffix_.push_back(sep.at(1).get<uint32_t>());
+  } else {
+    unsupported(place.at("type"), "the post-processor \"" + type + "\"");
+  }
+}
+
+HfTokenizer::HfTokenizer(const std::string& path) : path_(path) {
+  json root;
+  try {
+    root = json::parse(read_file(path));
+  } catch (const json::parse_error& e) {
+    ErrorContext c;
+    c.file = path;
+    c.hint = "the file is not valid JSON; download it again";
+    throw Error(std::string("cannot parse tokenizer.json: ") + e.what(), c);
+  }
+  const JsonPlace top{&path_, ""};
+  if (!root.is_object()) fail(top, "expected a JSON object", "is this a tokenizer.json?");
+  for (const char* key : {"truncation", "padding"}) {
+    if (root.contains(key) && !root[key].is_null()) unsupported(top.at(key), std::string("\"") + key + "\" other than null");
+  }
+
+  const json& model = member(root, top, "model");
+  const JsonPlace mp = top.at("model");
+  const std::string type = model.contains("type") ? string_member(model, mp, "type") : "BPE";
+  if (type != "BPE") unsupported(mp.at("type"), "the model \"" + type + "\" (only BPE)");
+  expect_keys(model, mp, {"dropout", "unk_token", "continuing_subword_prefix", "end_of_word_suffix", "fuse_unk", "byte_fallback", "ignore_merges", "vocab", "merges"});
+  if (model.contains("dropout") && !model["dropout"].is_null() && model["dropout"].get<double>() != 0.0) unsupported(mp.at("dropout"), "BPE dropout");
+  BpeOptions options;
+  const json& vocab = member(model, mp, "vocab");
+  if (!vocab.is_object()) fail(mp.at("vocab"), "expected an object of token: id", "check the tokenizer.json");
+  options.vocab.reserve(vocab.size());
+  for (const auto& item : vocab.items()) {
+    if (!item.value().is_number_unsigned()) fail(mp.at("vocab").at(item.key()), "expected a non-negative id", "check the tokenizer.json");
+    options.vocab.emplace_back(item.key(), item.value().get<uint32_t>());
+  }
+  const json& merges = member(model, mp, "merges");
+  options.merges.reserve(merges.size());
+  for (size_t i = 0; i < merges.size(); ++i) {
+    const json& m = merges[i];
+    if (m.is_string()) {  // "a b": exactly one space
+      const std::string s = m.get<std::string>();
+      const size_t space = s.find(' ');
+      if (space == std::string::npos || s.find(' ', space + 1) != std::string::npos) {
+        fail(mp.at("merges").at(i), "merge \"" + s + "\" is not two tokens separated by one space", "write it as [\"a\", \"b\"]");
+      }
+      options.merges.emplace_back(s.substr(0, space), s.substr(space + 1));
+    } else if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string()) {
+      options.merges.emplace_back(m[0].get<std::string>(), m[1].get<std::string>());
+    } else {
+      fail(mp.at("merges").at(i), "expected \"a b\" or [\"a\", \"b\"]", "check the tokenizer.json");
+    }
+  }
+  if (model.contains("unk_token") && model["unk_token"].is_string()) options.unk_token = model["unk_token"].get<std::string>();
+  if (model.contains("continuing_subword_prefix") && model["continuing_subword_prefix"].is_string()) {
+    options.continuing_subword_prefix = model["continuing_subword_prefix"].get<std::string>();
+  }
+  if (model.contains("end_of_word_suffix") && model["end_of_word_suffix"].is_string()) options.end_of_word_suffix = model["end_of_word_suffix"].get<std::string>();
+  options.fuse_unk = bool_member(model, mp, "fuse_unk", false);
+  options.byte_fallback = bool_member(model, mp, "byte_fallback", false);
+  options.ignore_merges = bool_member(model, mp, "ignore_merges", false);
+  model_ = std::make_unique<Bpe>(std::move(options), "model");
+  vocab_size_ = model_->size();
+
+  if (root.contains("normalizer")) parse_normalizer(root["normalizer"], top.at("normalizer"), normalizers_);
+  if (root.contains("pre_tokenizer")) parse_pre_tokenizer(root["pre_tokenizer"], top.at("pre_tokenizer"), pre_tokenizers_);
+  if (root.contains("decoder")) parse_decoder(root["decoder"], top.at("decoder"), decoders_);
+
+  if (root.contains("added_tokens")) {
+    const json& list = root["added_tokens"];
+    for (size_t i = 0; i < list.size(); ++i) {
+      const JsonPlace at = top.at("added_tokens").at(i);
+      AddedToken t;
+      t.id = member(list[i], at, "id").get<uint32_t>();
+      t.content = string_member(list[i], at, "content");
+      t.single_word = bool_member(list[i], at, "single_word", false);
+      t.lstrip = bool_member(list[i], at, "lstrip", false);
+      t.rstrip = bool_member(list[i], at, "rstrip", false);
+      t.normalized = bool_member(list[i], at, "normalized", true);
+      t.special = bool_member(list[i], at, "special", false);
+      added_by_id_[t.id] = added_.size();
+      vocab_size_ = std::max<int64_t>(vocab_size_, int64_t(t.id) + 1);
+      added_.push_back(std::move(t));
+    }
+    for (size_t i = 0; i < added_.size(); ++i) {
+      // Normalized tokens are matched in normalized text, so the crate matches their normalized form.
+      if (added_[i].normalized) normalized_added_.add(apply_normalizers(normalizers_, added_[i].content), static_cast<int>(i));
+      else raw_added_.add(added_[i].content, static_cast<int>(i));
+    }
+  }
+
+  if (root.contains("post_processor")) parse_post_processor(root["post_processor"], top.at("post_processor"));
+  for (uint32_t id : prefix_) if (!bos_) bos_ = id;
+  for (uint32_t id : suffix_) eos_ = id;
+
+  // transformers' Llama-style tokenizers rebuild the template from tokenizer_config.json's flags.
+  const std::string config_path = path_join(parent_directory(path), "tokenizer_config.json");
+  if (file_exists(config_path)) {
+    json config;
+    try {
+      config = json::parse(read_file(config_path));
+    } catch (const json::parse_error& e) {
+      ErrorContext c;
+      c.file = config_path;
+      c.hint = "fix the file or remove it";
+      throw Error(std::string("cannot parse tokenizer_config.json: ") + e.what(), c);
+    }
+    if (const auto id = config_token(config, "bos_token")) bos_ = id;
+    if (const auto id = config_token(config, "eos_token")) eos_ = id;
+    if (config.contains("add_bos_token") || config.contains("add_eos_token")) {
+      prefix_.clear();
+      suffix_.clear();
+      if (config.value("add_bos_token", false) && bos_) prefix_.push_back(*bos_);
+      if (config.value("add_eos_token", false) && eos_) suffix_.push_back(*eos_);
+    }
+  }
+}
+
+void HfTokenizer::encode_text(std::string_view text, bool at_start, std::vector<uint32_t>& ids) const {
+  std::vector<Piece> pieces{{std::string(text), at_start}};
+  for (const PreTokenizer& p : pre_tokenizers_) apply_pre_tokenizer(p, pieces);
+  for (const Piece& piece : pieces) model_->encode_word(piece.text, ids);
+}
+
+void HfTokenizer::encode(std::string_view input, bool add_special, std::vector<uint32_t>& ids) const {
+  std::string repaired;
+  if (!unicode::is_valid_utf8(input)) {
+    repaired = unicode::repair_utf8(input);
+    input = repaired;
+  }
+  if (add_special) ids.insert(ids.end(), prefix_.begin(), prefix_.end());
+  std::vector<Split> raw, normalized_splits;
+  find_added(raw_added_, added_, input, raw);
+  for (const Split& s : raw) {
+    if (s.token >= 0) {
+      ids.push_back(added_[s.token].id);
+      continue;
+    }
+    if (s.start == s.end) continue;
+    const std::string normalized = apply_normalizers(normalizers_, std::string(input.substr(s.start, s.end - s.start)));
+    find_added(normalized_added_, added_, normalized, normalized_splits);
+    for (const Split& n : normalized_splits) {
+      if (n.token >= 0) ids.push_back(added_[n.token].id);
+      else if (n.end > n.start) encode_text(std::string_view(normalized).substr(n.start, n.end - n.start), s.start == 0 && n.start == 0, ids);
+    }
+  }
+  if (add_special) ids.insert(ids.end(), suffix_.begin(), suffix_.end());
+}
+
+std::string HfTokenizer::decode(const std::vector<uint32_t>& ids, bool skip_special) const {
+  std::vector<std::string> tokens;
+  tokens.reserve(ids.size());
+  for (const uint32_t id : ids) {
+    if (const auto it = added_by_id_.find(id); it != added_by_id_.end()) {
+      if (!(skip_special && added_[it->second].special)) tokens.push_back(added_[it->second].content);
+    } else if (const std::string* t = model_->token(id)) {
+      tokens.push_back(*t);
+    } else {
+      ErrorContext c;
+      c.file = path_;
+      c.hint = "ids run from 0 to " + std::to_string(vocab_size_ - 1);
+      throw Error("id " + std::to_string(id) + " is not in the vocabulary", c);
+    }
+  }
+  if (decoders_.empty()) {
+    std::string joined;
+    for (size_t i = 0; i < tokens.size(); ++i) joined += (i ? " " : "") + tokens[i];
+    return joined;
+  }
+  for (const Decoder& d : decoders_) tokens = apply_decoder(d, std::move(tokens));
+  std::string text;
+  for (const std::string& t : tokens) text += t;
+  return text;
+}
+
+}  // namespace
+
+std::unique_ptr<Tokenizer> open_hf_tokenizer(const std::string& json_path) { return std::make_unique<HfTokenizer>(json_path); }
+
+std::string tokenizer_file(const std::string& path) {
+  if (!is_directory(path)) return path;
+  for (const char* name : {"tokenizer.json", "tokenizer.model"}) {
+    const std::string candidate = path_join(path, name);
+    if (file_exists(candidate)) return candidate;
+  }
+  ErrorContext c;
+  c.file = path;
+  c.hint = "point at a tokenizer.json or tokenizer.model, or a directory holding one";
+  throw Error("no tokenizer.json or tokenizer.model in the directory", c);
+}
+
+std::unique_ptr<Tokenizer> open_tokenizer(const std::string& path) {
+  const std::string file = tokenizer_file(path);
+  if (!file_exists(file)) {
+    ErrorContext c;
+    c.file = file;
+    c.hint = "check the path";
+    throw Error("tokenizer file not found", c);
+  }
+  const bool is_model = file.size() >= 6 && file.compare(file.size() - 6, 6, ".model") == 0;
+  return is_model ? open_sentencepiece_tokenizer(file) : open_hf_tokenizer(file);
+}
+
+}  // namespace dsrun

@@ -1,0 +1,49 @@
+// Text to token ids and back: Hugging Face tokenizer.json files (BPE; ids identical to the
+// `tokenizers` crate) and SentencePiece tokenizer.model files. docs/tokenizers.md has the details.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace dsrun {
+
+class Tokenizer {
+ public:
+  virtual ~Tokenizer() = default;
+  // Appends the ids of `text` to `ids`. `text` may hold invalid UTF-8 (repaired to U+FFFD first).
+  // With `add_special`, the post-processor's tokens (BOS/EOS) too. Safe from several threads.
+  virtual void encode(std::string_view text, bool add_special, std::vector<uint32_t>& ids) const = 0;
+  // The text of `ids`; special tokens left out with `skip_special`. Ids outside the vocabulary are
+  // an error.
+  virtual std::string decode(const std::vector<uint32_t>& ids, bool skip_special) const = 0;
+  // One more than the largest id (model vocabulary and added tokens together).
+  virtual int64_t vocab_size() const = 0;
+  // The tokens that begin and end a document, when the tokenizer names them.
+  virtual std::optional<uint32_t> bos() const = 0;
+  virtual std::optional<uint32_t> eos() const = 0;
+  // "tokenizer.json (BPE, 128000 ids)"
+  virtual std::string describe() const = 0;
+
+  std::vector<uint32_t> encode(std::string_view text, bool add_special = false) const {
+    std::vector<uint32_t> ids;
+    encode(text, add_special, ids);
+    return ids;
+  }
+};
+
+// `path` is a tokenizer.json, a SentencePiece tokenizer.model, or a directory holding one of them
+// (tokenizer.json first). A tokenizer_config.json beside a tokenizer.json is read for the BOS and EOS
+// tokens and add_bos_token / add_eos_token, as transformers does. Errors name the file and the JSON path.
+std::unique_ptr<Tokenizer> open_tokenizer(const std::string& path);
+
+// The file open_tokenizer reads for `path`.
+std::string tokenizer_file(const std::string& path);
+
+std::unique_ptr<Tokenizer> open_hf_tokenizer(const std::string& json_path);
+std::unique_ptr<Tokenizer> open_sentencepiece_tokenizer(const std::string& model_path);
+
+}  // namespace dsrun

@@ -1,0 +1,124 @@
+// `dsrun tokenize` (see data_commands.hpp). Lines are split on \n only, so a CRLF line keeps
+// its \r, as a tokenizer given the text would. Blocks of lines go to threads; output keeps order.
+#include "runner/data_commands.hpp"
+
+#include "engine/common/error.hpp"
+#include "engine/common/files.hpp"
+#include "engine/tokenizer/tokenizer.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <iterator>
+#include <thread>
+#include <vector>
+
+namespace dsrun {
+namespace {
+
+std::string read_input(const std::string& file) {
+  if (file == "-") return std::string(std::istreambuf_iterator<char>(std::cin), std::istreambuf_iterator<char>());
+  return read_file(file);
+}
+
+std::vector<std::string_view> split_lines(std::string_view text) {
+  std::vector<std::string_view> lines;
+  size_t start = 0;
+  while (start < text.size()) {
+    size_t end = text.find('\n', start);
+    if (end == std::string_view::npos) end = text.size();
+    lines.push_back(text.substr(start, end - start));
+    start = end + 1;
+  }
+  return lines;
+}
+
+void append_ids(std::string& out, const std::vector<uint32_t>& ids) {
+  out += '[';
+  char number[16];
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const int n = std::snprintf(number, sizeof number, i ? ",%u" : "%u", ids[i]);
+    out.append(number, static_cast<size_t>(n));
+  }
+  out += "]\n";
+}
+
+std::vector<uint32_t> parse_ids(std::string_view line, const std::string& file, size_t line_number) {
+  ErrorContext c;
+  c.file = file;
+  c.line = static_cast<int>(line_number);
+  c.hint = "each line must be a JSON array of token ids, as `dsrun tokenize` prints";
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(line);
+  } catch (const nlohmann::json::parse_error& e) {
+    throw Error(std::string("not JSON: ") + e.what(), c);
+  }
+  if (!j.is_array()) throw Error("not an array of ids", c);
+  std::vector<uint32_t> ids;
+  for (const auto& v : j) {
+    if (!v.is_number_unsigned() || v.get<uint64_t>() > UINT32_MAX) throw Error("an id is not a non-negative 32-bit integer", c);
+    ids.push_back(v.get<uint32_t>());
+  }
+  return ids;
+}
+
+}  // namespace
+
+int command_tokenize(const TokenizeArgs& args) {
+  const auto loaded = std::chrono::steady_clock::now();
+  const std::unique_ptr<Tokenizer> tokenizer = open_tokenizer(args.tokenizer);
+  const std::string input = read_input(args.file);
+  const std::vector<std::string_view> lines = split_lines(input);
+  const std::string input_name = args.file == "-" ? "standard input" : args.file;
+
+  const int threads = std::max(1, args.threads > 0 ? args.threads : static_cast<int>(std::thread::hardware_concurrency()));
+  constexpr size_t kBlock = 1024;  // lines per task
+  const size_t blocks = (lines.size() + kBlock - 1) / kBlock;
+  std::vector<std::string> outputs(blocks);
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(threads));
+  size_t token_count = 0;
+  std::vector<size_t> tokens_per_thread(static_cast<size_t>(threads));
+  const auto started = std::chrono::steady_clock::now();
+  const auto work = [&](int t) {
+    try {
+      std::vector<uint32_t> ids;
+      for (size_t b = static_cast<size_t>(t); b < blocks; b += static_cast<size_t>(threads)) {
+        std::string& out = outputs[b];
+        for (size_t i = b * kBlock; i < std::min(lines.size(), (b + 1) * kBlock); ++i) {
+          if (args.decode) {
+            out += tokenizer->decode(parse_ids(lines[i], input_name, i + 1), args.skip_special);
+            out += '\n';
+          } else {
+            ids.clear();
+            tokenizer->encode(lines[i], args.special, ids);
+            tokens_per_thread[static_cast<size_t>(t)] += ids.size();
+            append_ids(out, ids);
+          }
+        }
+      }
+    } catch (...) {
+      errors[static_cast<size_t>(t)] = std::current_exception();
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(work, t);
+  work(0);
+  for (auto& th : pool) th.join();
+  for (const auto& e : errors) if (e) std::rethrow_exception(e);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  for (const std::string& out : outputs) std::fwrite(out.data(), 1, out.size(), stdout);
+  std::fflush(stdout);
+  for (size_t n : tokens_per_thread) token_count += n;
+  if (args.stats) {
+    const double load = std::chrono::duration<double>(started - loaded).count();
+    std::fprintf(stderr, "tokenize: %s; %zu lines, %zu bytes, %zu tokens in %.3f s on %d threads: %.2f MB/s (load %.2f s)\n",
+                 tokenizer->describe().c_str(), lines.size(), input.size(), token_count, seconds, threads,
+                 seconds > 0 ? input.size() / seconds / 1e6 : 0.0, load);
+  }
+  return 0;
+}
+
+}  // namespace dsrun
