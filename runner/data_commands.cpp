@@ -8,6 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <iostream>
@@ -39,8 +40,9 @@ void append_ids(std::string& out, const std::vector<uint32_t>& ids) {
   out += '[';
   char number[16];
   for (size_t i = 0; i < ids.size(); ++i) {
-    const int n = std::snprintf(number, sizeof number, i ? ",%u" : "%u", ids[i]);
-    out.append(number, static_cast<size_t>(n));
+    if (i) out += ',';
+    const auto end = std::to_chars(number, number + sizeof number, ids[i]).ptr;
+    out.append(number, end);
   }
   out += "]\n";
 }

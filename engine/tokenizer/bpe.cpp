@@ -5,6 +5,8 @@
 #include "engine/common/error.hpp"
 #include "engine/tokenizer/unicode.hpp"
 
+#include <xxhash.h>
+
 #include <atomic>
 #include <cstdio>
 #include <queue>
@@ -43,9 +45,13 @@ Bpe::Bpe(BpeOptions options, const std::string& where) : options_(std::move(opti
     seen[id] = true;
     id_to_token_[id] = std::move(token);
   }
-  token_to_id_.reserve(id_to_token_.size());
+  has_id_ = seen;
+  size_t capacity = 16;
+  while (capacity < id_to_token_.size() * 2) capacity *= 2;  // load factor at most 1/2
+  slots_.assign(capacity, Slot{0, kEmpty});
+  slot_mask_ = capacity - 1;
   for (uint32_t id = 0; id < id_to_token_.size(); ++id) {
-    if (seen[id]) token_to_id_.emplace(id_to_token_[id], id);
+    if (seen[id]) insert_token(id);
   }
   options_.vocab.clear();
   options_.vocab.shrink_to_fit();
@@ -71,16 +77,28 @@ Bpe::Bpe(BpeOptions options, const std::string& where) : options_(std::move(opti
   }
 }
 
+void Bpe::insert_token(uint32_t id) {
+  const uint64_t h = XXH3_64bits(id_to_token_[id].data(), id_to_token_[id].size());
+  for (uint64_t i = h & slot_mask_;; i = (i + 1) & slot_mask_) {
+    if (slots_[i].id == kEmpty) {
+      slots_[i] = {static_cast<uint32_t>(h >> 32), id};
+      return;
+    }
+  }
+}
+
 std::optional<uint32_t> Bpe::token_id(std::string_view token) const {
-  const auto it = token_to_id_.find(token);
-  if (it == token_to_id_.end()) return std::nullopt;
-  return it->second;
+  const uint64_t h = XXH3_64bits(token.data(), token.size());
+  const auto tag = static_cast<uint32_t>(h >> 32);
+  for (uint64_t i = h & slot_mask_;; i = (i + 1) & slot_mask_) {
+    const Slot& slot = slots_[i];
+    if (slot.id == kEmpty) return std::nullopt;
+    if (slot.hash == tag && id_to_token_[slot.id] == token) return slot.id;
+  }
 }
 
 const std::string* Bpe::token(uint32_t id) const {
-  if (id >= id_to_token_.size()) return nullptr;
-  const auto it = token_to_id_.find(id_to_token_[id]);
-  return it != token_to_id_.end() && it->second == id ? &id_to_token_[id] : nullptr;
+  return id < id_to_token_.size() && has_id_[id] ? &id_to_token_[id] : nullptr;
 }
 
 void Bpe::encode_word(std::string_view word, std::vector<uint32_t>& ids) const {

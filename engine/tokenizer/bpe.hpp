@@ -42,8 +42,18 @@ class Bpe {
   void merge_word(std::string_view word, std::vector<uint32_t>& ids) const;
 
   BpeOptions options_;
-  std::vector<std::string> id_to_token_;                     // owns the strings the map views
-  std::unordered_map<std::string_view, uint32_t> token_to_id_;
+  // Token -> id: open addressing over (hash, id) slots, strings compared in id_to_token_ (short
+  // ones inline there): two cache misses a lookup, where std::unordered_map took three.
+  struct Slot {
+    uint32_t hash;
+    uint32_t id;  // kEmpty when free
+  };
+  static constexpr uint32_t kEmpty = UINT32_MAX;
+  void insert_token(uint32_t id);
+  std::vector<std::string> id_to_token_;
+  std::vector<bool> has_id_;
+  std::vector<Slot> slots_;
+  uint64_t slot_mask_ = 0;
   std::unordered_map<uint64_t, Merge> merges_;
   std::optional<uint32_t> unk_id_;
   uint64_t cache_key_;  // tells per-thread caches of different models apart

@@ -381,13 +381,39 @@ void parse_pre_tokenizer(const json& j, const JsonPlace& place, std::vector<PreT
   out.push_back(std::move(p));
 }
 
+// Bytes to GPT-2's byte alphabet, in place: one or two UTF-8 bytes per byte, from a table.
+void byte_level_map(std::string& text) {
+  struct Table {
+    char bytes[256][2];
+    uint8_t length[256];
+    Table() {
+      const auto& alphabet = unicode::byte_to_char();
+      for (int b = 0; b < 256; ++b) {
+        length[b] = static_cast<uint8_t>(alphabet[b].size());
+        for (size_t k = 0; k < alphabet[b].size(); ++k) bytes[b][k] = alphabet[b][k];
+      }
+    }
+  };
+  static const Table table;
+  thread_local std::string mapped;
+  mapped.resize(text.size() * 2);
+  size_t n = 0;
+  for (const char c : text) {
+    const auto b = static_cast<unsigned char>(c);
+    mapped[n] = table.bytes[b][0];
+    mapped[n + 1] = table.bytes[b][1];
+    n += table.length[b];
+  }
+  text.assign(mapped, 0, n);
+}
+
 bool is_bert_punctuation(char32_t cp) {
   return (cp < 0x80 && std::ispunct(static_cast<int>(cp))) || unicode::is_punctuation(cp);
 }
 
 void apply_pre_tokenizer(const PreTokenizer& p, std::vector<Piece>& pieces) {
-  std::vector<Piece> out;
-  out.reserve(pieces.size() * 2);
+  thread_local std::vector<Piece> out;  // reused: short lines would otherwise allocate per step
+  out.clear();
   thread_local std::vector<Segment> segments;
   for (Piece& piece : pieces) {
     switch (p.kind) {
@@ -404,13 +430,7 @@ void apply_pre_tokenizer(const PreTokenizer& p, std::vector<Piece>& pieces) {
         } else {
           out.push_back(std::move(piece));
         }
-        const auto& alphabet = unicode::byte_to_char();
-        for (size_t k = first; k < out.size(); ++k) {
-          std::string mapped;
-          mapped.reserve(out[k].text.size() * 2);
-          for (const char c : out[k].text) mapped += alphabet[static_cast<unsigned char>(c)];
-          out[k].text = std::move(mapped);
-        }
+        for (size_t k = first; k < out.size(); ++k) byte_level_map(out[k].text);
         break;
       }
       case PreTokenizer::Kind::digits:
@@ -461,7 +481,7 @@ void apply_pre_tokenizer(const PreTokenizer& p, std::vector<Piece>& pieces) {
       }
     }
   }
-  pieces = std::move(out);
+  pieces.swap(out);
 }
 
 // ---------------------------------------------------------------- added tokens
@@ -889,7 +909,11 @@ HfTokenizer::HfTokenizer(const std::string& path) : path_(path) {
   options.fuse_unk = bool_member(model, mp, "fuse_unk", false);
   options.byte_fallback = bool_member(model, mp, "byte_fallback", false);
   options.ignore_merges = bool_member(model, mp, "ignore_merges", false);
-  model_ = std::make_unique<Bpe>(std::move(options), "model");
+  try {
+    model_ = std::make_unique<Bpe>(std::move(options), "model");
+  } catch (const Error& e) {
+    fail({&path_, e.context().key}, e.what(), e.context().hint);  // the same error, with the file
+  }
   vocab_size_ = model_->size();
 
   if (root.contains("normalizer")) parse_normalizer(root["normalizer"], top.at("normalizer"), normalizers_);
@@ -947,7 +971,9 @@ HfTokenizer::HfTokenizer(const std::string& path) : path_(path) {
 }
 
 void HfTokenizer::encode_text(std::string_view text, bool at_start, std::vector<uint32_t>& ids) const {
-  std::vector<Piece> pieces{{std::string(text), at_start}};
+  thread_local std::vector<Piece> pieces;
+  pieces.clear();
+  pieces.push_back({std::string(text), at_start});
   for (const PreTokenizer& p : pre_tokenizers_) apply_pre_tokenizer(p, pieces);
   for (const Piece& piece : pieces) model_->encode_word(piece.text, ids);
 }
@@ -959,7 +985,7 @@ void HfTokenizer::encode(std::string_view input, bool add_special, std::vector<u
     input = repaired;
   }
   if (add_special) ids.insert(ids.end(), prefix_.begin(), prefix_.end());
-  std::vector<Split> raw, normalized_splits;
+  thread_local std::vector<Split> raw, normalized_splits;
   find_added(raw_added_, added_, input, raw);
   for (const Split& s : raw) {
     if (s.token >= 0) {
@@ -967,11 +993,14 @@ void HfTokenizer::encode(std::string_view input, bool add_special, std::vector<u
       continue;
     }
     if (s.start == s.end) continue;
-    const std::string normalized = apply_normalizers(normalizers_, std::string(input.substr(s.start, s.end - s.start)));
+    const std::string_view raw_text = input.substr(s.start, s.end - s.start);
+    std::string normalized_text;
+    if (!normalizers_.empty()) normalized_text = apply_normalizers(normalizers_, std::string(raw_text));
+    const std::string_view normalized = normalizers_.empty() ? raw_text : std::string_view(normalized_text);
     find_added(normalized_added_, added_, normalized, normalized_splits);
     for (const Split& n : normalized_splits) {
       if (n.token >= 0) ids.push_back(added_[n.token].id);
-      else if (n.end > n.start) encode_text(std::string_view(normalized).substr(n.start, n.end - n.start), s.start == 0 && n.start == 0, ids);
+      else if (n.end > n.start) encode_text(normalized.substr(n.start, n.end - n.start), s.start == 0 && n.start == 0, ids);
     }
   }
   if (add_special) ids.insert(ids.end(), suffix_.begin(), suffix_.end());
