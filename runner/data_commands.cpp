@@ -4,6 +4,7 @@
 
 #include "engine/common/error.hpp"
 #include "engine/common/files.hpp"
+#include "engine/data/prepare.hpp"
 #include "engine/tokenizer/tokenizer.hpp"
 
 #include <nlohmann/json.hpp>
@@ -14,6 +15,7 @@
 #include <iostream>
 #include <iterator>
 #include <thread>
+#include <unistd.h>
 #include <vector>
 
 namespace dsrun {
@@ -119,6 +121,35 @@ int command_tokenize(const TokenizeArgs& args) {
     std::fprintf(stderr, "tokenize: %s; %zu lines, %zu bytes, %zu tokens in %.3f s on %d threads: %.2f MB/s (load %.2f s)\n",
                  tokenizer->describe().c_str(), lines.size(), input.size(), token_count, seconds, threads,
                  seconds > 0 ? input.size() / seconds / 1e6 : 0.0, load);
+  }
+  return 0;
+}
+
+int command_prepare(const PrepareOptions& options) {
+  const bool tty = ::isatty(STDERR_FILENO) != 0;
+  const auto started = std::chrono::steady_clock::now();
+  auto last_print = started - std::chrono::seconds(10);
+  const auto progress = [&](int done, int shards, int64_t bytes, int64_t total) {
+    const auto now = std::chrono::steady_clock::now();
+    const bool finished = done == shards;
+    if (!finished && now - last_print < std::chrono::seconds(tty ? 1 : 10)) return;
+    last_print = now;
+    const double s = std::chrono::duration<double>(now - started).count();
+    const double rate = s > 0 ? static_cast<double>(bytes) / s : 0;
+    const double eta = rate > 0 ? static_cast<double>(total - bytes) / rate : 0;
+    std::fprintf(stderr, "%sprepare: %d/%d shards, %.1f of %.1f MB, %.1f MB/s, ETA %.0f s%s", tty ? "\r" : "", done, shards, bytes / 1e6,
+                 total / 1e6, rate / 1e6, eta, tty && !finished ? "   " : "\n");
+    std::fflush(stderr);
+  };
+  const PrepareSummary s = prepare_corpus(options, progress);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  std::printf("prepared %s: %lld documents, %lld tokens (%d bytes each) from %lld bytes, %.4f tokens per byte; %d shards (%d kept from an earlier run) in %.1f s\n",
+              options.out.c_str(), static_cast<long long>(s.documents), static_cast<long long>(s.tokens), s.token_bytes,
+              static_cast<long long>(s.input_bytes), s.input_bytes > 0 ? static_cast<double>(s.tokens) / static_cast<double>(s.input_bytes) : 0.0,
+              s.shards, s.shards_reused, seconds);
+  if (s.skipped_lines > 0) {
+    std::printf("skipped %lld lines (not JSON or without the field; --strict makes them fatal), for example:\n", static_cast<long long>(s.skipped_lines));
+    for (const auto& e : s.skipped_examples) std::printf("  %s\n", e.c_str());
   }
   return 0;
 }

@@ -1,4 +1,5 @@
-// The data commands: `dsrun tokenize` (text to ids and back, one JSON array per line).
+// The data commands: `dsrun tokenize` (text to ids and back, one JSON array per line) and
+// `dsrun prepare` (a corpus to token shards).
 // They read and write files only; no store, no ranks.
 #pragma once
 
@@ -17,5 +18,8 @@ struct TokenizeArgs {
 };
 
 int command_tokenize(const TokenizeArgs& args);
+
+struct PrepareOptions;
+int command_prepare(const PrepareOptions& options);
 
 }  // namespace dsrun

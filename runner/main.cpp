@@ -1,6 +1,7 @@
 // dsrun's entry point: the CLI11 command tree. `dsrun RECIPE` is short for `dsrun run RECIPE`.
 #include "engine/common/error.hpp"
 #include "runner/commands.hpp"
+#include "engine/data/prepare.hpp"
 #include "runner/data_commands.hpp"
 #include "runner/history.hpp"
 #include "runner/report.hpp"
@@ -16,7 +17,7 @@
 
 namespace {
 
-const char* const kCommands[] = {"run", "plan", "history", "show", "resume", "rollback", "export", "sweep", "compare", "watch", "delete", "restore", "gc", "report", "init", "templates", "docs", "worker", "tokenize"};
+const char* const kCommands[] = {"run", "plan", "history", "show", "resume", "rollback", "export", "sweep", "compare", "watch", "delete", "restore", "gc", "report", "init", "templates", "docs", "worker", "tokenize", "prepare"};
 
 // `dsrun recipes/x.toml ...` means `dsrun run recipes/x.toml ...`.
 std::vector<std::string> with_default_command(int argc, char** argv) {
@@ -180,6 +181,18 @@ int main(int argc, char** argv) {
   tokenize->add_option("--threads", tok.threads, "Threads (default: every core)")->check(CLI::Range(1, 1024));
   tokenize->add_flag("--stats", tok.stats, "Print lines, tokens and MB/s to standard error");
 
+  dsrun::PrepareOptions prep;
+  CLI::App* prepare = app.add_subcommand("prepare", "Tokenize text, .jsonl, .gz and .zst files into token shards for data.kind = \"tokens\"");
+  prepare->add_option("inputs", prep.inputs, "Files and directories")->required();
+  prepare->add_option("--tokenizer", prep.tokenizer, "tokenizer.json, tokenizer.model, or a directory holding one")->required();
+  prepare->add_option("--out,-o", prep.out, "Directory for the shards and manifest.json")->required();
+  prepare->add_option("--field", prep.field, "The JSON-lines field holding the text (default: text)");
+  prepare->add_flag("--line-documents", prep.line_documents, "Plain text: each line is a document (default: each file)");
+  prepare->add_flag("--strict", prep.strict, "Stop at a JSON line that is not JSON or lacks the field (default: skip and count)");
+  prepare->add_option("--threads", prep.threads, "Threads (default: every core)")->check(CLI::Range(1, 1024));
+  int64_t shard_mb = 64;
+  prepare->add_option("--shard-mb", shard_mb, "Input megabytes per shard (default 64)")->check(CLI::Range(1, 1 << 20));
+
   std::vector<std::string> args = with_default_command(argc, argv);
   std::reverse(args.begin(), args.end());  // CLI11 takes a reversed vector
   try {
@@ -208,6 +221,10 @@ int main(int argc, char** argv) {
     if (*templates) return dsrun::command_templates();
     if (*docs) return dsrun::command_docs(topic);
     if (*tokenize) return dsrun::command_tokenize(tok);
+    if (*prepare) {
+      prep.shard_bytes = shard_mb << 20;
+      return dsrun::command_prepare(prep);
+    }
   } catch (const dsrun::Error& e) {
     spdlog::error("{}", e.describe());
     return dsrun::kExitError;

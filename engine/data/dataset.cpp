@@ -4,8 +4,14 @@
 #include "engine/common/files.hpp"
 #include "engine/common/text.hpp"
 
+#include <nlohmann/json.hpp>
+#include <sys/mman.h>
+#include <xxhash.h>
+
 #include <algorithm>
 #include <cstring>
+#include <fcntl.h>
+#include <unistd.h>
 #include <numeric>
 #include <random>
 
@@ -93,6 +99,184 @@ class TokenWindows final : public Dataset {
   int64_t seq_, train_windows_ = 0, val_windows_ = 0;
   std::string what_;
   std::unique_ptr<EpochOrder> order_;
+};
+
+// A permutation of 0..n-1 for epoch e computed per index, in O(1) memory: a 4-round Feistel
+// network over the next even power of two, walked until it lands below n (under 4 steps on
+// average). Prepared corpora use it, so a rank's memory does not grow with the corpus.
+class FeistelOrder {
+ public:
+  FeistelOrder(int64_t n, uint64_t seed, bool shuffle) : n_(n), seed_(seed), shuffle_(shuffle) {
+    DSRUN_ASSERT(n > 0, "an epoch of no samples");
+    while ((int64_t(1) << (2 * half_bits_)) < n) ++half_bits_;
+  }
+  int64_t at(int64_t g) const {
+    const int64_t epoch = g / n_, i = g % n_;
+    if (!shuffle_) return i;
+    uint64_t x = static_cast<uint64_t>(i);
+    do x = encrypt(x, static_cast<uint64_t>(epoch));
+    while (x >= static_cast<uint64_t>(n_));
+    return static_cast<int64_t>(x);
+  }
+
+ private:
+  uint64_t encrypt(uint64_t x, uint64_t epoch) const {
+    const uint64_t mask = (uint64_t(1) << half_bits_) - 1;
+    uint64_t left = x >> half_bits_, right = x & mask;
+    for (uint64_t round = 0; round < 4; ++round) {
+      const uint64_t key[4] = {seed_, epoch, round, right};
+      const uint64_t f = XXH3_64bits(key, sizeof key) & mask;
+      const uint64_t next = left ^ f;
+      left = right;
+      right = next;
+    }
+    return (left << half_bits_) | right;
+  }
+  int64_t n_;
+  uint64_t seed_;
+  bool shuffle_;
+  int half_bits_ = 1;
+};
+
+// A read-only memory map of a whole file, unmapped on destruction.
+class MappedFile {
+ public:
+  explicit MappedFile(const std::string& path) : path_(path) {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) throw Error("cannot open " + path + ": " + std::strerror(errno));
+    const off_t size = ::lseek(fd, 0, SEEK_END);
+    size_ = size > 0 ? static_cast<size_t>(size) : 0;
+    if (size_ > 0) {
+      void* p = ::mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd, 0);
+      if (p == MAP_FAILED) {
+        ::close(fd);
+        throw Error("cannot map " + path + ": " + std::strerror(errno));
+      }
+      data_ = static_cast<const unsigned char*>(p);
+      ::madvise(p, size_, MADV_RANDOM);  // windows are read in shuffled order
+    }
+    ::close(fd);
+  }
+  ~MappedFile() {
+    if (data_) ::munmap(const_cast<unsigned char*>(data_), size_);
+  }
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+  const unsigned char* data() const { return data_; }
+  size_t size() const { return size_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  const unsigned char* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+Error data_error(const std::string& path, const std::string& what, const std::string& hint);
+
+// A corpus from `dsrun prepare`: shards mapped, never copied; tokens widen to int64 per batch only.
+// Windows of seq_len + 1 tokens over the shards in order; validation is the last val_fraction.
+class MappedTokenWindows final : public Dataset {
+ public:
+  MappedTokenWindows(const std::string& dir, int64_t vocab, double val_fraction, int64_t seq_len, uint64_t seed, bool shuffle)
+      : dir_(dir), vocab_(vocab), seq_(seq_len) {
+    const std::string manifest_path = path_join(dir, "manifest.json");
+    nlohmann::json m;
+    try {
+      m = nlohmann::json::parse(read_file(manifest_path));
+    } catch (const nlohmann::json::exception& e) {
+      throw data_error(manifest_path, std::string("unreadable manifest: ") + e.what(), "run dsrun prepare again");
+    }
+    if (m.value("format", "") != "dsrun-tokens" || m.value("version", 0) != 1) throw data_error(manifest_path, "not a dsrun prepare manifest", "run dsrun prepare");
+    width_ = m.value("token_bytes", 0);
+    const int64_t tokenizer_vocab = m["tokenizer"].value("vocab_size", int64_t(0));
+    if (tokenizer_vocab > vocab) {
+      ErrorContext c;
+      c.file = manifest_path;
+      c.key = "model.vocab";
+      c.hint = "set model.vocab to at least " + std::to_string(tokenizer_vocab);
+      throw Error("the corpus was tokenized with " + std::to_string(tokenizer_vocab) + " ids, more than model.vocab = " + std::to_string(vocab), c);
+    }
+    for (const auto& shard : m["shards"]) {
+      const std::string file = path_join(dir, shard.value("tokens_file", ""));
+      auto mapped = std::make_unique<MappedFile>(file);
+      const int64_t count = shard.value("tokens", int64_t(-1));
+      uint32_t version = 0, w = 0;
+      uint64_t header_count = 0;
+      if (mapped->size() >= 32) {
+        std::memcpy(&version, mapped->data() + 8, 4);
+        std::memcpy(&w, mapped->data() + 12, 4);
+        std::memcpy(&header_count, mapped->data() + 16, 8);
+      }
+      if (mapped->size() < 32 || std::memcmp(mapped->data(), "DSRUNTOK", 8) != 0 || version != 1 || int(w) != width_ ||
+          int64_t(header_count) != count || mapped->size() != 32 + size_t(count) * w) {
+        throw data_error(file, "shard does not match the manifest (truncated, or from another prepare)", "run dsrun prepare again; it keeps the shards that are whole");
+      }
+      starts_.push_back(total_);
+      total_ += count;
+      shards_.push_back(std::move(mapped));
+    }
+    const int64_t val_tokens = static_cast<int64_t>(static_cast<double>(total_) * val_fraction);
+    train_tokens_ = total_ - val_tokens;
+    train_windows_ = (train_tokens_ - 1) / seq_;
+    val_windows_ = val_tokens > seq_ ? (val_tokens - 1) / seq_ : 0;
+    if (train_windows_ < 1) throw data_error(dir, "the corpus has " + std::to_string(total_) + " tokens: not one training sequence", "use more data or a shorter batch.seq_len");
+    order_ = std::make_unique<FeistelOrder>(train_windows_, seed, shuffle);
+  }
+  Batch train_batch(int64_t first, int64_t count) override {
+    std::vector<int64_t> starts;
+    for (int64_t i = 0; i < count; ++i) starts.push_back(order_->at(first + i) * seq_);
+    return cut(starts);
+  }
+  Batch val_batch(int64_t first, int64_t count) override {
+    if (val_windows_ == 0) {
+      ErrorContext c;
+      c.key = "data.val_fraction";
+      c.hint = "raise data.val_fraction or use more data, or set eval.every = 0";
+      throw Error("the validation split is shorter than one sequence", c);
+    }
+    std::vector<int64_t> starts;
+    for (int64_t i = 0; i < count; ++i) starts.push_back(train_tokens_ + ((first + i) % val_windows_) * seq_);
+    return cut(starts);
+  }
+  std::string describe() const override {
+    return "prepared corpus at " + dir_ + ": " + std::to_string(shards_.size()) + " shards mapped, " + std::to_string(train_tokens_) +
+           " training tokens (" + std::to_string(train_windows_) + " sequences), " + std::to_string(total_ - train_tokens_) + " validation tokens";
+  }
+
+ private:
+  // Token g of the whole stream (shards in order).
+  int64_t token(int64_t g) const {
+    const size_t s = static_cast<size_t>(std::upper_bound(starts_.begin(), starts_.end(), g) - starts_.begin() - 1);
+    const unsigned char* p = shards_[s]->data() + 32 + static_cast<size_t>(g - starts_[s]) * static_cast<size_t>(width_);
+    uint32_t t = 0;
+    std::memcpy(&t, p, static_cast<size_t>(width_));
+    if (t >= vocab_) {
+      throw data_error(shards_[s]->path(), "token " + std::to_string(t) + " at position " + std::to_string(g - starts_[s]) + " is outside the vocabulary",
+                       "set model.vocab above the largest token id");
+    }
+    return t;
+  }
+  Batch cut(const std::vector<int64_t>& starts) const {
+    const int64_t rows = static_cast<int64_t>(starts.size());
+    torch::Tensor both = torch::empty({rows, seq_ + 1}, torch::kInt64);
+    int64_t* out = both.data_ptr<int64_t>();
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t k = 0; k <= seq_; ++k) out[r * (seq_ + 1) + k] = token(starts[static_cast<size_t>(r)] + k);
+    }
+    Batch b;
+    b.inputs = both.narrow(1, 0, seq_).contiguous();
+    b.targets = both.narrow(1, 1, seq_).contiguous();
+    b.items = rows * seq_;
+    return b;
+  }
+  std::string dir_;
+  int64_t vocab_, seq_;
+  int width_ = 4;
+  std::vector<std::unique_ptr<MappedFile>> shards_;
+  std::vector<int64_t> starts_;
+  int64_t total_ = 0, train_tokens_ = 0, train_windows_ = 0, val_windows_ = 0;
+  std::unique_ptr<FeistelOrder> order_;
 };
 
 // Images with labels (CIFAR-10 or synthetic), normalised per channel.
@@ -256,6 +440,9 @@ std::unique_ptr<Dataset> open_dataset(const DataOptions& data, const ModelSpec& 
     case DataKind::Text:
       return std::make_unique<TokenWindows>(read_text_bytes(data.path), data.val_fraction, seq_len, seed, data.shuffle, "text at " + data.path);
     case DataKind::Tokens:
+      if (is_directory(data.path) && file_exists(path_join(data.path, "manifest.json"))) {
+        return std::make_unique<MappedTokenWindows>(data.path, model.vocab, data.val_fraction, seq_len, seed, data.shuffle);
+      }
       return std::make_unique<TokenWindows>(read_token_shards(data.path, model.vocab), data.val_fraction, seq_len, seed, data.shuffle,
                                             "token shards at " + data.path);
     default:

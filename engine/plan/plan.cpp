@@ -71,6 +71,8 @@ double data_bytes(const Recipe& r, int64_t seq_len) {
   double tokens = 0;
   if (d.kind == DataKind::Synthetic) {
     tokens = static_cast<double>(std::max<int64_t>(1 << 20, 64 * (seq_len + 1)));
+  } else if (d.kind == DataKind::Tokens && is_directory(d.path) && file_exists(path_join(d.path, "manifest.json"))) {
+    return 0;  // a prepared corpus is mapped: its pages are the page cache's, not the rank's (docs/data.md)
   } else {
     const bool shards = d.kind == DataKind::Tokens;
     std::vector<std::string> files = is_directory(d.path) ? data_directory_files(d.path, shards ? ".tokens" : "") : std::vector<std::string>{d.path};

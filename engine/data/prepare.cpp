@@ -1,0 +1,467 @@
+// `dsrun prepare` (see prepare.hpp). The input is cut into chunks (byte ranges at line ends, or
+// whole files) before any tokenizing, so shard k is a pure function of chunk k and the tokenizer:
+// that is what lets a killed prepare keep the shards it finished. Each shard is three files
+// written atomically in order (.tokens, .docs, then .json, the mark of a finished shard); the
+// manifest is written last, so a directory without one is never taken as a finished corpus.
+#include "engine/data/prepare.hpp"
+
+#include "engine/common/error.hpp"
+#include "engine/common/files.hpp"
+#include "engine/tokenizer/tokenizer.hpp"
+
+#include <nlohmann/json.hpp>
+#include <sys/stat.h>
+#include <xxhash.h>
+#include <zlib.h>
+#include <zstd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fcntl.h>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <unistd.h>
+
+namespace dsrun {
+namespace {
+
+using json = nlohmann::json;
+
+Error input_error(const std::string& file, int line, const std::string& what, const std::string& hint) {
+  ErrorContext c;
+  c.file = file;
+  c.line = line;
+  c.hint = hint;
+  return Error(what, c);
+}
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+enum class Compression { none, gzip, zstd };
+
+struct InputFile {
+  std::string path;
+  Compression compression = Compression::none;
+  bool json_lines = false;
+  int64_t size = 0;
+  int64_t mtime_ns = 0;
+};
+
+// A stretch of one input file; compressed files are taken whole.
+struct Piece {
+  size_t file;
+  int64_t begin, end;
+};
+
+struct Chunk {
+  std::vector<Piece> pieces;
+  int64_t bytes = 0;
+};
+
+void collect(const std::string& path, std::vector<std::string>& out) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) throw input_error(path, 0, "input not found", "check the path");
+  if (S_ISDIR(st.st_mode)) {
+    for (const std::string& name : list_directory(path)) {
+      if (name.empty() || name[0] == '.' || ends_with(name, ".dat")) continue;
+      const std::string child = path_join(path, name);
+      struct stat cst {};
+      if (::lstat(child.c_str(), &cst) != 0) continue;
+      if (S_ISDIR(cst.st_mode) || S_ISREG(cst.st_mode)) collect(child, out);  // links are skipped, as in data directories
+    }
+  } else if (S_ISREG(st.st_mode)) {
+    out.push_back(path);
+  } else {
+    throw input_error(path, 0, "input is not a regular file or a directory", "name text, .jsonl, .gz or .zst files");
+  }
+}
+
+InputFile describe_input(const std::string& path) {
+  InputFile f;
+  f.path = path;
+  std::string base = path;
+  if (ends_with(base, ".gz")) {
+    f.compression = Compression::gzip;
+    base.resize(base.size() - 3);
+  } else if (ends_with(base, ".zst")) {
+    f.compression = Compression::zstd;
+    base.resize(base.size() - 4);
+  }
+  f.json_lines = ends_with(base, ".jsonl") || ends_with(base, ".ndjson");
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) throw input_error(path, 0, "cannot stat input", "check the path");
+  f.size = st.st_size;
+  f.mtime_ns = int64_t(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+  return f;
+}
+
+// Bytes [begin, end) of a plain file.
+std::string read_range(const std::string& path, int64_t begin, int64_t end) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw input_error(path, 0, std::string("cannot open: ") + std::strerror(errno), "check the file");
+  std::string out(static_cast<size_t>(end - begin), '\0');
+  size_t done = 0;
+  while (done < out.size()) {
+    const ssize_t n = ::pread(fd, out.data() + done, out.size() - done, begin + static_cast<int64_t>(done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      ::close(fd);
+      throw input_error(path, 0, n < 0 ? std::string("cannot read: ") + std::strerror(errno) : "the file shrank while being read", "check the file");
+    }
+    done += static_cast<size_t>(n);
+  }
+  ::close(fd);
+  return out;
+}
+
+std::string decompress(const InputFile& f) {
+  std::string out;
+  if (f.compression == Compression::gzip) {
+    gzFile gz = ::gzopen(f.path.c_str(), "rb");
+    if (!gz) throw input_error(f.path, 0, "cannot open gzip file", "check the file");
+    std::unique_ptr<gzFile_s, int (*)(gzFile)> owner(gz, &::gzclose);
+    char buffer[1 << 16];
+    int n;
+    while ((n = ::gzread(gz, buffer, sizeof buffer)) > 0) out.append(buffer, static_cast<size_t>(n));
+    if (n < 0) {
+      int code = 0;
+      throw input_error(f.path, 0, std::string("corrupt gzip data: ") + ::gzerror(gz, &code), "download the file again");
+    }
+    return out;
+  }
+  const std::string compressed = read_file(f.path);
+  std::unique_ptr<ZSTD_DCtx, size_t (*)(ZSTD_DCtx*)> ctx(ZSTD_createDCtx(), &ZSTD_freeDCtx);
+  ZSTD_inBuffer in{compressed.data(), compressed.size(), 0};
+  std::string buffer(ZSTD_DStreamOutSize(), '\0');
+  size_t last = 0;
+  while (in.pos < in.size) {
+    ZSTD_outBuffer o{buffer.data(), buffer.size(), 0};
+    last = ZSTD_decompressStream(ctx.get(), &o, &in);
+    if (ZSTD_isError(last)) throw input_error(f.path, 0, std::string("corrupt zstd data: ") + ZSTD_getErrorName(last), "download the file again");
+    out.append(buffer.data(), o.pos);
+  }
+  if (last != 0) throw input_error(f.path, 0, "truncated zstd data", "download the file again");
+  return out;
+}
+
+// The offset of the first line start at or after `at` (the file's size if none).
+int64_t next_line_start(const std::string& path, int64_t at, int64_t size) {
+  while (at < size) {
+    const int64_t end = std::min(size, at + 4096);
+    const std::string block = read_range(path, at, end);
+    const size_t nl = block.find('\n');
+    if (nl != std::string::npos) return at + static_cast<int64_t>(nl) + 1;
+    at = end;
+  }
+  return size;
+}
+
+std::vector<Chunk> make_chunks(const std::vector<InputFile>& files, const PrepareOptions& o) {
+  std::vector<Chunk> chunks;
+  Chunk current;
+  const auto flush = [&] {
+    if (!current.pieces.empty()) chunks.push_back(std::move(current));
+    current = Chunk{};
+  };
+  for (size_t i = 0; i < files.size(); ++i) {
+    const InputFile& f = files[i];
+    const bool by_lines = f.json_lines || o.line_documents;
+    if (f.compression != Compression::none || !by_lines || f.size <= o.shard_bytes) {
+      if (current.bytes > 0 && current.bytes + f.size > o.shard_bytes) flush();
+      current.pieces.push_back({i, 0, f.size});
+      current.bytes += f.size;
+      continue;
+    }
+    flush();
+    for (int64_t begin = 0; begin < f.size;) {
+      const int64_t end = next_line_start(f.path, std::min(f.size, begin + o.shard_bytes), f.size);
+      chunks.push_back(Chunk{{{i, begin, end}}, end - begin});
+      begin = end;
+    }
+  }
+  flush();
+  return chunks;
+}
+
+struct ShardResult {
+  int64_t documents = 0, tokens = 0, bytes = 0, skipped = 0;
+  std::vector<std::string> skipped_examples;
+  json record;
+  bool reused = false;
+};
+
+std::string shard_name(size_t k) {
+  char name[32];
+  std::snprintf(name, sizeof name, "shard-%05zu", k);
+  return name;
+}
+
+std::string hex64(uint64_t v) {
+  char s[17];
+  std::snprintf(s, sizeof s, "%016llx", static_cast<unsigned long long>(v));
+  return s;
+}
+
+// The 1-based line number at byte `offset` of a plain file (read only when a line is reported).
+int line_at(const std::string& path, int64_t offset) {
+  if (offset == 0) return 1;
+  const std::string before = read_range(path, 0, offset);
+  return static_cast<int>(std::count(before.begin(), before.end(), '\n')) + 1;
+}
+
+class Preparer {
+ public:
+  Preparer(const PrepareOptions& o, std::vector<InputFile> files, std::vector<Chunk> chunks)
+      : o_(o), files_(std::move(files)), chunks_(std::move(chunks)) {
+    tokenizer_ = open_tokenizer(o.tokenizer);
+    tokenizer_path_ = tokenizer_file(o.tokenizer);
+    const std::string bytes = read_file(tokenizer_path_);
+    tokenizer_hash_ = "xxh3:" + hex64(XXH3_64bits(bytes.data(), bytes.size()));
+    token_bytes_ = tokenizer_->vocab_size() <= 65536 ? 2 : 4;
+    // Documents are marked as the post-processor says (BOS and/or EOS); if it adds nothing, EOS.
+    marks_from_post_processor_ = !tokenizer_->encode("", true).empty();
+    if (!marks_from_post_processor_) {
+      if (!tokenizer_->eos()) {
+        ErrorContext c;
+        c.file = tokenizer_path_;
+        c.hint = "use a tokenizer whose tokenizer_config.json names an eos_token";
+        throw Error("the tokenizer marks no document boundary: no BOS/EOS from its post-processor and no EOS token", c);
+      }
+      eos_ = *tokenizer_->eos();
+    }
+  }
+
+  json identity(size_t k) const {
+    json pieces = json::array();
+    for (const Piece& p : chunks_[k].pieces) {
+      const InputFile& f = files_[p.file];
+      pieces.push_back({{"file", f.path}, {"size", f.size}, {"mtime_ns", f.mtime_ns}, {"begin", p.begin}, {"end", p.end}});
+    }
+    return {{"pieces", pieces}, {"tokenizer", tokenizer_hash_}, {"field", o_.field}, {"line_documents", o_.line_documents},
+            {"token_bytes", token_bytes_}};
+  }
+
+  json end_of_document() const {
+    if (!marks_from_post_processor_) return {{"eos", eos_}};
+    return {{"post_processor", tokenizer_->encode("", true)}};
+  }
+
+  ShardResult run_shard(size_t k) const {
+    const std::string base = path_join(o_.out, shard_name(k));
+    const json id = identity(k);
+    ShardResult r;
+    if (file_exists(base + ".json")) {  // finished before: reuse if it is this chunk's shard, whole
+      try {
+        json done = json::parse(read_file(base + ".json"));
+        if (done.value("identity", json()) == id && file_size(base + ".tokens") == done.value("tokens_file_bytes", int64_t(-1)) &&
+            file_size(base + ".docs") == done.value("docs_file_bytes", int64_t(-1))) {
+          r.record = done;
+          r.documents = done["documents"];
+          r.tokens = done["tokens"];
+          r.bytes = done["input_bytes"];
+          r.skipped = done["skipped_lines"];
+          r.reused = true;
+          return r;
+        }
+      } catch (const json::exception&) {
+        // An unreadable record is not a finished shard: it is written again below.
+      }
+    }
+    std::vector<uint32_t> tokens;
+    std::vector<uint64_t> ends;
+    std::vector<uint32_t> ids;
+    const auto add_document = [&](std::string_view text) {
+      ids.clear();
+      tokenizer_->encode(text, marks_from_post_processor_, ids);
+      if (!marks_from_post_processor_) ids.push_back(eos_);
+      tokens.insert(tokens.end(), ids.begin(), ids.end());
+      ends.push_back(tokens.size());
+    };
+    for (const Piece& p : chunks_[k].pieces) {
+      const InputFile& f = files_[p.file];
+      const std::string text = f.compression == Compression::none ? read_range(f.path, p.begin, p.end) : decompress(f);
+      r.bytes += p.end - p.begin;
+      if (!f.json_lines && !o_.line_documents) {
+        add_document(text);
+        continue;
+      }
+      int first_line = 0;  // counted only when a line is reported
+      size_t start = 0;
+      while (start < text.size()) {
+        size_t end = text.find('\n', start);
+        if (end == std::string::npos) end = text.size();
+        std::string_view line(text.data() + start, end - start);
+        if (!f.json_lines) {
+          add_document(line);
+        } else if (!line.empty() && line.find_first_not_of(" \t\r") != std::string_view::npos) {
+          std::string why;
+          try {
+            const json doc = json::parse(line);
+            if (!doc.is_object() || !doc.contains(o_.field)) why = "no field \"" + o_.field + "\"";
+            else if (!doc[o_.field].is_string()) why = "field \"" + o_.field + "\" is not a string";
+            else add_document(doc[o_.field].get_ref<const std::string&>());
+          } catch (const json::parse_error& e) {
+            why = std::string("not JSON: ") + e.what();
+          }
+          if (!why.empty()) {
+            if (first_line == 0) first_line = line_at(f.path, p.begin);
+            const int at = first_line + static_cast<int>(std::count(text.begin(), text.begin() + static_cast<long>(start), '\n'));
+            if (o_.strict) throw input_error(f.path, at, why, "fix the line, or drop --strict to skip and count such lines");
+            ++r.skipped;
+            if (r.skipped_examples.size() < 5) r.skipped_examples.push_back(f.path + ":" + std::to_string(at) + ": " + why);
+          }
+        }
+        start = end + 1;
+      }
+    }
+    for (uint32_t t : tokens) {
+      if (t >= tokenizer_->vocab_size()) {
+        throw input_error(base + ".tokens", 0, "token " + std::to_string(t) + " is outside the vocabulary", "report it: the tokenizer produced it");
+      }
+    }
+    // .tokens (the DSRUNTOK format), .docs, then the record that marks the shard finished.
+    std::string body("DSRUNTOK", 8);
+    const auto put32 = [](std::string& s, uint32_t v) { s.append(reinterpret_cast<const char*>(&v), 4); };
+    const auto put64 = [](std::string& s, uint64_t v) { s.append(reinterpret_cast<const char*>(&v), 8); };
+    put32(body, 1);
+    put32(body, static_cast<uint32_t>(token_bytes_));
+    put64(body, tokens.size());
+    put64(body, 0);
+    body.reserve(32 + tokens.size() * static_cast<size_t>(token_bytes_));
+    for (uint32_t t : tokens) body.append(reinterpret_cast<const char*>(&t), static_cast<size_t>(token_bytes_));
+    std::string docs("DSRUNDOC", 8);
+    put32(docs, 1);
+    put32(docs, 0);
+    put64(docs, ends.size());
+    put64(docs, 0);
+    for (uint64_t e : ends) put64(docs, e);
+    write_file_atomic(base + ".tokens", body);
+    write_file_atomic(base + ".docs", docs);
+    r.documents = static_cast<int64_t>(ends.size());
+    r.tokens = static_cast<int64_t>(tokens.size());
+    r.record = {{"identity", id},
+                {"documents", r.documents},
+                {"tokens", r.tokens},
+                {"input_bytes", r.bytes},
+                {"skipped_lines", r.skipped},
+                {"tokens_file", shard_name(k) + ".tokens"},
+                {"tokens_file_bytes", static_cast<int64_t>(body.size())},
+                {"tokens_xxh3", hex64(XXH3_64bits(body.data(), body.size()))},
+                {"docs_file", shard_name(k) + ".docs"},
+                {"docs_file_bytes", static_cast<int64_t>(docs.size())},
+                {"docs_xxh3", hex64(XXH3_64bits(docs.data(), docs.size()))}};
+    write_file_atomic(base + ".json", r.record.dump(1) + "\n");
+    return r;
+  }
+
+  const PrepareOptions& o_;
+  std::vector<InputFile> files_;
+  std::vector<Chunk> chunks_;
+  std::unique_ptr<Tokenizer> tokenizer_;
+  std::string tokenizer_path_, tokenizer_hash_;
+  int token_bytes_ = 4;
+  bool marks_from_post_processor_ = false;
+  uint32_t eos_ = 0;
+};
+
+}  // namespace
+
+PrepareSummary prepare_corpus(const PrepareOptions& o, const PrepareProgress& progress) {
+  if (o.inputs.empty()) throw input_error("", 0, "no inputs", "name text, .jsonl, .gz or .zst files or directories");
+  std::vector<std::string> paths;
+  for (const std::string& in : o.inputs) collect(in, paths);
+  if (paths.empty()) throw input_error(o.inputs.front(), 0, "no input files", "name text, .jsonl, .gz or .zst files or directories");
+  std::vector<InputFile> files;
+  for (const std::string& p : paths) files.push_back(describe_input(p));
+  std::vector<Chunk> chunks = make_chunks(files, o);
+  make_directories(o.out);
+  const std::string manifest_path = path_join(o.out, "manifest.json");
+  if (file_exists(manifest_path)) ::unlink(manifest_path.c_str());  // re-preparing: not finished until written again
+
+  Preparer preparer(o, std::move(files), std::move(chunks));
+  const size_t n = preparer.chunks_.size();
+  int64_t total_bytes = 0;
+  for (const Chunk& c : preparer.chunks_) total_bytes += c.bytes;
+  std::vector<ShardResult> results(n);
+  std::vector<std::exception_ptr> errors(n);
+  std::atomic<size_t> next{0};
+  std::atomic<int> done{0};
+  std::atomic<int64_t> bytes_done{0};
+  const int threads = std::max(1, std::min<int>(static_cast<int>(n), o.threads > 0 ? o.threads : static_cast<int>(std::thread::hardware_concurrency())));
+  std::atomic<bool> failed{false};
+  const auto work = [&] {
+    for (size_t k; !failed && (k = next++) < n;) {
+      try {
+        results[k] = preparer.run_shard(k);
+      } catch (...) {
+        errors[k] = std::current_exception();
+        failed = true;
+      }
+      bytes_done += preparer.chunks_[k].bytes;
+      ++done;
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) pool.emplace_back(work);
+  while (done < static_cast<int>(n) && !failed) {
+    if (progress) progress(done, static_cast<int>(n), bytes_done, total_bytes);
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  for (auto& t : pool) t.join();
+  for (const auto& e : errors) if (e) std::rethrow_exception(e);
+  if (progress) progress(static_cast<int>(n), static_cast<int>(n), total_bytes, total_bytes);
+
+  PrepareSummary s;
+  s.shards = static_cast<int>(n);
+  s.token_bytes = preparer.token_bytes_;
+  json shards = json::array();
+  for (size_t k = 0; k < n; ++k) {
+    const ShardResult& r = results[k];
+    s.documents += r.documents;
+    s.tokens += r.tokens;
+    s.input_bytes += r.bytes;
+    s.skipped_lines += r.skipped;
+    s.shards_reused += r.reused ? 1 : 0;
+    for (const auto& e : r.skipped_examples) if (s.skipped_examples.size() < 5) s.skipped_examples.push_back(e);
+    json entry = r.record;
+    entry.erase("identity");
+    shards.push_back(entry);
+  }
+  const json manifest = {{"format", "dsrun-tokens"},
+                         {"version", 1},
+                         {"tokenizer", {{"file", preparer.tokenizer_path_}, {"checksum", preparer.tokenizer_hash_},
+                                        {"vocab_size", preparer.tokenizer_->vocab_size()}, {"describe", preparer.tokenizer_->describe()}}},
+                         {"end_of_document", preparer.end_of_document()},
+                         {"token_bytes", s.token_bytes},
+                         {"documents", s.documents},
+                         {"tokens", s.tokens},
+                         {"input_bytes", s.input_bytes},
+                         {"skipped_lines", s.skipped_lines},
+                         {"shards", shards}};
+  write_file_atomic(manifest_path, manifest.dump(1) + "\n");
+  return s;
+}
+
+std::vector<uint64_t> read_document_index(const std::string& path) {
+  const std::string bytes = read_file(path);
+  uint64_t count = 0;
+  uint32_t version = 0;
+  if (bytes.size() >= 32) {
+    std::memcpy(&version, bytes.data() + 8, 4);
+    std::memcpy(&count, bytes.data() + 16, 8);
+  }
+  if (bytes.size() < 32 || bytes.compare(0, 8, "DSRUNDOC") != 0 || version != 1 || bytes.size() != 32 + count * 8) {
+    throw input_error(path, 0, "not a dsrun document index, or truncated", "run dsrun prepare again");
+  }
+  std::vector<uint64_t> ends(count);
+  std::memcpy(ends.data(), bytes.data() + 32, count * 8);
+  return ends;
+}
+
+}  // namespace dsrun

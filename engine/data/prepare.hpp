@@ -1,0 +1,39 @@
+// `dsrun prepare`: text, JSON-lines and their .gz/.zst forms to token shards, a document index
+// and a manifest (written last), tokenized on every core; a killed prepare resumes. docs/data.md.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace dsrun {
+
+struct PrepareOptions {
+  std::vector<std::string> inputs;   // files and directories
+  std::string tokenizer;             // tokenizer.json, tokenizer.model, or a directory
+  std::string out;                   // the shard directory
+  std::string field = "text";        // the JSON-lines field holding a document
+  bool line_documents = false;       // plain text: each line is a document (default: each file)
+  bool strict = false;               // a bad JSON line is fatal (default: skipped and counted)
+  int threads = 0;                   // 0: every core
+  int64_t shard_bytes = 64 << 20;    // input bytes per shard (whole files for compressed input)
+};
+
+struct PrepareSummary {
+  int64_t documents = 0, tokens = 0, input_bytes = 0, skipped_lines = 0;
+  int shards = 0, shards_reused = 0;
+  int token_bytes = 0;
+  std::vector<std::string> skipped_examples;  // "file:line: why", the first few
+};
+
+// Progress reports: shards done, shards in all, input bytes done, input bytes in all.
+using PrepareProgress = std::function<void(int, int, int64_t, int64_t)>;
+
+PrepareSummary prepare_corpus(const PrepareOptions& options, const PrepareProgress& progress);
+
+// The document index beside each shard: "DSRUNDOC", u32 version 1, u32 0, u64 count, u64 0, then
+// count u64 end offsets (in tokens, within the shard), little-endian.
+std::vector<uint64_t> read_document_index(const std::string& path);
+
+}  // namespace dsrun
