@@ -68,6 +68,14 @@ void expect_keys(const json& object, const JsonPlace& place, std::initializer_li
   }
 }
 
+// Metaspace's replacement: exactly one character.
+char32_t one_character(const std::string& text, const JsonPlace& place) {
+  int len = 0;
+  const char32_t cp = text.empty() ? 0 : unicode::decode_at(text, 0, &len);
+  if (text.empty() || size_t(len) != text.size()) fail(place, "the replacement must be one character", "check the tokenizer.json");
+  return cp;
+}
+
 // {"String": "..."} or {"Regex": "..."}: tokenizer.json's patterns.
 std::unique_ptr<Regex> pattern_member(const json& object, const JsonPlace& place, const char* key) {
   const json& p = member(object, place, key);
@@ -163,8 +171,7 @@ std::string apply_normalizers(const std::vector<Normalizer>& normalizers, std::s
         int len;
         while (n.left && b < e && unicode::is_whitespace(unicode::decode_at(text, b, &len))) b += len;
         while (n.right && e > b) {
-          size_t k = e - 1;
-          while (k > b && (static_cast<unsigned char>(text[k]) & 0xC0) == 0x80) --k;
+          const size_t k = unicode::previous_char_start(text, e);
           if (!unicode::is_whitespace(unicode::decode_at(text, k, &len))) break;
           e = k;
         }
@@ -347,10 +354,7 @@ void parse_pre_tokenizer(const json& j, const JsonPlace& place, std::vector<PreT
     expect_keys(j, place, {"replacement", "prepend_scheme", "split", "add_prefix_space", "str_rep"});
     p.kind = PreTokenizer::Kind::metaspace;
     p.replacement_text = string_member(j, place, "replacement");
-    int len = 0;
-    if (p.replacement_text.empty() || (p.replacement = unicode::decode_at(p.replacement_text, 0, &len), size_t(len) != p.replacement_text.size())) {
-      fail(place.at("replacement"), "the replacement must be one character", "check the tokenizer.json");
-    }
+    p.replacement = one_character(p.replacement_text, place.at("replacement"));
     if (j.contains("prepend_scheme")) {
       const std::string scheme = string_member(j, place, "prepend_scheme");
       if (scheme == "always") p.prepend = PreTokenizer::Prepend::always;
@@ -539,10 +543,8 @@ class AddedTokenMatcher {
 
 bool ends_with_word_char(std::string_view text) {
   if (text.empty()) return false;
-  size_t k = text.size() - 1;
-  while (k > 0 && (static_cast<unsigned char>(text[k]) & 0xC0) == 0x80) --k;
   int len;
-  const char32_t cp = unicode::decode_at(text, k, &len);
+  const char32_t cp = unicode::decode_at(text, unicode::previous_char_start(text, text.size()), &len);
   return cp == '_' || unicode::is_alphanumeric(cp);
 }
 
@@ -578,8 +580,7 @@ void find_added(const AddedTokenMatcher& matcher, const std::vector<AddedToken>&
       if (token.lstrip) {
         size_t s = start;
         while (s > 0) {
-          size_t k = s - 1;
-          while (k > 0 && (static_cast<unsigned char>(text[k]) & 0xC0) == 0x80) --k;
+          const size_t k = unicode::previous_char_start(text, s);
           int len;
           if (!unicode::is_whitespace(unicode::decode_at(text, k, &len))) break;
           s = k;
@@ -626,11 +627,7 @@ void parse_decoder(const json& j, const JsonPlace& place, std::vector<Decoder>& 
   } else if (type == "Metaspace") {
     expect_keys(j, place, {"replacement", "prepend_scheme", "split", "add_prefix_space", "str_rep"});
     d.kind = Decoder::Kind::metaspace;
-    const std::string r = string_member(j, place, "replacement");
-    int len = 0;
-    if (r.empty() || (d.replacement = unicode::decode_at(r, 0, &len), size_t(len) != r.size())) {
-      fail(place.at("replacement"), "the replacement must be one character", "check the tokenizer.json");
-    }
+    d.replacement = one_character(string_member(j, place, "replacement"), place.at("replacement"));
     d.prepend = j.contains("prepend_scheme") ? string_member(j, place, "prepend_scheme") != "never" : bool_member(j, place, "add_prefix_space", true);
   } else if (type == "Replace") {
     expect_keys(j, place, {"pattern", "content"});

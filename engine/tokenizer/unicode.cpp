@@ -20,6 +20,12 @@ char32_t decode_at(std::string_view text, size_t i, int* length) {
   return (char32_t(c & 0x07) << 18) | (char32_t(b(1) & 0x3F) << 12) | (char32_t(b(2) & 0x3F) << 6) | (b(3) & 0x3F);
 }
 
+size_t previous_char_start(std::string_view text, size_t i) {
+  size_t k = i - 1;
+  while (k > 0 && (static_cast<unsigned char>(text[k]) & 0xC0) == 0x80) --k;
+  return k;
+}
+
 void append_utf8(std::string& out, char32_t cp) {
   if (cp < 0x80) {
     out += char(cp);

@@ -11,6 +11,8 @@ namespace dsrun::unicode {
 
 // The code point starting at text[i] and its length in bytes. `text` must be valid UTF-8.
 char32_t decode_at(std::string_view text, size_t i, int* length);
+// Where the character ending just before byte `i` starts (i > 0; `text` valid UTF-8).
+size_t previous_char_start(std::string_view text, size_t i);
 void append_utf8(std::string& out, char32_t cp);
 // Valid UTF-8, invalid sequences replaced by U+FFFD one per maximal subpart (Unicode's
 // recommended practice; Rust's from_utf8_lossy and JavaScript's TextDecoder do the same).
