@@ -54,8 +54,8 @@ export DSRUN_DB="$work/runs.db"
 "$dsrun" run "$work/recipe.toml" > "$work/run.txt" 2>&1 || { cat "$work/run.txt"; fail "training on the prepared corpus failed"; }
 run_id=$(sed -n 's/^run \([0-9a-f]*\) finished.*/\1/p' "$work/run.txt")
 "$dsrun" show "$run_id" > "$work/show.txt" 2>&1
-grep -q "prepared corpus at $work/corpus: $shards shards mapped" "$work/show.txt" || { grep data "$work/show.txt"; fail "the run did not report the mapped corpus"; }
+grep -q "$work/corpus (dsrun, $shards files mapped)" "$work/show.txt" || { grep data "$work/show.txt"; fail "the run did not report the mapped corpus"; }
 truncate -s -8 "$work/corpus/shard-00001.tokens"
 if "$dsrun" run "$work/recipe.toml" > "$work/bad.txt" 2>&1; then fail "a truncated shard was accepted"; fi
-grep -q "shard-00001.tokens.*does not match the manifest" "$work/bad.txt" || { cat "$work/bad.txt"; fail "the error does not name the truncated shard"; }
+grep -q "shard-00001.tokens.*does not match its size or the manifest" "$work/bad.txt" || { cat "$work/bad.txt"; fail "the error does not name the truncated shard"; }
 echo "prepare_corpus: all checks passed"

@@ -7,6 +7,7 @@
 #include "engine/common/host.hpp"
 #include "engine/common/torch_compat.hpp"
 #include "engine/data/dataset.hpp"
+#include "engine/data/token_source.hpp"
 #include "engine/dist/communicator.hpp"
 #include "engine/model/fused_ops.hpp"
 #include "engine/model/model.hpp"
@@ -478,7 +479,7 @@ TEST_CASE("token shards: written, read back, windows cut, bad shards refused", "
   std::string dir = ::mkdtemp(pattern);
   std::vector<uint32_t> tokens;
   for (uint32_t i = 0; i < 1000; ++i) tokens.push_back(i % 300);
-  write_token_shard(dir + "/a.tokens", tokens, 2);
+  write_file_atomic(dir + "/a.tokens", token_shard_bytes(tokens, 2));
   DataOptions data;
   data.kind = DataKind::Tokens;
   data.path = dir;
@@ -497,7 +498,7 @@ TEST_CASE("token shards: written, read back, windows cut, bad shards refused", "
   CHECK(torch::equal(a1->train_batch(3, 4).inputs, a2->train_batch(3, 4).inputs));
   // A token outside the vocabulary, and a truncated shard, are errors naming the file.
   m.vocab = 100;
-  CHECK_THROWS_WITH(open_dataset(data, m, 8, 1), Catch::Contains("outside the vocabulary"));
+  CHECK_THROWS_WITH(open_dataset(data, m, 8, 1)->train_batch(0, 4), Catch::Contains("outside the vocabulary"));  // checked per batch: shards are mapped
   std::string bytes = read_file(dir + "/a.tokens");
   write_file_atomic(dir + "/a.tokens", bytes.substr(0, bytes.size() - 3));
   m.vocab = 300;
@@ -757,4 +758,55 @@ TEST_CASE("weights written under Hugging Face names load back into the model exa
     REQUIRE(error != nullptr);
     CHECK(error->context().key == "model.init_from");
   }
+}
+
+TEST_CASE("separate documents: a packed row trains as its documents would alone", "[engine][data][documents]") {
+  // Row = document A (5 tokens) then B (3). With positions restarting and attention kept inside
+  // each document, the row's summed loss is A's alone plus B's alone; crossing, it is not.
+  ModelSpec m = tiny_decoder();
+  auto model = build_model(m, 8, {9});
+  UnitRunner plain;
+  torch::manual_seed(3);
+  const torch::Tensor x = torch::randint(m.vocab, {1, 8}, torch::kInt64), y = torch::randint(m.vocab, {1, 8}, torch::kInt64);
+  const auto loss = [&](const torch::Tensor& in, const torch::Tensor& target, bool separate) {
+    Batch b;
+    b.inputs = in;
+    b.targets = target;
+    b.items = in.numel();
+    if (separate) {
+      b.positions = torch::tensor({0, 1, 2, 3, 4, 0, 1, 2}, torch::kInt64).view({1, 8});
+      b.documents = torch::tensor({0, 0, 0, 0, 0, 1, 1, 1}, torch::kInt32).view({1, 8});
+    }
+    torch::NoGradGuard no_grad;
+    return model->forward(b, plain).task_loss * static_cast<double>(in.numel());
+  };
+  const double alone = loss(x.narrow(1, 0, 5), y.narrow(1, 0, 5), false) + loss(x.narrow(1, 5, 3), y.narrow(1, 5, 3), false);
+  CHECK(loss(x, y, true) == Approx(alone).epsilon(1e-5));
+  CHECK(std::fabs(loss(x, y, false) - alone) > 1e-4);  // without separation, B sees A
+}
+
+TEST_CASE("separate documents: batches carry positions and document numbers from the corpus", "[engine][data][documents]") {
+  char pattern[] = "/tmp/dsrun-docs-XXXXXX";
+  std::string dir = ::mkdtemp(pattern);
+  // nanoGPT layout: token 0 closes a document every 5 tokens.
+  std::string bytes;
+  for (uint16_t k = 0; k < 400; ++k) {
+    const uint16_t t = k % 5 == 4 ? 0 : static_cast<uint16_t>(1 + k % 50);
+    bytes.append(reinterpret_cast<const char*>(&t), 2);
+  }
+  write_file_atomic(dir + "/c.bin", bytes);
+  DataOptions data;
+  data.kind = DataKind::Tokens;
+  data.path = dir + "/c.bin";
+  data.format = TokenFormat::Nanogpt;
+  data.token_width = 2;
+  data.document_token = 0;
+  data.separate_documents = true;
+  data.shuffle = false;
+  ModelSpec m = tiny_decoder();
+  Batch b = open_dataset(data, m, 8, 1)->train_batch(1, 1);  // window 1: tokens 8..16
+  // The document in progress counts from the window's start, as Megatron-LM's reset_position_ids.
+  CHECK(b.positions[0].equal(torch::tensor({0, 1, 0, 1, 2, 3, 4, 0}, torch::kInt64)));
+  CHECK(b.documents[0].to(torch::kInt64).equal(torch::tensor({0, 0, 1, 1, 1, 1, 1, 2})));
+  std::system(("rm -rf '" + dir + "'").c_str());
 }

@@ -20,12 +20,10 @@ class Dataset {
   // Validation samples, in order, wrapping around.
   virtual Batch val_batch(int64_t first, int64_t count) = 0;
   virtual std::string describe() const = 0;
+  // Training augmentation, on the batch's device once it is there (data.augment for images).
+  virtual void augment(Batch& /*on_device*/) const {}
 };
 
 std::unique_ptr<Dataset> open_dataset(const DataOptions& data, const ModelSpec& model, int64_t seq_len, uint64_t seed);
-
-// Pre-tokenized shard format: a 32-byte header ("DSRUNTOK", u32 version 1, u32 bytes per token
-// 2 or 4, u64 token count, u64 zero) followed by little-endian tokens.
-void write_token_shard(const std::string& path, const std::vector<uint32_t>& tokens, int bytes_per_token);
 
 }  // namespace dsrun

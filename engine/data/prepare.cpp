@@ -7,6 +7,7 @@
 
 #include "engine/common/error.hpp"
 #include "engine/common/files.hpp"
+#include "engine/data/token_source.hpp"
 #include "engine/tokenizer/tokenizer.hpp"
 
 #include <nlohmann/json.hpp>
@@ -326,21 +327,10 @@ class Preparer {
       }
     }
     // .tokens (the DSRUNTOK format), .docs, then the record that marks the shard finished.
-    std::string body("DSRUNTOK", 8);
-    const auto put32 = [](std::string& s, uint32_t v) { s.append(reinterpret_cast<const char*>(&v), 4); };
-    const auto put64 = [](std::string& s, uint64_t v) { s.append(reinterpret_cast<const char*>(&v), 8); };
-    put32(body, 1);
-    put32(body, static_cast<uint32_t>(token_bytes_));
-    put64(body, tokens.size());
-    put64(body, 0);
-    body.reserve(32 + tokens.size() * static_cast<size_t>(token_bytes_));
+    std::string body = token_shard_header(token_bytes_, tokens.size());
+    body.reserve(body.size() + tokens.size() * static_cast<size_t>(token_bytes_));
     for (uint32_t t : tokens) body.append(reinterpret_cast<const char*>(&t), static_cast<size_t>(token_bytes_));
-    std::string docs("DSRUNDOC", 8);
-    put32(docs, 1);
-    put32(docs, 0);
-    put64(docs, ends.size());
-    put64(docs, 0);
-    for (uint64_t e : ends) put64(docs, e);
+    const std::string docs = document_index_bytes(ends);
     write_file_atomic(base + ".tokens", body);
     write_file_atomic(base + ".docs", docs);
     r.documents = static_cast<int64_t>(ends.size());
@@ -446,22 +436,6 @@ PrepareSummary prepare_corpus(const PrepareOptions& o, const PrepareProgress& pr
                          {"shards", shards}};
   write_file_atomic(manifest_path, manifest.dump(1) + "\n");
   return s;
-}
-
-std::vector<uint64_t> read_document_index(const std::string& path) {
-  const std::string bytes = read_file(path);
-  uint64_t count = 0;
-  uint32_t version = 0;
-  if (bytes.size() >= 32) {
-    std::memcpy(&version, bytes.data() + 8, 4);
-    std::memcpy(&count, bytes.data() + 16, 8);
-  }
-  if (bytes.size() < 32 || bytes.compare(0, 8, "DSRUNDOC") != 0 || version != 1 || bytes.size() != 32 + count * 8) {
-    throw input_error(path, 0, "not a dsrun document index, or truncated", "run dsrun prepare again");
-  }
-  std::vector<uint64_t> ends(count);
-  std::memcpy(ends.data(), bytes.data() + 32, count * 8);
-  return ends;
 }
 
 }  // namespace dsrun

@@ -32,8 +32,4 @@ using PrepareProgress = std::function<void(int, int, int64_t, int64_t)>;
 
 PrepareSummary prepare_corpus(const PrepareOptions& options, const PrepareProgress& progress);
 
-// The document index beside each shard: "DSRUNDOC", u32 version 1, u32 0, u64 count, u64 0, then
-// count u64 end offsets (in tokens, within the shard), little-endian.
-std::vector<uint64_t> read_document_index(const std::string& path);
-
 }  // namespace dsrun

@@ -62,6 +62,36 @@ struct Rotary {
   }
 };
 
+// Where the tokens of a batch sit. With separate documents (data.separate_documents) each token
+// has its own rows of the rotary tables and a mask keeps attention inside its document; else
+// rows 0..s-1 and plain causal attention (the fused kernels).
+struct TokenPositions {
+  const Rotary* rope = nullptr;
+  Tensor cos, sin;  // [b, s, 1, head_dim], rows by position within the document
+  Tensor mask;      // [b, 1, s, s] bool: true where a query may attend to a key
+
+  TokenPositions(const Rotary& r, const Batch& batch, int64_t head_dim) : rope(&r) {
+    if (!batch.positions.defined()) return;
+    const int64_t b = batch.positions.size(0), s = batch.positions.size(1);
+    const Tensor positions = batch.positions.to(batch.inputs.device()).reshape({-1});
+    cos = r.cos.to(batch.inputs.device()).index_select(0, positions).view({b, s, 1, head_dim});
+    sin = r.sin.to(batch.inputs.device()).index_select(0, positions).view({b, s, 1, head_dim});
+    const Tensor documents = batch.documents.to(batch.inputs.device());
+    const Tensor causal = torch::ones({s, s}, torch::TensorOptions().dtype(torch::kBool).device(batch.inputs.device())).tril();
+    mask = (documents.unsqueeze(2) == documents.unsqueeze(1)).logical_and(causal).unsqueeze(1);
+  }
+  Tensor rotate(const Tensor& qk, int64_t head_dim) const {
+    if (!cos.defined()) return rope->apply(qk, head_dim);
+    const int64_t b = qk.size(0), s = qk.size(1), half = head_dim / 2;
+    Tensor x = qk.reshape({b, s, -1, head_dim});
+    Tensor rotated = torch::cat({-x.narrow(3, half, half), x.narrow(3, 0, half)}, -1);
+    return (x * cos.to(qk.scalar_type()) + rotated * sin.to(qk.scalar_type())).reshape(qk.sizes());
+  }
+  Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v) const {
+    return mask.defined() ? compat::masked_attention(q, k, v, mask) : compat::causal_attention(q, k, v);
+  }
+};
+
 // q, k and v come from one fused projection (one matmul instead of three; the same parameters
 // as separate wq, wk, wv stacked by rows).
 struct AttentionImpl : nn::Module {
@@ -69,11 +99,11 @@ struct AttentionImpl : nn::Module {
     wqkv = register_module("wqkv", Linear(m.hidden, (heads + 2 * kv_heads) * head_dim, o));
     wo = register_module("wo", Linear(m.hidden, m.hidden, o));
   }
-  Tensor forward(const Tensor& x, const Rotary& rope) {
+  Tensor forward(const Tensor& x, const TokenPositions& where) {
     const int64_t b = x.size(0), s = x.size(1);
     // q and k rotate together (one kernel); v passes through. [b, s, heads, d] viewed as [b, heads, s, d].
     std::vector<Tensor> qk_v = wqkv(x).split_with_sizes({(heads + kv_heads) * head_dim, kv_heads * head_dim}, -1);
-    Tensor qk = rope.apply(qk_v[0], head_dim);
+    Tensor qk = where.rotate(qk_v[0], head_dim);
     Tensor q = qk.narrow(-1, 0, heads * head_dim).view({b, s, heads, head_dim}).transpose(1, 2);
     Tensor k = qk.narrow(-1, heads * head_dim, kv_heads * head_dim).view({b, s, kv_heads, head_dim}).transpose(1, 2);
     Tensor v = qk_v[1].view({b, s, kv_heads, head_dim}).transpose(1, 2);
@@ -81,7 +111,7 @@ struct AttentionImpl : nn::Module {
       k = k.repeat_interleave(heads / kv_heads, 1);
       v = v.repeat_interleave(heads / kv_heads, 1);
     }
-    Tensor out = compat::causal_attention(q, k, v);
+    Tensor out = where.attend(q, k, v);
     return wo(out.transpose(1, 2).reshape({b, s, heads * head_dim}));
   }
   int64_t heads, kv_heads, head_dim;
@@ -151,8 +181,8 @@ struct BlockImpl : nn::Module {
     if (moe) this->moe = register_module("moe", MoE(m, o));
     else mlp = register_module("mlp", SwiGLU(m.hidden, m.intermediate, o));
   }
-  Tensor forward(const Tensor& x, const Rotary& rope, Tensor& aux_loss) {
-    Tensor h = x + attn(attn_norm(x), rope);
+  Tensor forward(const Tensor& x, const TokenPositions& where, Tensor& aux_loss) {
+    Tensor h = x + attn(attn_norm(x), where);
     return h + (moe ? moe(mlp_norm(h), aux_loss) : mlp(mlp_norm(h)));
   }
   RMSNorm attn_norm{nullptr}, mlp_norm{nullptr};
@@ -245,12 +275,14 @@ class DeepSeekModel final : public Model {
     const int first_block = 1;
     // Blocks carry the running MoE balance loss along with the activations, so that a
     // recomputed (checkpointed) block contributes its balance loss to the graph as well.
+    // Captured by value: a recomputed (checkpointed) block runs again during backward.
+    const TokenPositions where(rope_, batch, spec_.head_dim());
     auto blocks = [&](Tensors state) {
       for (size_t i = 0; i < net_->blocks.size(); ++i) {
         Block block = net_->blocks[i];
-        state = runner.run(first_block + static_cast<int>(i), [this, block](const Tensors& in) mutable {
+        state = runner.run(first_block + static_cast<int>(i), [where, block](const Tensors& in) mutable {
           Tensor aux = in[1];
-          Tensor x = block(in[0], rope_, aux);
+          Tensor x = block(in[0], where, aux);
           return Tensors{x, aux};
         }, state);
       }

@@ -42,6 +42,11 @@ struct Batch {
   torch::Tensor inputs;   // token ids [b, s] (int64) or images [b, c, h, w]
   torch::Tensor targets;  // next tokens [b, s] or labels [b]
   int64_t items = 0;      // tokens (decoders) or images in the batch
+  // Decoders with data.separate_documents: each token's position within its document [b, s]
+  // (int64) and its document's number within the row [b, s] (int32). Undefined: one document.
+  torch::Tensor positions, documents;
+  // Images: each sample's index in the training stream [b] (int64, CPU), the key of its augmentation.
+  torch::Tensor sample_ids;
 };
 
 struct ModelOutput {

@@ -59,8 +59,8 @@ struct Evaluation {
   bool fits = false;
 };
 
-// Bytes of the data set as the ranks load it today (int64 tokens, or fp32 images), at the peak of
-// loading: the whole stream twice. Reads the data files' sizes (docs/plan.md).
+// Bytes of the data set as the ranks load it (int64 tokens of text, or fp32 images), at the peak of
+// loading: the whole stream twice; token files are mapped, not loaded. Reads file sizes (docs/plan.md).
 double data_bytes(const Recipe& r, int64_t seq_len) {
   const DataOptions& d = r.data;
   if (r.model.arch == ModelArch::ResNet) {
@@ -71,15 +71,11 @@ double data_bytes(const Recipe& r, int64_t seq_len) {
   double tokens = 0;
   if (d.kind == DataKind::Synthetic) {
     tokens = static_cast<double>(std::max<int64_t>(1 << 20, 64 * (seq_len + 1)));
-  } else if (d.kind == DataKind::Tokens && is_directory(d.path) && file_exists(path_join(d.path, "manifest.json"))) {
-    return 0;  // a prepared corpus is mapped: its pages are the page cache's, not the rank's (docs/data.md)
+  } else if (d.kind == DataKind::Tokens) {
+    return 0;  // token files are mapped: their pages are the page cache's, not the rank's (docs/data.md)
   } else {
-    const bool shards = d.kind == DataKind::Tokens;
-    std::vector<std::string> files = is_directory(d.path) ? data_directory_files(d.path, shards ? ".tokens" : "") : std::vector<std::string>{d.path};
-    for (const auto& f : files) {
-      const double bytes = static_cast<double>(std::max<int64_t>(0, file_size(f)));
-      tokens += d.kind == DataKind::Text ? bytes : std::max(0.0, bytes - 32) / 2;  // token shards: 2 or 4 bytes a token; 2 gives the most tokens
-    }
+    std::vector<std::string> files = is_directory(d.path) ? data_directory_files(d.path, "") : std::vector<std::string>{d.path};
+    for (const auto& f : files) tokens += static_cast<double>(std::max<int64_t>(0, file_size(f)));  // text: a token a byte
   }
   return tokens * 16;
 }
@@ -112,6 +108,10 @@ class Planner {
     MemoryBreakdown& m = ev.memory;
     m.states = plan_model_states_per_rank(o);
     m.activations = l.micro * (l.checkpointing ? cost_.checkpointed_activation_bytes_per_sample : cost_.activation_bytes_per_sample);
+    if (r_.data.separate_documents) {  // the document mask (bool, s x s) and each token's rotary rows (fp32 cos and sin)
+      const double s = static_cast<double>(r_.batch.seq_len);
+      m.activations += l.micro * (s * s + s * r_.model.head_dim() * 8);
+    }
     // Backward's transient on top: the loss gradient at its start, or with recomputation whichever
     // is larger of that and one block's recomputed activations (they are never live together).
     m.backward_peak = l.micro * (l.checkpointing ? std::max(cost_.head_backward_bytes_per_sample, cost_.recomputed_layer_bytes_per_sample)

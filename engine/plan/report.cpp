@@ -70,7 +70,8 @@ std::string render_plan(const Plan& p) {
   if (h.offloaded > 0) ht.add({"offloaded states", format_bytes(h.offloaded), "master weights, optimizer states, gradient shard" +
                                                                                   std::string(p.offload == Offload::OptimizerAndParams ? ", parameter shard" : "")});
   if (h.model_build > 0) ht.add({"model build", format_bytes(h.model_build), "one unit's fp32 initial values while it is built"});
-  ht.add({"data", format_bytes(h.data), "tokens as loaded (int64, twice at the peak)"});
+  ht.add({"data", format_bytes(h.data), h.data > 0 ? "tokens or images as loaded (int64 or fp32, twice at the peak)"
+                                                   : "none: token files are mapped (the page cache's, shared); a batch widens to int64"});
   ht.add({"total", format_bytes(h.total()), "x " + std::to_string(p.ranks_per_node) + " rank(s) = " + format_bytes(p.host_memory_needed) + " of " +
                                                 format_bytes(p.host_memory_capacity) + " per node"});
   out += ht.render("  ");

@@ -332,6 +332,27 @@ void build_data(Builder& c, Recipe& r, const std::string& recipe_dir) {
                                               ? parent_directory(c.at("data.path").source.file)
                                               : recipe_dir);
   d.tokenizer = c.s("data.tokenizer");
+  const auto recipe_relative = [&](const std::string& key, const std::string& value) {
+    return resolve_path(value, c.at(key).source.layer == Layer::Base ? parent_directory(c.at(key).source.file) : recipe_dir);
+  };
+  for (const std::string& p : c.strings("data.blend")) d.blend.push_back(recipe_relative("data.blend", p));
+  d.blend_weights = c.floats("data.blend_weights");
+  d.val_path = recipe_relative("data.val_path", c.s("data.val_path"));
+  d.format = token_format_from_string(c.s("data.format"));
+  d.token_width = static_cast<int>(c.i("data.token_width"));
+  d.document_token = c.i("data.document_token");
+  d.separate_documents = c.b("data.separate_documents");
+  d.augment = c.b("data.augment");
+  if (!d.blend.empty() && !c.s("data.path").empty())
+    c.error("data.blend", "both data.path and data.blend name the data", "keep one: data.blend for a mixture, data.path for one source", {"data.path"});
+  if (!d.blend_weights.empty() && d.blend_weights.size() != d.blend.size())
+    c.error("data.blend_weights", std::to_string(d.blend_weights.size()) + " weights for " + std::to_string(d.blend.size()) + " sources in data.blend",
+            "give one weight per source, or none for equal weights", {"data.blend"});
+  if (d.format == TokenFormat::Nanogpt && d.token_width != 2 && d.token_width != 4)
+    c.error("data.token_width", "nanoGPT's .bin has no header saying how wide a token is", "set data.token_width = 2 (uint16, as nanoGPT writes) or 4", {"data.format"});
+  if (d.kind != DataKind::Tokens && (!d.blend.empty() || d.separate_documents))
+    c.error(d.blend.empty() ? "data.separate_documents" : "data.blend", "only data.kind = \"tokens\" reads mixtures and document boundaries",
+            "set data.kind = \"tokens\" (prepare text with dsrun prepare)", {"data.kind"});
   r.model.init_from = resolve_path(c.s("model.init_from"), c.at("model.init_from").source.layer == Layer::Base
                                                                ? parent_directory(c.at("model.init_from").source.file)
                                                                : recipe_dir);
@@ -339,7 +360,7 @@ void build_data(Builder& c, Recipe& r, const std::string& recipe_dir) {
     c.error("model.init_from", "\"" + r.model.init_from + "\" does not exist", "give a .safetensors file or a directory of them (dsrun export writes one)");
   d.val_fraction = c.f("data.val_fraction");
   d.shuffle = c.b("data.shuffle");
-  if (d.kind != DataKind::Synthetic) {
+  if (d.kind != DataKind::Synthetic && d.blend.empty()) {
     if (d.path.empty())
       c.error("data.path", "data.kind = \"" + kind + "\" needs a path", "set data.path to a file or directory");
     else if (!file_exists(d.path))
@@ -421,6 +442,11 @@ void warn_inapplicable(Builder& c, const Recipe& r) {
       {"batch.seq_len", [](const Recipe& x) { return x.model.arch == ModelArch::DeepSeek; }, "model.arch = \"deepseek\""},
       {"data.tokenizer", [](const Recipe& x) { return x.data.kind == DataKind::Text; }, "data.kind = \"text\""},
       {"data.path", [](const Recipe& x) { return x.data.kind != DataKind::Synthetic; }, "data.kind is not synthetic"},
+      {"data.format", [](const Recipe& x) { return x.data.kind == DataKind::Tokens; }, "data.kind = \"tokens\""},
+      {"data.token_width", [](const Recipe& x) { return x.data.format == TokenFormat::Nanogpt; }, "data.format = \"nanogpt\""},
+      {"data.document_token", [](const Recipe& x) { return x.data.kind == DataKind::Tokens; }, "data.kind = \"tokens\""},
+      {"data.val_path", [](const Recipe& x) { return x.data.kind == DataKind::Tokens; }, "data.kind = \"tokens\""},
+      {"data.augment", [](const Recipe& x) { return x.model.arch == ModelArch::ResNet; }, "model.arch = \"resnet\""},
   };
   static const char* decoder_keys[] = {"model.hidden", "model.layers", "model.heads", "model.kv_heads", "model.intermediate",
                                        "model.vocab", "model.max_seq_len", "model.tie_embeddings", "model.rope_theta", "model.moe.routed_experts"};

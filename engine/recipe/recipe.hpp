@@ -2,6 +2,8 @@
 // (bytes, FLOP/s). Built only by the loader after validation; downstream code asserts, never re-checks.
 #pragma once
 
+#include "engine/data/token_source.hpp"
+
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -157,6 +159,15 @@ struct DataOptions {
   std::string tokenizer = "bytes";
   double val_fraction = 0.05;
   bool shuffle = true;
+  // tokens: a mixture of sources (paths, resolved) with weights, instead of `path`.
+  std::vector<std::string> blend;
+  std::vector<double> blend_weights;
+  std::string val_path;                 // tokens: validation source; empty: each file's tail
+  TokenFormat format = TokenFormat::Auto;
+  int token_width = 0;                  // nanoGPT's headerless files
+  int64_t document_token = -1;          // llm.c/nanoGPT document separator; -1: the format's
+  bool separate_documents = false;      // positions restart and attention stays in each document
+  bool augment = false;                 // images: random crop (4-pixel zero padding) and flip
 };
 
 struct EvalOptions {

@@ -1,6 +1,7 @@
 #include "engine/recipe/schema.hpp"
 
 #include "engine/common/text.hpp"
+#include "engine/data/token_source.hpp"
 
 #include <cmath>
 
@@ -31,6 +32,12 @@ KeySpec choice(std::string k, std::string def, std::vector<std::string> choices,
 }
 
 using T = ValueType;
+
+std::vector<std::string> token_format_names() {
+  std::vector<std::string> names;
+  for (const auto& row : token_formats()) names.push_back(row.name);
+  return names;
+}
 
 std::vector<KeySpec> build_schema() {
   return {
@@ -153,8 +160,19 @@ std::vector<KeySpec> build_schema() {
              "synthetic: generated; text: files read as bytes; tokens: pre-tokenized shards; cifar10: CIFAR-10 binary batches."),
       key("data.path", T::String, "\"\"", "File or directory of the data (text, tokens, cifar10). Relative paths are relative to the recipe."),
       choice("data.tokenizer", "bytes", {"bytes"}, "text: how text becomes tokens (bytes: one token per byte, vocab 256)."),
-      ranged("data.val_fraction", T::Float, "0.05", 0, 0.5, "Fraction of the data held out for validation."),
+      ranged("data.val_fraction", T::Float, "0.05", 0, 0.5, "Fraction of the data held out for validation (tokens: of each file, in whole documents where the format marks them)."),
       key("data.shuffle", T::Bool, "true", "Shuffle sample order each epoch (seeded)."),
+      choice("data.format", "auto", token_format_names(),
+             "tokens: how the files are laid out. auto: by header (dsrun, Megatron-LM .bin/.idx, llm.c); nanogpt: headerless, width from data.token_width."),
+      ranged("data.token_width", T::Int, "0", 0, 4, "tokens, nanogpt: bytes per token (2: numpy uint16 as nanoGPT writes, or 4)."),
+      ranged("data.document_token", T::Int, "-1", -1, 1e12,
+             "tokens, llm.c and nanoGPT: the token between documents. -1: the format's (llm.c GPT-2 50256, LLaMA-3 128000; nanoGPT 50256)."),
+      key("data.blend", T::StringList, "[]", "tokens: several sources (paths, as data.path) mixed by data.blend_weights, instead of data.path."),
+      ranged("data.blend_weights", T::FloatList, "[]", 0, 1e9, "tokens: one weight per data.blend source (normalised); empty: equal."),
+      key("data.val_path", T::String, "\"\"", "tokens: the validation data (any format data.path takes). Empty: the last data.val_fraction of each file, in whole documents."),
+      key("data.separate_documents", T::Bool, "false",
+          "tokens: positions restart at each document and attention does not cross documents (default: samples run across document ends)."),
+      key("data.augment", T::Bool, "false", "cifar10: random crop with 4-pixel zero padding and random horizontal flip, per seed and sample, on the rank's device."),
 
       // ---- eval
       ranged("eval.every", T::Int, "0", 0, 1e12, "Evaluate every this many steps; 0: never."),

@@ -319,6 +319,7 @@ class Trainer {
       // This rank's slice of the global batch: the same samples whatever the number of ranks.
       const int64_t first = step * r_.batch.global + ctx_.rank * per_rank + m * micro;
       Batch batch = on_device(data_->train_batch(first, micro));
+      data_->augment(batch);
       zero_->begin_micro_batch(m == accumulation - 1);
       ModelOutput out = model_->forward(batch, *zero_);
       (out.loss * (loss_scale / static_cast<double>(accumulation))).backward();
