@@ -365,7 +365,7 @@ class Supervisor {
     } else if (type == "memory") {
       const std::string prefix = "memory/rank" + std::to_string(p.rank) + "/";
       std::vector<std::pair<std::string, double>> values;
-      for (const char* key : {"model_state_bytes", "predicted_model_state_bytes", "peak_rss_bytes", "predicted_total_bytes",
+      for (const char* key : {"model_state_bytes", "predicted_model_state_bytes", "peak_rss_bytes", "anon_rss_bytes", "file_rss_bytes", "predicted_total_bytes",
                               "peak_allocated_bytes", "peak_reserved_bytes", "predicted_host_bytes"})
         if (m.contains(key)) values.push_back({prefix + key, m[key].get<double>()});
       store_.add_metrics(run_id_, 0, values);

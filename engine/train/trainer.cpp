@@ -25,6 +25,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <fstream>
 #include <cstdio>
 #include <csignal>
 #include <cstdlib>
@@ -57,6 +58,17 @@ double peak_rss_bytes() {
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);
   return static_cast<double>(usage.ru_maxrss) * 1024.0;
+}
+
+// A line of /proc/self/status in bytes ("RssAnon:  1234 kB"): anonymous memory is the rank's own;
+// mapped token files are RssFile, the page cache's, shared by every rank on the host.
+double status_bytes(const char* field) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  const std::string prefix = std::string(field) + ":";
+  while (std::getline(in, line))
+    if (line.compare(0, prefix.size(), prefix) == 0) return std::atof(line.c_str() + prefix.size()) * 1024.0;
+  return 0;
 }
 
 volatile std::sig_atomic_t stop_requested = 0;
@@ -455,7 +467,8 @@ class Trainer {
     const double measured = zero_->parameter_and_gradient_bytes() + zero_->master_bytes() + zero_->offload_buffer_bytes() + optimizer_->state_bytes();
     const double predicted = plan_.memory.states.device_total() + plan_.memory.states.host;
     nlohmann::json m = {{"type", "memory"}, {"model_state_bytes", measured}, {"predicted_model_state_bytes", predicted},
-                        {"peak_rss_bytes", peak_rss_bytes()}, {"predicted_total_bytes", plan_.memory.total()},
+                        {"peak_rss_bytes", peak_rss_bytes()}, {"anon_rss_bytes", status_bytes("RssAnon")}, {"file_rss_bytes", status_bytes("RssFile")},
+                        {"predicted_total_bytes", plan_.memory.total()},
                         {"predicted_host_bytes", plan_.host.total()}};
 #ifdef DSRUN_WITH_CUDA
     if (device_.is_cuda()) {
