@@ -21,6 +21,11 @@ groups=(
   "lua:liblua5.4-dev liblua5.4-0"     # recipe hooks
   "xxhash:libxxhash-dev libxxhash0"   # checkpoint checksums
   "gloo:libgloo-dev"          # headers only; gpu_build.sh uses them only if torch ships none
+  "pcre2:libpcre2-dev libpcre2-8-0 libpcre2-16-0 libpcre2-32-0 libpcre2-posix3"  # tokenizer regexes
+  "utf8proc:libutf8proc-dev libutf8proc2"                                       # Unicode normalisation
+  "sentencepiece:libsentencepiece-dev libsentencepiece0 libprotobuf-lite32"     # tokenizer.model files
+  "zstd:libzstd-dev libzstd1"                                                   # dsrun prepare reads .zst
+  "zlib:zlib1g-dev zlib1g"                                                      # dsrun prepare reads .gz
   "pkgconf:pkgconf-bin libpkgconf3"  # used only if the GPU machine has no pkg-config
   "fortunes:fortunes fortunes-min"   # data: recipes/quickstart.toml trains on /usr/share/games/fortunes
 )
@@ -69,6 +74,13 @@ else
   # Debian's luaconf.h includes "lua5.4-deb-multiarch.h", which lives in the multiarch include
   # directory (a default path on Debian, not elsewhere); beside luaconf.h the quoted include finds it.
   cp "$sysroot"/lua/usr/include/x86_64-linux-gnu/lua5.4-deb-multiarch.h "$sysroot"/lua/usr/include/lua5.4/
+
+  # zlib1g lives in /lib and zlib1g-dev's libz.so names it absolutely: point it at the unpacked copy.
+  while IFS= read -r link; do
+    group=${link#"$sysroot"/}; group=${group%%/*}
+    target="$sysroot/$group$(readlink "$link")"
+    if [ -e "$target" ]; then ln -sfr "$target" "$link"; fi
+  done < <(find "$sysroot" -type l -lname '/*')
 
   # No absolute symlinks may remain: they would point into the GPU machine's own /usr.
   if abs=$(find "$sysroot" -type l -lname '/*' -print) && [ -n "$abs" ]; then

@@ -47,6 +47,18 @@ if "$dsrun" prepare --strict --tokenizer "$tok" -o "$work/strict" "$work/docs.js
 grep -q "docs.jsonl:2" "$work/strict.txt" || fail "--strict error does not name docs.jsonl:2"
 [ ! -f "$work/strict/manifest.json" ] || fail "a failed prepare left a manifest"
 
+# A disk that fills during prepare. A file size limit stands in for it (writes fail with EFBIG as
+# they would with ENOSPC; SIGXFSZ ignored): a clear error naming the file, no manifest, no temporary
+# file left, and every shard record that exists has its files whole. Then it resumes.
+if ( trap '' XFSZ; ulimit -f 512; exec "$dsrun" prepare --tokenizer "$tok" -o "$work/full" --shard-mb 1 "$work/text" ) > "$work/full.txt" 2>&1; then
+  fail "prepare succeeded past a full disk"
+fi
+grep -q "$work/full/shard-0000[0-9].tokens.*cannot write file: File too large" "$work/full.txt" || { cat "$work/full.txt"; fail "the full-disk error does not name the shard"; }
+[ ! -f "$work/full/manifest.json" ] || fail "a prepare that hit a full disk wrote a manifest"
+! ls "$work/full" | grep -v '^shard-[0-9]*\.\(tokens\|docs\|json\)$' | grep -q . || { ls "$work/full"; fail "temporary files left behind"; }
+"$dsrun" prepare --tokenizer "$tok" -o "$work/full" --shard-mb 1 "$work/text" > /dev/null 2>&1 || fail "prepare did not resume after the disk had room"
+cmp -s "$work/manifest.before" "$work/full/manifest.json" || fail "the prepare resumed after a full disk wrote a different manifest"
+
 # Train on the mapped corpus (2 ranks, 3 steps), then refuse a truncated shard.
 cp -r "$work/out" "$work/corpus"
 sed "s|^path = .*|path = \"$work/corpus\"|; s|^steps = .*|steps = 3|; s|^every = 50|every = 0|; s|^warmup_steps = .*|warmup_steps = 1|" "$recipes/fortunes_deepseek_v3.toml" > "$work/recipe.toml"
