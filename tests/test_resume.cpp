@@ -12,6 +12,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <cstring>
 #include <fstream>
 
 using dsrun::test::check_same_trajectory;
@@ -259,4 +260,37 @@ TEST_CASE("a launcher killed with SIGKILL takes its ranks with it, and the run r
   CHECK(resumed.code == 0);
   CHECK(contains(resumed.text, "resume from step " + std::to_string(newest->step)));
   CHECK(store.get_run(id).status == dsrun::RunStatus::Finished);
+}
+
+TEST_CASE("resume on a weighted mixture of mapped token files (nanoGPT and llm.c, separate documents) continues bitwise", "[resume][data]") {
+  TempDir dir;
+  // Two sources the ranks map: a headerless u16 (nanoGPT) stream where 50256 closes a document
+  // every 37 tokens, and an llm.c GPT-2 file where 50256 opens one every 23.
+  std::string nano, llmc(1024, '\0');
+  for (int k = 0; k < 6000; ++k) {
+    const uint16_t t = k % 37 == 36 ? 50256 : static_cast<uint16_t>(1 + (k * 7) % 250);
+    nano.append(reinterpret_cast<const char*>(&t), 2);
+  }
+  const int32_t header[3] = {20240520, 1, 4000};
+  std::memcpy(&llmc[0], header, sizeof header);
+  for (int k = 0; k < 4000; ++k) {
+    const uint16_t t = k % 23 == 0 ? 50256 : static_cast<uint16_t>(1 + (k * 11) % 250);
+    llmc.append(reinterpret_cast<const char*>(&t), 2);
+  }
+  dir.write("nano.bin", nano);
+  dir.write("llmc.bin", llmc);
+  const std::string data = " --set data.kind=tokens --set 'data.blend=[\"" + dir.file("nano.bin") + "\", \"" + dir.file("llmc.bin") +
+                           "\"]' --set 'data.blend_weights=[3.0, 1.0]' --set data.format=nanogpt --set data.token_width=2" +
+                           " --set data.separate_documents=true --set model.vocab=50304";
+  Run reference = train(dir, layout(1, 2) + kSixSteps + data);
+  INFO(reference.text);
+  REQUIRE(reference.code == 0);
+  REQUIRE(reference.losses.size() == 6);
+  CHECK(contains(dsrun_command(dir, "show " + reference.id).text, "weight 3072/4096"));  // the data line names the mixture
+  Run crashed = train(dir, layout(1, 2) + kSixSteps + data, "DSRUN_TEST_CRASH_AT=1:5");
+  REQUIRE(crashed.code == 1);
+  auto out = dsrun_command(dir, "resume " + crashed.id);
+  INFO(out.text);
+  REQUIRE(out.code == 0);
+  CHECK(recorded_losses(dir, crashed.id) == reference.losses);  // bitwise
 }

@@ -37,15 +37,15 @@ inline torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tenso
 #endif
 }
 
-// Attention where `mask` [b, 1, s, s] (bool, true: may attend) says which keys each query sees:
-// documents packed into one row. 2.x picks the memory-efficient kernel on CUDA (flash takes no
-// mask) and the math kernel on the CPU; both touch all s·s scores, masked or not (docs/data.md).
-inline torch::Tensor masked_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& mask) {
+// Attention with an additive bias [b, 1, s, s] in q's dtype (0 where a query may attend to a key,
+// -inf where not): documents packed into one row. 2.x picks the memory-efficient kernel on CUDA
+// (flash takes no mask) and the math kernel on the CPU; both touch all s·s scores (docs/data.md).
+inline torch::Tensor masked_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& bias) {
 #if DSRUN_TORCH_AT_LEAST(2, 0)
-  return at::scaled_dot_product_attention(q, k, v, mask, /*dropout_p=*/0.0, /*is_causal=*/false);
+  return at::scaled_dot_product_attention(q, k, v, bias, /*dropout_p=*/0.0, /*is_causal=*/false);
 #else
   auto scores = torch::matmul(q * (1.0 / std::sqrt(static_cast<double>(q.size(-1)))), k.transpose(-2, -1));
-  scores.masked_fill_(mask.logical_not(), -std::numeric_limits<float>::infinity());
+  scores.add_(bias);
   return torch::matmul(torch::softmax(scores.to(torch::kFloat32), -1).to(q.scalar_type()), v);
 #endif
 }

@@ -24,7 +24,7 @@ const std::vector<TokenFormatInfo>& token_formats() {
       {TokenFormat::Dsrun, "dsrun", "dsrun prepare's directory (manifest.json) or DSRUNTOK shards"},
       {TokenFormat::Megatron, "megatron", "Megatron-LM indexed dataset: PREFIX.bin with PREFIX.idx (MMIDIDX)"},
       {TokenFormat::Llmc, "llmc", "llm.c .bin: 256 int32 header, magic 20240520 (uint16 tokens) or 20240801 (uint32)"},
-      {TokenFormat::Nanogpt, "nanogpt", "nanoGPT .bin: headerless tokens, width from data.token_width"},
+      {TokenFormat::Nanogpt, "nanogpt", "nanoGPT .bin: files without a header are headerless tokens of data.token_width bytes (files with one: as auto)"},
   };
   return table;
 }
@@ -279,7 +279,9 @@ std::unique_ptr<TokenFile> open_token_file(const std::string& path, const TokenC
   const bool llmc = magic == 20240520 || magic == 20240801;
   TokenFormat found = dsrun ? TokenFormat::Dsrun : !idx.empty() ? TokenFormat::Megatron : llmc ? TokenFormat::Llmc : TokenFormat::Auto;
   if (found == TokenFormat::Auto && o.format == TokenFormat::Nanogpt) found = TokenFormat::Nanogpt;
-  if (o.format != TokenFormat::Auto && found != o.format) {
+  // "nanogpt" names what headerless files are; a file with a header is what its header says, so
+  // one blend can mix nanoGPT files with the others.
+  if (o.format != TokenFormat::Auto && o.format != TokenFormat::Nanogpt && found != o.format) {
     throw data_error(bin, std::string("data.format = \"") + to_string(o.format) + "\" but the file " +
                               (found == TokenFormat::Auto ? "has no header dsrun knows" : std::string("is ") + to_string(found)),
                      "set data.format = \"auto\" or to what the file is");

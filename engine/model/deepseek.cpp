@@ -6,6 +6,9 @@
 #include "engine/model/model.hpp"
 
 #include <cmath>
+#include <limits>
+#include <map>
+#include <memory>
 
 namespace dsrun {
 
@@ -69,6 +72,10 @@ struct TokenPositions {
   const Rotary* rope = nullptr;
   Tensor cos, sin;  // [b, s, 1, head_dim], rows by position within the document
   Tensor mask;      // [b, 1, s, s] bool: true where a query may attend to a key
+  // The mask as an additive bias (0 or -inf) in the compute dtype, made once per batch and shared
+  // by every layer (and by the copies the blocks capture): handed a bool mask, the fused kernel
+  // would convert it again in every layer and keep each copy for backward.
+  std::shared_ptr<std::map<c10::ScalarType, Tensor>> bias = std::make_shared<std::map<c10::ScalarType, Tensor>>();
 
   TokenPositions(const Rotary& r, const Batch& batch, int64_t head_dim) : rope(&r) {
     if (!batch.positions.defined()) return;
@@ -88,7 +95,10 @@ struct TokenPositions {
     return (x * cos.to(qk.scalar_type()) + rotated * sin.to(qk.scalar_type())).reshape(qk.sizes());
   }
   Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v) const {
-    return mask.defined() ? compat::masked_attention(q, k, v, mask) : compat::causal_attention(q, k, v);
+    if (!mask.defined()) return compat::causal_attention(q, k, v);
+    Tensor& b = (*bias)[q.scalar_type()];
+    if (!b.defined()) b = torch::zeros(mask.sizes(), q.options()).masked_fill_(mask.logical_not(), -std::numeric_limits<float>::infinity());
+    return compat::masked_attention(q, k, v, b);
   }
 };
 

@@ -108,9 +108,9 @@ class Planner {
     MemoryBreakdown& m = ev.memory;
     m.states = plan_model_states_per_rank(o);
     m.activations = l.micro * (l.checkpointing ? cost_.checkpointed_activation_bytes_per_sample : cost_.activation_bytes_per_sample);
-    if (r_.data.separate_documents) {  // the document mask (bool, s x s) and each token's rotary rows (fp32 cos and sin)
+    if (r_.data.separate_documents) {  // the document mask (bool, then a bias in the compute dtype, s x s) and each token's rotary rows (fp32 cos and sin)
       const double s = static_cast<double>(r_.batch.seq_len);
-      m.activations += l.micro * (s * s + s * r_.model.head_dim() * 8);
+      m.activations += l.micro * (s * s * (1 + bytes_per_element(r_.precision.dtype)) + s * r_.model.head_dim() * 8);
     }
     // Backward's transient on top: the loss gradient at its start, or with recomputation whichever
     // is larger of that and one block's recomputed activations (they are never live together).

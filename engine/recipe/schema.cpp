@@ -163,7 +163,7 @@ std::vector<KeySpec> build_schema() {
       ranged("data.val_fraction", T::Float, "0.05", 0, 0.5, "Fraction of the data held out for validation (tokens: of each file, in whole documents where the format marks them)."),
       key("data.shuffle", T::Bool, "true", "Shuffle sample order each epoch (seeded)."),
       choice("data.format", "auto", token_format_names(),
-             "tokens: how the files are laid out. auto: by header (dsrun, Megatron-LM .bin/.idx, llm.c); nanogpt: headerless, width from data.token_width."),
+             "tokens: how the files are laid out. auto: by header (dsrun, Megatron-LM .bin/.idx, llm.c); nanogpt: files without a header are nanoGPT's, width from data.token_width."),
       ranged("data.token_width", T::Int, "0", 0, 4, "tokens, nanogpt: bytes per token (2: numpy uint16 as nanoGPT writes, or 4)."),
       ranged("data.document_token", T::Int, "-1", -1, 1e12,
              "tokens, llm.c and nanoGPT: the token between documents. -1: the format's (llm.c GPT-2 50256, LLaMA-3 128000; nanoGPT 50256)."),
