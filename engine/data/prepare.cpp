@@ -18,6 +18,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <map>
+#include <deque>
+#include <condition_variable>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -54,10 +57,11 @@ struct InputFile {
   int64_t mtime_ns = 0;
 };
 
-// A stretch of one input file; compressed files are taken whole.
+// A stretch of one input file: bytes of a plain file, or of a compressed file's text.
 struct Piece {
   size_t file;
   int64_t begin, end;
+  int first_line = 0;  // the line number at `begin` when known (streamed text); else counted when needed
 };
 
 struct Chunk {
@@ -121,33 +125,88 @@ std::string read_range(const std::string& path, int64_t begin, int64_t end) {
   return out;
 }
 
-std::string decompress(const InputFile& f) {
-  std::string out;
-  if (f.compression == Compression::gzip) {
-    gzFile gz = ::gzopen(f.path.c_str(), "rb");
-    if (!gz) throw input_error(f.path, 0, "cannot open gzip file", "check the file");
-    std::unique_ptr<gzFile_s, int (*)(gzFile)> owner(gz, &::gzclose);
-    char buffer[1 << 16];
-    int n;
-    while ((n = ::gzread(gz, buffer, sizeof buffer)) > 0) out.append(buffer, static_cast<size_t>(n));
-    if (n < 0) {
-      int code = 0;
-      throw input_error(f.path, 0, std::string("corrupt gzip data: ") + ::gzerror(gz, &code), "download the file again");
+// A compressed file's text, block by block, so that a file larger than memory can be read.
+class Decompressor {
+ public:
+  explicit Decompressor(const InputFile& f) : f_(f) {
+    if (f.compression == Compression::gzip) {
+      gz_ = ::gzopen(f.path.c_str(), "rb");
+      if (!gz_) throw input_error(f.path, 0, "cannot open gzip file", "check the file");
+      ::gzbuffer(gz_, 1 << 17);
+    } else {
+      file_ = std::fopen(f.path.c_str(), "rb");
+      if (!file_) throw input_error(f.path, 0, std::string("cannot open: ") + std::strerror(errno), "check the file");
+      zstd_ = ZSTD_createDCtx();
+      in_.resize(ZSTD_DStreamInSize());
     }
-    return out;
   }
-  const std::string compressed = read_file(f.path);
-  std::unique_ptr<ZSTD_DCtx, size_t (*)(ZSTD_DCtx*)> ctx(ZSTD_createDCtx(), &ZSTD_freeDCtx);
-  ZSTD_inBuffer in{compressed.data(), compressed.size(), 0};
-  std::string buffer(ZSTD_DStreamOutSize(), '\0');
-  size_t last = 0;
-  while (in.pos < in.size) {
-    ZSTD_outBuffer o{buffer.data(), buffer.size(), 0};
-    last = ZSTD_decompressStream(ctx.get(), &o, &in);
-    if (ZSTD_isError(last)) throw input_error(f.path, 0, std::string("corrupt zstd data: ") + ZSTD_getErrorName(last), "download the file again");
-    out.append(buffer.data(), o.pos);
+  ~Decompressor() {
+    if (gz_) ::gzclose(gz_);
+    if (file_) std::fclose(file_);
+    if (zstd_) ZSTD_freeDCtx(zstd_);
   }
-  if (last != 0) throw input_error(f.path, 0, "truncated zstd data", "download the file again");
+  Decompressor(const Decompressor&) = delete;
+  Decompressor& operator=(const Decompressor&) = delete;
+
+  // Appends up to about a megabyte of text to `out`; false once the file is done.
+  bool read(std::string& out) {
+    const size_t start = out.size();
+    if (gz_) {
+      out.resize(start + (1 << 20));
+      const int n = ::gzread(gz_, out.data() + start, 1 << 20);
+      if (n < 0) {
+        int code = 0;
+        throw input_error(f_.path, 0, std::string("corrupt gzip data: ") + ::gzerror(gz_, &code), "download the file again");
+      }
+      out.resize(start + static_cast<size_t>(n));
+      int code = Z_OK;
+      const char* why = ::gzerror(gz_, &code);
+      if (n == 0 && code != Z_OK)  // zlib reports a cut-off stream here, not as n < 0
+        throw input_error(f_.path, 0, std::string(code == Z_BUF_ERROR ? "truncated gzip data: " : "corrupt gzip data: ") + why, "download the file again");
+      return n > 0;
+    }
+    while (out.size() - start < (1 << 20)) {
+      if (in_pos_ == in_size_ && !pending_) {
+        in_size_ = std::fread(in_.data(), 1, in_.size(), file_);
+        in_pos_ = 0;
+        consumed_ += static_cast<int64_t>(in_size_);
+        if (in_size_ == 0) {
+          if (std::ferror(file_)) throw input_error(f_.path, 0, std::string("cannot read: ") + std::strerror(errno), "check the file");
+          if (last_ != 0) throw input_error(f_.path, 0, "truncated zstd data", "download the file again");
+          return out.size() > start;
+        }
+      }
+      ZSTD_inBuffer in{in_.data(), in_size_, in_pos_};
+      const size_t at = out.size();
+      out.resize(at + ZSTD_DStreamOutSize());
+      ZSTD_outBuffer o{out.data() + at, ZSTD_DStreamOutSize(), 0};
+      last_ = ZSTD_decompressStream(zstd_, &o, &in);
+      if (ZSTD_isError(last_)) throw input_error(f_.path, 0, std::string("corrupt zstd data: ") + ZSTD_getErrorName(last_), "download the file again");
+      out.resize(at + o.pos);
+      in_pos_ = in.pos;
+      pending_ = o.pos == o.size;  // a full output buffer: more may come without more input
+    }
+    return true;
+  }
+  // Compressed bytes read so far (progress).
+  int64_t consumed() const { return gz_ ? static_cast<int64_t>(::gzoffset(gz_)) : consumed_; }
+
+ private:
+  const InputFile& f_;
+  gzFile gz_ = nullptr;
+  std::FILE* file_ = nullptr;
+  ZSTD_DCtx* zstd_ = nullptr;
+  std::string in_;
+  size_t in_pos_ = 0, in_size_ = 0, last_ = 0;
+  bool pending_ = false;
+  int64_t consumed_ = 0;
+};
+
+std::string decompress(const InputFile& f) {
+  Decompressor d(f);
+  std::string out;
+  while (d.read(out)) {
+  }
   return out;
 }
 
@@ -163,16 +222,28 @@ int64_t next_line_start(const std::string& path, int64_t at, int64_t size) {
   return size;
 }
 
-std::vector<Chunk> make_chunks(const std::vector<InputFile>& files, const PrepareOptions& o) {
-  std::vector<Chunk> chunks;
+// In input order: chunks fixed now (plain files, and compressed files read as one document), and
+// compressed files of lines, cut into chunks as they are decompressed (stream_file).
+struct PlannedChunk {
+  Chunk chunk;
+  int stream_file = -1;
+};
+
+std::vector<PlannedChunk> make_chunks(const std::vector<InputFile>& files, const PrepareOptions& o) {
+  std::vector<PlannedChunk> chunks;
   Chunk current;
   const auto flush = [&] {
-    if (!current.pieces.empty()) chunks.push_back(std::move(current));
+    if (!current.pieces.empty()) chunks.push_back({std::move(current), -1});
     current = Chunk{};
   };
   for (size_t i = 0; i < files.size(); ++i) {
     const InputFile& f = files[i];
     const bool by_lines = f.json_lines || o.line_documents;
+    if (f.compression != Compression::none && by_lines) {
+      flush();
+      chunks.push_back({Chunk{}, static_cast<int>(i)});
+      continue;
+    }
     if (f.compression != Compression::none || !by_lines || f.size <= o.shard_bytes) {
       if (current.bytes > 0 && current.bytes + f.size > o.shard_bytes) flush();
       current.pieces.push_back({i, 0, f.size});
@@ -182,7 +253,7 @@ std::vector<Chunk> make_chunks(const std::vector<InputFile>& files, const Prepar
     flush();
     for (int64_t begin = 0; begin < f.size;) {
       const int64_t end = next_line_start(f.path, std::min(f.size, begin + o.shard_bytes), f.size);
-      chunks.push_back(Chunk{{{i, begin, end}}, end - begin});
+      chunks.push_back({Chunk{{{i, begin, end}}, end - begin}, -1});
       begin = end;
     }
   }
@@ -218,8 +289,7 @@ int line_at(const std::string& path, int64_t offset) {
 
 class Preparer {
  public:
-  Preparer(const PrepareOptions& o, std::vector<InputFile> files, std::vector<Chunk> chunks)
-      : o_(o), files_(std::move(files)), chunks_(std::move(chunks)) {
+  Preparer(const PrepareOptions& o, std::vector<InputFile> files) : o_(o), files_(std::move(files)) {
     tokenizer_ = open_tokenizer(o.tokenizer);
     tokenizer_path_ = tokenizer_file(o.tokenizer);
     const std::string bytes = read_file(tokenizer_path_);
@@ -238,9 +308,9 @@ class Preparer {
     }
   }
 
-  json identity(size_t k) const {
+  json identity(const Chunk& chunk) const {
     json pieces = json::array();
-    for (const Piece& p : chunks_[k].pieces) {
+    for (const Piece& p : chunk.pieces) {
       const InputFile& f = files_[p.file];
       pieces.push_back({{"file", f.path}, {"size", f.size}, {"mtime_ns", f.mtime_ns}, {"begin", p.begin}, {"end", p.end}});
     }
@@ -253,9 +323,10 @@ class Preparer {
     return {{"post_processor", tokenizer_->encode("", true)}};
   }
 
-  ShardResult run_shard(size_t k) const {
+  // Shard k from its chunk; `text`: the chunk's text when the producer already has it (streamed).
+  ShardResult run_shard(size_t k, const Chunk& chunk, const std::string* streamed) const {
     const std::string base = path_join(o_.out, shard_name(k));
-    const json id = identity(k);
+    const json id = identity(chunk);
     ShardResult r;
     if (file_exists(base + ".json")) {  // finished before: reuse if it is this chunk's shard, whole
       try {
@@ -284,10 +355,12 @@ class Preparer {
       tokens.insert(tokens.end(), ids.begin(), ids.end());
       ends.push_back(tokens.size());
     };
-    for (const Piece& p : chunks_[k].pieces) {
+    for (const Piece& p : chunk.pieces) {
       const InputFile& f = files_[p.file];
-      const std::string text = f.compression == Compression::none ? read_range(f.path, p.begin, p.end) : decompress(f);
-      r.bytes += p.end - p.begin;
+      std::string read;
+      if (!streamed) read = f.compression == Compression::none ? read_range(f.path, p.begin, p.end) : decompress(f);
+      const std::string& text = streamed ? *streamed : read;
+      r.bytes += static_cast<int64_t>(text.size());
       if (!f.json_lines && !o_.line_documents) {
         add_document(text);
         continue;
@@ -311,7 +384,7 @@ class Preparer {
             why = std::string("not JSON: ") + e.what();
           }
           if (!why.empty()) {
-            if (first_line == 0) first_line = line_at(f.path, p.begin);
+            if (first_line == 0) first_line = p.first_line > 0 ? p.first_line : line_at(f.path, p.begin);
             const int at = first_line + static_cast<int>(std::count(text.begin(), text.begin() + static_cast<long>(start), '\n'));
             if (o_.strict) throw input_error(f.path, at, why, "fix the line, or drop --strict to skip and count such lines");
             ++r.skipped;
@@ -352,7 +425,6 @@ class Preparer {
 
   const PrepareOptions& o_;
   std::vector<InputFile> files_;
-  std::vector<Chunk> chunks_;
   std::unique_ptr<Tokenizer> tokenizer_;
   std::string tokenizer_path_, tokenizer_hash_;
   int token_bytes_ = 4;
@@ -368,43 +440,127 @@ PrepareSummary prepare_corpus(const PrepareOptions& o, const PrepareProgress& pr
   for (const std::string& in : o.inputs) collect(in, paths);
   if (paths.empty()) throw input_error(o.inputs.front(), 0, "no input files", "name text, .jsonl, .gz or .zst files or directories");
   std::vector<InputFile> files;
-  for (const std::string& p : paths) files.push_back(describe_input(p));
-  std::vector<Chunk> chunks = make_chunks(files, o);
+  int64_t total_bytes = 0;
+  for (const std::string& p : paths) {
+    files.push_back(describe_input(p));
+    total_bytes += files.back().size;
+  }
+  const std::vector<PlannedChunk> planned = make_chunks(files, o);
   make_directories(o.out);
   const std::string manifest_path = path_join(o.out, "manifest.json");
   if (file_exists(manifest_path)) ::unlink(manifest_path.c_str());  // re-preparing: not finished until written again
 
-  Preparer preparer(o, std::move(files), std::move(chunks));
-  const size_t n = preparer.chunks_.size();
-  int64_t total_bytes = 0;
-  for (const Chunk& c : preparer.chunks_) total_bytes += c.bytes;
-  std::vector<ShardResult> results(n);
-  std::vector<std::exception_ptr> errors(n);
-  std::atomic<size_t> next{0};
-  std::atomic<int> done{0};
-  std::atomic<int64_t> bytes_done{0};
-  const int threads = std::max(1, std::min<int>(static_cast<int>(n), o.threads > 0 ? o.threads : static_cast<int>(std::thread::hardware_concurrency())));
+  Preparer preparer(o, std::move(files));
+  const int threads = std::max(1, o.threads > 0 ? o.threads : static_cast<int>(std::thread::hardware_concurrency()));
+
+  // One producer walks the inputs in order and numbers the chunks (decompressing streamed files as
+  // it goes); workers tokenize them. One chunk waits in the queue at most, so memory is bounded
+  // by the chunks in flight, not by the size of any file.
+  struct Job {
+    size_t k;
+    Chunk chunk;
+    std::shared_ptr<const std::string> text;
+  };
+  std::mutex mutex;
+  std::condition_variable changed;
+  std::deque<Job> queue;
+  bool produced_all = false;
+  std::map<size_t, ShardResult> results;
+  std::exception_ptr error;
   std::atomic<bool> failed{false};
-  const auto work = [&] {
-    for (size_t k; !failed && (k = next++) < n;) {
-      try {
-        results[k] = preparer.run_shard(k);
-      } catch (...) {
-        errors[k] = std::current_exception();
-        failed = true;
+  std::atomic<int> done{0}, known{0};
+  std::atomic<int64_t> bytes_done{0};
+  const auto push = [&](Job job) {
+    std::unique_lock<std::mutex> lock(mutex);
+    changed.wait(lock, [&] { return queue.empty() || failed; });  // one chunk waiting is enough: decompressing outruns tokenizing
+    if (failed) throw std::runtime_error("stopped");  // a worker failed; its error is the one reported
+    queue.push_back(std::move(job));
+    ++known;
+    changed.notify_all();
+  };
+  const auto fail_with = [&](std::exception_ptr e) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!error) error = e;
+    failed = true;
+    changed.notify_all();
+  };
+  const auto produce = [&] {
+    try {
+      size_t k = 0;
+      for (const PlannedChunk& p : planned) {
+        if (p.stream_file < 0) {
+          push({k++, p.chunk, nullptr});
+          continue;
+        }
+        // Cut as plain files are cut: at the first line start at or after shard_bytes.
+        const size_t i = static_cast<size_t>(p.stream_file);
+        Decompressor d(preparer.files_[i]);
+        std::string buffer;
+        int64_t begin = 0, consumed = 0;
+        int line = 1;
+        bool more = true;
+        while (more || !buffer.empty()) {
+          size_t cut = std::string::npos;
+          while (more && (buffer.size() <= static_cast<size_t>(o.shard_bytes) || (cut = buffer.find('\n', static_cast<size_t>(o.shard_bytes))) == std::string::npos))
+            more = d.read(buffer);
+          if (cut == std::string::npos && buffer.size() > static_cast<size_t>(o.shard_bytes)) cut = buffer.find('\n', static_cast<size_t>(o.shard_bytes));
+          cut = cut == std::string::npos ? buffer.size() : cut + 1;
+          if (cut == 0) break;
+          auto text = std::make_shared<std::string>(buffer, 0, cut);
+          buffer.erase(0, cut);
+          const int64_t now = more ? d.consumed() : preparer.files_[i].size;
+          Chunk c{{{i, begin, begin + static_cast<int64_t>(cut), line}}, now - consumed};
+          consumed = now;
+          begin += static_cast<int64_t>(cut);
+          line += static_cast<int>(std::count(text->begin(), text->end(), '\n'));
+          push({k++, std::move(c), std::move(text)});
+        }
       }
-      bytes_done += preparer.chunks_[k].bytes;
+    } catch (...) {
+      if (!failed) fail_with(std::current_exception());
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    produced_all = true;
+    changed.notify_all();
+  };
+  const auto work = [&] {
+    for (;;) {
+      Job job;
+      {
+        std::unique_lock<std::mutex> lock(mutex);
+        changed.wait(lock, [&] { return !queue.empty() || produced_all || failed; });
+        if (failed || queue.empty()) return;
+        job = std::move(queue.front());
+        queue.pop_front();
+        changed.notify_all();
+      }
+      try {
+        ShardResult r = preparer.run_shard(job.k, job.chunk, job.text.get());
+        std::lock_guard<std::mutex> lock(mutex);
+        results[job.k] = std::move(r);
+      } catch (...) {
+        fail_with(std::current_exception());
+        return;
+      }
+      bytes_done += job.chunk.bytes;
       ++done;
     }
   };
+  std::thread producer(produce);
   std::vector<std::thread> pool;
   for (int t = 0; t < threads; ++t) pool.emplace_back(work);
-  while (done < static_cast<int>(n) && !failed) {
-    if (progress) progress(done, static_cast<int>(n), bytes_done, total_bytes);
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (failed || (produced_all && done == known)) break;
+    }
+    if (progress) progress(done, known, bytes_done, total_bytes);
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
+  producer.join();
   for (auto& t : pool) t.join();
-  for (const auto& e : errors) if (e) std::rethrow_exception(e);
+  if (error) std::rethrow_exception(error);
+  const size_t n = results.size();
   if (progress) progress(static_cast<int>(n), static_cast<int>(n), total_bytes, total_bytes);
 
   PrepareSummary s;
@@ -412,7 +568,7 @@ PrepareSummary prepare_corpus(const PrepareOptions& o, const PrepareProgress& pr
   s.token_bytes = preparer.token_bytes_;
   json shards = json::array();
   for (size_t k = 0; k < n; ++k) {
-    const ShardResult& r = results[k];
+    const ShardResult& r = results.at(k);
     s.documents += r.documents;
     s.tokens += r.tokens;
     s.input_bytes += r.bytes;
