@@ -496,6 +496,13 @@ std::string rank_config_toml(const LoadedRecipe& loaded, const Plan& plan) {
   pin(c, "hardware.memory_gib", Value::of_float(r.hardware.memory_bytes / GiB));
   pin(c, "hardware.host_memory_gib", Value::of_float(r.hardware.host_memory_bytes / GiB));
   pin(c, "data.path", Value::of_string(absolute(r.data.path)));
+  pin(c, "data.val_path", Value::of_string(absolute(r.data.val_path)));
+  if (!r.data.blend.empty()) {  // resolved against the recipe: the rank reads its config from the run directory
+    Value blend;
+    blend.kind = Value::Kind::Array;
+    for (const std::string& p : r.data.blend) blend.items.push_back(Value::of_string(absolute(p)));
+    pin(c, "data.blend", blend);
+  }
   pin(c, "hooks.script", Value::of_string(absolute(r.hooks.script)));
   pin(c, "model.init_from", Value::of_string(absolute(r.model.init_from)));
   pin(c, "checkpoint.dir", Value::of_string(absolute(r.checkpoint.dir)));

@@ -503,6 +503,20 @@ TokenCorpus::TokenCorpus(const TokenCorpusOptions& o) : options_(o) {
     c.hint = "give one weight per path in data.blend";
     throw Error(std::to_string(o.weights.size()) + " weights for " + std::to_string(o.paths.size()) + " sources", c);
   }
+  if (o.paths.size() > 4096) {
+    ErrorContext c;
+    c.key = "data.blend";
+    c.hint = "merge sources into directories (a directory is one source)";
+    throw Error(std::to_string(o.paths.size()) + " sources: a mixture takes at most 4096", c);
+  }
+  double weight_sum = 0;
+  for (double w : o.weights) weight_sum += w;
+  if (!o.weights.empty() && !(weight_sum > 0)) {
+    ErrorContext c;
+    c.key = "data.blend_weights";
+    c.hint = "give at least one source a positive weight";
+    throw Error("the mixture weights sum to zero", c);
+  }
   const double val_fraction = o.val_path.empty() ? o.val_fraction : 0;
   for (const std::string& p : o.paths) {
     sources_.push_back(open_source(p, o, val_fraction));
