@@ -383,8 +383,8 @@ void build_data(Builder& c, Recipe& r, const std::string& recipe_dir) {
 void build_rest(Builder& c, Recipe& r, const std::string& recipe_dir) {
   r.eval.every = c.i("eval.every");
   r.eval.batches = c.i("eval.batches");
-  if (r.eval.every > 0 && r.data.val_fraction <= 0)
-    c.error("eval.every", "evaluation needs a validation split", "set data.val_fraction > 0, or eval.every = 0", {"data.val_fraction"});
+  if (r.eval.every > 0 && r.data.val_fraction <= 0 && r.data.val_path.empty())
+    c.error("eval.every", "evaluation needs a validation split", "set data.val_fraction > 0 (or data.val_path), or eval.every = 0", {"data.val_fraction"});
 
   r.checkpoint.every = c.i("checkpoint.every");
   r.checkpoint.keep_last = c.i("checkpoint.keep_last");
