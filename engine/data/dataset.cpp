@@ -6,8 +6,6 @@
 #include "engine/data/augment.hpp"
 #include "engine/data/token_source.hpp"
 
-#include <nlohmann/json.hpp>
-
 #include <algorithm>
 #include <cstring>
 #include <numeric>

@@ -7,6 +7,7 @@
 
 #include "engine/common/error.hpp"
 #include "engine/common/files.hpp"
+#include "engine/common/text.hpp"
 #include "engine/data/token_source.hpp"
 #include "engine/tokenizer/tokenizer.hpp"
 
@@ -41,10 +42,6 @@ Error input_error(const std::string& file, int line, const std::string& what, co
   c.line = line;
   c.hint = hint;
   return Error(what, c);
-}
-
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
 enum class Compression { none, gzip, zstd };
@@ -400,9 +397,7 @@ class Preparer {
       }
     }
     // .tokens (the DSRUNTOK format), .docs, then the record that marks the shard finished.
-    std::string body = token_shard_header(token_bytes_, tokens.size());
-    body.reserve(body.size() + tokens.size() * static_cast<size_t>(token_bytes_));
-    for (uint32_t t : tokens) body.append(reinterpret_cast<const char*>(&t), static_cast<size_t>(token_bytes_));
+    const std::string body = token_shard_bytes(tokens, token_bytes_);
     const std::string docs = document_index_bytes(ends);
     write_file_atomic(base + ".tokens", body);
     write_file_atomic(base + ".docs", docs);
@@ -500,11 +495,9 @@ PrepareSummary prepare_corpus(const PrepareOptions& o, const PrepareProgress& pr
         int line = 1;
         bool more = true;
         while (more || !buffer.empty()) {
-          size_t cut = std::string::npos;
-          while (more && (buffer.size() <= static_cast<size_t>(o.shard_bytes) || (cut = buffer.find('\n', static_cast<size_t>(o.shard_bytes))) == std::string::npos))
-            more = d.read(buffer);
-          if (cut == std::string::npos && buffer.size() > static_cast<size_t>(o.shard_bytes)) cut = buffer.find('\n', static_cast<size_t>(o.shard_bytes));
-          cut = cut == std::string::npos ? buffer.size() : cut + 1;
+          size_t newline;
+          while ((newline = buffer.find('\n', static_cast<size_t>(o.shard_bytes))) == std::string::npos && more) more = d.read(buffer);
+          const size_t cut = newline == std::string::npos ? buffer.size() : newline + 1;
           if (cut == 0) break;
           auto text = std::make_shared<std::string>(buffer, 0, cut);
           buffer.erase(0, cut);

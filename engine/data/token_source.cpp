@@ -4,6 +4,7 @@
 
 #include "engine/common/error.hpp"
 #include "engine/common/files.hpp"
+#include "engine/common/text.hpp"
 
 #include <nlohmann/json.hpp>
 #include <sys/mman.h>
@@ -58,10 +59,6 @@ T get(const unsigned char* p) {
   T v;
   std::memcpy(&v, p, sizeof v);
   return v;
-}
-
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
 // A read-only map of a whole file, unmapped on destruction. MAP_SHARED: its pages are the page
@@ -619,18 +616,13 @@ std::string TokenCorpus::describe() const {
   return out;
 }
 
-std::string token_shard_header(int bytes_per_token, uint64_t count) {
+std::string token_shard_bytes(const std::vector<uint32_t>& tokens, int bytes_per_token) {
   DSRUN_ASSERT(bytes_per_token == 2 || bytes_per_token == 4, "2 or 4 bytes per token");
   std::string out("DSRUNTOK", 8);
   put32(out, 1);
   put32(out, static_cast<uint32_t>(bytes_per_token));
-  put64(out, count);
+  put64(out, tokens.size());
   put64(out, 0);
-  return out;
-}
-
-std::string token_shard_bytes(const std::vector<uint32_t>& tokens, int bytes_per_token) {
-  std::string out = token_shard_header(bytes_per_token, tokens.size());
   out.reserve(out.size() + tokens.size() * static_cast<size_t>(bytes_per_token));
   for (uint32_t t : tokens) out.append(reinterpret_cast<const char*>(&t), static_cast<size_t>(bytes_per_token));
   return out;

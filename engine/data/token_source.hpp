@@ -28,8 +28,6 @@ TokenFormat token_format_from_string(const std::string& name);  // throws on an 
 // dsrun's shard format, written by `dsrun prepare` and read here: a 32-byte header ("DSRUNTOK",
 // u32 version 1, u32 bytes per token 2 or 4, u64 token count, u64 zero), then little-endian tokens.
 constexpr size_t kTokenShardHeaderBytes = 32;
-std::string token_shard_header(int bytes_per_token, uint64_t count);
-// The whole shard, header and tokens (tests and small tools; prepare streams its own).
 std::string token_shard_bytes(const std::vector<uint32_t>& tokens, int bytes_per_token);
 // The document index beside a shard: "DSRUNDOC", u32 version 1, u32 0, u64 count, u64 0, then
 // count u64 end offsets (in tokens, within the shard).

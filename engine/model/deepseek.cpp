@@ -55,12 +55,16 @@ struct Rotary {
     cos = full.cos().to(torch::kFloat32);
     sin = full.sin().to(torch::kFloat32);
   }
+  // The tables on `device`, copied once per device, not per call.
+  void move_to(const torch::Device& device) const {
+    if (!cos_on_device.defined() || cos_on_device.device() != device) {
+      cos_on_device = cos.to(device);
+      sin_on_device = sin.to(device);
+    }
+  }
   // q and k heads side by side, [b, s, heads · head_dim] -> rotated, contiguous.
   Tensor apply(const Tensor& qk, int64_t head_dim) const {
-    if (!cos_on_device.defined() || cos_on_device.device() != qk.device()) {
-      cos_on_device = cos.to(qk.device());  // copied once per device, not per call
-      sin_on_device = sin.to(qk.device());
-    }
+    move_to(qk.device());
     return fused::rotary(qk, head_dim, cos_on_device, sin_on_device);
   }
 };
@@ -81,8 +85,9 @@ struct TokenPositions {
     if (!batch.positions.defined()) return;
     const int64_t b = batch.positions.size(0), s = batch.positions.size(1);
     const Tensor positions = batch.positions.to(batch.inputs.device()).reshape({-1});
-    cos = r.cos.to(batch.inputs.device()).index_select(0, positions).view({b, s, 1, head_dim});
-    sin = r.sin.to(batch.inputs.device()).index_select(0, positions).view({b, s, 1, head_dim});
+    r.move_to(batch.inputs.device());
+    cos = r.cos_on_device.index_select(0, positions).view({b, s, 1, head_dim});
+    sin = r.sin_on_device.index_select(0, positions).view({b, s, 1, head_dim});
     const Tensor documents = batch.documents.to(batch.inputs.device());
     const Tensor causal = torch::ones({s, s}, torch::TensorOptions().dtype(torch::kBool).device(batch.inputs.device())).tril();
     mask = (documents.unsqueeze(2) == documents.unsqueeze(1)).logical_and(causal).unsqueeze(1);

@@ -328,13 +328,12 @@ void build_data(Builder& c, Recipe& r, const std::string& recipe_dir) {
   DataOptions& d = r.data;
   const std::string& kind = c.s("data.kind");
   d.kind = kind == "text" ? DataKind::Text : kind == "tokens" ? DataKind::Tokens : kind == "cifar10" ? DataKind::Cifar10 : DataKind::Synthetic;
-  d.path = resolve_path(c.s("data.path"), c.at("data.path").source.layer == Layer::Base
-                                              ? parent_directory(c.at("data.path").source.file)
-                                              : recipe_dir);
-  d.tokenizer = c.s("data.tokenizer");
+  // A path is relative to the file that set it: a base template's own directory, else the recipe's.
   const auto recipe_relative = [&](const std::string& key, const std::string& value) {
     return resolve_path(value, c.at(key).source.layer == Layer::Base ? parent_directory(c.at(key).source.file) : recipe_dir);
   };
+  d.path = recipe_relative("data.path", c.s("data.path"));
+  d.tokenizer = c.s("data.tokenizer");
   for (const std::string& p : c.strings("data.blend")) d.blend.push_back(recipe_relative("data.blend", p));
   d.blend_weights = c.floats("data.blend_weights");
   d.val_path = recipe_relative("data.val_path", c.s("data.val_path"));
@@ -353,9 +352,7 @@ void build_data(Builder& c, Recipe& r, const std::string& recipe_dir) {
   if (d.kind != DataKind::Tokens && (!d.blend.empty() || d.separate_documents))
     c.error(d.blend.empty() ? "data.separate_documents" : "data.blend", "only data.kind = \"tokens\" reads mixtures and document boundaries",
             "set data.kind = \"tokens\" (prepare text with dsrun prepare)", {"data.kind"});
-  r.model.init_from = resolve_path(c.s("model.init_from"), c.at("model.init_from").source.layer == Layer::Base
-                                                               ? parent_directory(c.at("model.init_from").source.file)
-                                                               : recipe_dir);
+  r.model.init_from = recipe_relative("model.init_from", c.s("model.init_from"));
   if (!r.model.init_from.empty() && !file_exists(r.model.init_from))
     c.error("model.init_from", "\"" + r.model.init_from + "\" does not exist", "give a .safetensors file or a directory of them (dsrun export writes one)");
   d.val_fraction = c.f("data.val_fraction");
