@@ -5,6 +5,7 @@
 #include "engine/common/files.hpp"
 #include "engine/common/host.hpp"
 #include "engine/common/text.hpp"
+#include "engine/train/report.hpp"
 #include "storage/tensorboard.hpp"
 
 #include <nlohmann/json.hpp>
@@ -330,63 +331,87 @@ class Supervisor {
   }
 
   void handle(RankProcess& p, const std::string& line) {
-    nlohmann::json m = nlohmann::json::parse(line, nullptr, false);
-    if (m.is_discarded() || !m.contains("type")) {
+    std::optional<ReceivedReport> report = decode_report(line);
+    if (!report) {
       store_.add_event(run_id_, "garbled", p.rank, "unreadable report line", line.substr(0, 200));
       return;
     }
-    const std::string type = m["type"];
     p.last_progress = now_seconds();
-    if (type == "ready") {
-      p.ready = true;
-      first_step_ = m.value("first_step", int64_t{1});
-      if (p.rank == 0) store_.add_event(run_id_, "ready", -1, "ranks started in " + format_seconds(now_seconds() - started_));
-      if (p.rank == 0) store_.add_metrics(run_id_, 0, {{"startup_seconds", m.value("startup_seconds", 0.0)}, {"launch_to_ready_seconds", now_seconds() - started_}});
-    } else if (type == "beat") {
-      p.step = m.value("step", int64_t{0});
-    } else if (type == "step" || type == "eval") {
-      std::vector<std::pair<std::string, double>> values;
-      for (auto& [k, v] : m["metrics"].items()) {
-        if (v.is_number()) values.push_back({k, v.get<double>()});
-        else store_.add_event(run_id_, "metric", p.rank, k + " is not a finite number at step " + std::to_string(m.value("step", int64_t{0})));
-      }
-      const int64_t step = m.value("step", int64_t{0});
-      store_.add_metrics(run_id_, step, values);
-      if (tensorboard_) {
-        try {
-          tensorboard_->add_scalars(step, values);
-        } catch (const Error& e) {  // recorded, and the run goes on without event files
-          store_.add_event(run_id_, "tensorboard", -1, e.describe());
-          tensorboard_.reset();
-        }
-      }
-      if (type == "step") show_progress(step, m.value("total", int64_t{0}), m["metrics"]);
-      else print_line("eval at step " + std::to_string(step) + ": " + m["metrics"].dump());
-    } else if (type == "memory") {
-      const std::string prefix = "memory/rank" + std::to_string(p.rank) + "/";
-      std::vector<std::pair<std::string, double>> values;
-      for (const char* key : {"model_state_bytes", "predicted_model_state_bytes", "peak_rss_bytes", "anon_rss_bytes", "file_rss_bytes", "predicted_total_bytes",
-                              "peak_allocated_bytes", "peak_reserved_bytes", "predicted_host_bytes"})
-        if (m.contains(key)) values.push_back({prefix + key, m[key].get<double>()});
-      store_.add_metrics(run_id_, 0, values);
-    } else if (type == "event") {
-      const std::string kind = m.value("kind", std::string("event"));
-      store_.add_event(run_id_, kind, p.rank, m.value("message", std::string()));
-      if (kind == "stopped") stopped_early_ = "a rank was asked to stop (" + m.value("message", std::string()) + ")";
-    } else if (type == "checkpoint") {
-      CheckpointRecord c;
-      c.step = m.value("step", int64_t{0});
-      c.path = m.value("path", std::string());
-      c.bytes = m.value("bytes", int64_t{0});
-      c.checksum = m.value("checksum", std::string());
-      c.created_at = unix_now();
-      store_.add_checkpoint(run_id_, c);
-      for (const auto& removed : m.value("removed", std::vector<std::string>{})) store_.remove_checkpoint(run_id_, removed);
-      store_.add_event(run_id_, "checkpoint", -1, "saved step " + std::to_string(c.step) + " (" + m.value("why", std::string("interval")) + ") to " + c.path + ", " +
-                                                     format_bytes(static_cast<double>(c.bytes)) + " in " + format_seconds(m.value("seconds", 0.0)));
-    } else if (type == "error") {
-      p.error = m.value("message", std::string());
+    std::visit([&](const auto& body) { on_report(p, body); }, report->body);
+  }
+
+  // One overload per report kind: a new kind does not compile until the launcher handles it.
+  void on_report(RankProcess& p, const ReadyReport& r) {
+    p.ready = true;
+    first_step_ = r.first_step;
+    if (p.rank == 0) store_.add_event(run_id_, "ready", -1, "ranks started in " + format_seconds(now_seconds() - started_));
+    if (p.rank == 0) store_.add_metrics(run_id_, 0, {{"startup_seconds", r.startup_seconds}, {"launch_to_ready_seconds", now_seconds() - started_}});
+  }
+
+  void on_report(RankProcess& p, const BeatReport& r) { p.step = r.step; }
+
+  void on_report(RankProcess& p, const StepReport& r) {
+    record_metrics(p, r.step, r.metrics);
+    show_progress(r.step, r.total, metrics_json(r.metrics));
+  }
+
+  void on_report(RankProcess& p, const EvalReport& r) {
+    record_metrics(p, r.step, r.metrics);
+    print_line("eval at step " + std::to_string(r.step) + ": " + metrics_json(r.metrics).dump());
+  }
+
+  void on_report(RankProcess& p, const MemoryReport& r) {
+    const std::string prefix = "memory/rank" + std::to_string(p.rank) + "/";
+    std::vector<std::pair<std::string, double>> values;
+    for (const auto& [name, value] : memory_values(r)) values.push_back({prefix + name, value});
+    store_.add_metrics(run_id_, 0, values);
+  }
+
+  void on_report(RankProcess& p, const EventReport& r) {
+    store_.add_event(run_id_, r.kind, p.rank, r.message);
+    if (r.kind == "stopped") stopped_early_ = "a rank was asked to stop (" + r.message + ")";
+  }
+
+  void on_report(RankProcess& p, const CheckpointReport& r) {
+    CheckpointRecord c;
+    c.step = r.step;
+    c.path = r.path;
+    c.bytes = r.bytes;
+    c.checksum = r.checksum;
+    c.created_at = unix_now();
+    store_.add_checkpoint(run_id_, c);
+    for (const auto& removed : r.removed) store_.remove_checkpoint(run_id_, removed);
+    store_.add_event(run_id_, "checkpoint", -1, "saved step " + std::to_string(c.step) + " (" + r.why + ") to " + c.path + ", " +
+                                                   format_bytes(static_cast<double>(c.bytes)) + " in " + format_seconds(r.seconds));
+  }
+
+  void on_report(RankProcess& p, const ErrorReport& r) { p.error = r.message; }
+
+  void on_report(RankProcess& p, const DoneReport&) {}  // the exit status says the rest
+
+  // A value that is not finite is named in an event, not stored: SQLite and TensorBoard want numbers.
+  void record_metrics(RankProcess& p, int64_t step, const Metrics& metrics) {
+    std::vector<std::pair<std::string, double>> values;
+    for (const auto& [name, value] : metrics) {
+      if (std::isfinite(value)) values.push_back({name, value});
+      else store_.add_event(run_id_, "metric", p.rank, name + " is not a finite number at step " + std::to_string(step));
     }
+    store_.add_metrics(run_id_, step, values);
+    if (tensorboard_) {
+      try {
+        tensorboard_->add_scalars(step, values);
+      } catch (const Error& e) {  // recorded, and the run goes on without event files
+        store_.add_event(run_id_, "tensorboard", -1, e.describe());
+        tensorboard_.reset();
+      }
+    }
+  }
+
+  // For the terminal, which shows metrics sorted by name as it always has; a NaN prints as null.
+  static nlohmann::json metrics_json(const Metrics& metrics) {
+    nlohmann::json out = nlohmann::json::object();
+    for (const auto& [name, value] : metrics) out[name] = value;
+    return out;
   }
 
   void reap() {

@@ -14,6 +14,7 @@
 #include "engine/parallel/zero.hpp"
 #include "engine/train/checkpointing.hpp"
 #include "engine/train/optimizer.hpp"
+#include "engine_util.hpp"
 #include "test_util.hpp"
 
 #define CATCH_CONFIG_MAIN
@@ -32,88 +33,17 @@ using namespace dsrun;
 
 namespace {
 
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof a;
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
-
-// Runs `body(rank, comm)` in `world` forked processes joined by Gloo; true if all returned true.
-bool in_processes(int world, const std::function<bool(int, Communicator&)>& body) {
-  const int port = free_port();
-  std::vector<pid_t> children;
-  for (int r = 0; r < world; ++r) {
-    pid_t pid = fork();
-    if (pid == 0) {
-      torch::set_num_threads(1);
-      RendezvousOptions o;
-      o.master_port = port;
-      o.rank = r;
-      o.world_size = world;
-      o.timeout_s = 30;
-      bool ok = false;
-      try {
-        auto comm = connect_communicator(o);
-        ok = body(r, *comm);
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "rank %d: %s\n", r, e.what());
-      }
-      _exit(ok ? 0 : 1);
-    }
-    children.push_back(pid);
-  }
-  bool all = true;
-  for (pid_t pid : children) {
-    int status = 0;
-    waitpid(pid, &status, 0);
-    all &= WIFEXITED(status) && WEXITSTATUS(status) == 0;
-  }
-  return all;
-}
-
-ModelSpec tiny_decoder() {
-  ModelSpec m;
-  m.hidden = 32;
-  m.layers = 2;
-  m.heads = 4;
-  m.kv_heads = 2;
-  m.intermediate = 48;
-  m.vocab = 64;
-  m.max_seq_len = 16;
-  return m;
-}
-
-// The tiny decoder with DeepSeek-MoE layers after the first: `experts` routed, top-2, one shared.
-ModelSpec tiny_moe_decoder(int experts) {
-  ModelSpec m = tiny_decoder();
-  m.moe.routed_experts = experts;
-  m.moe.shared_experts = 1;
-  m.moe.top_k = 2;
-  m.moe.intermediate = 16;
-  m.moe.first_dense_layers = 1;
-  return m;
-}
-
-Batch token_batch(int64_t b, int64_t s, int64_t vocab, uint64_t seed) {
-  torch::manual_seed(seed);
-  Batch batch;
-  batch.inputs = torch::randint(vocab, {b, s}, torch::kInt64);
-  batch.targets = torch::randint(vocab, {b, s}, torch::kInt64);
-  batch.items = b * s;
-  return batch;
-}
+using dsrun::test::in_processes;
+using dsrun::test::one_rank_loss;
+using dsrun::test::tiny_decoder;
+using dsrun::test::tiny_moe_decoder;
+using dsrun::test::token_batch;
 
 // One micro-batch on `device` through ZeRO: forward, backward and the reduction; its task loss.
 double reduced_micro_batch(Model& model, ZeroDataParallel& zero, Batch b, torch::Device device = torch::kCPU) {
   b.inputs = b.inputs.to(device);
   b.targets = b.targets.to(device);
-  ModelOutput out = model.forward(b, zero);
+  MicroBatchLoss out = one_rank_loss(model, b, zero);
   out.loss.backward();
   zero.after_backward();
   zero.reduce_gradients();
@@ -125,7 +55,7 @@ double reference_grad_norm(const ModelSpec& m, uint64_t model_seed, uint64_t bat
   torch::manual_seed(model_seed);
   auto reference = build_model(m, 16, {model_seed});
   UnitRunner plain;
-  reference->forward(token_batch(2, 16, m.vocab, batch_seed), plain).loss.backward();
+  one_rank_loss(*reference, token_batch(2, 16, m.vocab, batch_seed), plain).loss.backward();
   double sq = 0;
   for (auto& p : reference->module().parameters())
     if (p.grad().defined()) sq += p.grad().pow(2).sum().item<double>();
@@ -319,7 +249,7 @@ TEST_CASE("MoE: top-k routing, balance loss near its uniform value, gradients to
   torch::manual_seed(3);
   auto model = build_model(m, 16, {3});
   UnitRunner plain;
-  ModelOutput out = model->forward(token_batch(4, 16, m.vocab, 4), plain);
+  MicroBatchLoss out = one_rank_loss(*model, token_batch(4, 16, m.vocab, 4), plain);
   // With near-uniform router scores, Σ f_i P_i ≈ 1, so the loss is close to its weight.
   CHECK(out.aux_loss == Approx(0.01).epsilon(0.2));
   out.loss.backward();
@@ -352,7 +282,7 @@ TEST_CASE("checkpointed units give the same loss and gradients as stored activat
     zo.stage = 0;
     zo.activation_checkpointing = checkpointing;
     ZeroDataParallel zero(*model, *comm, zo);
-    ModelOutput out = model->forward(batch, zero);
+    MicroBatchLoss out = one_rank_loss(*model, batch, zero);
     out.loss.backward();
     zero.after_backward();
     zero.reduce_gradients();
@@ -420,7 +350,7 @@ TEST_CASE("gradient reductions start during backward, as soon as a unit's gradie
         ZeroOptions zo;
         zo.stage = stage;
         ZeroDataParallel zero(*model, comm, zo);
-        model->forward(token_batch(2, 16, m.vocab, 22), zero).loss.backward();
+        one_rank_loss(*model, token_batch(2, 16, m.vocab, 22), zero).loss.backward();
         const int64_t during_backward = zero.overlapped_reductions();
         zero.after_backward();
         zero.reduce_gradients();
@@ -543,7 +473,8 @@ TEST_CASE("ResNet-18 trains a step on synthetic images and counts correct predic
   torch::manual_seed(1);
   auto model = build_model(m, 0, {1});
   UnitRunner plain;
-  ModelOutput out = model->forward(set->train_batch(0, 8), plain);
+  Batch images = set->train_batch(0, 8);
+  MicroBatchLoss out = one_rank_loss(*model, images, plain);
   CHECK(std::isfinite(out.task_loss));
   CHECK(out.correct >= 0);
   CHECK(out.correct <= 8);
@@ -682,7 +613,7 @@ TEST_CASE("CUDA: NCCL collectives agree with a reference on 2 GPUs", "[engine][c
     WARN("SKIPPED: needs 2 CUDA devices");
     return;
   }
-  const int port = free_port();
+  const int port = dsrun::test::free_port();
   std::vector<pid_t> children;
   for (int r = 0; r < 2; ++r) {
     pid_t pid = fork();
@@ -778,7 +709,7 @@ TEST_CASE("separate documents: a packed row trains as its documents would alone"
       b.documents = torch::tensor({0, 0, 0, 0, 0, 1, 1, 1}, torch::kInt32).view({1, 8});
     }
     torch::NoGradGuard no_grad;
-    return model->forward(b, plain).task_loss * static_cast<double>(in.numel());
+    return one_rank_loss(*model, b, plain).task_loss * static_cast<double>(in.numel());
   };
   const double alone = loss(x.narrow(1, 0, 5), y.narrow(1, 0, 5), false) + loss(x.narrow(1, 5, 3), y.narrow(1, 5, 3), false);
   CHECK(loss(x, y, true) == Approx(alone).epsilon(1e-5));
@@ -809,4 +740,25 @@ TEST_CASE("separate documents: batches carry positions and document numbers from
   CHECK(b.positions[0].equal(torch::tensor({0, 1, 0, 1, 2, 3, 4, 0}, torch::kInt64)));
   CHECK(b.documents[0].to(torch::kInt64).equal(torch::tensor({0, 0, 1, 1, 1, 1, 1, 2})));
   std::system(("rm -rf '" + dir + "'").c_str());
+}
+
+TEST_CASE("flat layout: 3 ranks get equal padded shards, weight decay on matrices clipped to each shard", "[engine][flat]") {
+  // 15 + 4 = 19 elements pad to 21: 7 per rank. The matrix covers [0, 15), the bias [15, 19).
+  const std::vector<std::vector<int64_t>> shapes{{5, 3}, {4}};
+  FlatUnitLayout r1 = lay_out_flat_unit(shapes, 3, 1, /*sharded=*/true);
+  CHECK(r1.offsets == std::vector<int64_t>{0, 15});
+  CHECK(r1.numels == std::vector<int64_t>{15, 4});
+  CHECK(r1.numel == 19);
+  CHECK(r1.padded == 21);
+  CHECK(r1.shard == 7);
+  CHECK(r1.shard_begin == 7);
+  using Ranges = std::vector<std::pair<int64_t, int64_t>>;
+  CHECK(r1.decay_ranges == Ranges{{0, 7}});  // [7, 14): all matrix
+  FlatUnitLayout r2 = lay_out_flat_unit(shapes, 3, 2, /*sharded=*/true);
+  CHECK(r2.shard_begin == 14);
+  CHECK(r2.decay_ranges == Ranges{{0, 1}});  // [14, 21): the matrix's last element, then bias and padding
+  // Unsharded (stage 0): one rank's shard is the whole unpadded buffer.
+  FlatUnitLayout whole = lay_out_flat_unit(shapes, 3, 2, /*sharded=*/false);
+  CHECK((whole.padded == 19 && whole.shard == 19 && whole.shard_begin == 0));
+  CHECK(whole.decay_ranges == Ranges{{0, 15}});
 }

@@ -1,5 +1,6 @@
 // The recipe language: parsing, every validation error class, composition and precedence.
 #include "engine/common/text.hpp"
+#include "engine/plan/plan.hpp"
 #include "engine/recipe/load.hpp"
 #include "engine/recipe/schema.hpp"
 #include "test_util.hpp"
@@ -315,4 +316,38 @@ TEST_CASE("a rule that spans keys is located at the key the user set, the later 
   const Diagnostic& split = only_error(load_text("[batch]\nglobal = 8\nmicro = 1\n[parallel]\ndata_parallel = 3\nzero_stage = 1\n[hardware]\ndevices_per_node = 3\n"));
   CHECK(split.key == "batch.global");
   CHECK(split.source.line == 5);  // data_parallel, after global
+}
+
+TEST_CASE("tensor parallelism: every size it splits must divide, all reported at once with a fix", "[recipe][rules][tensor]") {
+  // 4 heads, 2 KV heads, MLP 344, vocabulary 256 over 3 tensor ranks: none divides.
+  LoadedRecipe r = load_text("base = [\"models/deepseek-tiny\"]\n[hardware]\ndevices_per_node = 6\n[model]\nkv_heads = 2\n[parallel]\ntensor = 3\n");
+  auto errors = errors_of(r);
+  INFO(r.report());
+  REQUIRE(errors.size() == 4);
+  for (const auto& e : errors) {
+    CHECK(e.key == "parallel.tensor");
+    CHECK(e.source.line == 7);  // where tensor = 3 is
+    CHECK(contains(e.fix, "parallel.tensor = 2"));
+  }
+  CHECK(contains(r.report(), "model.kv_heads = 2"));
+  CHECK(contains(r.report(), "whole KV heads"));
+  // A ResNet has no heads to split; offload is not yet combined with tensor parallelism.
+  CHECK(contains(only_error(load_text("base = [\"models/resnet50-cifar10\"]\n[hardware]\ndevices_per_node = 2\n[parallel]\ntensor = 2\n")).message, "ResNet"));
+  CHECK(only_error(load_text("[hardware]\ndevices_per_node = 2\n[parallel]\ntensor = 2\nzero_stage = 1\noffload = \"optimizer\"\n")).key == "parallel.offload");
+  CHECK(only_error(load_text("[hardware]\ndevices_per_node = 2\n[parallel]\ntensor = 4\n")).key == "parallel.tensor");
+}
+
+TEST_CASE("tensor parallelism: the world is data × tensor; data_parallel auto takes the devices left", "[recipe][plan][tensor]") {
+  LoadedRecipe r = load_text("base = [\"models/deepseek-tiny\"]\n[hardware]\ndevices_per_node = 4\n[parallel]\ntensor = 2\n[batch]\nglobal = 8\n");
+  INFO(r.report());
+  REQUIRE(errors_of(r).empty());
+  CHECK(r.recipe.parallel.data_parallel_or_auto(r.recipe.hardware) == 2);
+  Plan p = make_plan(r.recipe, dsrun::test::small_host());
+  CHECK(p.world_size == 4);
+  CHECK(p.data_parallel == 2);
+  CHECK(p.tensor_parallel == 2);
+  CHECK(p.accumulation * p.micro_batch * 2 == 8);
+  // Each rank holds half of every split weight; norms whole (hidden 128, 4 layers: 9 norm vectors).
+  const double replicated = 128.0 * 9;
+  CHECK(p.memory.states.params == Approx(((p.cost.params - replicated) / 2 + replicated) * 4));
 }

@@ -60,6 +60,14 @@ inline CommandOutput dsrun_command(const TempDir& dir, const std::string& args) 
   return run_command("cd '" + source_dir() + "' && '" DSRUN_BINARY "' " + args + " --db '" + dir.file("runs.db") + "'");
 }
 
+// A metric's values a run recorded, step by step.
+inline std::vector<double> recorded_metric(const TempDir& dir, const std::string& run_id, const std::string& name) {
+  Store store(dir.file("runs.db"));
+  std::vector<double> out;
+  for (const auto& m : store.metric_history(run_id, name)) out.push_back(m.value);
+  return out;
+}
+
 // Losses a run recorded, read again (after a resume they cover both attempts).
 inline std::vector<double> recorded_losses(const TempDir& dir, const std::string& run_id) {
   Store store(dir.file("runs.db"));

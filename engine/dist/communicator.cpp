@@ -6,6 +6,7 @@
 #ifdef DSRUN_WITH_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <chrono>
 #include <cstdlib>
@@ -26,6 +27,9 @@ class SingleProcess final : public Communicator {
   void all_gather(const torch::Tensor& shard, torch::Tensor& full) override { full.copy_(shard); }
   void broadcast(torch::Tensor&, int) override {}
   void barrier() override {}
+  void all_to_all(const torch::Tensor& input, torch::Tensor& output) override { output.copy_(input); }
+  void send(const torch::Tensor&, int) override { DSRUN_ASSERT(false, "send in a group of one"); }
+  void recv(torch::Tensor&, int) override { DSRUN_ASSERT(false, "recv in a group of one"); }
 };
 
 // Collectives through a c10d process group. Gloo lacks reduce-scatter and bf16 on some versions:
@@ -97,6 +101,28 @@ class ProcessGroupCommunicator final : public Communicator {
 
   void barrier() override { group_->barrier()->wait(); }
 
+  void all_to_all(const torch::Tensor& input, torch::Tensor& output) override {
+    DSRUN_ASSERT(input.numel() == output.numel() && input.size(0) % world_ == 0, "all_to_all: equal slices per rank");
+    torch::Tensor in = on_wire(input).contiguous(), out = on_wire(output);
+    if (!out.is_contiguous()) out = out.contiguous();
+    std::vector<int64_t> equal;  // empty: equal splits
+    group_->alltoall_base(out, in, equal, equal)->wait();
+    if (!out.is_same(output)) output.copy_(out);
+  }
+
+  void send(const torch::Tensor& tensor, int to) override {
+    std::vector<torch::Tensor> tensors{on_wire(tensor).contiguous()};
+    group_->send(tensors, to, /*tag=*/0)->wait();
+  }
+
+  void recv(torch::Tensor& tensor, int from) override {
+    torch::Tensor wire = on_wire(tensor);
+    if (!wire.is_contiguous()) wire = wire.contiguous();
+    std::vector<torch::Tensor> tensors{wire};
+    group_->recv(tensors, from, /*tag=*/0)->wait();
+    if (!wire.is_same(tensor)) tensor.copy_(wire);
+  }
+
  private:
   // Gloo reduces bf16 in fp32 (not every Gloo build has bf16 kernels); NCCL needs CUDA tensors,
   // so CPU scalars (metrics, norms) travel through this rank's GPU.
@@ -116,8 +142,60 @@ class ProcessGroupCommunicator final : public Communicator {
 
 std::unique_ptr<Communicator> single_process_communicator() { return std::make_unique<SingleProcess>(); }
 
-std::unique_ptr<Communicator> connect_communicator(const RendezvousOptions& o) {
-  if (o.world_size == 1) return single_process_communicator();
+namespace {
+
+class StoreRendezvous final : public Rendezvous {
+ public:
+  StoreRendezvous(c10::intrusive_ptr<c10d::Store> store, const RendezvousOptions& o) : store_(std::move(store)), o_(o) {}
+
+  std::unique_ptr<Communicator> group(const std::string& name, int group_rank, int group_size) override {
+    if (group_size == 1) return single_process_communicator();
+    auto store = c10::make_intrusive<c10d::PrefixStore>(name, store_);
+    auto timeout = std::chrono::milliseconds(static_cast<int64_t>(o_.timeout_s * 1000));
+    if (o_.use_nccl) {
+#ifdef DSRUN_WITH_NCCL
+      auto options = c10d::ProcessGroupNCCL::Options::create();
+      options->timeout = timeout;
+      auto group = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, group_rank, group_size, options);
+      return std::make_unique<ProcessGroupCommunicator>(group, group_rank, group_size, true, o_.cuda_device);
+#else
+      ErrorContext c;
+      c.rank = o_.rank;
+      c.hint = "build dsrun against a CUDA libtorch with NCCL (README: A GPU machine)";
+      throw Error("this dsrun was built without NCCL", c);
+#endif
+    }
+    auto options = c10d::ProcessGroupGloo::Options::create();
+    options->timeout = timeout;
+    // One machine: loopback. Several: the interface named by GLOO_SOCKET_IFNAME, else the host's name.
+    if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"))
+      options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+    else if (o_.master_addr == "127.0.0.1" || o_.master_addr == "localhost")
+      options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+    else
+      options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+    auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, group_rank, group_size, options);
+    return std::make_unique<ProcessGroupCommunicator>(group, group_rank, group_size, false, 0);
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Store> store_;
+  RendezvousOptions o_;
+};
+
+// A world of one: every group is a group of one.
+class SingleProcessRendezvous final : public Rendezvous {
+ public:
+  std::unique_ptr<Communicator> group(const std::string&, int, int group_size) override {
+    DSRUN_ASSERT(group_size == 1, "a world of one has groups of one");
+    return single_process_communicator();
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Rendezvous> open_rendezvous(const RendezvousOptions& o) {
+  if (o.world_size == 1) return std::make_unique<SingleProcessRendezvous>();
   auto timeout = std::chrono::milliseconds(static_cast<int64_t>(o.timeout_s * 1000));
   c10d::TCPStoreOptions store_options;
   store_options.port = static_cast<uint16_t>(o.master_port);
@@ -125,39 +203,18 @@ std::unique_ptr<Communicator> connect_communicator(const RendezvousOptions& o) {
   store_options.numWorkers = o.world_size;
   store_options.waitWorkers = true;
   store_options.timeout = timeout;
-  c10::intrusive_ptr<c10d::Store> store;
   try {
-    store = c10::make_intrusive<c10d::TCPStore>(o.master_addr, store_options);
+    return std::make_unique<StoreRendezvous>(c10::make_intrusive<c10d::TCPStore>(o.master_addr, store_options), o);
   } catch (const std::exception& e) {
     ErrorContext c;
     c.rank = o.rank;
     c.hint = "check MASTER_ADDR/MASTER_PORT and that every rank started";
     throw Error("rendezvous at " + o.master_addr + ":" + std::to_string(o.master_port) + " failed: " + e.what(), c);
   }
-  if (o.use_nccl) {
-#ifdef DSRUN_WITH_NCCL
-    auto options = c10d::ProcessGroupNCCL::Options::create();
-    options->timeout = timeout;
-    auto group = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, o.rank, o.world_size, options);
-    return std::make_unique<ProcessGroupCommunicator>(group, o.rank, o.world_size, true, o.cuda_device);
-#else
-    ErrorContext c;
-    c.rank = o.rank;
-    c.hint = "build dsrun against a CUDA libtorch with NCCL (README: A GPU machine)";
-    throw Error("this dsrun was built without NCCL", c);
-#endif
-  }
-  auto options = c10d::ProcessGroupGloo::Options::create();
-  options->timeout = timeout;
-  // One machine: loopback. Several: the interface named by GLOO_SOCKET_IFNAME, else the host's name.
-  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"))
-    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
-  else if (o.master_addr == "127.0.0.1" || o.master_addr == "localhost")
-    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-  else
-    options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
-  auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, o.rank, o.world_size, options);
-  return std::make_unique<ProcessGroupCommunicator>(group, o.rank, o.world_size, false, 0);
+}
+
+std::unique_ptr<Communicator> connect_communicator(const RendezvousOptions& o) {
+  return open_rendezvous(o)->group("world", o.rank, o.world_size);
 }
 
 }  // namespace dsrun

@@ -1,5 +1,5 @@
-// Rendezvous (c10d TCPStore) and the five collectives dsrun needs, over flat tensors:
-// all-reduce, reduce-scatter, all-gather, broadcast, barrier. Gloo for CPU tensors, NCCL for CUDA.
+// Rendezvous (one c10d TCPStore per run) and a group's collectives over flat tensors: all-reduce,
+// reduce-scatter, all-gather, all-to-all, broadcast, barrier, send/recv. Gloo for CPU tensors, NCCL for CUDA.
 #pragma once
 
 #include <torch/torch.h>
@@ -55,9 +55,27 @@ class Communicator {
   virtual void all_gather(const torch::Tensor& shard, torch::Tensor& full) = 0;
   virtual void broadcast(torch::Tensor& tensor, int root) = 0;
   virtual void barrier() = 0;
+  // input and output have world_size equal slices along dim 0: slice r of input goes to rank r,
+  // slice r of output comes from rank r.
+  virtual void all_to_all(const torch::Tensor& input, torch::Tensor& output) = 0;
+  // Point to point within the group (ranks are group ranks); the receiver's tensor has the
+  // sender's shape and dtype. Blocking: a send returns once the tensor may be reused.
+  virtual void send(const torch::Tensor& tensor, int to) = 0;
+  virtual void recv(torch::Tensor& tensor, int from) = 0;
 };
 
-// Connects to the TCPStore at master_addr:master_port (rank 0 hosts it) and builds the group.
+// The run's one rendezvous (rank 0 hosts the TCPStore); every group is made from it under a name
+// of its own, so that one port serves the world and each dimension of the device mesh.
+class Rendezvous {
+ public:
+  virtual ~Rendezvous() = default;
+  // A group of the ranks that call this with the same name: this rank is group_rank of group_size.
+  // Every member must call it (in the same order as the other groups it belongs to).
+  virtual std::unique_ptr<Communicator> group(const std::string& name, int group_rank, int group_size) = 0;
+};
+std::unique_ptr<Rendezvous> open_rendezvous(const RendezvousOptions& options);
+
+// Connects to the TCPStore at master_addr:master_port (rank 0 hosts it) and builds the world's group.
 std::unique_ptr<Communicator> connect_communicator(const RendezvousOptions& options);
 
 // A group of one: every collective is the identity. Used when world_size == 1.

@@ -108,42 +108,43 @@ struct TokenPositions {
 };
 
 // q, k and v come from one fused projection (one matmul instead of three; the same parameters
-// as separate wq, wk, wv stacked by rows).
+// as separate wq, wk, wv stacked by rows). Head counts are read from the weight, so the layer runs
+// as it is on a tensor-parallel rank's slice of the heads (engine/parallel/tensor_parallel.hpp).
 struct AttentionImpl : nn::Module {
-  AttentionImpl(const ModelSpec& m, const torch::TensorOptions& o) : heads(m.heads), kv_heads(m.kv_heads), head_dim(m.head_dim()) {
-    wqkv = register_module("wqkv", Linear(m.hidden, (heads + 2 * kv_heads) * head_dim, o));
+  AttentionImpl(const ModelSpec& m, const torch::TensorOptions& o) : group(m.heads / m.kv_heads), head_dim(m.head_dim()) {
+    wqkv = register_module("wqkv", Linear(m.hidden, (m.heads + 2 * m.kv_heads) * head_dim, o));
     wo = register_module("wo", Linear(m.hidden, m.hidden, o));
   }
   Tensor forward(const Tensor& x, const TokenPositions& where) {
     const int64_t b = x.size(0), s = x.size(1);
+    const int64_t kv_heads = wqkv->weight.size(0) / (head_dim * (group + 2)), heads = group * kv_heads;
     // q and k rotate together (one kernel); v passes through. [b, s, heads, d] viewed as [b, heads, s, d].
     std::vector<Tensor> qk_v = wqkv(x).split_with_sizes({(heads + kv_heads) * head_dim, kv_heads * head_dim}, -1);
     Tensor qk = where.rotate(qk_v[0], head_dim);
     Tensor q = qk.narrow(-1, 0, heads * head_dim).view({b, s, heads, head_dim}).transpose(1, 2);
     Tensor k = qk.narrow(-1, heads * head_dim, kv_heads * head_dim).view({b, s, kv_heads, head_dim}).transpose(1, 2);
     Tensor v = qk_v[1].view({b, s, kv_heads, head_dim}).transpose(1, 2);
-    if (kv_heads != heads) {  // grouped-query attention: each KV head serves heads/kv_heads query heads
-      k = k.repeat_interleave(heads / kv_heads, 1);
-      v = v.repeat_interleave(heads / kv_heads, 1);
+    if (group > 1) {  // grouped-query attention: each KV head serves `group` query heads
+      k = k.repeat_interleave(group, 1);
+      v = v.repeat_interleave(group, 1);
     }
     Tensor out = where.attend(q, k, v);
     return wo(out.transpose(1, 2).reshape({b, s, heads * head_dim}));
   }
-  int64_t heads, kv_heads, head_dim;
+  int64_t group, head_dim;  // query heads per KV head; the same on every tensor-parallel rank
   Linear wqkv{nullptr}, wo{nullptr};
 };
 TORCH_MODULE(Attention);
 
 // down(silu(gate(x)) * up(x)), with gate and up fused into one projection of 2 x inner rows.
 struct SwiGLUImpl : nn::Module {
-  SwiGLUImpl(int64_t hidden, int64_t inner, const torch::TensorOptions& o) : inner(inner) {
+  SwiGLUImpl(int64_t hidden, int64_t inner, const torch::TensorOptions& o) {
     gate_up = register_module("gate_up", Linear(hidden, 2 * inner, o));
     down = register_module("down", Linear(inner, hidden, o));
   }
   Tensor forward(const Tensor& x) {
     return down(fused::swiglu(gate_up(x)));
   }
-  int64_t inner;
   Linear gate_up{nullptr}, down{nullptr};
 };
 TORCH_MODULE(SwiGLU);
@@ -157,21 +158,26 @@ struct MoEImpl : nn::Module {
     if (m.moe.shared_experts > 0)  // S shared experts of size fe act like one SwiGLU of size S·fe
       shared = register_module("shared", SwiGLU(m.hidden, m.moe.shared_experts * m.moe.intermediate, o));
   }
-  Tensor forward(const Tensor& x, Tensor& aux_loss) {
+  Tensor forward(const Tensor& x, Tensor& aux_loss, UnitRunner& runner) {
     const auto shape = x.sizes().vec();
     Tensor tokens = x.reshape({-1, x.size(-1)});
     const int64_t T = tokens.size(0);
+    // The router is replicated; the experts may be split. Its weights enter the split region, so
+    // that their gradient (taken from the experts' partial outputs) is summed over the ranks.
     Tensor scores = torch::softmax(router(tokens).to(torch::kFloat32), -1);  // [T, E]
     auto [weights, chosen] = scores.topk(top_k, -1);                          // [T, k]
+    Tensor expert_in = runner.enter_split(tokens);
+    weights = runner.enter_split(weights);
     Tensor out = torch::zeros_like(tokens);
     for (int e = 0; e < experts_count; ++e) {
       Tensor hit = chosen == e;                       // [T, k]
       Tensor rows = hit.any(-1).nonzero().squeeze(-1);
       if (rows.numel() == 0) continue;
       Tensor w = (weights * hit).sum(-1).index_select(0, rows).unsqueeze(-1).to(x.scalar_type());
-      out = out.index_add(0, rows, experts[e](tokens.index_select(0, rows)) * w);
+      out = out.index_add(0, rows, experts[e](expert_in.index_select(0, rows)) * w);
     }
-    if (shared) out = out + shared(tokens);
+    if (shared) out = out + shared(expert_in);
+    out = runner.leave_split(out);
     // Expert-level balance loss (DeepSeek-MoE eq. 12): α Σ_i f_i P_i, f_i = E/(kT) · tokens routed to i,
     // P_i = mean router score of i. Equals α when routing is perfectly uniform.
     Tensor counts = torch::zeros({experts_count}, scores.options()).scatter_add(0, chosen.reshape({-1}), torch::ones({T * top_k}, scores.options()));
@@ -196,9 +202,10 @@ struct BlockImpl : nn::Module {
     if (moe) this->moe = register_module("moe", MoE(m, o));
     else mlp = register_module("mlp", SwiGLU(m.hidden, m.intermediate, o));
   }
-  Tensor forward(const Tensor& x, const TokenPositions& where, Tensor& aux_loss) {
-    Tensor h = x + attn(attn_norm(x), where);
-    return h + (moe ? moe(mlp_norm(h), aux_loss) : mlp(mlp_norm(h)));
+  Tensor forward(const Tensor& x, const TokenPositions& where, Tensor& aux_loss, UnitRunner& runner) {
+    Tensor h = x + runner.leave_split(attn(runner.enter_split(attn_norm(x)), where));
+    if (moe) return h + moe(mlp_norm(h), aux_loss, runner);
+    return h + runner.leave_split(mlp(runner.enter_split(mlp_norm(h))));
   }
   RMSNorm attn_norm{nullptr}, mlp_norm{nullptr};
   Attention attn{nullptr};
@@ -223,16 +230,39 @@ struct DecoderModule : nn::Module {
   Linear head{nullptr};
 };
 
-// A module's parameters and their names in the whole model ("block3.attn.wqkv.weight").
+bool ends_with(const std::string& s, const std::string& tail) { return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0; }
+
+// How tensor parallelism splits each weight (Megatron-LM's layout): q/k/v and gate/up are
+// column-parallel, the attention output and down projections row-parallel, the embedding and the
+// output head split by vocabulary; norms and the MoE router are replicated.
+TensorSplit split_of(const std::string& name, const Tensor& p, const ModelSpec& m) {
+  TensorSplit s;
+  if (ends_with(name, "attn.wqkv.weight")) {
+    s.kind = TensorSplit::Rows;
+    s.segments = {static_cast<int64_t>(m.heads) * m.head_dim(), static_cast<int64_t>(m.kv_heads) * m.head_dim(), static_cast<int64_t>(m.kv_heads) * m.head_dim()};
+  } else if (ends_with(name, "gate_up.weight")) {
+    s.kind = TensorSplit::Rows;
+    s.segments = {p.size(0) / 2, p.size(0) / 2};
+  } else if (ends_with(name, "attn.wo.weight") || ends_with(name, "down.weight")) {
+    s.kind = TensorSplit::Columns;
+  } else if (name == "embedding.weight" || name == "head.weight") {
+    s.kind = TensorSplit::Rows;
+  }
+  return s;
+}
+
+// A module's parameters, their names in the whole model ("block3.attn.wqkv.weight") and splits.
 struct Named {
   std::vector<Tensor> params;
   std::vector<std::string> names;
+  std::vector<TensorSplit> splits;
 };
-Named params_of(nn::Module& m, const std::string& prefix) {
+Named params_of(nn::Module& m, const std::string& prefix, const ModelSpec& spec) {
   Named out;
   for (auto& p : m.named_parameters()) {
     out.params.push_back(p.value());
     out.names.push_back(prefix + "." + p.key());
+    out.splits.push_back(split_of(out.names.back(), p.value(), spec));
   }
   return out;
 }
@@ -266,23 +296,24 @@ class DeepSeekModel final : public Model {
   std::vector<ParameterUnit> parameter_units() override {
     std::vector<ParameterUnit> units;
     auto unit = [&](const std::string& name, std::vector<Named> parts, bool checkpointable, bool always = true) {
-      ParameterUnit u{name, {}, checkpointable, always, {}};
+      ParameterUnit u{name, {}, checkpointable, always, {}, {}};
       for (auto& part : parts) {
         u.params.insert(u.params.end(), part.params.begin(), part.params.end());
         u.names.insert(u.names.end(), part.names.begin(), part.names.end());
+        u.splits.insert(u.splits.end(), part.splits.begin(), part.splits.end());
       }
       units.push_back(std::move(u));
     };
     // Tied: the embedding is also the output projection; one outer unit holds it and the final norm.
     unit(spec_.tie_embeddings ? "embedding+head" : "embedding",
-         spec_.tie_embeddings ? std::vector<Named>{params_of(*net_->embedding, "embedding"), params_of(*net_->norm, "norm")}
-                              : std::vector<Named>{params_of(*net_->embedding, "embedding")},
+         spec_.tie_embeddings ? std::vector<Named>{params_of(*net_->embedding, "embedding", spec_), params_of(*net_->norm, "norm", spec_)}
+                              : std::vector<Named>{params_of(*net_->embedding, "embedding", spec_)},
          false);
     for (size_t i = 0; i < net_->blocks.size(); ++i) {
       const bool moe = static_cast<bool>(net_->blocks[i]->moe);  // an expert no token chose gets no gradient
-      unit("block " + std::to_string(i), {params_of(*net_->blocks[i], "block" + std::to_string(i))}, true, !moe);
+      unit("block " + std::to_string(i), {params_of(*net_->blocks[i], "block" + std::to_string(i), spec_)}, true, !moe);
     }
-    if (!spec_.tie_embeddings) unit("head", {params_of(*net_->norm, "norm"), params_of(*net_->head, "head")}, false);
+    if (!spec_.tie_embeddings) unit("head", {params_of(*net_->norm, "norm", spec_), params_of(*net_->head, "head", spec_)}, false);
     return units;
   }
 
@@ -295,9 +326,10 @@ class DeepSeekModel final : public Model {
     auto blocks = [&](Tensors state) {
       for (size_t i = 0; i < net_->blocks.size(); ++i) {
         Block block = net_->blocks[i];
-        state = runner.run(first_block + static_cast<int>(i), [where, block](const Tensors& in) mutable {
+        UnitRunner* regions = &runner;
+        state = runner.run(first_block + static_cast<int>(i), [where, block, regions](const Tensors& in) mutable {
           Tensor aux = in[1];
-          Tensor x = block(in[0], where, aux);
+          Tensor x = block->forward(in[0], where, aux, *regions);
           return Tensors{x, aux};
         }, state);
       }
@@ -307,23 +339,21 @@ class DeepSeekModel final : public Model {
     Tensor logits, aux;
     if (spec_.tie_embeddings) {
       Tensors out = runner.run(0, [&](const Tensors& in) {
-        Tensors state = blocks({net_->embedding(in[0]), zero});
-        return Tensors{torch::matmul(net_->norm(state[0]), net_->embedding->weight.t()), state[1]};
+        Tensors state = blocks({runner.embedding(net_->embedding->weight, in[0]), zero});
+        return Tensors{torch::matmul(runner.enter_split(net_->norm(state[0])), net_->embedding->weight.t()), state[1]};
       }, {batch.inputs});
       logits = out[0];
       aux = out[1];
     } else {
-      Tensors x = runner.run(0, [&](const Tensors& in) { return Tensors{net_->embedding(in[0])}; }, {batch.inputs});
+      Tensors x = runner.run(0, [&](const Tensors& in) { return Tensors{runner.embedding(net_->embedding->weight, in[0])}; }, {batch.inputs});
       Tensors state = blocks({x[0], zero});
       const int head_unit = first_block + static_cast<int>(net_->blocks.size());
-      logits = runner.run(head_unit, [&](const Tensors& in) { return Tensors{net_->head(net_->norm(in[0]))}; }, {state[0]})[0];
+      logits = runner.run(head_unit, [&](const Tensors& in) { return Tensors{net_->head(runner.enter_split(net_->norm(in[0])))}; }, {state[0]})[0];
       aux = state[1];
     }
-    Tensor task = torch::nn::functional::cross_entropy(logits.to(torch::kFloat32).reshape({-1, spec_.vocab}), batch.targets.reshape({-1}));
     ModelOutput out;
-    out.loss = spec_.moe.enabled() ? task + aux : task;
-    out.task_loss = task.item<double>();
-    out.aux_loss = spec_.moe.enabled() ? aux.item<double>() : 0.0;
+    out.logits = logits;
+    if (spec_.moe.enabled()) out.aux_loss = aux;
     return out;
   }
 

@@ -1,5 +1,5 @@
 // What every trainable model offers the engine: its parameters grouped in units (the granularity of
-// ZeRO-3 gathering and of activation checkpointing) and a loss for one micro-batch. Models know
+// ZeRO-3 gathering and of activation checkpointing) and logits for one micro-batch. Models know
 // nothing of ranks; parallelism reaches in only through the UnitRunner their forward calls.
 #pragma once
 
@@ -20,12 +20,30 @@ using Tensors = std::vector<torch::Tensor>;
 // It must be a pure function of its inputs and the unit's parameters: checkpointing calls it twice.
 using UnitFn = std::function<Tensors(const Tensors&)>;
 
-// Runs one unit's computation. The default just calls it; ZeRO-3 gathers the unit's parameters
-// around it, activation checkpointing recomputes it in backward.
+// The seam through which parallelism reaches into a model. run() runs one unit's computation:
+// the default just calls it; ZeRO-3 gathers the unit's parameters around it, activation
+// checkpointing recomputes it in backward. The region marks say where a layer's weights may be
+// split over tensor-parallel ranks (Megatron-LM's f and g); on one rank they are identities.
 class UnitRunner {
  public:
   virtual ~UnitRunner() = default;
   virtual Tensors run(int unit, const UnitFn& fn, const Tensors& inputs) { return fn(inputs); }
+  // Into column-parallel layers (q/k/v, gate/up, the output head): the same input on every rank.
+  virtual torch::Tensor enter_split(const torch::Tensor& x) { return x; }
+  // Out of row-parallel layers (attention output, down): partial sums become the whole output.
+  virtual torch::Tensor leave_split(const torch::Tensor& partial) { return partial; }
+  // A lookup in an embedding whose rows (the vocabulary) may be split.
+  virtual torch::Tensor embedding(const torch::Tensor& weight, const torch::Tensor& ids) { return torch::embedding(weight, ids); }
+};
+
+// How tensor parallelism may split a parameter (Megatron-LM's terms): the rows of a column-parallel
+// weight (its outputs), the columns of a row-parallel weight (its inputs), or not at all. A fused
+// weight lists its parts' row counts in `segments`: each rank takes its slice of every part, so
+// that a rank's rows of a fused q/k/v projection are whole heads of q, k and v.
+struct TensorSplit {
+  enum Kind { Replicated, Rows, Columns };
+  Kind kind = Replicated;
+  std::vector<int64_t> segments;  // Rows: the parts' sizes along dim 0 (empty: one part)
 };
 
 struct ParameterUnit {
@@ -36,6 +54,7 @@ struct ParameterUnit {
   // no token): only then may data parallelism reduce the unit as soon as autograd is done with it.
   bool always_gets_gradients = true;
   std::vector<std::string> names;    // the parameters' names in the model, for initialize_parameter
+  std::vector<TensorSplit> splits;   // per parameter; empty: all replicated
 };
 
 struct Batch {
@@ -49,11 +68,12 @@ struct Batch {
   torch::Tensor sample_ids;
 };
 
+// What a model computes; the loss is the trainer's (engine/train/loss.hpp).
 struct ModelOutput {
-  torch::Tensor loss;       // mean over the batch, what backward starts from (aux losses included)
-  double task_loss = 0;     // cross-entropy alone, for reporting
-  double aux_loss = 0;      // MoE load balance (0 for dense models)
-  int64_t correct = -1;     // images: correct predictions; -1 where it does not apply
+  // Decoders: [b, s, vocab] (with tensor parallelism, this rank's slice of the vocabulary);
+  // images: [b, classes]. In the compute dtype.
+  torch::Tensor logits;
+  torch::Tensor aux_loss;   // MoE load balance, an fp32 scalar added to the loss; undefined for dense models
 };
 
 class Model {

@@ -1,6 +1,7 @@
 #include "engine/parallel/zero.hpp"
 
 #include "engine/common/error.hpp"
+#include "engine/parallel/recompute.hpp"
 
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -12,57 +13,9 @@
 namespace dsrun {
 
 using torch::Tensor;
-using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 namespace {
-
-// Runs a unit without keeping its activations, and again with grad in backward (activation
-// checkpointing). Units take one or two tensors; `fn` points at a UnitFn kept alive until after_step.
-struct CheckpointedUnit : torch::autograd::Function<CheckpointedUnit> {
-  static variable_list forward(AutogradContext* ctx, Tensor a, Tensor b, int64_t fn_address) {
-    ctx->saved_data["fn"] = fn_address;
-    ctx->saved_data["inputs"] = static_cast<int64_t>(b.defined() ? 2 : 1);
-    ctx->save_for_backward({a, b});
-    Tensors inputs{a};
-    if (b.defined()) inputs.push_back(b);
-    Tensors out;
-    {
-      torch::NoGradGuard no_grad;
-      out = (*reinterpret_cast<const UnitFn*>(fn_address))(inputs);
-    }
-    for (auto& o : out)  // an input passed straight through must still be a new output
-      if (o.is_same(a) || (b.defined() && o.is_same(b))) o = o.clone();
-    return out;
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const UnitFn& fn = *reinterpret_cast<const UnitFn*>(ctx->saved_data["fn"].toInt());
-    const int64_t count = ctx->saved_data["inputs"].toInt();
-    variable_list saved = ctx->get_saved_variables();
-    Tensors inputs;
-    for (int64_t i = 0; i < count; ++i) {
-      Tensor x = saved[i].detach();
-      if (x.is_floating_point()) x.requires_grad_(true);
-      inputs.push_back(x);
-    }
-    Tensors out;
-    {
-      torch::AutoGradMode with_grad(true);
-      out = fn(inputs);
-    }
-    Tensors roots, root_grads;
-    for (size_t i = 0; i < out.size(); ++i)
-      if (out[i].requires_grad() && grads[i].defined()) {
-        roots.push_back(out[i]);
-        root_grads.push_back(grads[i]);
-      }
-    if (!roots.empty()) torch::autograd::backward(roots, root_grads);
-    variable_list result{inputs[0].requires_grad() ? inputs[0].grad() : Tensor(),
-                         count > 1 && inputs[1].requires_grad() ? inputs[1].grad() : Tensor(), Tensor()};
-    return result;
-  }
-};
 
 // A gradient in fp32 with its factors applied, with the same roundings as the fused host step:
 // (g · grad_scale) · clip_scale, each in fp32.
@@ -92,6 +45,17 @@ struct GradientReadyHook : torch::autograd::FunctionPostHook {
   std::function<void()> fn;
 };
 
+// Where the unit's replicated parameters fall within this rank's shard.
+std::vector<std::pair<int64_t, int64_t>> replicated_ranges(const ParameterUnit& pu, const FlatUnitLayout& l) {
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (size_t i = 0; i < pu.params.size(); ++i) {
+    if (i < pu.splits.size() && pu.splits[i].kind != TensorSplit::Replicated) continue;
+    const int64_t begin = std::max(l.offsets[i], l.shard_begin), end = std::min(l.offsets[i] + l.numels[i], l.shard_begin + l.shard);
+    if (begin < end) ranges.push_back({begin - l.shard_begin, end - l.shard_begin});
+  }
+  return ranges;
+}
+
 }  // namespace
 
 struct ZeroDataParallel::Unit {
@@ -99,9 +63,8 @@ struct ZeroDataParallel::Unit {
   std::string name;
   bool checkpointable = false;
   std::vector<Tensor> params;
-  std::vector<std::vector<int64_t>> shapes;
-  std::vector<int64_t> offsets, numels;
-  int64_t numel = 0, padded = 0, shard = 0, shard_begin = 0;
+  FlatUnitLayout layout;
+  std::vector<std::pair<int64_t, int64_t>> replicated_ranges;  // [begin, end) within the shard: TensorSplit::Replicated parameters
   Tensor full;         // working parameters, compute dtype, [padded]; stage 3: only while gathered
   Tensor param_shard;  // stage 3: this rank's slice of the working parameters
   Tensor grad_acc;     // stage 0-1: [padded], the parameters' .grad are views of it; stage 2-3: [shard]; compute dtype
@@ -120,49 +83,24 @@ struct ZeroDataParallel::Unit {
   bool awaiting_update = false;
 };
 
-ZeroDataParallel::ZeroDataParallel(Model& model, Communicator& comm, const ZeroOptions& options)
-    : model_(model), comm_(comm), options_(options) {
-  DSRUN_ASSERT(options.stage >= 0 && options.stage <= 3, "ZeRO stage validated by the recipe");
-  const int world = comm.world_size();
-  const bool sharded = options.stage >= 1;
-  const auto compute = torch_dtype(options.dtype);
-  const bool mixed = compute != torch::kFloat32;
-  torch::NoGradGuard no_grad;
-  std::vector<ParameterUnit> model_units = model.parameter_units();
-  const bool deferred = model.deferred();
-  const torch::Device device = deferred || model_units.empty() || model_units[0].params.empty() ? options.device : model_units[0].params[0].device();
-  device_ = device;
-  // ZeRO-Offload: fp32 master weights and optimizer states in host memory (pinned, for fast copies,
-  // when there is a GPU). On CPU ranks host and device are one memory: the same code path runs,
-  // with separate host copies, and nothing crosses a bus.
-  offload_to_host_ = options.offload;
-  DSRUN_ASSERT(!options.delayed_update || options.offload, "the delayed update is validated by the recipe");
-  gradients_down_in_backward_ = offload_to_host_ && device.is_cuda();
-  down_stream_ = std::make_unique<CopyStream>(device);
-  up_stream_ = std::make_unique<CopyStream>(device);
-  // Host buffers come from one block per purpose, sliced shard by shard: CUDA's pinned-memory
-  // allocator rounds every block up to a power of two, which per-shard blocks would pay many times.
-  int64_t all_shards = 0;
-  for (const auto& pu : model_units) {
-    int64_t numel = 0;
-    for (const auto& p : pu.params) numel += p.numel();
-    all_shards += sharded ? (numel + world - 1) / world : numel;
-  }
-  struct HostBlock {
-    Tensor block;
-    int64_t used = 0;
-  };
-  std::map<std::string, HostBlock> blocks;
-  auto host_copy = [&](const std::string& purpose, const Tensor& t) {
-    HostBlock& b = blocks[purpose];
+// Host buffers come from one block per purpose, sliced shard by shard: CUDA's pinned-memory
+// allocator rounds every block up to a power of two, which per-shard blocks would pay many times.
+class ZeroDataParallel::HostBuffers {
+ public:
+  // block_numel: every unit's shard together, the most one purpose holds.
+  HostBuffers(torch::Device device, int64_t block_numel) : device_(device), block_numel_(block_numel) {}
+
+  // The next slot of the purpose's block, holding a copy of t.
+  Tensor copy(const std::string& purpose, const Tensor& t) {
+    Block& b = blocks_[purpose];
     if (!b.block.defined()) {
       try {
-        b.block = device.is_cuda() ? pinned_host_tensor(all_shards, t.scalar_type()) : torch::empty({all_shards}, t.options().device(torch::kCPU));
+        b.block = device_.is_cuda() ? pinned_host_tensor(block_numel_, t.scalar_type()) : torch::empty({block_numel_}, t.options().device(torch::kCPU));
       } catch (const std::exception& e) {  // out of (pinnable) host memory: say which setting holds it
         ErrorContext c;
         c.key = "parallel.offload";
         c.hint = "the plan's host table counts what offload holds; check hardware.host_memory_gib against this machine, or offload less";
-        throw Error("cannot allocate " + std::to_string(all_shards * t.element_size()) + " bytes of " + (device.is_cuda() ? "pinned " : "") +
+        throw Error("cannot allocate " + std::to_string(block_numel_ * t.element_size()) + " bytes of " + (device_.is_cuda() ? "pinned " : "") +
                         "host memory for the offloaded " + purpose + ": " + std::string(e.what()).substr(0, 200),
                     c);
       }
@@ -170,93 +108,161 @@ ZeroDataParallel::ZeroDataParallel(Model& model, Communicator& comm, const ZeroO
     Tensor slot = b.block.narrow(0, b.used, t.numel());
     b.used += t.numel();
     return slot.copy_(t.flatten());
-  };
-
-  for (auto& pu : model_units) {
-    auto u = std::make_unique<Unit>();
-    u->index = units_.size();
-    u->name = pu.name;
-    u->checkpointable = pu.checkpointable;
-    u->always_gets_gradients = pu.always_gets_gradients;
-    u->params = pu.params;
-    for (auto& p : u->params) {
-      u->shapes.push_back(p.sizes().vec());
-      u->offsets.push_back(u->numel);
-      u->numels.push_back(p.numel());
-      u->numel += p.numel();
-    }
-    // Shards are padded so that every rank holds the same number of elements (3 ranks, odd sizes).
-    u->padded = sharded ? (u->numel + world - 1) / world * world : u->numel;
-    u->shard = sharded ? u->padded / world : u->padded;
-    u->shard_begin = sharded ? comm.rank() * u->shard : 0;
-
-    Tensor flat32 = torch::zeros({u->padded}, torch::TensorOptions().dtype(torch::kFloat32).device(device));
-    for (size_t i = 0; i < u->params.size(); ++i) {
-      Tensor values = u->params[i].detach();
-      if (deferred) {  // this parameter's initial values, built now and dropped after the copy
-        values = torch::empty(u->shapes[i], torch::TensorOptions().dtype(torch::kFloat32));
-        model.initialize_parameter(pu.names.at(i), values);
-      }
-      flat32.narrow(0, u->offsets[i], u->numels[i]).copy_(values.flatten());
-    }
-    Tensor region32 = flat32.narrow(0, u->shard_begin, u->shard);
-
-    MasterShard m;
-    if (options.stage <= 2) {
-      u->full = mixed ? flat32.to(compute) : flat32;
-      m.master = mixed ? region32.clone() : u->full.narrow(0, u->shard_begin, u->shard);  // fp32: updated in place
-    } else {
-      u->param_shard = mixed ? region32.to(compute) : region32.clone();
-      if (options.offload_params) u->param_shard = host_copy("parameter shards", u->param_shard);  // gathered through the device
-      m.master = mixed ? region32.clone() : u->param_shard;
-    }
-    if (offload_to_host_) m.master = host_copy("master weights", region32);
-    // The host step writes the working parameters itself: into their slice where it is in host
-    // memory too, else into a pinned buffer that goes up in one copy (also on the host with the
-    // delayed update, whose parameters change only between steps). The gradient shard comes
-    // down into a buffer of its own, which the host step reads while the next step computes.
-    if (m.master.device().is_cpu() && (mixed || offload_to_host_)) {
-      Tensor slot = options.stage == 3 ? u->param_shard : u->full.narrow(0, u->shard_begin, u->shard);
-      m.param_out = slot.device().is_cpu() && !options.delayed_update ? slot : host_copy("upload buffers", torch::empty({u->shard}, slot.options().device(torch::kCPU)));
-    }
-    if (offload_to_host_) {
-      auto staging = [&](const std::string& purpose) { return host_copy(purpose, torch::zeros({u->shard}, torch::TensorOptions().dtype(compute))); };
-      m.grad_staging = staging("gradient staging");
-      if (options.delayed_update) m.grad_staging_spare = staging("gradient staging (delayed update)");
-    }
-    u->grad_acc = torch::zeros({options.stage <= 1 ? u->padded : u->shard}, torch::TensorOptions().dtype(compute).device(device));
-    for (size_t i = 0; i < u->params.size(); ++i) {
-      if (u->shapes[i].size() < 2) continue;  // no weight decay on norms and biases
-      int64_t begin = std::max(u->offsets[i], u->shard_begin), end = std::min(u->offsets[i] + u->numels[i], u->shard_begin + u->shard);
-      if (begin < end) m.decay_ranges.push_back({begin - u->shard_begin, end - u->shard_begin});
-    }
-    shards_.push_back(std::move(m));
-    if (options.stage <= 2) {
-      u->gathered = true;
-      for (size_t i = 0; i < u->params.size(); ++i) u->params[i].set_data(u->full.narrow(0, u->offsets[i], u->numels[i]).view(u->shapes[i]));
-    } else {
-      // The gradient accumulators below record the parameters' shape and dtype: give them the
-      // gathered ones before the first release.
-      for (size_t i = 0; i < u->params.size(); ++i) u->params[i].set_data(torch::empty(u->shapes[i], torch::TensorOptions().dtype(compute).device(device)));
-    }
-    // Stage 0-1: autograd accumulates straight into grad_acc (gradients as views of it, as DDP's
-    // gradient_as_bucket_view), so nothing is copied between micro-batches.
-    if (options.stage <= 1)
-      for (size_t i = 0; i < u->params.size(); ++i) u->params[i].mutable_grad() = u->grad_acc.narrow(0, u->offsets[i], u->numels[i]).view(u->shapes[i]);
-    const size_t index = units_.size();
-    for (auto& p : u->params) {
-      std::shared_ptr<torch::autograd::Node> accumulator = torch::autograd::impl::grad_accumulator(p);
-      DSRUN_ASSERT(accumulator != nullptr, "model parameters require gradients");
-      accumulator->add_post_hook(std::make_unique<GradientReadyHook>([alive = alive_, index] {
-        if (*alive) (*alive)->on_gradient_ready(index);
-      }));
-      grad_accumulators_.push_back(std::move(accumulator));
-    }
-    if (options.stage == 3) release(*u);
-    units_.push_back(std::move(u));
   }
-  for (const auto& [purpose, b] : blocks)
-    if (purpose != "master weights" && purpose != "parameter shards") offload_buffer_bytes_ += static_cast<double>(b.block.numel() * b.block.element_size());
+
+  // Bytes of the staging and upload buffers: the master weights and parameter shards are counted
+  // as model states.
+  double buffer_bytes() const {
+    double bytes = 0;
+    for (const auto& [purpose, b] : blocks_)
+      if (purpose != "master weights" && purpose != "parameter shards") bytes += static_cast<double>(b.block.numel() * b.block.element_size());
+    return bytes;
+  }
+
+ private:
+  struct Block {
+    Tensor block;
+    int64_t used = 0;
+  };
+  torch::Device device_;
+  int64_t block_numel_;
+  std::map<std::string, Block> blocks_;
+};
+
+ZeroDataParallel::ZeroDataParallel(Model& model, Communicator& comm, const ZeroOptions& options)
+    : model_(model), comm_(comm), options_(options) {
+  DSRUN_ASSERT(options.stage >= 0 && options.stage <= 3, "ZeRO stage validated by the recipe");
+  torch::NoGradGuard no_grad;
+  std::vector<ParameterUnit> model_units = model.parameter_units();
+  const bool deferred = model.deferred();
+  device_ = deferred || model_units.empty() || model_units[0].params.empty() ? options.device : model_units[0].params[0].device();
+  // ZeRO-Offload: fp32 master weights and optimizer states in host memory (pinned, for fast copies,
+  // when there is a GPU). On CPU ranks host and device are one memory: the same code path runs,
+  // with separate host copies, and nothing crosses a bus.
+  offload_to_host_ = options.offload;
+  DSRUN_ASSERT(!options.delayed_update || options.offload, "the delayed update is validated by the recipe");
+  gradients_down_in_backward_ = offload_to_host_ && device_.is_cuda();
+  down_stream_ = std::make_unique<CopyStream>(device_);
+  up_stream_ = std::make_unique<CopyStream>(device_);
+
+  // Every layout first: the host blocks are sized by all the shards together.
+  std::vector<FlatUnitLayout> layouts;
+  int64_t all_shards = 0;
+  for (const auto& pu : model_units) {
+    layouts.push_back(lay_out(pu));
+    all_shards += layouts.back().shard;
+  }
+  HostBuffers host(device_, all_shards);
+  for (size_t k = 0; k < model_units.size(); ++k) add_unit(model_units[k], std::move(layouts[k]), host);
+  offload_buffer_bytes_ = host.buffer_bytes();
+}
+
+FlatUnitLayout ZeroDataParallel::lay_out(const ParameterUnit& pu) const {
+  std::vector<std::vector<int64_t>> shapes;
+  for (const auto& p : pu.params) shapes.push_back(p.sizes().vec());
+  return lay_out_flat_unit(shapes, comm_.world_size(), comm_.rank(), options_.stage >= 1);
+}
+
+// One unit at a time, so that a deferred model's fp32 values exist for one unit only.
+void ZeroDataParallel::add_unit(const ParameterUnit& pu, FlatUnitLayout layout, HostBuffers& host) {
+  auto u = std::make_unique<Unit>();
+  u->index = units_.size();
+  u->name = pu.name;
+  u->checkpointable = pu.checkpointable;
+  u->always_gets_gradients = pu.always_gets_gradients;
+  u->params = pu.params;
+  u->layout = std::move(layout);
+  if (options_.separate_replicated_norm) u->replicated_ranges = replicated_ranges(pu, u->layout);
+  Tensor flat32 = materialise_values(pu, u->layout);
+  create_working_parameters(*u, flat32, host);
+  shards_.push_back(create_master_shard(*u, flat32, host));
+  bind_parameters(*u);
+  attach_gradient_ready_hooks(*u);
+  if (options_.stage == 3) release(*u);
+  units_.push_back(std::move(u));
+}
+
+Tensor ZeroDataParallel::materialise_values(const ParameterUnit& pu, const FlatUnitLayout& l) const {
+  Tensor flat32 = torch::zeros({l.padded}, torch::TensorOptions().dtype(torch::kFloat32).device(device_));
+  for (size_t i = 0; i < pu.params.size(); ++i) {
+    Tensor values = pu.params[i].detach();
+    if (model_.deferred()) {  // this parameter's initial values, built now and dropped after the copy
+      values = torch::empty(l.shapes[i], torch::TensorOptions().dtype(torch::kFloat32));
+      if (options_.initial_values) options_.initial_values(pu.names.at(i), values);
+      else model_.initialize_parameter(pu.names.at(i), values);
+    }
+    flat32.narrow(0, l.offsets[i], l.numels[i]).copy_(values.flatten());
+  }
+  return flat32;
+}
+
+void ZeroDataParallel::create_working_parameters(Unit& u, const Tensor& flat32, HostBuffers& host) {
+  const FlatUnitLayout& l = u.layout;
+  const auto compute = torch_dtype(options_.dtype);
+  const bool mixed = compute != torch::kFloat32;
+  if (options_.stage <= 2) {
+    u.full = mixed ? flat32.to(compute) : flat32;
+    return;
+  }
+  Tensor region32 = flat32.narrow(0, l.shard_begin, l.shard);
+  u.param_shard = mixed ? region32.to(compute) : region32.clone();
+  if (options_.offload_params) u.param_shard = host.copy("parameter shards", u.param_shard);  // gathered through the device
+}
+
+MasterShard ZeroDataParallel::create_master_shard(Unit& u, const Tensor& flat32, HostBuffers& host) {
+  const FlatUnitLayout& l = u.layout;
+  const auto compute = torch_dtype(options_.dtype);
+  const bool mixed = compute != torch::kFloat32;
+  Tensor region32 = flat32.narrow(0, l.shard_begin, l.shard);
+  MasterShard m;
+  if (mixed) m.master = region32.clone();
+  else m.master = options_.stage <= 2 ? u.full.narrow(0, l.shard_begin, l.shard) : u.param_shard;  // fp32: updated in place
+  if (offload_to_host_) m.master = host.copy("master weights", region32);
+  // The host step writes the working parameters itself: into their slice where it is in host
+  // memory too, else into a pinned buffer that goes up in one copy (also on the host with the
+  // delayed update, whose parameters change only between steps). The gradient shard comes
+  // down into a buffer of its own, which the host step reads while the next step computes.
+  if (m.master.device().is_cpu() && (mixed || offload_to_host_)) {
+    Tensor slot = options_.stage == 3 ? u.param_shard : u.full.narrow(0, l.shard_begin, l.shard);
+    m.param_out = slot.device().is_cpu() && !options_.delayed_update ? slot : host.copy("upload buffers", torch::empty({l.shard}, slot.options().device(torch::kCPU)));
+  }
+  if (offload_to_host_) {
+    auto staging = [&](const std::string& purpose) { return host.copy(purpose, torch::zeros({l.shard}, torch::TensorOptions().dtype(compute))); };
+    m.grad_staging = staging("gradient staging");
+    if (options_.delayed_update) m.grad_staging_spare = staging("gradient staging (delayed update)");
+  }
+  m.decay_ranges = l.decay_ranges;
+  return m;
+}
+
+void ZeroDataParallel::bind_parameters(Unit& u) {
+  const FlatUnitLayout& l = u.layout;
+  const auto compute = torch_dtype(options_.dtype);
+  u.grad_acc = torch::zeros({options_.stage <= 1 ? l.padded : l.shard}, torch::TensorOptions().dtype(compute).device(device_));
+  if (options_.stage <= 2) {
+    u.gathered = true;
+    for (size_t i = 0; i < u.params.size(); ++i) u.params[i].set_data(u.full.narrow(0, l.offsets[i], l.numels[i]).view(l.shapes[i]));
+  } else {
+    // The gradient accumulators (attach_gradient_ready_hooks) record the parameters' shape and
+    // dtype: give them the gathered ones before the first release.
+    for (size_t i = 0; i < u.params.size(); ++i) u.params[i].set_data(torch::empty(l.shapes[i], torch::TensorOptions().dtype(compute).device(device_)));
+  }
+  // Stage 0-1: autograd accumulates straight into grad_acc (gradients as views of it, as DDP's
+  // gradient_as_bucket_view), so nothing is copied between micro-batches.
+  if (options_.stage <= 1)
+    for (size_t i = 0; i < u.params.size(); ++i) u.params[i].mutable_grad() = u.grad_acc.narrow(0, l.offsets[i], l.numels[i]).view(l.shapes[i]);
+}
+
+void ZeroDataParallel::attach_gradient_ready_hooks(Unit& u) {
+  const size_t index = u.index;
+  for (auto& p : u.params) {
+    std::shared_ptr<torch::autograd::Node> accumulator = torch::autograd::impl::grad_accumulator(p);
+    DSRUN_ASSERT(accumulator != nullptr, "model parameters require gradients");
+    accumulator->add_post_hook(std::make_unique<GradientReadyHook>([alive = alive_, index] {
+      if (*alive) (*alive)->on_gradient_ready(index);
+    }));
+    grad_accumulators_.push_back(std::move(accumulator));
+  }
 }
 
 // The model may outlive this object, and with it the accumulators' hooks: they check alive_.
@@ -272,7 +278,7 @@ ZeroDataParallel::~ZeroDataParallel() {
 void ZeroDataParallel::gather(Unit& u, int direction) {
   if (u.gathered) return;
   torch::NoGradGuard no_grad;
-  u.full = torch::empty({u.padded}, u.param_shard.options().device(device_).pinned_memory(false));
+  u.full = torch::empty({u.layout.padded}, u.param_shard.options().device(device_).pinned_memory(false));
   Tensor shard;
   if (u.prefetched.defined()) {
     u.prefetch_done.block_current();
@@ -281,7 +287,7 @@ void ZeroDataParallel::gather(Unit& u, int direction) {
     shard = u.param_shard.device() == device_ ? u.param_shard : u.param_shard.to(device_, /*non_blocking=*/true);
   }
   comm_.all_gather(shard, u.full);
-  for (size_t i = 0; i < u.params.size(); ++i) u.params[i].set_data(u.full.narrow(0, u.offsets[i], u.numels[i]).view(u.shapes[i]));
+  for (size_t i = 0; i < u.params.size(); ++i) u.params[i].set_data(u.full.narrow(0, u.layout.offsets[i], u.layout.numels[i]).view(u.layout.shapes[i]));
   u.gathered = true;
   // Parameter shards in host memory: the next unit's comes up on up_stream_ while this one computes
   // (forward: the next unit; backward: the previous), once its host update is done.
@@ -293,7 +299,7 @@ void ZeroDataParallel::gather(Unit& u, int direction) {
     if (!options_.delayed_update && !worker_.finished(next.index)) return;  // not written yet: no waiting here
     await_update(next);
   }
-  Tensor buffer = torch::empty({next.shard}, next.param_shard.options().device(device_).pinned_memory(false));
+  Tensor buffer = torch::empty({next.layout.shard}, next.param_shard.options().device(device_).pinned_memory(false));
   up_stream_->follow_current();  // the buffer's memory was last used by the compute stream
   up_stream_->run([&] { buffer.copy_(next.param_shard, /*non_blocking=*/true); });
   up_stream_->keep_alive(buffer);
@@ -320,10 +326,9 @@ Tensors ZeroDataParallel::run(int index, const UnitFn& fn, const Tensors& inputs
   forward_stack_.push_back(index);
   Tensors out;
   if (options_.activation_checkpointing && u.checkpointable && grad) {
-    DSRUN_ASSERT(!inputs.empty() && inputs.size() <= 2, "checkpointed units take one or two tensors");
     auto kept = std::make_shared<UnitFn>(fn);
     live_fns_.push_back(kept);
-    out = CheckpointedUnit::apply(inputs[0], inputs.size() > 1 ? inputs[1] : Tensor(), reinterpret_cast<int64_t>(kept.get()));
+    out = run_recomputed(kept, inputs);
   } else {
     out = fn(inputs);
   }
@@ -369,12 +374,12 @@ void ZeroDataParallel::start_reduction(Unit& u, bool during_backward) {
   if (options_.stage <= 1) {
     if (options_.stage == 0) {
       const int64_t bucket = std::max<int64_t>(1, static_cast<int64_t>(options_.bucket_bytes / u.grad_acc.element_size()));
-      for (int64_t begin = 0; begin < u.padded; begin += bucket) {
-        Tensor slice = u.grad_acc.narrow(0, begin, std::min(bucket, u.padded - begin));
+      for (int64_t begin = 0; begin < u.layout.padded; begin += bucket) {
+        Tensor slice = u.grad_acc.narrow(0, begin, std::min(bucket, u.layout.padded - begin));
         pending_.push_back(comm_.all_reduce_sum_async(slice));
       }
     } else {
-      u.reduced = torch::empty({u.shard}, u.grad_acc.options());
+      u.reduced = torch::empty({u.layout.shard}, u.grad_acc.options());
       PendingCollective reduce = comm_.reduce_scatter_sum_async(u.grad_acc, u.reduced);
       if (gradients_down_in_backward_) send_gradient_down(u, std::move(reduce), Tensor(), u.reduced);
       else pending_.push_back(std::move(reduce));
@@ -383,17 +388,17 @@ void ZeroDataParallel::start_reduction(Unit& u, bool during_backward) {
   }
   // Stage 2-3: this micro-batch's full gradient goes to one flat buffer and is reduce-scattered;
   // the parameters' own gradients (and at stage 3 their gathered values) are freed now.
-  Tensor flat = torch::empty({u.padded}, u.grad_acc.options());
-  if (u.padded > u.numel) flat.narrow(0, u.numel, u.padded - u.numel).zero_();
+  Tensor flat = torch::empty({u.layout.padded}, u.grad_acc.options());
+  if (u.layout.padded > u.layout.numel) flat.narrow(0, u.layout.numel, u.layout.padded - u.layout.numel).zero_();
   for (size_t i = 0; i < u.params.size(); ++i) {
     Tensor& g = u.params[i].mutable_grad();
-    Tensor slot = flat.narrow(0, u.offsets[i], u.numels[i]);
+    Tensor slot = flat.narrow(0, u.layout.offsets[i], u.layout.numels[i]);
     if (g.defined()) slot.copy_(g.flatten());
     else slot.zero_();  // an MoE expert no token chose: zero gradient
     g = Tensor();
   }
   if (u.gathered_for_backward) release(u);
-  Tensor mine = torch::empty({u.shard}, flat.options());
+  Tensor mine = torch::empty({u.layout.shard}, flat.options());
   PendingCollective reduce = comm_.reduce_scatter_sum_async(flat, mine);
   if (gradients_down_in_backward_ && last_micro_batch_) {
     send_gradient_down(u, std::move(reduce), flat, mine);
@@ -426,7 +431,7 @@ void ZeroDataParallel::send_gradient_down(Unit& u, PendingCollective reduce, con
 
 void ZeroDataParallel::upload_parameters(Unit& u) {
   MasterShard& m = shards_[u.index];
-  Tensor slot = options_.stage == 3 ? u.param_shard : u.full.narrow(0, u.shard_begin, u.shard);
+  Tensor slot = options_.stage == 3 ? u.param_shard : u.full.narrow(0, u.layout.shard_begin, u.layout.shard);
   if (!m.param_out.defined() || m.param_out.data_ptr() == slot.data_ptr()) {  // written in place
     u.up = CopyEvent();
     return;
@@ -454,7 +459,7 @@ void ZeroDataParallel::await_update(Unit& u) {
   u.awaiting_update = false;
   if (options_.stage <= 2 && comm_.world_size() > 1) {  // the other ranks' slices (they publish theirs in the same order)
     torch::NoGradGuard no_grad;
-    comm_.all_gather(u.full.narrow(0, u.shard_begin, u.shard).clone(), u.full);
+    comm_.all_gather(u.full.narrow(0, u.layout.shard_begin, u.layout.shard).clone(), u.full);
   }
 }
 
@@ -549,6 +554,20 @@ void ZeroDataParallel::reduce_gradients() {
   last_micro_batch_ = true;
 }
 
+ZeroDataParallel::GradientSquares ZeroDataParallel::gradient_squares() {
+  DSRUN_ASSERT(options_.separate_replicated_norm, "gradient_squares needs separate_replicated_norm");
+  // The rounding of scaled_grad, as global_grad_norm's CPU path; the replicated part by ranges.
+  Tensor total = torch::zeros({}, torch::kFloat64), replicated = torch::zeros({}, torch::kFloat64);
+  for (size_t k = 0; k < shards_.size(); ++k) {
+    Tensor g = shards_[k].scaled_grad();
+    total += g.pow(2).sum().to(torch::kCPU, torch::kFloat64);
+    for (const auto& [begin, end] : units_[k]->replicated_ranges) replicated += g.narrow(0, begin, end - begin).pow(2).sum().to(torch::kCPU, torch::kFloat64);
+  }
+  Tensor both = torch::stack({total - replicated, replicated});
+  if (options_.stage >= 1) comm_.all_reduce_sum(both);  // shards are disjoint: sum over ranks
+  return {both[0].item<double>(), both[1].item<double>()};
+}
+
 double ZeroDataParallel::global_grad_norm() {
   // Summed in fp64, shard by shard, where the squares are (one transfer at the end).
   torch::Tensor sum;
@@ -602,11 +621,11 @@ void ZeroDataParallel::after_step() {
 }
 
 const std::string& ZeroDataParallel::unit_name(size_t k) const { return units_.at(k)->name; }
-int64_t ZeroDataParallel::unit_numel(size_t k) const { return units_.at(k)->numel; }
-int64_t ZeroDataParallel::master_begin(size_t k) const { return units_.at(k)->shard_begin; }
+int64_t ZeroDataParallel::unit_numel(size_t k) const { return units_.at(k)->layout.numel; }
+int64_t ZeroDataParallel::master_begin(size_t k) const { return units_.at(k)->layout.shard_begin; }
 const std::vector<Tensor>& ZeroDataParallel::unit_params(size_t k) const { return units_.at(k)->params; }
-const std::vector<int64_t>& ZeroDataParallel::unit_offsets(size_t k) const { return units_.at(k)->offsets; }
-const std::vector<int64_t>& ZeroDataParallel::unit_shape(size_t k, size_t i) const { return units_.at(k)->shapes.at(i); }
+const std::vector<int64_t>& ZeroDataParallel::unit_offsets(size_t k) const { return units_.at(k)->layout.offsets; }
+const std::vector<int64_t>& ZeroDataParallel::unit_shape(size_t k, size_t i) const { return units_.at(k)->layout.shapes.at(i); }
 
 void ZeroDataParallel::publish_master() {
   torch::NoGradGuard no_grad;
@@ -625,7 +644,7 @@ void ZeroDataParallel::publish_master() {
     if (options_.stage == 3) {
       if (copy && !source.is_same(u.param_shard)) u.param_shard.copy_(source);
     } else {
-      Tensor mine = u.full.narrow(0, u.shard_begin, u.shard);
+      Tensor mine = u.full.narrow(0, u.layout.shard_begin, u.layout.shard);
       if (copy && !source.is_same(mine)) mine.copy_(source);
       if (options_.stage >= 1) comm_.all_gather(mine.clone(), u.full);
     }

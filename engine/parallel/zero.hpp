@@ -8,11 +8,14 @@
 #include "engine/dist/communicator.hpp"
 #include "engine/model/model.hpp"
 #include "engine/parallel/copy_stream.hpp"
+#include "engine/parallel/flat_layout.hpp"
 #include "engine/parallel/unit_worker.hpp"
 
 #include <torch/torch.h>
 
+#include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace dsrun {
@@ -28,6 +31,12 @@ struct ZeroOptions {
   bool delayed_update = false;
   double bucket_bytes = 25e6;             // stage 0 all-reduce granularity
   torch::Device device = torch::kCPU;     // where a deferred model's units are built (otherwise: its parameters' device)
+  // A deferred model's initial values of parameter `name` in its current shape (tensor
+  // parallelism: this rank's slice of the full weight). Empty: the model's initialize_parameter.
+  std::function<void(const std::string& name, torch::Tensor& values)> initial_values;
+  // Keep the gradient squares of replicated parameters (TensorSplit::Replicated) apart from the
+  // split ones' (gradient_squares), for a norm over tensor-parallel ranks.
+  bool separate_replicated_norm = false;
 };
 
 // The torch dtype of a recipe dtype.
@@ -55,7 +64,7 @@ struct MasterShard {
   // the host step can read it while the next step's gradients accumulate. The delayed update has
   // two, swapped every step: one read by the host step, one filled by the backward under way.
   torch::Tensor grad_staging, grad_staging_spare;
-  std::vector<std::pair<int64_t, int64_t>> decay_ranges;  // [begin, end) within master
+  std::vector<std::pair<int64_t, int64_t>> decay_ranges;  // [begin, end) within master (FlatUnitLayout)
   // The gradient as fp32 with its factors applied (norms, overflow checks, tests).
   torch::Tensor scaled_grad() const;
 };
@@ -80,8 +89,15 @@ class ZeroDataParallel final : public UnitRunner {
   void after_backward();
   // After the last micro-batch: completes the reduction so that shards() hold averaged gradients.
   void reduce_gradients();
-  // Sum of squared gradient elements over all ranks (for global-norm clipping).
+  // The gradients' 2-norm over the data-parallel ranks (for global-norm clipping).
   double global_grad_norm();
+  // The squares behind that norm, summed over the data-parallel ranks, apart for the parameters
+  // the model marks as split by tensor parallelism and those it replicates (needs
+  // ZeroOptions::separate_replicated_norm).
+  struct GradientSquares {
+    double split = 0, replicated = 0;
+  };
+  GradientSquares gradient_squares();
   void scale_gradients(double factor);
   // True if any gradient element on any rank is inf or NaN (fp16 overflow).
   bool gradients_overflowed();
@@ -129,6 +145,22 @@ class ZeroDataParallel final : public UnitRunner {
 
  private:
   struct Unit;
+  class HostBuffers;
+  // The constructor's steps. Every unit is laid out first (the host buffers are sized by all the
+  // shards together); then each is built whole before the next (add_unit), in these steps.
+  FlatUnitLayout lay_out(const ParameterUnit& pu) const;
+  void add_unit(const ParameterUnit& pu, FlatUnitLayout layout, HostBuffers& host);
+  // The unit's fp32 values in one flat buffer (padding zero); a deferred model's are built here.
+  torch::Tensor materialise_values(const ParameterUnit& pu, const FlatUnitLayout& layout) const;
+  // Stage 0-2: the whole flat buffer in the compute dtype; stage 3: this rank's slice of it.
+  void create_working_parameters(Unit& u, const torch::Tensor& flat32, HostBuffers& host);
+  // The fp32 master, and with offload its host buffers (parameter upload, gradient staging).
+  MasterShard create_master_shard(Unit& u, const torch::Tensor& flat32, HostBuffers& host);
+  // The gradient accumulator, and the parameters (and at stage 0-1 their gradients) as views of the buffers.
+  void bind_parameters(Unit& u);
+  // Each parameter's AccumulateGrad reports to on_gradient_ready, so reductions overlap backward.
+  void attach_gradient_ready_hooks(Unit& u);
+
   void gather(Unit& u, int direction);  // direction: +1 in forward, -1 in backward (which unit to prefetch)
   void release(Unit& u);
   void on_gradient_ready(size_t unit);  // an AccumulateGrad of one of the unit's parameters finished

@@ -46,6 +46,15 @@ ModelStateBytes plan_model_states_per_rank(const ModelStateOptions& o) {
 
 namespace {
 
+// Parameters every tensor-parallel rank keeps whole: the RMSNorm weights and the MoE routers.
+double tensor_replicated_params(const ModelSpec& m) {
+  if (m.arch != ModelArch::DeepSeek) return 0;
+  const double h = m.hidden;
+  double replicated = h * (2.0 * m.layers + 1);
+  if (m.moe.enabled()) replicated += h * m.moe.routed_experts * static_cast<double>(m.layers - m.moe.first_dense_layers);
+  return replicated;
+}
+
 struct Layout {
   int stage = 0;
   bool checkpointing = false;
@@ -84,19 +93,23 @@ class Planner {
  public:
   Planner(const Recipe& r, const HostFacts& host) : r_(r), host_(host) {
     const HardwareSpec& hw = r.hardware;
-    dp_ = r.parallel.data_parallel.value_or(hw.total_devices());
-    ranks_per_node_ = (dp_ + hw.nodes - 1) / hw.nodes;
+    dp_ = r.parallel.data_parallel_or_auto(hw);
+    tp_ = r.parallel.tensor;
+    ranks_per_node_ = (dp_ * tp_ + hw.nodes - 1) / hw.nodes;
     kernel_ = hw.device == Device::Cuda ? AttentionKernel::Flash : AttentionKernel::Math;
     cost_ = model_cost(r.model, r.batch.seq_len, r.precision.dtype, kernel_, /*fused_elementwise=*/hw.device == Device::Cuda);
     capacity_ = hw.ranks_share_memory() ? hw.memory_bytes / ranks_per_node_ : hw.memory_bytes;
     data_bytes_ = data_bytes(r, r.batch.seq_len);
+    // Tensor parallelism splits every weight but the norms and the MoE router over tp ranks.
+    const double replicated = tp_ > 1 ? tensor_replicated_params(r.model) : 0;
+    rank_params_ = (cost_.params - replicated) / tp_ + replicated;
   }
 
   Evaluation evaluate(const Layout& l) const {
     const HardwareSpec& hw = r_.hardware;
     Evaluation ev;
     ModelStateOptions o;
-    o.params = cost_.params;
+    o.params = rank_params_;
     o.data_parallel = dp_;
     o.zero_stage = l.stage;
     o.dtype = r_.precision.dtype;
@@ -108,6 +121,10 @@ class Planner {
     MemoryBreakdown& m = ev.memory;
     m.states = plan_model_states_per_rank(o);
     m.activations = l.micro * (l.checkpointing ? cost_.checkpointed_activation_bytes_per_sample : cost_.activation_bytes_per_sample);
+    // Tensor parallelism without sequence parallelism (Korthikanti et al. 2022, eq. 2): of a
+    // layer's 34·sbh activation bytes, 24·sbh are split over t ranks and 10·sbh (norms, dropout-free
+    // residuals, the region inputs) stay whole. Applied to the total until the terms are split one by one.
+    if (tp_ > 1 && !l.checkpointing) m.activations *= (10.0 + 24.0 / tp_) / 34.0;
     if (r_.data.separate_documents) {  // the document mask (bool, then a bias in the compute dtype, s x s) and each token's rotary rows (fp32 cos and sin)
       const double s = static_cast<double>(r_.batch.seq_len);
       m.activations += l.micro * (s * s * (1 + bytes_per_element(r_.precision.dtype)) + s * r_.model.head_dim() * 8);
@@ -119,12 +136,12 @@ class Planner {
     const double e = bytes_per_element(r_.precision.dtype);
     if (l.stage == 3 && dp_ > 1) {
       // The layer being computed, the prefetched next one, and one layer's full gradient before reduce-scatter.
-      m.comm_buffers = 3 * e * cost_.largest_unit_params;
+      m.comm_buffers = 3 * e * cost_.largest_unit_params / tp_;
       // Without recomputation autograd keeps every layer's gathered weights (matmuls save them for
       // backward) until that layer's backward has run: the whole model, gathered, at the end of forward.
-      if (!l.checkpointing) m.comm_buffers += e * cost_.params;
+      if (!l.checkpointing) m.comm_buffers += e * rank_params_;
     } else if (dp_ > 1) {
-      m.comm_buffers = 2 * std::min(r_.parallel.bucket_bytes, cost_.params * e);  // bucket being reduced + the next
+      m.comm_buffers = 2 * std::min(r_.parallel.bucket_bytes, rank_params_ * e);  // bucket being reduced + the next
     }
     m.runtime = hw.runtime_memory_bytes;
     m.fragmentation = hw.fragmentation * (m.states.device_total() + m.activations + m.backward_peak + m.comm_buffers);
@@ -171,7 +188,9 @@ class Planner {
     p.arch = r_.model.arch;
     p.nodes = hw.nodes;
     p.devices_per_node = hw.devices_per_node;
-    p.data_parallel = p.world_size = dp_;
+    p.data_parallel = dp_;
+    p.tensor_parallel = tp_;
+    p.world_size = dp_ * tp_;
     p.ranks_per_node = ranks_per_node_;
     p.global_batch = r_.batch.global;
     p.seq_len = r_.model.arch == ModelArch::DeepSeek ? r_.batch.seq_len : 0;
@@ -385,7 +404,7 @@ class Planner {
   }
 
   void predict_communication(Plan& p) {
-    const double psi = cost_.params;
+    const double psi = rank_params_;
     const double e = bytes_per_element(r_.precision.dtype);
     const double n = dp_;
     const double ring = (n - 1) / n;  // ring collectives: each rank sends (N-1)/N of the buffer per pass
@@ -412,6 +431,14 @@ class Planner {
           add("reduce-scatter gradients (every micro-batch)", a * ring * psi * e);
           break;
       }
+    }
+    if (tp_ > 1) {
+      // Megatron's tensor parallelism: per layer two all-reduces of the activations [b, s, h] in
+      // forward and two in backward, every micro-batch; within the node (tp ranks are consecutive).
+      const double activation = static_cast<double>(p.micro_batch) * r_.batch.seq_len * r_.model.hidden * e;
+      const double t = tp_, bytes = a * 4.0 * r_.model.layers * 2 * (t - 1) / t * activation;
+      const double node_bw = r_.hardware.link_bandwidth * r_.hardware.comm_efficiency;
+      p.comm.push_back({"all-reduce activations (tensor, 4 per layer, every micro-batch)", bytes, bytes / node_bw});
     }
     for (const auto& c : p.comm) p.comm_seconds += c.seconds;
 
@@ -456,7 +483,7 @@ class Planner {
     p.hardware_flops_per_step = per_sample * static_cast<double>(r_.batch.global);
     p.model_flops_per_step = cost_.model_flops_per_sample * static_cast<double>(r_.batch.global);
     p.peak_flops = peak_flops();
-    return p.hardware_flops_per_step / dp_ / (p.peak_flops * r_.hardware.matmul_efficiency);
+    return p.hardware_flops_per_step / (dp_ * tp_) / (p.peak_flops * r_.hardware.matmul_efficiency);
   }
 
   // The offload pipeline (docs/plan.md): gradients come down unit by unit during backward; the
@@ -494,7 +521,7 @@ class Planner {
     const bool mixed = r_.precision.dtype != DType::Fp32;
     int states = r_.optimizer.kind == OptimizerKind::Sgd ? (r_.optimizer.momentum > 0 ? 1 : 0) : 2;
     double touched = 8 + 8.0 * states + e + (mixed ? e : 0);
-    const double shard = p.zero_stage >= 1 ? std::ceil(cost_.params / dp_) : cost_.params;
+    const double shard = p.zero_stage >= 1 ? std::ceil(rank_params_ / dp_) : rank_params_;
     // Offloaded, the step runs on the host, whose memory bandwidth the node's ranks share.
     const bool host_step = p.offload != Offload::None && r_.hardware.device == Device::Cuda;
     const double bandwidth = host_step ? r_.hardware.host_memory_bandwidth / ranks_per_node_ : r_.hardware.memory_bandwidth;
@@ -533,7 +560,7 @@ class Planner {
     if (hw.device == Device::Cpu && p.offload != Offload::None)
       p.notes.push_back("offload on CPU ranks moves nothing (host and device memory are the same); the same code path runs, with separate host copies");
     if (p.zero_stage > 0 && dp_ == 1) p.notes.push_back("ZeRO stage " + std::to_string(p.zero_stage) + " with one rank shards nothing");
-    int64_t shard_pad = static_cast<int64_t>(std::ceil(cost_.params / dp_) * dp_ - cost_.params);
+    int64_t shard_pad = static_cast<int64_t>(std::ceil(rank_params_ / dp_) * dp_ - rank_params_);
     if (p.zero_stage > 0 && shard_pad > 0)
       p.notes.push_back(format_count(cost_.params) + " parameters do not divide by " + std::to_string(dp_) + " ranks: shards are padded by " +
                         std::to_string(shard_pad) + " elements");
@@ -544,7 +571,8 @@ class Planner {
   const Recipe& r_;
   HostFacts host_;
   double data_bytes_ = 0;
-  int dp_ = 1;
+  int dp_ = 1, tp_ = 1;
+  double rank_params_ = 0;  // the parameters one rank's ZeRO holds: Ψ, less what tensor parallelism splits away
   int ranks_per_node_ = 1;
   AttentionKernel kernel_ = AttentionKernel::Flash;
   ModelCost cost_;

@@ -74,6 +74,7 @@ struct Plan {
 
   // topology
   int nodes = 1, devices_per_node = 1, world_size = 1, data_parallel = 1, ranks_per_node = 1;
+  int tensor_parallel = 1;  // world_size = data_parallel × tensor_parallel
 
   // batch math: global = micro × accumulation × data_parallel
   int64_t global_batch = 0, micro_batch = 0, accumulation = 0, seq_len = 0;

@@ -30,7 +30,8 @@ std::string render_plan(const Plan& p) {
 
   section("topology");
   line(std::to_string(p.nodes) + " node(s) x " + std::to_string(p.devices_per_node) + " devices; " + std::to_string(p.world_size) +
-       " ranks (" + std::to_string(p.ranks_per_node) + " per node); data parallel " + std::to_string(p.data_parallel));
+       " ranks (" + std::to_string(p.ranks_per_node) + " per node); data parallel " + std::to_string(p.data_parallel) +
+       (p.tensor_parallel > 1 ? " × tensor parallel " + std::to_string(p.tensor_parallel) + " (tensor innermost: consecutive ranks)" : ""));
 
   section("batch");
   line("global " + std::to_string(p.global_batch) + " = micro " + std::to_string(p.micro_batch) + " x accumulation " +
@@ -124,7 +125,7 @@ std::string plan_to_json(const Plan& p) {
                 {"activation_bytes_per_sample", p.cost.activation_bytes_per_sample},
                 {"checkpointed_activation_bytes_per_sample", p.cost.checkpointed_activation_bytes_per_sample}};
   j["topology"] = {{"device", to_string(p.device)}, {"nodes", p.nodes}, {"devices_per_node", p.devices_per_node},
-                   {"world_size", p.world_size}, {"ranks_per_node", p.ranks_per_node}, {"data_parallel", p.data_parallel}};
+                   {"world_size", p.world_size}, {"ranks_per_node", p.ranks_per_node}, {"data_parallel", p.data_parallel}, {"tensor_parallel", p.tensor_parallel}};
   j["batch"] = {{"global", p.global_batch}, {"micro", p.micro_batch}, {"accumulation", p.accumulation},
                 {"seq_len", p.seq_len}, {"tokens_per_step", p.tokens_per_step}};
   j["parallel"] = {{"zero_stage", p.zero_stage}, {"offload", to_string(p.offload)},

@@ -187,6 +187,35 @@ void build_model(Builder& c, Recipe& r) {
   }
 }
 
+// What tensor parallelism needs of the model and of the rest of the recipe: every split size
+// divides by the degree (whole heads and whole KV heads per rank: KV heads are never replicated).
+void build_tensor_parallel(Builder& c, Recipe& r) {
+  const int t = r.parallel.tensor;
+  const ModelSpec& m = r.model;
+  const std::string tt = std::to_string(t);
+  if (m.arch != ModelArch::DeepSeek) {
+    c.error("parallel.tensor", "tensor parallelism splits a decoder's heads and MLP; a ResNet has neither", "set parallel.tensor = 1", {"model.arch"});
+    return;
+  }
+  auto divides = [&](const char* key, int64_t value, const std::string& what) {
+    if (value % t == 0) return;
+    int64_t best = 1;
+    for (int64_t d = 1; d <= t; ++d)
+      if (value % d == 0 && r.hardware.total_devices() % d == 0) best = d;
+    c.error("parallel.tensor", "tensor = " + tt + " does not divide " + std::string(key) + " = " + std::to_string(value) + " (" + what + ")",
+            "use parallel.tensor = " + std::to_string(best) + ", or a " + std::string(key) + " divisible by " + tt, {key});
+  };
+  divides("model.heads", m.heads, "each rank computes whole attention heads");
+  divides("model.kv_heads", m.kv_heads, "each rank keeps whole KV heads; they are not replicated");
+  divides("model.intermediate", m.intermediate, "the MLP's inner size is split");
+  divides("model.vocab", m.vocab, "the embedding and output head are split by vocabulary");
+  if (m.moe.enabled()) divides("model.moe.intermediate", m.moe.intermediate, "each expert's inner size is split");
+  const ParallelOptions& p = r.parallel;
+  if (p.offload != Offload::None)
+    c.error("parallel.offload", "offload with tensor parallelism is not supported yet (the host step's gradient norm is not split by tensor rank)",
+            "set parallel.offload = \"none\", or parallel.tensor = 1", {"parallel.tensor"});
+}
+
 void build_parallel(Builder& c, Recipe& r) {
   ParallelOptions& p = r.parallel;
   if (auto v = c.int_or_auto("parallel.data_parallel")) p.data_parallel = static_cast<int>(*v);
@@ -197,11 +226,16 @@ void build_parallel(Builder& c, Recipe& r) {
   const std::string& ckpt = c.s("parallel.activation_checkpointing");
   p.activation_checkpointing = ckpt == "full" ? Checkpointing::Full : ckpt == "auto" ? Checkpointing::Auto : Checkpointing::None;
   p.bucket_bytes = c.f("parallel.bucket_mb") * 1e6;
+  p.tensor = static_cast<int>(c.i("parallel.tensor"));
 
   int devices = r.hardware.total_devices();
-  if (p.data_parallel && devices > 0 && *p.data_parallel > devices)
-    c.error("parallel.data_parallel", std::to_string(*p.data_parallel) + " ranks but the hardware has " + std::to_string(devices) + " devices",
-            "use at most " + std::to_string(devices) + ", or \"auto\"", {"hardware.devices_per_node", "hardware.nodes"});
+  if (p.data_parallel && devices > 0 && *p.data_parallel * p.tensor > devices)
+    c.error("parallel.data_parallel", std::to_string(*p.data_parallel) + " × tensor " + std::to_string(p.tensor) + " ranks but the hardware has " + std::to_string(devices) + " devices",
+            "use data_parallel × tensor <= " + std::to_string(devices) + ", or data_parallel = \"auto\"", {"parallel.tensor", "hardware.devices_per_node", "hardware.nodes"});
+  if (devices > 0 && p.tensor > devices)
+    c.error("parallel.tensor", std::to_string(p.tensor) + " tensor-parallel ranks but the hardware has " + std::to_string(devices) + " devices",
+            "use at most " + std::to_string(devices), {"hardware.devices_per_node", "hardware.nodes"});
+  if (p.tensor > 1) build_tensor_parallel(c, r);
   if (p.zero_stage && p.offload == Offload::OptimizerAndParams && *p.zero_stage != 3)
     c.error("parallel.offload", "offloading parameters needs ZeRO stage 3 (only stage 3 shards parameters)",
             "set parallel.zero_stage = 3, or offload = \"optimizer\"", {"parallel.zero_stage"});
@@ -238,9 +272,9 @@ void build_batch(Builder& c, Recipe& r) {
   b.global = c.i("batch.global");
   b.micro = c.int_or_auto("batch.micro");
   b.seq_len = c.i("batch.seq_len");
-  int64_t dp = r.parallel.data_parallel.value_or(r.hardware.total_devices());
-  if (dp <= 0 || dp > r.hardware.total_devices()) return;  // already reported against the hardware or data_parallel
-  std::string dp_text = std::to_string(dp) + (r.parallel.data_parallel ? "" : " (auto: every device)");
+  int64_t dp = r.parallel.data_parallel_or_auto(r.hardware);
+  if (dp <= 0 || dp * r.parallel.tensor > r.hardware.total_devices()) return;  // already reported against the hardware or data_parallel
+  std::string dp_text = std::to_string(dp) + (r.parallel.data_parallel ? "" : r.parallel.tensor > 1 ? " (auto: the devices / tensor)" : " (auto: every device)");
   if (b.global % dp != 0) {
     int64_t lower = b.global / dp * dp, upper = lower + dp;
     c.error("batch.global", "global batch " + std::to_string(b.global) + " does not split evenly over data_parallel = " + dp_text + " ranks",
@@ -388,6 +422,16 @@ void build_rest(Builder& c, Recipe& r, const std::string& recipe_dir) {
   r.checkpoint.keep_every = c.i("checkpoint.keep_every");
   r.checkpoint.dir = resolve_path(c.s("checkpoint.dir"), recipe_dir);
   r.checkpoint.at_end = c.b("checkpoint.at_end");
+  // Checkpoints hold full (logical) parameters; a tensor-parallel rank's slices are not yet gathered into them.
+  if (r.parallel.tensor > 1) {
+    // checkpoint.at_end defaults to true (and the rank's resolved config spells it out): warned, not refused.
+    if (r.checkpoint.every > 0)
+      c.error("checkpoint.every", "checkpoints of a tensor-parallel run are not supported yet",
+              "set checkpoint.every = 0, or parallel.tensor = 1", {"parallel.tensor"});
+    else if (r.checkpoint.at_end)
+      c.warning("checkpoint.at_end", "a tensor-parallel run saves no checkpoint yet: checkpoint.at_end is off", "set checkpoint.at_end = false to silence this");
+    r.checkpoint.at_end = false;
+  }
 
   r.logging.every = c.i("logging.every");
   r.logging.level = c.s("logging.level");
@@ -478,6 +522,8 @@ Recipe build_recipe(const Config& config, const HostFacts& host, const std::stri
   warn_inapplicable(c, r);
   return r;
 }
+
+int ParallelOptions::data_parallel_or_auto(const HardwareSpec& h) const { return data_parallel.value_or(std::max(1, h.total_devices() / tensor)); }
 
 const char* to_string(Device d) { return d == Device::Cuda ? "cuda" : "cpu"; }
 const char* to_string(ModelArch a) { return a == ModelArch::ResNet ? "resnet" : "deepseek"; }

@@ -96,7 +96,9 @@ enum class Offload { None, Optimizer, OptimizerAndParams };
 enum class Checkpointing { None, Full, Auto };
 
 struct ParallelOptions {
-  std::optional<int> data_parallel;  // nullopt: auto
+  std::optional<int> data_parallel;  // nullopt: auto (the devices left by tensor parallelism)
+  int tensor = 1;                    // tensor-parallel ranks (innermost mesh dimension)
+  int data_parallel_or_auto(const HardwareSpec& h) const;
   std::optional<int> zero_stage;     // nullopt: auto
   Offload offload = Offload::None;
   bool delayed_update = false;  // offload: the host step of step t runs beside step t+1 (docs/plan.md)

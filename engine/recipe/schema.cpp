@@ -107,7 +107,10 @@ std::vector<KeySpec> build_schema() {
       ranged("model.resnet.width", T::Int, "64", 8, 4096, "Channels of the first stage."),
 
       // ---- parallel
-      ranged("parallel.data_parallel", T::IntOrAuto, "\"auto\"", 1, 1e7, "Data-parallel ranks. `auto`: every device of every node."),
+      ranged("parallel.data_parallel", T::IntOrAuto, "\"auto\"", 1, 1e7, "Data-parallel ranks. `auto`: every device of every node, divided by parallel.tensor."),
+      ranged("parallel.tensor", T::Int, "1", 1, 1024,
+             "Tensor-parallel ranks (Megatron-LM): each layer's heads, MLP and vocabulary split over this many consecutive ranks, "
+             "which should share a node. Heads, KV heads, the MLP sizes and the vocabulary must divide by it."),
       ranged("parallel.zero_stage", T::IntOrAuto, "\"auto\"", 0, 3,
              "ZeRO stage: 0 replicate all, 1 shard optimizer states, 2 also gradients, 3 also parameters. `auto`: the lowest that fits."),
       choice("parallel.offload", "none", {"none", "optimizer", "optimizer+params"},

@@ -63,7 +63,7 @@ void ShardOptimizer::fused_adam_step(double lr) {
       v[group].push_back(v_[k].narrow(0, begin, end - begin));
     };
     int64_t at = 0;
-    for (auto [begin, end] : s.decay_ranges) {  // ascending and disjoint (zero.cpp)
+    for (auto [begin, end] : s.decay_ranges) {  // ascending and disjoint (flat_layout.cpp)
       add(0, at, begin);
       add(1, begin, end);
       at = end;
@@ -123,7 +123,7 @@ std::vector<std::vector<HostChunk>> ShardOptimizer::host_chunks() const {
       }
     };
     int64_t at = 0;
-    for (auto [begin, end] : s.decay_ranges) {  // ascending and disjoint (zero.cpp)
+    for (auto [begin, end] : s.decay_ranges) {  // ascending and disjoint (flat_layout.cpp)
       add(at, begin, false);
       add(begin, end, true);
       at = end;

@@ -4,13 +4,14 @@
 #include "engine/common/files.hpp"
 #include "engine/common/host.hpp"
 #include "engine/data/dataset.hpp"
-#include "engine/dist/communicator.hpp"
+#include "engine/dist/mesh.hpp"
 #include "engine/hooks/hooks.hpp"
 #include "engine/model/model.hpp"
-#include "engine/parallel/zero.hpp"
+#include "engine/parallel/parallelize.hpp"
 #include "engine/plan/plan.hpp"
 #include "engine/recipe/load.hpp"
 #include "engine/train/checkpointing.hpp"
+#include "engine/train/loss.hpp"
 #include "engine/train/loss_scaler.hpp"
 #include "engine/train/optimizer.hpp"
 #include "engine/train/report.hpp"
@@ -30,6 +31,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <iostream>
+#include <limits>
 
 // A debugger attached to a rank started with --debug-rank sets this to 1 to let it go on.
 extern "C" {
@@ -69,6 +71,15 @@ double status_bytes(const char* field) {
   while (std::getline(in, line))
     if (line.compare(0, prefix.size(), prefix) == 0) return std::atof(line.c_str() + prefix.size()) * 1024.0;
   return 0;
+}
+
+// Metrics as reported. Hooks see them as JSON, where a hook may have put a value that is not a
+// number: that becomes NaN, which the launcher names instead of storing.
+Metrics to_metrics(const nlohmann::json& metrics) {
+  Metrics out;
+  for (const auto& [name, value] : metrics.items())
+    out.emplace_back(name, value.is_number() ? value.get<double>() : std::numeric_limits<double>::quiet_NaN());
+  return out;
 }
 
 volatile std::sig_atomic_t stop_requested = 0;
@@ -112,85 +123,14 @@ class Trainer {
 
   void run() {
     auto t_start = std::chrono::steady_clock::now();
-    const bool cuda = r_.hardware.device == Device::Cuda;
-    if (cuda) {
-      if (!torch::cuda::is_available() || static_cast<int>(torch::cuda::device_count()) <= ctx_.local_rank) {
-        ErrorContext c;
-        c.rank = ctx_.rank;
-        c.hint = "run where the GPUs are, or try the layout on CPU ranks with --smoke";
-        throw Error("the recipe needs CUDA device " + std::to_string(ctx_.local_rank) + "; this process sees " +
-                        std::to_string(torch::cuda::is_available() ? torch::cuda::device_count() : 0) + " GPU(s)",
-                    c);
-      }
-#ifdef DSRUN_WITH_CUDA
-      c10::cuda::set_device(static_cast<c10::DeviceIndex>(ctx_.local_rank));
-#endif
-      device_ = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(ctx_.local_rank));
-    }
-    RendezvousOptions rv;
-    rv.use_nccl = cuda;
-    rv.cuda_device = ctx_.local_rank;
-    rv.master_addr = env_string("MASTER_ADDR", "127.0.0.1");
-    rv.master_port = env_int("MASTER_PORT", 29500);
-    rv.rank = ctx_.rank;
-    rv.world_size = ctx_.world;
-    rv.timeout_s = r_.run.startup_timeout_s;
-    comm_ = connect_communicator(rv);
-
-    // Identical weights on every rank and world size. A decoder is built deferred: ZeRO builds
-    // one unit at a time and keeps what this rank's stage holds (weights from a file load whole).
-    torch::manual_seed(static_cast<uint64_t>(r_.run.seed));  // whatever else draws from torch's generator
-    ModelBuild build;
-    build.seed = static_cast<uint64_t>(r_.run.seed);
-    build.deferred = r_.model.arch == ModelArch::DeepSeek && r_.model.init_from.empty();
-    model_ = build_model(r_.model, r_.batch.seq_len, build);
-    if (!r_.model.init_from.empty()) {
-      load_pretrained_weights(*model_, r_.model, r_.model.init_from);
-      if (ctx_.rank == 0) report_.send({{"type", "event"}, {"kind", "init"}, {"message", "weights initialised from " + r_.model.init_from}});
-    }
-    if (!build.deferred) model_->module().to(device_);
-    // Buffers (BatchNorm statistics) in the compute dtype; parameters are converted by ZeRO,
-    // which keeps their fp32 initial values as the master copy.
-    compute_dtype_ = torch_dtype(plan_.dtype);
-    {
-      torch::NoGradGuard no_grad;
-      // BatchNorm statistics stay per rank (not synchronised), as with PyTorch's DDP.
-      for (auto& b : model_->module().buffers())
-        if (b.is_floating_point()) b.set_data(b.to(compute_dtype_));
-    }
-    ZeroOptions zo;
-    zo.stage = plan_.zero_stage;
-    zo.dtype = plan_.dtype;
-    zo.activation_checkpointing = plan_.activation_checkpointing;
-    zo.offload = plan_.offload != Offload::None;
-    zo.offload_params = plan_.offload == Offload::OptimizerAndParams;
-    zo.delayed_update = r_.parallel.delayed_update;
-    zo.bucket_bytes = r_.parallel.bucket_bytes;
-    zo.device = device_;
-    zero_ = std::make_unique<ZeroDataParallel>(*model_, *comm_, zo);
-    // The host step of offloaded GPU ranks gets this rank's share of the node's cores; CPU ranks
-    // compute on theirs, one thread each.
-    // One core stays with the thread that launches the GPU's work while the host step runs.
-    const int host_threads = device_.is_cuda() && plan_.offload != Offload::None ? std::max(1, read_host_facts().cpu_cores / std::max(1, ctx_.local_world) - 1) : 1;
-    optimizer_ = std::make_unique<ShardOptimizer>(r_.optimizer, zero_->shards(), host_threads);
-    if (plan_.dtype == DType::Fp16) scaler_ = std::make_unique<DynamicLossScaler>(r_.precision.loss_scale);
-    data_ = open_dataset(r_.data, r_.model, r_.batch.seq_len, r_.run.seed);
-    if (ctx_.rank == 0) report_.send({{"type", "event"}, {"kind", "data"}, {"message", data_->describe()}});
-    if (r_.eval.every > 0) data_->val_batch(0, 1);  // a validation split too small fails now, not at the first evaluation
-    int64_t first_step = 0;
-    // Hooks run on rank 0 only; every rank learns their decisions from a broadcast.
-    hooks_active_ = !r_.hooks.script.empty();
-    if (hooks_active_ && ctx_.rank == 0) hooks_ = std::make_unique<RecipeHooks>(r_.hooks);
-    if (!ctx_.resume_from.empty()) {
-      RankTrainingState state = training_state();
-      RestoredProgress p = restore_checkpoint(state, ctx_.resume_from);
-      first_step = last_saved_step_ = p.step;
-      if (hooks_) restore_hook_state(p.hook_state);
-      if (ctx_.rank == 0)
-        report_.send({{"type", "event"}, {"kind", "resumed"}, {"message", "resumed from " + ctx_.resume_from + " at step " + std::to_string(p.step) + " (saved by " +
-                                                                             std::to_string(p.from_world) + " rank(s), ZeRO stage " + std::to_string(p.from_stage) + ")"}});
-    }
-    report_.send({{"type", "ready"}, {"startup_seconds", seconds_since(t_start)}, {"first_step", first_step + 1}});
+    select_device();
+    connect_to_mesh();
+    build_the_model();
+    apply_parallelism();
+    create_optimizer();
+    open_data();
+    const int64_t first_step = start_hooks_and_resume();
+    report_.send(ReadyReport{seconds_since(t_start), first_step + 1});
 
     if (hooks_) run_hook([&] { hooks_->on_start(hook_context(first_step, {})); });
 
@@ -201,7 +141,7 @@ class Trainer {
     for (int64_t step = first_step; step < r_.run.steps; ++step) {
       if (fault_requested("DSRUN_TEST_CRASH_AT", ctx_.rank, step + 1)) ::raise(SIGKILL);
       while (fault_requested("DSRUN_TEST_HANG_AT", ctx_.rank, step + 1)) ::sleep(1);
-      report_.send({{"type", "beat"}, {"step", step + 1}});  // "started step N": the launcher names a rank that falls behind
+      report_.send(BeatReport{step + 1});  // "started step N": the launcher names a rank that falls behind
       StepOutcome outcome = train_step(step, learning_rate_at(lr_options, step));
       if (step == first_step) report_memory();
       done = step + 1;
@@ -212,23 +152,128 @@ class Trainer {
       last = outcome;
       if (outcome.stop) {
         if (outcome.why == "signal")
-          report_.send({{"type", "event"}, {"kind", "stopped"}, {"message", "stopped by signal after step " + std::to_string(done)}});
+          report_.send(EventReport{"stopped", "stopped by signal after step " + std::to_string(done)});
         else if (ctx_.rank == 0 && !outcome.hook_failed)
-          report_.send({{"type", "event"}, {"kind", "hook_stop"}, {"message", "stopped by a hook after step " + std::to_string(done) + ": " + outcome.why}});
+          report_.send(EventReport{"hook_stop", "stopped by a hook after step " + std::to_string(done) + ": " + outcome.why});
         break;
       }
     }
     zero_->wait_host_update();  // the last host update's errors surface here, not in a destructor
     if (hooks_ && !last.hook_failed)
       run_hook([&] { hooks_->on_end(hook_context(done, {}), {{"steps", done}, {"reason", last.stop ? last.why : "finished"}, {"loss", last_loss_}}); });
-    comm_->barrier();
+    mesh_->world().barrier();
     // A hook that failed under hooks.on_error = "fail": every rank stopped cleanly at the same step;
     // rank 0 now fails the run with the hook's error.
     if (pending_hook_error_) throw *pending_hook_error_;
   }
 
  private:
-  RankTrainingState training_state() { return {*model_, *zero_, *optimizer_, scaler_.get(), *comm_}; }
+  // ---- set-up, in run()'s order ----
+
+  // cuda:LOCAL_RANK on GPU recipes; the CPU otherwise.
+  void select_device() {
+    if (r_.hardware.device != Device::Cuda) return;
+    if (!torch::cuda::is_available() || static_cast<int>(torch::cuda::device_count()) <= ctx_.local_rank) {
+      ErrorContext c;
+      c.rank = ctx_.rank;
+      c.hint = "run where the GPUs are, or try the layout on CPU ranks with --smoke";
+      throw Error("the recipe needs CUDA device " + std::to_string(ctx_.local_rank) + "; this process sees " +
+                      std::to_string(torch::cuda::is_available() ? torch::cuda::device_count() : 0) + " GPU(s)",
+                  c);
+    }
+#ifdef DSRUN_WITH_CUDA
+    c10::cuda::set_device(static_cast<c10::DeviceIndex>(ctx_.local_rank));
+#endif
+    device_ = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(ctx_.local_rank));
+  }
+
+  // The rendezvous, then the world's group and one per mesh dimension (docs/parallelism.md).
+  void connect_to_mesh() {
+    RendezvousOptions rv;
+    rv.use_nccl = device_.is_cuda();
+    rv.cuda_device = ctx_.local_rank;
+    rv.master_addr = env_string("MASTER_ADDR", "127.0.0.1");
+    rv.master_port = env_int("MASTER_PORT", 29500);
+    rv.rank = ctx_.rank;
+    rv.world_size = ctx_.world;
+    rv.timeout_s = r_.run.startup_timeout_s;
+    MeshShape shape;
+    shape.data = plan_.data_parallel;
+    shape.tensor = plan_.tensor_parallel;
+    mesh_ = connect_mesh(rv, shape);
+  }
+
+  // Identical weights on every rank and layout. A decoder is built deferred: ZeRO builds one unit
+  // at a time and keeps what this rank holds (weights from a file load whole).
+  void build_the_model() {
+    torch::manual_seed(static_cast<uint64_t>(r_.run.seed));  // whatever else draws from torch's generator
+    ModelBuild build;
+    build.seed = static_cast<uint64_t>(r_.run.seed);
+    build.deferred = r_.model.arch == ModelArch::DeepSeek && r_.model.init_from.empty();
+    model_ = build_model(r_.model, r_.batch.seq_len, build);
+    if (!r_.model.init_from.empty()) {
+      load_pretrained_weights(*model_, r_.model, r_.model.init_from);
+      if (ctx_.rank == 0) report_.send(EventReport{"init", "weights initialised from " + r_.model.init_from});
+    }
+    if (!build.deferred) model_->module().to(device_);
+    // Buffers (BatchNorm statistics) in the compute dtype; parameters are converted by ZeRO,
+    // which keeps their fp32 initial values as the master copy.
+    compute_dtype_ = torch_dtype(plan_.dtype);
+    torch::NoGradGuard no_grad;
+    // BatchNorm statistics stay per rank (not synchronised), as with PyTorch's DDP.
+    for (auto& b : model_->module().buffers())
+      if (b.is_floating_point()) b.set_data(b.to(compute_dtype_));
+  }
+
+  // parallelize(): tensor sharding, recomputation, ZeRO over the data dimension.
+  void apply_parallelism() {
+    ZeroOptions zo;
+    zo.stage = plan_.zero_stage;
+    zo.dtype = plan_.dtype;
+    zo.activation_checkpointing = plan_.activation_checkpointing;
+    zo.offload = plan_.offload != Offload::None;
+    zo.offload_params = plan_.offload == Offload::OptimizerAndParams;
+    zo.delayed_update = r_.parallel.delayed_update;
+    zo.bucket_bytes = r_.parallel.bucket_bytes;
+    zo.device = device_;
+    parallel_ = parallelize(*model_, *mesh_, zo);
+    zero_ = &parallel_->zero();
+  }
+
+  void create_optimizer() {
+    // The host step of offloaded GPU ranks gets this rank's share of the node's cores, less one
+    // that stays with the thread launching the GPU's work; CPU ranks compute on theirs, one thread each.
+    const int host_threads = device_.is_cuda() && plan_.offload != Offload::None ? std::max(1, read_host_facts().cpu_cores / std::max(1, ctx_.local_world) - 1) : 1;
+    optimizer_ = std::make_unique<ShardOptimizer>(r_.optimizer, zero_->shards(), host_threads);
+    if (plan_.dtype == DType::Fp16) scaler_ = std::make_unique<DynamicLossScaler>(r_.precision.loss_scale);
+  }
+
+  void open_data() {
+    data_ = open_dataset(r_.data, r_.model, r_.batch.seq_len, r_.run.seed);
+    if (ctx_.rank == 0) report_.send(EventReport{"data", data_->describe()});
+    if (r_.eval.every > 0) data_->val_batch(0, 1);  // a validation split too small fails now, not at the first evaluation
+  }
+
+  // Hooks run on rank 0 only; every rank learns their decisions from a broadcast. Returns the
+  // steps already done (those of the checkpoint resumed from).
+  int64_t start_hooks_and_resume() {
+    hooks_active_ = !r_.hooks.script.empty();
+    if (hooks_active_ && ctx_.rank == 0) hooks_ = std::make_unique<RecipeHooks>(r_.hooks);
+    if (ctx_.resume_from.empty()) return 0;
+    RankTrainingState state = training_state();
+    RestoredProgress p = restore_checkpoint(state, ctx_.resume_from);
+    last_saved_step_ = p.step;
+    if (hooks_) restore_hook_state(p.hook_state);
+    if (ctx_.rank == 0)
+      report_.send(EventReport{"resumed", "resumed from " + ctx_.resume_from + " at step " + std::to_string(p.step) + " (saved by " +
+                                              std::to_string(p.from_world) + " rank(s), ZeRO stage " + std::to_string(p.from_stage) + ")"});
+    return p.step;
+  }
+
+  // The data-parallel index: ranks of one index (tensor ranks) read the same samples.
+  int data_rank() const { return mesh_->coordinates().data; }
+
+  RankTrainingState training_state() { return {*model_, *zero_, *optimizer_, scaler_.get(), mesh_->along(MeshDim::Data)}; }
 
   void save(int64_t step, const std::string& why) {
     if (step == last_saved_step_) return;  // already on disk (resumed from it, or saved just now)
@@ -244,8 +289,7 @@ class Trainer {
     SavedCheckpoint saved = save_checkpoint(state, facts, ctx_.checkpoint_root, step, hooks_ ? hook_state() : "", r_.checkpoint.keep_last, r_.checkpoint.keep_every);
     last_saved_step_ = step;
     if (ctx_.rank != 0) return;
-    report_.send({{"type", "checkpoint"}, {"step", step}, {"path", saved.path}, {"bytes", saved.bytes}, {"checksum", saved.checksum},
-                  {"removed", saved.removed}, {"why", why}, {"seconds", seconds_since(t0)}});
+    report_.send(CheckpointReport{step, saved.path, static_cast<int64_t>(saved.bytes), saved.checksum, saved.removed, why, seconds_since(t0)});
     if (hooks_) run_hook([&] { hooks_->on_checkpoint(hook_context(step, {{"checkpoint", {{"step", step}, {"path", saved.path}, {"bytes", saved.bytes}}}})); });
   }
 
@@ -268,10 +312,10 @@ class Trainer {
       fn();
     } catch (const Error& e) {
       if (!pending_hook_error_) pending_hook_error_ = std::make_unique<Error>(e);
-      report_.send({{"type", "event"}, {"kind", "hook_error"}, {"message", e.describe()}});
+      report_.send(EventReport{"hook_error", e.describe()});
       ok = false;
     }
-    for (const auto& message : hooks_->take_errors()) report_.send({{"type", "event"}, {"kind", "hook_error"}, {"message", message}});
+    for (const auto& message : hooks_->take_errors()) report_.send(EventReport{"hook_error", message});
     return ok;
   }
 
@@ -280,7 +324,7 @@ class Trainer {
   StepOutcome broadcast_decision(const HookActions& a, bool failed, double lr, bool& skip, double& lr_out) {
     failed |= pending_hook_error_ != nullptr;  // also on_start's or on_checkpoint's failure
     torch::Tensor d = torch::tensor({a.stop.empty() && !failed ? 0.0 : 1.0, a.save ? 1.0 : 0.0, a.skip ? 1.0 : 0.0, failed ? 1.0 : 0.0, lr}, torch::kFloat64);
-    comm_->broadcast(d, 0);
+    mesh_->world().broadcast(d, 0);
     StepOutcome o;
     o.stop = d[0].item<double>() > 0;
     o.save = d[1].item<double>() > 0;
@@ -292,7 +336,7 @@ class Trainer {
   }
 
   void apply_actions_on_rank0(const HookActions& a, int64_t step) {
-    for (const auto& m : a.logs) report_.send({{"type", "event"}, {"kind", "hook"}, {"message", "step " + std::to_string(step) + ": " + m}});
+    for (const auto& m : a.logs) report_.send(EventReport{"hook", "step " + std::to_string(step) + ": " + m});
     if (a.lr) lr_override_ = *a.lr;
   }
 
@@ -329,11 +373,11 @@ class Trainer {
     model_->module().train();
     for (int64_t m = 0; m < accumulation; ++m) {
       // This rank's slice of the global batch: the same samples whatever the number of ranks.
-      const int64_t first = step * r_.batch.global + ctx_.rank * per_rank + m * micro;
+      const int64_t first = step * r_.batch.global + data_rank() * per_rank + m * micro;
       Batch batch = on_device(data_->train_batch(first, micro));
       data_->augment(batch);
       zero_->begin_micro_batch(m == accumulation - 1);
-      ModelOutput out = model_->forward(batch, *zero_);
+      MicroBatchLoss out = micro_batch_loss(model_->forward(batch, *parallel_), batch, parallel_->tensor());
       (out.loss * (loss_scale / static_cast<double>(accumulation))).backward();
       zero_->after_backward();
       loss_sum += out.task_loss;
@@ -344,17 +388,18 @@ class Trainer {
     zero_->reduce_gradients();
     bool overflow = false;
     if (scaler_) {
-      overflow = scaler_->update(zero_->gradients_overflowed());
+      overflow = scaler_->update(parallel_->gradients_overflowed());
       if (!overflow) zero_->scale_gradients(1.0 / loss_scale);
     }
-    const double grad_norm = overflow ? 0.0 : zero_->global_grad_norm();
+    const double grad_norm = overflow ? 0.0 : parallel_->global_grad_norm();
     const double backward_end_seconds = seconds_since(t0);  // the norm waited for the device
 
-    // Metrics averaged over ranks (every rank has the same number of samples), with the signal flags.
+    // Metrics averaged over the world's ranks (every rank has the same number of samples; tensor
+    // ranks of one data index agree on theirs), with the signal flags.
     torch::Tensor totals = torch::tensor({loss_sum / accumulation, aux_sum / accumulation, static_cast<double>(correct),
                                           stop_requested ? 1.0 : 0.0, save_requested ? 1.0 : 0.0}, torch::kFloat64);
     save_requested = 0;
-    comm_->all_reduce_sum(totals);
+    mesh_->world().all_reduce_sum(totals);
     const double loss = totals[0].item<double>() / ctx_.world;
     last_loss_ = loss;
     StepOutcome outcome;
@@ -409,11 +454,11 @@ class Trainer {
     }
     metrics["lr"] = lr;
     metrics["step_seconds"] = step_seconds;
-    metrics["tokens_per_second"] = static_cast<double>(items) * ctx_.world / step_seconds;
+    metrics["tokens_per_second"] = static_cast<double>(items) * plan_.data_parallel / step_seconds;
     if (scaler_) metrics["skipped_steps"] = static_cast<double>(scaler_->skipped_steps());
     if (hooks_active_) metrics["hook_skipped_steps"] = static_cast<double>(hook_skipped_steps_);
     if (!std::isfinite(loss) && !hook_skip) throw Error("loss is " + std::to_string(loss) + " at step " + std::to_string(step + 1), ErrorContext{"", 0, 0, "optimizer.lr", 0, "lower the learning rate or enable clipping"});
-    report_.send({{"type", "step"}, {"step", step + 1}, {"total", r_.run.steps}, {"metrics", metrics}, {"skipped", skipped}});
+    report_.send(StepReport{step + 1, r_.run.steps, to_metrics(metrics), skipped});
     return outcome;
   }
 
@@ -423,14 +468,14 @@ class Trainer {
     double loss_sum = 0, correct = 0, items = 0;
     const int64_t micro = plan_.micro_batch;
     for (int64_t i = 0; i < r_.eval.batches; ++i) {
-      Batch batch = on_device(data_->val_batch((ctx_.rank * r_.eval.batches + i) * micro, micro));
-      ModelOutput out = model_->forward(batch, *zero_);
+      Batch batch = on_device(data_->val_batch((data_rank() * r_.eval.batches + i) * micro, micro));
+      MicroBatchLoss out = micro_batch_loss(model_->forward(batch, *parallel_), batch, parallel_->tensor());
       loss_sum += out.task_loss;
       if (out.correct >= 0) correct += static_cast<double>(out.correct);
       items += static_cast<double>(batch.targets.size(0));
     }
     torch::Tensor totals = torch::tensor({loss_sum / static_cast<double>(r_.eval.batches), correct, items}, torch::kFloat64);
-    comm_->all_reduce_sum(totals);
+    mesh_->world().all_reduce_sum(totals);
     model_->module().train();
     const double val_loss = totals[0].item<double>() / ctx_.world;
     nlohmann::json metrics = {{"val_loss", val_loss}};
@@ -449,7 +494,7 @@ class Trainer {
       double unused_lr = 0;
       outcome = broadcast_decision(actions, !ok, 0.0, unused_skip, unused_lr);
     }
-    if (ctx_.rank == 0) report_.send({{"type", "eval"}, {"step", step + 1}, {"metrics", metrics}});
+    if (ctx_.rank == 0) report_.send(EvalReport{step + 1, to_metrics(metrics)});
     return outcome;
   }
 
@@ -466,15 +511,19 @@ class Trainer {
   void report_memory() {
     const double measured = zero_->parameter_and_gradient_bytes() + zero_->master_bytes() + zero_->offload_buffer_bytes() + optimizer_->state_bytes();
     const double predicted = plan_.memory.states.device_total() + plan_.memory.states.host;
-    nlohmann::json m = {{"type", "memory"}, {"model_state_bytes", measured}, {"predicted_model_state_bytes", predicted},
-                        {"peak_rss_bytes", peak_rss_bytes()}, {"anon_rss_bytes", status_bytes("RssAnon")}, {"file_rss_bytes", status_bytes("RssFile")},
-                        {"predicted_total_bytes", plan_.memory.total()},
-                        {"predicted_host_bytes", plan_.host.total()}};
+    MemoryReport m;
+    m.model_state_bytes = measured;
+    m.predicted_model_state_bytes = predicted;
+    m.peak_rss_bytes = peak_rss_bytes();
+    m.anon_rss_bytes = status_bytes("RssAnon");
+    m.file_rss_bytes = status_bytes("RssFile");
+    m.predicted_total_bytes = plan_.memory.total();
+    m.predicted_host_bytes = plan_.host.total();
 #ifdef DSRUN_WITH_CUDA
     if (device_.is_cuda()) {
       auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device_.index());
-      m["peak_allocated_bytes"] = static_cast<double>(stats.allocated_bytes[0].peak);
-      m["peak_reserved_bytes"] = static_cast<double>(stats.reserved_bytes[0].peak);
+      m.peak_allocated_bytes = static_cast<double>(stats.allocated_bytes[0].peak);
+      m.peak_reserved_bytes = static_cast<double>(stats.reserved_bytes[0].peak);
     }
 #endif
     report_.send(m);
@@ -486,9 +535,10 @@ class Trainer {
   torch::Device device_{torch::kCPU};
   torch::ScalarType compute_dtype_ = torch::kFloat32;
   RankReporter& report_;
-  std::unique_ptr<Communicator> comm_;
+  std::unique_ptr<DeviceMesh> mesh_;
   std::unique_ptr<Model> model_;
-  std::unique_ptr<ZeroDataParallel> zero_;
+  std::unique_ptr<ParallelModel> parallel_;
+  ZeroDataParallel* zero_ = nullptr;  // parallel_'s
   std::unique_ptr<ShardOptimizer> optimizer_;
   std::unique_ptr<DynamicLossScaler> scaler_;
   std::unique_ptr<Dataset> data_;
@@ -518,7 +568,7 @@ int rank_main(int argc, char** argv) {
     if (env_int("DSRUN_DEBUG_RANK", -1) == ctx.rank) {
       std::cerr << "rank " << ctx.rank << " waiting for a debugger: gdb -p " << ::getpid()
                 << ", then `set var dsrun_debugger_attached = 1` and `continue`" << std::endl;
-      reporter.send({{"type", "event"}, {"kind", "debug"}, {"message", "waiting for a debugger, pid " + std::to_string(::getpid())}});
+      reporter.send(EventReport{"debug", "waiting for a debugger, pid " + std::to_string(::getpid())});
       while (!dsrun_debugger_attached) ::usleep(100000);
     }
     HostFacts host = read_host_facts();
@@ -549,20 +599,20 @@ int rank_main(int argc, char** argv) {
     }
     Trainer trainer(loaded.recipe, plan, ctx, reporter);
     trainer.run();
-    reporter.send({{"type", "done"}});
+    reporter.send(DoneReport{});
     return 0;
   } catch (const Error& e) {
     std::string text = e.describe();
-    reporter.send({{"type", "error"}, {"message", text}});
+    reporter.send(ErrorReport{text});
     std::cerr << "rank " << ctx.rank << ": error: " << text << std::endl;
     return 1;
   } catch (const c10::Error& e) {
     // libtorch's message without its C++ backtrace, which would bury it in the log tail.
-    reporter.send({{"type", "error"}, {"message", e.what_without_backtrace()}});
+    reporter.send(ErrorReport{e.what_without_backtrace()});
     std::cerr << "rank " << ctx.rank << ": error: " << e.what_without_backtrace() << std::endl;
     return 1;
   } catch (const std::exception& e) {
-    reporter.send({{"type", "error"}, {"message", e.what()}});
+    reporter.send(ErrorReport{e.what()});
     std::cerr << "rank " << ctx.rank << ": error: " << e.what() << std::endl;
     return 1;
   }

@@ -1,0 +1,73 @@
+#include "engine/parallel/parallelize.hpp"
+
+#include "engine/common/error.hpp"
+
+#include <cmath>
+#include <map>
+
+namespace dsrun {
+
+namespace {
+
+// Each split weight becomes this rank's slice. A deferred model's parameters only change shape;
+// their values are cut from the full initial weight when ZeRO builds the unit, so that every
+// layout starts from the one-process weights.
+void shard_tensors(Model& model, TensorParallel& tp, ZeroOptions& zero) {
+  if (tp.size() == 1) return;
+  torch::NoGradGuard no_grad;
+  auto full_shapes = std::make_shared<std::map<std::string, std::pair<std::vector<int64_t>, TensorSplit>>>();
+  for (ParameterUnit& unit : model.parameter_units())
+    for (size_t i = 0; i < unit.params.size(); ++i) {
+      torch::Tensor& p = unit.params[i];
+      const TensorSplit split = i < unit.splits.size() ? unit.splits[i] : TensorSplit{};
+      if (split.kind == TensorSplit::Replicated) continue;
+      (*full_shapes)[unit.names.at(i)] = {p.sizes().vec(), split};
+      if (model.deferred())
+        p.set_data(torch::empty(tensor_slice_shape(p.sizes().vec(), split, tp.size()), p.options()));
+      else
+        p.set_data(tensor_slice(p.detach(), split, tp.rank(), tp.size()));
+    }
+  if (!model.deferred()) return;
+  const int rank = tp.rank(), size = tp.size();
+  zero.initial_values = [&model, full_shapes, rank, size](const std::string& name, torch::Tensor& values) {
+    auto it = full_shapes->find(name);
+    if (it == full_shapes->end()) return model.initialize_parameter(name, values);
+    torch::Tensor full = torch::empty(it->second.first, values.options());
+    model.initialize_parameter(name, full);
+    values.copy_(tensor_slice(full, it->second.second, rank, size));
+  };
+}
+
+}  // namespace
+
+std::unique_ptr<ParallelModel> parallelize(Model& model, DeviceMesh& mesh, const ZeroOptions& zero_options) {
+  std::unique_ptr<ParallelModel> pm(new ParallelModel(mesh));
+  ZeroOptions zero = zero_options;
+  // 1. Pipeline split: one stage until pipeline parallelism lands (the recipe refuses more).
+  DSRUN_ASSERT(mesh.shape().pipeline == 1, "pipeline stages are validated by the recipe");
+  // 2. Tensor sharding: split weights become this rank's slices.
+  shard_tensors(model, pm->tensor_, zero);
+  // 3. Activation checkpointing: ZeRO's runner recomputes checkpointable units (zero.activation_checkpointing).
+  // 4. ZeRO over the data dimension: flat buffers, sharded states, gradient reduction.
+  zero.separate_replicated_norm = pm->tensor_.size() > 1;
+  pm->zero_ = std::make_unique<ZeroDataParallel>(model, mesh.along(MeshDim::Data), zero);
+  return pm;
+}
+
+double ParallelModel::global_grad_norm() {
+  if (tensor_.size() == 1) return zero_->global_grad_norm();
+  ZeroDataParallel::GradientSquares sq = zero_->gradient_squares();
+  torch::Tensor split = torch::tensor({sq.split}, torch::kFloat64);
+  mesh_.along(MeshDim::Tensor).all_reduce_sum(split);
+  return std::sqrt(split.item<double>() + sq.replicated);
+}
+
+bool ParallelModel::gradients_overflowed() {
+  double bad = zero_->gradients_overflowed() ? 1 : 0;
+  if (tensor_.size() == 1) return bad > 0;
+  torch::Tensor t = torch::tensor({bad}, torch::kFloat64);
+  mesh_.along(MeshDim::Tensor).all_reduce_sum(t);
+  return t.item<double>() > 0;
+}
+
+}  // namespace dsrun

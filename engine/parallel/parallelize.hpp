@@ -1,0 +1,43 @@
+// Applies a layout to a model that knows nothing of ranks, in one fixed order (torchtitan's):
+// pipeline split → tensor sharding → activation checkpointing → ZeRO over the data dimension.
+#pragma once
+
+#include "engine/dist/mesh.hpp"
+#include "engine/model/model.hpp"
+#include "engine/parallel/tensor_parallel.hpp"
+#include "engine/parallel/zero.hpp"
+
+#include <memory>
+
+namespace dsrun {
+
+// The model as this rank runs it: its slice of every split weight, ZeRO's flat buffers over the
+// data dimension, and the tensor-parallel regions. The model's forward takes it as its runner.
+class ParallelModel final : public UnitRunner {
+ public:
+  ZeroDataParallel& zero() { return *zero_; }
+  TensorParallel& tensor() { return tensor_; }
+
+  Tensors run(int unit, const UnitFn& fn, const Tensors& inputs) override { return zero_->run(unit, fn, inputs); }
+  torch::Tensor enter_split(const torch::Tensor& x) override { return tensor_.enter(x); }
+  torch::Tensor leave_split(const torch::Tensor& partial) override { return tensor_.leave(partial); }
+  torch::Tensor embedding(const torch::Tensor& weight, const torch::Tensor& ids) override { return tensor_.embedding(weight, ids); }
+
+  // The gradient's norm over the whole mesh: split weights' squares summed over the tensor
+  // dimension, replicated ones (the same on every tensor rank) counted once.
+  double global_grad_norm();
+  // Whether any rank of the mesh has an inf or NaN gradient (fp16 overflow).
+  bool gradients_overflowed();
+
+ private:
+  friend std::unique_ptr<ParallelModel> parallelize(Model&, DeviceMesh&, const ZeroOptions&);
+  ParallelModel(DeviceMesh& mesh) : mesh_(mesh), tensor_(mesh.along(MeshDim::Tensor)) {}
+  DeviceMesh& mesh_;
+  TensorParallel tensor_;
+  std::unique_ptr<ZeroDataParallel> zero_;
+};
+
+// `zero` says how to run ZeRO on the data dimension (stage, dtype, recomputation, offload).
+std::unique_ptr<ParallelModel> parallelize(Model& model, DeviceMesh& mesh, const ZeroOptions& zero);
+
+}  // namespace dsrun

@@ -1,0 +1,124 @@
+#include "engine/parallel/tensor_parallel.hpp"
+
+#include "engine/common/error.hpp"
+
+namespace dsrun {
+
+using torch::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+namespace {
+
+// The group travels through autograd as an address: autograd's saved data holds IValues only.
+Communicator& group_at(AutogradContext* ctx) { return *reinterpret_cast<Communicator*>(ctx->saved_data["group"].toInt()); }
+
+Tensor summed(const Tensor& t, Communicator& group) {
+  Tensor out = t.contiguous().clone();
+  group.all_reduce_sum(out);
+  return out;
+}
+
+struct EnterRegion : torch::autograd::Function<EnterRegion> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, int64_t group) {
+    ctx->saved_data["group"] = group;
+    return x.view_as(x);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) { return {summed(grads[0], group_at(ctx)), Tensor()}; }
+};
+
+struct LeaveRegion : torch::autograd::Function<LeaveRegion> {
+  static Tensor forward(AutogradContext*, const Tensor& partial, int64_t group) { return summed(partial, *reinterpret_cast<Communicator*>(group)); }
+  static variable_list backward(AutogradContext*, variable_list grads) { return {grads[0], Tensor()}; }
+};
+
+// Megatron's vocabulary-parallel cross-entropy: log Σ_v exp(z_v) - z_target, with the sum and the
+// target's logit assembled over ranks; backward is softmax - one_hot on the local slice.
+struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& logits, const Tensor& targets, int64_t group_address) {
+    Communicator& group = *reinterpret_cast<Communicator*>(group_address);
+    const int64_t n = logits.size(0), local_vocab = logits.size(1), first = group.rank() * local_vocab;
+    // The global maximum per token, for a stable exponent (gathered: the maximum has no gradient).
+    Tensor local_max = std::get<0>(logits.max(1)).contiguous();
+    Tensor maxima = torch::empty({group.world_size() * n}, local_max.options());
+    group.all_gather(local_max, maxima);
+    Tensor shifted = logits - std::get<0>(maxima.view({group.world_size(), n}).max(0)).unsqueeze(1);
+    Tensor exp = shifted.exp();
+    Tensor sum_exp = summed(exp.sum(1), group);
+    Tensor local_target = targets - first;
+    Tensor here = (local_target >= 0).logical_and(local_target < local_vocab);
+    Tensor index = local_target.clamp(0, local_vocab - 1);
+    Tensor target_logit = summed(shifted.gather(1, index.unsqueeze(1)).squeeze(1) * here, group);
+    Tensor losses = sum_exp.log() - target_logit;
+    ctx->save_for_backward({exp.div_(sum_exp.unsqueeze(1)), index, here});
+    return losses.mean();
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list saved = ctx->get_saved_variables();
+    Tensor grad = saved[0].clone();  // softmax on the local slice
+    grad.scatter_add_(1, saved[1].unsqueeze(1), -saved[2].to(grad.scalar_type()).unsqueeze(1));
+    return {grad.mul_(grads[0] / static_cast<double>(grad.size(0))), Tensor(), Tensor()};
+  }
+};
+
+}  // namespace
+
+Tensor TensorParallel::enter(const Tensor& x) {
+  if (size() == 1) return x;
+  return EnterRegion::apply(x, reinterpret_cast<int64_t>(&group_));
+}
+
+Tensor TensorParallel::leave(const Tensor& partial) {
+  if (size() == 1) return partial;
+  return LeaveRegion::apply(partial, reinterpret_cast<int64_t>(&group_));
+}
+
+Tensor TensorParallel::embedding(const Tensor& local_weight, const Tensor& ids) {
+  if (size() == 1) return torch::embedding(local_weight, ids);
+  const int64_t rows = local_weight.size(0), first = rank() * rows;
+  Tensor local = ids - first;
+  Tensor outside = (local < 0).logical_or(local >= rows);
+  Tensor found = torch::embedding(local_weight, local.masked_fill(outside, 0));
+  return leave(found.masked_fill(outside.unsqueeze(-1), 0.0));
+}
+
+Tensor TensorParallel::cross_entropy(const Tensor& local_logits, const Tensor& targets) {
+  if (size() == 1) return torch::nn::functional::cross_entropy(local_logits, targets);
+  return VocabParallelCrossEntropy::apply(local_logits, targets, reinterpret_cast<int64_t>(&group_));
+}
+
+std::string tensor_split_problem(const std::vector<int64_t>& shape, const TensorSplit& split, int size) {
+  if (split.kind == TensorSplit::Replicated || size == 1) return "";
+  if (split.kind == TensorSplit::Columns) return shape.at(1) % size == 0 ? "" : std::to_string(shape[1]) + " columns";
+  std::vector<int64_t> parts = split.segments.empty() ? std::vector<int64_t>{shape.at(0)} : split.segments;
+  for (int64_t p : parts)
+    if (p % size != 0) return std::to_string(p) + " rows";
+  return "";
+}
+
+std::vector<int64_t> tensor_slice_shape(const std::vector<int64_t>& full_shape, const TensorSplit& split, int size) {
+  std::vector<int64_t> shape = full_shape;
+  if (split.kind == TensorSplit::Rows) shape[0] /= size;
+  if (split.kind == TensorSplit::Columns) shape[1] /= size;
+  return shape;
+}
+
+Tensor tensor_slice(const Tensor& full, const TensorSplit& split, int rank, int size) {
+  DSRUN_ASSERT(tensor_split_problem(full.sizes().vec(), split, size).empty(), "tensor splits validated by the recipe");
+  if (split.kind == TensorSplit::Replicated || size == 1) return full.clone();
+  if (split.kind == TensorSplit::Columns) {
+    const int64_t cols = full.size(1) / size;
+    return full.narrow(1, rank * cols, cols).contiguous();
+  }
+  // Rows: this rank's slice of every part, in order (whole heads of q, then of k, then of v).
+  std::vector<int64_t> parts = split.segments.empty() ? std::vector<int64_t>{full.size(0)} : split.segments;
+  std::vector<Tensor> slices;
+  int64_t begin = 0;
+  for (int64_t p : parts) {
+    slices.push_back(full.narrow(0, begin + rank * (p / size), p / size));
+    begin += p;
+  }
+  return torch::cat(slices, 0);
+}
+
+}  // namespace dsrun

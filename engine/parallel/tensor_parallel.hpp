@@ -1,0 +1,44 @@
+// Tensor parallelism as Megatron-LM does it, over the mesh's tensor dimension: the two region
+// boundaries (enter: identity forward, gradient summed; leave: sum forward), the vocabulary-
+// parallel embedding lookup and cross-entropy, and cutting a full weight to this rank's slice.
+#pragma once
+
+#include "engine/dist/communicator.hpp"
+#include "engine/model/model.hpp"
+
+#include <torch/torch.h>
+
+#include <vector>
+
+namespace dsrun {
+
+class TensorParallel {
+ public:
+  explicit TensorParallel(Communicator& group) : group_(group) {}
+  int size() const { return group_.world_size(); }
+  int rank() const { return group_.rank(); }
+
+  // Before column-parallel layers: every rank has the whole input; the input's gradient is the
+  // sum of the ranks' (Megatron's f).
+  torch::Tensor enter(const torch::Tensor& x);
+  // After row-parallel layers: the ranks' partial sums become the whole output (Megatron's g).
+  torch::Tensor leave(const torch::Tensor& partial);
+  // Rows [rank · V/t, (rank+1) · V/t) of the vocabulary live here: ids outside look up zeros,
+  // and the sum over ranks is the full lookup.
+  torch::Tensor embedding(const torch::Tensor& local_weight, const torch::Tensor& ids);
+  // Mean cross-entropy over tokens from this rank's vocabulary slice of the logits [N, V/t], fp32;
+  // the full logits are never gathered (two all-reduces of N numbers and one of N maxima).
+  torch::Tensor cross_entropy(const torch::Tensor& local_logits, const torch::Tensor& targets);
+
+ private:
+  Communicator& group_;
+};
+
+// The shape of rank r's slice of a parameter of `full_shape` split `split` over `size` ranks.
+std::vector<int64_t> tensor_slice_shape(const std::vector<int64_t>& full_shape, const TensorSplit& split, int size);
+// Rank r's slice of `full` (a copy, contiguous).
+torch::Tensor tensor_slice(const torch::Tensor& full, const TensorSplit& split, int rank, int size);
+// Why a split cannot be cut evenly over `size` ranks ("" when it can).
+std::string tensor_split_problem(const std::vector<int64_t>& full_shape, const TensorSplit& split, int size);
+
+}  // namespace dsrun

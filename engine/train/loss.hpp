@@ -1,0 +1,24 @@
+// The training objective, owned by the trainer rather than the model: token cross-entropy for
+// decoders (plus the MoE balance loss), classification cross-entropy and accuracy for images.
+#pragma once
+
+#include "engine/model/model.hpp"
+#include "engine/parallel/tensor_parallel.hpp"
+
+#include <torch/torch.h>
+
+namespace dsrun {
+
+struct MicroBatchLoss {
+  torch::Tensor loss;     // what backward starts from: the mean over the batch, aux loss included
+  double task_loss = 0;   // cross-entropy alone, for reporting
+  double aux_loss = 0;    // MoE load balance (0 for dense models)
+  int64_t correct = -1;   // images: correct predictions; -1 where it does not apply
+};
+
+// Classification when the targets are one label per sample ([b]); next-token prediction otherwise,
+// over this tensor-parallel rank's vocabulary slice of the logits (vocabulary-parallel
+// cross-entropy; the whole vocabulary on one rank). Cross-entropy in fp32 whatever the logits' dtype.
+MicroBatchLoss micro_batch_loss(const ModelOutput& out, const Batch& batch, TensorParallel& tensor);
+
+}  // namespace dsrun

@@ -1,0 +1,125 @@
+// Engine tests' shared pieces: ranks as forked processes joined by Gloo (a communicator, or a
+// device mesh), the tiny decoders and random token batches they train on.
+#pragma once
+
+#include "engine/dist/communicator.hpp"
+#include "engine/dist/mesh.hpp"
+#include "engine/model/model.hpp"
+#include "engine/train/loss.hpp"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <functional>
+#include <vector>
+
+namespace dsrun::test {
+
+inline int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+// Runs `body(rank, port)` in `world` forked processes; true if every one returned true.
+inline bool in_forked_ranks(int world, const std::function<bool(int rank, int port)>& body) {
+  const int port = free_port();
+  std::vector<pid_t> children;
+  for (int r = 0; r < world; ++r) {
+    pid_t pid = fork();
+    if (pid == 0) {
+      torch::set_num_threads(1);
+      bool ok = false;
+      try {
+        ok = body(r, port);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "rank %d: %s\n", r, e.what());
+      }
+      _exit(ok ? 0 : 1);
+    }
+    children.push_back(pid);
+  }
+  bool all = true;
+  for (pid_t pid : children) {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    all &= WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  }
+  return all;
+}
+
+inline RendezvousOptions local_rendezvous(int rank, int world, int port) {
+  RendezvousOptions o;
+  o.master_port = port;
+  o.rank = rank;
+  o.world_size = world;
+  o.timeout_s = 30;
+  return o;
+}
+
+// Runs `body(rank, comm)` in `world` processes joined by one Gloo group.
+inline bool in_processes(int world, const std::function<bool(int, Communicator&)>& body) {
+  return in_forked_ranks(world, [&](int rank, int port) {
+    auto comm = connect_communicator(local_rendezvous(rank, world, port));
+    return body(rank, *comm);
+  });
+}
+
+// Runs `body(mesh)` on every rank of a mesh of `shape`.
+inline bool in_mesh(const MeshShape& shape, const std::function<bool(DeviceMesh&)>& body) {
+  return in_forked_ranks(shape.size(), [&](int rank, int port) {
+    auto mesh = connect_mesh(local_rendezvous(rank, shape.size(), port), shape);
+    return body(*mesh);
+  });
+}
+
+inline ModelSpec tiny_decoder() {
+  ModelSpec m;
+  m.hidden = 32;
+  m.layers = 2;
+  m.heads = 4;
+  m.kv_heads = 2;
+  m.intermediate = 48;
+  m.vocab = 64;
+  m.max_seq_len = 16;
+  return m;
+}
+
+// The tiny decoder with DeepSeek-MoE layers after the first: `experts` routed, top-2, one shared.
+inline ModelSpec tiny_moe_decoder(int experts) {
+  ModelSpec m = tiny_decoder();
+  m.moe.routed_experts = experts;
+  m.moe.shared_experts = 1;
+  m.moe.top_k = 2;
+  m.moe.intermediate = 16;
+  m.moe.first_dense_layers = 1;
+  return m;
+}
+
+inline Batch token_batch(int64_t b, int64_t s, int64_t vocab, uint64_t seed) {
+  torch::manual_seed(seed);
+  Batch batch;
+  batch.inputs = torch::randint(vocab, {b, s}, torch::kInt64);
+  batch.targets = torch::randint(vocab, {b, s}, torch::kInt64);
+  batch.items = b * s;
+  return batch;
+}
+
+// The loss of one forward on one rank (no tensor parallelism), as the trainer computes it.
+inline MicroBatchLoss one_rank_loss(Model& model, const Batch& batch, UnitRunner& runner) {
+  static std::unique_ptr<Communicator> single = single_process_communicator();
+  static TensorParallel whole(*single);
+  return micro_batch_loss(model.forward(batch, runner), batch, whole);
+}
+
+}  // namespace dsrun::test
