@@ -104,9 +104,10 @@ Reference one_process(const ModelSpec& m, const Batch& batch) {
 // The same batch on `shape` (tensor-parallel, ZeRO `stage` over data ranks that all see it):
 // every rank's loss, gradient slices and global norm within 1e-5 of one process's.
 bool tensor_parallel_matches(const ModelSpec& m, const MeshShape& shape, int stage) {
-  const Batch batch = token_batch(2, 16, m.vocab, 3);
-  const Reference ref = one_process(m, batch);
   return in_mesh(shape, [&](DeviceMesh& mesh) {
+    // The reference is computed in each rank's process: autograd must not run before a fork.
+    const Batch batch = token_batch(2, 16, m.vocab, 3);
+    const Reference ref = one_process(m, batch);
     ModelBuild build;
     build.seed = 7;
     build.deferred = true;

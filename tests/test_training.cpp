@@ -91,7 +91,10 @@ void check_tensor_parallel(const std::string& model, int stage, int data_paralle
   check_same_trajectory(one.losses, tp, 1e-5);
   const std::vector<double> norms = dsrun::test::recorded_metric(dir, one.id, "grad_norm"), tp_norms = dsrun::test::recorded_metric(dir, tp.id, "grad_norm");
   REQUIRE(norms.size() == tp_norms.size());
-  for (size_t i = 0; i < norms.size(); ++i) CHECK(tp_norms[i] == Approx(norms[i]).epsilon(1e-5));
+  for (size_t i = 0; i < norms.size(); ++i) {
+    INFO("gradient norm at step " << i + 1);
+    CHECK(tp_norms[i] == Approx(norms[i]).epsilon(1e-5));
+  }
   check_memory_matches_plan(dir, tp, 2 * data_parallel);
 }
 
