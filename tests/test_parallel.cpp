@@ -103,7 +103,7 @@ Reference one_process(const ModelSpec& m, const Batch& batch) {
 
 // The same batch on `shape` (tensor-parallel, ZeRO `stage` over data ranks that all see it):
 // every rank's loss, gradient slices and global norm within 1e-5 of one process's.
-bool tensor_parallel_matches(const ModelSpec& m, const MeshShape& shape, int stage) {
+bool tensor_parallel_matches(const ModelSpec& m, const MeshShape& shape, int stage, bool sequence_parallel = false) {
   return in_mesh(shape, [&](DeviceMesh& mesh) {
     // The reference is computed in each rank's process: autograd must not run before a fork.
     const Batch batch = token_batch(2, 16, m.vocab, 3);
@@ -112,9 +112,10 @@ bool tensor_parallel_matches(const ModelSpec& m, const MeshShape& shape, int sta
     build.seed = 7;
     build.deferred = true;
     auto model = build_model(m, 16, build);
-    ZeroOptions zo;
-    zo.stage = stage;
-    auto parallel = parallelize(*model, mesh, zo);
+    ParallelizeOptions options;
+    options.zero.stage = stage;
+    options.sequence_parallel = sequence_parallel;
+    auto parallel = parallelize(*model, mesh, options);
     MicroBatchLoss l = micro_batch_loss(model->forward(batch, *parallel), batch, parallel->tensor());
     l.loss.backward();
     parallel->zero().after_backward();
@@ -158,4 +159,11 @@ TEST_CASE("tensor parallelism with MoE layers: router replicated, experts split"
 TEST_CASE("data × tensor parallelism: ZeRO-1 and ZeRO-3 over the data dimension, the norm over the mesh", "[engine][tensor][zero]") {
   CHECK(tensor_parallel_matches(dsrun::test::tiny_decoder(), {1, 2, 2}, 1));
   CHECK(tensor_parallel_matches(dsrun::test::tiny_decoder(), {1, 2, 2}, 3));
+}
+
+TEST_CASE("sequence parallelism: norms on a part of the sequence, the same loss, gradients and norm", "[engine][tensor][sequence]") {
+  ModelSpec m = dsrun::test::tiny_decoder();
+  CHECK(tensor_parallel_matches(m, {1, 1, 2}, 0, true));
+  m.tie_embeddings = true;
+  CHECK(tensor_parallel_matches(m, {1, 2, 2}, 1, true));
 }

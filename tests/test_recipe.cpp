@@ -335,6 +335,12 @@ TEST_CASE("tensor parallelism: every size it splits must divide, all reported at
   CHECK(contains(only_error(load_text("base = [\"models/resnet50-cifar10\"]\n[hardware]\ndevices_per_node = 2\n[parallel]\ntensor = 2\n")).message, "ResNet"));
   CHECK(only_error(load_text("[hardware]\ndevices_per_node = 2\n[parallel]\ntensor = 2\nzero_stage = 1\noffload = \"optimizer\"\n")).key == "parallel.offload");
   CHECK(only_error(load_text("[hardware]\ndevices_per_node = 2\n[parallel]\ntensor = 4\n")).key == "parallel.tensor");
+  // Sequence parallelism splits the sequence evenly, and is not yet combined with MoE.
+  const Diagnostic& seq = only_error(load_text("[hardware]\ndevices_per_node = 2\n[parallel]\ntensor = 2\nsequence_parallel = true\n[batch]\nseq_len = 1023\n"));
+  CHECK(seq.key == "batch.seq_len");
+  CHECK(contains(seq.fix, "multiple of 2"));
+  CHECK(only_error(load_text("base = [\"models/deepseek-moe-tiny\"]\n[hardware]\ndevices_per_node = 2\n[parallel]\ntensor = 2\nsequence_parallel = true\n")).key ==
+        "parallel.sequence_parallel");
 }
 
 TEST_CASE("tensor parallelism: the world is data × tensor; data_parallel auto takes the devices left", "[recipe][plan][tensor]") {

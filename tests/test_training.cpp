@@ -102,6 +102,10 @@ TEST_CASE("tensor parallelism on 2 ranks follows one process (GQA, tied embeddin
   check_tensor_parallel(" --set model.kv_heads=2 --set model.tie_embeddings=true", 0, 1);
 }
 
+TEST_CASE("sequence parallelism on data 2 x tensor 2 with ZeRO-2 follows one process", "[training][tensor][sequence]") {
+  check_tensor_parallel(" --set parallel.sequence_parallel=true", 2, 2);
+}
+
 TEST_CASE("data 2 x tensor 2 with ZeRO-1 and ZeRO-3 follows one process", "[training][tensor][zero]") {
   check_tensor_parallel("", 1, 2);
   check_tensor_parallel("", 3, 2);

@@ -20,7 +20,11 @@ void shard_tensors(Model& model, TensorParallel& tp, ZeroOptions& zero) {
     for (size_t i = 0; i < unit.params.size(); ++i) {
       torch::Tensor& p = unit.params[i];
       const TensorSplit split = i < unit.splits.size() ? unit.splits[i] : TensorSplit{};
-      if (split.kind == TensorSplit::Replicated) continue;
+      if (split.kind == TensorSplit::Replicated) {
+        // Replicated weights outside the regions (the norms) see 1/t of the tokens under sequence parallelism.
+        if (tp.sequence_parallel()) tp.sum_gradient_over_group(p);
+        continue;
+      }
       (*full_shapes)[unit.names.at(i)] = {p.sizes().vec(), split};
       if (model.deferred())
         p.set_data(torch::empty(tensor_slice_shape(p.sizes().vec(), split, tp.size()), p.options()));
@@ -40,12 +44,13 @@ void shard_tensors(Model& model, TensorParallel& tp, ZeroOptions& zero) {
 
 }  // namespace
 
-std::unique_ptr<ParallelModel> parallelize(Model& model, DeviceMesh& mesh, const ZeroOptions& zero_options) {
-  std::unique_ptr<ParallelModel> pm(new ParallelModel(mesh));
-  ZeroOptions zero = zero_options;
+std::unique_ptr<ParallelModel> parallelize(Model& model, DeviceMesh& mesh, const ParallelizeOptions& options) {
+  std::unique_ptr<ParallelModel> pm(new ParallelModel(mesh, options.sequence_parallel));
+  ZeroOptions zero = options.zero;
   // 1. Pipeline split: one stage until pipeline parallelism lands (the recipe refuses more).
   DSRUN_ASSERT(mesh.shape().pipeline == 1, "pipeline stages are validated by the recipe");
-  // 2. Tensor sharding: split weights become this rank's slices.
+  // 2. Tensor sharding: split weights become this rank's slices (with sequence parallelism,
+  //    replicated weights sum their gradients over the tensor group).
   shard_tensors(model, pm->tensor_, zero);
   // 3. Activation checkpointing: ZeRO's runner recomputes checkpointable units (zero.activation_checkpointing).
   // 4. ZeRO over the data dimension: flat buffers, sharded states, gradient reduction.

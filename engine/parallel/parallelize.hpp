@@ -11,6 +11,11 @@
 
 namespace dsrun {
 
+struct ParallelizeOptions {
+  bool sequence_parallel = false;  // activations between tensor-parallel regions split along the sequence
+  ZeroOptions zero;                // ZeRO on the data dimension: stage, dtype, recomputation, offload
+};
+
 // The model as this rank runs it: its slice of every split weight, ZeRO's flat buffers over the
 // data dimension, and the tensor-parallel regions. The model's forward takes it as its runner.
 class ParallelModel final : public UnitRunner {
@@ -30,14 +35,13 @@ class ParallelModel final : public UnitRunner {
   bool gradients_overflowed();
 
  private:
-  friend std::unique_ptr<ParallelModel> parallelize(Model&, DeviceMesh&, const ZeroOptions&);
-  ParallelModel(DeviceMesh& mesh) : mesh_(mesh), tensor_(mesh.along(MeshDim::Tensor)) {}
+  friend std::unique_ptr<ParallelModel> parallelize(Model&, DeviceMesh&, const ParallelizeOptions&);
+  ParallelModel(DeviceMesh& mesh, bool sequence_parallel) : mesh_(mesh), tensor_(mesh.along(MeshDim::Tensor), sequence_parallel) {}
   DeviceMesh& mesh_;
   TensorParallel tensor_;
   std::unique_ptr<ZeroDataParallel> zero_;
 };
 
-// `zero` says how to run ZeRO on the data dimension (stage, dtype, recomputation, offload).
-std::unique_ptr<ParallelModel> parallelize(Model& model, DeviceMesh& mesh, const ZeroOptions& zero);
+std::unique_ptr<ParallelModel> parallelize(Model& model, DeviceMesh& mesh, const ParallelizeOptions& options);
 
 }  // namespace dsrun

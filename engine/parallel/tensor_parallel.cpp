@@ -32,6 +32,47 @@ struct LeaveRegion : torch::autograd::Function<LeaveRegion> {
   static variable_list backward(AutogradContext*, variable_list grads) { return {grads[0], Tensor()}; }
 };
 
+// Sequence parallelism: [b, s, h] on every rank <-> [b, s/t, h], rank r's positions.
+Tensor gather_sequence(const Tensor& part, Communicator& group) {
+  const int64_t t = group.world_size();
+  Tensor full = torch::empty({t * part.numel()}, part.options());
+  group.all_gather(part.contiguous().view({-1}), full);
+  std::vector<int64_t> shape = part.sizes().vec();  // [t, b, s/t, ...] -> [b, t·s/t, ...]
+  shape.insert(shape.begin(), t);
+  Tensor stacked = full.view(shape).transpose(0, 1);
+  std::vector<int64_t> whole = part.sizes().vec();
+  whole[1] *= t;
+  return stacked.reshape(whole);
+}
+
+Tensor reduce_scatter_sequence(const Tensor& whole, Communicator& group) {
+  const int64_t t = group.world_size();
+  DSRUN_ASSERT(whole.size(1) % t == 0, "the sequence divides by the tensor-parallel ranks (checked by the recipe)");
+  Tensor stacked = torch::stack(whole.chunk(t, 1)).contiguous();  // [t, b, s/t, ...]
+  std::vector<int64_t> shape = whole.sizes().vec();
+  shape[1] /= t;
+  Tensor part = torch::empty(shape, whole.options());
+  Tensor flat_part = part.view({-1});
+  group.reduce_scatter_sum(stacked.view({-1}), flat_part);
+  return part;
+}
+
+struct GatherSequence : torch::autograd::Function<GatherSequence> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& part, int64_t group) {
+    ctx->saved_data["group"] = group;
+    return gather_sequence(part, *reinterpret_cast<Communicator*>(group));
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) { return {reduce_scatter_sequence(grads[0], group_at(ctx)), Tensor()}; }
+};
+
+struct ReduceScatterSequence : torch::autograd::Function<ReduceScatterSequence> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& whole, int64_t group) {
+    ctx->saved_data["group"] = group;
+    return reduce_scatter_sequence(whole, *reinterpret_cast<Communicator*>(group));
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) { return {gather_sequence(grads[0], group_at(ctx)), Tensor()}; }
+};
+
 // Megatron's vocabulary-parallel cross-entropy: log Σ_v exp(z_v) - z_target, with the sum and the
 // target's logit assembled over ranks; backward is softmax - one_hot on the local slice.
 struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
@@ -65,12 +106,19 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
 
 Tensor TensorParallel::enter(const Tensor& x) {
   if (size() == 1) return x;
+  if (sequence_) return GatherSequence::apply(x, reinterpret_cast<int64_t>(&group_));
   return EnterRegion::apply(x, reinterpret_cast<int64_t>(&group_));
 }
 
 Tensor TensorParallel::leave(const Tensor& partial) {
   if (size() == 1) return partial;
+  if (sequence_) return ReduceScatterSequence::apply(partial, reinterpret_cast<int64_t>(&group_));
   return LeaveRegion::apply(partial, reinterpret_cast<int64_t>(&group_));
+}
+
+void TensorParallel::sum_gradient_over_group(Tensor& parameter) {
+  Communicator* group = &group_;
+  parameter.register_hook([group](const Tensor& grad) { return summed(grad, *group); });
 }
 
 Tensor TensorParallel::embedding(const Tensor& local_weight, const Tensor& ids) {

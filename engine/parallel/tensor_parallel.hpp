@@ -12,26 +12,36 @@
 
 namespace dsrun {
 
+// With sequence parallelism (Korthikanti et al. 2022) the activations between regions, [b, s, h],
+// are split along the sequence: rank r holds positions [r·s/t, (r+1)·s/t). Entering a region
+// all-gathers them, leaving reduce-scatters, in place of the all-reduce (the same traffic), and
+// the norms run on 1/t of the tokens; their weights' gradients are then partial sums.
 class TensorParallel {
  public:
-  explicit TensorParallel(Communicator& group) : group_(group) {}
+  explicit TensorParallel(Communicator& group, bool sequence_parallel = false) : group_(group), sequence_(sequence_parallel && group.world_size() > 1) {}
   int size() const { return group_.world_size(); }
   int rank() const { return group_.rank(); }
+  bool sequence_parallel() const { return sequence_; }
 
-  // Before column-parallel layers: every rank has the whole input; the input's gradient is the
-  // sum of the ranks' (Megatron's f).
+  // Before column-parallel layers: every rank gets the whole input (gathered along the sequence
+  // with sequence parallelism); the input's gradient is the sum of the ranks' (Megatron's f).
   torch::Tensor enter(const torch::Tensor& x);
-  // After row-parallel layers: the ranks' partial sums become the whole output (Megatron's g).
+  // After row-parallel layers: the ranks' partial sums become the whole output, or with sequence
+  // parallelism this rank's part of the sequence of it (Megatron's g).
   torch::Tensor leave(const torch::Tensor& partial);
   // Rows [rank · V/t, (rank+1) · V/t) of the vocabulary live here: ids outside look up zeros,
-  // and the sum over ranks is the full lookup.
+  // and the sum over ranks (left as from a row-parallel layer) is the full lookup.
   torch::Tensor embedding(const torch::Tensor& local_weight, const torch::Tensor& ids);
+  // Sequence parallelism: a replicated weight used on this rank's part of the sequence gets a
+  // partial gradient; this hook sums it over the group before it is accumulated.
+  void sum_gradient_over_group(torch::Tensor& parameter);
   // Mean cross-entropy over tokens from this rank's vocabulary slice of the logits [N, V/t], fp32;
   // the full logits are never gathered (two all-reduces of N numbers and one of N maxima).
   torch::Tensor cross_entropy(const torch::Tensor& local_logits, const torch::Tensor& targets);
 
  private:
   Communicator& group_;
+  bool sequence_;
 };
 
 // The shape of rank r's slice of a parameter of `full_shape` split `split` over `size` ranks.

@@ -124,7 +124,8 @@ class Planner {
     // Tensor parallelism without sequence parallelism (Korthikanti et al. 2022, eq. 2): of a
     // layer's 34·sbh activation bytes, 24·sbh are split over t ranks and 10·sbh (norms, dropout-free
     // residuals, the region inputs) stay whole. Applied to the total until the terms are split one by one.
-    if (tp_ > 1 && !l.checkpointing) m.activations *= (10.0 + 24.0 / tp_) / 34.0;
+    // With sequence parallelism the 10·sbh are split too (eq. 4): everything is 1/t.
+    if (tp_ > 1 && !l.checkpointing) m.activations *= r_.parallel.sequence_parallel ? 1.0 / tp_ : (10.0 + 24.0 / tp_) / 34.0;
     if (r_.data.separate_documents) {  // the document mask (bool, then a bias in the compute dtype, s x s) and each token's rotary rows (fp32 cos and sin)
       const double s = static_cast<double>(r_.batch.seq_len);
       m.activations += l.micro * (s * s * (1 + bytes_per_element(r_.precision.dtype)) + s * r_.model.head_dim() * 8);
@@ -435,10 +436,13 @@ class Planner {
     if (tp_ > 1) {
       // Megatron's tensor parallelism: per layer two all-reduces of the activations [b, s, h] in
       // forward and two in backward, every micro-batch; within the node (tp ranks are consecutive).
+      // Sequence parallelism replaces each by a reduce-scatter and an all-gather: the same bytes.
       const double activation = static_cast<double>(p.micro_batch) * r_.batch.seq_len * r_.model.hidden * e;
       const double t = tp_, bytes = a * 4.0 * r_.model.layers * 2 * (t - 1) / t * activation;
       const double node_bw = r_.hardware.link_bandwidth * r_.hardware.comm_efficiency;
-      p.comm.push_back({"all-reduce activations (tensor, 4 per layer, every micro-batch)", bytes, bytes / node_bw});
+      p.comm.push_back({r_.parallel.sequence_parallel ? "reduce-scatter + all-gather activations (tensor, sequence-parallel, 4 per layer, every micro-batch)"
+                                                      : "all-reduce activations (tensor, 4 per layer, every micro-batch)",
+                        bytes, bytes / node_bw});
     }
     for (const auto& c : p.comm) p.comm_seconds += c.seconds;
 

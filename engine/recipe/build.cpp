@@ -211,6 +211,9 @@ void build_tensor_parallel(Builder& c, Recipe& r) {
   divides("model.vocab", m.vocab, "the embedding and output head are split by vocabulary");
   if (m.moe.enabled()) divides("model.moe.intermediate", m.moe.intermediate, "each expert's inner size is split");
   const ParallelOptions& p = r.parallel;
+  if (p.sequence_parallel && m.moe.enabled())
+    c.error("parallel.sequence_parallel", "sequence parallelism with MoE layers is not supported yet (the router would see part of the sequence)",
+            "set parallel.sequence_parallel = false", {"model.moe.routed_experts"});
   if (p.offload != Offload::None)
     c.error("parallel.offload", "offload with tensor parallelism is not supported yet (the host step's gradient norm is not split by tensor rank)",
             "set parallel.offload = \"none\", or parallel.tensor = 1", {"parallel.tensor"});
@@ -227,6 +230,7 @@ void build_parallel(Builder& c, Recipe& r) {
   p.activation_checkpointing = ckpt == "full" ? Checkpointing::Full : ckpt == "auto" ? Checkpointing::Auto : Checkpointing::None;
   p.bucket_bytes = c.f("parallel.bucket_mb") * 1e6;
   p.tensor = static_cast<int>(c.i("parallel.tensor"));
+  p.sequence_parallel = c.b("parallel.sequence_parallel");
 
   int devices = r.hardware.total_devices();
   if (p.data_parallel && devices > 0 && *p.data_parallel * p.tensor > devices)
@@ -291,6 +295,10 @@ void build_batch(Builder& c, Recipe& r) {
                                  dp_text + ") for any whole accumulation",
               "use a micro batch that divides " + std::to_string(per_rank) + ", such as " + std::to_string(closest_divisor(per_rank, *b.micro)), {"batch.global", "parallel.data_parallel"});
   }
+  if (r.parallel.sequence_parallel && r.parallel.tensor > 1 && b.seq_len % r.parallel.tensor != 0)
+    c.error("batch.seq_len", "sequence length " + std::to_string(b.seq_len) + " does not divide by parallel.tensor = " + std::to_string(r.parallel.tensor) +
+                                 " (sequence parallelism gives each tensor rank an equal part of it)",
+            "use a multiple of " + std::to_string(r.parallel.tensor) + ", or parallel.sequence_parallel = false", {"parallel.sequence_parallel", "parallel.tensor"});
   if (r.model.arch == ModelArch::DeepSeek && b.seq_len > r.model.max_seq_len)
     c.error("batch.seq_len", "sequence length " + std::to_string(b.seq_len) + " exceeds model.max_seq_len = " + std::to_string(r.model.max_seq_len),
             "use seq_len <= " + std::to_string(r.model.max_seq_len) + " or raise model.max_seq_len", {"model.max_seq_len"});
@@ -461,6 +469,7 @@ struct Applicability {
 
 void warn_inapplicable(Builder& c, const Recipe& r) {
   static const std::vector<Applicability> rules = {
+      {"parallel.sequence_parallel", [](const Recipe& x) { return x.parallel.tensor > 1; }, "parallel.tensor > 1"},
       {"optimizer.momentum", [](const Recipe& x) { return x.optimizer.kind == OptimizerKind::Sgd; }, "optimizer.name = \"sgd\""},
       {"optimizer.nesterov", [](const Recipe& x) { return x.optimizer.kind == OptimizerKind::Sgd; }, "optimizer.name = \"sgd\""},
       {"optimizer.betas", [](const Recipe& x) { return x.optimizer.kind != OptimizerKind::Sgd; }, "optimizer.name is adam or adamw"},

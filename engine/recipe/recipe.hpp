@@ -98,6 +98,7 @@ enum class Checkpointing { None, Full, Auto };
 struct ParallelOptions {
   std::optional<int> data_parallel;  // nullopt: auto (the devices left by tensor parallelism)
   int tensor = 1;                    // tensor-parallel ranks (innermost mesh dimension)
+  bool sequence_parallel = false;    // activations between tensor-parallel regions split along the sequence
   int data_parallel_or_auto(const HardwareSpec& h) const;
   std::optional<int> zero_stage;     // nullopt: auto
   Offload offload = Offload::None;

@@ -111,6 +111,9 @@ std::vector<KeySpec> build_schema() {
       ranged("parallel.tensor", T::Int, "1", 1, 1024,
              "Tensor-parallel ranks (Megatron-LM): each layer's heads, MLP and vocabulary split over this many consecutive ranks, "
              "which should share a node. Heads, KV heads, the MLP sizes and the vocabulary must divide by it."),
+      key("parallel.sequence_parallel", T::Bool, "false",
+          "With parallel.tensor > 1: split the activations between tensor-parallel regions (norms, residuals) along the sequence "
+          "(Korthikanti et al. 2022): 1/tensor of the activation memory at the same traffic. batch.seq_len must divide by parallel.tensor."),
       ranged("parallel.zero_stage", T::IntOrAuto, "\"auto\"", 0, 3,
              "ZeRO stage: 0 replicate all, 1 shard optimizer states, 2 also gradients, 3 also parameters. `auto`: the lowest that fits."),
       choice("parallel.offload", "none", {"none", "optimizer", "optimizer+params"},

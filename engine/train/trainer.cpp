@@ -227,7 +227,9 @@ class Trainer {
 
   // parallelize(): tensor sharding, recomputation, ZeRO over the data dimension.
   void apply_parallelism() {
-    ZeroOptions zo;
+    ParallelizeOptions po;
+    po.sequence_parallel = r_.parallel.sequence_parallel;
+    ZeroOptions& zo = po.zero;
     zo.stage = plan_.zero_stage;
     zo.dtype = plan_.dtype;
     zo.activation_checkpointing = plan_.activation_checkpointing;
@@ -236,7 +238,7 @@ class Trainer {
     zo.delayed_update = r_.parallel.delayed_update;
     zo.bucket_bytes = r_.parallel.bucket_bytes;
     zo.device = device_;
-    parallel_ = parallelize(*model_, *mesh_, zo);
+    parallel_ = parallelize(*model_, *mesh_, po);
     zero_ = &parallel_->zero();
   }
 
