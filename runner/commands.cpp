@@ -208,7 +208,8 @@ std::vector<std::string> smoke_overrides(const Recipe& r, const Plan& p, std::ve
   set("parallel.data_parallel=" + std::to_string(p.data_parallel));
   set("parallel.zero_stage=" + std::to_string(p.zero_stage));
   set(std::string("parallel.activation_checkpointing=") + (p.activation_checkpointing ? "full" : "none"));
-  changes.push_back(std::string(to_string(r.hardware.device)) + " \"" + r.hardware.name + "\" -> " + std::to_string(p.world_size) + " CPU ranks");
+  changes.push_back(std::string(to_string(r.hardware.device)) + " \"" + r.hardware.name + "\" -> " + std::to_string(p.world_size) + " CPU ranks" +
+                    (p.tensor_parallel > 1 ? " (data " + std::to_string(p.data_parallel) + " × tensor " + std::to_string(p.tensor_parallel) + ")" : ""));
   if (p.dtype == DType::Fp16) {
     set("precision.dtype=bf16");
     changes.push_back("fp16 -> bf16 (libtorch has no CPU fp16 matmul)");
@@ -220,8 +221,11 @@ std::vector<std::string> smoke_overrides(const Recipe& r, const Plan& p, std::ve
                     std::to_string(p.data_parallel) + " -> " + std::to_string(micro * accumulation * p.data_parallel) + " = " + std::to_string(micro) +
                     " x " + std::to_string(accumulation) + " x " + std::to_string(p.data_parallel));
   if (r.model.arch == ModelArch::DeepSeek) {
-    const int kv_groups = r.model.heads / r.model.kv_heads;
-    const int heads = 4, kv = std::max(1, heads / std::min(kv_groups, 4));  // keeps GQA when the recipe has it
+    // Keeps GQA when the recipe has it, and whole KV heads on every tensor-parallel rank.
+    const int groups = std::min(r.model.heads / r.model.kv_heads, 4), t = p.tensor_parallel;
+    int kv = std::max(1, 4 / groups);
+    if (kv % t != 0) kv = t;
+    const int heads = kv * groups;
     for (const char* kv_set : {"model.hidden=64", "model.layers=2", "model.intermediate=128", "model.vocab=256", "model.max_seq_len=128", "batch.seq_len=32"})
       set(kv_set);
     set("model.heads=" + std::to_string(heads));

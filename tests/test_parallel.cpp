@@ -29,7 +29,7 @@ TEST_CASE("the mesh puts tensor innermost and names each group the same on its m
   CHECK(s.group_name(7, MeshDim::Data) != s.group_name(6, MeshDim::Data));
 }
 
-TEST_CASE("each mesh dimension's communicator reaches only its group; send, recv and all-to-all", "[engine][mesh][comm]") {
+TEST_CASE("each mesh dimension's communicator reaches only its group, and send, recv and all-to-all work", "[engine][mesh][comm]") {
   CHECK(in_mesh({1, 2, 2}, [](DeviceMesh& mesh) {
     const int rank = mesh.rank();
     bool ok = true;

@@ -270,6 +270,15 @@ TEST_CASE("smoke runs cover MoE, grouped-query attention and ZeRO-3 with offload
   CHECK(contains(resnet.text, "ResNet-18"));
 }
 
+TEST_CASE("smoke keeps a tensor-parallel layout, with whole heads per rank", "[training][smoke][tensor]") {
+  dsrun::test::TempDir dir;
+  Run run = train(dir, "--smoke", "", "recipes/deepseek7b_zero2.toml --set parallel.tensor=2 --set parallel.data_parallel=2 --set parallel.sequence_parallel=true --set checkpoint.every=0");
+  INFO(run.text);
+  CHECK(run.code == 0);
+  CHECK(contains(run.text, "4 CPU ranks (data 2 × tensor 2)"));
+  CHECK(contains(run.text, "finished"));
+}
+
 TEST_CASE("ranks started from outside (torchrun style, dsrun worker) train without the launcher", "[training][worker]") {
   dsrun::test::TempDir dir;
   std::string recipe = dir.write("two.toml", "base = \"" + dsrun::test::source_dir() + "/tests/recipes/tiny_train.toml\"\n"

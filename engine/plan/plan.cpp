@@ -454,7 +454,9 @@ class Planner {
     } else {
       double overlappable_work = 0, not_overlapped = 0;
       for (const auto& c : p.comm) {
-        if (c.collective.rfind("all-gather updated", 0) == 0) not_overlapped += c.seconds;
+        // The updated parameters' gather follows the step; tensor-parallel collectives sit between
+        // the layers' matmuls that need their results.
+        if (c.collective.rfind("all-gather updated", 0) == 0 || c.collective.find("(tensor") != std::string::npos) not_overlapped += c.seconds;
         else overlappable_work += c.seconds;
       }
       double backward = compute * 2.0 / 3.0;
