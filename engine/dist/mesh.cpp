@@ -9,10 +9,9 @@ std::unique_ptr<DeviceMesh> connect_mesh(const RendezvousOptions& o, const MeshS
   std::unique_ptr<Rendezvous> rendezvous = open_rendezvous(o);
   std::unique_ptr<Communicator> world = rendezvous->group("world", o.rank, o.world_size);
   std::array<std::unique_ptr<Communicator>, 3> groups;
-  for (const auto& [dim, name] : kMeshDims) {
-    const std::vector<int> members = shape.group_of(o.rank, dim);
-    const int group_rank = shape.coordinates_of(o.rank)[dim];
-    groups[static_cast<size_t>(dim)] = rendezvous->group(shape.group_name(o.rank, dim), group_rank, static_cast<int>(members.size()));
+  for (const auto& entry : kMeshDims) {
+    const MeshDim dim = entry.first;
+    groups[static_cast<size_t>(dim)] = rendezvous->group(shape.group_name(o.rank, dim), shape.coordinates_of(o.rank)[dim], shape[dim]);
   }
   return std::make_unique<DeviceMesh>(shape, o.rank, std::move(world), std::move(groups));
 }

@@ -1,6 +1,7 @@
 // DeepSeek/Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU, multi-head or grouped-query
 // attention, optional tied embeddings, and DeepSeek-MoE layers (fine-grained routed experts plus
 // shared experts, top-k softmax gating, expert-level load-balance loss, first layers dense).
+#include "engine/common/text.hpp"
 #include "engine/common/torch_compat.hpp"
 #include "engine/model/fused_ops.hpp"
 #include "engine/model/model.hpp"
@@ -229,8 +230,6 @@ struct DecoderModule : nn::Module {
   RMSNorm norm{nullptr};
   Linear head{nullptr};
 };
-
-bool ends_with(const std::string& s, const std::string& tail) { return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0; }
 
 // How tensor parallelism splits each weight (Megatron-LM's layout): q/k/v and gate/up are
 // column-parallel, the attention output and down projections row-parallel, the embedding and the

@@ -60,11 +60,13 @@ std::unique_ptr<ParallelModel> parallelize(Model& model, DeviceMesh& mesh, const
 }
 
 double ParallelModel::global_grad_norm() {
-  if (tensor_.size() == 1) return zero_->global_grad_norm();
   ZeroDataParallel::GradientSquares sq = zero_->gradient_squares();
-  torch::Tensor split = torch::tensor({sq.split}, torch::kFloat64);
-  mesh_.along(MeshDim::Tensor).all_reduce_sum(split);
-  return std::sqrt(split.item<double>() + sq.replicated);
+  if (tensor_.size() > 1) {
+    torch::Tensor split = torch::tensor({sq.split}, torch::kFloat64);
+    mesh_.along(MeshDim::Tensor).all_reduce_sum(split);
+    sq.split = split.item<double>();
+  }
+  return std::sqrt(sq.split + sq.replicated);
 }
 
 bool ParallelModel::gradients_overflowed() {

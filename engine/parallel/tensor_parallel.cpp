@@ -11,7 +11,8 @@ using torch::autograd::variable_list;
 namespace {
 
 // The group travels through autograd as an address: autograd's saved data holds IValues only.
-Communicator& group_at(AutogradContext* ctx) { return *reinterpret_cast<Communicator*>(ctx->saved_data["group"].toInt()); }
+Communicator& group_at(int64_t address) { return *reinterpret_cast<Communicator*>(address); }
+Communicator& group_at(AutogradContext* ctx) { return group_at(ctx->saved_data["group"].toInt()); }
 
 Tensor summed(const Tensor& t, Communicator& group) {
   Tensor out = t.contiguous().clone();
@@ -28,7 +29,7 @@ struct EnterRegion : torch::autograd::Function<EnterRegion> {
 };
 
 struct LeaveRegion : torch::autograd::Function<LeaveRegion> {
-  static Tensor forward(AutogradContext*, const Tensor& partial, int64_t group) { return summed(partial, *reinterpret_cast<Communicator*>(group)); }
+  static Tensor forward(AutogradContext*, const Tensor& partial, int64_t group) { return summed(partial, group_at(group)); }
   static variable_list backward(AutogradContext*, variable_list grads) { return {grads[0], Tensor()}; }
 };
 
@@ -60,7 +61,7 @@ Tensor reduce_scatter_sequence(const Tensor& whole, Communicator& group) {
 struct GatherSequence : torch::autograd::Function<GatherSequence> {
   static Tensor forward(AutogradContext* ctx, const Tensor& part, int64_t group) {
     ctx->saved_data["group"] = group;
-    return gather_sequence(part, *reinterpret_cast<Communicator*>(group));
+    return gather_sequence(part, group_at(group));
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) { return {reduce_scatter_sequence(grads[0], group_at(ctx)), Tensor()}; }
 };
@@ -68,7 +69,7 @@ struct GatherSequence : torch::autograd::Function<GatherSequence> {
 struct ReduceScatterSequence : torch::autograd::Function<ReduceScatterSequence> {
   static Tensor forward(AutogradContext* ctx, const Tensor& whole, int64_t group) {
     ctx->saved_data["group"] = group;
-    return reduce_scatter_sequence(whole, *reinterpret_cast<Communicator*>(group));
+    return reduce_scatter_sequence(whole, group_at(group));
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) { return {gather_sequence(grads[0], group_at(ctx)), Tensor()}; }
 };
@@ -77,7 +78,7 @@ struct ReduceScatterSequence : torch::autograd::Function<ReduceScatterSequence> 
 // target's logit assembled over ranks; backward is softmax - one_hot on the local slice.
 struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
   static Tensor forward(AutogradContext* ctx, const Tensor& logits, const Tensor& targets, int64_t group_address) {
-    Communicator& group = *reinterpret_cast<Communicator*>(group_address);
+    Communicator& group = group_at(group_address);
     const int64_t n = logits.size(0), local_vocab = logits.size(1), first = group.rank() * local_vocab;
     // The global maximum per token, for a stable exponent (gathered: the maximum has no gradient).
     Tensor local_max = std::get<0>(logits.max(1)).contiguous();

@@ -555,34 +555,33 @@ void ZeroDataParallel::reduce_gradients() {
 }
 
 ZeroDataParallel::GradientSquares ZeroDataParallel::gradient_squares() {
-  DSRUN_ASSERT(options_.separate_replicated_norm, "gradient_squares needs separate_replicated_norm");
-  // The rounding of scaled_grad, as global_grad_norm's CPU path; the replicated part by ranges.
-  Tensor total = torch::zeros({}, torch::kFloat64), replicated = torch::zeros({}, torch::kFloat64);
+  // Summed in fp64, shard by shard, where the squares are (one transfer at the end). Only units
+  // laid out with separate_replicated_norm have replicated ranges; otherwise that part is 0.
+  Tensor total, replicated;
+  auto add = [](Tensor& sum, const Tensor& term) {
+    if (!sum.defined()) sum = torch::zeros({}, term.options());
+    sum += term;
+  };
   for (size_t k = 0; k < shards_.size(); ++k) {
-    Tensor g = shards_[k].scaled_grad();
-    total += g.pow(2).sum().to(torch::kCPU, torch::kFloat64);
-    for (const auto& [begin, end] : units_[k]->replicated_ranges) replicated += g.narrow(0, begin, end - begin).pow(2).sum().to(torch::kCPU, torch::kFloat64);
+    const MasterShard& s = shards_[k];
+    add(total, s.grad_sq.defined() ? s.grad_sq : s.scaled_grad().pow(2).sum().to(torch::kFloat64));
+    if (units_[k]->replicated_ranges.empty()) continue;
+    Tensor g = s.scaled_grad();
+    for (const auto& [begin, end] : units_[k]->replicated_ranges) add(replicated, g.narrow(0, begin, end - begin).pow(2).sum().to(torch::kFloat64));
   }
-  Tensor both = torch::stack({total - replicated, replicated});
-  if (options_.stage >= 1) comm_.all_reduce_sum(both);  // shards are disjoint: sum over ranks
-  return {both[0].item<double>(), both[1].item<double>()};
+  const double all = total.defined() ? total.item<double>() : 0.0, rep = replicated.defined() ? replicated.item<double>() : 0.0;
+  GradientSquares sq{all - rep, rep};
+  if (options_.stage >= 1) {  // shards are disjoint: sum over ranks
+    Tensor both = torch::tensor({sq.split, sq.replicated}, torch::kFloat64);
+    comm_.all_reduce_sum(both);
+    sq = {both[0].item<double>(), both[1].item<double>()};
+  }
+  return sq;
 }
 
 double ZeroDataParallel::global_grad_norm() {
-  // Summed in fp64, shard by shard, where the squares are (one transfer at the end).
-  torch::Tensor sum;
-  for (auto& s : shards_) {
-    Tensor term = s.grad_sq.defined() ? s.grad_sq : s.scaled_grad().pow(2).sum().to(torch::kFloat64);
-    if (!sum.defined()) sum = torch::zeros({}, term.options());
-    sum += term;
-  }
-  double local = sum.defined() ? sum.item<double>() : 0.0;
-  if (options_.stage >= 1) {  // shards are disjoint: sum over ranks
-    Tensor t = torch::tensor({local}, torch::kFloat64);
-    comm_.all_reduce_sum(t);
-    local = t.item<double>();
-  }
-  return std::sqrt(local);
+  const GradientSquares sq = gradient_squares();
+  return std::sqrt(sq.split + sq.replicated);
 }
 
 void ZeroDataParallel::scale_gradients(double factor) {

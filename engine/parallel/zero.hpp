@@ -92,8 +92,8 @@ class ZeroDataParallel final : public UnitRunner {
   // The gradients' 2-norm over the data-parallel ranks (for global-norm clipping).
   double global_grad_norm();
   // The squares behind that norm, summed over the data-parallel ranks, apart for the parameters
-  // the model marks as split by tensor parallelism and those it replicates (needs
-  // ZeroOptions::separate_replicated_norm).
+  // the model marks as split by tensor parallelism and those it replicates (without
+  // ZeroOptions::separate_replicated_norm, all count as split and `replicated` is 0).
   struct GradientSquares {
     double split = 0, replicated = 0;
   };
