@@ -209,12 +209,15 @@ std::vector<std::string> smoke_overrides(const Recipe& r, const Plan& p, std::ve
   set("parallel.zero_stage=" + std::to_string(p.zero_stage));
   set(std::string("parallel.activation_checkpointing=") + (p.activation_checkpointing ? "full" : "none"));
   changes.push_back(std::string(to_string(r.hardware.device)) + " \"" + r.hardware.name + "\" -> " + std::to_string(p.world_size) + " CPU ranks" +
-                    (p.tensor_parallel > 1 ? " (data " + std::to_string(p.data_parallel) + " × tensor " + std::to_string(p.tensor_parallel) + ")" : ""));
+                    (p.tensor_parallel * p.pipeline_parallel > 1 ? " (" + std::string(p.pipeline_parallel > 1 ? "pipeline " + std::to_string(p.pipeline_parallel) + " × " : "") + "data " +
+                                                                       std::to_string(p.data_parallel) + " × tensor " + std::to_string(p.tensor_parallel) + ")" : ""));
   if (p.dtype == DType::Fp16) {
     set("precision.dtype=bf16");
     changes.push_back("fp16 -> bf16 (libtorch has no CPU fp16 matmul)");
   }
-  const int64_t micro = std::min<int64_t>(p.micro_batch, 2), accumulation = std::min<int64_t>(p.accumulation, 4);
+  // The interleaved schedule needs micro-batches in multiples of the stages: exactly one round.
+  const bool interleaved = p.pipeline_parallel > 1 && p.pipeline_schedule == PipelineScheduleKind::Interleaved;
+  const int64_t micro = std::min<int64_t>(p.micro_batch, 2), accumulation = interleaved ? p.pipeline_parallel : std::min<int64_t>(p.accumulation, 4);
   set("batch.micro=" + std::to_string(micro));
   set("batch.global=" + std::to_string(micro * accumulation * p.data_parallel));
   changes.push_back("batch " + std::to_string(p.global_batch) + " = " + std::to_string(p.micro_batch) + " x " + std::to_string(p.accumulation) + " x " +
@@ -226,8 +229,10 @@ std::vector<std::string> smoke_overrides(const Recipe& r, const Plan& p, std::ve
     int kv = std::max(1, 4 / groups);
     if (kv % t != 0) kv = t;
     const int heads = kv * groups;
-    for (const char* kv_set : {"model.hidden=64", "model.layers=2", "model.intermediate=128", "model.vocab=256", "model.max_seq_len=128", "batch.seq_len=32"})
+    for (const char* kv_set : {"model.hidden=64", "model.intermediate=128", "model.vocab=256", "model.max_seq_len=128", "batch.seq_len=32"})
       set(kv_set);
+    const int layers = std::max(2, p.pipeline_parallel * p.virtual_stages);  // a layer for every pipeline piece
+    set("model.layers=" + std::to_string(layers));
     set("model.heads=" + std::to_string(heads));
     set("model.kv_heads=" + std::to_string(kv));
     if (r.model.moe.enabled()) {
@@ -237,7 +242,7 @@ std::vector<std::string> smoke_overrides(const Recipe& r, const Plan& p, std::ve
       set("model.moe.intermediate=32");
       set("model.moe.first_dense_layers=" + std::to_string(std::min(r.model.moe.first_dense_layers, 1)));
     }
-    changes.push_back(r.model.name + " (" + format_count(p.cost.params) + " parameters) -> hidden 64, 2 layers, " + std::to_string(heads) + " heads (" +
+    changes.push_back(r.model.name + " (" + format_count(p.cost.params) + " parameters) -> hidden 64, " + std::to_string(layers) + " layers, " + std::to_string(heads) + " heads (" +
                       std::to_string(kv) + " KV), vocab 256, sequence 32");
   } else {
     set("model.resnet.depth=18");

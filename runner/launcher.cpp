@@ -5,6 +5,7 @@
 #include "engine/common/files.hpp"
 #include "engine/common/host.hpp"
 #include "engine/common/text.hpp"
+#include "engine/dist/mesh_shape.hpp"
 #include "engine/train/report.hpp"
 #include "storage/tensorboard.hpp"
 
@@ -300,12 +301,21 @@ class Supervisor {
                                                      format_seconds(now - p.last_progress) + " (a collective that never completed?) (run.step_timeout_s)"
                                                : "no rank finished start-up within " + format_seconds(now - p.last_progress) +
                                                      " (rendezvous or model build; run.startup_timeout_s)")
-                                    : "rank " + std::to_string(culprit->rank) + " hung: " +
+                                    : describe_rank(culprit->rank) + " hung: " +
                                           (culprit->ready ? "it never started step " + std::to_string(culprit->step + 1) + " while others did (run.step_timeout_s)"
                                                           : "no progress during start-up (run.startup_timeout_s)");
         return stop_all({RunStatus::Failed, why, all_level ? -1 : culprit->rank, true}, 5.0);
       }
     }
+  }
+
+  // "rank 5", or with model parallelism where it sits: "rank 5 (pipeline stage 1, data 0, tensor 1)".
+  std::string describe_rank(int rank) const {
+    const MeshShape shape{plan_.pipeline_parallel, plan_.data_parallel, plan_.tensor_parallel};
+    std::string s = "rank " + std::to_string(rank);
+    if (shape.data == shape.size()) return s;
+    const MeshCoordinates c = shape.coordinates_of(rank);
+    return s + " (pipeline stage " + std::to_string(c.pipeline) + ", data " + std::to_string(c.data) + ", tensor " + std::to_string(c.tensor) + ")";
   }
 
   void drain(RankProcess& p) {

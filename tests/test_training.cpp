@@ -81,13 +81,15 @@ TEST_CASE("activation checkpointing recomputes exactly what it dropped", "[train
 
 // Tensor parallelism against one process on the same model: losses and gradient norms within
 // 1e-5 relative over 10 steps, and each rank's model-state bytes as planned.
-void check_tensor_parallel(const std::string& model, int stage, int data_parallel) {
+// A model-parallel run (`parallel` sets tensor or pipeline degrees; `ranks` in all) follows one
+// process for 10 steps: losses and gradient norms within 1e-5, each rank's model states as planned.
+void check_model_parallel(const std::string& model, const std::string& parallel, int stage, int data_parallel, int ranks) {
   dsrun::test::TempDir dir;
   const std::string steps = " --set run.steps=10 --set hardware.devices_per_node=4" + model;
   Run one = train(dir, layout(0, 1) + steps);
   REQUIRE(one.code == 0);
-  Run tp = train(dir, layout(stage, data_parallel) + steps + " --set parallel.tensor=2");
-  INFO("ZeRO " << stage << ", data " << data_parallel << " x tensor 2" << model);
+  Run tp = train(dir, layout(stage, data_parallel) + steps + parallel);
+  INFO("ZeRO " << stage << ", data " << data_parallel << parallel << model);
   check_same_trajectory(one.losses, tp, 1e-5);
   const std::vector<double> norms = dsrun::test::recorded_metric(dir, one.id, "grad_norm"), tp_norms = dsrun::test::recorded_metric(dir, tp.id, "grad_norm");
   REQUIRE(norms.size() == tp_norms.size());
@@ -95,7 +97,11 @@ void check_tensor_parallel(const std::string& model, int stage, int data_paralle
     INFO("gradient norm at step " << i + 1);
     CHECK(tp_norms[i] == Approx(norms[i]).epsilon(1e-5));
   }
-  check_memory_matches_plan(dir, tp, 2 * data_parallel);
+  check_memory_matches_plan(dir, tp, ranks);
+}
+
+void check_tensor_parallel(const std::string& model, int stage, int data_parallel) {
+  check_model_parallel(model, " --set parallel.tensor=2", stage, data_parallel, 2 * data_parallel);
 }
 
 TEST_CASE("tensor parallelism on 2 ranks follows one process (GQA, tied embeddings)", "[training][tensor]") {
@@ -109,6 +115,17 @@ TEST_CASE("sequence parallelism on data 2 x tensor 2 with ZeRO-2 follows one pro
 TEST_CASE("data 2 x tensor 2 with ZeRO-1 and ZeRO-3 follows one process", "[training][tensor][zero]") {
   check_tensor_parallel("", 1, 2);
   check_tensor_parallel("", 3, 2);
+}
+
+TEST_CASE("pipeline parallelism on 2 stages follows one process (1F1B; interleaved with tied embeddings)", "[training][pipeline]") {
+  check_model_parallel("", " --set parallel.pipeline=2", 0, 1, 2);
+  check_model_parallel(" --set model.layers=4 --set model.tie_embeddings=true",
+                       " --set parallel.pipeline=2 --set parallel.pipeline_schedule=\\\"interleaved\\\" --set parallel.virtual_stages=2", 1, 1, 2);
+}
+
+TEST_CASE("pipeline 2 x data 2 with ZeRO-2, and pipeline 2 x tensor 2, follow one process", "[training][pipeline][tensor]") {
+  check_model_parallel("", " --set parallel.pipeline=2", 2, 2, 4);
+  check_model_parallel(" --set model.kv_heads=2", " --set parallel.pipeline=2 --set parallel.tensor=2 --set parallel.pipeline_schedule=\\\"gpipe\\\"", 1, 1, 4);
 }
 
 TEST_CASE("an offloaded run follows the non-offloaded trajectory bitwise (fp32, ZeRO 1-3, 1-3 ranks)", "[training][offload]") {

@@ -28,8 +28,11 @@ class SingleProcess final : public Communicator {
   void broadcast(torch::Tensor&, int) override {}
   void barrier() override {}
   void all_to_all(const torch::Tensor& input, torch::Tensor& output) override { output.copy_(input); }
-  void send(const torch::Tensor&, int) override { DSRUN_ASSERT(false, "send in a group of one"); }
-  void recv(torch::Tensor&, int) override { DSRUN_ASSERT(false, "recv in a group of one"); }
+  PendingCollective send_async(const torch::Tensor&, int, int) override {
+    DSRUN_ASSERT(false, "send in a group of one");
+    return {};
+  }
+  void recv(torch::Tensor&, int, int) override { DSRUN_ASSERT(false, "recv in a group of one"); }
 };
 
 // Collectives through a c10d process group. Gloo lacks reduce-scatter and bf16 on some versions:
@@ -110,16 +113,18 @@ class ProcessGroupCommunicator final : public Communicator {
     if (!out.is_same(output)) output.copy_(out);
   }
 
-  void send(const torch::Tensor& tensor, int to) override {
-    std::vector<torch::Tensor> tensors{on_wire(tensor).contiguous()};
-    group_->send(tensors, to, /*tag=*/0)->wait();
+  PendingCollective send_async(const torch::Tensor& tensor, int to, int tag) override {
+    torch::Tensor wire = on_wire(tensor).contiguous();
+    std::vector<torch::Tensor> tensors{wire};
+    auto work = group_->send(tensors, to, tag);
+    return PendingCollective([work, wire]() { work->wait(); });
   }
 
-  void recv(torch::Tensor& tensor, int from) override {
+  void recv(torch::Tensor& tensor, int from, int tag) override {
     torch::Tensor wire = on_wire(tensor);
     if (!wire.is_contiguous()) wire = wire.contiguous();
     std::vector<torch::Tensor> tensors{wire};
-    group_->recv(tensors, from, /*tag=*/0)->wait();
+    group_->recv(tensors, from, tag)->wait();
     if (!wire.is_same(tensor)) tensor.copy_(wire);
   }
 

@@ -59,9 +59,11 @@ class Communicator {
   // slice r of output comes from rank r.
   virtual void all_to_all(const torch::Tensor& input, torch::Tensor& output) = 0;
   // Point to point within the group (ranks are group ranks); the receiver's tensor has the
-  // sender's shape and dtype. Blocking: a send returns once the tensor may be reused.
-  virtual void send(const torch::Tensor& tensor, int to) = 0;
-  virtual void recv(torch::Tensor& tensor, int from) = 0;
+  // sender's shape and dtype. `tag` tells apart streams of messages between the same two ranks
+  // (Gloo matches by it; NCCL delivers in order). A send is done once wait() returns; recv blocks.
+  virtual PendingCollective send_async(const torch::Tensor& tensor, int to, int tag = 0) = 0;
+  virtual void recv(torch::Tensor& tensor, int from, int tag = 0) = 0;
+  void send(const torch::Tensor& tensor, int to, int tag = 0) { send_async(tensor, to, tag).wait(); }
 };
 
 // The run's one rendezvous (rank 0 hosts the TCPStore); every group is made from it under a name

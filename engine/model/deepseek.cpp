@@ -293,6 +293,72 @@ class DeepSeekModel final : public Model {
   }
 
   std::vector<ParameterUnit> parameter_units() override {
+    if (chunks_.empty()) return units(/*pipeline_numbering=*/false);
+    std::vector<ParameterUnit> all = units(true), kept;
+    for (const UnitRange& c : chunks_)
+      for (int u = c.begin; u < c.end; ++u) kept.push_back(all[u]);
+    return kept;
+  }
+
+  ModelOutput forward(const Batch& batch, UnitRunner& runner) override {
+    DSRUN_ASSERT(chunks_.empty(), "a pipelined model runs by chunks (forward_chunk)");
+    Tensors state;
+    if (spec_.tie_embeddings) {
+      // One outer unit holds the embedding and the final norm, around the blocks: ZeRO-3 gathers
+      // the shared weight once for the lookup and the output projection.
+      state = runner.run(0, [&](const Tensors& in) {
+        Tensors s = run_units({1, blocks() + 1}, 1, batch, {runner.embedding(net_->embedding->weight, in[0]), zero_aux(batch)}, runner);
+        return Tensors{torch::linear(runner.enter_split(net_->norm(s[0])), net_->embedding->weight), s[1]};
+      }, {batch.inputs});
+    } else {
+      state = run_units({0, pipeline_unit_count()}, 0, batch, {}, runner);
+    }
+    ModelOutput out;
+    out.logits = state[0];
+    if (spec_.moe.enabled()) out.aux_loss = state[1];
+    return out;
+  }
+
+  int pipeline_unit_count() const override { return blocks() + 2; }
+
+  void keep_only(const std::vector<UnitRange>& chunks) override {
+    chunks_ = chunks;
+    std::vector<bool> kept(pipeline_unit_count(), false);
+    for (const UnitRange& c : chunks)
+      for (int u = c.begin; u < c.end; ++u) kept.at(u) = true;
+    torch::NoGradGuard no_grad;
+    std::vector<ParameterUnit> all = units(true);
+    for (size_t u = 0; u < all.size(); ++u)
+      if (!kept[u])
+        for (Tensor& p : all[u].params) p.set_data(torch::empty({0}, p.options()));
+    if (spec_.tie_embeddings && kept.back() && !kept.front()) head_copy_ = torch::empty({0}).requires_grad_(true);
+  }
+
+  Tensors forward_chunk(int chunk, const Batch& batch, const Tensors& state, UnitRunner& runner) override {
+    int first_local = 0;  // units of the chunks kept before this one
+    for (int c = 0; c < chunk; ++c) first_local += chunks_.at(c).size();
+    return run_units(chunks_.at(chunk), first_local, batch, state, runner);
+  }
+
+  TiedEmbedding tied_embedding() override {
+    if (!spec_.tie_embeddings || chunks_.empty()) return {};
+    TiedEmbedding t;
+    if (chunks_.front().begin == 0) t.weight = net_->embedding->weight;
+    t.head_copy = head_copy_;
+    return t;
+  }
+
+  nn::Module& module() override { return *net_; }
+  bool deferred() const override { return deferred_; }
+
+ private:
+  int blocks() const { return static_cast<int>(net_->blocks.size()); }
+  Tensor zero_aux(const Batch& batch) const { return torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat32).device(batch.inputs.device())); }
+
+  // The model's units. Whole (pipeline_numbering false): tied embeddings share one outer unit with
+  // the final norm. Pipeline numbering: the embedding, each block, the head (norm and projection;
+  // tied, the norm alone: the head reads the embedding's weight or its copy).
+  std::vector<ParameterUnit> units(bool pipeline_numbering) {
     std::vector<ParameterUnit> units;
     auto unit = [&](const std::string& name, std::vector<Named> parts, bool checkpointable, bool always = true) {
       ParameterUnit u{name, {}, checkpointable, always, {}, {}};
@@ -303,68 +369,53 @@ class DeepSeekModel final : public Model {
       }
       units.push_back(std::move(u));
     };
-    // Tied: the embedding is also the output projection; one outer unit holds it and the final norm.
-    unit(spec_.tie_embeddings ? "embedding+head" : "embedding",
-         spec_.tie_embeddings ? std::vector<Named>{params_of(*net_->embedding, "embedding", spec_), params_of(*net_->norm, "norm", spec_)}
-                              : std::vector<Named>{params_of(*net_->embedding, "embedding", spec_)},
-         false);
-    for (size_t i = 0; i < net_->blocks.size(); ++i) {
+    const bool shared_outer_unit = spec_.tie_embeddings && !pipeline_numbering;
+    if (shared_outer_unit) unit("embedding+head", {params_of(*net_->embedding, "embedding", spec_), params_of(*net_->norm, "norm", spec_)}, false);
+    else unit("embedding", {params_of(*net_->embedding, "embedding", spec_)}, false);
+    for (int i = 0; i < blocks(); ++i) {
       const bool moe = static_cast<bool>(net_->blocks[i]->moe);  // an expert no token chose gets no gradient
       unit("block " + std::to_string(i), {params_of(*net_->blocks[i], "block" + std::to_string(i), spec_)}, true, !moe);
     }
-    if (!spec_.tie_embeddings) unit("head", {params_of(*net_->norm, "norm", spec_), params_of(*net_->head, "head", spec_)}, false);
+    if (spec_.tie_embeddings && pipeline_numbering) unit("head", {params_of(*net_->norm, "norm", spec_)}, false);
+    else if (!spec_.tie_embeddings) unit("head", {params_of(*net_->norm, "norm", spec_), params_of(*net_->head, "head", spec_)}, false);
     return units;
   }
 
-  ModelOutput forward(const Batch& batch, UnitRunner& runner) override {
-    const int first_block = 1;
-    // Blocks carry the running MoE balance loss along with the activations, so that a
-    // recomputed (checkpointed) block contributes its balance loss to the graph as well.
-    // Captured by value: a recomputed (checkpointed) block runs again during backward.
+  // Units `range` (pipeline numbering), the first of them the runner's unit `first_local`, on the
+  // state before them ({} before the embedding). Blocks carry the running MoE balance loss along
+  // with the activations, so that a recomputed (checkpointed) block contributes it as well; each
+  // block's computation captures what it reads by value, since recomputation runs it again in backward.
+  Tensors run_units(UnitRange range, int first_local, const Batch& batch, Tensors state, UnitRunner& runner) {
     const TokenPositions where(rope_, batch, spec_.head_dim());
-    auto blocks = [&](Tensors state) {
-      for (size_t i = 0; i < net_->blocks.size(); ++i) {
-        Block block = net_->blocks[i];
+    for (int u = range.begin; u < range.end; ++u) {
+      const int local = first_local + (u - range.begin);
+      if (u == 0) {
+        Tensors x = runner.run(local, [&](const Tensors& in) { return Tensors{runner.embedding(net_->embedding->weight, in[0])}; }, {batch.inputs});
+        state = {x[0], zero_aux(batch)};
+      } else if (u <= blocks()) {
+        Block block = net_->blocks[u - 1];
         UnitRunner* regions = &runner;
-        state = runner.run(first_block + static_cast<int>(i), [where, block, regions](const Tensors& in) mutable {
+        state = runner.run(local, [where, block, regions](const Tensors& in) mutable {
           Tensor aux = in[1];
           Tensor x = block->forward(in[0], where, aux, *regions);
           return Tensors{x, aux};
         }, state);
+      } else {
+        const Tensor& w = !spec_.tie_embeddings ? net_->head->weight : head_copy_.defined() ? head_copy_ : net_->embedding->weight;
+        Tensors logits = runner.run(local, [&](const Tensors& in) { return Tensors{torch::linear(runner.enter_split(net_->norm(in[0])), w)}; }, {state[0]});
+        state = {logits[0], state[1]};
       }
-      return state;
-    };
-    Tensor zero = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat32).device(batch.inputs.device()));
-    Tensor logits, aux;
-    if (spec_.tie_embeddings) {
-      Tensors out = runner.run(0, [&](const Tensors& in) {
-        Tensors state = blocks({runner.embedding(net_->embedding->weight, in[0]), zero});
-        return Tensors{torch::matmul(runner.enter_split(net_->norm(state[0])), net_->embedding->weight.t()), state[1]};
-      }, {batch.inputs});
-      logits = out[0];
-      aux = out[1];
-    } else {
-      Tensors x = runner.run(0, [&](const Tensors& in) { return Tensors{runner.embedding(net_->embedding->weight, in[0])}; }, {batch.inputs});
-      Tensors state = blocks({x[0], zero});
-      const int head_unit = first_block + static_cast<int>(net_->blocks.size());
-      logits = runner.run(head_unit, [&](const Tensors& in) { return Tensors{net_->head(runner.enter_split(net_->norm(in[0])))}; }, {state[0]})[0];
-      aux = state[1];
     }
-    ModelOutput out;
-    out.logits = logits;
-    if (spec_.moe.enabled()) out.aux_loss = aux;
-    return out;
+    return state;
   }
 
-  nn::Module& module() override { return *net_; }
-  bool deferred() const override { return deferred_; }
-
- private:
   ModelSpec spec_;
   uint64_t seed_;
   std::shared_ptr<DecoderModule> net_;
   Rotary rope_;
   bool deferred_;
+  std::vector<UnitRange> chunks_;  // pipeline parallelism: the units kept (empty: all, whole numbering)
+  Tensor head_copy_;               // tied embeddings, head without the embedding: filled by the pipeline
 };
 
 }  // namespace

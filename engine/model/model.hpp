@@ -76,12 +76,41 @@ struct ModelOutput {
   torch::Tensor aux_loss;   // MoE load balance, an fp32 scalar added to the loss; undefined for dense models
 };
 
+// Consecutive units of a model's pipeline numbering (the embedding, each block, the head), [begin, end).
+struct UnitRange {
+  int begin = 0, end = 0;
+  int size() const { return end - begin; }
+};
+
+// Tied embeddings cut by the pipeline: the first stage's embedding weight (a parameter), and on the
+// stage with the head the tensor it reads in its place, which the pipeline fills from the first
+// stage every step and whose gradient it sends back there (Megatron-LM keeps a second parameter).
+struct TiedEmbedding {
+  torch::Tensor weight;     // the embedding's parameter, where the embedding is kept
+  torch::Tensor head_copy;  // where the head is kept without the embedding: a leaf requiring grad
+};
+
 class Model {
  public:
   virtual ~Model() = default;
   virtual std::vector<ParameterUnit> parameter_units() = 0;
   virtual ModelOutput forward(const Batch& batch, UnitRunner& runner) = 0;
   virtual torch::nn::Module& module() = 0;
+
+  // Pipeline parallelism. The units in pipeline numbering (0: the model cannot be pipelined): like
+  // parameter_units(), except that tied embeddings get a unit of their own, apart from the head.
+  virtual int pipeline_unit_count() const { return 0; }
+  // Keep only these ranges (this rank's chunks, in order): parameter_units() lists their units
+  // alone, in that order, and the other units' parameters are dropped.
+  virtual void keep_only(const std::vector<UnitRange>& chunks) { DSRUN_ASSERT(false, "this model cannot be pipelined"); }
+  // Runs kept chunk `chunk` on the state the unit before it produced ({} before the embedding).
+  // Returns {x, aux loss} after a block (the state the next chunk takes), {logits, aux loss} after
+  // the head; the aux loss is an fp32 scalar (0 for dense models).
+  virtual Tensors forward_chunk(int chunk, const Batch& batch, const Tensors& state, UnitRunner& runner) {
+    DSRUN_ASSERT(false, "this model cannot be pipelined");
+    return {};
+  }
+  virtual TiedEmbedding tied_embedding() { return {}; }
   // Deferred: the parameters have shapes but no values (never written, so no resident memory);
   // ZeRO builds each unit from initialize_parameter.
   virtual bool deferred() const { return false; }

@@ -47,8 +47,14 @@ void shard_tensors(Model& model, TensorParallel& tp, ZeroOptions& zero) {
 std::unique_ptr<ParallelModel> parallelize(Model& model, DeviceMesh& mesh, const ParallelizeOptions& options) {
   std::unique_ptr<ParallelModel> pm(new ParallelModel(mesh, options.sequence_parallel));
   ZeroOptions zero = options.zero;
-  // 1. Pipeline split: one stage until pipeline parallelism lands (the recipe refuses more).
-  DSRUN_ASSERT(mesh.shape().pipeline == 1, "pipeline stages are validated by the recipe");
+  // 1. Pipeline split: this rank keeps its chunks (pieces r, r + stages, ...) and drops the rest.
+  const int stages = mesh.shape().pipeline;
+  std::vector<UnitRange> chunks;
+  if (stages > 1) {
+    DSRUN_ASSERT(static_cast<int>(options.pipeline_pieces.size()) % stages == 0, "pipeline pieces come in stages × virtual stages");
+    for (size_t g = mesh.coordinates().pipeline; g < options.pipeline_pieces.size(); g += stages) chunks.push_back(options.pipeline_pieces[g]);
+    model.keep_only(chunks);
+  }
   // 2. Tensor sharding: split weights become this rank's slices (with sequence parallelism,
   //    replicated weights sum their gradients over the tensor group).
   shard_tensors(model, pm->tensor_, zero);
@@ -56,6 +62,7 @@ std::unique_ptr<ParallelModel> parallelize(Model& model, DeviceMesh& mesh, const
   // 4. ZeRO over the data dimension: flat buffers, sharded states, gradient reduction.
   zero.separate_replicated_norm = pm->tensor_.size() > 1;
   pm->zero_ = std::make_unique<ZeroDataParallel>(model, mesh.along(MeshDim::Data), zero);
+  if (stages > 1) pm->pipeline_ = std::make_unique<PipelineStage>(model, *pm, *pm->zero_, mesh.along(MeshDim::Pipeline), chunks, options.pipeline);
   return pm;
 }
 
@@ -66,14 +73,20 @@ double ParallelModel::global_grad_norm() {
     mesh_.along(MeshDim::Tensor).all_reduce_sum(split);
     sq.split = split.item<double>();
   }
-  return std::sqrt(sq.split + sq.replicated);
+  double total = sq.split + sq.replicated;
+  if (mesh_.shape().pipeline > 1) {
+    torch::Tensor stages = torch::tensor({total}, torch::kFloat64);
+    mesh_.along(MeshDim::Pipeline).all_reduce_sum(stages);
+    total = stages.item<double>();
+  }
+  return std::sqrt(total);
 }
 
 bool ParallelModel::gradients_overflowed() {
   double bad = zero_->gradients_overflowed() ? 1 : 0;
-  if (tensor_.size() == 1) return bad > 0;
+  if (mesh_.shape().data == mesh_.shape().size()) return bad > 0;  // ZeRO's answer is the world's
   torch::Tensor t = torch::tensor({bad}, torch::kFloat64);
-  mesh_.along(MeshDim::Tensor).all_reduce_sum(t);
+  mesh_.world().all_reduce_sum(t);
   return t.item<double>() > 0;
 }
 

@@ -1,9 +1,11 @@
 // Applies a layout to a model that knows nothing of ranks, in one fixed order (torchtitan's):
-// pipeline split → tensor sharding → activation checkpointing → ZeRO over the data dimension.
+// pipeline split → tensor sharding → activation checkpointing → ZeRO over the data dimension
+// (→ the pipeline stage that runs the schedule over what this rank keeps).
 #pragma once
 
 #include "engine/dist/mesh.hpp"
 #include "engine/model/model.hpp"
+#include "engine/parallel/pipeline.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
 #include "engine/parallel/zero.hpp"
 
@@ -12,6 +14,10 @@
 namespace dsrun {
 
 struct ParallelizeOptions {
+  // Pipeline parallelism: the model's pieces in pipeline numbering (Model::pipeline_unit_count),
+  // stages × virtual stages of them in order, from the plan's split; rank r runs pieces r, r + stages, ...
+  std::vector<UnitRange> pipeline_pieces;
+  PipelineOptions pipeline;
   bool sequence_parallel = false;  // activations between tensor-parallel regions split along the sequence
   ZeroOptions zero;                // ZeRO on the data dimension: stage, dtype, recomputation, offload
 };
@@ -22,6 +28,9 @@ class ParallelModel final : public UnitRunner {
  public:
   ZeroDataParallel& zero() { return *zero_; }
   TensorParallel& tensor() { return tensor_; }
+  // The pipeline stage this rank runs (null without pipeline parallelism: the trainer calls the
+  // model's forward itself).
+  PipelineStage* pipeline() { return pipeline_.get(); }
 
   Tensors run(int unit, const UnitFn& fn, const Tensors& inputs) override { return zero_->run(unit, fn, inputs); }
   torch::Tensor enter_split(const torch::Tensor& x) override { return tensor_.enter(x); }
@@ -29,7 +38,8 @@ class ParallelModel final : public UnitRunner {
   torch::Tensor embedding(const torch::Tensor& weight, const torch::Tensor& ids) override { return tensor_.embedding(weight, ids); }
 
   // The gradient's norm over the whole mesh: split weights' squares summed over the tensor
-  // dimension, replicated ones (the same on every tensor rank) counted once.
+  // dimension, replicated ones (the same on every tensor rank) counted once, and each pipeline
+  // stage's added (a tied embedding counts on the first stage alone).
   double global_grad_norm();
   // Whether any rank of the mesh has an inf or NaN gradient (fp16 overflow).
   bool gradients_overflowed();
@@ -40,6 +50,7 @@ class ParallelModel final : public UnitRunner {
   DeviceMesh& mesh_;
   TensorParallel tensor_;
   std::unique_ptr<ZeroDataParallel> zero_;
+  std::unique_ptr<PipelineStage> pipeline_;
 };
 
 std::unique_ptr<ParallelModel> parallelize(Model& model, DeviceMesh& mesh, const ParallelizeOptions& options);

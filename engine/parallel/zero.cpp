@@ -504,15 +504,16 @@ void ZeroDataParallel::wait_pending() {
   pending_.clear();
 }
 
-void ZeroDataParallel::after_backward() {
-  for (auto& up : units_) start_reduction(*up, /*during_backward=*/false);  // units the hooks did not start, in unit order
+void ZeroDataParallel::after_backward(UnitRange range) {
+  if (range.end < 0) range.end = static_cast<int>(units_.size());
+  for (int k = range.begin; k < range.end; ++k) start_reduction(*units_[k], /*during_backward=*/false);  // units the hooks did not start, in unit order
   if (options_.stage >= 2) wait_pending();
   // The gradients that came down were read on down_stream_: what follows (zeroing them, the
   // norm) waits for it.
   if (gradients_down_in_backward_ && last_micro_batch_) down_stream_->record().block_current();
-  for (auto& up : units_) {
-    up->grads_ready = 0;
-    up->reduction_started = false;
+  for (int k = range.begin; k < range.end; ++k) {
+    units_[k]->grads_ready = 0;
+    units_[k]->reduction_started = false;
   }
 }
 

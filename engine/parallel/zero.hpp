@@ -86,7 +86,8 @@ class ZeroDataParallel final : public UnitRunner {
   // on the communicator's stream, and stage 2-3 free the unit's full gradients (stage 3 also its
   // gathered parameters). after_backward() starts what is left (units some of whose parameters
   // got no gradient, such as MoE blocks) and, at stage 2-3, waits for this micro-batch's reductions.
-  void after_backward();
+  // A pipeline's backward covers one chunk: only its units (local numbering) are concerned.
+  void after_backward(UnitRange units = {0, -1});
   // After the last micro-batch: completes the reduction so that shards() hold averaged gradients.
   void reduce_gradients();
   // The gradients' 2-norm over the data-parallel ranks (for global-norm clipping).

@@ -70,6 +70,19 @@ ModelCost decoder_cost(const ModelSpec& m, double s, double e, AttentionKernel k
   const double largest_layer = std::max(dense_layers > 0 ? per_token_dense : 0.0, moe_layers > 0 ? per_token_moe : 0.0);
   c.checkpointed_activation_bytes_per_sample = e * s * m.layers * h + s * head_bytes_per_token;
   c.recomputed_layer_bytes_per_sample = e * s * largest_layer;
+
+  c.units.push_back({V * h, 0, 0, 0, 0});  // the embedding: a lookup
+  for (int i = 0; i < m.layers; ++i) {
+    const bool moe = i >= dense_layers;  // MoE layers follow the first dense ones
+    ModelCost::Unit u;
+    u.params = attention + norms + (moe ? moe_mlp : dense_mlp);
+    u.tensor_replicated_params = norms + (moe ? h * E : 0);
+    u.flops_per_sample = s * (6 * (attention + (moe ? moe_active : dense_mlp)) + 12.0 * h * s);
+    u.activation_bytes_per_sample = e * s * (moe ? per_token_moe : per_token_dense);
+    u.checkpointed_activation_bytes_per_sample = e * s * h;
+    c.units.push_back(u);
+  }
+  c.units.push_back({h + head, h, s * 6 * V * h, s * head_bytes_per_token, s * head_bytes_per_token});
   return c;
 }
 

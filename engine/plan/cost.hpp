@@ -34,6 +34,16 @@ struct ModelCost {
   // Full checkpointing: one block's activations, recomputed during its backward (after the head's).
   double recomputed_layer_bytes_per_sample = 0;
   std::vector<ActivationTerm> terms;  // how activation_bytes_per_sample adds up
+
+  // Decoders, per unit in pipeline numbering (the embedding, each block, the head: Model's), for
+  // splitting the model into pipeline stages. Their sums are the totals above. Empty for images.
+  struct Unit {
+    double params = 0;
+    double tensor_replicated_params = 0;  // kept whole by tensor parallelism (norms, the MoE router)
+    double flops_per_sample = 0;
+    double activation_bytes_per_sample = 0, checkpointed_activation_bytes_per_sample = 0;
+  };
+  std::vector<Unit> units;
 };
 
 // fused_elementwise: RMSNorm and SwiGLU run as single kernels that keep only their inputs (CUDA

@@ -62,6 +62,7 @@ struct Layout {
 };
 
 struct Evaluation {
+  int stage = 0;           // the pipeline stage with the most to hold (0 without pipeline parallelism)
   MemoryBreakdown memory;
   HostMemory host;         // per rank
   double host_needed = 0;  // per node
@@ -95,7 +96,9 @@ class Planner {
     const HardwareSpec& hw = r.hardware;
     dp_ = r.parallel.data_parallel_or_auto(hw);
     tp_ = r.parallel.tensor;
-    ranks_per_node_ = (dp_ * tp_ + hw.nodes - 1) / hw.nodes;
+    pp_ = r.parallel.pipeline;
+    v_ = r.parallel.virtual_stages;
+    ranks_per_node_ = (dp_ * tp_ * pp_ + hw.nodes - 1) / hw.nodes;
     kernel_ = hw.device == Device::Cuda ? AttentionKernel::Flash : AttentionKernel::Math;
     cost_ = model_cost(r.model, r.batch.seq_len, r.precision.dtype, kernel_, /*fused_elementwise=*/hw.device == Device::Cuda);
     capacity_ = hw.ranks_share_memory() ? hw.memory_bytes / ranks_per_node_ : hw.memory_bytes;
@@ -103,13 +106,81 @@ class Planner {
     // Tensor parallelism splits every weight but the norms and the MoE router over tp ranks.
     const double replicated = tp_ > 1 ? tensor_replicated_params(r.model) : 0;
     rank_params_ = (cost_.params - replicated) / tp_ + replicated;
+    split_into_stages();
   }
 
+  // Pipeline parallelism: the units (pipeline numbering) cut into stages × virtual stages pieces
+  // of balanced FLOPs; rank r runs pieces r, r + stages, ... Without it, one stage: the model.
+  void split_into_stages() {
+    if (pp_ == 1) {
+      stages_.push_back({rank_params_, cost_.model_flops_per_sample, cost_.activation_bytes_per_sample, cost_.checkpointed_activation_bytes_per_sample, true, true, false});
+      return;
+    }
+    std::vector<double> flops;
+    for (const auto& u : cost_.units) flops.push_back(u.flops_per_sample);
+    pieces_ = balanced_split(flops, pp_ * v_);
+    stages_.assign(pp_, StageCost{});
+    for (size_t g = 0; g < pieces_.size(); ++g) {
+      StageCost& st = stages_[g % pp_];
+      double params = 0, replicated = 0;
+      for (int u = pieces_[g].first; u < pieces_[g].second; ++u) {
+        const ModelCost::Unit& unit = cost_.units[u];
+        params += unit.params;
+        replicated += tp_ > 1 ? unit.tensor_replicated_params : 0;
+        st.flops_per_sample += unit.flops_per_sample;
+        st.activation_bytes_per_sample += unit.activation_bytes_per_sample;
+        st.checkpointed_activation_bytes_per_sample += unit.checkpointed_activation_bytes_per_sample;
+        st.has_blocks |= u > 0 && u + 1 < static_cast<int>(cost_.units.size());
+      }
+      st.rank_params += (params - replicated) / tp_ + replicated;
+      if (pieces_[g].second == static_cast<int>(cost_.units.size())) {
+        st.has_head = true;
+        st.tied_head_copy = r_.model.tie_embeddings;
+      }
+    }
+    rank_params_ = 0;
+    for (const StageCost& st : stages_) rank_params_ = std::max(rank_params_, st.rank_params);
+  }
+
+  // Micro-batches whose activations a stage holds at once (in whole stages' worth): 1F1B keeps up
+  // to p - s on stage s, GPipe all of them; interleaving's warm-up holds (p-s-1)·2 + (v-1)·p + 1
+  // chunks of 1/v each (Narayanan et al. 2021; pipeline_schedule's simulation agrees, in its tests).
+  double live_micro_batches(int64_t accumulation, int stage) const {
+    if (pp_ == 1) return 1;
+    const double m = static_cast<double>(accumulation);
+    switch (r_.parallel.pipeline_schedule) {
+      case PipelineScheduleKind::GPipe: return m;
+      case PipelineScheduleKind::OneFOneB: return std::min<double>(pp_ - stage, m);
+      case PipelineScheduleKind::Interleaved: return std::min<double>((pp_ - stage - 1) * 2.0 + (v_ - 1) * pp_ + 1, m * v_) / v_;
+    }
+    return 1;
+  }
+
+  // The idle share of a pipeline step: (p-1)/(m+p-1), interleaved (p-1)/(v·m+p-1).
+  double bubble_fraction(int64_t accumulation) const {
+    if (pp_ == 1) return 0;
+    const double m = static_cast<double>(accumulation) * (r_.parallel.pipeline_schedule == PipelineScheduleKind::Interleaved ? v_ : 1);
+    return (pp_ - 1.0) / (m + pp_ - 1.0);
+  }
+
+  // The stage that needs the most memory decides.
   Evaluation evaluate(const Layout& l) const {
+    Evaluation worst;
+    for (size_t s = 0; s < stages_.size(); ++s) {
+      Evaluation ev = evaluate_stage(l, static_cast<int>(s));
+      if (s == 0 || rank_total(ev) > rank_total(worst)) worst = ev;
+    }
+    return worst;
+  }
+
+  Evaluation evaluate_stage(const Layout& l, int stage) const {
     const HardwareSpec& hw = r_.hardware;
+    const StageCost& st = stages_[stage];
+    const double live = live_micro_batches(r_.batch.global / (l.micro * dp_), stage);
     Evaluation ev;
+    ev.stage = stage;
     ModelStateOptions o;
-    o.params = rank_params_;
+    o.params = st.rank_params;
     o.data_parallel = dp_;
     o.zero_stage = l.stage;
     o.dtype = r_.precision.dtype;
@@ -120,7 +191,7 @@ class Planner {
     o.delayed_update = r_.parallel.delayed_update;
     MemoryBreakdown& m = ev.memory;
     m.states = plan_model_states_per_rank(o);
-    m.activations = l.micro * (l.checkpointing ? cost_.checkpointed_activation_bytes_per_sample : cost_.activation_bytes_per_sample);
+    m.activations = live * l.micro * (l.checkpointing ? st.checkpointed_activation_bytes_per_sample : st.activation_bytes_per_sample);
     // Tensor parallelism without sequence parallelism (Korthikanti et al. 2022, eq. 2): of a
     // layer's 34·sbh activation bytes, 24·sbh are split over t ranks and 10·sbh (norms, dropout-free
     // residuals, the region inputs) stay whole. Applied to the total until the terms are split one by one.
@@ -128,22 +199,24 @@ class Planner {
     if (tp_ > 1 && !l.checkpointing) m.activations *= r_.parallel.sequence_parallel ? 1.0 / tp_ : (10.0 + 24.0 / tp_) / 34.0;
     if (r_.data.separate_documents) {  // the document mask (bool, then a bias in the compute dtype, s x s) and each token's rotary rows (fp32 cos and sin)
       const double s = static_cast<double>(r_.batch.seq_len);
-      m.activations += l.micro * (s * s * (1 + bytes_per_element(r_.precision.dtype)) + s * r_.model.head_dim() * 8);
+      m.activations += live * l.micro * (s * s * (1 + bytes_per_element(r_.precision.dtype)) + s * r_.model.head_dim() * 8);
     }
     // Backward's transient on top: the loss gradient at its start, or with recomputation whichever
     // is larger of that and one block's recomputed activations (they are never live together).
-    m.backward_peak = l.micro * (l.checkpointing ? std::max(cost_.head_backward_bytes_per_sample, cost_.recomputed_layer_bytes_per_sample)
-                                                 : cost_.head_backward_bytes_per_sample);
+    const double head_backward = st.has_head ? cost_.head_backward_bytes_per_sample : 0;
+    m.backward_peak = l.micro * (l.checkpointing && st.has_blocks ? std::max(head_backward, cost_.recomputed_layer_bytes_per_sample) : head_backward);
     const double e = bytes_per_element(r_.precision.dtype);
     if (l.stage == 3 && dp_ > 1) {
       // The layer being computed, the prefetched next one, and one layer's full gradient before reduce-scatter.
       m.comm_buffers = 3 * e * cost_.largest_unit_params / tp_;
       // Without recomputation autograd keeps every layer's gathered weights (matmuls save them for
       // backward) until that layer's backward has run: the whole model, gathered, at the end of forward.
-      if (!l.checkpointing) m.comm_buffers += e * rank_params_;
+      if (!l.checkpointing) m.comm_buffers += e * st.rank_params;
     } else if (dp_ > 1) {
-      m.comm_buffers = 2 * std::min(r_.parallel.bucket_bytes, rank_params_ * e);  // bucket being reduced + the next
+      m.comm_buffers = 2 * std::min(r_.parallel.bucket_bytes, st.rank_params * e);  // bucket being reduced + the next
     }
+    // Tied embeddings over a pipeline: the last stage's copy of this tensor rank's embedding slice, and its gradient.
+    if (st.tied_head_copy) m.comm_buffers += 2 * e * cost_.embedding_params / tp_;
     m.runtime = hw.runtime_memory_bytes;
     m.fragmentation = hw.fragmentation * (m.states.device_total() + m.activations + m.backward_peak + m.comm_buffers);
     double on_device = m.total();
@@ -191,7 +264,8 @@ class Planner {
     p.devices_per_node = hw.devices_per_node;
     p.data_parallel = dp_;
     p.tensor_parallel = tp_;
-    p.world_size = dp_ * tp_;
+    p.pipeline_parallel = pp_;
+    p.world_size = dp_ * tp_ * pp_;
     p.ranks_per_node = ranks_per_node_;
     p.global_batch = r_.batch.global;
     p.seq_len = r_.model.arch == ModelArch::DeepSeek ? r_.batch.seq_len : 0;
@@ -207,6 +281,7 @@ class Planner {
                            "every device: " + std::to_string(hw.nodes) + " node(s) x " + std::to_string(hw.devices_per_node)});
 
     choose_layout(p);
+    check_pipeline(p);
     predict_communication(p);
     predict_time(p);
     check_hardware_present(p);
@@ -215,8 +290,27 @@ class Planner {
   }
 
  private:
+  // The schedule the ranks will run, simulated before launch: every receive meets its send, and
+  // the bubble the step time counts.
+  void check_pipeline(Plan& p) {
+    p.pipeline_schedule = r_.parallel.pipeline_schedule;
+    p.virtual_stages = v_;
+    if (pp_ == 1) return;
+    for (auto [begin, end] : pieces_) p.pipeline_pieces.push_back({begin, end});
+    const std::string problem = pipeline_schedule_problem(p.pipeline_schedule, pp_, static_cast<int>(p.accumulation), v_);
+    PipelineSimulation sim;
+    if (problem.empty()) sim = simulate(build_pipeline_schedule(p.pipeline_schedule, pp_, static_cast<int>(p.accumulation), v_), 1.0 / v_, 2.0 / v_);
+    p.pipeline_problem = problem.empty() ? sim.problem : problem;
+    p.bubble_fraction = bubble_fraction(p.accumulation);
+    if (!p.pipeline_problem.empty()) {
+      p.fits = false;
+      p.verdict.push_back("the pipeline schedule cannot run: " + p.pipeline_problem);
+    }
+  }
+
   std::vector<int> stage_candidates() const {
     if (r_.parallel.zero_stage) return {*r_.parallel.zero_stage};
+    if (pp_ > 1) return {0, 1, 2};  // ZeRO-3 is refused with pipeline parallelism
     if (r_.parallel.offload == Offload::OptimizerAndParams) return {3};
     if (r_.parallel.offload == Offload::Optimizer) return {1, 2, 3};
     return {0, 1, 2, 3};
@@ -234,10 +328,12 @@ class Planner {
     // Divisors of the per-rank batch, found in pairs up to its square root (batches can be huge).
     int64_t per_rank = r_.batch.global / dp_;
     std::vector<int64_t> out;
+    // The interleaved schedule needs the micro-batches per step in multiples of the stages.
+    auto allowed = [&](int64_t micro) { return r_.parallel.pipeline_schedule != PipelineScheduleKind::Interleaved || (per_rank / micro) % pp_ == 0; };
     for (int64_t d = 1; d * d <= per_rank; ++d)
       if (per_rank % d == 0) {
-        out.push_back(d);
-        if (d != per_rank / d) out.push_back(per_rank / d);
+        if (allowed(d)) out.push_back(d);
+        if (d != per_rank / d && allowed(per_rank / d)) out.push_back(per_rank / d);
       }
     std::sort(out.rbegin(), out.rend());
     return out;
@@ -325,6 +421,12 @@ class Planner {
     DSRUN_ASSERT(p.accumulation * chosen.micro * dp_ == r_.batch.global, "batch divisibility was validated");
     p.tokens_per_step = static_cast<double>(r_.batch.global) * cost_.tokens_per_sample;
     p.memory = ev.memory;
+    p.memory_stage = ev.stage;
+    p.live_micro_batches = live_micro_batches(p.accumulation, ev.stage);
+    for (size_t st = 0; st < stages_.size(); ++st) {
+      const ModelStateBytes states = evaluate_stage(chosen, static_cast<int>(st)).memory.states;
+      p.stage_model_state_bytes.push_back(states.device_total() + states.host);
+    }
     p.host = ev.host;
     p.host_memory_needed = ev.host_needed;
     p.fits = ev.fits;
@@ -444,6 +546,20 @@ class Planner {
                                                       : "all-reduce activations (tensor, 4 per layer, every micro-batch)",
                         bytes, bytes / node_bw});
     }
+    if (pp_ > 1) {
+      // Every chunk sends its output forward and its input's gradient back, every micro-batch:
+      // [micro, seq, hidden] (1/t of it with sequence parallelism). Stages are the outermost
+      // dimension: neighbours sit dp × tp ranks apart, on another node once that passes a node.
+      const double activation = static_cast<double>(p.micro_batch) * r_.batch.seq_len * r_.model.hidden * e / (r_.parallel.sequence_parallel ? tp_ : 1);
+      const bool across_nodes = r_.hardware.nodes > 1 && dp_ * tp_ >= ranks_per_node_;
+      const double p2p_bw = (across_nodes ? r_.hardware.inter_node_bandwidth / ranks_per_node_ : r_.hardware.link_bandwidth) * r_.hardware.comm_efficiency;
+      const double bytes = 2 * a * v_ * activation;
+      p.comm.push_back({"send/receive activations and their gradients (pipeline, every micro-batch)", bytes, bytes / p2p_bw});
+      if (r_.model.tie_embeddings) {
+        const double tied = 2 * cost_.embedding_params / tp_ * e;
+        p.comm.push_back({"tied embedding to the last stage and its gradient back (pipeline, once per step)", tied, tied / p2p_bw});
+      }
+    }
     for (const auto& c : p.comm) p.comm_seconds += c.seconds;
 
     // Overlap: on GPUs gradient collectives run on their own stream during backward; on CPU ranks
@@ -456,7 +572,8 @@ class Planner {
       for (const auto& c : p.comm) {
         // The updated parameters' gather follows the step; tensor-parallel collectives sit between
         // the layers' matmuls that need their results.
-        if (c.collective.rfind("all-gather updated", 0) == 0 || c.collective.find("(tensor") != std::string::npos) not_overlapped += c.seconds;
+        if (c.collective.rfind("all-gather updated", 0) == 0 || c.collective.find("(tensor") != std::string::npos || c.collective.find("(pipeline") != std::string::npos)
+          not_overlapped += c.seconds;
         else overlappable_work += c.seconds;
       }
       double backward = compute * 2.0 / 3.0;
@@ -489,7 +606,10 @@ class Planner {
     p.hardware_flops_per_step = per_sample * static_cast<double>(r_.batch.global);
     p.model_flops_per_step = cost_.model_flops_per_sample * static_cast<double>(r_.batch.global);
     p.peak_flops = peak_flops();
-    return p.hardware_flops_per_step / (dp_ * tp_) / (p.peak_flops * r_.hardware.matmul_efficiency);
+    // A pipeline step lasts as long as its busiest stage's share of the work, stretched by the bubble.
+    double busiest = 0;
+    for (const StageCost& st : stages_) busiest = std::max(busiest, st.flops_per_sample / cost_.model_flops_per_sample);
+    return p.hardware_flops_per_step * busiest / (dp_ * tp_) / (p.peak_flops * r_.hardware.matmul_efficiency) / (1 - bubble_fraction(p.accumulation));
   }
 
   // The offload pipeline (docs/plan.md): gradients come down unit by unit during backward; the
@@ -577,7 +697,16 @@ class Planner {
   const Recipe& r_;
   HostFacts host_;
   double data_bytes_ = 0;
-  int dp_ = 1, tp_ = 1;
+  int dp_ = 1, tp_ = 1, pp_ = 1, v_ = 1;
+  // What each pipeline stage holds and computes (one stage, the whole model, without a pipeline).
+  struct StageCost {
+    double rank_params = 0;  // after tensor parallelism's split
+    double flops_per_sample = 0, activation_bytes_per_sample = 0, checkpointed_activation_bytes_per_sample = 0;
+    bool has_head = false, has_blocks = false;
+    bool tied_head_copy = false;  // tied embeddings: the head's copy of the embedding (not in ZeRO)
+  };
+  std::vector<StageCost> stages_;
+  std::vector<std::pair<int, int>> pieces_;  // pipeline numbering, stages × virtual stages of them
   double rank_params_ = 0;  // the parameters one rank's ZeRO holds: Ψ, less what tensor parallelism splits away
   int ranks_per_node_ = 1;
   AttentionKernel kernel_ = AttentionKernel::Flash;

@@ -74,7 +74,18 @@ struct Plan {
 
   // topology
   int nodes = 1, devices_per_node = 1, world_size = 1, data_parallel = 1, ranks_per_node = 1;
-  int tensor_parallel = 1;  // world_size = data_parallel × tensor_parallel
+  int tensor_parallel = 1;  // world_size = pipeline_parallel × data_parallel × tensor_parallel
+  int pipeline_parallel = 1;
+  PipelineScheduleKind pipeline_schedule = PipelineScheduleKind::OneFOneB;
+  int virtual_stages = 1;
+  // The model's units (pipeline numbering: embedding, blocks, head) cut into stages × virtual
+  // stages pieces [begin, end), balanced by FLOPs; rank r of the pipeline runs pieces r, r + stages, ...
+  std::vector<std::pair<int, int>> pipeline_pieces;
+  double bubble_fraction = 0;   // the pipeline's idle share of a step
+  std::string pipeline_problem; // why the schedule cannot run ("" when it can)
+  int memory_stage = 0;         // the pipeline stage `memory` describes: the one with the most to hold
+  double live_micro_batches = 1;  // whose activations that stage holds at once
+  std::vector<double> stage_model_state_bytes;  // per pipeline stage: model states (device and host) one rank holds
 
   // batch math: global = micro × accumulation × data_parallel
   int64_t global_batch = 0, micro_batch = 0, accumulation = 0, seq_len = 0;

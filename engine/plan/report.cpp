@@ -31,7 +31,18 @@ std::string render_plan(const Plan& p) {
   section("topology");
   line(std::to_string(p.nodes) + " node(s) x " + std::to_string(p.devices_per_node) + " devices; " + std::to_string(p.world_size) +
        " ranks (" + std::to_string(p.ranks_per_node) + " per node); data parallel " + std::to_string(p.data_parallel) +
-       (p.tensor_parallel > 1 ? " × tensor parallel " + std::to_string(p.tensor_parallel) + " (tensor innermost: consecutive ranks)" : ""));
+       (p.tensor_parallel > 1 ? " × tensor parallel " + std::to_string(p.tensor_parallel) + " (tensor innermost: consecutive ranks)" : "") +
+       (p.pipeline_parallel > 1 ? "; pipeline " + std::to_string(p.pipeline_parallel) + " stages (outermost)" : ""));
+  if (p.pipeline_parallel > 1) {
+    std::string pieces;
+    for (size_t g = 0; g < p.pipeline_pieces.size(); ++g) {
+      const auto [begin, end] = p.pipeline_pieces[g];
+      pieces += (g ? ", " : "") + std::string("stage ") + std::to_string(g % p.pipeline_parallel) + ": units " + std::to_string(begin) + "-" + std::to_string(end - 1);
+    }
+    line("pipeline schedule " + std::string(to_string(p.pipeline_schedule)) + (p.virtual_stages > 1 ? " × " + std::to_string(p.virtual_stages) + " virtual stages" : "") +
+         ", " + std::to_string(p.accumulation) + " micro-batches per step, bubble " + format_double(100 * p.bubble_fraction, 3) + "% of the step");
+    line("split by FLOPs (unit 0 the embedding, then each block, the last the head): " + pieces);
+  }
 
   section("batch");
   line("global " + std::to_string(p.global_batch) + " = micro " + std::to_string(p.micro_batch) + " x accumulation " +
@@ -43,7 +54,7 @@ std::string render_plan(const Plan& p) {
   line("ZeRO stage " + std::to_string(p.zero_stage) + ", offload " + to_string(p.offload) + ", activation checkpointing " +
        (p.activation_checkpointing ? "full" : "none") + ", " + to_string(p.dtype) + (images ? "" : std::string(", attention ") + kernel_name(p.attention)));
 
-  section("memory per rank");
+  section(p.pipeline_parallel > 1 ? "memory per rank (pipeline stage " + std::to_string(p.memory_stage) + ", the fullest)" : std::string("memory per rank"));
   const MemoryBreakdown& m = p.memory;
   const bool mixed = p.dtype != DType::Fp32;
   TextTable t({"component", "bytes", "how"});
@@ -53,6 +64,7 @@ std::string render_plan(const Plan& p) {
   if (mixed) t.add({"fp32 master weights", format_bytes(m.states.master), p.offload != Offload::None ? "offloaded" : sharded(p.zero_stage, 1, p.data_parallel)});
   t.add({"optimizer states", format_bytes(m.states.optimizer), p.offload != Offload::None ? "offloaded" : sharded(p.zero_stage, 1, p.data_parallel)});
   t.add({"activations", format_bytes(m.activations), "micro batch " + std::to_string(p.micro_batch) +
+                                                         (p.pipeline_parallel > 1 ? " × " + format_double(p.live_micro_batches, 3) + " live (" + to_string(p.pipeline_schedule) + ")" : "") +
                                                          (p.activation_checkpointing ? ", checkpointed" : ", no recomputation")});
   if (m.backward_peak > 0) t.add({"backward peak", format_bytes(m.backward_peak), "logits gradients at the start of backward"});
   t.add({"communication buffers", format_bytes(m.comm_buffers), p.zero_stage == 3 ? "gathered layers" : "gradient buckets"});
@@ -125,7 +137,11 @@ std::string plan_to_json(const Plan& p) {
                 {"activation_bytes_per_sample", p.cost.activation_bytes_per_sample},
                 {"checkpointed_activation_bytes_per_sample", p.cost.checkpointed_activation_bytes_per_sample}};
   j["topology"] = {{"device", to_string(p.device)}, {"nodes", p.nodes}, {"devices_per_node", p.devices_per_node},
-                   {"world_size", p.world_size}, {"ranks_per_node", p.ranks_per_node}, {"data_parallel", p.data_parallel}, {"tensor_parallel", p.tensor_parallel}};
+                   {"world_size", p.world_size}, {"ranks_per_node", p.ranks_per_node}, {"data_parallel", p.data_parallel}, {"tensor_parallel", p.tensor_parallel},
+                   {"pipeline_parallel", p.pipeline_parallel}};
+  if (p.pipeline_parallel > 1)
+    j["pipeline"] = {{"schedule", to_string(p.pipeline_schedule)}, {"virtual_stages", p.virtual_stages}, {"pieces", p.pipeline_pieces},
+                     {"bubble_fraction", p.bubble_fraction}, {"memory_stage", p.memory_stage}, {"problem", p.pipeline_problem}};
   j["batch"] = {{"global", p.global_batch}, {"micro", p.micro_batch}, {"accumulation", p.accumulation},
                 {"seq_len", p.seq_len}, {"tokens_per_step", p.tokens_per_step}};
   j["parallel"] = {{"zero_stage", p.zero_stage}, {"offload", to_string(p.offload)},

@@ -219,6 +219,37 @@ void build_tensor_parallel(Builder& c, Recipe& r) {
             "set parallel.offload = \"none\", or parallel.tensor = 1", {"parallel.tensor"});
 }
 
+// What pipeline parallelism needs: a decoder with a layer for every piece, a schedule that can
+// be built, ZeRO stages that keep each stage's parameters whole (0-2).
+void build_pipeline_parallel(Builder& c, Recipe& r) {
+  const ParallelOptions& p = r.parallel;
+  const int pieces = p.pipeline * p.virtual_stages;
+  const char* kind = to_string(p.pipeline_schedule);
+  if (p.pipeline_schedule == PipelineScheduleKind::Interleaved && p.virtual_stages < 2)
+    c.error("parallel.virtual_stages", "the interleaved schedule runs at least 2 chunks per pipeline rank", "set parallel.virtual_stages = 2 (or more), or pipeline_schedule = \"1f1b\"", {"parallel.pipeline_schedule"});
+  if (p.pipeline_schedule != PipelineScheduleKind::Interleaved && p.virtual_stages > 1)
+    c.error("parallel.virtual_stages", std::string("the ") + kind + " schedule runs one chunk per pipeline rank", "set parallel.pipeline_schedule = \"interleaved\", or virtual_stages = 1", {"parallel.pipeline_schedule"});
+  if (p.pipeline == 1) return;
+  if (r.model.arch != ModelArch::DeepSeek) {
+    c.error("parallel.pipeline", "pipeline parallelism splits a decoder's layers into stages; a ResNet is not split", "set parallel.pipeline = 1", {"model.arch"});
+    return;
+  }
+  if (pieces > r.model.layers) {
+    int best = 1;
+    for (int d = 1; d * p.virtual_stages <= r.model.layers; ++d)
+      if (r.hardware.total_devices() % (d * p.tensor) == 0) best = d;
+    c.error("parallel.pipeline", std::to_string(p.pipeline) + " stages" + (p.virtual_stages > 1 ? " × " + std::to_string(p.virtual_stages) + " virtual stages" : "") +
+                                     " need at least as many layers, and the model has " + std::to_string(r.model.layers),
+            "use parallel.pipeline = " + std::to_string(best) + (p.virtual_stages > 1 ? ", fewer virtual stages," : "") + " or more model.layers", {"model.layers", "parallel.virtual_stages"});
+  }
+  if (p.zero_stage && *p.zero_stage == 3)
+    c.error("parallel.zero_stage", "ZeRO-3 with pipeline parallelism is not supported (each stage would gather its layers again for every micro-batch's forward and backward, which the schedule interleaves)",
+            "set parallel.zero_stage = 2 (gradients and optimizer states stay sharded over the data ranks of each stage), or parallel.pipeline = 1", {"parallel.pipeline"});
+  if (p.offload != Offload::None)
+    c.error("parallel.offload", "offload with pipeline parallelism is not supported yet (the host step would update the embedding a tied head reads)",
+            "set parallel.offload = \"none\", or parallel.pipeline = 1", {"parallel.pipeline"});
+}
+
 void build_parallel(Builder& c, Recipe& r) {
   ParallelOptions& p = r.parallel;
   if (auto v = c.int_or_auto("parallel.data_parallel")) p.data_parallel = static_cast<int>(*v);
@@ -231,15 +262,28 @@ void build_parallel(Builder& c, Recipe& r) {
   p.bucket_bytes = c.f("parallel.bucket_mb") * 1e6;
   p.tensor = static_cast<int>(c.i("parallel.tensor"));
   p.sequence_parallel = c.b("parallel.sequence_parallel");
+  p.pipeline = static_cast<int>(c.i("parallel.pipeline"));
+  const std::string& schedule = c.s("parallel.pipeline_schedule");
+  for (const auto& [kind, name] : kPipelineSchedules)
+    if (schedule == name) p.pipeline_schedule = kind;
+  p.virtual_stages = static_cast<int>(c.i("parallel.virtual_stages"));
 
   int devices = r.hardware.total_devices();
-  if (p.data_parallel && devices > 0 && *p.data_parallel * p.tensor > devices)
-    c.error("parallel.data_parallel", std::to_string(*p.data_parallel) + " × tensor " + std::to_string(p.tensor) + " ranks but the hardware has " + std::to_string(devices) + " devices",
-            "use data_parallel × tensor <= " + std::to_string(devices) + ", or data_parallel = \"auto\"", {"parallel.tensor", "hardware.devices_per_node", "hardware.nodes"});
+  const std::string model_parallel = p.pipeline > 1 ? "tensor " + std::to_string(p.tensor) + " × pipeline " + std::to_string(p.pipeline) : "tensor " + std::to_string(p.tensor);
+  if (p.data_parallel && devices > 0 && *p.data_parallel * p.model_parallel() > devices)
+    c.error("parallel.data_parallel", std::to_string(*p.data_parallel) + " × " + model_parallel + " = " + std::to_string(*p.data_parallel * p.model_parallel()) +
+                                          " ranks but the hardware has " + std::to_string(devices) + " devices",
+            p.model_parallel() <= devices ? "use data_parallel <= " + std::to_string(devices / p.model_parallel()) + ", or \"auto\""
+                                          : "make data_parallel × tensor × pipeline <= " + std::to_string(devices),
+            {"parallel.tensor", "parallel.pipeline", "hardware.devices_per_node", "hardware.nodes"});
+  else if (!p.data_parallel && devices > 0 && devices % p.model_parallel() != 0)
+    c.error(p.pipeline > 1 ? "parallel.pipeline" : "parallel.tensor", model_parallel + " = " + std::to_string(p.model_parallel()) + " ranks per replica does not divide the " + std::to_string(devices) + " devices",
+            "use tensor × pipeline dividing " + std::to_string(devices), {"parallel.tensor", "parallel.pipeline", "hardware.devices_per_node", "hardware.nodes"});
   if (devices > 0 && p.tensor > devices)
     c.error("parallel.tensor", std::to_string(p.tensor) + " tensor-parallel ranks but the hardware has " + std::to_string(devices) + " devices",
             "use at most " + std::to_string(devices), {"hardware.devices_per_node", "hardware.nodes"});
   if (p.tensor > 1) build_tensor_parallel(c, r);
+  build_pipeline_parallel(c, r);
   if (p.zero_stage && p.offload == Offload::OptimizerAndParams && *p.zero_stage != 3)
     c.error("parallel.offload", "offloading parameters needs ZeRO stage 3 (only stage 3 shards parameters)",
             "set parallel.zero_stage = 3, or offload = \"optimizer\"", {"parallel.zero_stage"});
@@ -277,8 +321,8 @@ void build_batch(Builder& c, Recipe& r) {
   b.micro = c.int_or_auto("batch.micro");
   b.seq_len = c.i("batch.seq_len");
   int64_t dp = r.parallel.data_parallel_or_auto(r.hardware);
-  if (dp <= 0 || dp * r.parallel.tensor > r.hardware.total_devices()) return;  // already reported against the hardware or data_parallel
-  std::string dp_text = std::to_string(dp) + (r.parallel.data_parallel ? "" : r.parallel.tensor > 1 ? " (auto: the devices / tensor)" : " (auto: every device)");
+  if (dp <= 0 || dp * r.parallel.model_parallel() > r.hardware.total_devices()) return;  // already reported against the hardware or data_parallel
+  std::string dp_text = std::to_string(dp) + (r.parallel.data_parallel ? "" : r.parallel.model_parallel() > 1 ? " (auto: the devices / (tensor × pipeline))" : " (auto: every device)");
   if (b.global % dp != 0) {
     int64_t lower = b.global / dp * dp, upper = lower + dp;
     c.error("batch.global", "global batch " + std::to_string(b.global) + " does not split evenly over data_parallel = " + dp_text + " ranks",
@@ -294,6 +338,14 @@ void build_batch(Builder& c, Recipe& r) {
       c.error("batch.micro", "global (" + std::to_string(b.global) + ") != micro (" + std::to_string(*b.micro) + ") x accumulation x data_parallel (" +
                                  dp_text + ") for any whole accumulation",
               "use a micro batch that divides " + std::to_string(per_rank) + ", such as " + std::to_string(closest_divisor(per_rank, *b.micro)), {"batch.global", "parallel.data_parallel"});
+  }
+  const ParallelOptions& p = r.parallel;
+  if (b.micro && p.pipeline > 1 && p.pipeline_schedule == PipelineScheduleKind::Interleaved && *b.micro <= b.global / dp && (b.global / dp) % *b.micro == 0) {
+    const int64_t accumulation = b.global / dp / *b.micro;
+    if (accumulation % p.pipeline != 0)
+      c.error("batch.micro", "the interleaved schedule needs the micro-batches per step (" + std::to_string(accumulation) + " = global / data_parallel / micro) to be a multiple of parallel.pipeline = " +
+                                 std::to_string(p.pipeline),
+              "use a batch.global or batch.micro giving a multiple of " + std::to_string(p.pipeline) + " micro-batches, or pipeline_schedule = \"1f1b\"", {"batch.global", "parallel.pipeline_schedule"});
   }
   if (r.parallel.sequence_parallel && r.parallel.tensor > 1 && b.seq_len % r.parallel.tensor != 0)
     c.error("batch.seq_len", "sequence length " + std::to_string(b.seq_len) + " does not divide by parallel.tensor = " + std::to_string(r.parallel.tensor) +
@@ -430,14 +482,17 @@ void build_rest(Builder& c, Recipe& r, const std::string& recipe_dir) {
   r.checkpoint.keep_every = c.i("checkpoint.keep_every");
   r.checkpoint.dir = resolve_path(c.s("checkpoint.dir"), recipe_dir);
   r.checkpoint.at_end = c.b("checkpoint.at_end");
-  // Checkpoints hold full (logical) parameters; a tensor-parallel rank's slices are not yet gathered into them.
-  if (r.parallel.tensor > 1) {
+  // Checkpoints hold full (logical) parameters; a tensor-parallel rank's slices and a pipeline
+  // stage's units are not yet gathered into them.
+  if (r.parallel.model_parallel() > 1) {
+    const char* key = r.parallel.tensor > 1 ? "parallel.tensor" : "parallel.pipeline";
+    const char* what = r.parallel.tensor > 1 ? "tensor-parallel" : "pipeline-parallel";
     // checkpoint.at_end defaults to true (and the rank's resolved config spells it out): warned, not refused.
     if (r.checkpoint.every > 0)
-      c.error("checkpoint.every", "checkpoints of a tensor-parallel run are not supported yet",
-              "set checkpoint.every = 0, or parallel.tensor = 1", {"parallel.tensor"});
+      c.error("checkpoint.every", std::string("checkpoints of a ") + what + " run are not supported yet",
+              std::string("set checkpoint.every = 0, or ") + key + " = 1", {key});
     else if (r.checkpoint.at_end)
-      c.warning("checkpoint.at_end", "a tensor-parallel run saves no checkpoint yet: checkpoint.at_end is off", "set checkpoint.at_end = false to silence this");
+      c.warning("checkpoint.at_end", std::string("a ") + what + " run saves no checkpoint yet: checkpoint.at_end is off", "set checkpoint.at_end = false to silence this");
     r.checkpoint.at_end = false;
   }
 
@@ -470,6 +525,7 @@ struct Applicability {
 void warn_inapplicable(Builder& c, const Recipe& r) {
   static const std::vector<Applicability> rules = {
       {"parallel.sequence_parallel", [](const Recipe& x) { return x.parallel.tensor > 1; }, "parallel.tensor > 1"},
+      {"parallel.pipeline_schedule", [](const Recipe& x) { return x.parallel.pipeline > 1; }, "parallel.pipeline > 1"},
       {"optimizer.momentum", [](const Recipe& x) { return x.optimizer.kind == OptimizerKind::Sgd; }, "optimizer.name = \"sgd\""},
       {"optimizer.nesterov", [](const Recipe& x) { return x.optimizer.kind == OptimizerKind::Sgd; }, "optimizer.name = \"sgd\""},
       {"optimizer.betas", [](const Recipe& x) { return x.optimizer.kind != OptimizerKind::Sgd; }, "optimizer.name is adam or adamw"},
@@ -532,7 +588,7 @@ Recipe build_recipe(const Config& config, const HostFacts& host, const std::stri
   return r;
 }
 
-int ParallelOptions::data_parallel_or_auto(const HardwareSpec& h) const { return data_parallel.value_or(std::max(1, h.total_devices() / tensor)); }
+int ParallelOptions::data_parallel_or_auto(const HardwareSpec& h) const { return data_parallel.value_or(std::max(1, h.total_devices() / model_parallel())); }
 
 const char* to_string(Device d) { return d == Device::Cuda ? "cuda" : "cpu"; }
 const char* to_string(ModelArch a) { return a == ModelArch::ResNet ? "resnet" : "deepseek"; }

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "engine/data/token_source.hpp"
+#include "engine/parallel/pipeline_schedule.hpp"
 
 #include <cstdint>
 #include <map>
@@ -99,6 +100,10 @@ struct ParallelOptions {
   std::optional<int> data_parallel;  // nullopt: auto (the devices left by tensor parallelism)
   int tensor = 1;                    // tensor-parallel ranks (innermost mesh dimension)
   bool sequence_parallel = false;    // activations between tensor-parallel regions split along the sequence
+  int pipeline = 1;                  // pipeline stages (outermost mesh dimension)
+  PipelineScheduleKind pipeline_schedule = PipelineScheduleKind::OneFOneB;
+  int virtual_stages = 1;            // model chunks per pipeline rank (interleaved schedule)
+  int model_parallel() const { return tensor * pipeline; }  // ranks one data-parallel replica spans
   int data_parallel_or_auto(const HardwareSpec& h) const;
   std::optional<int> zero_stage;     // nullopt: auto
   Offload offload = Offload::None;

@@ -2,6 +2,7 @@
 
 #include "engine/common/text.hpp"
 #include "engine/data/token_source.hpp"
+#include "engine/parallel/pipeline_schedule.hpp"
 
 #include <cmath>
 
@@ -25,6 +26,12 @@ KeySpec ranged(std::string k, ValueType t, std::string def, double lo, double hi
   s.max = hi;
   return s;
 }
+std::vector<std::string> pipeline_schedule_names() {
+  std::vector<std::string> names;
+  for (const auto& [kind, name] : kPipelineSchedules) names.push_back(name);
+  return names;
+}
+
 KeySpec choice(std::string k, std::string def, std::vector<std::string> choices, std::string doc) {
   KeySpec s = key(std::move(k), ValueType::Choice, "\"" + def + "\"", std::move(doc));
   s.choices = std::move(choices);
@@ -114,6 +121,14 @@ std::vector<KeySpec> build_schema() {
       key("parallel.sequence_parallel", T::Bool, "false",
           "With parallel.tensor > 1: split the activations between tensor-parallel regions (norms, residuals) along the sequence "
           "(Korthikanti et al. 2022): 1/tensor of the activation memory at the same traffic. batch.seq_len must divide by parallel.tensor."),
+      ranged("parallel.pipeline", T::Int, "1", 1, 1024,
+             "Pipeline stages (GPipe/Megatron-LM): the layers split into this many consecutive stages, balanced by the plan's cost model; "
+             "the outermost mesh dimension, so stages may sit on different nodes. ZeRO stage 0-2 only."),
+      choice("parallel.pipeline_schedule", "1f1b", pipeline_schedule_names(),
+             "How micro-batches flow through the stages: `gpipe` (every forward, then every backward: keeps all micro-batches' activations), "
+             "`1f1b` (one forward, one backward: at most `pipeline` micro-batches live), `interleaved` (1F1B over parallel.virtual_stages "
+             "chunks per rank: a smaller bubble for more sends; micro-batches per step must be a multiple of parallel.pipeline)."),
+      ranged("parallel.virtual_stages", T::Int, "1", 1, 64, "Model chunks per pipeline rank, for pipeline_schedule = \"interleaved\" (at least 2 there, 1 otherwise)."),
       ranged("parallel.zero_stage", T::IntOrAuto, "\"auto\"", 0, 3,
              "ZeRO stage: 0 replicate all, 1 shard optimizer states, 2 also gradients, 3 also parameters. `auto`: the lowest that fits."),
       choice("parallel.offload", "none", {"none", "optimizer", "optimizer+params"},

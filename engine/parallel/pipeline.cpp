@@ -1,0 +1,166 @@
+#include "engine/parallel/pipeline.hpp"
+
+#include "engine/common/error.hpp"
+
+#include <map>
+
+namespace dsrun {
+
+namespace {
+// Tags beyond the schedule's (message_tag < 2 · pieces, each carrying two tensors).
+int tied_weight_tag(const PipelineSchedule& s) { return 4 * s.pieces(); }
+int tied_gradient_tag(const PipelineSchedule& s) { return 4 * s.pieces() + 1; }
+}  // namespace
+
+// Forward keeps the chunk's inputs (leaves whose gradients go back to the previous stage) and
+// outputs (whose gradients come from the next), or on the last piece the loss.
+struct PipelineStage::Live {
+  Tensors inputs, outputs, output_gradients;
+  torch::Tensor loss;
+};
+
+PipelineStage::PipelineStage(Model& model, UnitRunner& runner, ZeroDataParallel& zero, Communicator& pipeline, std::vector<UnitRange> chunks, PipelineOptions options)
+    : model_(model), runner_(runner), zero_(zero), pipeline_(pipeline), chunks_(std::move(chunks)), options_(std::move(options)) {
+  int next = 0;
+  for (const UnitRange& c : chunks_) {
+    local_.push_back({next, next + c.size()});
+    next += c.size();
+  }
+}
+
+PipelineTotals PipelineStage::train_step(const BatchFn& batch, const LossFn& loss, double loss_multiplier) {
+  return run(options_.schedule, batch, loss, loss_multiplier);
+}
+
+PipelineTotals PipelineStage::evaluate(const BatchFn& batch, const LossFn& loss, int micro_batches) {
+  torch::NoGradGuard no_grad;
+  return run(build_forward_schedule(stages(), micro_batches, options_.schedule.virtual_stages), batch, loss, 0);
+}
+
+Tensors PipelineStage::receive(const PipelineSchedule& s, const PipelineAction& a, bool gradient) {
+  const int tag = 2 * message_tag(s, stage(), a);
+  Tensors t{torch::empty(options_.activation_shape, torch::TensorOptions().dtype(options_.dtype).device(options_.device))};
+  pipeline_.recv(t[0], a.peer, tag);
+  torch::Tensor aux = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat32).device(options_.device));
+  if (options_.carries_aux_loss) pipeline_.recv(aux, a.peer, tag + 1);
+  t.push_back(aux);
+  if (!gradient && torch::GradMode::is_enabled())
+    for (auto& x : t) x.requires_grad_(true);  // leaves: their gradients go back to the sender
+  return t;
+}
+
+void PipelineStage::send(const PipelineSchedule& s, const PipelineAction& a, const Tensors& tensors) {
+  const int tag = 2 * message_tag(s, stage(), a);
+  sends_.push_back(pipeline_.send_async(tensors[0].detach(), a.peer, tag));
+  if (options_.carries_aux_loss) sends_.push_back(pipeline_.send_async(tensors[1].detach(), a.peer, tag + 1));
+}
+
+void PipelineStage::send_tied_weight() {
+  if (options_.tied_embedding_shape.empty()) return;
+  TiedEmbedding tied = model_.tied_embedding();
+  if (tied.weight.defined()) sends_.push_back(pipeline_.send_async(tied.weight.detach(), stages() - 1, tied_weight_tag(options_.schedule)));
+  if (tied.head_copy.defined()) {
+    torch::Tensor w = torch::empty(options_.tied_embedding_shape, torch::TensorOptions().dtype(options_.dtype).device(options_.device));
+    pipeline_.recv(w, 0, tied_weight_tag(options_.schedule));
+    torch::NoGradGuard no_grad;
+    tied.head_copy.set_data(w);
+  }
+}
+
+// The head's gradient of the tied weight joins the embedding's before the first stage's last
+// backward reaches the embedding, so ZeRO reduces their sum (and the optimizer sees one parameter).
+void PipelineStage::exchange_tied_gradient(bool last_backward) {
+  if (options_.tied_embedding_shape.empty() || !last_backward || !torch::GradMode::is_enabled()) return;
+  TiedEmbedding tied = model_.tied_embedding();
+  if (tied.head_copy.defined()) {
+    torch::Tensor& g = tied.head_copy.mutable_grad();
+    if (!g.defined()) g = torch::zeros_like(tied.head_copy);
+    sends_.push_back(pipeline_.send_async(g, 0, tied_gradient_tag(options_.schedule)));
+    g = torch::Tensor();
+  }
+  if (tied.weight.defined()) {
+    torch::Tensor head_gradient = torch::empty(options_.tied_embedding_shape, torch::TensorOptions().dtype(options_.dtype).device(options_.device));
+    pipeline_.recv(head_gradient, stages() - 1, tied_gradient_tag(options_.schedule));
+    torch::NoGradGuard no_grad;
+    torch::Tensor& g = tied.weight.mutable_grad();
+    if (g.defined()) g.add_(head_gradient);
+    else g = head_gradient;
+  }
+}
+
+PipelineTotals PipelineStage::run(const PipelineSchedule& s, const BatchFn& batch_of, const LossFn& loss_of, double loss_multiplier) {
+  PipelineTotals totals;
+  const int last_piece = s.pieces() - 1;
+  std::map<int, Batch> batches;                  // micro-batch -> its batch, read at its first forward here
+  std::map<std::pair<int, int>, Live> live;      // (micro-batch, chunk)
+  std::vector<int> backwards(s.virtual_stages, 0);  // backwards done per chunk this step
+  send_tied_weight();
+  for (const PipelineAction& a : s.actions.at(stage())) {
+    const int piece = s.piece(stage(), a.chunk);
+    Live& l = live[{a.micro_batch, a.chunk}];
+    switch (a.kind) {
+      case PipelineAction::ReceiveActivation: l.inputs = receive(s, a, false); break;
+      case PipelineAction::ReceiveGradient: l.output_gradients = receive(s, a, true); break;
+      case PipelineAction::SendActivation:
+        send(s, a, l.outputs);
+        if (!torch::GradMode::is_enabled()) live.erase({a.micro_batch, a.chunk});  // evaluation: done with it
+        break;
+      case PipelineAction::SendGradient: {
+        Tensors grads;
+        for (auto& x : l.inputs) grads.push_back(x.grad().defined() ? x.grad() : torch::zeros_like(x));
+        send(s, a, grads);
+        live.erase({a.micro_batch, a.chunk});
+        break;
+      }
+      case PipelineAction::Forward: {
+        auto it = batches.find(a.micro_batch);
+        if (it == batches.end()) {
+          it = batches.emplace(a.micro_batch, batch_of(a.micro_batch)).first;
+          totals.items += it->second.items;
+        }
+        Tensors out = model_.forward_chunk(a.chunk, it->second, l.inputs, runner_);
+        if (piece != last_piece) {
+          l.outputs = out;
+          break;
+        }
+        ModelOutput o;
+        o.logits = out[0];
+        if (options_.carries_aux_loss) o.aux_loss = out[1];
+        MicroBatchLoss m = loss_of(o, it->second);
+        totals.loss_sum += m.task_loss;
+        totals.aux_loss_sum += m.aux_loss;
+        if (torch::GradMode::is_enabled()) l.loss = m.loss * loss_multiplier;
+        else live.erase({a.micro_batch, a.chunk});
+        break;
+      }
+      case PipelineAction::Backward: {
+        const bool last_backward = ++backwards[a.chunk] == s.micro_batches;
+        if (piece == 0) exchange_tied_gradient(last_backward);
+        zero_.begin_micro_batch(last_backward);
+        if (piece == last_piece) {
+          l.loss.backward();
+        } else {
+          Tensors outputs, grads;
+          for (size_t i = 0; i < l.outputs.size(); ++i)
+            if (l.outputs[i].requires_grad()) {
+              outputs.push_back(l.outputs[i]);
+              grads.push_back(l.output_gradients.at(i));
+            }
+          torch::autograd::backward(outputs, grads);
+        }
+        zero_.after_backward(local_.at(a.chunk));
+        if (piece == last_piece) exchange_tied_gradient(last_backward);
+        l.outputs.clear();
+        l.output_gradients.clear();
+        l.loss = torch::Tensor();
+        if (piece == 0) live.erase({a.micro_batch, a.chunk});
+        break;
+      }
+    }
+  }
+  for (auto& p : sends_) p.wait();
+  sends_.clear();
+  return totals;
+}
+
+}  // namespace dsrun

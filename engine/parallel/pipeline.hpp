@@ -1,0 +1,73 @@
+// Runs a pipeline schedule (engine/parallel/pipeline_schedule.hpp) on this rank: its chunks'
+// forwards and backwards, the activations and gradients sent between stages, and tied embeddings
+// kept in step between the first stage and the last.
+#pragma once
+
+#include "engine/dist/communicator.hpp"
+#include "engine/model/model.hpp"
+#include "engine/parallel/pipeline_schedule.hpp"
+#include "engine/parallel/zero.hpp"
+#include "engine/train/loss.hpp"
+
+#include <torch/torch.h>
+
+#include <functional>
+#include <vector>
+
+namespace dsrun {
+
+struct PipelineOptions {
+  PipelineSchedule schedule;  // a training step's, for every pipeline rank
+  // What crosses between chunks: the activations [micro, seq, hidden] (with sequence parallelism
+  // seq / tensor) in the compute dtype, and for MoE models the running balance loss (fp32 scalar).
+  std::vector<int64_t> activation_shape;
+  bool carries_aux_loss = false;
+  // Tied embeddings: this tensor rank's slice of the embedding weight, [vocab / tensor, hidden].
+  std::vector<int64_t> tied_embedding_shape;
+  torch::ScalarType dtype = torch::kFloat32;
+  torch::Device device = torch::kCPU;
+};
+
+// What a step's micro-batches add up to: losses on the last stage (0 elsewhere); the items (tokens)
+// every stage read.
+struct PipelineTotals {
+  double loss_sum = 0, aux_loss_sum = 0;
+  int64_t items = 0;
+};
+
+class PipelineStage {
+ public:
+  // chunks: this rank's pieces of the model (pipeline numbering), as kept by Model::keep_only;
+  // runner: what the model's forward runs its units through (the ParallelModel).
+  PipelineStage(Model& model, UnitRunner& runner, ZeroDataParallel& zero, Communicator& pipeline, std::vector<UnitRange> chunks, PipelineOptions options);
+
+  using BatchFn = std::function<Batch(int micro_batch)>;
+  using LossFn = std::function<MicroBatchLoss(const ModelOutput&, const Batch&)>;
+  // One training step: every action of this rank's schedule. Backward starts from each
+  // micro-batch's loss times loss_multiplier; ZeRO reduces each chunk's gradients after its last.
+  PipelineTotals train_step(const BatchFn& batch, const LossFn& loss, double loss_multiplier);
+  // Forwards alone over `micro_batches` micro-batches (evaluation, under no_grad).
+  PipelineTotals evaluate(const BatchFn& batch, const LossFn& loss, int micro_batches);
+
+  int stage() const { return pipeline_.rank(); }
+  int stages() const { return pipeline_.world_size(); }
+
+ private:
+  struct Live;  // one micro-batch's chunk between its forward and the send of its input gradient
+  PipelineTotals run(const PipelineSchedule& schedule, const BatchFn& batch, const LossFn& loss, double loss_multiplier);
+  void send_tied_weight();            // first stage → last, before the step's first forward
+  void exchange_tied_gradient(bool);  // last stage → first, around each's last backward
+  Tensors receive(const PipelineSchedule& s, const PipelineAction& a, bool gradient);
+  void send(const PipelineSchedule& s, const PipelineAction& a, const Tensors& tensors);
+
+  Model& model_;
+  UnitRunner& runner_;
+  ZeroDataParallel& zero_;
+  Communicator& pipeline_;
+  std::vector<UnitRange> chunks_;  // pipeline numbering
+  std::vector<UnitRange> local_;   // the same chunks in ZeRO's (kept) unit numbering
+  PipelineOptions options_;
+  std::vector<PendingCollective> sends_;  // waited for at the end of the step
+};
+
+}  // namespace dsrun
