@@ -166,10 +166,15 @@ std::string default_store_path() {
   return "runs/dsrun.db";
 }
 
-int command_plan(const RecipeArgs& given, bool json) {
+int command_plan(const RecipeArgs& given, bool json, bool layouts) {
   HostFacts host = read_host_facts();
   RecipeArgs args = given;
   LoadedRecipe loaded = load_or_report(args, host);
+  if (layouts) {
+    const std::vector<LayoutRow> rows = search_layouts(loaded.recipe, host, /*every_key=*/true);
+    std::cout << (json ? layouts_to_json(rows) + "\n" : render_layouts(rows, loaded.recipe));
+    return !rows.empty() && rows.front().fits ? kExitOk : kExitDoesNotFit;
+  }
   Plan plan = make_plan(loaded.recipe, host);
   const std::string rejected = apply_plan_hook(args, loaded, plan, host);
   std::cout << (json ? plan_to_json(plan) + "\n" : render_plan(plan));
@@ -206,6 +211,13 @@ std::vector<std::string> smoke_overrides(const Recipe& r, const Plan& p, std::ve
   set("hardware.link=\"shm\"");
   set("hardware.peak_tflops_bf16=0.01");
   set("parallel.data_parallel=" + std::to_string(p.data_parallel));
+  set("parallel.tensor=" + std::to_string(p.tensor_parallel));
+  set("parallel.pipeline=" + std::to_string(p.pipeline_parallel));
+  if (p.pipeline_parallel > 1) {
+    set("parallel.pipeline_schedule=\"" + std::string(to_string(p.pipeline_schedule)) + "\"");
+    set("parallel.virtual_stages=" + std::to_string(p.virtual_stages));
+  }
+  if (p.tensor_parallel > 1) set(std::string("parallel.sequence_parallel=") + (p.sequence_parallel ? "true" : "false"));
   set("parallel.zero_stage=" + std::to_string(p.zero_stage));
   set(std::string("parallel.activation_checkpointing=") + (p.activation_checkpointing ? "full" : "none"));
   changes.push_back(std::string(to_string(r.hardware.device)) + " \"" + r.hardware.name + "\" -> " + std::to_string(p.world_size) + " CPU ranks" +

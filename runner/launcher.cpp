@@ -524,6 +524,13 @@ std::string rank_config_toml(const LoadedRecipe& loaded, const Plan& plan) {
   const Recipe& r = loaded.recipe;
   const double GiB = 1024.0 * 1024.0 * 1024.0;
   pin(c, "parallel.data_parallel", Value::of_int(plan.data_parallel));
+  // The layout as planned ("auto" keys resolved by the search).
+  pin(c, "parallel.tensor", Value::of_int(plan.tensor_parallel));
+  pin(c, "parallel.pipeline", Value::of_int(plan.pipeline_parallel));
+  const ParallelOptions::Searched& searched = r.parallel.search;
+  if (plan.pipeline_parallel > 1 || searched.schedule) pin(c, "parallel.pipeline_schedule", Value::of_string(to_string(plan.pipeline_schedule)));
+  if (plan.pipeline_parallel > 1 || searched.virtual_stages) pin(c, "parallel.virtual_stages", Value::of_int(plan.virtual_stages));
+  if (plan.tensor_parallel > 1 || searched.sequence_parallel) pin(c, "parallel.sequence_parallel", Value::of_bool(plan.sequence_parallel));
   pin(c, "parallel.zero_stage", Value::of_int(plan.zero_stage));
   pin(c, "parallel.activation_checkpointing", Value::of_string(plan.activation_checkpointing ? "full" : "none"));
   pin(c, "batch.micro", Value::of_int(plan.micro_batch));

@@ -70,6 +70,8 @@ int main(int argc, char** argv) {
   CLI::App* plan = app.add_subcommand("plan", "Print the resolved plan; exit 2 if it does not fit");
   add_recipe_args(plan);
   plan->add_flag("--json", json, "JSON instead of the table");
+  bool layouts = false;
+  plan->add_flag("--layouts", layouts, "Every layout of the hardware (tensor, pipeline, schedule, data), planned and ranked, with why each loses");
 
   dsrun::HistoryArgs hist;
   CLI::App* history = app.add_subcommand("history", "List runs, newest first; filter, query, sort");
@@ -204,7 +206,7 @@ int main(int argc, char** argv) {
   try {
     if (*run) return dsrun::command_run(recipe_args, flags, db);
     if (*worker) dsrun::command_worker(worker_config);
-    if (*plan) return dsrun::command_plan(recipe_args, json);
+    if (*plan) return dsrun::command_plan(recipe_args, json, layouts);
     if (*history) return dsrun::command_history(hist, db);
     if (*del) return dsrun::command_delete(run_list, delete_force, db);
     if (*restore) return dsrun::command_restore(run_list, db);

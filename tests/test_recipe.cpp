@@ -357,3 +357,103 @@ TEST_CASE("tensor parallelism: the world is data × tensor; data_parallel auto t
   const double replicated = 128.0 * 9;
   CHECK(p.memory.states.params == Approx(((p.cost.params - replicated) / 2 + replicated) * 4));
 }
+
+TEST_CASE("pipeline parallelism: impossible layouts are refused at once, naming the key and a fix", "[recipe][rules][pipeline]") {
+  // deepseek-tiny has 4 layers: 8 stages cannot each get one; ZeRO-3 is not combined with a pipeline.
+  LoadedRecipe r = load_text("base = [\"models/deepseek-tiny\"]\n[hardware]\ndevices_per_node = 8\n[parallel]\npipeline = 8\nzero_stage = 3\n");
+  auto errors = errors_of(r);
+  INFO(r.report());
+  REQUIRE(errors.size() == 2);
+  CHECK(errors[0].key == "parallel.pipeline");
+  CHECK(errors[0].source.line == 5);
+  CHECK(contains(errors[0].message, "the model has 4"));
+  CHECK(contains(errors[0].fix, "parallel.pipeline = 4"));
+  CHECK(errors[1].key == "parallel.zero_stage");
+  CHECK(contains(errors[1].fix, "zero_stage = 2"));
+  // Degrees whose product does not divide the devices.
+  const Diagnostic& product = only_error(load_text("base = [\"models/deepseek-tiny\"]\n[hardware]\ndevices_per_node = 8\n[parallel]\npipeline = 3\n"));
+  CHECK(product.key == "parallel.pipeline");
+  CHECK(contains(product.message, "does not divide the 8 devices"));
+  const Diagnostic& too_many = only_error(load_text("base = [\"models/deepseek-tiny\"]\n[hardware]\ndevices_per_node = 8\n[parallel]\npipeline = 2\ntensor = 2\ndata_parallel = 4\n"));
+  CHECK(too_many.key == "parallel.data_parallel");
+  CHECK(contains(too_many.message, "4 × tensor 2 × pipeline 2 = 16 ranks"));
+  // The interleaved schedule: virtual stages, and micro-batches in multiples of the stages.
+  const Diagnostic& micro = only_error(load_text("base = [\"models/deepseek-tiny\"]\n[hardware]\ndevices_per_node = 2\n[parallel]\npipeline = 2\n"
+                                                 "pipeline_schedule = \"interleaved\"\nvirtual_stages = 2\n[batch]\nglobal = 6\nmicro = 2\n"));
+  CHECK(micro.key == "batch.micro");
+  CHECK(contains(micro.message, "(3 = global / data_parallel / micro)"));
+  CHECK(only_error(load_text("base = [\"models/deepseek-tiny\"]\n[hardware]\ndevices_per_node = 2\n[parallel]\npipeline = 2\nvirtual_stages = 2\n")).key == "parallel.virtual_stages");
+  CHECK(only_error(load_text("base = [\"models/resnet50-cifar10\"]\n[hardware]\ndevices_per_node = 2\n[parallel]\npipeline = 2\n")).key == "parallel.pipeline");
+}
+
+TEST_CASE("pipeline parallelism in the plan: stages split by FLOPs, each rank's states, live micro-batches and the bubble", "[recipe][plan][pipeline]") {
+  auto plan_of = [](const std::string& schedule) {
+    LoadedRecipe r = load_text("base = [\"models/deepseek-tiny\"]\n[hardware]\ndevices_per_node = 4\n[parallel]\npipeline = 2\npipeline_schedule = \"" + schedule +
+                               "\"\n[batch]\nglobal = 16\nmicro = 2\n");
+    INFO(r.report());
+    REQUIRE(errors_of(r).empty());
+    return make_plan(r.recipe, dsrun::test::small_host());
+  };
+  const Plan p = plan_of("1f1b");
+  CHECK(p.world_size == 4);
+  CHECK(p.data_parallel == 2);
+  CHECK(p.pipeline_parallel == 2);
+  CHECK(p.accumulation == 4);
+  // 6 units (embedding, 4 blocks, head) in two contiguous pieces covering all of them.
+  REQUIRE(p.pipeline_pieces.size() == 2);
+  CHECK(p.pipeline_pieces[0].first == 0);
+  CHECK(p.pipeline_pieces[0].second == p.pipeline_pieces[1].first);
+  CHECK(p.pipeline_pieces[1].second == 6);
+  CHECK(p.bubble_fraction == Approx(1.0 / 5));  // (p-1)/(m+p-1)
+  CHECK(p.pipeline_problem.empty());
+  // The stages' parameters add up to the model's (fp32 ZeRO-0: 16 bytes each with AdamW).
+  REQUIRE(p.stage_model_state_bytes.size() == 2);
+  CHECK(p.stage_model_state_bytes[0] + p.stage_model_state_bytes[1] == Approx(p.cost.params * 16));
+  // GPipe keeps every micro-batch's activations, 1F1B at most two on the first stage.
+  const Plan gpipe = plan_of("gpipe");
+  CHECK(p.live_micro_batches == 2);
+  CHECK(gpipe.live_micro_batches == 4);
+  CHECK(gpipe.memory.activations > p.memory.activations);
+  CHECK(contains(render_plan(p), "bubble 20%"));
+}
+
+TEST_CASE("layout search: \"auto\" keys take the fastest layout that fits, every candidate ranked with a reason", "[recipe][plan][search]") {
+  LoadOptions o;
+  o.host = dsrun::test::small_host();
+  LoadedRecipe r = load_recipe_file(dsrun::test::source_dir() + "/recipes/deepseek67b_2x8a100_auto.toml", o);
+  INFO(r.report());
+  REQUIRE(r.ok());
+  CHECK(r.recipe.parallel.search.tensor);
+  CHECK(r.recipe.parallel.search.sequence_parallel);
+  const Plan p = make_plan(r.recipe, o.host);
+  REQUIRE(p.layouts.size() > 5);
+  const LayoutRow& best = p.layouts.front();
+  CHECK(best.fits);
+  CHECK(contains(best.verdict, "the fastest that fits"));
+  CHECK(p.fits);
+  CHECK(p.tensor_parallel == best.tensor);
+  CHECK(p.pipeline_parallel == best.pipeline);
+  CHECK(p.world_size == 16);
+  // Ranked: those that fit by step time, then those that do not, then the impossible, each with why.
+  int order = 0;
+  for (size_t i = 0; i < p.layouts.size(); ++i) {
+    const LayoutRow& row = p.layouts[i];
+    const int rank = !row.problem.empty() ? 2 : row.fits ? 0 : 1;
+    CHECK(rank >= order);
+    order = rank;
+    if (i > 0 && rank == 0) CHECK(row.step_seconds >= p.layouts[i - 1].step_seconds);
+    CHECK_FALSE(row.verdict.empty());
+  }
+  // The same layout written out by hand plans the same step.
+  const Plan fixed = make_plan(with_layout(r.recipe, best), o.host);
+  CHECK(fixed.step_seconds == Approx(p.step_seconds));
+  CHECK(fixed.layouts.empty());
+  // A ResNet cannot be split: only tensor 1 × pipeline 1 can run.
+  LoadedRecipe resnet = load_text("base = [\"models/resnet50-cifar10\"]\n[hardware]\ndevices_per_node = 2\n[parallel]\ntensor = \"auto\"\n[batch]\nglobal = 8\n");
+  REQUIRE(errors_of(resnet).empty());
+  const std::vector<LayoutRow> rows = search_layouts(resnet.recipe, o.host, true);
+  REQUIRE(!rows.empty());
+  CHECK(rows.front().tensor * rows.front().pipeline == 1);
+  CHECK(contains(rows.back().verdict, "cannot run: a ResNet"));
+  CHECK(contains(render_layouts(rows, resnet.recipe), "tensor 1 × pipeline 1 × data 2"));
+}

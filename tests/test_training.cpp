@@ -6,6 +6,7 @@
 
 #include <catch2/catch.hpp>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
@@ -310,4 +311,43 @@ TEST_CASE("ranks started from outside (torchrun style, dsrun worker) train witho
   CHECK(contains(text, "\"type\":\"done\""));
   CHECK(contains(text, "\"step\":3"));
   CHECK(dsrun::file_exists(dir.file("ckpt/step_00000003/COMPLETE")));  // without a launcher, checkpoint.dir itself
+}
+
+TEST_CASE("two launchers as two nodes run pipeline 2 x tensor 2 (a stage per node) and follow one process", "[training][pipeline][nodes]") {
+  // Each `dsrun run --nnodes 2 --node-rank k` starts its node's two ranks; node 0 hosts the
+  // rendezvous. Stages are the outermost mesh dimension, so each node holds one stage's tensor pair.
+  dsrun::test::TempDir dir;
+  const std::string steps = " --set run.steps=4";
+  Run one = train(dir, layout(0, 1) + steps);
+  REQUIRE(one.code == 0);
+  const std::string sets = layout(1, 1) + steps + " --set hardware.devices_per_node=2 --set hardware.nodes=2 --set hardware.inter_node_bandwidth_gbs=10" +
+                           " --set parallel.tensor=2 --set parallel.pipeline=2 --set checkpoint.at_end=false";
+  const int port = 20000 + static_cast<int>(::getpid() % 20000);
+  auto launcher = [&](int node, const std::string& db) {
+    return "'" DSRUN_BINARY "' run tests/recipes/tiny_train.toml --nnodes 2 --node-rank " + std::to_string(node) + " --master-port " + std::to_string(port) +
+           " --db '" + db + "' " + sets;
+  };
+  dsrun::test::CommandOutput out = dsrun::test::run_command("cd '" + dsrun::test::source_dir() + "' && (" + launcher(1, dir.file("node1.db")) + " > '" +
+                                                            dir.file("node1.log") + "' 2>&1 &) && " + launcher(0, dir.file("runs.db")) + "; sleep 1; cat '" + dir.file("node1.log") + "'");
+  INFO(out.text);
+  size_t at = out.text.find("\nrun ");
+  REQUIRE(at != std::string::npos);
+  Run two{out.code, out.text, out.text.substr(at + 5, 8), {}, 0};
+  dsrun::Store store(dir.file("runs.db"));
+  for (const auto& m : store.metric_history(two.id, "loss")) two.losses.push_back(m.value);
+  check_same_trajectory(one.losses, two, 1e-5);
+  const std::vector<dsrun::RunRecord> node1 = dsrun::Store(dir.file("node1.db")).list_runs({});
+  REQUIRE(node1.size() == 1);
+  CHECK(node1[0].status == dsrun::RunStatus::Finished);
+}
+
+TEST_CASE("a recipe whose layout is \"auto\" runs the layout its plan chose", "[training][search]") {
+  dsrun::test::TempDir dir;
+  Run run = train(dir, " --set run.steps=3 --set hardware.devices_per_node=2 --set parallel.data_parallel=\\\"auto\\\" --set parallel.tensor=\\\"auto\\\""
+                       " --set parallel.pipeline=\\\"auto\\\" --set parallel.pipeline_schedule=\\\"auto\\\" --set parallel.sequence_parallel=\\\"auto\\\"");
+  INFO(run.text);
+  REQUIRE(run.code == 0);
+  CHECK(contains(run.text, "parallel.tensor = "));
+  CHECK(contains(run.text, "layouts searched"));
+  CHECK(run.losses.size() == 3);
 }

@@ -70,7 +70,12 @@ std::string manifest_to_json(const CheckpointManifest& m) {
   for (const auto& u : m.units) {
     nlohmann::ordered_json params = nlohmann::ordered_json::array();
     for (const auto& p : u.params) params.push_back({{"name", p.name}, {"shape", p.shape}, {"offset", p.offset}});
-    j["units"].push_back({{"name", u.name}, {"numel", u.numel}, {"params", params}});
+    nlohmann::ordered_json unit = {{"name", u.name}, {"numel", u.numel}, {"params", params}};
+    if (!u.slices.empty()) {
+      unit["slices"] = nlohmann::ordered_json::array();
+      for (const auto& sl : u.slices) unit["slices"].push_back({{"rank", sl.rank}, {"begin", sl.begin}, {"end", sl.end}});
+    }
+    j["units"].push_back(unit);
   }
   j["config_toml"] = m.config_toml;
   return j.dump(1) + "\n";
@@ -82,7 +87,8 @@ CheckpointManifest manifest_from_json(const std::string& text, const std::string
   CheckpointManifest m;
   try {
     m.format_version = j.at("format_version").get<int>();
-    if (m.format_version != 1) bad_checkpoint(path, -1, "manifest format version " + std::to_string(m.format_version) + " is newer than this dsrun reads (1)");
+    // 2: units may name their slices (tensor- and pipeline-parallel runs write whole parameters).
+    if (m.format_version < 1 || m.format_version > 2) bad_checkpoint(path, -1, "manifest format version " + std::to_string(m.format_version) + " is newer than this dsrun reads (2)");
     m.run_id = j.at("run_id").get<std::string>();
     m.step = j.at("step").get<int64_t>();
     m.samples_seen = j.at("samples_seen").get<int64_t>();
@@ -98,6 +104,8 @@ CheckpointManifest manifest_from_json(const std::string& text, const std::string
     for (const auto& u : j.at("units")) {
       CheckpointUnit unit{u.at("name"), u.at("numel"), {}};
       for (const auto& p : u.at("params")) unit.params.push_back({p.at("name"), p.at("shape").get<std::vector<int64_t>>(), p.at("offset")});
+      if (u.contains("slices"))
+        for (const auto& sl : u.at("slices")) unit.slices.push_back({sl.at("rank"), sl.at("begin"), sl.at("end")});
       m.units.push_back(std::move(unit));
     }
   } catch (const nlohmann::json::exception& e) {
@@ -197,24 +205,31 @@ const SafetensorsFile& CheckpointReader::rank_file(int rank) {
 }
 
 void CheckpointReader::read_unit(const std::string& kind, size_t unit, int64_t begin, int64_t end, float* out) {
-  const int64_t numel = m_.units.at(unit).numel;
-  end = std::min(end, numel);
-  for (int r = 0; r < m_.world_size && begin < end; ++r) {
-    auto [b, e] = checkpoint_slice(numel, m_.world_size, r);
+  const CheckpointUnit& u = m_.units.at(unit);
+  end = std::min(end, u.numel);
+  std::vector<CheckpointSlice> slices = u.slices;
+  if (slices.empty())
+    for (int r = 0; r < m_.world_size; ++r) {
+      auto [b, e] = checkpoint_slice(u.numel, m_.world_size, r);
+      slices.push_back({r, b, e});
+    }
+  for (const CheckpointSlice& sl : slices) {
+    const int64_t b = sl.begin, e = sl.end;
     const int64_t lo = std::max(b, begin), hi = std::min(e, end);
     if (lo >= hi) continue;
-    const SafetensorsFile& f = rank_file(r);
+    if (sl.rank < 0 || sl.rank >= m_.world_size) bad_checkpoint(dir_, m_.step, "unit " + u.name + " names rank " + std::to_string(sl.rank) + "'s file, and there are " + std::to_string(m_.world_size));
+    const SafetensorsFile& f = rank_file(sl.rank);
     const SafetensorsEntry& entry = f.at(unit_tensor_name(unit, kind));
     if (entry.dtype != "F32" || entry.numel() != e - b) bad_checkpoint(f.path(), m_.step, "tensor " + entry.name + " has the wrong dtype or size for its slice");
     f.read(entry, static_cast<uint64_t>(lo - b) * 4, static_cast<uint64_t>(hi - lo) * 4, out + (lo - begin));
   }
 }
 
-std::vector<float> CheckpointReader::read_param(size_t unit, const CheckpointParam& p) {
+std::vector<float> CheckpointReader::read_param(size_t unit, const CheckpointParam& p, const std::string& kind) {
   int64_t n = 1;
   for (int64_t d : p.shape) n *= d;
   std::vector<float> out(static_cast<size_t>(n));
-  read_unit("master", unit, p.offset, p.offset + n, out.data());
+  read_unit(kind, unit, p.offset, p.offset + n, out.data());
   return out;
 }
 

@@ -17,16 +17,25 @@ namespace dsrun {
 // A checkpoint stores every flat unit of parameter space (as ZeRO lays it out) cut into world-size
 // slices: rank r holds elements [r * ceil(n / world), ...) of each unit, whatever the ZeRO stage.
 // That layout is the same for stage 0 and 3, so a checkpoint loads into any stage and any world size.
+// Tensor- and pipeline-parallel runs store one unit per parameter, each whole (its full shape,
+// whatever slices the ranks held) in the file of the rank that gathered it: `slices` says where.
+// Either way every parameter is logical, so any layout resumes from any other.
 struct CheckpointParam {
   std::string name;            // the model's parameter name, "block0.attn.wqkv.weight"
   std::vector<int64_t> shape;
   int64_t offset = 0;          // first element within the unit
 };
 
+struct CheckpointSlice {
+  int rank = 0;                // whose file holds elements [begin, end) of the unit
+  int64_t begin = 0, end = 0;
+};
+
 struct CheckpointUnit {
   std::string name;            // "embedding", "block 3", "head"
   int64_t numel = 0;
   std::vector<CheckpointParam> params;
+  std::vector<CheckpointSlice> slices;  // empty: checkpoint_slice(numel, world_size, r) in rank r's file
 };
 
 struct CheckpointFile {
@@ -99,8 +108,8 @@ class CheckpointReader {
   void read_unit(const std::string& kind, size_t unit, int64_t begin, int64_t end, float* out);
   // One rank's file, opened (and parsed) once.
   const SafetensorsFile& rank_file(int rank);
-  // A parameter's full value, gathered from the slices that hold it.
-  std::vector<float> read_param(size_t unit, const CheckpointParam& p);
+  // A parameter's full value (or optimizer state `kind`), gathered from the slices that hold it.
+  std::vector<float> read_param(size_t unit, const CheckpointParam& p, const std::string& kind = "master");
 
  private:
   std::string dir_;

@@ -241,7 +241,7 @@ TensorSplit split_of(const std::string& name, const Tensor& p, const ModelSpec& 
     s.segments = {static_cast<int64_t>(m.heads) * m.head_dim(), static_cast<int64_t>(m.kv_heads) * m.head_dim(), static_cast<int64_t>(m.kv_heads) * m.head_dim()};
   } else if (ends_with(name, "gate_up.weight")) {
     s.kind = TensorSplit::Rows;
-    s.segments = {p.size(0) / 2, p.size(0) / 2};
+    s.equal_parts = 2;  // gate rows, then up rows: equal halves whatever slice of them this tensor holds
   } else if (ends_with(name, "attn.wo.weight") || ends_with(name, "down.weight")) {
     s.kind = TensorSplit::Columns;
   } else if (name == "embedding.weight" || name == "head.weight") {

@@ -43,7 +43,8 @@ class UnitRunner {
 struct TensorSplit {
   enum Kind { Replicated, Rows, Columns };
   Kind kind = Replicated;
-  std::vector<int64_t> segments;  // Rows: the parts' sizes along dim 0 (empty: one part)
+  std::vector<int64_t> segments;  // Rows: the parts' sizes along dim 0 (empty: `equal_parts` parts)
+  int equal_parts = 1;            // Rows without segments: this many parts of equal size (gate and up)
 };
 
 struct ParameterUnit {

@@ -136,11 +136,19 @@ Tensor TensorParallel::cross_entropy(const Tensor& local_logits, const Tensor& t
   return VocabParallelCrossEntropy::apply(local_logits, targets, reinterpret_cast<int64_t>(&group_));
 }
 
+namespace {
+// The row counts of a Rows split's parts in a tensor of `rows` rows (a full tensor or a slice).
+std::vector<int64_t> row_parts(const TensorSplit& split, int64_t rows) {
+  if (!split.segments.empty()) return split.segments;
+  return std::vector<int64_t>(static_cast<size_t>(split.equal_parts), rows / split.equal_parts);
+}
+}  // namespace
+
 std::string tensor_split_problem(const std::vector<int64_t>& shape, const TensorSplit& split, int size) {
   if (split.kind == TensorSplit::Replicated || size == 1) return "";
   if (split.kind == TensorSplit::Columns) return shape.at(1) % size == 0 ? "" : std::to_string(shape[1]) + " columns";
-  std::vector<int64_t> parts = split.segments.empty() ? std::vector<int64_t>{shape.at(0)} : split.segments;
-  for (int64_t p : parts)
+  if (shape.at(0) % split.equal_parts != 0) return std::to_string(shape[0]) + " rows";
+  for (int64_t p : row_parts(split, shape.at(0)))
     if (p % size != 0) return std::to_string(p) + " rows";
   return "";
 }
@@ -160,7 +168,7 @@ Tensor tensor_slice(const Tensor& full, const TensorSplit& split, int rank, int 
     return full.narrow(1, rank * cols, cols).contiguous();
   }
   // Rows: this rank's slice of every part, in order (whole heads of q, then of k, then of v).
-  std::vector<int64_t> parts = split.segments.empty() ? std::vector<int64_t>{full.size(0)} : split.segments;
+  std::vector<int64_t> parts = row_parts(split, full.size(0));
   std::vector<Tensor> slices;
   int64_t begin = 0;
   for (int64_t p : parts) {
@@ -168,6 +176,21 @@ Tensor tensor_slice(const Tensor& full, const TensorSplit& split, int rank, int 
     begin += p;
   }
   return torch::cat(slices, 0);
+}
+
+Tensor tensor_join(const std::vector<Tensor>& slices, const TensorSplit& split) {
+  const int size = static_cast<int>(slices.size());
+  if (split.kind == TensorSplit::Replicated || size == 1) return slices.at(0).clone();
+  if (split.kind == TensorSplit::Columns) return torch::cat(slices, 1);
+  // Rows: part by part, every rank's slice of it in rank order.
+  std::vector<int64_t> parts = row_parts(split, slices[0].size(0) * size);
+  std::vector<Tensor> pieces;
+  int64_t begin = 0;  // within each rank's slice
+  for (int64_t p : parts) {
+    for (const Tensor& s : slices) pieces.push_back(s.narrow(0, begin, p / size));
+    begin += p / size;
+  }
+  return torch::cat(pieces, 0);
 }
 
 }  // namespace dsrun

@@ -48,6 +48,8 @@ class TensorParallel {
 std::vector<int64_t> tensor_slice_shape(const std::vector<int64_t>& full_shape, const TensorSplit& split, int size);
 // Rank r's slice of `full` (a copy, contiguous).
 torch::Tensor tensor_slice(const torch::Tensor& full, const TensorSplit& split, int rank, int size);
+// The full tensor from every rank's slice, in rank order (tensor_slice's inverse).
+torch::Tensor tensor_join(const std::vector<torch::Tensor>& slices, const TensorSplit& split);
 // Why a split cannot be cut evenly over `size` ranks ("" when it can).
 std::string tensor_split_problem(const std::vector<int64_t>& full_shape, const TensorSplit& split, int size);
 

@@ -90,9 +90,16 @@ double data_bytes(const Recipe& r, int64_t seq_len) {
   return tokens * 16;
 }
 
+// A candidate of the layout search is planned without its schedule's simulation or suggestions
+// (the chosen layout gets both), on the data size measured once.
+struct PlanningOptions {
+  bool full = true;
+  double data_bytes = -1;  // < 0: measure
+};
+
 class Planner {
  public:
-  Planner(const Recipe& r, const HostFacts& host) : r_(r), host_(host) {
+  Planner(const Recipe& r, const HostFacts& host, PlanningOptions options = {}) : r_(r), host_(host), options_(options) {
     const HardwareSpec& hw = r.hardware;
     dp_ = r.parallel.data_parallel_or_auto(hw);
     tp_ = r.parallel.tensor;
@@ -102,7 +109,7 @@ class Planner {
     kernel_ = hw.device == Device::Cuda ? AttentionKernel::Flash : AttentionKernel::Math;
     cost_ = model_cost(r.model, r.batch.seq_len, r.precision.dtype, kernel_, /*fused_elementwise=*/hw.device == Device::Cuda);
     capacity_ = hw.ranks_share_memory() ? hw.memory_bytes / ranks_per_node_ : hw.memory_bytes;
-    data_bytes_ = data_bytes(r, r.batch.seq_len);
+    data_bytes_ = options.data_bytes >= 0 ? options.data_bytes : data_bytes(r, r.batch.seq_len);
     // Tensor parallelism splits every weight but the norms and the MoE router over tp ranks.
     const double replicated = tp_ > 1 ? tensor_replicated_params(r.model) : 0;
     rank_params_ = (cost_.params - replicated) / tp_ + replicated;
@@ -265,6 +272,7 @@ class Planner {
     p.data_parallel = dp_;
     p.tensor_parallel = tp_;
     p.pipeline_parallel = pp_;
+    p.sequence_parallel = r_.parallel.sequence_parallel && tp_ > 1;
     p.world_size = dp_ * tp_ * pp_;
     p.ranks_per_node = ranks_per_node_;
     p.global_batch = r_.batch.global;
@@ -299,7 +307,7 @@ class Planner {
     for (auto [begin, end] : pieces_) p.pipeline_pieces.push_back({begin, end});
     const std::string problem = pipeline_schedule_problem(p.pipeline_schedule, pp_, static_cast<int>(p.accumulation), v_);
     PipelineSimulation sim;
-    if (problem.empty()) sim = simulate(build_pipeline_schedule(p.pipeline_schedule, pp_, static_cast<int>(p.accumulation), v_), 1.0 / v_, 2.0 / v_);
+    if (problem.empty() && options_.full) sim = simulate(build_pipeline_schedule(p.pipeline_schedule, pp_, static_cast<int>(p.accumulation), v_), 1.0 / v_, 2.0 / v_);
     p.pipeline_problem = problem.empty() ? sim.problem : problem;
     p.bubble_fraction = bubble_fraction(p.accumulation);
     if (!p.pipeline_problem.empty()) {
@@ -406,9 +414,13 @@ class Planner {
         int64_t next = 0;
         for (int64_t m : micros)
           if (m > chosen.micro) next = m;  // the next larger divisor
-        Evaluation bigger = evaluate({chosen.stage, chosen.checkpointing, next});
-        reason = "largest divisor of the per-rank batch " + std::to_string(per_rank) + " that fits; micro " + std::to_string(next) +
-                 " would need " + format_bytes(rank_total(bigger)) + " of " + format_bytes(capacity_);
+        if (next == 0) {
+          reason = "the largest that leaves the interleaved schedule a multiple of " + std::to_string(pp_) + " micro-batches per step";
+        } else {
+          Evaluation bigger = evaluate({chosen.stage, chosen.checkpointing, next});
+          reason = "largest divisor of the per-rank batch " + std::to_string(per_rank) + " that fits; micro " + std::to_string(next) +
+                   " would need " + format_bytes(rank_total(bigger)) + " of " + format_bytes(capacity_);
+        }
       }
       p.choices.push_back({"batch.micro", std::to_string(chosen.micro), reason});
     }
@@ -442,7 +454,7 @@ class Planner {
       p.verdict.push_back(std::string(ev.host_needed <= r_.hardware.host_memory_bytes ? "host memory fits: " : "host memory does not fit (hardware.host_memory_gib): ") +
                           format_bytes(ev.host_needed) + " of " + format_bytes(r_.hardware.host_memory_bytes) + " per node (" +
                           std::to_string(ranks_per_node_) + " rank(s) x " + format_bytes(ev.host.total()) + ")");
-    if (!p.fits) suggest(p, chosen);
+    if (!p.fits && options_.full) suggest(p, chosen);
   }
 
   // What would fit instead: the least invasive changes first, then more devices.
@@ -696,6 +708,7 @@ class Planner {
 
   const Recipe& r_;
   HostFacts host_;
+  PlanningOptions options_;
   double data_bytes_ = 0;
   int dp_ = 1, tp_ = 1, pp_ = 1, v_ = 1;
   // What each pipeline stage holds and computes (one stage, the whole model, without a pipeline).
@@ -716,6 +729,36 @@ class Planner {
 
 }  // namespace
 
-Plan make_plan(const Recipe& recipe, const HostFacts& host) { return Planner(recipe, host).plan(); }
+Plan plan_candidate(const Recipe& recipe, const HostFacts& host, double data_bytes) {
+  PlanningOptions o;
+  o.full = false;
+  o.data_bytes = data_bytes;
+  return Planner(recipe, host, o).plan();
+}
+
+double planned_data_bytes(const Recipe& recipe) { return data_bytes(recipe, recipe.batch.seq_len); }
+
+Plan make_plan(const Recipe& recipe, const HostFacts& host) {
+  if (!recipe.parallel.search.any()) return Planner(recipe, host).plan();
+  // "auto" layout keys: the fastest predicted layout that fits (or the first, if none fits).
+  std::vector<LayoutRow> rows = search_layouts(recipe, host);
+  if (rows.empty() || !rows.front().problem.empty()) {
+    ErrorContext c;
+    c.key = "parallel.tensor";
+    c.hint = "set parallel.tensor and parallel.pipeline to degrees the model divides by";
+    throw Error(rows.empty() ? "no layout of this hardware can run the model" : "no layout of this hardware can run the model: " + rows.front().problem, c);
+  }
+  const LayoutRow& best = rows.front();
+  Plan p = Planner(with_layout(recipe, best), host).plan();
+  const ParallelOptions::Searched& searched = recipe.parallel.search;
+  const std::string why = rows.size() > 1 ? best.verdict + "; next: " + rows[1].describe() + ", " + rows[1].verdict : best.verdict;
+  if (searched.tensor) p.choices.push_back({"parallel.tensor", std::to_string(best.tensor), why});
+  if (searched.pipeline) p.choices.push_back({"parallel.pipeline", std::to_string(best.pipeline), why});
+  if (searched.schedule && best.pipeline > 1) p.choices.push_back({"parallel.pipeline_schedule", to_string(best.schedule), why});
+  if (searched.virtual_stages && best.pipeline > 1) p.choices.push_back({"parallel.virtual_stages", std::to_string(best.virtual_stages), why});
+  if (searched.sequence_parallel) p.choices.push_back({"parallel.sequence_parallel", best.sequence_parallel ? "true" : "false", best.tensor > 1 ? "same traffic as without, 1/tensor of the activations between regions" : "no tensor parallelism"});
+  p.layouts = std::move(rows);
+  return p;
+}
 
 }  // namespace dsrun

@@ -65,6 +65,22 @@ struct AutoChoice {
   std::string reason;
 };
 
+// One layout the search considered (parallel.* = "auto", `dsrun plan --layouts`), with what its
+// plan predicts and why it was or was not chosen.
+struct LayoutRow {
+  int tensor = 1, pipeline = 1, data = 1, virtual_stages = 1;
+  PipelineScheduleKind schedule = PipelineScheduleKind::OneFOneB;
+  bool sequence_parallel = false;
+  int zero_stage = 0;
+  int64_t micro = 0;
+  bool checkpointing = false;
+  std::string problem;  // why it cannot run at all ("" when it can); the numbers below are then 0
+  bool fits = false;
+  double memory_bytes = 0, capacity = 0, step_seconds = 0, mfu = 0, bubble_fraction = 0, exposed_comm_seconds = 0;
+  std::string verdict;  // "chosen", or why it loses
+  std::string describe() const;  // "tp 2 × pp 4 (interleaved × 2) × dp 2, sequence-parallel"
+};
+
 struct Plan {
   std::string recipe;    // recipe path
   std::string hardware;  // hardware.name
@@ -76,6 +92,7 @@ struct Plan {
   int nodes = 1, devices_per_node = 1, world_size = 1, data_parallel = 1, ranks_per_node = 1;
   int tensor_parallel = 1;  // world_size = pipeline_parallel × data_parallel × tensor_parallel
   int pipeline_parallel = 1;
+  bool sequence_parallel = false;
   PipelineScheduleKind pipeline_schedule = PipelineScheduleKind::OneFOneB;
   int virtual_stages = 1;
   // The model's units (pipeline numbering: embedding, blocks, head) cut into stages × virtual
@@ -118,6 +135,7 @@ struct Plan {
   int64_t steps = 0;
 
   std::vector<AutoChoice> choices;
+  std::vector<LayoutRow> layouts;        // the layouts searched, the chosen first (empty: nothing was "auto")
   std::vector<std::string> verdict;      // why it fits or not
   std::vector<std::string> suggestions;  // what would fit instead
   std::vector<std::string> notes;        // assumptions worth seeing
@@ -128,7 +146,21 @@ struct Plan {
 
 Plan make_plan(const Recipe& recipe, const HostFacts& host);
 
+// For the layout search: one candidate's plan without the schedule simulation or suggestions,
+// with the data's size already measured (data_bytes, see plan.cpp).
+Plan plan_candidate(const Recipe& recipe, const HostFacts& host, double data_bytes);
+double planned_data_bytes(const Recipe& recipe);
+
+// Every layout of the recipe's hardware for the keys it leaves "auto" (all five with
+// every_key), each planned; the fastest that fits first, then the slower, then those that do not
+// fit, then the impossible. engine/plan/layout_search.cpp.
+std::vector<LayoutRow> search_layouts(const Recipe& recipe, const HostFacts& host, bool every_key = false);
+// The recipe with a row's layout in place of its "auto" keys.
+Recipe with_layout(const Recipe& recipe, const LayoutRow& row);
+
 std::string render_plan(const Plan& plan);  // the readable table
+std::string render_layouts(const std::vector<LayoutRow>& rows, const Recipe& recipe);  // `dsrun plan --layouts`
+std::string layouts_to_json(const std::vector<LayoutRow>& rows);
 std::string plan_to_json(const Plan& plan); // the same, for machines
 
 }  // namespace dsrun

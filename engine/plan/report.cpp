@@ -16,6 +16,39 @@ const char* kernel_name(AttentionKernel k) { return k == AttentionKernel::Flash 
 
 }  // namespace
 
+namespace {
+std::string layout_table(const std::vector<LayoutRow>& rows) {
+  TextTable t({"layout", "ZeRO", "micro", "recompute", "memory per rank", "step", "MFU", "verdict"});
+  for (const auto& r : rows) {
+    if (!r.problem.empty()) {
+      t.add({r.describe(), "", "", "", "", "", "", r.verdict});
+      continue;
+    }
+    t.add({r.describe(), std::to_string(r.zero_stage), std::to_string(r.micro), r.checkpointing ? "full" : "none", format_bytes(r.memory_bytes) + " of " + format_bytes(r.capacity),
+           format_seconds(r.step_seconds), format_double(100 * r.mfu, 3) + "%", r.verdict});
+  }
+  return t.render("  ");
+}
+}  // namespace
+
+std::string render_layouts(const std::vector<LayoutRow>& rows, const Recipe& recipe) {
+  std::string out = "layouts of " + recipe.hardware.name + " (" + std::to_string(recipe.hardware.total_devices()) + " devices) for " +
+                    (recipe.model.name.empty() ? std::string("the model") : recipe.model.name) + ", fastest that fits first\n";
+  out += "(each planned as dsrun plan does: the lowest ZeRO stage that fits, then the largest micro batch, recomputation only if needed)\n\n";
+  out += layout_table(rows);
+  return out;
+}
+
+std::string layouts_to_json(const std::vector<LayoutRow>& rows) {
+  nlohmann::ordered_json j = nlohmann::ordered_json::array();
+  for (const auto& r : rows)
+    j.push_back({{"tensor", r.tensor}, {"pipeline", r.pipeline}, {"data", r.data}, {"schedule", to_string(r.schedule)}, {"virtual_stages", r.virtual_stages},
+                 {"sequence_parallel", r.sequence_parallel}, {"problem", r.problem}, {"fits", r.fits}, {"zero_stage", r.zero_stage}, {"micro", r.micro},
+                 {"checkpointing", r.checkpointing}, {"memory_bytes", r.memory_bytes}, {"capacity", r.capacity}, {"step_seconds", r.step_seconds},
+                 {"mfu", r.mfu}, {"bubble_fraction", r.bubble_fraction}, {"verdict", r.verdict}});
+  return j.dump(1);
+}
+
 std::string render_plan(const Plan& p) {
   std::string out;
   auto section = [&](const std::string& title) { out += "\n" + title + "\n"; };
@@ -113,6 +146,10 @@ std::string render_plan(const Plan& p) {
     section("chosen automatically");
     for (const auto& ch : p.choices) line(ch.key + " = " + ch.value + ": " + ch.reason);
   }
+  if (!p.layouts.empty()) {
+    section("layouts searched (" + std::to_string(p.layouts.size()) + "; the best five; all with dsrun plan --layouts)");
+    out += layout_table(std::vector<LayoutRow>(p.layouts.begin(), p.layouts.begin() + std::min<size_t>(5, p.layouts.size())));
+  }
   if (!p.notes.empty()) {
     section("notes");
     for (const auto& n : p.notes) line(n);
@@ -139,6 +176,7 @@ std::string plan_to_json(const Plan& p) {
   j["topology"] = {{"device", to_string(p.device)}, {"nodes", p.nodes}, {"devices_per_node", p.devices_per_node},
                    {"world_size", p.world_size}, {"ranks_per_node", p.ranks_per_node}, {"data_parallel", p.data_parallel}, {"tensor_parallel", p.tensor_parallel},
                    {"pipeline_parallel", p.pipeline_parallel}};
+  if (!p.layouts.empty()) j["layouts"] = nlohmann::json::parse(layouts_to_json(p.layouts));
   if (p.pipeline_parallel > 1)
     j["pipeline"] = {{"schedule", to_string(p.pipeline_schedule)}, {"virtual_stages", p.virtual_stages}, {"pieces", p.pipeline_pieces},
                      {"bubble_fraction", p.bubble_fraction}, {"memory_stage", p.memory_stage}, {"problem", p.pipeline_problem}};

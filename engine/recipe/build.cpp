@@ -260,13 +260,20 @@ void build_parallel(Builder& c, Recipe& r) {
   const std::string& ckpt = c.s("parallel.activation_checkpointing");
   p.activation_checkpointing = ckpt == "full" ? Checkpointing::Full : ckpt == "auto" ? Checkpointing::Auto : Checkpointing::None;
   p.bucket_bytes = c.f("parallel.bucket_mb") * 1e6;
-  p.tensor = static_cast<int>(c.i("parallel.tensor"));
-  p.sequence_parallel = c.b("parallel.sequence_parallel");
-  p.pipeline = static_cast<int>(c.i("parallel.pipeline"));
+  auto int_or_searched = [&](const char* key, int& value, bool& searched) {
+    const std::optional<int64_t> v = c.int_or_auto(key);
+    searched = !v;
+    value = v ? static_cast<int>(*v) : 1;
+  };
+  int_or_searched("parallel.tensor", p.tensor, p.search.tensor);
+  int_or_searched("parallel.pipeline", p.pipeline, p.search.pipeline);
+  int_or_searched("parallel.virtual_stages", p.virtual_stages, p.search.virtual_stages);
+  p.search.sequence_parallel = c.at("parallel.sequence_parallel").value.is_auto();
+  p.sequence_parallel = !p.search.sequence_parallel && c.b("parallel.sequence_parallel");
   const std::string& schedule = c.s("parallel.pipeline_schedule");
+  p.search.schedule = schedule == "auto";
   for (const auto& [kind, name] : kPipelineSchedules)
     if (schedule == name) p.pipeline_schedule = kind;
-  p.virtual_stages = static_cast<int>(c.i("parallel.virtual_stages"));
 
   int devices = r.hardware.total_devices();
   const std::string model_parallel = p.pipeline > 1 ? "tensor " + std::to_string(p.tensor) + " × pipeline " + std::to_string(p.pipeline) : "tensor " + std::to_string(p.tensor);
@@ -276,12 +283,13 @@ void build_parallel(Builder& c, Recipe& r) {
             p.model_parallel() <= devices ? "use data_parallel <= " + std::to_string(devices / p.model_parallel()) + ", or \"auto\""
                                           : "make data_parallel × tensor × pipeline <= " + std::to_string(devices),
             {"parallel.tensor", "parallel.pipeline", "hardware.devices_per_node", "hardware.nodes"});
+  else if (devices > 0 && p.model_parallel() > devices)
+    c.error(p.tensor > devices || p.pipeline == 1 ? "parallel.tensor" : "parallel.pipeline",
+            model_parallel + " = " + std::to_string(p.model_parallel()) + " ranks per replica but the hardware has " + std::to_string(devices) + " devices",
+            "use tensor × pipeline <= " + std::to_string(devices), {"parallel.tensor", "parallel.pipeline", "hardware.devices_per_node", "hardware.nodes"});
   else if (!p.data_parallel && devices > 0 && devices % p.model_parallel() != 0)
     c.error(p.pipeline > 1 ? "parallel.pipeline" : "parallel.tensor", model_parallel + " = " + std::to_string(p.model_parallel()) + " ranks per replica does not divide the " + std::to_string(devices) + " devices",
             "use tensor × pipeline dividing " + std::to_string(devices), {"parallel.tensor", "parallel.pipeline", "hardware.devices_per_node", "hardware.nodes"});
-  if (devices > 0 && p.tensor > devices)
-    c.error("parallel.tensor", std::to_string(p.tensor) + " tensor-parallel ranks but the hardware has " + std::to_string(devices) + " devices",
-            "use at most " + std::to_string(devices), {"hardware.devices_per_node", "hardware.nodes"});
   if (p.tensor > 1) build_tensor_parallel(c, r);
   build_pipeline_parallel(c, r);
   if (p.zero_stage && p.offload == Offload::OptimizerAndParams && *p.zero_stage != 3)
@@ -320,6 +328,8 @@ void build_batch(Builder& c, Recipe& r) {
   b.global = c.i("batch.global");
   b.micro = c.int_or_auto("batch.micro");
   b.seq_len = c.i("batch.seq_len");
+  // A searched layout's data-parallel size is not known yet: the search checks each candidate's batch math.
+  if (r.parallel.search.any() && !r.parallel.data_parallel) return;
   int64_t dp = r.parallel.data_parallel_or_auto(r.hardware);
   if (dp <= 0 || dp * r.parallel.model_parallel() > r.hardware.total_devices()) return;  // already reported against the hardware or data_parallel
   std::string dp_text = std::to_string(dp) + (r.parallel.data_parallel ? "" : r.parallel.model_parallel() > 1 ? " (auto: the devices / (tensor × pipeline))" : " (auto: every device)");
@@ -482,19 +492,6 @@ void build_rest(Builder& c, Recipe& r, const std::string& recipe_dir) {
   r.checkpoint.keep_every = c.i("checkpoint.keep_every");
   r.checkpoint.dir = resolve_path(c.s("checkpoint.dir"), recipe_dir);
   r.checkpoint.at_end = c.b("checkpoint.at_end");
-  // Checkpoints hold full (logical) parameters; a tensor-parallel rank's slices and a pipeline
-  // stage's units are not yet gathered into them.
-  if (r.parallel.model_parallel() > 1) {
-    const char* key = r.parallel.tensor > 1 ? "parallel.tensor" : "parallel.pipeline";
-    const char* what = r.parallel.tensor > 1 ? "tensor-parallel" : "pipeline-parallel";
-    // checkpoint.at_end defaults to true (and the rank's resolved config spells it out): warned, not refused.
-    if (r.checkpoint.every > 0)
-      c.error("checkpoint.every", std::string("checkpoints of a ") + what + " run are not supported yet",
-              std::string("set checkpoint.every = 0, or ") + key + " = 1", {key});
-    else if (r.checkpoint.at_end)
-      c.warning("checkpoint.at_end", std::string("a ") + what + " run saves no checkpoint yet: checkpoint.at_end is off", "set checkpoint.at_end = false to silence this");
-    r.checkpoint.at_end = false;
-  }
 
   r.logging.every = c.i("logging.every");
   r.logging.level = c.s("logging.level");
@@ -524,8 +521,8 @@ struct Applicability {
 
 void warn_inapplicable(Builder& c, const Recipe& r) {
   static const std::vector<Applicability> rules = {
-      {"parallel.sequence_parallel", [](const Recipe& x) { return x.parallel.tensor > 1; }, "parallel.tensor > 1"},
-      {"parallel.pipeline_schedule", [](const Recipe& x) { return x.parallel.pipeline > 1; }, "parallel.pipeline > 1"},
+      {"parallel.sequence_parallel", [](const Recipe& x) { return x.parallel.tensor > 1 || x.parallel.search.any(); }, "parallel.tensor > 1"},
+      {"parallel.pipeline_schedule", [](const Recipe& x) { return x.parallel.pipeline > 1 || x.parallel.search.any(); }, "parallel.pipeline > 1"},
       {"optimizer.momentum", [](const Recipe& x) { return x.optimizer.kind == OptimizerKind::Sgd; }, "optimizer.name = \"sgd\""},
       {"optimizer.nesterov", [](const Recipe& x) { return x.optimizer.kind == OptimizerKind::Sgd; }, "optimizer.name = \"sgd\""},
       {"optimizer.betas", [](const Recipe& x) { return x.optimizer.kind != OptimizerKind::Sgd; }, "optimizer.name is adam or adamw"},

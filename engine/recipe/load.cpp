@@ -360,7 +360,9 @@ bool check_value(const KeySpec& spec, const Setting& setting, Value& out, Parser
       out = Value::of_float(v.number());
       return in_range(out.f) ? true : range_error(v.toml());
     case ValueType::Bool:
-      if (v.kind != Value::Kind::Bool) return type_error("boolean", "write true or false (without quotes)");
+    case ValueType::BoolOrAuto:
+      if (spec.type == ValueType::BoolOrAuto && v.is_auto()) return true;
+      if (v.kind != Value::Kind::Bool) return type_error(value_type_name(spec.type), "write true or false (without quotes)" + std::string(spec.type == ValueType::BoolOrAuto ? ", or \"auto\"" : ""));
       return true;
     case ValueType::String:
       if (v.kind != Value::Kind::String) return type_error("string", "put the value in double quotes");

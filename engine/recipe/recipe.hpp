@@ -104,6 +104,13 @@ struct ParallelOptions {
   PipelineScheduleKind pipeline_schedule = PipelineScheduleKind::OneFOneB;
   int virtual_stages = 1;            // model chunks per pipeline rank (interleaved schedule)
   int model_parallel() const { return tensor * pipeline; }  // ranks one data-parallel replica spans
+  // Keys given as "auto": the plan searches these dimensions of the layout (engine/plan/layout_search);
+  // until then the values above are placeholders (1, 1f1b, 1, off).
+  struct Searched {
+    bool tensor = false, pipeline = false, schedule = false, virtual_stages = false, sequence_parallel = false;
+    bool any() const { return tensor || pipeline || schedule || virtual_stages || sequence_parallel; }
+  };
+  Searched search;
   int data_parallel_or_auto(const HardwareSpec& h) const;
   std::optional<int> zero_stage;     // nullopt: auto
   Offload offload = Offload::None;

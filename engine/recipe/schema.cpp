@@ -26,8 +26,9 @@ KeySpec ranged(std::string k, ValueType t, std::string def, double lo, double hi
   s.max = hi;
   return s;
 }
-std::vector<std::string> pipeline_schedule_names() {
+std::vector<std::string> pipeline_schedule_names(bool with_auto) {
   std::vector<std::string> names;
+  if (with_auto) names.push_back("auto");
   for (const auto& [kind, name] : kPipelineSchedules) names.push_back(name);
   return names;
 }
@@ -115,20 +116,21 @@ std::vector<KeySpec> build_schema() {
 
       // ---- parallel
       ranged("parallel.data_parallel", T::IntOrAuto, "\"auto\"", 1, 1e7, "Data-parallel ranks. `auto`: every device of every node, divided by parallel.tensor."),
-      ranged("parallel.tensor", T::Int, "1", 1, 1024,
+      ranged("parallel.tensor", T::IntOrAuto, "1", 1, 1024,
              "Tensor-parallel ranks (Megatron-LM): each layer's heads, MLP and vocabulary split over this many consecutive ranks, "
-             "which should share a node. Heads, KV heads, the MLP sizes and the vocabulary must divide by it."),
-      key("parallel.sequence_parallel", T::Bool, "false",
+             "which should share a node. Heads, KV heads, the MLP sizes and the vocabulary must divide by it. "
+             "`auto`: the plan searches the layouts (tensor, pipeline, schedule, data, ZeRO, micro batch, recomputation) that fit and picks the fastest predicted (`dsrun plan --layouts`)."),
+      key("parallel.sequence_parallel", T::BoolOrAuto, "false",
           "With parallel.tensor > 1: split the activations between tensor-parallel regions (norms, residuals) along the sequence "
-          "(Korthikanti et al. 2022): 1/tensor of the activation memory at the same traffic. batch.seq_len must divide by parallel.tensor."),
-      ranged("parallel.pipeline", T::Int, "1", 1, 1024,
+          "(Korthikanti et al. 2022): 1/tensor of the activation memory at the same traffic. batch.seq_len must divide by parallel.tensor. `auto`: on wherever it applies."),
+      ranged("parallel.pipeline", T::IntOrAuto, "1", 1, 1024,
              "Pipeline stages (GPipe/Megatron-LM): the layers split into this many consecutive stages, balanced by the plan's cost model; "
-             "the outermost mesh dimension, so stages may sit on different nodes. ZeRO stage 0-2 only."),
-      choice("parallel.pipeline_schedule", "1f1b", pipeline_schedule_names(),
+             "the outermost mesh dimension, so stages may sit on different nodes. ZeRO stage 0-2 only. `auto`: searched with the rest of the layout (see parallel.tensor)."),
+      choice("parallel.pipeline_schedule", "1f1b", pipeline_schedule_names(/*with_auto=*/true),
              "How micro-batches flow through the stages: `gpipe` (every forward, then every backward: keeps all micro-batches' activations), "
              "`1f1b` (one forward, one backward: at most `pipeline` micro-batches live), `interleaved` (1F1B over parallel.virtual_stages "
-             "chunks per rank: a smaller bubble for more sends; micro-batches per step must be a multiple of parallel.pipeline)."),
-      ranged("parallel.virtual_stages", T::Int, "1", 1, 64, "Model chunks per pipeline rank, for pipeline_schedule = \"interleaved\" (at least 2 there, 1 otherwise)."),
+             "chunks per rank: a smaller bubble for more sends; micro-batches per step must be a multiple of parallel.pipeline). `auto`: searched."),
+      ranged("parallel.virtual_stages", T::IntOrAuto, "1", 1, 64, "Model chunks per pipeline rank, for pipeline_schedule = \"interleaved\" (at least 2 there, 1 otherwise). `auto`: searched."),
       ranged("parallel.zero_stage", T::IntOrAuto, "\"auto\"", 0, 3,
              "ZeRO stage: 0 replicate all, 1 shard optimizer states, 2 also gradients, 3 also parameters. `auto`: the lowest that fits."),
       choice("parallel.offload", "none", {"none", "optimizer", "optimizer+params"},
@@ -315,6 +317,7 @@ std::string value_type_name(ValueType t) {
     case ValueType::Choice: return "string";
     case ValueType::IntOrAuto: return "integer or \"auto\"";
     case ValueType::FloatOrAuto: return "number or \"auto\"";
+    case ValueType::BoolOrAuto: return "boolean or \"auto\"";
     case ValueType::FloatList: return "array of numbers";
     case ValueType::StringList: return "array of strings";
   }

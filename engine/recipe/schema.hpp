@@ -16,6 +16,7 @@ enum class ValueType {
   Choice,       // string from `choices`
   IntOrAuto,    // integer in range, or "auto"
   FloatOrAuto,  // float in range, or "auto"
+  BoolOrAuto,   // true, false, or "auto"
   FloatList,    // array of numbers, each in range
   StringList,   // array of strings
 };

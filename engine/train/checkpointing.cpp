@@ -4,6 +4,7 @@
 #include "engine/common/error.hpp"
 #include "engine/common/files.hpp"
 #include "engine/common/text.hpp"
+#include "engine/parallel/tensor_parallel.hpp"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <nlohmann/json.hpp>
@@ -78,12 +79,158 @@ std::string join_numbers(const std::vector<int64_t>& v) {
 
 torch::Tensor cpu_contiguous(const torch::Tensor& t) { return t.to(torch::kCPU).contiguous(); }
 
+bool model_parallel(const DeviceMesh& mesh) { return mesh.shape().tensor * mesh.shape().pipeline > 1; }
+
+// Every rank's string, on every rank (a sum of rows, each rank filling its own).
+std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& mine) {
+  const int world = comm.world_size(), rank = comm.rank();
+  torch::Tensor sizes = torch::zeros({world}, torch::kInt64);
+  sizes[rank] = static_cast<int64_t>(mine.size());
+  comm.all_reduce_sum(sizes);
+  const int64_t longest = std::max<int64_t>(1, sizes.max().item<int64_t>());
+  torch::Tensor rows = torch::zeros({world, longest}, torch::kInt32);
+  for (size_t i = 0; i < mine.size(); ++i) rows[rank][static_cast<int64_t>(i)] = static_cast<unsigned char>(mine[i]);
+  comm.all_reduce_sum(rows);
+  std::vector<std::string> out;
+  for (int r = 0; r < world; ++r) {
+    std::string text(static_cast<size_t>(sizes[r].item<int64_t>()), '\0');
+    for (size_t i = 0; i < text.size(); ++i) text[i] = static_cast<char>(rows[r][static_cast<int64_t>(i)].item<int32_t>());
+    out.push_back(std::move(text));
+  }
+  return out;
+}
+
+// A unit's flat shard of `kind` ("master" or an optimizer state), whole: gathered over the data
+// ranks unless this rank already holds all of it (ZeRO-0).
+torch::Tensor whole_unit(RankTrainingState& s, size_t k, const std::string& kind) {
+  torch::Tensor shard = kind == "master" ? s.zero.shards()[k].master : s.optimizer.state(kind, k);
+  Communicator& data = s.mesh.along(MeshDim::Data);
+  if (s.zero.master_begin(k) == 0 && shard.numel() >= s.zero.unit_numel(k)) return shard;
+  torch::Tensor full = torch::empty({shard.numel() * data.world_size()}, shard.options());
+  data.all_gather(shard.contiguous(), full);
+  return full;
+}
+
+// Tensor- and pipeline-parallel saves: every parameter of this rank's units whole (its ZeRO shards
+// gathered over the data ranks, its slices over the tensor ranks), written by the first data and
+// tensor rank of each stage as a unit of its own. Returns, on every rank, the manifest's units.
+std::vector<CheckpointUnit> save_whole_parameters(RankTrainingState& s, const std::vector<std::string>& states,
+                                                  const std::function<void(const std::string&, const torch::Tensor&)>& add) {
+  Communicator& world = s.mesh.world();
+  Communicator& tensor = s.mesh.along(MeshDim::Tensor);
+  const bool writer = s.mesh.coordinates().data == 0 && s.mesh.coordinates().tensor == 0;
+  const std::vector<ParameterUnit> units = s.model.parameter_units();  // ZeRO's order
+  // Where this writer's units start in the checkpoint: after every earlier stage's.
+  int64_t count = 0;
+  for (const auto& u : units) count += static_cast<int64_t>(u.params.size());
+  torch::Tensor counts = torch::zeros({world.world_size()}, torch::kInt64);
+  if (writer) counts[world.rank()] = count;
+  world.all_reduce_sum(counts);
+  int64_t index = counts.narrow(0, 0, world.rank()).sum().item<int64_t>();
+
+  nlohmann::json mine = nlohmann::json::array();
+  std::vector<std::string> kinds{"master"};
+  kinds.insert(kinds.end(), states.begin(), states.end());
+  for (size_t k = 0; k < units.size(); ++k) {
+    std::vector<torch::Tensor> flats;
+    for (const auto& kind : kinds) flats.push_back(whole_unit(s, k, kind));
+    for (size_t i = 0; i < units[k].params.size(); ++i) {
+      const std::vector<int64_t>& local_shape = s.zero.unit_shape(k, i);
+      const TensorSplit split = i < units[k].splits.size() ? units[k].splits[i] : TensorSplit{};
+      std::vector<int64_t> full_shape;
+      for (size_t n = 0; n < kinds.size(); ++n) {
+        int64_t numel = 1;
+        for (int64_t d : local_shape) numel *= d;
+        torch::Tensor local = flats[n].narrow(0, s.zero.unit_offsets(k)[i], numel).view(local_shape).contiguous();
+        torch::Tensor full = local;
+        if (tensor.world_size() > 1 && split.kind != TensorSplit::Replicated) {
+          torch::Tensor gathered = torch::empty({numel * tensor.world_size()}, local.options());
+          tensor.all_gather(local.flatten(), gathered);
+          std::vector<torch::Tensor> slices;
+          for (const auto& row : gathered.view({tensor.world_size(), numel}).unbind(0)) slices.push_back(row.view(local_shape));
+          full = tensor_join(slices, split);
+        }
+        full_shape = full.sizes().vec();
+        if (writer) add(unit_tensor_name(static_cast<size_t>(index), kinds[n]), full.flatten());
+      }
+      if (writer) mine.push_back({{"name", units[k].names[i]}, {"shape", full_shape}, {"index", index}});
+      ++index;
+    }
+  }
+  // Rank 0 writes the manifest: every writer's parameters, in checkpoint order.
+  std::vector<CheckpointUnit> all;
+  const std::vector<std::string> lists = all_gather_strings(world, writer ? mine.dump() : "[]");
+  for (int r = 0; r < world.world_size(); ++r)
+    for (const auto& p : nlohmann::json::parse(lists[r])) {
+      CheckpointUnit u;
+      u.name = p.at("name").get<std::string>();
+      const std::vector<int64_t> shape = p.at("shape").get<std::vector<int64_t>>();
+      u.numel = 1;
+      for (int64_t d : shape) u.numel *= d;
+      u.params.push_back({u.name, shape, 0});
+      u.slices.push_back({r, 0, u.numel});
+      DSRUN_ASSERT(p.at("index").get<int64_t>() == static_cast<int64_t>(all.size()), "writers number their parameters in rank order");
+      all.push_back(std::move(u));
+    }
+  return all;
+}
+
+// Restores into any layout from any checkpoint: every parameter of this rank's units read whole by
+// name, cut to this rank's tensor slice, and the part within its ZeRO shard copied in.
+void restore_whole_parameters(RankTrainingState& s, CheckpointReader& reader, const std::vector<std::string>& states, ErrorContext& c) {
+  const CheckpointManifest& m = reader.manifest();
+  std::map<std::string, std::pair<size_t, const CheckpointParam*>> where;
+  for (size_t u = 0; u < m.units.size(); ++u)
+    for (const auto& p : m.units[u].params) where[p.name] = {u, &p};
+  Communicator& tensor = s.mesh.along(MeshDim::Tensor);
+  const std::vector<ParameterUnit> units = s.model.parameter_units();
+  std::vector<std::string> problems;
+  std::vector<std::string> kinds{"master"};
+  kinds.insert(kinds.end(), states.begin(), states.end());
+  for (size_t k = 0; k < units.size(); ++k) {
+    const int64_t shard_begin = s.zero.master_begin(k), shard_numel = s.zero.shards()[k].master.numel();
+    for (size_t i = 0; i < units[k].params.size(); ++i) {
+      const std::string& name = units[k].names[i];
+      const TensorSplit split = i < units[k].splits.size() ? units[k].splits[i] : TensorSplit{};
+      auto it = where.find(name);
+      if (it == where.end()) {
+        problems.push_back("no parameter " + name);
+        continue;
+      }
+      const CheckpointParam& p = *it->second.second;
+      const std::vector<int64_t>& local_shape = s.zero.unit_shape(k, i);
+      if (!tensor_split_problem(p.shape, split, tensor.world_size()).empty() || tensor_slice_shape(p.shape, split, tensor.world_size()) != local_shape) {
+        problems.push_back(name + " has shape [" + join_numbers(p.shape) + "] in the checkpoint, which does not give this rank's [" + join_numbers(local_shape) + "]");
+        continue;
+      }
+      const int64_t offset = s.zero.unit_offsets(k)[i];
+      int64_t numel = 1;
+      for (int64_t d : local_shape) numel *= d;
+      const int64_t lo = std::max(offset, shard_begin), hi = std::min(offset + numel, shard_begin + shard_numel);
+      if (lo >= hi) continue;  // none of it in this rank's shard
+      for (const auto& kind : kinds) {
+        std::vector<float> values = reader.read_param(it->second.first, p, kind);
+        torch::Tensor full = torch::from_blob(values.data(), p.shape, torch::kFloat32);
+        torch::Tensor mine = tensor_slice(full, split, tensor.rank(), tensor.world_size()).flatten();
+        torch::Tensor target = kind == "master" ? s.zero.shards()[k].master : s.optimizer.state(kind, k);
+        target.narrow(0, lo - shard_begin, hi - lo).copy_(mine.narrow(0, lo - offset, hi - lo));
+      }
+    }
+  }
+  if (!problems.empty()) {
+    c.key = "model";
+    c.hint = "resume with the checkpoint's model settings; to start a different model from these weights, export them and use model.init_from";
+    throw Error("checkpoint does not fit this model: " + join(problems, "; "), c);
+  }
+}
+
 }  // namespace
 
 SavedCheckpoint save_checkpoint(RankTrainingState& s, const CheckpointRunFacts& facts, const std::string& root, int64_t step,
                                 const std::string& hook_state, int64_t keep_last, int64_t keep_every) {
   torch::NoGradGuard no_grad;
-  const int rank = s.comm.rank(), world = s.comm.world_size();
+  Communicator& comm = s.mesh.world();
+  const int rank = comm.rank(), world = comm.world_size();
   const std::string dir = path_join(root, checkpoint_dir_name(step));
   make_directories(dir);
   // A complete checkpoint of this step from an earlier attempt stops existing before it is rewritten.
@@ -91,7 +238,7 @@ SavedCheckpoint save_checkpoint(RankTrainingState& s, const CheckpointRunFacts& 
     std::remove(path_join(dir, kCompleteMarker).c_str());
     sync_directory(dir);
   }
-  s.comm.barrier();
+  comm.barrier();
 
   std::vector<torch::Tensor> keep;  // the bytes the writer points at, alive until written
   SafetensorsWriter writer;
@@ -101,11 +248,16 @@ SavedCheckpoint save_checkpoint(RankTrainingState& s, const CheckpointRunFacts& 
     writer.add(name, safetensors_dtype(c.scalar_type()), c.sizes().vec(), c.data_ptr());
   };
   const std::vector<std::string> states = s.optimizer.state_names();
-  for (size_t k = 0; k < s.zero.unit_count(); ++k) {
-    auto [begin, end] = checkpoint_slice(s.zero.unit_numel(k), world, rank);
-    const int64_t from = begin - s.zero.master_begin(k);
-    add(unit_tensor_name(k, "master"), s.zero.shards()[k].master.narrow(0, from, end - begin));
-    for (const auto& name : states) add(unit_tensor_name(k, name), s.optimizer.state(name, k).narrow(0, from, end - begin));
+  std::vector<CheckpointUnit> whole_parameters;  // model-parallel: the manifest's units
+  if (model_parallel(s.mesh)) {
+    whole_parameters = save_whole_parameters(s, states, add);
+  } else {
+    for (size_t k = 0; k < s.zero.unit_count(); ++k) {
+      auto [begin, end] = checkpoint_slice(s.zero.unit_numel(k), world, rank);
+      const int64_t from = begin - s.zero.master_begin(k);
+      add(unit_tensor_name(k, "master"), s.zero.shards()[k].master.narrow(0, from, end - begin));
+      for (const auto& name : states) add(unit_tensor_name(k, name), s.optimizer.state(name, k).narrow(0, from, end - begin));
+    }
   }
   // Per-rank state: buffers (BatchNorm statistics are not synchronised across ranks) and RNG.
   for (const auto& b : s.model.module().named_buffers()) add("buffer." + b.key(), b.value());
@@ -128,7 +280,7 @@ SavedCheckpoint save_checkpoint(RankTrainingState& s, const CheckpointRunFacts& 
   torch::Tensor table = torch::zeros({world, 2}, torch::kInt64);
   table[rank][0] = static_cast<int64_t>(written.bytes);
   table[rank][1] = static_cast<int64_t>(checksum_value(written.checksum));
-  s.comm.all_reduce_sum(table);
+  comm.all_reduce_sum(table);
 
   SavedCheckpoint saved;
   saved.path = dir;
@@ -147,7 +299,9 @@ SavedCheckpoint save_checkpoint(RankTrainingState& s, const CheckpointRunFacts& 
     m.created_at = static_cast<double>(std::time(nullptr));
     m.config_toml = facts.config_toml;
     auto names = parameter_names(s.model);
-    for (size_t k = 0; k < s.zero.unit_count(); ++k) {
+    if (!whole_parameters.empty()) m.format_version = 2;  // units name their slices
+    m.units = whole_parameters;
+    for (size_t k = 0; k < s.zero.unit_count() && whole_parameters.empty(); ++k) {
       CheckpointUnit u{s.zero.unit_name(k), s.zero.unit_numel(k), {}};
       const auto& params = s.zero.unit_params(k);
       for (size_t i = 0; i < params.size(); ++i) {
@@ -167,22 +321,25 @@ SavedCheckpoint save_checkpoint(RankTrainingState& s, const CheckpointRunFacts& 
       saved.removed.push_back(old);
     }
   }
-  s.comm.barrier();  // nobody goes on (or reports success) before the checkpoint exists
+  comm.barrier();  // nobody goes on (or reports success) before the checkpoint exists
   return saved;
 }
 
 RestoredProgress restore_checkpoint(RankTrainingState& s, const std::string& dir) {
   torch::NoGradGuard no_grad;
-  const int rank = s.comm.rank();
+  const int rank = s.mesh.world().rank();
   CheckpointManifest m = read_checkpoint(dir, /*verify_files=*/false);
   ErrorContext c;
   c.file = path_join(dir, kManifestFile);
   c.rank = rank;
-  // The model must be the one that was saved: same units, same sizes.
+  // Unit by unit when both sides are one flat layout (no model parallelism here, no whole
+  // parameters there); otherwise parameter by parameter, by name (restore_whole_parameters).
+  const bool same_units = !model_parallel(s.mesh) && std::all_of(m.units.begin(), m.units.end(), [](const CheckpointUnit& u) { return u.slices.empty(); });
+  // Then the model must be the one that was saved: same units, same sizes.
   std::vector<std::string> problems;
-  if (m.units.size() != s.zero.unit_count())
+  if (same_units && m.units.size() != s.zero.unit_count())
     problems.push_back("the checkpoint has " + std::to_string(m.units.size()) + " parameter units, this model " + std::to_string(s.zero.unit_count()));
-  for (size_t k = 0; k < std::min(m.units.size(), s.zero.unit_count()); ++k)
+  for (size_t k = 0; same_units && k < std::min(m.units.size(), s.zero.unit_count()); ++k)
     if (m.units[k].numel != s.zero.unit_numel(k))
       problems.push_back("unit \"" + m.units[k].name + "\" has " + std::to_string(m.units[k].numel) + " elements in the checkpoint, " + std::to_string(s.zero.unit_numel(k)) + " here");
   if (!problems.empty()) {
@@ -206,9 +363,13 @@ RestoredProgress restore_checkpoint(RankTrainingState& s, const std::string& dir
     reader.read_unit(kind, k, begin, begin + count, values.data());
     target.narrow(0, 0, count).copy_(torch::from_blob(values.data(), {count}, torch::kFloat32));
   };
-  for (size_t k = 0; k < s.zero.unit_count(); ++k) {
-    load_into("master", k, s.zero.shards()[k].master);
-    for (const auto& name : states) load_into(name, k, s.optimizer.state(name, k));
+  if (same_units) {
+    for (size_t k = 0; k < s.zero.unit_count(); ++k) {
+      load_into("master", k, s.zero.shards()[k].master);
+      for (const auto& name : states) load_into(name, k, s.optimizer.state(name, k));
+    }
+  } else {
+    restore_whole_parameters(s, reader, states, c);
   }
   s.optimizer.set_steps_taken(m.optimizer_steps);
 

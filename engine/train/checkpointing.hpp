@@ -1,10 +1,11 @@
 // A rank's side of checkpoints: every rank writes its slice of the master weights and optimizer
-// states plus its own small state (scaler, RNG, buffers); rank 0 commits the manifest. Also the
-// restore (any world size, any ZeRO stage) and initialising a model from safetensors weights.
+// states (tensor- and pipeline-parallel runs: whole parameters, gathered) plus its own small state
+// (scaler, RNG, buffers); rank 0 commits the manifest. Also the restore (any layout from any
+// other) and initialising a model from safetensors weights.
 #pragma once
 
 #include "engine/checkpoint/checkpoint.hpp"
-#include "engine/dist/communicator.hpp"
+#include "engine/dist/mesh.hpp"
 #include "engine/model/model.hpp"
 #include "engine/parallel/zero.hpp"
 #include "engine/train/loss_scaler.hpp"
@@ -21,7 +22,7 @@ struct RankTrainingState {
   ZeroDataParallel& zero;
   ShardOptimizer& optimizer;
   DynamicLossScaler* scaler;  // fp16 only
-  Communicator& comm;
+  DeviceMesh& mesh;           // the world saves and commits; model-parallel runs gather along data and tensor
 };
 
 // Run-level facts the manifest records.
@@ -52,7 +53,8 @@ struct RestoredProgress {
 };
 
 // Loads the checkpoint in `dir` into the live state (re-cutting shards when the world size or
-// ZeRO stage differs) and publishes the weights to every rank. Collective.
+// ZeRO stage differs; cutting each parameter to this rank's tensor slice and pipeline stage when
+// either layout is model-parallel) and publishes the weights to every rank. Collective.
 RestoredProgress restore_checkpoint(RankTrainingState& s, const std::string& dir);
 
 // model.init_from: copies Hugging Face-named safetensors weights (a file, or every .safetensors

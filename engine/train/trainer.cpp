@@ -292,14 +292,10 @@ class Trainer {
     return [this](const ModelOutput& out, const Batch& batch) { return micro_batch_loss(out, batch, parallel_->tensor()); };
   }
 
-  RankTrainingState training_state() { return {*model_, *zero_, *optimizer_, scaler_.get(), mesh_->along(MeshDim::Data)}; }
+  RankTrainingState training_state() { return {*model_, *zero_, *optimizer_, scaler_.get(), *mesh_}; }
 
   void save(int64_t step, const std::string& why) {
     if (step == last_saved_step_) return;  // already on disk (resumed from it, or saved just now)
-    if (plan_.tensor_parallel * plan_.pipeline_parallel > 1) {  // the recipe refuses checkpoint.every; a signal or hook may still ask
-      if (ctx_.rank == 0) report_.send(EventReport{"checkpoint_skipped", "no checkpoint at step " + std::to_string(step) + " (" + why + "): tensor- and pipeline-parallel checkpoints are not supported yet"});
-      return;
-    }
     auto t0 = std::chrono::steady_clock::now();
     CheckpointRunFacts facts;
     facts.run_id = ctx_.run_id;
