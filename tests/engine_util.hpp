@@ -13,8 +13,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <functional>
+#include <map>
+#include <string>
 #include <vector>
 
 namespace dsrun::test {
@@ -113,6 +116,25 @@ inline Batch token_batch(int64_t b, int64_t s, int64_t vocab, uint64_t seed) {
   batch.targets = torch::randint(vocab, {b, s}, torch::kInt64);
   batch.items = b * s;
   return batch;
+}
+
+// One process's loss, and after its backward every parameter's gradient (by name) with its split
+// and the gradients' global norm: what a parallel layout must reproduce.
+struct Reference {
+  double loss = 0, norm = 0;
+  std::map<std::string, torch::Tensor> grads;
+  std::map<std::string, TensorSplit> splits;
+};
+
+inline void collect_gradients(Model& model, Reference& r) {
+  double sq = 0;
+  for (auto& unit : model.parameter_units())
+    for (size_t i = 0; i < unit.params.size(); ++i) {
+      r.grads[unit.names[i]] = unit.params[i].grad().clone();
+      r.splits[unit.names[i]] = unit.splits[i];
+      sq += unit.params[i].grad().pow(2).sum().item<double>();
+    }
+  r.norm = std::sqrt(sq);
 }
 
 // The loss of one forward on one rank (no tensor parallelism), as the trainer computes it.

@@ -14,6 +14,7 @@
 
 using namespace dsrun;
 using dsrun::test::in_mesh;
+using dsrun::test::Reference;
 using dsrun::test::token_batch;
 
 TEST_CASE("the mesh puts tensor innermost and names each group the same on its members", "[engine][mesh]") {
@@ -74,12 +75,6 @@ TEST_CASE("a tensor-parallel slice of the fused q/k/v weight holds whole heads o
 
 namespace {
 
-struct Reference {
-  double loss = 0, norm = 0;
-  std::map<std::string, torch::Tensor> grads;
-  std::map<std::string, TensorSplit> splits;
-};
-
 // One process, no parallelism: the loss, gradients and their norm for one batch.
 Reference one_process(const ModelSpec& m, const Batch& batch) {
   auto model = build_model(m, 16, {7});
@@ -90,14 +85,7 @@ Reference one_process(const ModelSpec& m, const Batch& batch) {
   l.loss.backward();
   Reference r;
   r.loss = l.task_loss;
-  double sq = 0;
-  for (auto& unit : model->parameter_units())
-    for (size_t i = 0; i < unit.params.size(); ++i) {
-      r.grads[unit.names[i]] = unit.params[i].grad().clone();
-      r.splits[unit.names[i]] = unit.splits[i];
-      sq += unit.params[i].grad().pow(2).sum().item<double>();
-    }
-  r.norm = std::sqrt(sq);
+  dsrun::test::collect_gradients(*model, r);
   return r;
 }
 

@@ -15,18 +15,13 @@
 
 using namespace dsrun;
 using dsrun::test::in_mesh;
+using dsrun::test::Reference;
 using dsrun::test::token_batch;
 
 namespace {
 
 constexpr int kMicroBatches = 4;
 constexpr int64_t kSeq = 16;
-
-struct Reference {
-  double loss = 0, norm = 0;
-  std::map<std::string, torch::Tensor> grads;
-  std::map<std::string, TensorSplit> splits;
-};
 
 Batch micro_batch(const ModelSpec& m, int i) { return token_batch(2, kSeq, m.vocab, 100 + i); }
 
@@ -43,14 +38,7 @@ Reference one_process(const ModelSpec& m) {
     (l.loss / kMicroBatches).backward();
     r.loss += l.task_loss / kMicroBatches;
   }
-  double sq = 0;
-  for (auto& unit : model->parameter_units())
-    for (size_t i = 0; i < unit.params.size(); ++i) {
-      r.grads[unit.names[i]] = unit.params[i].grad().clone();
-      r.splits[unit.names[i]] = unit.splits[i];
-      sq += unit.params[i].grad().pow(2).sum().item<double>();
-    }
-  r.norm = std::sqrt(sq);
+  dsrun::test::collect_gradients(*model, r);
   return r;
 }
 

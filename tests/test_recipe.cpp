@@ -331,9 +331,8 @@ TEST_CASE("tensor parallelism: every size it splits must divide, all reported at
   }
   CHECK(contains(r.report(), "model.kv_heads = 2"));
   CHECK(contains(r.report(), "whole KV heads"));
-  // A ResNet has no heads to split; offload is not yet combined with tensor parallelism.
+  // A ResNet has no heads to split.
   CHECK(contains(only_error(load_text("base = [\"models/resnet50-cifar10\"]\n[hardware]\ndevices_per_node = 2\n[parallel]\ntensor = 2\n")).message, "ResNet"));
-  CHECK(only_error(load_text("[hardware]\ndevices_per_node = 2\n[parallel]\ntensor = 2\nzero_stage = 1\noffload = \"optimizer\"\n")).key == "parallel.offload");
   CHECK(only_error(load_text("[hardware]\ndevices_per_node = 2\n[parallel]\ntensor = 4\n")).key == "parallel.tensor");
   // Sequence parallelism splits the sequence evenly, and is not yet combined with MoE.
   const Diagnostic& seq = only_error(load_text("[hardware]\ndevices_per_node = 2\n[parallel]\ntensor = 2\nsequence_parallel = true\n[batch]\nseq_len = 1023\n"));

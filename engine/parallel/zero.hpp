@@ -114,6 +114,9 @@ class ZeroDataParallel final : public UnitRunner {
   void start_host_update(std::function<void(size_t)> update_unit);
   // Waits for the host update under way (before reading master weights or optimizer states).
   void wait_host_update();
+  // Offload: waits until unit k's updated parameters are up (before reading them outside its
+  // forward, as a pipeline's tied embedding does). Collective over the data ranks at stages 0-2.
+  void await_parameters(size_t k) { await_update(*units_.at(k)); }
   // Seconds the last host update ran, and seconds compute waited for host updates since the last call.
   struct OffloadTimes {
     double host_update_s = 0, waited_s = 0;

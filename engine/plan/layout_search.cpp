@@ -31,7 +31,6 @@ std::string layout_problem(const Recipe& r, const LayoutRow& l) {
   const int64_t per_rank = r.batch.global / l.data;
   if (r.batch.micro && per_rank % *r.batch.micro != 0) return "micro batch " + std::to_string(*r.batch.micro) + " does not divide the per-rank batch " + std::to_string(per_rank);
   if (l.schedule == PipelineScheduleKind::Interleaved && l.pipeline > 1 && per_rank % l.pipeline != 0) return "interleaving needs micro-batches in multiples of the stages";
-  if (r.parallel.offload != Offload::None && (t > 1 || l.pipeline > 1)) return "offload runs without tensor or pipeline parallelism";
   if (l.pipeline > 1 && r.parallel.zero_stage && *r.parallel.zero_stage == 3) return "ZeRO-3 runs without pipeline parallelism";
   if (l.sequence_parallel && (r.batch.seq_len % t != 0 || m.moe.enabled())) return "sequence parallelism needs seq_len divisible by tensor and no MoE";
   return "";

@@ -214,9 +214,6 @@ void build_tensor_parallel(Builder& c, Recipe& r) {
   if (p.sequence_parallel && m.moe.enabled())
     c.error("parallel.sequence_parallel", "sequence parallelism with MoE layers is not supported yet (the router would see part of the sequence)",
             "set parallel.sequence_parallel = false", {"model.moe.routed_experts"});
-  if (p.offload != Offload::None)
-    c.error("parallel.offload", "offload with tensor parallelism is not supported yet (the host step's gradient norm is not split by tensor rank)",
-            "set parallel.offload = \"none\", or parallel.tensor = 1", {"parallel.tensor"});
 }
 
 // What pipeline parallelism needs: a decoder with a layer for every piece, a schedule that can
@@ -245,9 +242,6 @@ void build_pipeline_parallel(Builder& c, Recipe& r) {
   if (p.zero_stage && *p.zero_stage == 3)
     c.error("parallel.zero_stage", "ZeRO-3 with pipeline parallelism is not supported (each stage would gather its layers again for every micro-batch's forward and backward, which the schedule interleaves)",
             "set parallel.zero_stage = 2 (gradients and optimizer states stay sharded over the data ranks of each stage), or parallel.pipeline = 1", {"parallel.pipeline"});
-  if (p.offload != Offload::None)
-    c.error("parallel.offload", "offload with pipeline parallelism is not supported yet (the host step would update the embedding a tied head reads)",
-            "set parallel.offload = \"none\", or parallel.pipeline = 1", {"parallel.pipeline"});
 }
 
 void build_parallel(Builder& c, Recipe& r) {

@@ -113,20 +113,24 @@ torch::Tensor whole_unit(RankTrainingState& s, size_t k, const std::string& kind
 
 // Tensor- and pipeline-parallel saves: every parameter of this rank's units whole (its ZeRO shards
 // gathered over the data ranks, its slices over the tensor ranks), written by the first data and
-// tensor rank of each stage as a unit of its own. Returns, on every rank, the manifest's units.
+// tensor rank of each stage as a unit of its own. Those writers are one pipeline group (rank 0's),
+// which alone agrees on the numbering. Returns, on rank 0, the manifest's units.
 std::vector<CheckpointUnit> save_whole_parameters(RankTrainingState& s, const std::vector<std::string>& states,
                                                   const std::function<void(const std::string&, const torch::Tensor&)>& add) {
-  Communicator& world = s.mesh.world();
   Communicator& tensor = s.mesh.along(MeshDim::Tensor);
+  Communicator& writers = s.mesh.along(MeshDim::Pipeline);  // for the writers: one per stage
   const bool writer = s.mesh.coordinates().data == 0 && s.mesh.coordinates().tensor == 0;
   const std::vector<ParameterUnit> units = s.model.parameter_units();  // ZeRO's order
   // Where this writer's units start in the checkpoint: after every earlier stage's.
-  int64_t count = 0;
-  for (const auto& u : units) count += static_cast<int64_t>(u.params.size());
-  torch::Tensor counts = torch::zeros({world.world_size()}, torch::kInt64);
-  if (writer) counts[world.rank()] = count;
-  world.all_reduce_sum(counts);
-  int64_t index = counts.narrow(0, 0, world.rank()).sum().item<int64_t>();
+  int64_t index = 0;
+  if (writer) {
+    int64_t count = 0;
+    for (const auto& u : units) count += static_cast<int64_t>(u.params.size());
+    torch::Tensor counts = torch::zeros({writers.world_size()}, torch::kInt64);
+    counts[writers.rank()] = count;
+    writers.all_reduce_sum(counts);
+    index = counts.narrow(0, 0, writers.rank()).sum().item<int64_t>();
+  }
 
   nlohmann::json mine = nlohmann::json::array();
   std::vector<std::string> kinds{"master"};
@@ -159,9 +163,11 @@ std::vector<CheckpointUnit> save_whole_parameters(RankTrainingState& s, const st
   }
   // Rank 0 writes the manifest: every writer's parameters, in checkpoint order.
   std::vector<CheckpointUnit> all;
-  const std::vector<std::string> lists = all_gather_strings(world, writer ? mine.dump() : "[]");
-  for (int r = 0; r < world.world_size(); ++r)
-    for (const auto& p : nlohmann::json::parse(lists[r])) {
+  if (!writer) return all;
+  const std::vector<std::string> lists = all_gather_strings(writers, mine.dump());
+  for (int stage = 0; stage < writers.world_size(); ++stage)
+    for (const auto& p : nlohmann::json::parse(lists[stage])) {
+      const int r = s.mesh.shape().rank_of({stage, 0, 0});  // the stage's writer
       CheckpointUnit u;
       u.name = p.at("name").get<std::string>();
       const std::vector<int64_t> shape = p.at("shape").get<std::vector<int64_t>>();
