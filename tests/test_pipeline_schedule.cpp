@@ -44,7 +44,7 @@ TEST_CASE("the bubble is (p-1)/(m+p-1) for GPipe and 1F1B, and interleaving shri
   CHECK(inter.bubble_fraction == Approx(double(P - 1) / (v * M + P - 1)));
 }
 
-TEST_CASE("1F1B keeps at most p - r micro-batches live on rank r; GPipe keeps all of them", "[pipeline]") {
+TEST_CASE("1F1B keeps at most p - r micro-batches live on rank r, GPipe all of them", "[pipeline]") {
   const int P = 4, M = 8;
   PipelineSimulation gpipe = simulate(build_pipeline_schedule(PipelineScheduleKind::GPipe, P, M));
   PipelineSimulation one = simulate(build_pipeline_schedule(PipelineScheduleKind::OneFOneB, P, M));

@@ -342,7 +342,7 @@ TEST_CASE("tensor parallelism: every size it splits must divide, all reported at
         "parallel.sequence_parallel");
 }
 
-TEST_CASE("tensor parallelism: the world is data × tensor; data_parallel auto takes the devices left", "[recipe][plan][tensor]") {
+TEST_CASE("tensor parallelism: the world is data × tensor, and data_parallel auto takes the devices left", "[recipe][plan][tensor]") {
   LoadedRecipe r = load_text("base = [\"models/deepseek-tiny\"]\n[hardware]\ndevices_per_node = 4\n[parallel]\ntensor = 2\n[batch]\nglobal = 8\n");
   INFO(r.report());
   REQUIRE(errors_of(r).empty());

@@ -149,7 +149,7 @@ TEST_CASE("bad token files are refused naming the file and what to change", "[da
   refused(options(dir.file("shard.tokens"), 4), "does not match its size");
 }
 
-TEST_CASE("shuffled epochs visit every window once; mixtures follow their weights; validation is each file's tail in whole documents", "[data][formats]") {
+TEST_CASE("shuffled epochs visit every window once, mixtures follow their weights, validation is each file's tail in whole documents", "[data][formats]") {
   TempDir dir;
   // Headerless u32 streams whose tokens are their own positions, so a window names itself.
   const auto stream = [&](const std::string& name, int64_t n, int64_t offset, int64_t separator_every) {

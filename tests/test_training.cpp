@@ -142,7 +142,7 @@ TEST_CASE("data 2 x tensor 2 with ZeRO-1 and ZeRO-3 follows one process", "[trai
   check_tensor_parallel("", 3, 2);
 }
 
-TEST_CASE("pipeline parallelism on 2 stages follows one process (1F1B; interleaved with tied embeddings)", "[training][pipeline]") {
+TEST_CASE("pipeline parallelism on 2 stages follows one process: 1F1B, and interleaved with tied embeddings", "[training][pipeline]") {
   check_model_parallel("", " --set parallel.pipeline=2", 0, 1, 2);
   check_model_parallel(" --set model.layers=4 --set model.tie_embeddings=true",
                        " --set parallel.pipeline=2 --set parallel.pipeline_schedule=\\\"interleaved\\\" --set parallel.virtual_stages=2", 1, 1, 2);

@@ -698,6 +698,10 @@ class Planner {
     if (hw.device == Device::Cpu && p.offload != Offload::None)
       p.notes.push_back("offload on CPU ranks moves nothing (host and device memory are the same); the same code path runs, with separate host copies");
     if (p.zero_stage > 0 && dp_ == 1) p.notes.push_back("ZeRO stage " + std::to_string(p.zero_stage) + " with one rank shards nothing");
+    if (hw.device == Device::Cuda && pp_ > 1)
+      p.notes.push_back("pipeline on GPUs: NCCL runs a pair's sends and receives in order, and the engine does not yet batch a stage's send with the "
+                        "neighbour's receive (Megatron-LM's send_forward_recv_backward): activations larger than NCCL's buffer may stall 1F1B "
+                        "(docs/parallelism.md, \"On GPUs\"); tested on CPU ranks (Gloo) only");
     int64_t shard_pad = static_cast<int64_t>(std::ceil(rank_params_ / dp_) * dp_ - rank_params_);
     if (p.zero_stage > 0 && shard_pad > 0)
       p.notes.push_back(format_count(cost_.params) + " parameters do not divide by " + std::to_string(dp_) + " ranks: shards are padded by " +
@@ -751,11 +755,16 @@ Plan make_plan(const Recipe& recipe, const HostFacts& host) {
   const LayoutRow& best = rows.front();
   Plan p = Planner(with_layout(recipe, best), host).plan();
   const ParallelOptions::Searched& searched = recipe.parallel.search;
-  const std::string why = rows.size() > 1 ? best.verdict + "; next: " + rows[1].describe() + ", " + rows[1].verdict : best.verdict;
-  if (searched.tensor) p.choices.push_back({"parallel.tensor", std::to_string(best.tensor), why});
-  if (searched.pipeline) p.choices.push_back({"parallel.pipeline", std::to_string(best.pipeline), why});
-  if (searched.schedule && best.pipeline > 1) p.choices.push_back({"parallel.pipeline_schedule", to_string(best.schedule), why});
-  if (searched.virtual_stages && best.pipeline > 1) p.choices.push_back({"parallel.virtual_stages", std::to_string(best.virtual_stages), why});
+  // The first searched key carries why; the others belong to the same layout.
+  std::string why = rows.size() > 1 ? best.verdict + "; next: " + rows[1].describe() + ", " + rows[1].verdict : best.verdict;
+  auto choose = [&](const char* key, const std::string& value) {
+    p.choices.push_back({key, value, why});
+    why = "the same layout";
+  };
+  if (searched.tensor) choose("parallel.tensor", std::to_string(best.tensor));
+  if (searched.pipeline) choose("parallel.pipeline", std::to_string(best.pipeline));
+  if (searched.schedule && best.pipeline > 1) choose("parallel.pipeline_schedule", to_string(best.schedule));
+  if (searched.virtual_stages && best.pipeline > 1) choose("parallel.virtual_stages", std::to_string(best.virtual_stages));
   if (searched.sequence_parallel) p.choices.push_back({"parallel.sequence_parallel", best.sequence_parallel ? "true" : "false", best.tensor > 1 ? "same traffic as without, 1/tensor of the activations between regions" : "no tensor parallelism"});
   p.layouts = std::move(rows);
   return p;
