@@ -159,7 +159,7 @@ TEST_CASE("a checkpoint exists only once its marker matches its manifest", "[che
   m.run_id = "abc";
   m.step = 5;
   m.world_size = 1;
-  m.units = {{"u", 5, {{"p", {5}, 0}}}};
+  m.units = {{"u", 5, {{"p", {5}, 0}}, {}}};
   m.files = {{dsrun::rank_file_name(0), 0, written.bytes, written.checksum}};
 
   CHECK(contains(error_of([&] { dsrun::read_checkpoint(step_dir, true); }), "no completion marker"));

@@ -23,9 +23,8 @@ std::string layout_problem(const Recipe& r, const LayoutRow& l) {
   const ModelSpec& m = r.model;
   const int t = l.tensor;
   if (m.arch != ModelArch::DeepSeek && (t > 1 || l.pipeline > 1)) return "a ResNet is neither split by tensor nor by pipeline";
-  for (auto [value, what] : {std::pair<int64_t, const char*>{m.heads, "heads"}, {m.kv_heads, "KV heads"}, {m.intermediate, "MLP size"}, {m.vocab, "vocabulary"}})
-    if (value % t != 0) return std::string(what) + " (" + std::to_string(value) + ") not divisible by tensor " + std::to_string(t);
-  if (m.moe.enabled() && m.moe.intermediate % t != 0) return "expert MLP size not divisible by tensor " + std::to_string(t);
+  for (const TensorSplitSize& size : tensor_split_sizes(m))
+    if (size.value % t != 0) return std::string(size.key) + " = " + std::to_string(size.value) + " not divisible by tensor " + std::to_string(t);
   if (l.pipeline * l.virtual_stages > m.layers) return std::to_string(l.pipeline * l.virtual_stages) + " pipeline pieces for " + std::to_string(m.layers) + " layers";
   if (r.batch.global % l.data != 0) return "global batch " + std::to_string(r.batch.global) + " not divisible by data " + std::to_string(l.data);
   const int64_t per_rank = r.batch.global / l.data;

@@ -46,15 +46,6 @@ ModelStateBytes plan_model_states_per_rank(const ModelStateOptions& o) {
 
 namespace {
 
-// Parameters every tensor-parallel rank keeps whole: the RMSNorm weights and the MoE routers.
-double tensor_replicated_params(const ModelSpec& m) {
-  if (m.arch != ModelArch::DeepSeek) return 0;
-  const double h = m.hidden;
-  double replicated = h * (2.0 * m.layers + 1);
-  if (m.moe.enabled()) replicated += h * m.moe.routed_experts * static_cast<double>(m.layers - m.moe.first_dense_layers);
-  return replicated;
-}
-
 struct Layout {
   int stage = 0;
   bool checkpointing = false;
@@ -110,8 +101,9 @@ class Planner {
     cost_ = model_cost(r.model, r.batch.seq_len, r.precision.dtype, kernel_, /*fused_elementwise=*/hw.device == Device::Cuda);
     capacity_ = hw.ranks_share_memory() ? hw.memory_bytes / ranks_per_node_ : hw.memory_bytes;
     data_bytes_ = options.data_bytes >= 0 ? options.data_bytes : data_bytes(r, r.batch.seq_len);
-    // Tensor parallelism splits every weight but the norms and the MoE router over tp ranks.
-    const double replicated = tp_ > 1 ? tensor_replicated_params(r.model) : 0;
+    // Tensor parallelism splits every weight but the norms and the MoE routers over tp ranks.
+    double replicated = 0;
+    for (const ModelCost::Unit& u : cost_.units) replicated += tp_ > 1 ? u.tensor_replicated_params : 0;
     rank_params_ = (cost_.params - replicated) / tp_ + replicated;
     split_into_stages();
   }

@@ -205,11 +205,7 @@ void build_tensor_parallel(Builder& c, Recipe& r) {
     c.error("parallel.tensor", "tensor = " + tt + " does not divide " + std::string(key) + " = " + std::to_string(value) + " (" + what + ")",
             "use parallel.tensor = " + std::to_string(best) + ", or a " + std::string(key) + " divisible by " + tt, {key});
   };
-  divides("model.heads", m.heads, "each rank computes whole attention heads");
-  divides("model.kv_heads", m.kv_heads, "each rank keeps whole KV heads; they are not replicated");
-  divides("model.intermediate", m.intermediate, "the MLP's inner size is split");
-  divides("model.vocab", m.vocab, "the embedding and output head are split by vocabulary");
-  if (m.moe.enabled()) divides("model.moe.intermediate", m.moe.intermediate, "each expert's inner size is split");
+  for (const TensorSplitSize& size : tensor_split_sizes(m)) divides(size.key, size.value, size.why);
   const ParallelOptions& p = r.parallel;
   if (p.sequence_parallel && m.moe.enabled())
     c.error("parallel.sequence_parallel", "sequence parallelism with MoE layers is not supported yet (the router would see part of the sequence)",
@@ -577,6 +573,15 @@ Recipe build_recipe(const Config& config, const HostFacts& host, const std::stri
   build_rest(c, r, recipe_dir);
   warn_inapplicable(c, r);
   return r;
+}
+
+std::vector<TensorSplitSize> tensor_split_sizes(const ModelSpec& m) {
+  std::vector<TensorSplitSize> sizes{{"model.heads", m.heads, "each rank computes whole attention heads"},
+                                     {"model.kv_heads", m.kv_heads, "each rank keeps whole KV heads; they are not replicated"},
+                                     {"model.intermediate", m.intermediate, "the MLP's inner size is split"},
+                                     {"model.vocab", m.vocab, "the embedding and output head are split by vocabulary"}};
+  if (m.moe.enabled()) sizes.push_back({"model.moe.intermediate", m.moe.intermediate, "each expert's inner size is split"});
+  return sizes;
 }
 
 int ParallelOptions::data_parallel_or_auto(const HardwareSpec& h) const { return data_parallel.value_or(std::max(1, h.total_devices() / model_parallel())); }

@@ -233,6 +233,15 @@ struct Recipe {
   HookOptions hooks;
 };
 
+// The model sizes tensor parallelism splits, each of which its degree must divide: the recipe's
+// errors and the layout search read this one table.
+struct TensorSplitSize {
+  const char* key;   // "model.heads"
+  int64_t value;
+  const char* why;   // "each rank computes whole attention heads"
+};
+std::vector<TensorSplitSize> tensor_split_sizes(const ModelSpec& m);
+
 const char* to_string(Device d);
 const char* to_string(ModelArch a);
 const char* to_string(Offload o);

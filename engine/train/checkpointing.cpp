@@ -89,13 +89,13 @@ std::vector<std::string> all_gather_strings(Communicator& comm, const std::strin
   comm.all_reduce_sum(sizes);
   const int64_t longest = std::max<int64_t>(1, sizes.max().item<int64_t>());
   torch::Tensor rows = torch::zeros({world, longest}, torch::kInt32);
-  for (size_t i = 0; i < mine.size(); ++i) rows[rank][static_cast<int64_t>(i)] = static_cast<unsigned char>(mine[i]);
+  int32_t* row = rows[rank].data_ptr<int32_t>();
+  for (size_t i = 0; i < mine.size(); ++i) row[i] = static_cast<unsigned char>(mine[i]);
   comm.all_reduce_sum(rows);
   std::vector<std::string> out;
   for (int r = 0; r < world; ++r) {
-    std::string text(static_cast<size_t>(sizes[r].item<int64_t>()), '\0');
-    for (size_t i = 0; i < text.size(); ++i) text[i] = static_cast<char>(rows[r][static_cast<int64_t>(i)].item<int32_t>());
-    out.push_back(std::move(text));
+    const int32_t* chars = rows[r].data_ptr<int32_t>();
+    out.emplace_back(chars, chars + sizes[r].item<int64_t>());
   }
   return out;
 }
@@ -142,9 +142,9 @@ std::vector<CheckpointUnit> save_whole_parameters(RankTrainingState& s, const st
       const std::vector<int64_t>& local_shape = s.zero.unit_shape(k, i);
       const TensorSplit split = i < units[k].splits.size() ? units[k].splits[i] : TensorSplit{};
       std::vector<int64_t> full_shape;
+      int64_t numel = 1;
+      for (int64_t d : local_shape) numel *= d;
       for (size_t n = 0; n < kinds.size(); ++n) {
-        int64_t numel = 1;
-        for (int64_t d : local_shape) numel *= d;
         torch::Tensor local = flats[n].narrow(0, s.zero.unit_offsets(k)[i], numel).view(local_shape).contiguous();
         torch::Tensor full = local;
         if (tensor.world_size() > 1 && split.kind != TensorSplit::Replicated) {
@@ -308,7 +308,7 @@ SavedCheckpoint save_checkpoint(RankTrainingState& s, const CheckpointRunFacts& 
     if (!whole_parameters.empty()) m.format_version = 2;  // units name their slices
     m.units = whole_parameters;
     for (size_t k = 0; k < s.zero.unit_count() && whole_parameters.empty(); ++k) {
-      CheckpointUnit u{s.zero.unit_name(k), s.zero.unit_numel(k), {}};
+      CheckpointUnit u{s.zero.unit_name(k), s.zero.unit_numel(k), {}, {}};
       const auto& params = s.zero.unit_params(k);
       for (size_t i = 0; i < params.size(); ++i) {
         const auto& shape = s.zero.unit_shape(k, i);
