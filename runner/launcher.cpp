@@ -311,11 +311,12 @@ class Supervisor {
 
   // "rank 5", or with model parallelism where it sits: "rank 5 (pipeline stage 1, data 0, tensor 1)".
   std::string describe_rank(int rank) const {
-    const MeshShape shape{plan_.pipeline_parallel, plan_.data_parallel, plan_.tensor_parallel};
+    const MeshShape shape{plan_.pipeline_parallel, plan_.data_parallel, plan_.tensor_parallel, plan_.expert_parallel};
     std::string s = "rank " + std::to_string(rank);
-    if (shape.data == shape.size()) return s;
+    if (shape.data == shape.size() && shape.expert == 1) return s;
     const MeshCoordinates c = shape.coordinates_of(rank);
-    return s + " (pipeline stage " + std::to_string(c.pipeline) + ", data " + std::to_string(c.data) + ", tensor " + std::to_string(c.tensor) + ")";
+    return s + " (pipeline stage " + std::to_string(c.pipeline) + ", data " + std::to_string(c.data) + ", tensor " + std::to_string(c.tensor) +
+           (shape.expert > 1 ? ", expert shard " + std::to_string(shape.expert_shard(rank)) : "") + ")";
   }
 
   void drain(RankProcess& p) {
@@ -527,6 +528,7 @@ std::string rank_config_toml(const LoadedRecipe& loaded, const Plan& plan) {
   // The layout as planned ("auto" keys resolved by the search).
   pin(c, "parallel.tensor", Value::of_int(plan.tensor_parallel));
   pin(c, "parallel.pipeline", Value::of_int(plan.pipeline_parallel));
+  pin(c, "parallel.expert", Value::of_int(plan.expert_parallel));
   const ParallelOptions::Searched& searched = r.parallel.search;
   if (plan.pipeline_parallel > 1 || searched.schedule) pin(c, "parallel.pipeline_schedule", Value::of_string(to_string(plan.pipeline_schedule)));
   if (plan.pipeline_parallel > 1 || searched.virtual_stages) pin(c, "parallel.virtual_stages", Value::of_int(plan.virtual_stages));

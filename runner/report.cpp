@@ -160,13 +160,22 @@ std::string render_report_html(const Store& store, const std::vector<std::string
          "</td><td>" + std::to_string(r.zero_stage) + "</td><td>" + escape(format_time(r.created_at)) + "</td><td>" + escape(duration) + "</td></tr>\n";
   }
   h += "</table>\n<h2>Metrics</h2>\n<div class=\"charts\">\n";
-  for (const char* metric : {"loss", "val_loss", "lr", "grad_norm", "tokens_per_second", "step_seconds", "accuracy", "val_accuracy", "aux_loss", "loss_scale"}) {
+  for (const char* metric : {"loss", "val_loss", "lr", "grad_norm", "tokens_per_second", "step_seconds", "accuracy", "val_accuracy", "aux_loss", "loss_scale",
+                             "expert_load_max", "dropped_tokens"}) {
     std::vector<Series> series;
     for (size_t i = 0; i < runs.size(); ++i) {
       auto points = store.metric_history(runs[i].id, metric);
       if (!points.empty()) series.push_back({runs[i].id, kColors[i % 8], points});
     }
     if (!series.empty()) h += svg_chart(metric, series);
+  }
+  // MoE runs: each layer's expert load (busiest expert's tokens over the mean), one chart per run.
+  for (const auto& r : runs) {
+    std::vector<Series> layers;
+    for (const auto& [name, latest] : store.latest_metrics(r.id))
+      if (name.rfind("expert_load/", 0) == 0)
+        layers.push_back({"layer " + name.substr(12), kColors[layers.size() % 8], store.metric_history(r.id, name)});
+    if (!layers.empty()) h += svg_chart("expert load per layer, run " + r.id + " (max/mean tokens per expert)", layers);
   }
   h += "</div>\n<h2>Memory per rank</h2>\n";
   std::vector<std::tuple<std::string, double, double>> bars;  // model states: measured vs plan, per rank

@@ -130,9 +130,10 @@ inline void collect_gradients(Model& model, Reference& r) {
   double sq = 0;
   for (auto& unit : model.parameter_units())
     for (size_t i = 0; i < unit.params.size(); ++i) {
-      r.grads[unit.names[i]] = unit.params[i].grad().clone();
+      const torch::Tensor& g = unit.params[i].grad();  // (an expert no token chose has none)
+      r.grads[unit.names[i]] = g.defined() ? g.clone() : torch::zeros_like(unit.params[i]);
       r.splits[unit.names[i]] = unit.splits[i];
-      sq += unit.params[i].grad().pow(2).sum().item<double>();
+      sq += r.grads[unit.names[i]].pow(2).sum().item<double>();
     }
   r.norm = std::sqrt(sq);
 }

@@ -7,6 +7,9 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <cmath>
+
 using namespace dsrun;
 using dsrun::test::errors_of;
 using dsrun::test::load_text;
@@ -455,4 +458,65 @@ TEST_CASE("layout search: \"auto\" keys take the fastest layout that fits, every
   CHECK(rows.front().tensor * rows.front().pipeline == 1);
   CHECK(contains(rows.back().verdict, "cannot run: a ResNet"));
   CHECK(contains(render_layouts(rows, resnet.recipe), "tensor 1 × pipeline 1 × data 2"));
+}
+
+TEST_CASE("expert parallelism: degrees the experts or the data ranks do not divide, and top_k above the experts, are refused with a fix", "[recipe][rules][expert]") {
+  // 8 routed experts over 3 expert ranks; over 4 of 2 data ranks; on a dense model.
+  const Diagnostic& experts = only_error(load_text("base = [\"models/deepseek-moe-tiny\"]\n[hardware]\ndevices_per_node = 6\n[parallel]\nexpert = 3\n[batch]\nglobal = 12\n"));
+  CHECK(experts.key == "parallel.expert");
+  CHECK(experts.source.line == 5);
+  CHECK(contains(experts.message, "does not divide model.moe.routed_experts = 8"));
+  CHECK(contains(experts.fix, "parallel.expert = 2"));
+  const Diagnostic& data = only_error(load_text("base = [\"models/deepseek-moe-tiny\"]\n[hardware]\ndevices_per_node = 2\n[parallel]\nexpert = 4\n"));
+  CHECK(data.key == "parallel.expert");
+  CHECK(contains(data.message, "does not divide the 2 data-parallel ranks"));
+  CHECK(contains(data.fix, "parallel.expert = 2"));
+  CHECK(contains(only_error(load_text("[hardware]\ndevices_per_node = 2\n[parallel]\nexpert = 2\n")).message, "this model has none"));
+  const Diagnostic& top_k = only_error(load_text("base = [\"models/deepseek-moe-tiny\"]\n[model.moe]\ntop_k = 9\n"));
+  CHECK(top_k.key == "model.moe.top_k");
+  CHECK(top_k.source.line == 3);
+  CHECK(contains(top_k.message, "between 1 and routed_experts (8)"));
+  CHECK(only_error(load_text("base = [\"models/deepseek-moe-tiny\"]\n[model.moe]\nroute_bias = [1, 2]\n")).key == "model.moe.route_bias");
+}
+
+TEST_CASE("expert parallelism in the plan: each rank's experts, their ZeRO replicas, the all-to-all and the imbalance headroom", "[recipe][plan][expert]") {
+  auto plan_of = [](const std::string& parallel) {
+    LoadedRecipe r = load_text("base = [\"models/deepseek-moe-tiny\"]\n[hardware]\ndevices_per_node = 4\n[parallel]\nzero_stage = 1\n" + parallel +
+                               "\n[precision]\ndtype = \"fp32\"\n[batch]\nglobal = 8\nmicro = 2\nseq_len = 64\n");
+    INFO(r.report());
+    REQUIRE(errors_of(r).empty());
+    return make_plan(r.recipe, dsrun::test::small_host());
+  };
+  const Plan one = plan_of("expert = 1"), two = plan_of("expert = 2");
+  CHECK(two.world_size == 4);  // folded into the data ranks: no extra factor
+  CHECK(two.data_parallel == 4);
+  CHECK(two.expert_parallel == 2);
+  // deepseek-moe-tiny: 3 MoE layers of 8 experts of 3 · 128 · 64 weights; fp32 ZeRO-1 AdamW:
+  // 8 bytes replicated (weights, gradients) + 8 sharded (Adam) per parameter.
+  const double routed = 3 * 8 * 3 * 128.0 * 64;
+  CHECK(one.memory.routed_expert_states == 0);
+  CHECK(two.memory.routed_expert_states == Approx(routed / 2 * 8 + std::ceil(routed / 2 / 2) * 8));  // half the experts, states over the 2 replicas
+  CHECK(one.memory.states.device_total() - two.memory.states.device_total() == Approx(routed * 8 + routed / 4 * 8 - two.memory.routed_expert_states).epsilon(1e-6));
+  // All-to-all: micro · s · k rows of h fp32 each way, forward and backward, 3 layers, one
+  // micro-batch per step, half of them leaving the rank, for the busiest rank (1.25 × the mean).
+  double all_to_all = 0;
+  for (const CommTerm& c : two.comm)
+    if (contains(c.collective, "all-to-all")) all_to_all = c.bytes;
+  CHECK(two.accumulation == 1);
+  CHECK(all_to_all == Approx(3 * 4 * (2.0 * 64 * 2) * 128 * 4 * 0.5 * 1.25));
+  CHECK(contains(render_plan(two), "expert parallel 2 within the data ranks: each keeps 4 of 8 routed experts"));
+  // A larger headroom costs activations and time.
+  const Plan lopsided = plan_of("expert = 2\nexpert_imbalance = 3");
+  CHECK(lopsided.memory.activations > two.memory.activations);
+  CHECK(lopsided.step_seconds > two.step_seconds);
+  // "auto" searches the degrees the data ranks and experts divide by, and says why it chose one.
+  const Plan searched = plan_of("expert = \"auto\"");
+  std::vector<int> degrees;
+  for (const LayoutRow& row : searched.layouts) degrees.push_back(row.expert);
+  std::sort(degrees.begin(), degrees.end());
+  CHECK(degrees == std::vector<int>{1, 2, 4});
+  CHECK(searched.expert_parallel == searched.layouts.front().expert);
+  bool explained = false;
+  for (const AutoChoice& c : searched.choices) explained |= c.key == "parallel.expert" && contains(c.reason, "the fastest that fits");
+  CHECK(explained);
 }

@@ -315,6 +315,25 @@ TEST_CASE("logical checkpoints: tensor 2 x pipeline 2 resumes on data 4, pipelin
   check_same_trajectory(uninterrupted(), Run{0, out.text, pp.id, recorded_losses(dir, pp.id), 0}, 1e-5);
 }
 
+TEST_CASE("logical checkpoints across expert-parallel degrees: ep2 resumes as ep1, ep1 as ep2", "[resume][reshard][expert]") {
+  TempDir dir;
+  const std::string moe = kSixSteps + " --set model.moe.routed_experts=4 --set model.moe.top_k=2 --set model.moe.intermediate=64 --set model.moe.shared_experts=1";
+  Run whole = train(dir, layout(1, 2) + moe);
+  INFO(whole.text);
+  REQUIRE(whole.code == 0);
+  for (const auto& [from, to] : {std::pair<int, int>{2, 1}, std::pair<int, int>{1, 2}}) {
+    INFO("expert " << from << " -> " << to);
+    Run crashed = train(dir, layout(1, 2) + moe + " --set parallel.expert=" + std::to_string(from), "DSRUN_TEST_CRASH_AT=1:5");
+    INFO(crashed.text);
+    REQUIRE(crashed.code == 1);
+    auto out = dsrun_command(dir, "resume " + crashed.id + " --set parallel.expert=" + std::to_string(to));
+    INFO(out.text);
+    REQUIRE(out.code == 0);
+    CHECK(contains(out.text, "resume from step 4"));
+    check_same_trajectory(whole.losses, Run{0, out.text, crashed.id, recorded_losses(dir, crashed.id), 0}, 1e-5);
+  }
+}
+
 TEST_CASE("export from a tensor 2 x pipeline 2 run with tied embeddings gives the one-process weights", "[resume][export][pipeline][tensor]") {
   TempDir dir;
   const std::string common = " --set run.steps=3 --set hardware.devices_per_node=4 --set model.tie_embeddings=true";

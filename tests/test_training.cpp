@@ -98,7 +98,9 @@ void check_model_parallel(const std::string& model, const std::string& parallel,
   REQUIRE(norms.size() == tp_norms.size());
   for (size_t i = 0; i < norms.size(); ++i) {
     INFO("gradient norm at step " << i + 1);
-    CHECK(tp_norms[i] == Approx(norms[i]).epsilon(1e-5));
+    // The norm drifts faster than the loss (it sums squares of gradients near zero): 2e-5 relative
+    // after 8 steps on AMD EPYC's OpenBLAS kernels and on PyTorch 2.x, where the loss keeps 1e-5.
+    CHECK(tp_norms[i] == Approx(norms[i]).epsilon(5e-5));
   }
   check_memory_matches_plan(dir, tp, ranks);
   // The parameters after the last step, from each run's final (logical) checkpoint, by name.
@@ -118,10 +120,11 @@ void check_model_parallel(const std::string& model, const std::string& parallel,
     REQUIRE(b.count(name));
     REQUIRE(b.at(name).size() == values.size());
     // Adam turns last-bit gradient differences into weight differences of a fraction of lr (3e-3)
-    // where a gradient is near zero; a misplaced slice would differ by the weights' size (~0.02).
+    // where a gradient is near zero (up to 1.03e-4 seen); a misplaced slice would differ by the
+    // weights' size (~0.02).
     double worst = 0;
     for (size_t i = 0; i < values.size(); ++i) worst = std::max(worst, std::fabs(double(values[i]) - b.at(name)[i]));
-    CHECK(worst < 1e-4);
+    CHECK(worst < 3e-4);
   }
 }
 
@@ -151,6 +154,24 @@ TEST_CASE("pipeline parallelism on 2 stages follows one process: 1F1B, and inter
 TEST_CASE("pipeline 2 x data 2 with ZeRO-2, and pipeline 2 x tensor 2, follow one process", "[training][pipeline][tensor]") {
   check_model_parallel("", " --set parallel.pipeline=2", 2, 2, 4);
   check_model_parallel(" --set model.kv_heads=2", " --set parallel.pipeline=2 --set parallel.tensor=2 --set parallel.pipeline_schedule=\\\"gpipe\\\"", 1, 1, 4);
+}
+
+// The tiny decoder's blocks after the first as DeepSeek-MoE layers: 4 routed experts (top-2) and a shared one.
+const std::string kMoe = " --set model.moe.routed_experts=4 --set model.moe.top_k=2 --set model.moe.intermediate=64 --set model.moe.shared_experts=1";
+
+TEST_CASE("expert parallelism follows one process: ep2, and ep2 within data 4 with ZeRO-2", "[training][expert]") {
+  check_model_parallel(kMoe, " --set parallel.expert=2", 0, 2, 2);
+  check_model_parallel(kMoe + " --set batch.global=8", " --set parallel.expert=2", 2, 4, 4);
+}
+
+TEST_CASE("expert parallelism composed: ep2 x pipeline 2, and ep2 x tensor 2 with ZeRO-3", "[training][expert][pipeline][tensor]") {
+  check_model_parallel(kMoe, " --set parallel.expert=2 --set parallel.pipeline=2", 1, 2, 4);
+  check_model_parallel(kMoe + " --set model.kv_heads=2", " --set parallel.expert=2 --set parallel.tensor=2", 3, 2, 4);
+}
+
+TEST_CASE("expert parallelism with lopsided routing follows one process: every token to one expert, a rank without tokens", "[training][expert]") {
+  // Top-1 with expert 0 biased to win: rank 0 runs every token, rank 1's experts get none.
+  check_model_parallel(kMoe + " --set model.moe.top_k=1 --set model.moe.route_bias=[100,0,0,0]", " --set parallel.expert=2", 1, 2, 2);
 }
 
 TEST_CASE("an offloaded run follows the non-offloaded trajectory bitwise (fp32, ZeRO 1-3, 1-3 ranks)", "[training][offload]") {

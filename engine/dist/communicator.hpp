@@ -7,6 +7,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace dsrun {
 
@@ -55,9 +56,11 @@ class Communicator {
   virtual void all_gather(const torch::Tensor& shard, torch::Tensor& full) = 0;
   virtual void broadcast(torch::Tensor& tensor, int root) = 0;
   virtual void barrier() = 0;
-  // input and output have world_size equal slices along dim 0: slice r of input goes to rank r,
-  // slice r of output comes from rank r.
-  virtual void all_to_all(const torch::Tensor& input, torch::Tensor& output) = 0;
+  // Slice r of input (along dim 0) goes to rank r, slice r of output comes from rank r. Empty
+  // row counts: world_size equal slices; otherwise input_rows[r] and output_rows[r] rows each (the
+  // receiver must know them: expert parallelism sends its counts first).
+  virtual void all_to_all(const torch::Tensor& input, torch::Tensor& output, const std::vector<int64_t>& input_rows = {},
+                          const std::vector<int64_t>& output_rows = {}) = 0;
   // Point to point within the group (ranks are group ranks); the receiver's tensor has the
   // sender's shape and dtype. `tag` tells apart streams of messages between the same two ranks
   // (Gloo matches by it; NCCL delivers in order). A send is done once wait() returns; recv blocks.

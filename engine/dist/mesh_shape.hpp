@@ -1,5 +1,6 @@
 // Where each rank sits in the run's grid of parallel dimensions: pipeline × data × tensor, with
-// tensor innermost (consecutive ranks, so a tensor-parallel group stays inside a node). Torch-free.
+// tensor innermost (consecutive ranks, so a tensor-parallel group stays inside a node), and the
+// expert dimension folded into data (it adds no ranks). Torch-free.
 #pragma once
 
 #include <array>
@@ -25,8 +26,16 @@ struct MeshCoordinates {
   int& operator[](MeshDim d) { return d == MeshDim::Pipeline ? pipeline : d == MeshDim::Data ? data : tensor; }
 };
 
+// Expert parallelism is carved out of the data dimension (as Megatron-LM and torchtitan fold it):
+// data coordinate d holds expert shard d % expert of replica d / expert. The `expert` data ranks
+// of one replica (consecutive, so inside a node) hold one shard of the routed experts each and
+// exchange tokens by all-to-all; the data ranks with the same shard (d % expert equal) hold the
+// same experts and reduce their gradients together.
+enum class ExpertGroup { Shards, Replicas };
+
 struct MeshShape {
   int pipeline = 1, data = 1, tensor = 1;
+  int expert = 1;  // divides data
   int size() const { return pipeline * data * tensor; }
   int operator[](MeshDim d) const { return d == MeshDim::Pipeline ? pipeline : d == MeshDim::Data ? data : tensor; }
 
@@ -55,8 +64,35 @@ struct MeshShape {
     c[d] = 0;
     return std::string(to_string(d)) + "/" + std::to_string(rank_of(c));
   }
+  // Shards: the ranks of `rank`'s expert-parallel group (shard i is member i); Replicas: the data
+  // ranks holding the same expert shard as `rank` (replica i is member i).
+  std::vector<int> expert_group_of(int rank, ExpertGroup g) const {
+    std::vector<int> ranks;
+    MeshCoordinates c = coordinates_of(rank);
+    const int shard = c.data % expert, replica = c.data / expert;
+    for (int i = 0; i < (g == ExpertGroup::Shards ? expert : data / expert); ++i) {
+      c.data = g == ExpertGroup::Shards ? replica * expert + i : i * expert + shard;
+      ranks.push_back(rank_of(c));
+    }
+    return ranks;
+  }
+  // The ranks that hold one copy of every parameter between them once each gathers its ZeRO
+  // shards: tensor rank 0 of the first replica (data < expert) of every stage, in rank order.
+  std::vector<int> holders() const {
+    std::vector<int> ranks;
+    for (int p = 0; p < pipeline; ++p)
+      for (int d = 0; d < expert; ++d) ranks.push_back(rank_of({p, d, 0}));
+    return ranks;
+  }
+  int expert_shard(int rank) const { return coordinates_of(rank).data % expert; }
+  int expert_replica(int rank) const { return coordinates_of(rank).data / expert; }
+  // The group's name, the same on every member: its kind and its first member.
+  std::string expert_group_name(int rank, ExpertGroup g) const {
+    return std::string(g == ExpertGroup::Shards ? "expert" : "expert-replicas") + "/" + std::to_string(expert_group_of(rank, g).front());
+  }
   std::string describe() const {
-    return "pipeline " + std::to_string(pipeline) + " × data " + std::to_string(data) + " × tensor " + std::to_string(tensor);
+    return "pipeline " + std::to_string(pipeline) + " × data " + std::to_string(data) + " × tensor " + std::to_string(tensor) +
+           (expert > 1 ? " (expert " + std::to_string(expert) + " within data)" : "");
   }
 };
 

@@ -151,13 +151,17 @@ struct SwiGLUImpl : nn::Module {
 TORCH_MODULE(SwiGLU);
 
 // DeepSeek-MoE: every token goes through the shared experts and through its top-k routed experts,
-// weighted by the router's softmax scores (not renormalised, as in DeepSeek-MoE 16B).
+// weighted by the router's softmax scores (not renormalised, as in DeepSeek-MoE 16B). The routed
+// experts run on the (token, choice) pairs grouped by expert, through the runner: under expert
+// parallelism they travel to the ranks that keep their experts.
 struct MoEImpl : nn::Module {
-  MoEImpl(const ModelSpec& m, const torch::TensorOptions& o) : top_k(m.moe.top_k), experts_count(m.moe.routed_experts), aux_weight(m.moe.aux_loss_weight) {
+  MoEImpl(const ModelSpec& m, int layer, const torch::TensorOptions& o)
+      : layer(layer), top_k(m.moe.top_k), experts_count(m.moe.routed_experts), local_count(m.moe.routed_experts), aux_weight(m.moe.aux_loss_weight), capacity_factor(m.moe.capacity_factor) {
     router = register_module("router", Linear(m.hidden, experts_count, o));
     for (int e = 0; e < experts_count; ++e) experts.push_back(register_module("expert" + std::to_string(e), SwiGLU(m.hidden, m.moe.intermediate, o)));
     if (m.moe.shared_experts > 0)  // S shared experts of size fe act like one SwiGLU of size S·fe
       shared = register_module("shared", SwiGLU(m.hidden, m.moe.shared_experts * m.moe.intermediate, o));
+    if (!m.moe.route_bias.empty()) route_bias = torch::tensor(m.moe.route_bias, torch::kFloat64).to(torch::kFloat32);
   }
   Tensor forward(const Tensor& x, Tensor& aux_loss, UnitRunner& runner) {
     const auto shape = x.sizes().vec();
@@ -166,29 +170,60 @@ struct MoEImpl : nn::Module {
     // The router is replicated; the experts may be split. Its weights enter the split region, so
     // that their gradient (taken from the experts' partial outputs) is summed over the ranks.
     Tensor scores = torch::softmax(router(tokens).to(torch::kFloat32), -1);  // [T, E]
-    auto [weights, chosen] = scores.topk(top_k, -1);                          // [T, k]
+    Tensor chosen = std::get<1>((route_bias.defined() ? scores + route_bias.to(scores.device()) : scores).topk(top_k, -1));  // [T, k]
+    Tensor weights = runner.enter_split(scores.gather(1, chosen));
     Tensor expert_in = runner.enter_split(tokens);
-    weights = runner.enter_split(weights);
-    Tensor out = torch::zeros_like(tokens);
-    for (int e = 0; e < experts_count; ++e) {
-      Tensor hit = chosen == e;                       // [T, k]
-      Tensor rows = hit.any(-1).nonzero().squeeze(-1);
-      if (rows.numel() == 0) continue;
-      Tensor w = (weights * hit).sum(-1).index_select(0, rows).unsqueeze(-1).to(x.scalar_type());
-      out = out.index_add(0, rows, experts[e](expert_in.index_select(0, rows)) * w);
+
+    // Pair p = t·k + i is token t's i-th choice. A capacity keeps each expert's first pairs in token order.
+    Tensor pair_expert = chosen.reshape({-1});
+    Tensor routed = torch::bincount(pair_expert, {}, experts_count);  // [E] int64
+    Tensor kept = torch::arange(T * top_k, pair_expert.options());
+    if (capacity_factor > 0) {
+      const int64_t capacity = static_cast<int64_t>(std::ceil(capacity_factor * T * top_k / experts_count));
+      Tensor place = torch::one_hot(pair_expert, experts_count).cumsum(0).gather(1, pair_expert.unsqueeze(1)).squeeze(1);  // 1-based within its expert
+      kept = (place <= capacity).nonzero().squeeze(-1);
     }
+    const int64_t dropped = T * top_k - kept.numel();
+    runner.record_routing(layer, routed, dropped);
+    // Grouped by expert, in pair order within each (a stable sort): the same order on every layout.
+    Tensor kept_expert = pair_expert.index_select(0, kept);
+    Tensor pairs = kept.index_select(0, std::get<1>(kept_expert.sort(/*stable=*/true, 0, false)));
+    Tensor counts = capacity_factor > 0 ? torch::bincount(kept_expert, {}, experts_count) : routed;
+    Tensor counts_cpu = counts.cpu();
+    std::vector<int64_t> per_expert(counts_cpu.data_ptr<int64_t>(), counts_cpu.data_ptr<int64_t>() + experts_count);
+    Tensor outputs = runner.routed_experts(expert_in.index_select(0, pairs.div(top_k, "floor")), per_expert, [this](const Tensor& rows, const std::vector<int64_t>& c) {
+      std::vector<Tensor> parts;
+      int64_t begin = 0;
+      for (size_t j = 0; j < c.size(); ++j) {
+        if (c[j] > 0) parts.push_back(experts[first_local + j](rows.narrow(0, begin, c[j])));
+        begin += c[j];
+      }
+      return parts.empty() ? rows.narrow(0, 0, 0) : torch::cat(parts);  // (still on autograd's path: the exchange's backward runs everywhere)
+    });
+    Tensor per_pair = torch::zeros({T * top_k, outputs.size(-1)}, outputs.options()).index_copy(0, pairs, outputs);  // dropped pairs: 0
+    Tensor out = (per_pair.view({T, top_k, -1}) * weights.unsqueeze(-1).to(x.scalar_type())).sum(1);
     if (shared) out = out + shared(expert_in);
     out = runner.leave_split(out);
     // Expert-level balance loss (DeepSeek-MoE eq. 12): α Σ_i f_i P_i, f_i = E/(kT) · tokens routed to i,
     // P_i = mean router score of i. Equals α when routing is perfectly uniform.
-    Tensor counts = torch::zeros({experts_count}, scores.options()).scatter_add(0, chosen.reshape({-1}), torch::ones({T * top_k}, scores.options()));
-    Tensor f = counts * (static_cast<double>(experts_count) / (top_k * T));
+    Tensor f = routed.to(torch::kFloat32) * (static_cast<double>(experts_count) / (top_k * T));
     Tensor p = scores.mean(0);
     aux_loss = aux_loss + aux_weight * (f * p).sum();  // f counts tokens: no gradient flows through it
     return out.reshape(shape);
   }
-  int top_k, experts_count;
-  double aux_weight;
+  // Keeps routed experts [shard·E/S, (shard+1)·E/S); the others' parameters are dropped.
+  void keep_experts(int shard, int shards) {
+    torch::NoGradGuard no_grad;
+    local_count = experts_count / shards;
+    first_local = shard * local_count;
+    for (int e = 0; e < experts_count; ++e)
+      if (e < first_local || e >= first_local + local_count)
+        for (auto& p : experts[e]->parameters()) p.set_data(torch::empty({0}, p.options()));
+  }
+  int layer, top_k, experts_count;
+  int first_local = 0, local_count;  // the routed experts this rank keeps
+  double aux_weight, capacity_factor;
+  Tensor route_bias;  // [E] fp32, or undefined
   Linear router{nullptr};
   std::vector<SwiGLU> experts;
   SwiGLU shared{nullptr};
@@ -196,11 +231,11 @@ struct MoEImpl : nn::Module {
 TORCH_MODULE(MoE);
 
 struct BlockImpl : nn::Module {
-  BlockImpl(const ModelSpec& m, bool moe, const torch::TensorOptions& o) {
+  BlockImpl(const ModelSpec& m, int layer, bool moe, const torch::TensorOptions& o) {
     attn_norm = register_module("attn_norm", RMSNorm(m.hidden, m.norm_eps, o));
     attn = register_module("attn", Attention(m, o));
     mlp_norm = register_module("mlp_norm", RMSNorm(m.hidden, m.norm_eps, o));
-    if (moe) this->moe = register_module("moe", MoE(m, o));
+    if (moe) this->moe = register_module("moe", MoE(m, layer, o));
     else mlp = register_module("mlp", SwiGLU(m.hidden, m.intermediate, o));
   }
   Tensor forward(const Tensor& x, const TokenPositions& where, Tensor& aux_loss, UnitRunner& runner) {
@@ -220,7 +255,7 @@ struct DecoderModule : nn::Module {
     embedding = register_module("embedding", Embedding(m.vocab, m.hidden, o));
     for (int i = 0; i < m.layers; ++i) {
       bool moe = m.moe.enabled() && i >= m.moe.first_dense_layers;
-      blocks.push_back(register_module("block" + std::to_string(i), Block(m, moe, o)));
+      blocks.push_back(register_module("block" + std::to_string(i), Block(m, i, moe, o)));
     }
     norm = register_module("norm", RMSNorm(m.hidden, m.norm_eps, o));
     if (!m.tie_embeddings) head = register_module("head", Linear(m.hidden, m.vocab, o));
@@ -256,9 +291,10 @@ struct Named {
   std::vector<std::string> names;
   std::vector<TensorSplit> splits;
 };
-Named params_of(nn::Module& m, const std::string& prefix, const ModelSpec& spec) {
+Named params_of(nn::Module& m, const std::string& prefix, const ModelSpec& spec, const std::function<bool(const std::string&)>& skip = nullptr) {
   Named out;
   for (auto& p : m.named_parameters()) {
+    if (skip && skip(p.key())) continue;
     out.params.push_back(p.value());
     out.names.push_back(prefix + "." + p.key());
     out.splits.push_back(split_of(out.names.back(), p.value(), spec));
@@ -293,11 +329,37 @@ class DeepSeekModel final : public Model {
   }
 
   std::vector<ParameterUnit> parameter_units() override {
-    if (chunks_.empty()) return units(/*pipeline_numbering=*/false);
-    std::vector<ParameterUnit> all = units(true), kept;
+    std::vector<int> block_of;
+    std::vector<ParameterUnit> all = units(/*pipeline_numbering=*/!chunks_.empty(), &block_of), kept;
+    std::vector<int> kept_blocks;
+    if (chunks_.empty()) {
+      kept = all;
+      kept_blocks = block_of;
+    }
     for (const UnitRange& c : chunks_)
-      for (int u = c.begin; u < c.end; ++u) kept.push_back(all[u]);
+      for (int u = c.begin; u < c.end; ++u) {
+        kept.push_back(all[u]);
+        kept_blocks.push_back(block_of[u]);
+      }
+    if (expert_shards_ == 1) return kept;
+    // Each MoE block's kept routed experts, as units of their own after all the others.
+    const size_t ordinary = kept.size();
+    for (size_t k = 0; k < ordinary; ++k) {
+      if (kept_blocks[k] < 0 || !net_->blocks[kept_blocks[k]]->moe) continue;
+      MoE& moe = net_->blocks[kept_blocks[k]]->moe;
+      std::vector<Named> parts;
+      const std::string prefix = "block" + std::to_string(kept_blocks[k]) + ".moe.expert";
+      for (int e = moe->first_local; e < moe->first_local + moe->local_count; ++e) parts.push_back(params_of(*moe->experts[e], prefix + std::to_string(e), spec_));
+      kept.push_back(make_unit(kept[k].name + " experts", parts, /*checkpointable=*/false, /*always=*/false));  // an expert no token chose gets no gradient
+      kept.back().experts_of = static_cast<int>(k);
+    }
     return kept;
+  }
+
+  void keep_experts(int shard, int shards) override {
+    expert_shards_ = shards;
+    for (auto& block : net_->blocks)
+      if (block->moe) block->moe->keep_experts(shard, shards);
   }
 
   ModelOutput forward(const Batch& batch, UnitRunner& runner) override {
@@ -327,7 +389,8 @@ class DeepSeekModel final : public Model {
     for (const UnitRange& c : chunks)
       for (int u = c.begin; u < c.end; ++u) kept.at(u) = true;
     torch::NoGradGuard no_grad;
-    std::vector<ParameterUnit> all = units(true);
+    std::vector<int> block_of;
+    std::vector<ParameterUnit> all = units(true, &block_of);
     for (size_t u = 0; u < all.size(); ++u)
       if (!kept[u])
         for (Tensor& p : all[u].params) p.set_data(torch::empty({0}, p.options()));
@@ -358,23 +421,32 @@ class DeepSeekModel final : public Model {
   // The model's units. Whole (pipeline_numbering false): tied embeddings share one outer unit with
   // the final norm. Pipeline numbering: the embedding, each block, the head (norm and projection;
   // tied, the norm alone: the head reads the embedding's weight or its copy).
-  std::vector<ParameterUnit> units(bool pipeline_numbering) {
+  static ParameterUnit make_unit(const std::string& name, const std::vector<Named>& parts, bool checkpointable, bool always) {
+    ParameterUnit u{name, {}, checkpointable, always, {}, {}, -1};
+    for (const auto& part : parts) {
+      u.params.insert(u.params.end(), part.params.begin(), part.params.end());
+      u.names.insert(u.names.end(), part.names.begin(), part.names.end());
+      u.splits.insert(u.splits.end(), part.splits.begin(), part.splits.end());
+    }
+    return u;
+  }
+
+  // (block_of: each unit's block number, -1 for the others.) With routed experts kept apart
+  // (keep_experts), a MoE block's unit holds everything but them.
+  std::vector<ParameterUnit> units(bool pipeline_numbering, std::vector<int>* block_of) {
     std::vector<ParameterUnit> units;
-    auto unit = [&](const std::string& name, std::vector<Named> parts, bool checkpointable, bool always = true) {
-      ParameterUnit u{name, {}, checkpointable, always, {}, {}};
-      for (auto& part : parts) {
-        u.params.insert(u.params.end(), part.params.begin(), part.params.end());
-        u.names.insert(u.names.end(), part.names.begin(), part.names.end());
-        u.splits.insert(u.splits.end(), part.splits.begin(), part.splits.end());
-      }
-      units.push_back(std::move(u));
+    auto unit = [&](const std::string& name, std::vector<Named> parts, bool checkpointable, bool always = true, int block = -1) {
+      units.push_back(make_unit(name, parts, checkpointable, always));
+      block_of->push_back(block);
     };
     const bool shared_outer_unit = spec_.tie_embeddings && !pipeline_numbering;
     if (shared_outer_unit) unit("embedding+head", {params_of(*net_->embedding, "embedding", spec_), params_of(*net_->norm, "norm", spec_)}, false);
     else unit("embedding", {params_of(*net_->embedding, "embedding", spec_)}, false);
+    const std::function<bool(const std::string&)> routed_expert = [](const std::string& name) { return starts_with(name, "moe.expert"); };
     for (int i = 0; i < blocks(); ++i) {
       const bool moe = static_cast<bool>(net_->blocks[i]->moe);  // an expert no token chose gets no gradient
-      unit("block " + std::to_string(i), {params_of(*net_->blocks[i], "block" + std::to_string(i), spec_)}, true, !moe);
+      const bool apart = moe && expert_shards_ > 1;
+      unit("block " + std::to_string(i), {params_of(*net_->blocks[i], "block" + std::to_string(i), spec_, apart ? routed_expert : std::function<bool(const std::string&)>())}, true, !moe || apart, i);
     }
     if (spec_.tie_embeddings && pipeline_numbering) unit("head", {params_of(*net_->norm, "norm", spec_)}, false);
     else if (!spec_.tie_embeddings) unit("head", {params_of(*net_->norm, "norm", spec_), params_of(*net_->head, "head", spec_)}, false);
@@ -415,6 +487,7 @@ class DeepSeekModel final : public Model {
   Rotary rope_;
   bool deferred_;
   std::vector<UnitRange> chunks_;  // pipeline parallelism: the units kept (empty: all, whole numbering)
+  int expert_shards_ = 1;          // expert parallelism: routed experts kept apart, 1/shards of them
   Tensor head_copy_;               // tied embeddings, head without the embedding: filled by the pipeline
 };
 

@@ -19,6 +19,9 @@ using Tensors = std::vector<torch::Tensor>;
 // A unit's computation: tensors in, tensors out (a block maps {x, aux loss} to {x', aux loss'}).
 // It must be a pure function of its inputs and the unit's parameters: checkpointing calls it twice.
 using UnitFn = std::function<Tensors(const Tensors&)>;
+// Runs some of a MoE layer's routed experts: `rows` grouped expert by expert, counts[j] rows for
+// the j-th of them; returns each row's output in the same order.
+using ExpertsFn = std::function<torch::Tensor(const torch::Tensor& rows, const std::vector<int64_t>& counts)>;
 
 // The seam through which parallelism reaches into a model. run() runs one unit's computation:
 // the default just calls it; ZeRO-3 gathers the unit's parameters around it, activation
@@ -34,6 +37,14 @@ class UnitRunner {
   virtual torch::Tensor leave_split(const torch::Tensor& partial) { return partial; }
   // A lookup in an embedding whose rows (the vocabulary) may be split.
   virtual torch::Tensor embedding(const torch::Tensor& weight, const torch::Tensor& ids) { return torch::embedding(weight, ids); }
+  // Routed experts: `rows` are the inputs of every (token, choice) pair of a MoE layer, grouped by
+  // expert, counts[e] for expert e of all the layer's; returns their outputs in the same order.
+  // `local` runs the experts this rank keeps (Model::keep_experts): all of them here; under expert
+  // parallelism the rows travel to the ranks that keep theirs and back.
+  virtual torch::Tensor routed_experts(const torch::Tensor& rows, const std::vector<int64_t>& counts, const ExpertsFn& local) { return local(rows, counts); }
+  // One MoE layer's routing in one forward: pairs routed to each expert (before any capacity,
+  // [experts] int64) and pairs the capacity dropped. For metrics; recomputation does not repeat it.
+  virtual void record_routing(int layer, const torch::Tensor& routed, int64_t dropped) {}
 };
 
 // How tensor parallelism may split a parameter (Megatron-LM's terms): the rows of a column-parallel
@@ -56,6 +67,10 @@ struct ParameterUnit {
   bool always_gets_gradients = true;
   std::vector<std::string> names;    // the parameters' names in the model, for initialize_parameter
   std::vector<TensorSplit> splits;   // per parameter; empty: all replicated
+  // Routed experts kept apart (Model::keep_experts): the unit whose computation reads them, listed
+  // before it; data parallelism gathers and recomputes them with that unit and reduces them over
+  // the ranks that keep the same experts. -1: an ordinary unit.
+  int experts_of = -1;
 };
 
 struct Batch {
@@ -112,6 +127,10 @@ class Model {
     return {};
   }
   virtual TiedEmbedding tied_embedding() { return {}; }
+  // Expert parallelism: keep shard `shard` of `shards` of every MoE layer's routed experts (the
+  // others' parameters are dropped). parameter_units() then lists each layer's kept experts as a
+  // unit of its own (experts_of), after all the others.
+  virtual void keep_experts(int shard, int shards) { DSRUN_ASSERT(shards == 1, "this model has no routed experts"); }
   // Deferred: the parameters have shapes but no values (never written, so no resident memory);
   // ZeRO builds each unit from initialize_parameter.
   virtual bool deferred() const { return false; }

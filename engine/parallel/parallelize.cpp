@@ -1,6 +1,7 @@
 #include "engine/parallel/parallelize.hpp"
 
 #include "engine/common/error.hpp"
+#include "engine/parallel/recompute.hpp"
 
 #include <cmath>
 #include <map>
@@ -55,15 +56,30 @@ std::unique_ptr<ParallelModel> parallelize(Model& model, DeviceMesh& mesh, const
     for (size_t g = mesh.coordinates().pipeline; g < options.pipeline_pieces.size(); g += stages) chunks.push_back(options.pipeline_pieces[g]);
     model.keep_only(chunks);
   }
-  // 2. Tensor sharding: split weights become this rank's slices (with sequence parallelism,
+  // 2. Expert sharding: this rank keeps its shard of every MoE layer's routed experts, as units of
+  //    their own that ZeRO reduces over the data ranks keeping the same experts.
+  const int expert_shards = mesh.shape().expert;
+  if (expert_shards > 1) {
+    model.keep_experts(mesh.shape().expert_shard(mesh.rank()), expert_shards);
+    pm->experts_ = std::make_unique<ExpertParallel>(mesh.experts(ExpertGroup::Shards));
+    zero.expert_replicas = &mesh.experts(ExpertGroup::Replicas);
+  }
+  // 3. Tensor sharding: split weights become this rank's slices (with sequence parallelism,
   //    replicated weights sum their gradients over the tensor group).
   shard_tensors(model, pm->tensor_, zero);
-  // 3. Activation checkpointing: ZeRO's runner recomputes checkpointable units (zero.activation_checkpointing).
-  // 4. ZeRO over the data dimension: flat buffers, sharded states, gradient reduction.
+  // 4. Activation checkpointing: ZeRO's runner recomputes checkpointable units (zero.activation_checkpointing).
+  // 5. ZeRO over the data dimension: flat buffers, sharded states, gradient reduction.
   zero.separate_replicated_norm = pm->tensor_.size() > 1;
   pm->zero_ = std::make_unique<ZeroDataParallel>(model, mesh.along(MeshDim::Data), zero);
   if (stages > 1) pm->pipeline_ = std::make_unique<PipelineStage>(model, *pm, *pm->zero_, mesh.along(MeshDim::Pipeline), chunks, options.pipeline);
   return pm;
+}
+
+void ParallelModel::record_routing(int layer, const torch::Tensor& routed, int64_t dropped) {
+  if (recomputing()) return;  // counted by the forward it repeats
+  LayerRouting& r = routing_[layer];
+  r.routed = r.routed.defined() ? r.routed + routed : routed.clone();
+  r.dropped += dropped;
 }
 
 double ParallelModel::global_grad_norm() {

@@ -1,14 +1,16 @@
 // Applies a layout to a model that knows nothing of ranks, in one fixed order (torchtitan's):
-// pipeline split → tensor sharding → activation checkpointing → ZeRO over the data dimension
-// (→ the pipeline stage that runs the schedule over what this rank keeps).
+// pipeline split → expert sharding → tensor sharding → activation checkpointing → ZeRO over the
+// data dimension (→ the pipeline stage that runs the schedule over what this rank keeps).
 #pragma once
 
 #include "engine/dist/mesh.hpp"
 #include "engine/model/model.hpp"
+#include "engine/parallel/expert_parallel.hpp"
 #include "engine/parallel/pipeline.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
 #include "engine/parallel/zero.hpp"
 
+#include <map>
 #include <memory>
 
 namespace dsrun {
@@ -36,6 +38,18 @@ class ParallelModel final : public UnitRunner {
   torch::Tensor enter_split(const torch::Tensor& x) override { return tensor_.enter(x); }
   torch::Tensor leave_split(const torch::Tensor& partial) override { return tensor_.leave(partial); }
   torch::Tensor embedding(const torch::Tensor& weight, const torch::Tensor& ids) override { return tensor_.embedding(weight, ids); }
+  torch::Tensor routed_experts(const torch::Tensor& rows, const std::vector<int64_t>& counts, const ExpertsFn& local) override {
+    return experts_ ? experts_->run(rows, counts, local) : local(rows, counts);
+  }
+  void record_routing(int layer, const torch::Tensor& routed, int64_t dropped) override;
+
+  // What this rank's MoE layers routed since the last call (forwards, not their recomputation),
+  // by layer: pairs per expert, summed over micro-batches ([experts] int64), and pairs dropped.
+  struct LayerRouting {
+    torch::Tensor routed;
+    int64_t dropped = 0;
+  };
+  std::map<int, LayerRouting> take_routing() { return std::exchange(routing_, {}); }
 
   // The gradient's norm over the whole mesh: split weights' squares summed over the tensor
   // dimension, replicated ones (the same on every tensor rank) counted once, and each pipeline
@@ -51,6 +65,8 @@ class ParallelModel final : public UnitRunner {
   TensorParallel tensor_;
   std::unique_ptr<ZeroDataParallel> zero_;
   std::unique_ptr<PipelineStage> pipeline_;
+  std::unique_ptr<ExpertParallel> experts_;  // null without expert parallelism
+  std::map<int, LayerRouting> routing_;
 };
 
 std::unique_ptr<ParallelModel> parallelize(Model& model, DeviceMesh& mesh, const ParallelizeOptions& options);

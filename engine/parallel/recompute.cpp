@@ -10,6 +10,8 @@ using torch::autograd::variable_list;
 
 namespace {
 
+thread_local bool recomputing_now = false;
+
 // Autograd functions take tensors and scalars, not callables: the unit's function travels as the
 // address of a UnitFn, and a missing second input as an undefined tensor.
 struct CheckpointedUnit : torch::autograd::Function<CheckpointedUnit> {
@@ -42,6 +44,10 @@ struct CheckpointedUnit : torch::autograd::Function<CheckpointedUnit> {
     Tensors out;
     {
       torch::AutoGradMode with_grad(true);
+      struct Recomputing {
+        Recomputing() { recomputing_now = true; }
+        ~Recomputing() { recomputing_now = false; }
+      } flag;
       out = fn(inputs);
     }
     Tensors roots, root_grads;
@@ -58,6 +64,8 @@ struct CheckpointedUnit : torch::autograd::Function<CheckpointedUnit> {
 };
 
 }  // namespace
+
+bool recomputing() { return recomputing_now; }
 
 Tensors run_recomputed(const std::shared_ptr<UnitFn>& fn, const Tensors& inputs) {
   DSRUN_ASSERT(!inputs.empty() && inputs.size() <= 2, "checkpointed units take one or two tensors");

@@ -13,4 +13,7 @@ namespace dsrun {
 // alive until that backward has run.
 Tensors run_recomputed(const std::shared_ptr<UnitFn>& fn, const Tensors& inputs);
 
+// True while this thread runs a unit again for backward (what a forward records, it has recorded).
+bool recomputing();
+
 }  // namespace dsrun

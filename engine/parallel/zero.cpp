@@ -61,6 +61,9 @@ std::vector<std::pair<int64_t, int64_t>> replicated_ranges(const ParameterUnit& 
 struct ZeroDataParallel::Unit {
   size_t index = 0;
   std::string name;
+  Communicator* group = nullptr;  // the ranks its shards are spread over (ZeroDataParallel::unit_group)
+  bool routed_experts = false;    // ParameterUnit::experts_of: kept apart from the unit that reads them
+  std::vector<size_t> experts;    // the routed-expert units this unit's computation reads
   bool checkpointable = false;
   std::vector<Tensor> params;
   FlatUnitLayout layout;
@@ -149,18 +152,22 @@ ZeroDataParallel::ZeroDataParallel(Model& model, Communicator& comm, const ZeroO
   std::vector<FlatUnitLayout> layouts;
   int64_t all_shards = 0;
   for (const auto& pu : model_units) {
+    DSRUN_ASSERT(pu.experts_of < 0 || options.expert_replicas != nullptr, "routed experts kept apart need their replicas' group");
     layouts.push_back(lay_out(pu));
     all_shards += layouts.back().shard;
   }
   HostBuffers host(device_, all_shards);
   for (size_t k = 0; k < model_units.size(); ++k) add_unit(model_units[k], std::move(layouts[k]), host);
+  for (size_t k = 0; k < model_units.size(); ++k)
+    if (model_units[k].experts_of >= 0) units_.at(static_cast<size_t>(model_units[k].experts_of))->experts.push_back(k);
   offload_buffer_bytes_ = host.buffer_bytes();
 }
 
 FlatUnitLayout ZeroDataParallel::lay_out(const ParameterUnit& pu) const {
   std::vector<std::vector<int64_t>> shapes;
   for (const auto& p : pu.params) shapes.push_back(p.sizes().vec());
-  return lay_out_flat_unit(shapes, comm_.world_size(), comm_.rank(), options_.stage >= 1);
+  Communicator& group = pu.experts_of >= 0 ? *options_.expert_replicas : comm_;
+  return lay_out_flat_unit(shapes, group.world_size(), group.rank(), options_.stage >= 1);
 }
 
 // One unit at a time, so that a deferred model's fp32 values exist for one unit only.
@@ -168,6 +175,8 @@ void ZeroDataParallel::add_unit(const ParameterUnit& pu, FlatUnitLayout layout, 
   auto u = std::make_unique<Unit>();
   u->index = units_.size();
   u->name = pu.name;
+  u->routed_experts = pu.experts_of >= 0;
+  u->group = u->routed_experts ? options_.expert_replicas : &comm_;
   u->checkpointable = pu.checkpointable;
   u->always_gets_gradients = pu.always_gets_gradients;
   u->params = pu.params;
@@ -286,7 +295,7 @@ void ZeroDataParallel::gather(Unit& u, int direction) {
   } else {
     shard = u.param_shard.device() == device_ ? u.param_shard : u.param_shard.to(device_, /*non_blocking=*/true);
   }
-  comm_.all_gather(shard, u.full);
+  u.group->all_gather(shard, u.full);
   for (size_t i = 0; i < u.params.size(); ++i) u.params[i].set_data(u.full.narrow(0, u.layout.offsets[i], u.layout.numels[i]).view(u.layout.shapes[i]));
   u.gathered = true;
   // Parameter shards in host memory: the next unit's comes up on up_stream_ while this one computes
@@ -317,12 +326,23 @@ void ZeroDataParallel::release(Unit& u) {
   u.gathered_for_backward = false;
 }
 
+void ZeroDataParallel::gather_with_experts(Unit& u, int direction) {
+  gather(u, direction);
+  for (size_t e : u.experts) gather(*units_[e], direction);
+}
+
+void ZeroDataParallel::release_with_experts(Unit& u) {
+  release(u);
+  for (size_t e : u.experts) release(*units_[e]);
+}
+
 Tensors ZeroDataParallel::run(int index, const UnitFn& fn, const Tensors& inputs) {
   Unit& u = *units_.at(index);
   const bool stage3 = options_.stage == 3;
   const bool grad = torch::GradMode::is_enabled();
   await_update(u);
-  if (stage3) gather(u, +1);
+  for (size_t e : u.experts) await_update(*units_[e]);
+  if (stage3) gather_with_experts(u, +1);
   forward_stack_.push_back(index);
   Tensors out;
   if (options_.activation_checkpointing && u.checkpointable && grad) {
@@ -334,18 +354,21 @@ Tensors ZeroDataParallel::run(int index, const UnitFn& fn, const Tensors& inputs
   }
   forward_stack_.pop_back();
   if (!stage3) return out;
-  release(u);
+  release_with_experts(u);
   if (grad) {
     // Backward needs the parameters again (recomputation reads them): gather when the gradient
     // of this unit's output arrives, before the unit's own backward runs.
     for (auto& o : out)
       if (o.requires_grad()) {
         o.register_hook([this, index](const Tensor& g) {
+          auto fetch = [this](Unit& v) {
+            if (v.gathered) return;
+            gather(v, -1);
+            v.gathered_for_backward = true;
+          };
           Unit& unit = *units_[index];
-          if (!unit.gathered) {
-            gather(unit, -1);
-            unit.gathered_for_backward = true;
-          }
+          fetch(unit);
+          for (size_t e : unit.experts) fetch(*units_[e]);
           return g;
         });
         break;
@@ -376,11 +399,11 @@ void ZeroDataParallel::start_reduction(Unit& u, bool during_backward) {
       const int64_t bucket = std::max<int64_t>(1, static_cast<int64_t>(options_.bucket_bytes / u.grad_acc.element_size()));
       for (int64_t begin = 0; begin < u.layout.padded; begin += bucket) {
         Tensor slice = u.grad_acc.narrow(0, begin, std::min(bucket, u.layout.padded - begin));
-        pending_.push_back(comm_.all_reduce_sum_async(slice));
+        pending_.push_back(u.group->all_reduce_sum_async(slice));
       }
     } else {
       u.reduced = torch::empty({u.layout.shard}, u.grad_acc.options());
-      PendingCollective reduce = comm_.reduce_scatter_sum_async(u.grad_acc, u.reduced);
+      PendingCollective reduce = u.group->reduce_scatter_sum_async(u.grad_acc, u.reduced);
       if (gradients_down_in_backward_) send_gradient_down(u, std::move(reduce), Tensor(), u.reduced);
       else pending_.push_back(std::move(reduce));
     }
@@ -399,7 +422,7 @@ void ZeroDataParallel::start_reduction(Unit& u, bool during_backward) {
   }
   if (u.gathered_for_backward) release(u);
   Tensor mine = torch::empty({u.layout.shard}, flat.options());
-  PendingCollective reduce = comm_.reduce_scatter_sum_async(flat, mine);
+  PendingCollective reduce = u.group->reduce_scatter_sum_async(flat, mine);
   if (gradients_down_in_backward_ && last_micro_batch_) {
     send_gradient_down(u, std::move(reduce), flat, mine);
     return;
@@ -457,9 +480,9 @@ void ZeroDataParallel::await_update(Unit& u) {
   if (!options_.delayed_update) worker_.wait(u.index);
   u.up.block_current();
   u.awaiting_update = false;
-  if (options_.stage <= 2 && comm_.world_size() > 1) {  // the other ranks' slices (they publish theirs in the same order)
+  if (options_.stage <= 2 && u.group->world_size() > 1) {  // the other ranks' slices (they publish theirs in the same order)
     torch::NoGradGuard no_grad;
-    comm_.all_gather(u.full.narrow(0, u.layout.shard_begin, u.layout.shard).clone(), u.full);
+    u.group->all_gather(u.full.narrow(0, u.layout.shard_begin, u.layout.shard).clone(), u.full);
   }
 }
 
@@ -506,14 +529,20 @@ void ZeroDataParallel::wait_pending() {
 
 void ZeroDataParallel::after_backward(UnitRange range) {
   if (range.end < 0) range.end = static_cast<int>(units_.size());
-  for (int k = range.begin; k < range.end; ++k) start_reduction(*units_[k], /*during_backward=*/false);  // units the hooks did not start, in unit order
+  // The range's units and the routed experts they read (listed after every other unit).
+  std::vector<Unit*> done;
+  for (int k = range.begin; k < range.end; ++k)
+    if (!units_[k]->routed_experts) done.push_back(units_[k].get());
+  for (int k = range.begin; k < range.end; ++k)
+    for (size_t e : units_[k]->experts) done.push_back(units_[e].get());
+  for (Unit* u : done) start_reduction(*u, /*during_backward=*/false);  // units the hooks did not start, in unit order
   if (options_.stage >= 2) wait_pending();
   // The gradients that came down were read on down_stream_: what follows (zeroing them, the
   // norm) waits for it.
   if (gradients_down_in_backward_ && last_micro_batch_) down_stream_->record().block_current();
-  for (int k = range.begin; k < range.end; ++k) {
-    units_[k]->grads_ready = 0;
-    units_[k]->reduction_started = false;
+  for (Unit* u : done) {
+    u->grads_ready = 0;
+    u->reduction_started = false;
   }
 }
 
@@ -558,26 +587,28 @@ void ZeroDataParallel::reduce_gradients() {
 ZeroDataParallel::GradientSquares ZeroDataParallel::gradient_squares() {
   // Summed in fp64, shard by shard, where the squares are (one transfer at the end). Only units
   // laid out with separate_replicated_norm have replicated ranges; otherwise that part is 0.
-  Tensor total, replicated;
+  Tensor total, replicated, experts;
   auto add = [](Tensor& sum, const Tensor& term) {
     if (!sum.defined()) sum = torch::zeros({}, term.options());
     sum += term;
   };
   for (size_t k = 0; k < shards_.size(); ++k) {
     const MasterShard& s = shards_[k];
-    add(total, s.grad_sq.defined() ? s.grad_sq : s.scaled_grad().pow(2).sum().to(torch::kFloat64));
+    add(units_[k]->routed_experts ? experts : total, s.grad_sq.defined() ? s.grad_sq : s.scaled_grad().pow(2).sum().to(torch::kFloat64));
     if (units_[k]->replicated_ranges.empty()) continue;
     Tensor g = s.scaled_grad();
     for (const auto& [begin, end] : units_[k]->replicated_ranges) add(replicated, g.narrow(0, begin, end - begin).pow(2).sum().to(torch::kFloat64));
   }
-  const double all = total.defined() ? total.item<double>() : 0.0, rep = replicated.defined() ? replicated.item<double>() : 0.0;
-  GradientSquares sq{all - rep, rep};
-  if (options_.stage >= 1) {  // shards are disjoint: sum over ranks
-    Tensor both = torch::tensor({sq.split, sq.replicated}, torch::kFloat64);
-    comm_.all_reduce_sum(both);
-    sq = {both[0].item<double>(), both[1].item<double>()};
-  }
-  return sq;
+  auto value = [](const Tensor& t) { return t.defined() ? t.item<double>() : 0.0; };
+  const double all = value(total), rep = value(replicated);
+  // Shards are disjoint over the data ranks (stage 1-3), and so are the expert shards; at stage 0
+  // every rank holds whole gradients, the same as the ranks keeping the same experts.
+  Tensor sums = torch::tensor({all - rep, rep, value(experts)}, torch::kFloat64);
+  if (options_.stage == 0) sums.narrow(0, 0, 2).zero_();
+  if (options_.stage == 0 && options_.expert_replicas) sums[2] = sums[2].item<double>() / options_.expert_replicas->world_size();
+  if (options_.stage >= 1 || options_.expert_replicas) comm_.all_reduce_sum(sums);
+  if (options_.stage == 0) return GradientSquares{all - rep + sums[2].item<double>(), rep};
+  return GradientSquares{sums[0].item<double>() + sums[2].item<double>(), sums[1].item<double>()};
 }
 
 double ZeroDataParallel::global_grad_norm() {
@@ -626,6 +657,7 @@ int64_t ZeroDataParallel::master_begin(size_t k) const { return units_.at(k)->la
 const std::vector<Tensor>& ZeroDataParallel::unit_params(size_t k) const { return units_.at(k)->params; }
 const std::vector<int64_t>& ZeroDataParallel::unit_offsets(size_t k) const { return units_.at(k)->layout.offsets; }
 const std::vector<int64_t>& ZeroDataParallel::unit_shape(size_t k, size_t i) const { return units_.at(k)->layout.shapes.at(i); }
+Communicator& ZeroDataParallel::unit_group(size_t k) const { return *units_.at(k)->group; }
 
 void ZeroDataParallel::publish_master() {
   torch::NoGradGuard no_grad;
@@ -646,7 +678,7 @@ void ZeroDataParallel::publish_master() {
     } else {
       Tensor mine = u.full.narrow(0, u.layout.shard_begin, u.layout.shard);
       if (copy && !source.is_same(mine)) mine.copy_(source);
-      if (options_.stage >= 1) comm_.all_gather(mine.clone(), u.full);
+      if (options_.stage >= 1) u.group->all_gather(mine.clone(), u.full);
     }
   }
 }

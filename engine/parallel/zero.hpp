@@ -37,6 +37,10 @@ struct ZeroOptions {
   // Keep the gradient squares of replicated parameters (TensorSplit::Replicated) apart from the
   // split ones' (gradient_squares), for a norm over tensor-parallel ranks.
   bool separate_replicated_norm = false;
+  // Expert parallelism: routed-expert units (ParameterUnit::experts_of) are sharded and reduced
+  // over these ranks, the data ranks keeping the same experts, instead of the whole data group.
+  // Null: no expert parallelism.
+  Communicator* expert_replicas = nullptr;
 };
 
 // The torch dtype of a recipe dtype.
@@ -94,7 +98,8 @@ class ZeroDataParallel final : public UnitRunner {
   double global_grad_norm();
   // The squares behind that norm, summed over the data-parallel ranks, apart for the parameters
   // the model marks as split by tensor parallelism and those it replicates (without
-  // ZeroOptions::separate_replicated_norm, all count as split and `replicated` is 0).
+  // ZeroOptions::separate_replicated_norm, all count as split and `replicated` is 0). Routed
+  // experts count as split: every expert once, whichever data ranks keep it.
   struct GradientSquares {
     double split = 0, replicated = 0;
   };
@@ -134,6 +139,9 @@ class ZeroDataParallel final : public UnitRunner {
   const std::vector<torch::Tensor>& unit_params(size_t k) const;
   const std::vector<int64_t>& unit_offsets(size_t k) const;
   const std::vector<int64_t>& unit_shape(size_t k, size_t i) const;
+  // The ranks unit k's shards are spread over: the data group, or for routed experts the ranks
+  // keeping the same ones.
+  Communicator& unit_group(size_t k) const;
   void zero_gradients();
   // Reductions that started from the gradient-ready hooks, during backward (since construction).
   int64_t overlapped_reductions() const { return overlapped_reductions_; }
@@ -167,6 +175,9 @@ class ZeroDataParallel final : public UnitRunner {
 
   void gather(Unit& u, int direction);  // direction: +1 in forward, -1 in backward (which unit to prefetch)
   void release(Unit& u);
+  // With the routed experts kept apart (ParameterUnit::experts_of) that its computation reads.
+  void gather_with_experts(Unit& u, int direction);
+  void release_with_experts(Unit& u);
   void on_gradient_ready(size_t unit);  // an AccumulateGrad of one of the unit's parameters finished
   void start_reduction(Unit& u, bool during_backward);
   // Offload on a GPU, last micro-batch: the reduced shard comes down on down_stream_ as soon as its

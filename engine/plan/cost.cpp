@@ -27,6 +27,7 @@ ModelCost decoder_cost(const ModelSpec& m, double s, double e, AttentionKernel k
   const double moe_mlp = h * E + (E + S) * expert;            // router + every expert
   const double moe_active = h * E + (k + S) * expert;         // router + experts a token visits
   c.embedding_params = V * h;
+  c.routed_experts = m.moe.routed_experts;
   const double head = m.tie_embeddings ? 0 : V * h;
   c.params = c.embedding_params + head + h + m.layers * (attention + norms) + dense_layers * dense_mlp + moe_layers * moe_mlp;
   c.active_params = c.embedding_params + head + h + m.layers * (attention + norms) + dense_layers * dense_mlp + moe_layers * moe_active;
@@ -50,9 +51,11 @@ ModelCost decoder_cost(const ModelSpec& m, double s, double e, AttentionKernel k
   const double attention_probs = kernel == AttentionKernel::Math ? m.heads * s : 0;  // per token
   const double swiglu = fused ? 3 : 4;  // per inner element
   const double per_token_dense = 5 * h + qkv + attention_probs + swiglu * f;
-  // MoE layer: router probabilities (fp32), the token copy sent to each chosen expert, and SwiGLU
-  // activations in each routed and shared expert the token visits.
-  const double per_token_moe = 5 * h + qkv + attention_probs + (4.0 / e) * E + k * h + (k + S) * swiglu * fe;
+  // MoE layer: router probabilities (fp32), the token copy sent to each chosen expert and its
+  // output (kept for the weighting by the router's scores), and SwiGLU activations in each routed
+  // and shared expert the token visits.
+  const double routed_per_token = 2 * k * h + k * swiglu * fe;
+  const double per_token_moe = 5 * h + qkv + attention_probs + (4.0 / e) * E + routed_per_token + S * swiglu * fe;
   const double per_token_layers = dense_layers * per_token_dense + moe_layers * per_token_moe;
   // Outside the blocks: final norm input and output, and the fp32 log-softmax the cross-entropy
   // keeps. The logits themselves (compute dtype, then fp32) are freed once converted: forward's
@@ -71,7 +74,7 @@ ModelCost decoder_cost(const ModelSpec& m, double s, double e, AttentionKernel k
   c.checkpointed_activation_bytes_per_sample = e * s * m.layers * h + s * head_bytes_per_token;
   c.recomputed_layer_bytes_per_sample = e * s * largest_layer;
 
-  c.units.push_back({V * h, 0, 0, 0, 0});  // the embedding: a lookup
+  c.units.push_back({V * h, 0, 0, 0, 0, 0, 0, 0});  // the embedding: a lookup
   for (int i = 0; i < m.layers; ++i) {
     const bool moe = i >= dense_layers;  // MoE layers follow the first dense ones
     ModelCost::Unit u;
@@ -80,9 +83,14 @@ ModelCost decoder_cost(const ModelSpec& m, double s, double e, AttentionKernel k
     u.flops_per_sample = s * (6 * (attention + (moe ? moe_active : dense_mlp)) + 12.0 * h * s);
     u.activation_bytes_per_sample = e * s * (moe ? per_token_moe : per_token_dense);
     u.checkpointed_activation_bytes_per_sample = e * s * h;
+    if (moe) {
+      u.routed_expert_params = E * expert;
+      u.routed_flops_per_sample = s * 6 * k * expert;
+      u.routed_activation_bytes_per_sample = e * s * routed_per_token;
+    }
     c.units.push_back(u);
   }
-  c.units.push_back({h + head, h, s * 6 * V * h, s * head_bytes_per_token, s * head_bytes_per_token});
+  c.units.push_back({h + head, h, s * 6 * V * h, s * head_bytes_per_token, s * head_bytes_per_token, 0, 0, 0});
   return c;
 }
 

@@ -22,6 +22,7 @@ struct ModelCost {
   double params = 0;               // Ψ: every parameter
   double active_params = 0;        // used per token (MoE: shared + top-k routed experts)
   double embedding_params = 0;     // input embedding (a lookup, not a matmul)
+  int routed_experts = 0;          // per MoE layer (0: dense)
   double largest_unit_params = 0;  // biggest block ZeRO-3 gathers at once (a layer or the embedding)
   double tokens_per_sample = 1;    // seq_len for decoders, 1 for images
   double model_flops_per_sample = 0;        // forward + backward, the MFU numerator
@@ -42,6 +43,9 @@ struct ModelCost {
     double tensor_replicated_params = 0;  // kept whole by tensor parallelism (norms, the MoE router)
     double flops_per_sample = 0;
     double activation_bytes_per_sample = 0, checkpointed_activation_bytes_per_sample = 0;
+    // MoE blocks: what of the above the routed experts hold, compute and keep (expert parallelism
+    // shards the parameters and sends the tokens; imbalance weighs on the activations and FLOPs).
+    double routed_expert_params = 0, routed_flops_per_sample = 0, routed_activation_bytes_per_sample = 0;
   };
   std::vector<Unit> units;
 };

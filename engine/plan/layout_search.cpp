@@ -1,5 +1,5 @@
-// The layout search: every (tensor, pipeline, schedule, virtual stages, sequence parallelism) of the
-// hardware that the model divides by, each planned (the plan then picks ZeRO stage, micro batch and
+// The layout search: every (tensor, pipeline, schedule, virtual stages, sequence parallelism,
+// expert parallelism within the data ranks) of the hardware that the model divides by, each planned (the plan then picks ZeRO stage, micro batch and
 // recomputation as it does for a fixed layout), ranked by predicted step time among those that fit.
 #include "engine/common/text.hpp"
 #include "engine/plan/plan.hpp"
@@ -32,6 +32,9 @@ std::string layout_problem(const Recipe& r, const LayoutRow& l) {
   if (l.schedule == PipelineScheduleKind::Interleaved && l.pipeline > 1 && per_rank % l.pipeline != 0) return "interleaving needs micro-batches in multiples of the stages";
   if (l.pipeline > 1 && r.parallel.zero_stage && *r.parallel.zero_stage == 3) return "ZeRO-3 runs without pipeline parallelism";
   if (l.sequence_parallel && (r.batch.seq_len % t != 0 || m.moe.enabled())) return "sequence parallelism needs seq_len divisible by tensor and no MoE";
+  if (l.expert > 1 && !m.moe.enabled()) return "expert parallelism needs routed experts";
+  if (l.expert > 1 && m.moe.routed_experts % l.expert != 0) return "model.moe.routed_experts = " + std::to_string(m.moe.routed_experts) + " not divisible by expert " + std::to_string(l.expert);
+  if (l.data % l.expert != 0) return "data " + std::to_string(l.data) + " not divisible by expert " + std::to_string(l.expert);
   return "";
 }
 
@@ -43,6 +46,7 @@ std::string LayoutRow::describe() const {
   std::string s = "tensor " + std::to_string(tensor) + " × pipeline " + std::to_string(pipeline);
   if (pipeline > 1) s += " (" + std::string(to_string(schedule)) + (virtual_stages > 1 ? " × " + std::to_string(virtual_stages) : "") + ")";
   s += " × data " + std::to_string(data);
+  if (expert > 1) s += " (expert " + std::to_string(expert) + ")";
   if (sequence_parallel) s += ", sequence-parallel";
   return s;
 }
@@ -56,6 +60,7 @@ Recipe with_layout(const Recipe& recipe, const LayoutRow& row) {
   p.virtual_stages = row.virtual_stages;
   p.sequence_parallel = row.sequence_parallel;
   p.data_parallel = row.data;
+  p.expert = row.expert;
   p.search = {};
   return r;
 }
@@ -63,7 +68,7 @@ Recipe with_layout(const Recipe& recipe, const LayoutRow& row) {
 std::vector<LayoutRow> search_layouts(const Recipe& recipe, const HostFacts& host, bool every_key) {
   const ParallelOptions& fixed = recipe.parallel;
   ParallelOptions::Searched searched = fixed.search;
-  if (every_key) searched = {true, true, true, true, true};
+  if (every_key) searched = {true, true, true, true, true, recipe.model.moe.enabled()};
   const int devices = recipe.hardware.total_devices();
   const double data_bytes = planned_data_bytes(recipe);
   // Tensor groups stay inside a node (their traffic is every layer's).
@@ -86,31 +91,42 @@ std::vector<LayoutRow> search_layouts(const Recipe& recipe, const HostFacts& hos
           for (int v : searched.virtual_stages ? std::vector<int>{2, 4} : std::vector<int>{fixed.virtual_stages})
             if (v > 1) schedules.push_back({PipelineScheduleKind::Interleaved, v});
       }
-      for (auto [kind, v] : schedules) {
-        LayoutRow row;
-        row.tensor = t;
-        row.pipeline = pp;
-        row.data = data;
-        row.schedule = kind;
-        row.virtual_stages = v;
-        // Sequence parallelism costs no traffic and saves memory: on wherever it applies.
-        row.sequence_parallel = searched.sequence_parallel ? t > 1 && recipe.batch.seq_len % t == 0 && !recipe.model.moe.enabled() : fixed.sequence_parallel && t > 1;
-        row.problem = layout_problem(recipe, row);
-        if (row.problem.empty()) {
-          const Plan p = plan_candidate(with_layout(recipe, row), host, data_bytes);
-          row.zero_stage = p.zero_stage;
-          row.micro = p.micro_batch;
-          row.checkpointing = p.activation_checkpointing;
-          row.fits = p.fits;
-          row.memory_bytes = p.memory.total() + (p.device == Device::Cpu ? p.memory.states.host : 0);
-          row.capacity = p.memory_capacity;
-          row.step_seconds = p.step_seconds;
-          row.mfu = p.mfu;
-          row.bubble_fraction = p.bubble_fraction;
-          row.exposed_comm_seconds = p.exposed_comm_seconds;
-        }
-        rows.push_back(row);
+      // Expert ranks: any degree the data ranks and the routed experts divide by (the smallest
+      // that fits costs the least all-to-all; a larger one holds fewer experts per rank).
+      std::vector<int> experts{fixed.expert};
+      if (searched.expert) {
+        experts.clear();
+        for (int ep : divisors(data))
+          if (recipe.model.moe.enabled() && recipe.model.moe.routed_experts % ep == 0) experts.push_back(ep);
+        if (experts.empty()) experts.push_back(1);
       }
+      for (auto [kind, v] : schedules)
+        for (int ep : experts) {
+          LayoutRow row;
+          row.tensor = t;
+          row.pipeline = pp;
+          row.data = data;
+          row.schedule = kind;
+          row.virtual_stages = v;
+          row.expert = ep;
+          // Sequence parallelism costs no traffic and saves memory: on wherever it applies.
+          row.sequence_parallel = searched.sequence_parallel ? t > 1 && recipe.batch.seq_len % t == 0 && !recipe.model.moe.enabled() : fixed.sequence_parallel && t > 1;
+          row.problem = layout_problem(recipe, row);
+          if (row.problem.empty()) {
+            const Plan p = plan_candidate(with_layout(recipe, row), host, data_bytes);
+            row.zero_stage = p.zero_stage;
+            row.micro = p.micro_batch;
+            row.checkpointing = p.activation_checkpointing;
+            row.fits = p.fits;
+            row.memory_bytes = p.memory.total() + (p.device == Device::Cpu ? p.memory.states.host : 0);
+            row.capacity = p.memory_capacity;
+            row.step_seconds = p.step_seconds;
+            row.mfu = p.mfu;
+            row.bubble_fraction = p.bubble_fraction;
+            row.exposed_comm_seconds = p.exposed_comm_seconds;
+          }
+          rows.push_back(row);
+        }
     }
   }
   auto rank = [](const LayoutRow& r) { return !r.problem.empty() ? 2 : r.fits ? 0 : 1; };

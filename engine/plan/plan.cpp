@@ -81,6 +81,17 @@ double data_bytes(const Recipe& r, int64_t seq_len) {
   return tokens * 16;
 }
 
+// What each pipeline stage holds and computes (one stage, the whole model, without a pipeline).
+struct StageCost {
+  double rank_params = 0;         // after tensor parallelism's split, without the routed experts
+  double rank_expert_params = 0;  // the routed experts one rank keeps (1/ep of them, split by tp)
+  double flops_per_sample = 0, routed_flops_per_sample = 0;
+  double activation_bytes_per_sample = 0, routed_activation_bytes_per_sample = 0, checkpointed_activation_bytes_per_sample = 0;
+  int moe_layers = 0;
+  bool has_head = false, has_blocks = false;
+  bool tied_head_copy = false;  // tied embeddings: the head's copy of the embedding (not in ZeRO)
+};
+
 // A candidate of the layout search is planned without its schedule's simulation or suggestions
 // (the chosen layout gets both), on the data size measured once.
 struct PlanningOptions {
@@ -96,49 +107,69 @@ class Planner {
     tp_ = r.parallel.tensor;
     pp_ = r.parallel.pipeline;
     v_ = r.parallel.virtual_stages;
+    ep_ = r.parallel.expert;
+    imbalance_ = ep_ > 1 ? r.parallel.expert_imbalance : 1.0;
     ranks_per_node_ = (dp_ * tp_ * pp_ + hw.nodes - 1) / hw.nodes;
     kernel_ = hw.device == Device::Cuda ? AttentionKernel::Flash : AttentionKernel::Math;
     cost_ = model_cost(r.model, r.batch.seq_len, r.precision.dtype, kernel_, /*fused_elementwise=*/hw.device == Device::Cuda);
     capacity_ = hw.ranks_share_memory() ? hw.memory_bytes / ranks_per_node_ : hw.memory_bytes;
     data_bytes_ = options.data_bytes >= 0 ? options.data_bytes : data_bytes(r, r.batch.seq_len);
-    // Tensor parallelism splits every weight but the norms and the MoE routers over tp ranks.
-    double replicated = 0;
-    for (const ModelCost::Unit& u : cost_.units) replicated += tp_ > 1 ? u.tensor_replicated_params : 0;
-    rank_params_ = (cost_.params - replicated) / tp_ + replicated;
     split_into_stages();
+  }
+
+  // What one rank keeps of `units`: tensor parallelism splits every weight but the norms and the
+  // MoE routers over tp ranks; expert parallelism keeps 1/ep of the routed experts (apart: ZeRO
+  // shards them over the dp/ep ranks keeping the same ones).
+  void add_units(StageCost& st, int begin, int end) const {
+    double params = 0, replicated = 0, routed = 0;
+    for (int u = begin; u < end; ++u) {
+      const ModelCost::Unit& unit = cost_.units[u];
+      params += unit.params;
+      replicated += tp_ > 1 ? unit.tensor_replicated_params : 0;
+      routed += ep_ > 1 ? unit.routed_expert_params : 0;  // (without expert parallelism they are the blocks' like any weight)
+      st.flops_per_sample += unit.flops_per_sample;
+      st.routed_flops_per_sample += unit.routed_flops_per_sample;
+      st.activation_bytes_per_sample += unit.activation_bytes_per_sample;
+      st.routed_activation_bytes_per_sample += unit.routed_activation_bytes_per_sample;
+      st.checkpointed_activation_bytes_per_sample += unit.checkpointed_activation_bytes_per_sample;
+      st.moe_layers += unit.routed_expert_params > 0 ? 1 : 0;
+      st.has_blocks |= u > 0 && u + 1 < static_cast<int>(cost_.units.size());
+    }
+    st.rank_params += (params - routed - replicated) / tp_ + replicated;
+    st.rank_expert_params += routed / (tp_ * ep_);
   }
 
   // Pipeline parallelism: the units (pipeline numbering) cut into stages × virtual stages pieces
   // of balanced FLOPs; rank r runs pieces r, r + stages, ... Without it, one stage: the model.
   void split_into_stages() {
-    if (pp_ == 1) {
-      stages_.push_back({rank_params_, cost_.model_flops_per_sample, cost_.activation_bytes_per_sample, cost_.checkpointed_activation_bytes_per_sample, true, true, false});
-      return;
-    }
-    std::vector<double> flops;
-    for (const auto& u : cost_.units) flops.push_back(u.flops_per_sample);
-    pieces_ = balanced_split(flops, pp_ * v_);
-    stages_.assign(pp_, StageCost{});
-    for (size_t g = 0; g < pieces_.size(); ++g) {
-      StageCost& st = stages_[g % pp_];
-      double params = 0, replicated = 0;
-      for (int u = pieces_[g].first; u < pieces_[g].second; ++u) {
-        const ModelCost::Unit& unit = cost_.units[u];
-        params += unit.params;
-        replicated += tp_ > 1 ? unit.tensor_replicated_params : 0;
-        st.flops_per_sample += unit.flops_per_sample;
-        st.activation_bytes_per_sample += unit.activation_bytes_per_sample;
-        st.checkpointed_activation_bytes_per_sample += unit.checkpointed_activation_bytes_per_sample;
-        st.has_blocks |= u > 0 && u + 1 < static_cast<int>(cost_.units.size());
+    if (cost_.units.empty()) {  // images: one stage, the whole model
+      stages_.push_back({cost_.params, 0, cost_.model_flops_per_sample, 0, cost_.activation_bytes_per_sample, 0, cost_.checkpointed_activation_bytes_per_sample, 0, true, true, false});
+    } else {
+      std::vector<double> flops;
+      for (const auto& u : cost_.units) flops.push_back(u.flops_per_sample);
+      pieces_ = pp_ > 1 ? balanced_split(flops, pp_ * v_) : std::vector<std::pair<int, int>>{};
+      stages_.assign(pp_, StageCost{});
+      if (pp_ == 1) {  // the whole model: its totals (the units' sums, but for the norms' few FLOPs)
+        StageCost& st = stages_[0];
+        add_units(st, 0, static_cast<int>(cost_.units.size()));
+        st.flops_per_sample = cost_.model_flops_per_sample;
+        st.activation_bytes_per_sample = cost_.activation_bytes_per_sample;
+        st.checkpointed_activation_bytes_per_sample = cost_.checkpointed_activation_bytes_per_sample;
+        st.has_head = st.has_blocks = true;
       }
-      st.rank_params += (params - replicated) / tp_ + replicated;
-      if (pieces_[g].second == static_cast<int>(cost_.units.size())) {
-        st.has_head = true;
-        st.tied_head_copy = r_.model.tie_embeddings;
+      for (size_t g = 0; g < pieces_.size(); ++g) {
+        StageCost& st = stages_[g % pp_];
+        add_units(st, pieces_[g].first, pieces_[g].second);
+        if (pieces_[g].second == static_cast<int>(cost_.units.size())) {
+          st.has_head = true;
+          st.tied_head_copy = r_.model.tie_embeddings;
+        }
       }
     }
-    rank_params_ = 0;
-    for (const StageCost& st : stages_) rank_params_ = std::max(rank_params_, st.rank_params);
+    for (const StageCost& st : stages_) {
+      rank_params_ = std::max(rank_params_, st.rank_params);
+      rank_expert_params_ = std::max(rank_expert_params_, st.rank_expert_params);
+    }
   }
 
   // Micro-batches whose activations a stage holds at once (in whole stages' worth): 1F1B keeps up
@@ -190,7 +221,16 @@ class Planner {
     o.delayed_update = r_.parallel.delayed_update;
     MemoryBreakdown& m = ev.memory;
     m.states = plan_model_states_per_rank(o);
-    m.activations = live * l.micro * (l.checkpointing ? st.checkpointed_activation_bytes_per_sample : st.activation_bytes_per_sample);
+    if (st.rank_expert_params > 0) {  // routed experts: ZeRO over the dp/ep ranks keeping the same ones
+      o.params = st.rank_expert_params;
+      o.data_parallel = dp_ / ep_;
+      const ModelStateBytes experts = plan_model_states_per_rank(o);
+      m.states += experts;
+      m.routed_expert_states = experts.device_total() + experts.host;
+    }
+    // Expert parallelism: the busiest rank's experts get `imbalance` times the mean tokens.
+    const double routed_extra = (imbalance_ - 1) * st.routed_activation_bytes_per_sample;
+    m.activations = live * l.micro * (l.checkpointing ? st.checkpointed_activation_bytes_per_sample : st.activation_bytes_per_sample + routed_extra);
     // Tensor parallelism without sequence parallelism (Korthikanti et al. 2022, eq. 2): of a
     // layer's 34·sbh activation bytes, 24·sbh are split over t ranks and 10·sbh (norms, dropout-free
     // residuals, the region inputs) stay whole. Applied to the total until the terms are split one by one.
@@ -210,10 +250,12 @@ class Planner {
       m.comm_buffers = 3 * e * cost_.largest_unit_params / tp_;
       // Without recomputation autograd keeps every layer's gathered weights (matmuls save them for
       // backward) until that layer's backward has run: the whole model, gathered, at the end of forward.
-      if (!l.checkpointing) m.comm_buffers += e * st.rank_params;
+      if (!l.checkpointing) m.comm_buffers += e * (st.rank_params + st.rank_expert_params);
     } else if (dp_ > 1) {
-      m.comm_buffers = 2 * std::min(r_.parallel.bucket_bytes, st.rank_params * e);  // bucket being reduced + the next
+      m.comm_buffers = 2 * std::min(r_.parallel.bucket_bytes, (st.rank_params + st.rank_expert_params) * e);  // bucket being reduced + the next
     }
+    // Expert parallelism: a MoE layer's tokens in flight, sent and received ([micro · s · k, h] each way).
+    if (ep_ > 1 && st.moe_layers > 0) m.comm_buffers += 2 * imbalance_ * l.micro * r_.batch.seq_len * r_.model.moe.top_k * r_.model.hidden * e;
     // Tied embeddings over a pipeline: the last stage's copy of this tensor rank's embedding slice, and its gradient.
     if (st.tied_head_copy) m.comm_buffers += 2 * e * cost_.embedding_params / tp_;
     m.runtime = hw.runtime_memory_bytes;
@@ -264,6 +306,8 @@ class Planner {
     p.data_parallel = dp_;
     p.tensor_parallel = tp_;
     p.pipeline_parallel = pp_;
+    p.expert_parallel = ep_;
+    p.expert_imbalance = imbalance_;
     p.sequence_parallel = r_.parallel.sequence_parallel && tp_ > 1;
     p.world_size = dp_ * tp_ * pp_;
     p.ranks_per_node = ranks_per_node_;
@@ -514,30 +558,49 @@ class Planner {
     const double psi = rank_params_;
     const double e = bytes_per_element(r_.precision.dtype);
     const double n = dp_;
-    const double ring = (n - 1) / n;  // ring collectives: each rank sends (N-1)/N of the buffer per pass
     const double bw = link_bandwidth();
     const double a = static_cast<double>(p.accumulation);
     auto add = [&](std::string what, double bytes) {
       if (bytes <= 0) return;
       p.comm.push_back({std::move(what), bytes, bytes / bw});
     };
-    if (dp_ > 1) {
+    // ZeRO's collectives over `ranks` data ranks for `params` parameters (the routed experts' over
+    // the dp/ep ranks keeping the same ones, with `of` naming them).
+    auto data_parallel = [&](double params, int ranks, const std::string& of) {
+      if (ranks <= 1) return;
+      const double ring = (ranks - 1.0) / ranks;  // ring collectives: each rank sends (N-1)/N of the buffer per pass
       switch (p.zero_stage) {
-        case 0: add("all-reduce gradients (once per step)", 2 * ring * psi * e); break;
+        case 0: add("all-reduce gradients" + of + " (once per step)", 2 * ring * params * e); break;
         case 1:
-          add("reduce-scatter gradients (once per step)", ring * psi * e);
-          add("all-gather updated parameters", ring * psi * e);
+          add("reduce-scatter gradients" + of + " (once per step)", ring * params * e);
+          add("all-gather updated parameters" + of, ring * params * e);
           break;
         case 2:
-          add("reduce-scatter gradients (every micro-batch)", a * ring * psi * e);
-          add("all-gather updated parameters", ring * psi * e);
+          add("reduce-scatter gradients" + of + " (every micro-batch)", a * ring * params * e);
+          add("all-gather updated parameters" + of, ring * params * e);
           break;
         case 3:
-          add("all-gather parameters for forward (every micro-batch)", a * ring * psi * e);
-          add("all-gather parameters for backward (every micro-batch)", a * ring * psi * e);
-          add("reduce-scatter gradients (every micro-batch)", a * ring * psi * e);
+          add("all-gather parameters" + of + " for forward (every micro-batch)", a * ring * params * e);
+          add("all-gather parameters" + of + " for backward (every micro-batch)", a * ring * params * e);
+          add("reduce-scatter gradients" + of + " (every micro-batch)", a * ring * params * e);
           break;
       }
+    };
+    data_parallel(psi, dp_, "");
+    data_parallel(rank_expert_params_, dp_ / ep_, " of the routed experts");
+    if (ep_ > 1) {
+      // Each MoE layer sends every (token, choice) pair's row to its expert's rank and back, in
+      // forward and again in backward (and once more when recomputed): [micro · s · k, h] each
+      // way, of which (ep-1)/ep leaves the rank; the busiest rank's share is `imbalance` times
+      // the mean. Within the node while the ep ranks fit in it (they are consecutive data ranks).
+      int moe_layers = 0;
+      for (const StageCost& st : stages_) moe_layers = std::max(moe_layers, st.moe_layers);
+      const double pairs = static_cast<double>(p.micro_batch) * r_.batch.seq_len * r_.model.moe.top_k;
+      const double passes = p.activation_checkpointing ? 6 : 4;
+      const double bytes = a * moe_layers * passes * pairs * r_.model.hidden * e * (ep_ - 1.0) / ep_ * imbalance_;
+      const bool across_nodes = r_.hardware.nodes > 1 && ep_ * tp_ > ranks_per_node_;
+      const double ep_bw = (across_nodes ? r_.hardware.inter_node_bandwidth / ranks_per_node_ : r_.hardware.link_bandwidth) * r_.hardware.comm_efficiency;
+      p.comm.push_back({"all-to-all tokens to their experts and back (expert, " + std::to_string(static_cast<int>(passes)) + " per MoE layer, every micro-batch)", bytes, bytes / ep_bw});
     }
     if (tp_ > 1) {
       // Megatron's tensor parallelism: per layer two all-reduces of the activations [b, s, h] in
@@ -576,7 +639,8 @@ class Planner {
       for (const auto& c : p.comm) {
         // The updated parameters' gather follows the step; tensor-parallel collectives sit between
         // the layers' matmuls that need their results.
-        if (c.collective.rfind("all-gather updated", 0) == 0 || c.collective.find("(tensor") != std::string::npos || c.collective.find("(pipeline") != std::string::npos)
+        if (c.collective.rfind("all-gather updated", 0) == 0 || c.collective.find("(tensor") != std::string::npos || c.collective.find("(pipeline") != std::string::npos ||
+            c.collective.find("(expert") != std::string::npos)
           not_overlapped += c.seconds;
         else overlappable_work += c.seconds;
       }
@@ -588,7 +652,7 @@ class Planner {
     // Offload traffic over PCIe: gradient shard down, updated parameter shard up; ZeRO-3 parameter
     // offload also fetches the parameter shard for every forward and backward.
     if (p.offload != Offload::None && r_.hardware.device == Device::Cuda) {
-      const double shard = std::ceil(psi / n);
+      const double shard = std::ceil(psi / n) + (rank_expert_params_ > 0 ? std::ceil(rank_expert_params_ / (dp_ / ep_)) : 0);
       double bytes = 2 * shard * e;
       if (p.offload == Offload::OptimizerAndParams) bytes += 2 * a * shard * e;
       p.offload_seconds = bytes / r_.hardware.host_link_bandwidth;
@@ -610,9 +674,10 @@ class Planner {
     p.hardware_flops_per_step = per_sample * static_cast<double>(r_.batch.global);
     p.model_flops_per_step = cost_.model_flops_per_sample * static_cast<double>(r_.batch.global);
     p.peak_flops = peak_flops();
-    // A pipeline step lasts as long as its busiest stage's share of the work, stretched by the bubble.
+    // A pipeline step lasts as long as its busiest stage's share of the work, stretched by the
+    // bubble; under expert parallelism the busiest rank's routed experts compute `imbalance` times the mean.
     double busiest = 0;
-    for (const StageCost& st : stages_) busiest = std::max(busiest, st.flops_per_sample / cost_.model_flops_per_sample);
+    for (const StageCost& st : stages_) busiest = std::max(busiest, (st.flops_per_sample + (imbalance_ - 1) * st.routed_flops_per_sample) / cost_.model_flops_per_sample);
     return p.hardware_flops_per_step * busiest / (dp_ * tp_) / (p.peak_flops * r_.hardware.matmul_efficiency) / (1 - bubble_fraction(p.accumulation));
   }
 
@@ -651,7 +716,7 @@ class Planner {
     const bool mixed = r_.precision.dtype != DType::Fp32;
     int states = r_.optimizer.kind == OptimizerKind::Sgd ? (r_.optimizer.momentum > 0 ? 1 : 0) : 2;
     double touched = 8 + 8.0 * states + e + (mixed ? e : 0);
-    const double shard = p.zero_stage >= 1 ? std::ceil(rank_params_ / dp_) : rank_params_;
+    const double shard = p.zero_stage >= 1 ? std::ceil(rank_params_ / dp_) + std::ceil(rank_expert_params_ / (dp_ / ep_)) : rank_params_ + rank_expert_params_;
     // Offloaded, the step runs on the host, whose memory bandwidth the node's ranks share.
     const bool host_step = p.offload != Offload::None && r_.hardware.device == Device::Cuda;
     const double bandwidth = host_step ? r_.hardware.host_memory_bandwidth / ranks_per_node_ : r_.hardware.memory_bandwidth;
@@ -706,17 +771,12 @@ class Planner {
   HostFacts host_;
   PlanningOptions options_;
   double data_bytes_ = 0;
-  int dp_ = 1, tp_ = 1, pp_ = 1, v_ = 1;
-  // What each pipeline stage holds and computes (one stage, the whole model, without a pipeline).
-  struct StageCost {
-    double rank_params = 0;  // after tensor parallelism's split
-    double flops_per_sample = 0, activation_bytes_per_sample = 0, checkpointed_activation_bytes_per_sample = 0;
-    bool has_head = false, has_blocks = false;
-    bool tied_head_copy = false;  // tied embeddings: the head's copy of the embedding (not in ZeRO)
-  };
+  int dp_ = 1, tp_ = 1, pp_ = 1, v_ = 1, ep_ = 1;
+  double imbalance_ = 1;  // expert parallelism: the busiest rank's routed tokens over the mean
   std::vector<StageCost> stages_;
   std::vector<std::pair<int, int>> pieces_;  // pipeline numbering, stages × virtual stages of them
-  double rank_params_ = 0;  // the parameters one rank's ZeRO holds: Ψ, less what tensor parallelism splits away
+  double rank_params_ = 0;  // the parameters one rank's ZeRO holds: Ψ, less what tensor parallelism splits away and the routed experts
+  double rank_expert_params_ = 0;  // the routed experts one rank keeps (the fullest stage's)
   int ranks_per_node_ = 1;
   AttentionKernel kernel_ = AttentionKernel::Flash;
   ModelCost cost_;
@@ -757,6 +817,7 @@ Plan make_plan(const Recipe& recipe, const HostFacts& host) {
   if (searched.pipeline) choose("parallel.pipeline", std::to_string(best.pipeline));
   if (searched.schedule && best.pipeline > 1) choose("parallel.pipeline_schedule", to_string(best.schedule));
   if (searched.virtual_stages && best.pipeline > 1) choose("parallel.virtual_stages", std::to_string(best.virtual_stages));
+  if (searched.expert) choose("parallel.expert", std::to_string(best.expert));
   if (searched.sequence_parallel) p.choices.push_back({"parallel.sequence_parallel", best.sequence_parallel ? "true" : "false", best.tensor > 1 ? "same traffic as without, 1/tensor of the activations between regions" : "no tensor parallelism"});
   p.layouts = std::move(rows);
   return p;

@@ -16,6 +16,10 @@ struct ModelStateBytes {
   double params = 0, grads = 0, master = 0, optimizer = 0;  // on the device
   double host = 0;                                         // offloaded to host memory
   double device_total() const { return params + grads + master + optimizer; }
+  ModelStateBytes& operator+=(const ModelStateBytes& o) {
+    params += o.params, grads += o.grads, master += o.master, optimizer += o.optimizer, host += o.host;
+    return *this;
+  }
 };
 
 struct ModelStateOptions {
@@ -33,6 +37,7 @@ ModelStateBytes plan_model_states_per_rank(const ModelStateOptions& o);
 
 struct MemoryBreakdown {
   ModelStateBytes states;
+  double routed_expert_states = 0;  // of `states` (device and host): the routed experts this rank keeps
   double activations = 0;   // one micro-batch in flight
   double backward_peak = 0; // transient gradients at the start of backward (the logits')
   double comm_buffers = 0;  // gradient buckets, ZeRO-3 gathered layers
@@ -68,7 +73,7 @@ struct AutoChoice {
 // One layout the search considered (parallel.* = "auto", `dsrun plan --layouts`), with what its
 // plan predicts and why it was or was not chosen.
 struct LayoutRow {
-  int tensor = 1, pipeline = 1, data = 1, virtual_stages = 1;
+  int tensor = 1, pipeline = 1, data = 1, virtual_stages = 1, expert = 1;
   PipelineScheduleKind schedule = PipelineScheduleKind::OneFOneB;
   bool sequence_parallel = false;
   int zero_stage = 0;
@@ -92,6 +97,8 @@ struct Plan {
   int nodes = 1, devices_per_node = 1, world_size = 1, data_parallel = 1, ranks_per_node = 1;
   int tensor_parallel = 1;  // world_size = pipeline_parallel × data_parallel × tensor_parallel
   int pipeline_parallel = 1;
+  int expert_parallel = 1;  // within data_parallel: ranks sharing one replica's routed experts
+  double expert_imbalance = 1;  // planned: the busiest expert rank's tokens over the mean
   bool sequence_parallel = false;
   PipelineScheduleKind pipeline_schedule = PipelineScheduleKind::OneFOneB;
   int virtual_stages = 1;

@@ -66,6 +66,10 @@ std::string render_plan(const Plan& p) {
        " ranks (" + std::to_string(p.ranks_per_node) + " per node); data parallel " + std::to_string(p.data_parallel) +
        (p.tensor_parallel > 1 ? " × tensor parallel " + std::to_string(p.tensor_parallel) + " (tensor innermost: consecutive ranks)" : "") +
        (p.pipeline_parallel > 1 ? "; pipeline " + std::to_string(p.pipeline_parallel) + " stages (outermost)" : ""));
+  if (p.expert_parallel > 1)
+    line("expert parallel " + std::to_string(p.expert_parallel) + " within the data ranks: each keeps " + std::to_string(p.cost.routed_experts / p.expert_parallel) + " of " +
+         std::to_string(p.cost.routed_experts) + " routed experts per MoE layer, their states sharded over " + std::to_string(p.data_parallel / p.expert_parallel) +
+         " rank(s); planned for the busiest rank routing " + format_double(p.expert_imbalance, 3) + "x the mean (parallel.expert_imbalance)");
   if (p.pipeline_parallel > 1) {
     std::string pieces;
     for (size_t g = 0; g < p.pipeline_pieces.size(); ++g) {
@@ -96,6 +100,7 @@ std::string render_plan(const Plan& p) {
   t.add({"gradients", format_bytes(m.states.grads), std::string(to_string(p.dtype)) + ", " + sharded(p.zero_stage, 2, p.data_parallel)});
   if (mixed) t.add({"fp32 master weights", format_bytes(m.states.master), p.offload != Offload::None ? "offloaded" : sharded(p.zero_stage, 1, p.data_parallel)});
   t.add({"optimizer states", format_bytes(m.states.optimizer), p.offload != Offload::None ? "offloaded" : sharded(p.zero_stage, 1, p.data_parallel)});
+  if (m.routed_expert_states > 0) t.add({"  of which routed experts", format_bytes(m.routed_expert_states), "parameters, gradients, master and optimizer states of the experts this rank keeps"});
   t.add({"activations", format_bytes(m.activations), "micro batch " + std::to_string(p.micro_batch) +
                                                          (p.pipeline_parallel > 1 ? " × " + format_double(p.live_micro_batches, 3) + " live (" + to_string(p.pipeline_schedule) + ")" : "") +
                                                          (p.activation_checkpointing ? ", checkpointed" : ", no recomputation")});
@@ -175,7 +180,7 @@ std::string plan_to_json(const Plan& p) {
                 {"checkpointed_activation_bytes_per_sample", p.cost.checkpointed_activation_bytes_per_sample}};
   j["topology"] = {{"device", to_string(p.device)}, {"nodes", p.nodes}, {"devices_per_node", p.devices_per_node},
                    {"world_size", p.world_size}, {"ranks_per_node", p.ranks_per_node}, {"data_parallel", p.data_parallel}, {"tensor_parallel", p.tensor_parallel},
-                   {"pipeline_parallel", p.pipeline_parallel}};
+                   {"pipeline_parallel", p.pipeline_parallel}, {"expert_parallel", p.expert_parallel}, {"expert_imbalance", p.expert_imbalance}};
   if (!p.layouts.empty()) j["layouts"] = nlohmann::json::parse(layouts_to_json(p.layouts));
   if (p.pipeline_parallel > 1)
     j["pipeline"] = {{"schedule", to_string(p.pipeline_schedule)}, {"virtual_stages", p.virtual_stages}, {"pieces", p.pipeline_pieces},
@@ -187,7 +192,7 @@ std::string plan_to_json(const Plan& p) {
                    {"attention", kernel_name(p.attention)}};
   j["memory_per_rank"] = {{"params", m.states.params}, {"grads", m.states.grads}, {"master", m.states.master},
                           {"optimizer", m.states.optimizer}, {"activations", m.activations}, {"backward_peak", m.backward_peak}, {"comm_buffers", m.comm_buffers},
-                          {"runtime", m.runtime}, {"fragmentation", m.fragmentation}, {"offloaded_to_host", m.states.host},
+                          {"routed_expert_states", m.routed_expert_states}, {"runtime", m.runtime}, {"fragmentation", m.fragmentation}, {"offloaded_to_host", m.states.host},
                           {"total", m.total() + (p.device == Device::Cpu ? m.states.host : 0)}, {"capacity", p.memory_capacity}};
   j["host_memory_per_rank"] = {{"process", p.host.process}, {"device", p.host.device}, {"offloaded", p.host.offloaded},
                                {"model_build", p.host.model_build}, {"data", p.host.data}, {"total", p.host.total()}};

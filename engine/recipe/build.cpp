@@ -155,6 +155,8 @@ void build_model(Builder& c, Recipe& r) {
   m.moe.intermediate = c.i("model.moe.intermediate");
   m.moe.first_dense_layers = static_cast<int>(c.i("model.moe.first_dense_layers"));
   m.moe.aux_loss_weight = c.f("model.moe.aux_loss_weight");
+  m.moe.capacity_factor = c.f("model.moe.capacity_factor");
+  m.moe.route_bias = c.floats("model.moe.route_bias");
   m.resnet.depth = static_cast<int>(c.i("model.resnet.depth"));
   m.resnet.classes = static_cast<int>(c.i("model.resnet.classes"));
   m.resnet.image_size = static_cast<int>(c.i("model.resnet.image_size"));
@@ -182,6 +184,9 @@ void build_model(Builder& c, Recipe& r) {
               "DeepSeek-MoE 16B uses top_k = 6 of 64 routed experts", {"model.moe.routed_experts"});
     if (m.moe.intermediate < 1)
       c.error("model.moe.intermediate", "an MoE model needs the experts' inner size", "set model.moe.intermediate (DeepSeek-MoE 16B: 1408)");
+    if (!m.moe.route_bias.empty() && static_cast<int>(m.moe.route_bias.size()) != m.moe.routed_experts)
+      c.error("model.moe.route_bias", std::to_string(m.moe.route_bias.size()) + " biases for " + std::to_string(m.moe.routed_experts) + " routed experts",
+              "give one number per routed expert, or none", {"model.moe.routed_experts"});
     if (m.moe.first_dense_layers > m.layers)
       c.error("model.moe.first_dense_layers", "more dense layers than layers", "use at most model.layers (" + std::to_string(m.layers) + ")", {"model.layers"});
   }
@@ -240,6 +245,33 @@ void build_pipeline_parallel(Builder& c, Recipe& r) {
             "set parallel.zero_stage = 2 (gradients and optimizer states stay sharded over the data ranks of each stage), or parallel.pipeline = 1", {"parallel.pipeline"});
 }
 
+// What expert parallelism needs: routed experts to shard, as many on every rank, and data ranks
+// to carve the expert ranks out of.
+void build_expert_parallel(Builder& c, Recipe& r) {
+  const ParallelOptions& p = r.parallel;
+  const MoeSpec& moe = r.model.moe;
+  if (p.expert == 1) return;
+  const std::string ep = std::to_string(p.expert);
+  if (r.model.arch != ModelArch::DeepSeek || !moe.enabled()) {
+    c.error("parallel.expert", "expert parallelism shards a MoE layer's routed experts, and this model has none", "set parallel.expert = 1, or model.moe.routed_experts > 0",
+            {"model.moe.routed_experts"});
+    return;
+  }
+  const int dp = p.data_parallel_or_auto(r.hardware);
+  auto best = [&](int limit) {  // the largest degree <= limit dividing the experts and the data ranks
+    int b = 1;
+    for (int d = 1; d <= limit; ++d)
+      if (moe.routed_experts % d == 0 && (dp <= 0 || dp % d == 0)) b = d;
+    return std::to_string(b);
+  };
+  if (moe.routed_experts % p.expert != 0)
+    c.error("parallel.expert", "expert = " + ep + " does not divide model.moe.routed_experts = " + std::to_string(moe.routed_experts) + " (each rank keeps as many experts)",
+            "use parallel.expert = " + best(p.expert) + ", or a number of routed experts divisible by " + ep, {"model.moe.routed_experts"});
+  else if (!p.search.any() && dp > 0 && dp % p.expert != 0)
+    c.error("parallel.expert", "expert = " + ep + " does not divide the " + std::to_string(dp) + " data-parallel ranks (expert ranks are carved out of them)",
+            "use parallel.expert = " + best(p.expert) + ", or data_parallel a multiple of " + ep, {"parallel.data_parallel"});
+}
+
 void build_parallel(Builder& c, Recipe& r) {
   ParallelOptions& p = r.parallel;
   if (auto v = c.int_or_auto("parallel.data_parallel")) p.data_parallel = static_cast<int>(*v);
@@ -258,6 +290,8 @@ void build_parallel(Builder& c, Recipe& r) {
   int_or_searched("parallel.tensor", p.tensor, p.search.tensor);
   int_or_searched("parallel.pipeline", p.pipeline, p.search.pipeline);
   int_or_searched("parallel.virtual_stages", p.virtual_stages, p.search.virtual_stages);
+  int_or_searched("parallel.expert", p.expert, p.search.expert);
+  p.expert_imbalance = c.f("parallel.expert_imbalance");
   p.search.sequence_parallel = c.at("parallel.sequence_parallel").value.is_auto();
   p.sequence_parallel = !p.search.sequence_parallel && c.b("parallel.sequence_parallel");
   const std::string& schedule = c.s("parallel.pipeline_schedule");
@@ -282,6 +316,7 @@ void build_parallel(Builder& c, Recipe& r) {
             "use tensor × pipeline dividing " + std::to_string(devices), {"parallel.tensor", "parallel.pipeline", "hardware.devices_per_node", "hardware.nodes"});
   if (p.tensor > 1) build_tensor_parallel(c, r);
   build_pipeline_parallel(c, r);
+  build_expert_parallel(c, r);
   if (p.zero_stage && p.offload == Offload::OptimizerAndParams && *p.zero_stage != 3)
     c.error("parallel.offload", "offloading parameters needs ZeRO stage 3 (only stage 3 shards parameters)",
             "set parallel.zero_stage = 3, or offload = \"optimizer\"", {"parallel.zero_stage"});
@@ -531,6 +566,9 @@ void warn_inapplicable(Builder& c, const Recipe& r) {
       {"model.moe.intermediate", [](const Recipe& x) { return x.model.moe.enabled(); }, "model.moe.routed_experts > 0"},
       {"model.moe.first_dense_layers", [](const Recipe& x) { return x.model.moe.enabled(); }, "model.moe.routed_experts > 0"},
       {"model.moe.aux_loss_weight", [](const Recipe& x) { return x.model.moe.enabled(); }, "model.moe.routed_experts > 0"},
+      {"model.moe.capacity_factor", [](const Recipe& x) { return x.model.moe.enabled(); }, "model.moe.routed_experts > 0"},
+      {"model.moe.route_bias", [](const Recipe& x) { return x.model.moe.enabled(); }, "model.moe.routed_experts > 0"},
+      {"parallel.expert_imbalance", [](const Recipe& x) { return x.parallel.expert > 1 || x.parallel.search.expert; }, "parallel.expert > 1"},
       {"model.resnet.", [](const Recipe& x) { return x.model.arch == ModelArch::ResNet; }, "model.arch = \"resnet\""},
       {"batch.seq_len", [](const Recipe& x) { return x.model.arch == ModelArch::DeepSeek; }, "model.arch = \"deepseek\""},
       {"data.tokenizer", [](const Recipe& x) { return x.data.kind == DataKind::Text; }, "data.kind = \"text\""},

@@ -62,6 +62,12 @@ struct MoeSpec {
   int64_t intermediate = 0;
   int first_dense_layers = 1;
   double aux_loss_weight = 0.001;
+  // Tokens per expert above capacity_factor × the mean (over this rank's micro-batch) are dropped
+  // and counted; 0: none dropped.
+  double capacity_factor = 0;
+  // Added to the router's scores for choosing the experts only (not for weighting them), one per
+  // routed expert: DeepSeek-V3's selection bias, fixed. Empty: none.
+  std::vector<double> route_bias;
   bool enabled() const { return routed_experts > 0; }
 };
 
@@ -103,12 +109,14 @@ struct ParallelOptions {
   int pipeline = 1;                  // pipeline stages (outermost mesh dimension)
   PipelineScheduleKind pipeline_schedule = PipelineScheduleKind::OneFOneB;
   int virtual_stages = 1;            // model chunks per pipeline rank (interleaved schedule)
+  int expert = 1;                    // expert-parallel ranks, within the data-parallel ones (divides data_parallel)
+  double expert_imbalance = 1.25;    // planning: the busiest expert rank's routed tokens over the mean
   int model_parallel() const { return tensor * pipeline; }  // ranks one data-parallel replica spans
   // Keys given as "auto": the plan searches these dimensions of the layout (engine/plan/layout_search);
-  // until then the values above are placeholders (1, 1f1b, 1, off).
+  // until then the values above are placeholders (1, 1f1b, 1, off, 1).
   struct Searched {
-    bool tensor = false, pipeline = false, schedule = false, virtual_stages = false, sequence_parallel = false;
-    bool any() const { return tensor || pipeline || schedule || virtual_stages || sequence_parallel; }
+    bool tensor = false, pipeline = false, schedule = false, virtual_stages = false, sequence_parallel = false, expert = false;
+    bool any() const { return tensor || pipeline || schedule || virtual_stages || sequence_parallel || expert; }
   };
   Searched search;
   int data_parallel_or_auto(const HardwareSpec& h) const;

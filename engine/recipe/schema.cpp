@@ -108,6 +108,12 @@ std::vector<KeySpec> build_schema() {
       ranged("model.moe.intermediate", T::Int, "0", 0, 16777216, "SwiGLU inner size of each expert."),
       ranged("model.moe.first_dense_layers", T::Int, "1", 0, 10000, "Leading layers that keep a dense MLP (DeepSeek-MoE: 1)."),
       ranged("model.moe.aux_loss_weight", T::Float, "0.001", 0, 10, "Weight of the expert load-balance loss."),
+      ranged("model.moe.capacity_factor", T::Float, "0", 0, 1024,
+             "Drop a (token, choice) pair once its expert already has capacity_factor × (tokens × top_k / routed_experts) pairs of this "
+             "rank's micro-batch, the earliest tokens kept (GShard/Switch); dropped pairs are counted (metric dropped_tokens). 0: no token is dropped."),
+      ranged("model.moe.route_bias", T::FloatList, "[]", -1e6, 1e6,
+             "One number per routed expert added to the router's scores when choosing the experts, not when weighting them "
+             "(DeepSeek-V3's selection bias, here fixed): steers routing, e.g. [100, 0, 0, 0] sends every token to expert 0. Empty: none."),
       ranged("model.resnet.depth", T::Int, "50", 18, 152, "ResNet depth: 18, 34, 50, 101 or 152."),
       ranged("model.resnet.classes", T::Int, "10", 2, 1000000, "Output classes."),
       ranged("model.resnet.image_size", T::Int, "32", 8, 8192, "Square input side in pixels (32 for CIFAR-10)."),
@@ -131,6 +137,14 @@ std::vector<KeySpec> build_schema() {
              "`1f1b` (one forward, one backward: at most `pipeline` micro-batches live), `interleaved` (1F1B over parallel.virtual_stages "
              "chunks per rank: a smaller bubble for more sends; micro-batches per step must be a multiple of parallel.pipeline). `auto`: searched."),
       ranged("parallel.virtual_stages", T::IntOrAuto, "1", 1, 64, "Model chunks per pipeline rank, for pipeline_schedule = \"interleaved\" (at least 2 there, 1 otherwise). `auto`: searched."),
+      ranged("parallel.expert", T::IntOrAuto, "1", 1, 65536,
+             "Expert-parallel ranks (DeepSeek-MoE, as Megatron-LM and torchtitan): each MoE layer's routed experts are sharded over this many "
+             "consecutive data-parallel ranks, which send tokens to their experts and back by all-to-all. Carved out of parallel.data_parallel "
+             "(which it must divide), not an extra factor of the world; routed_experts must divide by it. Router and shared experts stay replicated; "
+             "the routed experts' gradients are reduced over the data ranks keeping the same ones. `auto`: searched with the layout (see parallel.tensor)."),
+      ranged("parallel.expert_imbalance", T::Float, "1.25", 1, 1024,
+             "Planning headroom for routing imbalance under expert parallelism: the busiest rank's routed tokens over the mean. The plan "
+             "scales that rank's routed-expert activations, all-to-all bytes and expert FLOPs by it (metric expert_load_max shows what a run sees)."),
       ranged("parallel.zero_stage", T::IntOrAuto, "\"auto\"", 0, 3,
              "ZeRO stage: 0 replicate all, 1 shard optimizer states, 2 also gradients, 3 also parameters. `auto`: the lowest that fits."),
       choice("parallel.offload", "none", {"none", "optimizer", "optimizer+params"},

@@ -79,7 +79,7 @@ std::string join_numbers(const std::vector<int64_t>& v) {
 
 torch::Tensor cpu_contiguous(const torch::Tensor& t) { return t.to(torch::kCPU).contiguous(); }
 
-bool model_parallel(const DeviceMesh& mesh) { return mesh.shape().tensor * mesh.shape().pipeline > 1; }
+bool model_parallel(const DeviceMesh& mesh) { return mesh.shape().tensor * mesh.shape().pipeline * mesh.shape().expert > 1; }
 
 // Every rank's string, on every rank (a sum of rows, each rank filling its own).
 std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& mine) {
@@ -101,31 +101,36 @@ std::vector<std::string> all_gather_strings(Communicator& comm, const std::strin
 }
 
 // A unit's flat shard of `kind` ("master" or an optimizer state), whole: gathered over the data
-// ranks unless this rank already holds all of it (ZeRO-0).
+// ranks (routed experts: those keeping the same ones) unless this rank already holds all of it (ZeRO-0).
 torch::Tensor whole_unit(RankTrainingState& s, size_t k, const std::string& kind) {
   torch::Tensor shard = kind == "master" ? s.zero.shards()[k].master : s.optimizer.state(kind, k);
-  Communicator& data = s.mesh.along(MeshDim::Data);
+  Communicator& data = s.zero.unit_group(k);
   if (s.zero.master_begin(k) == 0 && shard.numel() >= s.zero.unit_numel(k)) return shard;
   torch::Tensor full = torch::empty({shard.numel() * data.world_size()}, shard.options());
   data.all_gather(shard.contiguous(), full);
   return full;
 }
 
-// Tensor- and pipeline-parallel saves: every parameter of this rank's units whole (its ZeRO shards
-// gathered over the data ranks, its slices over the tensor ranks), written by the first data and
-// tensor rank of each stage as a unit of its own. Those writers are one pipeline group (rank 0's),
-// which alone agrees on the numbering. Returns, on rank 0, the manifest's units.
+// Model-parallel saves (tensor, pipeline, expert): every parameter of this rank's units whole (its
+// ZeRO shards gathered over the data ranks, its slices over the tensor ranks), written as a unit of
+// its own by one rank of the mesh's holders (MeshShape::holders): tensor rank 0 of the first data
+// rank of each stage, and for routed experts that of each expert shard. The holders' group alone
+// agrees on the numbering. Returns, on rank 0, the manifest's units.
 std::vector<CheckpointUnit> save_whole_parameters(RankTrainingState& s, const std::vector<std::string>& states,
                                                   const std::function<void(const std::string&, const torch::Tensor&)>& add) {
   Communicator& tensor = s.mesh.along(MeshDim::Tensor);
-  Communicator& writers = s.mesh.along(MeshDim::Pipeline);  // for the writers: one per stage
-  const bool writer = s.mesh.coordinates().data == 0 && s.mesh.coordinates().tensor == 0;
+  Communicator* holders = s.mesh.holders();
+  const bool writer = holders != nullptr;
   const std::vector<ParameterUnit> units = s.model.parameter_units();  // ZeRO's order
-  // Where this writer's units start in the checkpoint: after every earlier stage's.
+  // Dense units are written by data rank 0 alone; each expert shard's by its first replica.
+  const auto writes = [&](const ParameterUnit& u) { return writer && (u.experts_of >= 0 || s.mesh.coordinates().data == 0); };
+  // Where this writer's units start in the checkpoint: after every earlier holder's.
   int64_t index = 0;
   if (writer) {
+    Communicator& writers = *holders;
     int64_t count = 0;
-    for (const auto& u : units) count += static_cast<int64_t>(u.params.size());
+    for (const auto& u : units)
+      if (writes(u)) count += static_cast<int64_t>(u.params.size());
     torch::Tensor counts = torch::zeros({writers.world_size()}, torch::kInt64);
     counts[writers.rank()] = count;
     writers.all_reduce_sum(counts);
@@ -155,19 +160,21 @@ std::vector<CheckpointUnit> save_whole_parameters(RankTrainingState& s, const st
           full = tensor_join(slices, split);
         }
         full_shape = full.sizes().vec();
-        if (writer) add(unit_tensor_name(static_cast<size_t>(index), kinds[n]), full.flatten());
+        if (writes(units[k])) add(unit_tensor_name(static_cast<size_t>(index), kinds[n]), full.flatten());
       }
-      if (writer) mine.push_back({{"name", units[k].names[i]}, {"shape", full_shape}, {"index", index}});
+      if (!writes(units[k])) continue;
+      mine.push_back({{"name", units[k].names[i]}, {"shape", full_shape}, {"index", index}});
       ++index;
     }
   }
   // Rank 0 writes the manifest: every writer's parameters, in checkpoint order.
   std::vector<CheckpointUnit> all;
   if (!writer) return all;
-  const std::vector<std::string> lists = all_gather_strings(writers, mine.dump());
-  for (int stage = 0; stage < writers.world_size(); ++stage)
-    for (const auto& p : nlohmann::json::parse(lists[stage])) {
-      const int r = s.mesh.shape().rank_of({stage, 0, 0});  // the stage's writer
+  const std::vector<std::string> lists = all_gather_strings(*holders, mine.dump());
+  const std::vector<int> writer_ranks = s.mesh.shape().holders();
+  for (size_t w = 0; w < writer_ranks.size(); ++w)
+    for (const auto& p : nlohmann::json::parse(lists[w])) {
+      const int r = writer_ranks[w];
       CheckpointUnit u;
       u.name = p.at("name").get<std::string>();
       const std::vector<int64_t> shape = p.at("shape").get<std::vector<int64_t>>();

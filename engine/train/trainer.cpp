@@ -201,6 +201,7 @@ class Trainer {
     shape.pipeline = plan_.pipeline_parallel;
     shape.data = plan_.data_parallel;
     shape.tensor = plan_.tensor_parallel;
+    shape.expert = plan_.expert_parallel;
     mesh_ = connect_mesh(rv, shape);
   }
 
@@ -290,6 +291,41 @@ class Trainer {
   int loss_ranks() const { return ctx_.world / plan_.pipeline_parallel; }
   PipelineStage::LossFn loss_function() {
     return [this](const ModelOutput& out, const Batch& batch) { return micro_batch_loss(out, batch, parallel_->tensor()); };
+  }
+
+  // MoE routing this step, for the metrics' all-reduce: per MoE layer (in model order) the pairs
+  // routed to each expert and the pairs dropped, this rank's layers filled, the others 0.
+  torch::Tensor routing_rows() {
+    const MoeSpec& moe = r_.model.moe;
+    if (!moe.enabled()) return torch::zeros({0}, torch::kFloat64);
+    const int first = moe.first_dense_layers, layers = r_.model.layers - first;
+    torch::Tensor rows = torch::zeros({layers, moe.routed_experts + 1}, torch::kFloat64);
+    for (const auto& [layer, routing] : parallel_->take_routing()) {
+      rows[layer - first].narrow(0, 0, moe.routed_experts).copy_(routing.routed.to(torch::kCPU, torch::kFloat64));
+      rows[layer - first][moe.routed_experts] = static_cast<double>(routing.dropped);
+    }
+    return rows.flatten();
+  }
+
+  // Per MoE layer, the busiest expert's pairs over the mean (1: perfectly even; expert_load/N),
+  // their maximum (expert_load_max), and the pairs a capacity dropped (dropped_tokens). Tensor
+  // ranks of one data rank route the same tokens: their sums count once.
+  void add_routing_metrics(const torch::Tensor& summed, nlohmann::json& metrics) const {
+    const MoeSpec& moe = r_.model.moe;
+    if (!moe.enabled()) return;
+    const int first = moe.first_dense_layers;
+    torch::Tensor rows = summed.view({r_.model.layers - first, moe.routed_experts + 1}) / plan_.tensor_parallel;
+    double worst = 0, dropped = 0;
+    for (int64_t l = 0; l < rows.size(0); ++l) {
+      torch::Tensor routed = rows[l].narrow(0, 0, moe.routed_experts);
+      const double mean = routed.mean().item<double>();
+      const double load = mean > 0 ? routed.max().item<double>() / mean : 0;
+      metrics["expert_load/" + std::to_string(first + l)] = load;
+      worst = std::max(worst, load);
+      dropped += rows[l][moe.routed_experts].item<double>();
+    }
+    metrics["expert_load_max"] = worst;
+    metrics["dropped_tokens"] = dropped;
   }
 
   RankTrainingState training_state() { return {*model_, *zero_, *optimizer_, scaler_.get(), *mesh_}; }
@@ -390,6 +426,7 @@ class Trainer {
     int64_t items = 0, correct = 0;
     const double loss_scale = scaler_ ? scaler_->scale() : 1.0;
     model_->module().train();
+    parallel_->take_routing();  // (what evaluation routed is not this step's)
     // This rank's slice of the global batch: the same samples whatever the number of ranks.
     auto batch_of = [&](int64_t m) {
       Batch batch = on_device(data_->train_batch(step * r_.batch.global + data_rank() * per_rank + m * micro, micro));
@@ -430,6 +467,7 @@ class Trainer {
     torch::Tensor totals = torch::tensor({loss_sum / accumulation, aux_sum / accumulation, static_cast<double>(correct),
                                           stop_requested ? 1.0 : 0.0, save_requested ? 1.0 : 0.0}, torch::kFloat64);
     save_requested = 0;
+    totals = torch::cat({totals, routing_rows()});
     mesh_->world().all_reduce_sum(totals);
     const double loss = totals[0].item<double>() / loss_ranks();
     last_loss_ = loss;
@@ -441,6 +479,7 @@ class Trainer {
     if (r_.model.moe.enabled()) metrics["aux_loss"] = totals[1].item<double>() / loss_ranks();
     if (r_.model.arch == ModelArch::ResNet) metrics["accuracy"] = totals[2].item<double>() / static_cast<double>(r_.batch.global);
     if (scaler_) metrics["loss_scale"] = loss_scale;
+    add_routing_metrics(totals.narrow(0, 5, totals.numel() - 5), metrics);
 
     // Hooks: rank 0 asks lr(), metrics() and on_step(); every rank gets the same decision.
     bool hook_skip = false;

@@ -1,0 +1,159 @@
+// Expert parallelism on real Gloo processes: the expert groups within the data dimension, uneven
+// all-to-all, and a MoE decoder's loss, gradients and norm against one process's, routing as it
+// comes, lopsided (every token to one expert, a rank with none) and with a capacity that drops.
+#include "engine/dist/mesh.hpp"
+#include "engine/model/model.hpp"
+#include "engine/parallel/parallelize.hpp"
+#include "engine/parallel/tensor_parallel.hpp"
+#include "engine/train/loss.hpp"
+#include "engine_util.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+
+using namespace dsrun;
+using dsrun::test::in_mesh;
+using dsrun::test::Reference;
+using dsrun::test::token_batch;
+
+TEST_CASE("expert groups fold into the data dimension: shards are consecutive data ranks, replicas keep the same experts", "[engine][mesh][expert]") {
+  MeshShape s{1, 4, 2, 2};  // data 4 (2 replicas of 2 expert shards) × tensor 2
+  CHECK(s.size() == 8);
+  // Rank 5 is data 2, tensor 1: shard 0 of replica 1.
+  CHECK(s.expert_shard(5) == 0);
+  CHECK(s.expert_replica(5) == 1);
+  CHECK(s.expert_group_of(5, ExpertGroup::Shards) == std::vector<int>{5, 7});
+  CHECK(s.expert_group_of(5, ExpertGroup::Replicas) == std::vector<int>{1, 5});
+  CHECK(s.expert_group_name(7, ExpertGroup::Shards) == s.expert_group_name(5, ExpertGroup::Shards));
+  CHECK(s.expert_group_name(3, ExpertGroup::Replicas) != s.expert_group_name(1, ExpertGroup::Replicas));
+  CHECK(s.holders() == std::vector<int>{0, 2});  // tensor 0 of data 0 and 1 (the two shards of replica 0)
+  MeshShape none{2, 2, 1};
+  CHECK(none.expert_group_of(3, ExpertGroup::Shards) == std::vector<int>{3});
+  CHECK(none.expert_group_of(3, ExpertGroup::Replicas) == std::vector<int>{2, 3});  // stage 1: data 0 and 1
+  CHECK(none.holders() == std::vector<int>{0, 2});
+}
+
+TEST_CASE("all-to-all with uneven rows: each rank receives what every rank had for it, rows it was told of", "[engine][comm][expert]") {
+  CHECK(dsrun::test::in_processes(3, [](int rank, Communicator& comm) {
+    // Rank q sends q + r rows to rank r, each row [q, r, i]; nothing from rank 0 to rank 0.
+    std::vector<int64_t> send, recv;
+    std::vector<torch::Tensor> rows;
+    for (int r = 0; r < 3; ++r) {
+      send.push_back(rank + r);
+      recv.push_back(r + rank);
+      for (int i = 0; i < rank + r; ++i) rows.push_back(torch::tensor({static_cast<float>(rank), static_cast<float>(r), static_cast<float>(i)}));
+    }
+    torch::Tensor in = rows.empty() ? torch::empty({0, 3}) : torch::stack(rows);
+    torch::Tensor out = torch::empty({3 * rank + 3, 3});
+    comm.all_to_all(in, out, send, recv);
+    int64_t at = 0;
+    bool ok = true;
+    for (int q = 0; q < 3; ++q)
+      for (int i = 0; i < q + rank; ++i, ++at) ok &= torch::equal(out[at], torch::tensor({static_cast<float>(q), static_cast<float>(rank), static_cast<float>(i)}));
+    return ok && at == out.size(0);
+  }));
+}
+
+namespace {
+
+constexpr int64_t kRowsPerRank = 2, kSeq = 16;
+
+// One process, no parallelism, on the data ranks' slices as micro-batches (the trainer's
+// accumulation: each slice's mean loss / D), so that the balance loss sees the same tokens.
+Reference one_process_micro_batches(const ModelSpec& m, const Batch& batch, int slices) {
+  auto model = build_model(m, kSeq, {7});
+  UnitRunner plain;
+  Reference r;
+  for (int d = 0; d < slices; ++d) {
+    Batch part = batch;
+    part.inputs = batch.inputs.narrow(0, d * kRowsPerRank, kRowsPerRank);
+    part.targets = batch.targets.narrow(0, d * kRowsPerRank, kRowsPerRank);
+    part.items = kRowsPerRank * kSeq;
+    MicroBatchLoss l = dsrun::test::one_rank_loss(*model, part, plain);
+    (l.loss / slices).backward();
+    r.loss += l.task_loss / slices;
+  }
+  dsrun::test::collect_gradients(*model, r);
+  return r;
+}
+
+struct ExpertCase {
+  MeshShape shape;
+  int stage = 0;
+  bool recompute = false;
+};
+
+// Data rank d trains on rows [2d, 2d + 2) of one batch: the mean loss over the data ranks, the
+// global norm, and (ZeRO-0) every gradient this rank keeps within 1e-5 of one process's.
+bool expert_parallel_matches(const ModelSpec& m, const ExpertCase& c) {
+  return in_mesh(c.shape, [&](DeviceMesh& mesh) {
+    const int D = mesh.shape().data, d = mesh.coordinates().data;
+    const Batch batch = token_batch(kRowsPerRank * D, kSeq, m.vocab, 3);
+    const Reference ref = one_process_micro_batches(m, batch, D);  // (before any collective: autograd must not run before a fork)
+    ModelBuild build;
+    build.seed = 7;
+    build.deferred = true;
+    auto model = build_model(m, kSeq, build);
+    ParallelizeOptions options;
+    options.zero.stage = c.stage;
+    options.zero.activation_checkpointing = c.recompute;
+    auto parallel = parallelize(*model, mesh, options);
+    Batch mine = batch;
+    mine.inputs = batch.inputs.narrow(0, d * kRowsPerRank, kRowsPerRank);
+    mine.targets = batch.targets.narrow(0, d * kRowsPerRank, kRowsPerRank);
+    mine.items = kRowsPerRank * kSeq;
+    MicroBatchLoss l = micro_batch_loss(model->forward(mine, *parallel), mine, parallel->tensor());
+    l.loss.backward();
+    parallel->zero().after_backward();
+    parallel->zero().reduce_gradients();
+    torch::Tensor loss = torch::tensor({l.task_loss / D}, torch::kFloat64);
+    mesh.along(MeshDim::Data).all_reduce_sum(loss);
+    bool ok = std::fabs(loss.item<double>() - ref.loss) <= 1e-5 * std::fabs(ref.loss);
+    if (!ok) std::fprintf(stderr, "rank %d: loss %.8f vs %.8f\n", mesh.rank(), loss.item<double>(), ref.loss);
+    const double norm = parallel->global_grad_norm();
+    if (std::fabs(norm - ref.norm) > 1e-5 * ref.norm) {
+      std::fprintf(stderr, "rank %d: norm %.8f vs %.8f\n", mesh.rank(), norm, ref.norm);
+      ok = false;
+    }
+    if (c.stage > 0) return ok;  // sharded gradients: the norm covers them
+    // ZeRO-0's gradients are sums over the data ranks (the optimizer divides).
+    const int tp = mesh.shape().tensor, tp_rank = mesh.coordinates().tensor;
+    for (auto& unit : model->parameter_units())
+      for (size_t i = 0; i < unit.params.size(); ++i) {
+        const std::string& name = unit.names[i];
+        torch::Tensor expected = tensor_slice(ref.grads.at(name), ref.splits.at(name), tp_rank, tp);
+        torch::Tensor grad = unit.params[i].grad();
+        if (!grad.defined() || !torch::allclose(grad / D, expected, 1e-5, 1e-7)) {
+          std::fprintf(stderr, "rank %d: gradient of %s differs\n", mesh.rank(), name.c_str());
+          ok = false;
+        }
+      }
+    return ok;
+  });
+}
+
+}  // namespace
+
+TEST_CASE("expert parallelism: ep2 and ep2 × dp2 give one process's loss, gradients and norm", "[engine][expert]") {
+  const ModelSpec m = dsrun::test::tiny_moe_decoder(4);
+  CHECK(expert_parallel_matches(m, {{1, 2, 1, 2}, 0}));
+  CHECK(expert_parallel_matches(m, {{1, 4, 1, 2}, 1}));
+}
+
+TEST_CASE("expert parallelism with tensor parallelism, ZeRO-3 and recomputation", "[engine][expert][tensor]") {
+  const ModelSpec m = dsrun::test::tiny_moe_decoder(4);
+  CHECK(expert_parallel_matches(m, {{1, 2, 2, 2}, 0}));
+  CHECK(expert_parallel_matches(m, {{1, 2, 1, 2}, 3, true}));
+}
+
+TEST_CASE("expert parallelism when routing is lopsided: every token to one expert (the other rank gets none), and a capacity that drops", "[engine][expert]") {
+  ModelSpec m = dsrun::test::tiny_moe_decoder(4);
+  m.moe.top_k = 1;
+  m.moe.route_bias = {100, 0, 0, 0};  // expert 0 (rank 0's) always wins
+  CHECK(expert_parallel_matches(m, {{1, 2, 1, 2}, 0}));
+  CHECK(expert_parallel_matches(m, {{1, 2, 1, 2}, 2}));
+  ModelSpec dropping = dsrun::test::tiny_moe_decoder(4);
+  dropping.moe.capacity_factor = 0.5;  // half the mean: about half the pairs dropped
+  CHECK(expert_parallel_matches(dropping, {{1, 2, 1, 2}, 0}));
+}
