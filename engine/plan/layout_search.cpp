@@ -145,6 +145,8 @@ std::vector<LayoutRow> search_layouts(const Recipe& recipe, const HostFacts& hos
       if (r.bubble_fraction > best->bubble_fraction + 1e-9) r.verdict += "; bubble " + format_double(100 * r.bubble_fraction, 3) + "% vs " + format_double(100 * best->bubble_fraction, 3) + "%";
       if (r.exposed_comm_seconds > best->exposed_comm_seconds * 1.05) r.verdict += "; exposed communication " + seconds_text(r.exposed_comm_seconds) + " vs " + seconds_text(best->exposed_comm_seconds);
       if (r.checkpointing && !best->checkpointing) r.verdict += "; needs recomputation";
+      if (r.expert < best->expert && recipe.model.moe.enabled())
+        r.verdict += "; runs " + std::to_string(recipe.model.moe.routed_experts / r.expert) + " routed experts per layer vs " + std::to_string(recipe.model.moe.routed_experts / best->expert);
     }
   }
   return rows;

@@ -676,9 +676,17 @@ class Planner {
     p.peak_flops = peak_flops();
     // A pipeline step lasts as long as its busiest stage's share of the work, stretched by the
     // bubble; under expert parallelism the busiest rank's routed experts compute `imbalance` times the mean.
+    // On GPUs each routed expert a rank runs also costs hardware.expert_call_ms per micro-batch
+    // (the experts run one after another, launch-bound: docs/benchmarks.md).
+    const double a = static_cast<double>(p.accumulation);
+    const double experts_per_rank = r_.model.moe.enabled() ? static_cast<double>(r_.model.moe.routed_experts) / ep_ : 0;
     double busiest = 0;
-    for (const StageCost& st : stages_) busiest = std::max(busiest, (st.flops_per_sample + (imbalance_ - 1) * st.routed_flops_per_sample) / cost_.model_flops_per_sample);
-    return p.hardware_flops_per_step * busiest / (dp_ * tp_) / (p.peak_flops * r_.hardware.matmul_efficiency) / (1 - bubble_fraction(p.accumulation));
+    for (const StageCost& st : stages_) {
+      const double flops = p.hardware_flops_per_step * (st.flops_per_sample + (imbalance_ - 1) * st.routed_flops_per_sample) / cost_.model_flops_per_sample / (dp_ * tp_);
+      const double expert_calls = r_.hardware.device == Device::Cuda ? a * st.moe_layers * experts_per_rank * r_.hardware.expert_call_seconds : 0;
+      busiest = std::max(busiest, flops / (p.peak_flops * r_.hardware.matmul_efficiency) + expert_calls);
+    }
+    return busiest / (1 - bubble_fraction(p.accumulation));
   }
 
   // The offload pipeline (docs/plan.md): gradients come down unit by unit during backward; the
@@ -763,6 +771,9 @@ class Planner {
     if (p.zero_stage > 0 && shard_pad > 0)
       p.notes.push_back(format_count(cost_.params) + " parameters do not divide by " + std::to_string(dp_) + " ranks: shards are padded by " +
                         std::to_string(shard_pad) + " elements");
+    if (hw.device == Device::Cuda && r_.model.moe.enabled())
+      p.notes.push_back("routed experts run one after another: each costs " + format_double(hw.expert_call_seconds * 1e3, 3) + " ms per micro-batch beyond its FLOPs (" +
+                        std::to_string(r_.model.moe.routed_experts / ep_) + " per MoE layer on a rank; hardware.expert_call_ms)");
     p.notes.push_back("speed assumes " + format_double(100 * hw.matmul_efficiency, 3) + "% of peak FLOP/s and " +
                       format_double(100 * hw.comm_efficiency, 3) + "% of link bandwidth (hardware.matmul_efficiency, comm_efficiency)");
   }

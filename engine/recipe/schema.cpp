@@ -80,6 +80,10 @@ std::vector<KeySpec> build_schema() {
       ranged("hardware.inter_node_bandwidth_gbs", T::Float, "0", 0, 1e7, "Per-node network bandwidth in GB/s; required when nodes > 1."),
       ranged("hardware.host_link_bandwidth_gbs", T::Float, "25", 1e-3, 1e7, "Device-to-host bandwidth in GB/s (PCIe), used by offload."),
       ranged("hardware.host_memory_bandwidth_gbs", T::Float, "50", 1e-3, 1e7, "Host memory bandwidth in GB/s; an offloaded optimizer step is bound by it."),
+      ranged("hardware.expert_call_ms", T::Float, "0.8", 0, 1000,
+             "GPUs: time one routed expert costs per micro-batch (forward and backward) beyond its FLOPs. A MoE layer runs its "
+             "experts one after another, a few kernel launches each, and the host's launching outpaces small matrix products: "
+             "0.8 ms measured on one H100 with DeepSeek-MoE 16B's experts (docs/benchmarks.md). The plan adds it per expert a rank runs."),
       ranged("hardware.matmul_efficiency", T::Float, "0.5", 0.001, 1,
              "Fraction of peak FLOP/s that training reaches; calibrated by bench/ (docs/benchmarks.md)."),
       ranged("hardware.comm_efficiency", T::Float, "0.8", 0.001, 1, "Fraction of link bandwidth that collectives reach."),
