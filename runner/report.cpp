@@ -175,7 +175,7 @@ std::string render_report_html(const Store& store, const std::vector<std::string
     for (const auto& [name, latest] : store.latest_metrics(r.id))
       if (name.rfind("expert_load/", 0) == 0)
         layers.push_back({"layer " + name.substr(12), kColors[layers.size() % 8], store.metric_history(r.id, name)});
-    if (!layers.empty()) h += svg_chart("expert load per layer, run " + r.id + " (max/mean tokens per expert)", layers);
+    if (!layers.empty()) h += svg_chart("expert load by layer (busiest/mean), " + r.id, layers);
   }
   h += "</div>\n<h2>Memory per rank</h2>\n";
   std::vector<std::tuple<std::string, double, double>> bars;  // model states: measured vs plan, per rank

@@ -564,9 +564,10 @@ TEST_CASE("the HTML report renders in headless Chromium with a chart per metric 
   WARN("report screenshot: " << shot << " (" << image.size() << " bytes)");
 }
 
-TEST_CASE("the HTML report's bar labels fit inside their charts, and a run named twice is drawn once", "[history][report]") {
+TEST_CASE("the HTML report's labels fit inside their charts, a run named twice is drawn once, a MoE run's expert load by layer", "[history][report]") {
   TempDir dir;
-  Run a = train(dir, layout(1, 2) + " --set run.steps=3");
+  // A MoE run with a capacity (3 MoE layers of 4 experts): its load and dropped tokens are charted too.
+  Run a = train(dir, layout(1, 2) + " --set run.steps=3 --set model.moe.routed_experts=4 --set model.moe.top_k=2 --set model.moe.intermediate=64 --set model.moe.capacity_factor=1");
   REQUIRE(a.code == 0);
   auto out = dsrun_command(dir, "report " + a.id + " " + a.id.substr(0, 6) + " -o '" + dir.file("report.html") + "'");
   INFO(out.text);
@@ -578,6 +579,13 @@ TEST_CASE("the HTML report's bar labels fit inside their charts, and a run named
   size_t lines = 0;
   for (size_t at = html.find("<polyline", chart); at != std::string::npos && at < html.find("</svg>", chart); at = html.find("<polyline", at + 1)) ++lines;
   CHECK(lines == 1);
+  CHECK(contains(html, "data-metric=\"expert_load_max\""));
+  CHECK(contains(html, "data-metric=\"dropped_tokens\""));
+  const size_t layers = html.find("data-metric=\"expert load by layer");
+  REQUIRE(layers != std::string::npos);
+  lines = 0;
+  for (size_t at = html.find("<polyline", layers); at != std::string::npos && at < html.find("</svg>", layers); at = html.find("<polyline", at + 1)) ++lines;
+  CHECK(lines == 3);  // one per MoE layer
 
   // Chromium measures every label: the test's own copy of the page gets a script that lists the
   // texts reaching past their chart's edges (the report itself has no scripts).
