@@ -5,6 +5,7 @@
 #include "engine/dist/communicator.hpp"
 #include "engine/dist/mesh.hpp"
 #include "engine/model/model.hpp"
+#include "engine/parallel/tensor_parallel.hpp"
 #include "engine/train/loss.hpp"
 
 #include <arpa/inet.h>
@@ -136,6 +137,31 @@ inline void collect_gradients(Model& model, Reference& r) {
       sq += r.grads[unit.names[i]].pow(2).sum().item<double>();
     }
   r.norm = std::sqrt(sq);
+}
+
+// After one backward on a mesh: this rank's loss (`loss`, the mean over the data ranks), the
+// global norm and, at ZeRO-0, every gradient it holds (divided by the data ranks it was summed
+// over; cut to this rank's tensor slice) within 1e-5 of one process's. Differences go to stderr.
+inline bool matches_reference(DeviceMesh& mesh, Model& model, double loss, double norm, const Reference& ref, int zero_stage) {
+  bool ok = std::fabs(loss - ref.loss) <= 1e-5 * std::fabs(ref.loss);
+  if (!ok) std::fprintf(stderr, "rank %d: loss %.8f vs %.8f\n", mesh.rank(), loss, ref.loss);
+  if (std::fabs(norm - ref.norm) > 1e-5 * ref.norm) {
+    std::fprintf(stderr, "rank %d: norm %.8f vs %.8f\n", mesh.rank(), norm, ref.norm);
+    ok = false;
+  }
+  if (zero_stage > 0) return ok;  // sharded gradients: the norm covers them
+  const int tp = mesh.shape().tensor, tp_rank = mesh.coordinates().tensor, dp = mesh.shape().data;
+  for (auto& unit : model.parameter_units())
+    for (size_t i = 0; i < unit.params.size(); ++i) {
+      const std::string& name = unit.names[i];
+      torch::Tensor expected = tensor_slice(ref.grads.at(name), ref.splits.at(name), tp_rank, tp);
+      torch::Tensor grad = unit.params[i].grad();  // ZeRO-0: summed over the data ranks (the optimizer divides)
+      if (!grad.defined() || !torch::allclose(grad / dp, expected, 1e-5, 1e-6)) {
+        std::fprintf(stderr, "rank %d: gradient of %s differs\n", mesh.rank(), name.c_str());
+        ok = false;
+      }
+    }
+  return ok;
 }
 
 // The loss of one forward on one rank (no tensor parallelism), as the trainer computes it.

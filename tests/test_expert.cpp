@@ -109,27 +109,7 @@ bool expert_parallel_matches(const ModelSpec& m, const ExpertCase& c) {
     parallel->zero().reduce_gradients();
     torch::Tensor loss = torch::tensor({l.task_loss / D}, torch::kFloat64);
     mesh.along(MeshDim::Data).all_reduce_sum(loss);
-    bool ok = std::fabs(loss.item<double>() - ref.loss) <= 1e-5 * std::fabs(ref.loss);
-    if (!ok) std::fprintf(stderr, "rank %d: loss %.8f vs %.8f\n", mesh.rank(), loss.item<double>(), ref.loss);
-    const double norm = parallel->global_grad_norm();
-    if (std::fabs(norm - ref.norm) > 1e-5 * ref.norm) {
-      std::fprintf(stderr, "rank %d: norm %.8f vs %.8f\n", mesh.rank(), norm, ref.norm);
-      ok = false;
-    }
-    if (c.stage > 0) return ok;  // sharded gradients: the norm covers them
-    // ZeRO-0's gradients are sums over the data ranks (the optimizer divides).
-    const int tp = mesh.shape().tensor, tp_rank = mesh.coordinates().tensor;
-    for (auto& unit : model->parameter_units())
-      for (size_t i = 0; i < unit.params.size(); ++i) {
-        const std::string& name = unit.names[i];
-        torch::Tensor expected = tensor_slice(ref.grads.at(name), ref.splits.at(name), tp_rank, tp);
-        torch::Tensor grad = unit.params[i].grad();
-        if (!grad.defined() || !torch::allclose(grad / D, expected, 1e-5, 1e-7)) {
-          std::fprintf(stderr, "rank %d: gradient of %s differs\n", mesh.rank(), name.c_str());
-          ok = false;
-        }
-      }
-    return ok;
+    return dsrun::test::matches_reference(mesh, *model, loss.item<double>(), parallel->global_grad_norm(), ref, c.stage);
   });
 }
 

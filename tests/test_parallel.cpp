@@ -108,26 +108,7 @@ bool tensor_parallel_matches(const ModelSpec& m, const MeshShape& shape, int sta
     l.loss.backward();
     parallel->zero().after_backward();
     parallel->zero().reduce_gradients();
-    bool ok = std::fabs(l.task_loss - ref.loss) <= 1e-5 * std::fabs(ref.loss);
-    if (!ok) std::fprintf(stderr, "rank %d: loss %.8f vs %.8f\n", mesh.rank(), l.task_loss, ref.loss);
-    const double norm = parallel->global_grad_norm();
-    if (std::fabs(norm - ref.norm) > 1e-5 * ref.norm) {
-      std::fprintf(stderr, "rank %d: norm %.8f vs %.8f\n", mesh.rank(), norm, ref.norm);
-      ok = false;
-    }
-    if (stage > 0) return ok;  // sharded gradients: the norm covers them
-    const int tp = mesh.shape().tensor, tp_rank = mesh.coordinates().tensor;
-    for (auto& unit : model->parameter_units())
-      for (size_t i = 0; i < unit.params.size(); ++i) {
-        const std::string& name = unit.names[i];
-        torch::Tensor expected = tensor_slice(ref.grads.at(name), ref.splits.at(name), tp_rank, tp);
-        torch::Tensor grad = unit.params[i].grad();
-        if (!grad.defined() || !torch::allclose(grad, expected, 1e-5, 1e-6)) {
-          std::fprintf(stderr, "rank %d: gradient of %s differs\n", mesh.rank(), name.c_str());
-          ok = false;
-        }
-      }
-    return ok;
+    return dsrun::test::matches_reference(mesh, *model, l.task_loss, parallel->global_grad_norm(), ref, stage);
   });
 }
 
