@@ -4,15 +4,31 @@
 
 #include <torch/torch.h>
 #include <torch/version.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 
 #include <limits>
 #include <map>
+#include <set>
+#include <string>
 #include <vector>
 
 #define DSRUN_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 
 namespace dsrun::compat {
+
+// torch's profiler (Kineto: CPU operators and, on CUDA, kernels), as torch.profiler uses it;
+// stop_profiler writes a Chrome trace. PyTorch 2.x's libtorch has Kineto, Debian's 1.13 not.
+constexpr bool kHasTraceProfiler = DSRUN_TORCH_AT_LEAST(2, 0);
+inline void start_profiler(bool cuda) {
+  using namespace torch::profiler::impl;
+  const ProfilerConfig config(ProfilerState::KINETO);
+  std::set<ActivityType> activities{ActivityType::CPU};
+  if (cuda) activities.insert(ActivityType::CUDA);
+  torch::autograd::profiler::prepareProfiler(config, activities);
+  torch::autograd::profiler::enableProfiler(config, activities);
+}
+inline void stop_profiler(const std::string& trace_path) { torch::autograd::profiler::disableProfiler()->save(trace_path); }
 
 // Whether this libtorch's vectorised CPU optimizer expressions round exactly as the fused host step
 // (engine/train/host_optimizer.cpp): 1.13's do; 2.x's addcdiv rounds its quotient differently.

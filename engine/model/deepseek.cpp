@@ -176,7 +176,7 @@ struct MoEImpl : nn::Module {
 
     // Pair p = t·k + i is token t's i-th choice. A capacity keeps each expert's first pairs in token order.
     Tensor pair_expert = chosen.reshape({-1});
-    Tensor routed = torch::bincount(pair_expert, {}, experts_count);  // [E] int64
+    Tensor routed = per_expert_counts(pair_expert);  // [E] int64
     Tensor kept = torch::arange(T * top_k, pair_expert.options());
     if (capacity_factor > 0) {
       const int64_t capacity = static_cast<int64_t>(std::ceil(capacity_factor * T * top_k / experts_count));
@@ -188,16 +188,15 @@ struct MoEImpl : nn::Module {
     // Grouped by expert, in pair order within each (a stable sort): the same order on every layout.
     Tensor kept_expert = pair_expert.index_select(0, kept);
     Tensor pairs = kept.index_select(0, std::get<1>(kept_expert.sort(/*stable=*/true, 0, false)));
-    Tensor counts = capacity_factor > 0 ? torch::bincount(kept_expert, {}, experts_count) : routed;
+    Tensor counts = capacity_factor > 0 ? per_expert_counts(kept_expert) : routed;
     Tensor counts_cpu = counts.cpu();
     std::vector<int64_t> per_expert(counts_cpu.data_ptr<int64_t>(), counts_cpu.data_ptr<int64_t>() + experts_count);
     Tensor outputs = runner.routed_experts(expert_in.index_select(0, pairs.div(top_k, "floor")), per_expert, [this](const Tensor& rows, const std::vector<int64_t>& c) {
-      std::vector<Tensor> parts;
-      int64_t begin = 0;
-      for (size_t j = 0; j < c.size(); ++j) {
-        if (c[j] > 0) parts.push_back(experts[first_local + j](rows.narrow(0, begin, c[j])));
-        begin += c[j];
-      }
+      // One split, not a narrow per expert: each narrow's backward would write a gradient the size
+      // of all the rows (zeros but its slice), and autograd would add them up expert by expert.
+      std::vector<Tensor> parts, inputs = rows.split_with_sizes(c);
+      for (size_t j = 0; j < c.size(); ++j)
+        if (c[j] > 0) parts.push_back(experts[first_local + j](inputs[j]));
       return parts.empty() ? rows.narrow(0, 0, 0) : torch::cat(parts);  // (still on autograd's path: the exchange's backward runs everywhere)
     });
     Tensor per_pair = torch::zeros({T * top_k, outputs.size(-1)}, outputs.options()).index_copy(0, pairs, outputs);  // dropped pairs: 0
@@ -210,6 +209,10 @@ struct MoEImpl : nn::Module {
     Tensor p = scores.mean(0);
     aux_loss = aux_loss + aux_weight * (f * p).sum();  // f counts tokens: no gradient flows through it
     return out.reshape(shape);
+  }
+  // Pairs per expert, [E] int64, without a device sync (torch::bincount reads the maximum back).
+  Tensor per_expert_counts(const Tensor& pair_expert) const {
+    return torch::zeros({experts_count}, pair_expert.options()).scatter_add_(0, pair_expert, torch::ones_like(pair_expert));
   }
   // Keeps routed experts [shard·E/S, (shard+1)·E/S); the others' parameters are dropped.
   void keep_experts(int shard, int shards) {

@@ -3,6 +3,7 @@
 #include "engine/common/error.hpp"
 #include "engine/common/files.hpp"
 #include "engine/common/host.hpp"
+#include "engine/common/torch_compat.hpp"
 #include "engine/data/dataset.hpp"
 #include "engine/dist/mesh.hpp"
 #include "engine/hooks/hooks.hpp"
@@ -20,6 +21,7 @@
 #ifdef DSRUN_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <torch/cuda.h>
 #endif
 
 #include <sys/resource.h>
@@ -142,7 +144,9 @@ class Trainer {
       if (fault_requested("DSRUN_TEST_CRASH_AT", ctx_.rank, step + 1)) ::raise(SIGKILL);
       while (fault_requested("DSRUN_TEST_HANG_AT", ctx_.rank, step + 1)) ::sleep(1);
       report_.send(BeatReport{step + 1});  // "started step N": the launcher names a rank that falls behind
+      profile_steps(step + 1, /*before=*/true);
       StepOutcome outcome = train_step(step, learning_rate_at(lr_options, step));
+      profile_steps(step + 1, /*before=*/false);
       if (step == first_step) report_memory();
       done = step + 1;
       if (!outcome.stop && r_.eval.every > 0 && (done % r_.eval.every == 0 || done == r_.run.steps)) merge(outcome, evaluate(step));
@@ -291,6 +295,36 @@ class Trainer {
   int loss_ranks() const { return ctx_.world / plan_.pipeline_parallel; }
   PipelineStage::LossFn loss_function() {
     return [this](const ModelOutput& out, const Batch& batch) { return micro_batch_loss(out, batch, parallel_->tensor()); };
+  }
+
+  // DSRUN_PROFILE=DIR[:FIRST:LAST]: torch's profiler over steps FIRST..LAST (default 6..8) on
+  // every rank, a Chrome trace per rank in DIR (bench/trace_summary.py reads them). For finding
+  // where a step goes; never in tests.
+  void profile_steps(int64_t step, bool before) {
+    const char* spec = std::getenv("DSRUN_PROFILE");
+    if (!spec || !*spec) return;
+    std::string dir = spec;
+    long long first = 6, last = 8;
+    if (const size_t colon = dir.find(':'); colon != std::string::npos) {
+      std::sscanf(dir.c_str() + colon, ":%lld:%lld", &first, &last);
+      dir.resize(colon);
+    }
+    if (!compat::kHasTraceProfiler) {
+      ErrorContext c;
+      c.key = "DSRUN_PROFILE";
+      c.hint = "unset DSRUN_PROFILE, or profile with dsrun built against PyTorch 2.x's libtorch (scripts/gpu_build.sh)";
+      throw Error("this libtorch has no Kineto profiler to write traces with", c);
+    }
+    if (before && step == first) {
+      make_directories(dir);
+      compat::start_profiler(device_.is_cuda());
+    }
+    if (!before && step == last) {
+      if (device_.is_cuda()) torch::cuda::synchronize();
+      const std::string path = path_join(dir, "trace_rank" + std::to_string(ctx_.rank) + ".json");
+      compat::stop_profiler(path);
+      report_.send(EventReport{"profile", "rank " + std::to_string(ctx_.rank) + ": steps " + std::to_string(first) + "-" + std::to_string(last) + " traced in " + path});
+    }
   }
 
   // MoE routing this step, for the metrics' all-reduce: per MoE layer (in model order) the pairs

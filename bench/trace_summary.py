@@ -1,0 +1,37 @@
+#!/usr/bin/env python3
+"""Where a step goes, from a dsrun trace (DSRUN_PROFILE=DIR, engine/train/trainer.cpp) or any
+torch profiler Chrome trace: GPU kernels and CPU operators summed by name, the most time first,
+and how much of the traced wall time the GPU was busy.
+Usage: python3 bench/trace_summary.py TRACE.json [ROWS]"""
+import json
+import sys
+from collections import defaultdict
+
+
+def main():
+    path, rows = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 25
+    with open(path) as f:
+        events = json.load(f)
+    events = events.get("traceEvents", events) if isinstance(events, dict) else events
+    sums = {"kernel": defaultdict(float), "cpu_op": defaultdict(float)}
+    calls = {"kernel": defaultdict(int), "cpu_op": defaultdict(int)}
+    begin, end = float("inf"), 0.0
+    for e in events:
+        cat, dur = e.get("cat", ""), e.get("dur")
+        if dur is None or cat not in sums:
+            continue
+        sums[cat][e["name"]] += dur
+        calls[cat][e["name"]] += 1
+        begin, end = min(begin, e["ts"]), max(end, e["ts"] + dur)
+    wall = max(end - begin, 1e-9)
+    busy = sum(sums["kernel"].values())
+    print(f"traced {wall / 1e3:.1f} ms; GPU kernels {busy / 1e3:.1f} ms ({100 * busy / wall:.0f}% of it), "
+          f"{sum(calls['kernel'].values())} launches; CPU operators {sum(calls['cpu_op'].values())} calls")
+    for cat in ("kernel", "cpu_op"):
+        print(f"\n{cat}: total ms, calls, name (self and children alike for operators)")
+        for name, t in sorted(sums[cat].items(), key=lambda kv: -kv[1])[:rows]:
+            print(f"  {t / 1e3:9.2f} {calls[cat][name]:7d}  {name[:110]}")
+
+
+if __name__ == "__main__":
+    main()
