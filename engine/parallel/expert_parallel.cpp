@@ -59,14 +59,11 @@ Tensor ExpertParallel::run(const Tensor& rows, const std::vector<int64_t>& count
   // 3. Expert by expert (source by source within), run, and back to the order they arrived in.
   std::vector<int64_t> order;  // order[i]: the arrived row that is row i of the expert-major layout
   order.reserve(static_cast<size_t>(arrived.size(0)));
-  std::vector<int64_t> source_start(shards, 0);
-  for (int q = 1; q < shards; ++q) source_start[q] = source_start[q - 1] + recv_rows[q - 1];
+  std::vector<int64_t> next(shards, 0);  // per source: where its rows for the next local expert begin
+  for (int q = 1; q < shards; ++q) next[q] = next[q - 1] + recv_rows[q - 1];
   for (int64_t j = 0; j < per_shard; ++j)
-    for (int q = 0; q < shards; ++q) {
-      int64_t begin = source_start[q];
-      for (int64_t i = 0; i < j; ++i) begin += from[q * per_shard + i];
-      for (int64_t r = 0; r < from[q * per_shard + j]; ++r) order.push_back(begin + r);
-    }
+    for (int q = 0; q < shards; ++q)
+      for (int64_t r = 0; r < from[q * per_shard + j]; ++r) order.push_back(next[q]++);
   std::vector<int64_t> arrival(order.size());  // its inverse: where arrived row i sits expert-major
   for (size_t i = 0; i < order.size(); ++i) arrival[static_cast<size_t>(order[i])] = static_cast<int64_t>(i);
   auto on_device = [&](const std::vector<int64_t>& v) { return torch::tensor(v, torch::kInt64).to(rows.device()); };

@@ -546,6 +546,10 @@ class Planner {
     if (p.suggestions.empty()) p.suggestions.push_back("no configuration of this hardware fits: choose a smaller model or larger devices");
   }
 
+  // The parameters of one rank's ZeRO shards: its share of the rest over the data ranks, and of
+  // its routed experts over the ranks keeping the same ones (shards are padded, never uneven).
+  double shard_params() const { return std::ceil(rank_params_ / dp_) + std::ceil(rank_expert_params_ / (dp_ / ep_)); }
+
   double link_bandwidth() const {
     const HardwareSpec& hw = r_.hardware;
     double bw = hw.link_bandwidth;
@@ -557,7 +561,6 @@ class Planner {
   void predict_communication(Plan& p) {
     const double psi = rank_params_;
     const double e = bytes_per_element(r_.precision.dtype);
-    const double n = dp_;
     const double bw = link_bandwidth();
     const double a = static_cast<double>(p.accumulation);
     auto add = [&](std::string what, double bytes) {
@@ -652,7 +655,7 @@ class Planner {
     // Offload traffic over PCIe: gradient shard down, updated parameter shard up; ZeRO-3 parameter
     // offload also fetches the parameter shard for every forward and backward.
     if (p.offload != Offload::None && r_.hardware.device == Device::Cuda) {
-      const double shard = std::ceil(psi / n) + (rank_expert_params_ > 0 ? std::ceil(rank_expert_params_ / (dp_ / ep_)) : 0);
+      const double shard = shard_params();
       double bytes = 2 * shard * e;
       if (p.offload == Offload::OptimizerAndParams) bytes += 2 * a * shard * e;
       p.offload_seconds = bytes / r_.hardware.host_link_bandwidth;
@@ -724,7 +727,7 @@ class Planner {
     const bool mixed = r_.precision.dtype != DType::Fp32;
     int states = r_.optimizer.kind == OptimizerKind::Sgd ? (r_.optimizer.momentum > 0 ? 1 : 0) : 2;
     double touched = 8 + 8.0 * states + e + (mixed ? e : 0);
-    const double shard = p.zero_stage >= 1 ? std::ceil(rank_params_ / dp_) + std::ceil(rank_expert_params_ / (dp_ / ep_)) : rank_params_ + rank_expert_params_;
+    const double shard = p.zero_stage >= 1 ? shard_params() : rank_params_ + rank_expert_params_;
     // Offloaded, the step runs on the host, whose memory bandwidth the node's ranks share.
     const bool host_step = p.offload != Offload::None && r_.hardware.device == Device::Cuda;
     const double bandwidth = host_step ? r_.hardware.host_memory_bandwidth / ranks_per_node_ : r_.hardware.memory_bandwidth;

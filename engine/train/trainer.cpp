@@ -21,8 +21,8 @@
 #ifdef DSRUN_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
-#include <torch/cuda.h>
 #endif
+#include <torch/cuda.h>
 
 #include <sys/resource.h>
 #include <unistd.h>
@@ -32,6 +32,7 @@
 #include <cstdio>
 #include <csignal>
 #include <cstdlib>
+#include <optional>
 #include <iostream>
 #include <limits>
 
@@ -140,6 +141,7 @@ class Trainer {
     LrScheduleOptions lr_options{r_.schedule, r_.optimizer.lr, r_.run.steps};
     StepOutcome last;
     int64_t done = first_step;
+    profile_ = profile_request();
     for (int64_t step = first_step; step < r_.run.steps; ++step) {
       if (fault_requested("DSRUN_TEST_CRASH_AT", ctx_.rank, step + 1)) ::raise(SIGKILL);
       while (fault_requested("DSRUN_TEST_HANG_AT", ctx_.rank, step + 1)) ::sleep(1);
@@ -299,15 +301,18 @@ class Trainer {
 
   // DSRUN_PROFILE=DIR[:FIRST:LAST]: torch's profiler over steps FIRST..LAST (default 6..8) on
   // every rank, a Chrome trace per rank in DIR (bench/trace_summary.py reads them). For finding
-  // where a step goes; never in tests.
-  void profile_steps(int64_t step, bool before) {
-    const char* spec = std::getenv("DSRUN_PROFILE");
-    if (!spec || !*spec) return;
-    std::string dir = spec;
+  // where a step goes; never in tests. Read once, before the first step.
+  struct ProfileRequest {
+    std::string dir;
     long long first = 6, last = 8;
-    if (const size_t colon = dir.find(':'); colon != std::string::npos) {
-      std::sscanf(dir.c_str() + colon, ":%lld:%lld", &first, &last);
-      dir.resize(colon);
+  };
+  static std::optional<ProfileRequest> profile_request() {
+    const char* spec = std::getenv("DSRUN_PROFILE");
+    if (!spec || !*spec) return std::nullopt;
+    ProfileRequest p{spec};
+    if (const size_t colon = p.dir.find(':'); colon != std::string::npos) {
+      std::sscanf(p.dir.c_str() + colon, ":%lld:%lld", &p.first, &p.last);
+      p.dir.resize(colon);
     }
     if (!compat::kHasTraceProfiler) {
       ErrorContext c;
@@ -315,15 +320,21 @@ class Trainer {
       c.hint = "unset DSRUN_PROFILE, or profile with dsrun built against PyTorch 2.x's libtorch (scripts/gpu_build.sh)";
       throw Error("this libtorch has no Kineto profiler to write traces with", c);
     }
-    if (before && step == first) {
-      make_directories(dir);
+    return p;
+  }
+
+  void profile_steps(int64_t step, bool before) {
+    if (!profile_) return;
+    if (before && step == profile_->first) {
+      make_directories(profile_->dir);
       compat::start_profiler(device_.is_cuda());
     }
-    if (!before && step == last) {
+    if (!before && step == profile_->last) {
       if (device_.is_cuda()) torch::cuda::synchronize();
-      const std::string path = path_join(dir, "trace_rank" + std::to_string(ctx_.rank) + ".json");
+      const std::string path = path_join(profile_->dir, "trace_rank" + std::to_string(ctx_.rank) + ".json");
       compat::stop_profiler(path);
-      report_.send(EventReport{"profile", "rank " + std::to_string(ctx_.rank) + ": steps " + std::to_string(first) + "-" + std::to_string(last) + " traced in " + path});
+      report_.send(EventReport{"profile", "rank " + std::to_string(ctx_.rank) + ": steps " + std::to_string(profile_->first) + "-" +
+                                              std::to_string(profile_->last) + " traced in " + path});
     }
   }
 
@@ -647,6 +658,7 @@ class Trainer {
   std::unique_ptr<DeviceMesh> mesh_;
   std::unique_ptr<Model> model_;
   std::unique_ptr<ParallelModel> parallel_;
+  std::optional<ProfileRequest> profile_;  // DSRUN_PROFILE, read when the steps start
   ZeroDataParallel* zero_ = nullptr;  // parallel_'s
   std::unique_ptr<ShardOptimizer> optimizer_;
   std::unique_ptr<DynamicLossScaler> scaler_;
