@@ -405,11 +405,13 @@ TEST_CASE("a recipe whose layout is \"auto\" runs the layout its plan chose", "[
   CHECK(run.losses.size() == 3);
 }
 
-TEST_CASE("pipeline 2 and tensor 2 with the optimizer offloaded follow the same layouts without offload bitwise", "[training][pipeline][tensor][offload]") {
+TEST_CASE("pipeline 2, tensor 2 and expert 2 with the optimizer offloaded follow the same layouts without offload bitwise", "[training][pipeline][tensor][expert][offload]") {
   // Pipeline: the first stage awaits the embedding's host update before sending it to the last
   // stage's tied head. Tensor: the host step's shards hold split and replicated weights apart.
+  // Expert: the routed experts' units are updated and published over their own replicas.
   dsrun::test::TempDir dir;
-  for (const std::string& parallel : {std::string(" --set parallel.pipeline=2 --set model.tie_embeddings=true"), std::string(" --set parallel.tensor=2")}) {
+  for (const std::string& parallel : {std::string(" --set parallel.pipeline=2 --set model.tie_embeddings=true"), std::string(" --set parallel.tensor=2"),
+                                      " --set parallel.data_parallel=2 --set parallel.expert=2" + kMoe}) {
     const std::string common = layout(2, 1) + " --set run.steps=6 --set hardware.devices_per_node=2" + parallel;
     Run plain = train(dir, common);
     Run offloaded = train(dir, common + " --set parallel.offload=\\\"optimizer\\\"");
