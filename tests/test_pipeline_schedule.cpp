@@ -1,5 +1,6 @@
-// Pipeline schedules as data: every schedule the recipe can ask for meets its sends and receives,
-// its bubble is the textbook one, and 1F1B holds fewer activations than GPipe.
+// Pipeline schedules as data: every schedule the recipe can ask for meets its sends and receives (over
+// Gloo, and over NCCL with each communication group issued at once), its bubble is the textbook one,
+// and 1F1B holds fewer activations than GPipe.
 #include "engine/parallel/pipeline_schedule.hpp"
 
 #include <catch2/catch.hpp>
@@ -91,4 +92,103 @@ TEST_CASE("a balanced split minimises the costliest stage and leaves none empty"
   // A very costly first unit still leaves every stage a unit.
   auto heavy = balanced_split({10, 1, 1, 1}, 3);
   CHECK(heavy == std::vector<std::pair<int, int>>{{0, 1}, {1, 3}, {3, 4}});
+}
+
+TEST_CASE("over NCCL, 1F1B stalls when each send and receive is issued alone, GPipe does not", "[pipeline]") {
+  // NCCL matches a pair's messages in order and a large send waits for its receive: in 1F1B's
+  // steady state both neighbours send first.
+  for (int P = 2; P <= 8; ++P)
+    for (int M : {2, 4, 8, 16}) {
+      INFO("P=" << P << " M=" << M);
+      CHECK_THAT(simulate(build_pipeline_schedule(PipelineScheduleKind::OneFOneB, P, M), 1, 2, PipelineTransport::Rendezvous).problem,
+                 Catch::Contains("waits forever at its send"));
+      CHECK(simulate(build_pipeline_schedule(PipelineScheduleKind::GPipe, P, M), 1, 2, PipelineTransport::Rendezvous).problem.empty());
+    }
+  // Every waiting rank is named with its action.
+  CHECK(simulate(build_pipeline_schedule(PipelineScheduleKind::OneFOneB, 2, 2), 1, 2, PipelineTransport::Rendezvous).problem ==
+        "rank 0 waits forever at its send activation of micro-batch 1 chunk 0 to rank 1; "
+        "rank 1 waits forever at its send gradient of micro-batch 0 chunk 0 to rank 0");
+  CHECK_THAT(pipeline_deadlock_problem(PipelineScheduleKind::OneFOneB, 4, 8, 1, PipelineTransport::Rendezvous),
+             Catch::StartsWith("over NCCL (rendezvous): rank 0 waits forever"));
+}
+
+TEST_CASE("over NCCL with each communication group issued together, every schedule completes with the queued bubble", "[pipeline]") {
+  int checked = 0;
+  for (auto [kind, name] : kPipelineSchedules)
+    for (int P = 2; P <= 8; ++P)
+      for (int M = 1; M <= 16; ++M)
+        for (int v : {1, 2, 4}) {
+          if (!pipeline_schedule_problem(kind, P, M, v).empty()) continue;
+          INFO(name << " P=" << P << " M=" << M << " v=" << v);
+          const PipelineSchedule s = build_pipeline_schedule(kind, P, M, v);
+          const PipelineSimulation queued = simulate(s, 1.0 / v, 2.0 / v);
+          const PipelineSimulation coalesced = simulate(s, 1.0 / v, 2.0 / v, PipelineTransport::RendezvousCoalesced);
+          REQUIRE(coalesced.problem.empty());
+          // A group waits for its sends' receives too, but each rank's neighbour issues them no
+          // later than the messages this rank waits for anyway: nothing starts later.
+          CHECK(coalesced.makespan == Approx(queued.makespan));
+          CHECK(coalesced.bubble_fraction == Approx(queued.bubble_fraction).margin(1e-12));
+          CHECK(coalesced.peak_live == queued.peak_live);
+          CHECK(pipeline_deadlock_problem(kind, P, M, v, PipelineTransport::RendezvousCoalesced).empty());
+          ++checked;
+        }
+  CHECK(checked == 2 * 7 * 16 + 2 * 26);  // GPipe and 1F1B at every size, interleaved at 26 sizes, v = 2 and 4
+  // Other costs (a backward no dearer than a forward) change nothing either.
+  const PipelineSchedule s = build_pipeline_schedule(PipelineScheduleKind::Interleaved, 4, 8, 2);
+  CHECK(simulate(s, 1, 1, PipelineTransport::RendezvousCoalesced).makespan == Approx(simulate(s, 1, 1).makespan));
+}
+
+TEST_CASE("communication groups pair a rank's send with its neighbour's receive of the same micro-batch", "[pipeline]") {
+  std::vector<PipelineAction> list{{PipelineAction::ReceiveActivation, 0, 0, 0}, {PipelineAction::Forward, 0, 0, -1},
+                                   {PipelineAction::SendActivation, 0, 0, 2},   {PipelineAction::ReceiveGradient, 0, 0, 2},
+                                   {PipelineAction::Backward, 0, 0, -1},         {PipelineAction::SendGradient, 0, 0, 0}};
+  CHECK(communication_groups(list) == std::vector<std::pair<int, int>>{{0, 1}, {2, 4}, {5, 6}});
+  CHECK(communication_groups({}).empty());
+
+  // 1F1B's steady state: rank r's (send activation k, receive gradient j) meets rank r+1's
+  // (send gradient j, receive activation k): Megatron-LM's send_forward_recv_backward.
+  const int P = 4, M = 8;
+  const PipelineSchedule s = build_pipeline_schedule(PipelineScheduleKind::OneFOneB, P, M);
+  int pairs = 0, expected_pairs = 0;
+  for (int r = 0; r + 1 < P; ++r) expected_pairs += M - (P - 1 - r);  // one per forward of the steady state
+  for (int r = 0; r + 1 < P; ++r)
+    for (auto [b, e] : communication_groups(s.actions[r])) {
+      const auto& a = s.actions[r];
+      if (e - b != 2 || a[b].kind != PipelineAction::SendActivation || a[b + 1].kind != PipelineAction::ReceiveGradient) continue;
+      const std::vector<PipelineAction> expected{{PipelineAction::SendGradient, a[b + 1].micro_batch, 0, r},
+                                                 {PipelineAction::ReceiveActivation, a[b].micro_batch, 0, r}};
+      bool found = false;
+      for (auto [nb, ne] : communication_groups(s.actions[r + 1]))
+        found |= std::vector<PipelineAction>(s.actions[r + 1].begin() + nb, s.actions[r + 1].begin() + ne) == expected;
+      INFO("rank " << r << " group at " << b);
+      CHECK(found);
+      ++pairs;
+    }
+  CHECK(pairs == expected_pairs);
+}
+
+TEST_CASE("NCCL matches messages whatever their tag: a gradient sent before an activation is refused", "[pipeline]") {
+  // Two ranks, two chunks each: rank 0 sends piece 2's gradient, then piece 0's activation; rank 1
+  // receives the activation first. Gloo tells them apart by tag, NCCL would swap them.
+  PipelineSchedule s;
+  s.kind = PipelineScheduleKind::Interleaved;
+  s.stages = 2, s.micro_batches = 1, s.virtual_stages = 2;
+  s.actions = {{{PipelineAction::SendGradient, 0, 1, 1}, {PipelineAction::SendActivation, 0, 0, 1}},
+               {{PipelineAction::ReceiveActivation, 0, 0, 0}, {PipelineAction::ReceiveGradient, 0, 0, 0}}};
+  CHECK(simulate(s).problem.empty());
+  for (PipelineTransport t : {PipelineTransport::Rendezvous, PipelineTransport::RendezvousCoalesced}) {
+    INFO(to_string(t));
+    CHECK_THAT(simulate(s, 1, 2, t).problem,
+               Catch::Contains("rank 1's receive activation of micro-batch 0 chunk 0 from rank 0 would get the message of rank 0's send gradient of "
+                               "micro-batch 0 chunk 1 to rank 1") &&
+                   Catch::Contains("different orders"));
+  }
+}
+
+TEST_CASE("the deadlock check names the sizes' problem first, and passes what runs", "[pipeline]") {
+  CHECK_THAT(pipeline_deadlock_problem(PipelineScheduleKind::Interleaved, 4, 6, 2, PipelineTransport::RendezvousCoalesced),
+             Catch::Contains("multiple of the pipeline stages (4)"));
+  CHECK(pipeline_deadlock_problem(PipelineScheduleKind::OneFOneB, 4, 8, 1, PipelineTransport::Queued).empty());
+  CHECK(pipeline_deadlock_problem(PipelineScheduleKind::GPipe, 4, 8, 1, PipelineTransport::Rendezvous).empty());
+  CHECK(std::string(to_string(PipelineTransport::RendezvousCoalesced)) == "coalesced rendezvous");
 }

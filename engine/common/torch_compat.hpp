@@ -6,6 +6,7 @@
 #include <torch/version.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 
+#include <algorithm>
 #include <limits>
 #include <map>
 #include <set>
@@ -103,5 +104,38 @@ using CollectiveBackend = c10d::Backend;
 #else
 using CollectiveBackend = c10d::ProcessGroup;
 #endif
+
+// Operations that `issue(works)` starts on `group`, issued as one NCCL group (ncclGroupStart/End),
+// as torch.distributed.batch_isend_irecv issues them; returns every work to wait for. c10d's
+// coalescing API differs: 1.13's ProcessGroup ends a group with endCoalescing(works), finishing the
+// operations' own works; 2.11's Backend returns the group's work from endCoalescing() (null when
+// nothing was issued), and an operation's own may be null. The switch is taken at 2.1, whose
+// coalescing manager waits on the work endCoalescing returns (2.0 is assumed to keep 1.13's form).
+// Only NCCL implements it: 1.13's Gloo ignores it, 2.x's refuses it.
+template <class Issue>
+std::vector<c10::intrusive_ptr<c10d::Work>> coalesced(CollectiveBackend& group, Issue&& issue) {
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  group.startCoalescing();
+  try {
+    issue(works);
+  } catch (...) {
+    try {  // leave the group usable; the first error is the one to report
+#if DSRUN_TORCH_AT_LEAST(2, 1)
+      group.endCoalescing();
+#else
+      group.endCoalescing(works);
+#endif
+    } catch (...) {
+    }
+    throw;
+  }
+#if DSRUN_TORCH_AT_LEAST(2, 1)
+  works.push_back(group.endCoalescing());
+#else
+  group.endCoalescing(works);
+#endif
+  works.erase(std::remove_if(works.begin(), works.end(), [](const c10::intrusive_ptr<c10d::Work>& w) { return !w; }), works.end());
+  return works;
+}
 
 }  // namespace dsrun::compat

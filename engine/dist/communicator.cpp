@@ -13,6 +13,24 @@
 
 namespace dsrun {
 
+Exchange Communicator::exchange(const std::vector<PointToPoint>& operations) {
+  std::vector<PendingCollective> sends;
+  for (const PointToPoint& op : operations) {
+    if (op.kind == PointToPoint::Send) {
+      sends.push_back(send_async(op.tensor, op.peer, op.tag));
+    } else {
+      torch::Tensor into = op.tensor;  // shares op.tensor's storage
+      recv(into, op.peer, op.tag);
+    }
+  }
+  Exchange e;
+  if (!sends.empty())
+    e.sent = PendingCollective([sends]() mutable {
+      for (PendingCollective& p : sends) p.wait();
+    });
+  return e;
+}
+
 namespace {
 
 class SingleProcess final : public Communicator {
@@ -127,6 +145,31 @@ class ProcessGroupCommunicator final : public Communicator {
     std::vector<torch::Tensor> tensors{wire};
     group_->recv(tensors, from, tag)->wait();
     if (!wire.is_same(tensor)) tensor.copy_(wire);
+  }
+
+  // NCCL: one group, done when all its operations are (NCCL ignores tags). The wait orders this
+  // rank's stream after the group, sends included; the closure keeps every tensor alive until then.
+  Exchange exchange(const std::vector<PointToPoint>& operations) override {
+    if (!nccl_ || operations.empty()) return Communicator::exchange(operations);
+    std::vector<torch::Tensor> wires;
+    for (const PointToPoint& op : operations) {
+      torch::Tensor wire = on_wire(op.tensor);
+      wires.push_back(wire.is_contiguous() ? wire : wire.contiguous());
+    }
+    auto works = compat::coalesced(*group_, [&](std::vector<c10::intrusive_ptr<c10d::Work>>& started) {
+      for (size_t i = 0; i < operations.size(); ++i) {
+        std::vector<torch::Tensor> tensors{wires[i]};
+        const PointToPoint& op = operations[i];
+        started.push_back(op.kind == PointToPoint::Send ? group_->send(tensors, op.peer, op.tag) : group_->recv(tensors, op.peer, op.tag));
+      }
+    });
+    Exchange e;
+    e.received = PendingCollective([works, wires, operations]() mutable {
+      for (auto& w : works) w->wait();
+      for (size_t i = 0; i < operations.size(); ++i)
+        if (operations[i].kind == PointToPoint::Receive && !wires[i].is_same(operations[i].tensor)) operations[i].tensor.copy_(wires[i]);
+    });
+    return e;
   }
 
  private:

@@ -1,5 +1,5 @@
-// Rendezvous (one c10d TCPStore per run) and a group's collectives over flat tensors: all-reduce,
-// reduce-scatter, all-gather, all-to-all, broadcast, barrier, send/recv. Gloo for CPU tensors, NCCL for CUDA.
+// Rendezvous (one c10d TCPStore per run) and a group's collectives over flat tensors: all-reduce, reduce-scatter,
+// all-gather, all-to-all, broadcast, barrier, send/recv (alone or in groups). Gloo for CPU tensors, NCCL for CUDA.
 #pragma once
 
 #include <torch/torch.h>
@@ -39,6 +39,20 @@ class PendingCollective {
   std::function<void()> finish_;
 };
 
+// One operation of a group of sends and receives issued together (Communicator::exchange).
+struct PointToPoint {
+  enum Kind { Send, Receive };
+  Kind kind = Send;
+  torch::Tensor tensor;  // a receive's is filled in place (it has the sender's shape and dtype)
+  int peer = 0;
+  int tag = 0;
+};
+// What finishes an exchange: `received` before the received tensors are read, `sent` before a sent
+// tensor may change or go (the pipeline waits for its sends at the end of its step).
+struct Exchange {
+  PendingCollective received, sent;
+};
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -67,6 +81,12 @@ class Communicator {
   virtual PendingCollective send_async(const torch::Tensor& tensor, int to, int tag = 0) = 0;
   virtual void recv(torch::Tensor& tensor, int from, int tag = 0) = 0;
   void send(const torch::Tensor& tensor, int to, int tag = 0) { send_async(tensor, to, tag).wait(); }
+  // Sends and receives issued as one group. Over NCCL, one ncclGroupStart/End (c10d's coalescing,
+  // as torch.distributed.batch_isend_irecv): NCCL matches a pair's messages in order and a large
+  // send waits for its receive, so two ranks that each send to the other before receiving would
+  // stall if the operations went one by one. Elsewhere (Gloo queues sends) send_async and recv in
+  // list order: the receives are done on return.
+  virtual Exchange exchange(const std::vector<PointToPoint>& operations);
 };
 
 // The run's one rendezvous (rank 0 hosts the TCPStore); every group is made from it under a name

@@ -37,22 +37,46 @@ PipelineTotals PipelineStage::evaluate(const BatchFn& batch, const LossFn& loss,
   return run(build_forward_schedule(stages(), micro_batches, options_.schedule.virtual_stages), batch, loss, 0);
 }
 
-Tensors PipelineStage::receive(const PipelineSchedule& s, const PipelineAction& a, bool gradient) {
-  const int tag = 2 * message_tag(s, stage(), a);
-  Tensors t{torch::empty(options_.activation_shape, torch::TensorOptions().dtype(options_.dtype).device(options_.device))};
-  pipeline_.recv(t[0], a.peer, tag);
-  torch::Tensor aux = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat32).device(options_.device));
-  if (options_.carries_aux_loss) pipeline_.recv(aux, a.peer, tag + 1);
-  t.push_back(aux);
-  if (!gradient && torch::GradMode::is_enabled())
-    for (auto& x : t) x.requires_grad_(true);  // leaves: their gradients go back to the sender
-  return t;
-}
-
-void PipelineStage::send(const PipelineSchedule& s, const PipelineAction& a, const Tensors& tensors) {
-  const int tag = 2 * message_tag(s, stage(), a);
-  sends_.push_back(pipeline_.send_async(tensors[0].detach(), a.peer, tag));
-  if (options_.carries_aux_loss) sends_.push_back(pipeline_.send_async(tensors[1].detach(), a.peer, tag + 1));
+// Tags as message_tag's, doubled: a message is the activations (or their gradient) and, for MoE
+// models, the running balance loss.
+void PipelineStage::communicate(const PipelineSchedule& s, const PipelineAction* begin, const PipelineAction* end, LiveMap& live) {
+  std::vector<PointToPoint> operations;
+  std::vector<std::pair<const PipelineAction*, Tensors>> received;
+  for (const PipelineAction* a = begin; a != end; ++a) {
+    Live& l = live[{a->micro_batch, a->chunk}];
+    const int tag = 2 * message_tag(s, stage(), *a);
+    if (a->sends()) {
+      Tensors tensors = l.outputs;
+      if (a->kind == PipelineAction::SendGradient) {
+        tensors.clear();
+        for (auto& x : l.inputs) tensors.push_back(x.grad().defined() ? x.grad() : torch::zeros_like(x));
+      }
+      operations.push_back({PointToPoint::Send, tensors[0].detach(), a->peer, tag});
+      if (options_.carries_aux_loss) operations.push_back({PointToPoint::Send, tensors[1].detach(), a->peer, tag + 1});
+    } else {
+      Tensors t{torch::empty(options_.activation_shape, torch::TensorOptions().dtype(options_.dtype).device(options_.device)),
+                torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat32).device(options_.device))};
+      operations.push_back({PointToPoint::Receive, t[0], a->peer, tag});
+      if (options_.carries_aux_loss) operations.push_back({PointToPoint::Receive, t[1], a->peer, tag + 1});
+      received.push_back({a, std::move(t)});
+    }
+  }
+  Exchange exchanged = pipeline_.exchange(operations);
+  sends_.push_back(std::move(exchanged.sent));
+  exchanged.received.wait();
+  for (auto& [a, t] : received) {
+    Live& l = live[{a->micro_batch, a->chunk}];
+    if (a->kind == PipelineAction::ReceiveGradient) {
+      l.output_gradients = std::move(t);
+      continue;
+    }
+    if (torch::GradMode::is_enabled())
+      for (auto& x : t) x.requires_grad_(true);  // leaves: their gradients go back to the sender
+    l.inputs = std::move(t);
+  }
+  for (const PipelineAction* a = begin; a != end; ++a)  // what was sent is no longer needed here
+    if (a->kind == PipelineAction::SendGradient || (a->kind == PipelineAction::SendActivation && !torch::GradMode::is_enabled()))
+      live.erase({a->micro_batch, a->chunk});
 }
 
 void PipelineStage::send_tied_weight() {
@@ -70,95 +94,95 @@ void PipelineStage::send_tied_weight() {
 
 // The head's gradient of the tied weight joins the embedding's before the first stage's last
 // backward reaches the embedding, so ZeRO reduces their sum (and the optimizer sees one parameter).
-void PipelineStage::exchange_tied_gradient(bool last_backward) {
-  if (options_.tied_embedding_shape.empty() || !last_backward || !torch::GradMode::is_enabled()) return;
+void PipelineStage::receive_tied_gradient() {
+  if (options_.tied_embedding_shape.empty() || !torch::GradMode::is_enabled()) return;
   TiedEmbedding tied = model_.tied_embedding();
-  if (tied.head_copy.defined()) {
-    torch::Tensor& g = tied.head_copy.mutable_grad();
-    if (!g.defined()) g = torch::zeros_like(tied.head_copy);
-    sends_.push_back(pipeline_.send_async(g, 0, tied_gradient_tag(options_.schedule)));
-    g = torch::Tensor();
-  }
-  if (tied.weight.defined()) {
-    torch::Tensor head_gradient = torch::empty(options_.tied_embedding_shape, torch::TensorOptions().dtype(options_.dtype).device(options_.device));
-    pipeline_.recv(head_gradient, stages() - 1, tied_gradient_tag(options_.schedule));
-    torch::NoGradGuard no_grad;
-    torch::Tensor& g = tied.weight.mutable_grad();
-    if (g.defined()) g.add_(head_gradient);
-    else g = head_gradient;
-  }
+  if (!tied.weight.defined()) return;
+  torch::Tensor head_gradient = torch::empty(options_.tied_embedding_shape, torch::TensorOptions().dtype(options_.dtype).device(options_.device));
+  pipeline_.recv(head_gradient, stages() - 1, tied_gradient_tag(options_.schedule));
+  torch::NoGradGuard no_grad;
+  torch::Tensor& g = tied.weight.mutable_grad();
+  if (g.defined()) g.add_(head_gradient);
+  else g = head_gradient;
+}
+
+// Sent after the step's last action, not right after the head's last backward: with two stages the
+// schedule's gradients to the first stage follow that backward (with interleaving, several), and
+// NCCL delivers a pair's messages in the order they were sent, which must be the order the first
+// stage receives them in: every gradient of the schedule, then this.
+void PipelineStage::send_tied_gradient() {
+  if (options_.tied_embedding_shape.empty() || !torch::GradMode::is_enabled()) return;
+  TiedEmbedding tied = model_.tied_embedding();
+  if (!tied.head_copy.defined()) return;
+  torch::Tensor& g = tied.head_copy.mutable_grad();
+  if (!g.defined()) g = torch::zeros_like(tied.head_copy);
+  sends_.push_back(pipeline_.send_async(g, 0, tied_gradient_tag(options_.schedule)));
+  g = torch::Tensor();
 }
 
 PipelineTotals PipelineStage::run(const PipelineSchedule& s, const BatchFn& batch_of, const LossFn& loss_of, double loss_multiplier) {
   PipelineTotals totals;
   const int last_piece = s.pieces() - 1;
-  std::map<int, Batch> batches;                  // micro-batch -> its batch, read at its first forward here
-  std::map<std::pair<int, int>, Live> live;      // (micro-batch, chunk)
+  std::map<int, Batch> batches;                     // micro-batch -> its batch, read at its first forward here
+  LiveMap live;
   std::vector<int> backwards(s.virtual_stages, 0);  // backwards done per chunk this step
+  const std::vector<PipelineAction>& actions = s.actions.at(stage());
+  const auto groups = communication_groups(actions);
+  auto group = groups.begin();
   send_tied_weight();
-  for (const PipelineAction& a : s.actions.at(stage())) {
+  for (size_t i = 0; i < actions.size(); ++i) {
+    if (group != groups.end() && static_cast<int>(i) == group->first) {
+      communicate(s, actions.data() + group->first, actions.data() + group->second, live);
+      i = group->second - 1;
+      ++group;
+      continue;
+    }
+    const PipelineAction& a = actions[i];
     const int piece = s.piece(stage(), a.chunk);
     Live& l = live[{a.micro_batch, a.chunk}];
-    switch (a.kind) {
-      case PipelineAction::ReceiveActivation: l.inputs = receive(s, a, false); break;
-      case PipelineAction::ReceiveGradient: l.output_gradients = receive(s, a, true); break;
-      case PipelineAction::SendActivation:
-        send(s, a, l.outputs);
-        if (!torch::GradMode::is_enabled()) live.erase({a.micro_batch, a.chunk});  // evaluation: done with it
-        break;
-      case PipelineAction::SendGradient: {
-        Tensors grads;
-        for (auto& x : l.inputs) grads.push_back(x.grad().defined() ? x.grad() : torch::zeros_like(x));
-        send(s, a, grads);
-        live.erase({a.micro_batch, a.chunk});
-        break;
+    if (a.kind == PipelineAction::Forward) {
+      auto it = batches.find(a.micro_batch);
+      if (it == batches.end()) {
+        it = batches.emplace(a.micro_batch, batch_of(a.micro_batch)).first;
+        totals.items += it->second.items;
       }
-      case PipelineAction::Forward: {
-        auto it = batches.find(a.micro_batch);
-        if (it == batches.end()) {
-          it = batches.emplace(a.micro_batch, batch_of(a.micro_batch)).first;
-          totals.items += it->second.items;
-        }
-        Tensors out = model_.forward_chunk(a.chunk, it->second, l.inputs, runner_);
-        if (piece != last_piece) {
-          l.outputs = out;
-          break;
-        }
-        ModelOutput o;
-        o.logits = out[0];
-        if (options_.carries_aux_loss) o.aux_loss = out[1];
-        MicroBatchLoss m = loss_of(o, it->second);
-        totals.loss_sum += m.task_loss;
-        totals.aux_loss_sum += m.aux_loss;
-        if (torch::GradMode::is_enabled()) l.loss = m.loss * loss_multiplier;
-        else live.erase({a.micro_batch, a.chunk});
-        break;
+      Tensors out = model_.forward_chunk(a.chunk, it->second, l.inputs, runner_);
+      if (piece != last_piece) {
+        l.outputs = out;
+        continue;
       }
-      case PipelineAction::Backward: {
-        const bool last_backward = ++backwards[a.chunk] == s.micro_batches;
-        if (piece == 0) exchange_tied_gradient(last_backward);
-        zero_.begin_micro_batch(last_backward);
-        if (piece == last_piece) {
-          l.loss.backward();
-        } else {
-          Tensors outputs, grads;
-          for (size_t i = 0; i < l.outputs.size(); ++i)
-            if (l.outputs[i].requires_grad()) {
-              outputs.push_back(l.outputs[i]);
-              grads.push_back(l.output_gradients.at(i));
-            }
-          torch::autograd::backward(outputs, grads);
-        }
-        zero_.after_backward(local_.at(a.chunk));
-        if (piece == last_piece) exchange_tied_gradient(last_backward);
-        l.outputs.clear();
-        l.output_gradients.clear();
-        l.loss = torch::Tensor();
-        if (piece == 0) live.erase({a.micro_batch, a.chunk});
-        break;
-      }
+      ModelOutput o;
+      o.logits = out[0];
+      if (options_.carries_aux_loss) o.aux_loss = out[1];
+      MicroBatchLoss m = loss_of(o, it->second);
+      totals.loss_sum += m.task_loss;
+      totals.aux_loss_sum += m.aux_loss;
+      if (torch::GradMode::is_enabled()) l.loss = m.loss * loss_multiplier;
+      else live.erase({a.micro_batch, a.chunk});
+      continue;
     }
+    DSRUN_ASSERT(a.kind == PipelineAction::Backward, "a schedule's sends and receives are in its communication groups");
+    const bool last_backward = ++backwards[a.chunk] == s.micro_batches;
+    if (piece == 0 && last_backward) receive_tied_gradient();
+    zero_.begin_micro_batch(last_backward);
+    if (piece == last_piece) {
+      l.loss.backward();
+    } else {
+      Tensors outputs, grads;
+      for (size_t k = 0; k < l.outputs.size(); ++k)
+        if (l.outputs[k].requires_grad()) {
+          outputs.push_back(l.outputs[k]);
+          grads.push_back(l.output_gradients.at(k));
+        }
+      torch::autograd::backward(outputs, grads);
+    }
+    zero_.after_backward(local_.at(a.chunk));
+    l.outputs.clear();
+    l.output_gradients.clear();
+    l.loss = torch::Tensor();
+    if (piece == 0) live.erase({a.micro_batch, a.chunk});
   }
+  send_tied_gradient();
   for (auto& p : sends_) p.wait();
   sends_.clear();
   return totals;

@@ -12,6 +12,8 @@
 #include <torch/torch.h>
 
 #include <functional>
+#include <map>
+#include <utility>
 #include <vector>
 
 namespace dsrun {
@@ -54,11 +56,13 @@ class PipelineStage {
 
  private:
   struct Live;  // one micro-batch's chunk between its forward and the send of its input gradient
+  using LiveMap = std::map<std::pair<int, int>, Live>;  // (micro-batch, chunk)
   PipelineTotals run(const PipelineSchedule& schedule, const BatchFn& batch, const LossFn& loss, double loss_multiplier);
-  void send_tied_weight();            // first stage → last, before the step's first forward
-  void exchange_tied_gradient(bool);  // last stage → first, around each's last backward
-  Tensors receive(const PipelineSchedule& s, const PipelineAction& a, bool gradient);
-  void send(const PipelineSchedule& s, const PipelineAction& a, const Tensors& tensors);
+  // One communication group of the schedule (communication_groups): its sends and receives issued together.
+  void communicate(const PipelineSchedule& s, const PipelineAction* begin, const PipelineAction* end, LiveMap& live);
+  void send_tied_weight();       // first stage → last, before the step's first forward
+  void receive_tied_gradient();  // last stage → first: the first stage's, before its last backward
+  void send_tied_gradient();     // the last stage's, after its step's last action
 
   Model& model_;
   UnitRunner& runner_;
