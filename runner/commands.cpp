@@ -101,7 +101,7 @@ NewRun run_record(const LoadedRecipe& loaded, const Plan& plan, const std::strin
   run.plan_text = plan_text;
   run.model = plan.model;
   run.hardware = plan.hardware;
-  run.zero_stage = plan.zero_stage;
+  run.zero_stage = plan.layout.zero_stage;
   run.world_size = plan.world_size;
   run.host = host.hostname;
   return run;
@@ -166,16 +166,24 @@ std::string default_store_path() {
   return "runs/dsrun.db";
 }
 
-int command_plan(const RecipeArgs& given, bool json, bool layouts) {
+std::vector<std::string> smoke_overrides(const Recipe& r, const Plan& p, std::vector<std::string>& changes);
+
+int command_plan(const RecipeArgs& given, bool json, bool layouts, bool smoke) {
   HostFacts host = read_host_facts();
   RecipeArgs args = given;
   LoadedRecipe loaded = load_or_report(args, host);
   if (layouts) {
-    const std::vector<LayoutRow> rows = search_layouts(loaded.recipe, host, /*every_key=*/true);
-    std::cout << (json ? layouts_to_json(rows) + "\n" : render_layouts(rows, loaded.recipe));
-    return !rows.empty() && rows.front().fits ? kExitOk : kExitDoesNotFit;
+    const LayoutSearch search = search_layouts(loaded.recipe, host, /*every_key=*/true);
+    std::cout << (json ? layouts_to_json(search) + "\n" : render_layouts(search, loaded.recipe));
+    return !search.rows.empty() && search.rows.front().fits ? kExitOk : kExitDoesNotFit;
   }
   Plan plan = make_plan(loaded.recipe, host);
+  if (smoke) {  // the plan `dsrun run --smoke` would run
+    std::vector<std::string> changes;
+    for (auto& s : smoke_overrides(loaded.recipe, plan, changes)) args.sets.push_back(s);
+    loaded = load_or_report(args, host);
+    plan = make_plan(loaded.recipe, host);
+  }
   const std::string rejected = apply_plan_hook(args, loaded, plan, host);
   std::cout << (json ? plan_to_json(plan) + "\n" : render_plan(plan));
   if (!rejected.empty()) {
@@ -199,63 +207,69 @@ static void warn_unimplemented(const LoadedRecipe& loaded) {
   }
 }
 
-// --smoke: the plan's layout (ranks, ZeRO stage, precision, accumulation, checkpointing, offload)
-// with a model small enough for CPU ranks. Returns the --set overrides and what they change.
+// --smoke: the plan's layout, every degree and choice as planned (the keys the ranks read), with a
+// model small enough for CPU ranks, shrunk to multiples of those degrees, and this machine's
+// memory. Returns the --set overrides and what they change.
 std::vector<std::string> smoke_overrides(const Recipe& r, const Plan& p, std::vector<std::string>& changes) {
   std::vector<std::string> sets;
   auto set = [&](const std::string& kv) { sets.push_back(kv); };
+  const Layout& l = p.layout;
   set("hardware.device=cpu");
   set("hardware.nodes=1");
   set("hardware.devices_per_node=" + std::to_string(p.world_size));
   set("hardware.memory_gib=\"auto\"");
+  set("hardware.host_memory_gib=\"auto\"");
   set("hardware.link=\"shm\"");
   set("hardware.peak_tflops_bf16=0.01");
-  set("parallel.data_parallel=" + std::to_string(p.data_parallel));
-  set("parallel.tensor=" + std::to_string(p.tensor_parallel));
-  set("parallel.pipeline=" + std::to_string(p.pipeline_parallel));
-  if (p.pipeline_parallel > 1) {
-    set("parallel.pipeline_schedule=\"" + std::string(to_string(p.pipeline_schedule)) + "\"");
-    set("parallel.virtual_stages=" + std::to_string(p.virtual_stages));
-  }
-  if (p.tensor_parallel > 1) set(std::string("parallel.sequence_parallel=") + (p.sequence_parallel ? "true" : "false"));
-  set("parallel.zero_stage=" + std::to_string(p.zero_stage));
-  set(std::string("parallel.activation_checkpointing=") + (p.activation_checkpointing ? "full" : "none"));
-  changes.push_back(std::string(to_string(r.hardware.device)) + " \"" + r.hardware.name + "\" -> " + std::to_string(p.world_size) + " CPU ranks" +
-                    (p.tensor_parallel * p.pipeline_parallel > 1 ? " (" + std::string(p.pipeline_parallel > 1 ? "pipeline " + std::to_string(p.pipeline_parallel) + " × " : "") + "data " +
-                                                                       std::to_string(p.data_parallel) + " × tensor " + std::to_string(p.tensor_parallel) + ")" : ""));
+  // The interleaved schedule needs micro-batches in multiples of the stages: exactly one round.
+  const bool interleaved = l.pipeline > 1 && l.schedule == PipelineScheduleKind::Interleaved;
+  Layout small = l;
+  small.micro = std::min<int64_t>(l.micro, 2);
+  const int64_t accumulation = interleaved ? l.pipeline : std::min<int64_t>(p.accumulation, 4);
+  for (const auto& [key, value] : small.to_config_keys()) set(key + "=" + value.toml());
+  set("parallel.tensor_across_nodes=true");  // one node now: nothing crosses
+  changes.push_back(std::string(to_string(r.hardware.device)) + " \"" + r.hardware.name + "\" -> " + std::to_string(p.world_size) + " CPU ranks (" + l.describe() + ")");
   if (p.dtype == DType::Fp16) {
     set("precision.dtype=bf16");
     changes.push_back("fp16 -> bf16 (libtorch has no CPU fp16 matmul)");
   }
-  // The interleaved schedule needs micro-batches in multiples of the stages: exactly one round.
-  const bool interleaved = p.pipeline_parallel > 1 && p.pipeline_schedule == PipelineScheduleKind::Interleaved;
-  const int64_t micro = std::min<int64_t>(p.micro_batch, 2), accumulation = interleaved ? p.pipeline_parallel : std::min<int64_t>(p.accumulation, 4);
-  set("batch.micro=" + std::to_string(micro));
-  set("batch.global=" + std::to_string(micro * accumulation * p.data_parallel));
-  changes.push_back("batch " + std::to_string(p.global_batch) + " = " + std::to_string(p.micro_batch) + " x " + std::to_string(p.accumulation) + " x " +
-                    std::to_string(p.data_parallel) + " -> " + std::to_string(micro * accumulation * p.data_parallel) + " = " + std::to_string(micro) +
-                    " x " + std::to_string(accumulation) + " x " + std::to_string(p.data_parallel));
+  set("batch.global=" + std::to_string(small.micro * accumulation * l.data));
+  changes.push_back("batch " + std::to_string(p.global_batch) + " = " + std::to_string(l.micro) + " x " + std::to_string(p.accumulation) + " x " +
+                    std::to_string(l.data) + " -> " + std::to_string(small.micro * accumulation * l.data) + " = " + std::to_string(small.micro) +
+                    " x " + std::to_string(accumulation) + " x " + std::to_string(l.data));
   if (r.model.arch == ModelArch::DeepSeek) {
-    // Keeps GQA when the recipe has it, and whole KV heads on every tensor-parallel rank.
-    const int groups = std::min(r.model.heads / r.model.kv_heads, 4), t = p.tensor_parallel;
+    // Sizes the tensor degree splits are multiples of it (whole heads and KV heads on every rank,
+    // GQA kept when the recipe has it); layers a multiple of the pipeline's pieces; routed
+    // experts a multiple of the expert degree.
+    const int t = l.tensor;
+    auto multiple = [&](int64_t near, int64_t of) { return std::to_string(of * std::max<int64_t>(1, near / of)); };
+    const int groups = std::min(r.model.heads / r.model.kv_heads, 4);
     int kv = std::max(1, 4 / groups);
     if (kv % t != 0) kv = t;
     const int heads = kv * groups;
-    for (const char* kv_set : {"model.hidden=64", "model.intermediate=128", "model.vocab=256", "model.max_seq_len=128", "batch.seq_len=32"})
-      set(kv_set);
-    const int layers = std::max(2, p.pipeline_parallel * p.virtual_stages);  // a layer for every pipeline piece
+    set("model.hidden=" + std::to_string(16 * heads));
+    set("model.intermediate=" + multiple(128, t));
+    set("model.vocab=" + multiple(256, t));
+    set("model.max_seq_len=128");
+    set("batch.seq_len=" + multiple(32, t));
+    const int pieces = l.pipeline * l.virtual_stages;
+    const int layers = pieces * std::max(1, (2 + pieces - 1) / pieces);
     set("model.layers=" + std::to_string(layers));
     set("model.heads=" + std::to_string(heads));
     set("model.kv_heads=" + std::to_string(kv));
+    std::string experts;
     if (r.model.moe.enabled()) {
-      set("model.moe.routed_experts=" + std::to_string(std::min(r.model.moe.routed_experts, 4)));
-      set("model.moe.top_k=" + std::to_string(std::min(r.model.moe.top_k, 2)));
+      const int e = l.expert, routed = e * std::max(1, std::min(r.model.moe.routed_experts, 4) / e);
+      set("model.moe.routed_experts=" + std::to_string(routed));
+      set("model.moe.top_k=" + std::to_string(std::min({r.model.moe.top_k, 2, routed})));
       set("model.moe.shared_experts=" + std::to_string(std::min(r.model.moe.shared_experts, 1)));
-      set("model.moe.intermediate=32");
-      set("model.moe.first_dense_layers=" + std::to_string(std::min(r.model.moe.first_dense_layers, 1)));
+      set("model.moe.intermediate=" + multiple(32, t));
+      set("model.moe.first_dense_layers=" + std::to_string(std::min({r.model.moe.first_dense_layers, 1, layers - 1})));
+      if (!r.model.moe.route_bias.empty()) set("model.moe.route_bias=[]");
+      experts = ", " + std::to_string(routed) + " routed experts";
     }
-    changes.push_back(r.model.name + " (" + format_count(p.cost.params) + " parameters) -> hidden 64, " + std::to_string(layers) + " layers, " + std::to_string(heads) + " heads (" +
-                      std::to_string(kv) + " KV), vocab 256, sequence 32");
+    changes.push_back(r.model.name + " (" + format_count(p.cost.params) + " parameters) -> hidden " + std::to_string(16 * heads) + ", " + std::to_string(layers) + " layers, " +
+                      std::to_string(heads) + " heads (" + std::to_string(kv) + " KV)" + experts + ", vocab " + multiple(256, t) + ", sequence " + multiple(32, t));
   } else {
     set("model.resnet.depth=18");
     set("model.resnet.width=8");
@@ -370,15 +384,35 @@ int command_resume(const ResumeArgs& args, const RunFlags& flags, const std::str
     c.hint = "this run saved no complete checkpoint; set checkpoint.every (or keep checkpoint.at_end) and start it again with dsrun run";
     throw Error("no complete checkpoint to resume from", c);
   }
+  // What a --set changes that a resume cannot take back: said, recorded, or refused.
+  std::vector<std::string> changes;
+  if (!args.sets.empty()) {
+    const LoadedRecipe before = load_run_config(db_path, r, {}, host);
+    auto changed = [&](const std::string& key) { return before.config.at(key).value.toml() != loaded.config.at(key).value.toml(); };
+    auto was = [&](const std::string& key) { return key + " " + before.config.at(key).value.toml() + " -> " + loaded.config.at(key).value.toml(); };
+    if (loaded.recipe.run.steps <= found->step) {
+      c.key = "run.steps";
+      c.hint = "set run.steps above " + std::to_string(found->step) + " to train further";
+      throw Error("the checkpoint is at step " + std::to_string(found->step) + " and run.steps = " + std::to_string(loaded.recipe.run.steps) + ": nothing would be trained", c);
+    }
+    if (changed("batch.global"))
+      changes.push_back(was("batch.global") + ": the data position is step x global batch, so the resumed run reads from sample " +
+                        std::to_string(found->step * loaded.recipe.batch.global) + ", not from where the run stopped (sample " +
+                        std::to_string(found->step * before.recipe.batch.global) + ")");
+    if (changed("run.seed")) changes.push_back(was("run.seed") + ": the data order and every random draw from here differ from the uninterrupted run's");
+    if (changed("data.path") || changed("data.blend")) changes.push_back("the data changes (" + was(changed("data.path") ? "data.path" : "data.blend") + ")");
+    for (const std::string& change : changes) std::cerr << "dsrun: warning: resume of " << r.id << ": " << change << "\n";
+  }
   if (r.status == RunStatus::Running) store.set_status(r.id, RunStatus::Killed, "launcher vanished; resumed with --force");
+  for (const std::string& change : changes) store.add_event(r.id, "resume_change", -1, change);
   std::string message = "resume from step " + std::to_string(found->step) + " (" + found->path + ")";
   if (!args.sets.empty()) {
     message += " with " + join(args.sets, " ");
-    store.update_plan(r.id, config_to_toml(loaded.config), plan_to_json(plan), render_plan(plan), plan.zero_stage, plan.world_size);
+    store.update_plan(r.id, config_to_toml(loaded.config), plan_to_json(plan), render_plan(plan), plan.layout.zero_stage, plan.world_size);
   }
   for (const auto& why : skipped) store.add_event(r.id, "checkpoint", -1, "skipped a checkpoint that does not verify", why);
   store.add_event(r.id, "resume", -1, message);
-  std::cout << "run " << r.id << ": " << message << "; " << plan.world_size << " rank(s), ZeRO stage " << plan.zero_stage << "\n";
+  std::cout << "run " << r.id << ": " << message << "; " << plan.world_size << " rank(s), ZeRO stage " << plan.layout.zero_stage << "\n";
   return launch_and_report(loaded, plan, store, r.id, flags, db_path, found->path);
 }
 

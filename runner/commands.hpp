@@ -30,7 +30,7 @@ enum { kExitInterrupted = 130 };
 std::string default_store_path();  // $DSRUN_DB, else runs/dsrun.db under the current directory
 
 // layouts: the table of every layout the hardware allows instead (render_layouts).
-int command_plan(const RecipeArgs& args, bool json, bool layouts = false);
+int command_plan(const RecipeArgs& args, bool json, bool layouts = false, bool smoke = false);
 int command_run(const RecipeArgs& args, const RunFlags& flags, const std::string& db_path);
 [[noreturn]] void command_worker(const std::string& config_path);
 // `dsrun resume RUN`: the run goes on from its newest complete checkpoint (--fallback: the newest

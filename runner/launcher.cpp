@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <sstream>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -124,10 +125,15 @@ class Supervisor {
     if (r_.logging.tensorboard) tensorboard_ = std::make_unique<TensorBoardWriter>(path_join(o_.run_dir, "tensorboard"), read_host_facts().hostname);
     std::string resume_from = o_.resume_from;
     for (int restarts = 0;; ++restarts) {
+      oom_kills_at_start_ = kernel_oom_kills();
       start_ranks(config_path, resume_from, restarts);
       Ending end = watch();
       const bool may_restart = end.status == RunStatus::Failed && end.restartable && restarts < r_.run.max_restarts;
-      if (!may_restart) return record(end);
+      if (!may_restart) {
+        if (end.status == RunStatus::Failed && end.restartable && r_.run.max_restarts > 0)
+          end.why = "run.max_restarts (" + std::to_string(r_.run.max_restarts) + ") used up; the last attempt: " + end.why;
+        return record(end);
+      }
       // Restart every rank from the newest checkpoint that verifies (a torn one is skipped).
       std::vector<std::string> skipped;
       auto found = find_checkpoint(o_.checkpoint_root, -1, /*fallback=*/true, &skipped);
@@ -268,8 +274,10 @@ class Supervisor {
           std::string why = "rank " + std::to_string(p.rank) + " " +
                             (p.exit_code > 128 ? "was killed by signal " + std::to_string(p.exit_code - 128) : "exited with code " + std::to_string(p.exit_code)) +
                             (p.error.empty() ? "" : ": " + p.error);
-          if (p.exit_code == 128 + SIGKILL && p.error.empty())  // what the kernel's out-of-memory killer sends
-            why += " (out of memory? the plan counts " + format_bytes(plan_.host.total()) + " of host memory per rank, " + format_bytes(plan_.host_memory_needed) +
+          // Out of memory only when the kernel says its killer ran since the ranks started
+          // (/proc/vmstat's oom_kill); a SIGKILL from anyone else is not guessed at.
+          if (p.exit_code == 128 + SIGKILL && p.error.empty() && kernel_oom_kills() > oom_kills_at_start_)
+            why += " by the kernel's out-of-memory killer (the plan counts " + format_bytes(plan_.host.total()) + " of host memory per rank, " + format_bytes(plan_.host_memory_needed) +
                    " per node: check hardware.host_memory_gib and parallel.offload against this machine)";
           return stop_all({RunStatus::Failed, why, p.rank, p.error.empty()}, 5.0);
         }
@@ -285,6 +293,26 @@ class Supervisor {
       // rank hangs the others soon wait for it in a collective, so all go quiet: the culprit is the
       // rank that got least far (started the fewest steps, or never became ready).
       const double now = now_seconds();
+      // A rank the kernel shows stopped (SIGSTOP, a debugger) is the culprit by definition, and the
+      // others' silence is only their wait for it: once anyone is past the step timeout (start-up
+      // included), it is the one named.
+      const RankProcess* stopped = nullptr;
+      char stopped_state = 0;
+      for (auto& p : ranks_) {
+        const char state = p.running ? process_state(p.pid) : 0;
+        if ((state == 'T' || state == 't') && !stopped) stopped = &p, stopped_state = state;
+      }
+      if (stopped) {
+        double quiet = 0;
+        for (auto& p : ranks_)
+          if (p.running) quiet = std::max(quiet, now - p.last_progress);
+        if (quiet > r_.run.step_timeout_s)
+          return stop_all({RunStatus::Failed,
+                           describe_rank(stopped->rank) + " hung: its process is stopped (state " + std::string(1, stopped_state) +
+                               ": SIGSTOP, or a debugger holds it) and made no progress for " + format_seconds(now - stopped->last_progress) + " (run.step_timeout_s)",
+                           stopped->rank, true},
+                          5.0);
+      }
       for (auto& p : ranks_) {
         if (!p.running) continue;
         const double limit = p.ready ? r_.run.step_timeout_s : r_.run.startup_timeout_s;
@@ -311,7 +339,7 @@ class Supervisor {
 
   // "rank 5", or with model parallelism where it sits: "rank 5 (pipeline stage 1, data 0, tensor 1)".
   std::string describe_rank(int rank) const {
-    const MeshShape shape{plan_.pipeline_parallel, plan_.data_parallel, plan_.tensor_parallel, plan_.expert_parallel};
+    const MeshShape shape = plan_.layout.mesh_shape();
     std::string s = "rank " + std::to_string(rank);
     if (shape.data == shape.size() && shape.expert == 1) return s;
     const MeshCoordinates c = shape.coordinates_of(rank);
@@ -511,6 +539,27 @@ class Supervisor {
   bool progress_open_ = false;
   std::string stopped_early_;  // why, when a rank stopped before the last step
   std::string hostname_ = read_host_facts().hostname;
+  int64_t oom_kills_at_start_ = -1;  // the kernel's out-of-memory kills when the ranks started
+
+  // The kernel's state letter for a process ('R', 'S', 'T' stopped, 't' traced, 'Z', ...), or 0.
+  static char process_state(pid_t pid) {
+    const std::string path = "/proc/" + std::to_string(pid) + "/stat";
+    if (!file_exists(path)) return 0;
+    const std::string stat = read_file(path);
+    const size_t paren = stat.rfind(')');
+    return paren == std::string::npos || paren + 2 >= stat.size() ? 0 : stat[paren + 2];
+  }
+
+  // The kernel's count of out-of-memory kills on this machine (-1 where it keeps none).
+  static int64_t kernel_oom_kills() {
+    if (!file_exists("/proc/vmstat")) return -1;
+    std::istringstream vmstat(read_file("/proc/vmstat"));
+    std::string key;
+    int64_t value = 0;
+    while (vmstat >> key >> value)
+      if (key == "oom_kill") return value;
+    return -1;
+  }
   double last_heartbeat_ = 0;
 };
 
@@ -524,18 +573,9 @@ std::string rank_config_toml(const LoadedRecipe& loaded, const Plan& plan) {
   Config c = loaded.config;
   const Recipe& r = loaded.recipe;
   const double GiB = 1024.0 * 1024.0 * 1024.0;
-  pin(c, "parallel.data_parallel", Value::of_int(plan.data_parallel));
-  // The layout as planned ("auto" keys resolved by the search).
-  pin(c, "parallel.tensor", Value::of_int(plan.tensor_parallel));
-  pin(c, "parallel.pipeline", Value::of_int(plan.pipeline_parallel));
-  pin(c, "parallel.expert", Value::of_int(plan.expert_parallel));
-  const ParallelOptions::Searched& searched = r.parallel.search;
-  if (plan.pipeline_parallel > 1 || searched.schedule) pin(c, "parallel.pipeline_schedule", Value::of_string(to_string(plan.pipeline_schedule)));
-  if (plan.pipeline_parallel > 1 || searched.virtual_stages) pin(c, "parallel.virtual_stages", Value::of_int(plan.virtual_stages));
-  if (plan.tensor_parallel > 1 || searched.sequence_parallel) pin(c, "parallel.sequence_parallel", Value::of_bool(plan.sequence_parallel));
-  pin(c, "parallel.zero_stage", Value::of_int(plan.zero_stage));
-  pin(c, "parallel.activation_checkpointing", Value::of_string(plan.activation_checkpointing ? "full" : "none"));
-  pin(c, "batch.micro", Value::of_int(plan.micro_batch));
+  // The layout as planned ("auto" keys resolved by the search and the planner): the rank reads
+  // these keys and plans the same layout, never a second choice of its own.
+  for (const auto& [key, value] : plan.layout.to_config_keys()) pin(c, key, value);
   pin(c, "hardware.devices_per_node", Value::of_int(r.hardware.devices_per_node));
   pin(c, "hardware.memory_gib", Value::of_float(r.hardware.memory_bytes / GiB));
   pin(c, "hardware.host_memory_gib", Value::of_float(r.hardware.host_memory_bytes / GiB));

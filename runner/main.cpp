@@ -72,6 +72,8 @@ int main(int argc, char** argv) {
   plan->add_flag("--json", json, "JSON instead of the table");
   bool layouts = false;
   plan->add_flag("--layouts", layouts, "Every layout of the hardware (tensor, pipeline, schedule, data), planned and ranked, with why each loses");
+  bool plan_smoke = false;
+  plan->add_flag("--smoke", plan_smoke, "The plan `dsrun run --smoke` would run: the same layout, a shrunk model, CPU ranks on this machine");
 
   dsrun::HistoryArgs hist;
   CLI::App* history = app.add_subcommand("history", "List runs, newest first; filter, query, sort");
@@ -206,7 +208,7 @@ int main(int argc, char** argv) {
   try {
     if (*run) return dsrun::command_run(recipe_args, flags, db);
     if (*worker) dsrun::command_worker(worker_config);
-    if (*plan) return dsrun::command_plan(recipe_args, json, layouts);
+    if (*plan) return dsrun::command_plan(recipe_args, json, layouts, plan_smoke);
     if (*history) return dsrun::command_history(hist, db);
     if (*del) return dsrun::command_delete(run_list, delete_force, db);
     if (*restore) return dsrun::command_restore(run_list, db);

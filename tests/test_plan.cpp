@@ -156,18 +156,18 @@ TEST_CASE("shards that do not divide are padded, and offload moves optimizer sta
 
 TEST_CASE("batch math: global = micro x accumulation x data parallel", "[plan][batch]") {
   Plan p = plan_of(kSevenB, {"batch.global=256"});
-  CHECK(p.data_parallel == 8);
-  CHECK(p.micro_batch * p.accumulation * p.data_parallel == 256);
+  CHECK(p.layout.data == 8);
+  CHECK(p.layout.micro * p.accumulation * p.layout.data == 256);
   CHECK(p.tokens_per_step == 256.0 * 4096);
   Plan fixed = plan_of(kSevenB, {"batch.global=64", "batch.micro=2", "parallel.zero_stage=3", "parallel.activation_checkpointing=full"});
-  CHECK(fixed.micro_batch == 2);
+  CHECK(fixed.layout.micro == 2);
   CHECK(fixed.accumulation == 4);
 }
 
 TEST_CASE("auto choices take the lowest ZeRO stage that fits and say why", "[plan][auto]") {
   Plan p = plan_of(kSevenB, {"batch.global=64", "batch.micro=1", "parallel.activation_checkpointing=full"});
   CHECK(p.fits);
-  CHECK(p.zero_stage == 2);  // stage 1 needs 4Ψ + 12Ψ/8 = 37 GiB of states alone
+  CHECK(p.layout.zero_stage == 2);  // stage 1 needs 4Ψ + 12Ψ/8 = 37 GiB of states alone
   bool explained = false;
   for (const auto& c : p.choices)
     if (c.key == "parallel.zero_stage") explained = c.reason.find("stage 1 would need") != std::string::npos;
@@ -177,13 +177,13 @@ TEST_CASE("auto choices take the lowest ZeRO stage that fits and say why", "[pla
 TEST_CASE("auto checkpointing and micro batch pick the largest that fits", "[plan][auto]") {
   Plan p = plan_of(kSevenB, {"batch.global=256", "parallel.zero_stage=2", "parallel.activation_checkpointing=auto"});
   CHECK(p.fits);
-  CHECK(p.activation_checkpointing);  // micro 1 without recomputation needs ~48 GiB
-  CHECK(p.micro_batch >= 1);
+  CHECK(p.layout.recomputation);  // micro 1 without recomputation needs ~48 GiB
+  CHECK(p.layout.micro >= 1);
   CHECK(p.memory.total() <= p.memory_capacity);
   REQUIRE(p.choices.size() == 3);  // data_parallel, activation_checkpointing, micro
   // The next larger micro batch would not fit.
   Plan bigger = plan_of(kSevenB, {"batch.global=256", "parallel.zero_stage=2", "parallel.activation_checkpointing=full",
-                                  "batch.micro=" + std::to_string(p.micro_batch * 2)});
+                                  "batch.micro=" + std::to_string(p.layout.micro * 2)});
   CHECK_FALSE(bigger.fits);
 }
 

@@ -352,9 +352,9 @@ TEST_CASE("tensor parallelism: the world is data × tensor, and data_parallel au
   CHECK(r.recipe.parallel.data_parallel_or_auto(r.recipe.hardware) == 2);
   Plan p = make_plan(r.recipe, dsrun::test::small_host());
   CHECK(p.world_size == 4);
-  CHECK(p.data_parallel == 2);
-  CHECK(p.tensor_parallel == 2);
-  CHECK(p.accumulation * p.micro_batch * 2 == 8);
+  CHECK(p.layout.data == 2);
+  CHECK(p.layout.tensor == 2);
+  CHECK(p.accumulation * p.layout.micro * 2 == 8);
   // Each rank holds half of every split weight; norms whole (hidden 128, 4 layers: 9 norm vectors).
   const double replicated = 128.0 * 9;
   CHECK(p.memory.states.params == Approx(((p.cost.params - replicated) / 2 + replicated) * 4));
@@ -398,8 +398,8 @@ TEST_CASE("pipeline parallelism in the plan: stages split by FLOPs, each rank's 
   };
   const Plan p = plan_of("1f1b");
   CHECK(p.world_size == 4);
-  CHECK(p.data_parallel == 2);
-  CHECK(p.pipeline_parallel == 2);
+  CHECK(p.layout.data == 2);
+  CHECK(p.layout.pipeline == 2);
   CHECK(p.accumulation == 4);
   // 6 units (embedding, 4 blocks, head) in two contiguous pieces covering all of them.
   REQUIRE(p.pipeline_pieces.size() == 2);
@@ -433,8 +433,7 @@ TEST_CASE("layout search: \"auto\" keys take the fastest layout that fits, every
   CHECK(best.fits);
   CHECK(contains(best.verdict, "the fastest that fits"));
   CHECK(p.fits);
-  CHECK(p.tensor_parallel == best.tensor);
-  CHECK(p.pipeline_parallel == best.pipeline);
+  CHECK(p.layout == best.layout);
   CHECK(p.world_size == 16);
   // Ranked: those that fit by step time, then those that do not, then the impossible, each with why.
   int order = 0;
@@ -447,17 +446,19 @@ TEST_CASE("layout search: \"auto\" keys take the fastest layout that fits, every
     CHECK_FALSE(row.verdict.empty());
   }
   // The same layout written out by hand plans the same step.
-  const Plan fixed = make_plan(with_layout(r.recipe, best), o.host);
+  const Plan fixed = make_plan(with_layout(r.recipe, best.layout), o.host);
   CHECK(fixed.step_seconds == Approx(p.step_seconds));
   CHECK(fixed.layouts.empty());
   // A ResNet cannot be split: only tensor 1 × pipeline 1 can run.
   LoadedRecipe resnet = load_text("base = [\"models/resnet50-cifar10\"]\n[hardware]\ndevices_per_node = 2\n[parallel]\ntensor = \"auto\"\n[batch]\nglobal = 8\n");
   REQUIRE(errors_of(resnet).empty());
-  const std::vector<LayoutRow> rows = search_layouts(resnet.recipe, o.host, true);
+  const LayoutSearch search = search_layouts(resnet.recipe, o.host, true);
+  const std::vector<LayoutRow>& rows = search.rows;
   REQUIRE(!rows.empty());
-  CHECK(rows.front().tensor * rows.front().pipeline == 1);
-  CHECK(contains(rows.back().verdict, "cannot run: a ResNet"));
-  CHECK(contains(render_layouts(rows, resnet.recipe), "tensor 1 × pipeline 1 × data 2"));
+  CHECK(rows.front().layout.model_parallel() == 1);
+  CHECK(contains(rows.back().verdict, "cannot run: "));
+  CHECK(contains(rows.back().verdict, "a ResNet"));
+  CHECK(contains(render_layouts(search, resnet.recipe), "tensor 1 × pipeline 1 × data 2"));
 }
 
 TEST_CASE("expert parallelism: degrees the experts or the data ranks do not divide, and top_k above the experts, are refused with a fix", "[recipe][rules][expert]") {
@@ -489,8 +490,8 @@ TEST_CASE("expert parallelism in the plan: each rank's experts, their ZeRO repli
   };
   const Plan one = plan_of("expert = 1"), two = plan_of("expert = 2");
   CHECK(two.world_size == 4);  // folded into the data ranks: no extra factor
-  CHECK(two.data_parallel == 4);
-  CHECK(two.expert_parallel == 2);
+  CHECK(two.layout.data == 4);
+  CHECK(two.layout.expert == 2);
   // deepseek-moe-tiny: 3 MoE layers of 8 experts of 3 · 128 · 64 weights; fp32 ZeRO-1 AdamW:
   // 8 bytes replicated (weights, gradients) + 8 sharded (Adam) per parameter.
   const double routed = 3 * 8 * 3 * 128.0 * 64;
@@ -512,10 +513,10 @@ TEST_CASE("expert parallelism in the plan: each rank's experts, their ZeRO repli
   // "auto" searches the degrees the data ranks and experts divide by, and says why it chose one.
   const Plan searched = plan_of("expert = \"auto\"");
   std::vector<int> degrees;
-  for (const LayoutRow& row : searched.layouts) degrees.push_back(row.expert);
+  for (const LayoutRow& row : searched.layouts) degrees.push_back(row.layout.expert);
   std::sort(degrees.begin(), degrees.end());
   CHECK(degrees == std::vector<int>{1, 2, 4});
-  CHECK(searched.expert_parallel == searched.layouts.front().expert);
+  CHECK(searched.layout.expert == searched.layouts.front().layout.expert);
   bool explained = false;
   for (const AutoChoice& c : searched.choices) explained |= c.key == "parallel.expert" && contains(c.reason, "the fastest that fits");
   CHECK(explained);

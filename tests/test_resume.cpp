@@ -86,8 +86,18 @@ TEST_CASE("a rank killed with SIGKILL restarts all ranks from the latest checkpo
   REQUIRE(run.code == 0);
   CHECK(run.losses == uninterrupted());
   CHECK(count_events(dir, run.id, "restart") == 1);
-  CHECK(contains(run.text, "restart 1 of 2 after: rank 1 was killed by signal 9 (out of memory? the plan counts"));  // SIGKILL: the host figures, in case
-  CHECK(contains(run.text, "; from the checkpoint at step 4"));
+  CHECK(contains(run.text, "restart 1 of 2 after: rank 1 was killed by signal 9; from the checkpoint at step 4"));
+  CHECK_FALSE(contains(run.text, "out of memory"));  // a SIGKILL the kernel's out-of-memory killer did not send
+}
+
+TEST_CASE("when restarts are used up the run says so, with the last attempt's cause", "[resume][restart]") {
+  TempDir dir;
+  Run run = train(dir, layout(1, 2) + kSixSteps + " --set run.max_restarts=1", "DSRUN_TEST_CRASH_AT=1:5:always");
+  INFO(run.text);
+  CHECK(run.code == 1);
+  CHECK(count_events(dir, run.id, "restart") == 1);
+  CHECK(contains(run.text, "run.max_restarts (1) used up; the last attempt: rank 1 was killed by signal 9"));
+  CHECK_FALSE(contains(run.text, "out of memory"));
 }
 
 TEST_CASE("a crash in the middle of a save leaves the previous checkpoint usable", "[resume]") {
@@ -361,4 +371,46 @@ TEST_CASE("export from a tensor 2 x pipeline 2 run with tied embeddings gives th
     for (size_t i = 0; i < x.size(); ++i) worst = std::max(worst, std::fabs(double(x[i]) - y[i]));
     CHECK(worst < 1e-4);
   }
+}
+
+TEST_CASE("a resume into a changed model is refused, naming what the checkpoint has and the model lacks, in every layout", "[resume][model]") {
+  TempDir dir;
+  // Tensor 2 × pipeline 2: each rank holds one stage's units, so the check spans the ranks.
+  const std::string model_parallel = " --set hardware.devices_per_node=4 --set parallel.tensor=2 --set parallel.pipeline=2 --set parallel.data_parallel=1";
+  Run crashed = train(dir, layout(0, 1) + model_parallel + kSixSteps, "DSRUN_TEST_CRASH_AT=1:5");
+  INFO(crashed.text);
+  REQUIRE(crashed.code == 1);
+  auto fewer = dsrun_command(dir, "resume " + crashed.id + " --set model.layers=2");  // tiny_train has 4 layers
+  INFO(fewer.text);
+  CHECK(fewer.code == 1);
+  CHECK(contains(fewer.text, "checkpoint does not fit this model"));
+  CHECK(contains(fewer.text, "unexpected block3."));
+  CHECK(contains(fewer.text, "(in the checkpoint, not in this model)"));
+  auto tied = dsrun_command(dir, "resume " + crashed.id + " --set model.tie_embeddings=true");
+  INFO(tied.text);
+  CHECK(tied.code == 1);
+  CHECK(contains(tied.text, "unexpected"));
+  // A data-parallel checkpoint resumed into tensor parallelism with fewer layers: the same refusal.
+  Run plain = train(dir, layout(1, 2) + kSixSteps, "DSRUN_TEST_CRASH_AT=1:5");
+  REQUIRE(plain.code == 1);
+  auto changed = dsrun_command(dir, "resume " + plain.id + " --set model.layers=2 --set parallel.tensor=2 --set parallel.data_parallel=1 --set parallel.zero_stage=0");
+  INFO(changed.text);
+  CHECK(changed.code == 1);
+  CHECK(contains(changed.text, "unexpected block3."));
+}
+
+TEST_CASE("a resume that changes the batch, the seed or the steps says what changes, records it, or refuses", "[resume][model]") {
+  TempDir dir;
+  Run crashed = train(dir, layout(1, 2) + kSixSteps, "DSRUN_TEST_CRASH_AT=1:5");  // the newest checkpoint is step 4
+  REQUIRE(crashed.code == 1);
+  auto nothing = dsrun_command(dir, "resume " + crashed.id + " --set run.steps=4");
+  INFO(nothing.text);
+  CHECK(nothing.code == 1);
+  CHECK(contains(nothing.text, "the checkpoint is at step 4 and run.steps = 4: nothing would be trained"));
+  auto reseeded = dsrun_command(dir, "resume " + crashed.id + " --set run.seed=99 --set batch.global=24");
+  INFO(reseeded.text);
+  CHECK(reseeded.code == 0);
+  CHECK(contains(reseeded.text, "warning: resume of " + crashed.id + ": run.seed 7 -> 99"));
+  CHECK(contains(reseeded.text, "batch.global 12 -> 24: the data position is step x global batch, so the resumed run reads from sample 96, not from where the run stopped (sample 48)"));
+  CHECK(count_events(dir, crashed.id, "resume_change") == 2);
 }

@@ -253,12 +253,14 @@ TEST_CASE("a recipe whose host memory does not fit is refused before launch, nam
   Run run = train(dir, layout(2, 2) + " --set parallel.offload=\\\"optimizer\\\" --set hardware.memory_gib=8 --set hardware.host_memory_gib=0.5");
   INFO(run.text);
   CHECK(run.code == 2);
-  CHECK(contains(run.text, "host memory does not fit (hardware.host_memory_gib)"));
+  CHECK(contains(run.text, "does not fit: host memory (hardware.host_memory_gib)"));
   CHECK(run.losses.empty());
   auto plan = dsrun::test::run_command("cd '" + dsrun::test::source_dir() + "' && '" DSRUN_BINARY "' plan recipes/rtx4090x3_deepseek7b.toml --set hardware.host_memory_gib=64");
   INFO(plan.text);
   CHECK(plan.code == 2);
-  CHECK(contains(plan.text, "host memory does not fit (hardware.host_memory_gib)"));
+  CHECK(contains(plan.text, "does not fit: host memory (hardware.host_memory_gib)"));
+  CHECK(contains(plan.text, "device memory fits"));
+  CHECK(contains(plan.text, "--set hardware.host_memory_gib="));
   CHECK(contains(plan.text, "3 rank(s) x"));
 }
 
@@ -300,6 +302,29 @@ TEST_CASE("a rank that stops making progress is reported as a hang, by rank", "[
   INFO(staged.text);
   CHECK(staged.code == 1);
   CHECK(contains(staged.text, "rank 1 (pipeline stage 1, data 0, tensor 0) hung: it never started step 4"));
+}
+
+TEST_CASE("a rank stopped by SIGSTOP is named with its place in the mesh, in steps and during start-up", "[training][failure]") {
+  dsrun::test::TempDir dir;
+  struct Trial {
+    std::string sets, stop;
+    const char* named;
+  };
+  // The red team's layouts (pp2, tp2 × pp2, pp2 × dp2, pp4), a stage stopped mid-run, and a rank
+  // stopped before it finished start-up (step 0: before the rendezvous).
+  const std::vector<Trial> trials{
+      {layout(0, 1) + " --set parallel.pipeline=2", "1:4", "rank 1 (pipeline stage 1, data 0, tensor 0) hung: its process is stopped"},
+      {layout(0, 1) + " --set hardware.devices_per_node=4 --set parallel.pipeline=2 --set parallel.tensor=2", "2:3", "rank 2 (pipeline stage 1, data 0, tensor 0) hung: its process is stopped"},
+      {layout(0, 2) + " --set hardware.devices_per_node=4 --set parallel.pipeline=2", "3:5", "rank 3 (pipeline stage 1, data 1, tensor 0) hung: its process is stopped"},
+      {layout(0, 1) + " --set hardware.devices_per_node=4 --set parallel.pipeline=4", "0:0", "rank 0 (pipeline stage 0, data 0, tensor 0) hung: its process is stopped"},
+  };
+  for (const Trial& t : trials) {
+    Run run = train(dir, t.sets + " --set run.steps=200 --set run.step_timeout_s=4 --set checkpoint.every=0", "DSRUN_TEST_STOP_AT=" + t.stop);
+    INFO(run.text);
+    CHECK(run.code == 1);
+    CHECK(contains(run.text, t.named));
+    CHECK(run.seconds < 60);  // the step timeout and a few seconds, not the 900 s start-up timeout
+  }
 }
 
 TEST_CASE("Ctrl-C stops the ranks cleanly and marks the run killed", "[training][failure]") {
@@ -346,7 +371,7 @@ TEST_CASE("smoke keeps a tensor-parallel layout, with whole heads per rank", "[t
   Run run = train(dir, "--smoke", "", "recipes/deepseek7b_zero2.toml --set parallel.tensor=2 --set parallel.data_parallel=2 --set parallel.sequence_parallel=true --set checkpoint.every=0");
   INFO(run.text);
   CHECK(run.code == 0);
-  CHECK(contains(run.text, "4 CPU ranks (data 2 × tensor 2)"));
+  CHECK(contains(run.text, "4 CPU ranks (tensor 2 × pipeline 1 × data 2, sequence-parallel)"));
   CHECK(contains(run.text, "finished"));
 }
 
@@ -419,4 +444,25 @@ TEST_CASE("pipeline 2, tensor 2 and expert 2 with the optimizer offloaded follow
     REQUIRE(plain.losses.size() == 6);
     CHECK(offloaded.losses == plain.losses);
   }
+}
+
+TEST_CASE("recipes whose layout is all \"auto\" start as planned on CPU ranks, and what the plan refuses never launches", "[training][layout]") {
+  dsrun::test::TempDir dir;
+  const std::string all_auto = " --set parallel.tensor='\"auto\"' --set parallel.pipeline='\"auto\"' --set parallel.sequence_parallel='\"auto\"' --set parallel.data_parallel='\"auto\"'"
+                               " --set parallel.pipeline_schedule='\"auto\"' --set parallel.virtual_stages='\"auto\"' --set parallel.zero_stage='\"auto\"' --set batch.micro='\"auto\"'"
+                               " --set run.steps=3 --set schedule.warmup_steps=1 --set checkpoint.every=0";
+  // Two and four CPU ranks: the search picks its layout, the ranks read it from their config and run it.
+  for (const std::string devices : {"2", "4"}) {
+    Run run = train(dir, all_auto + " --set hardware.devices_per_node=" + devices);
+    INFO(run.text);
+    CHECK(run.code == 0);
+    CHECK(contains(run.text, "finished"));
+    CHECK(run.losses.size() == 3);
+  }
+  // batch.seq_len above model.max_seq_len with the layout searched: refused before anything is recorded.
+  Run refused = train(dir, all_auto + " --set batch.seq_len=64 --set model.max_seq_len=32");
+  INFO(refused.text);
+  CHECK(refused.code == 1);
+  CHECK(contains(refused.text, "batch.seq_len: sequence length 64 exceeds model.max_seq_len = 32"));
+  CHECK(refused.id.empty());
 }

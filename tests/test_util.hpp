@@ -54,6 +54,14 @@ inline LoadedRecipe load_text(const std::string& text, std::vector<std::string> 
 
 inline std::string source_dir() { return DSRUN_TEST_DIR "/.."; }
 
+// A recipe of the repository (path relative to its root), loaded as on the small host.
+inline LoadedRecipe load_file(const std::string& path, std::vector<std::string> overrides = {}) {
+  LoadOptions o;
+  o.overrides = std::move(overrides);
+  o.host = small_host();
+  return load_recipe_file(source_dir() + "/" + path, o);
+}
+
 struct CommandOutput {
   int code = -1;     // exit status, -1 when killed by a signal
   std::string text;  // stdout and stderr together

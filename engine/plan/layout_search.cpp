@@ -1,6 +1,7 @@
 // The layout search: every (tensor, pipeline, schedule, virtual stages, sequence parallelism,
 // expert parallelism within the data ranks) of the hardware that the model divides by, each planned (the plan then picks ZeRO stage, micro batch and
 // recomputation as it does for a fixed layout), ranked by predicted step time among those that fit.
+#include "engine/common/error.hpp"
 #include "engine/common/text.hpp"
 #include "engine/plan/plan.hpp"
 
@@ -10,73 +11,52 @@ namespace dsrun {
 
 namespace {
 
+// In pairs up to the square root: a cluster of 100,000 nodes has 409,600,000 devices.
 std::vector<int> divisors(int n) {
   std::vector<int> out;
-  for (int d = 1; d <= n; ++d)
-    if (n % d == 0) out.push_back(d);
+  for (int d = 1; static_cast<int64_t>(d) * d <= n; ++d)
+    if (n % d == 0) {
+      out.push_back(d);
+      if (d != n / d) out.push_back(n / d);
+    }
+  std::sort(out.begin(), out.end());
   return out;
 }
 
-// Why the recipe cannot run with this layout: the rules the recipe checks for fixed degrees
-// (engine/recipe/build.cpp), for a candidate ("" when it can).
-std::string layout_problem(const Recipe& r, const LayoutRow& l) {
-  const ModelSpec& m = r.model;
-  const int t = l.tensor;
-  if (m.arch != ModelArch::DeepSeek && (t > 1 || l.pipeline > 1)) return "a ResNet is neither split by tensor nor by pipeline";
-  for (const TensorSplitSize& size : tensor_split_sizes(m))
-    if (size.value % t != 0) return std::string(size.key) + " = " + std::to_string(size.value) + " not divisible by tensor " + std::to_string(t);
-  if (l.pipeline * l.virtual_stages > m.layers) return std::to_string(l.pipeline * l.virtual_stages) + " pipeline pieces for " + std::to_string(m.layers) + " layers";
-  if (r.batch.global % l.data != 0) return "global batch " + std::to_string(r.batch.global) + " not divisible by data " + std::to_string(l.data);
-  const int64_t per_rank = r.batch.global / l.data;
-  if (r.batch.micro && per_rank % *r.batch.micro != 0) return "micro batch " + std::to_string(*r.batch.micro) + " does not divide the per-rank batch " + std::to_string(per_rank);
-  if (l.schedule == PipelineScheduleKind::Interleaved && l.pipeline > 1 && per_rank % l.pipeline != 0) return "interleaving needs micro-batches in multiples of the stages";
-  if (l.pipeline > 1 && r.parallel.zero_stage && *r.parallel.zero_stage == 3) return "ZeRO-3 runs without pipeline parallelism";
-  if (l.sequence_parallel && (r.batch.seq_len % t != 0 || m.moe.enabled())) return "sequence parallelism needs seq_len divisible by tensor and no MoE";
-  if (l.expert > 1 && !m.moe.enabled()) return "expert parallelism needs routed experts";
-  if (l.expert > 1 && m.moe.routed_experts % l.expert != 0) return "model.moe.routed_experts = " + std::to_string(m.moe.routed_experts) + " not divisible by expert " + std::to_string(l.expert);
-  if (l.data % l.expert != 0) return "data " + std::to_string(l.data) + " not divisible by expert " + std::to_string(l.expert);
-  return "";
+// The first rule a candidate breaks (engine/plan/layout.cpp), with its key ("" when none).
+std::string layout_problem(const Recipe& r, const Layout& l) {
+  LayoutDecided decided;
+  decided.zero_stage = r.parallel.zero_stage.has_value();  // the planner chooses these for each candidate
+  decided.micro = r.batch.micro.has_value();
+  const std::vector<LayoutProblem> problems = layout_problems(r, l, decided);
+  return problems.empty() ? "" : problems.front().message + " (" + problems.front().key + ")";
 }
+
+constexpr size_t kLayoutsKept = 20;
 
 std::string seconds_text(double s) { return format_double(s, 3) + " s"; }
 
 }  // namespace
 
-std::string LayoutRow::describe() const {
-  std::string s = "tensor " + std::to_string(tensor) + " × pipeline " + std::to_string(pipeline);
-  if (pipeline > 1) s += " (" + std::string(to_string(schedule)) + (virtual_stages > 1 ? " × " + std::to_string(virtual_stages) : "") + ")";
-  s += " × data " + std::to_string(data);
-  if (expert > 1) s += " (expert " + std::to_string(expert) + ")";
-  if (sequence_parallel) s += ", sequence-parallel";
-  return s;
-}
-
-Recipe with_layout(const Recipe& recipe, const LayoutRow& row) {
-  Recipe r = recipe;
-  ParallelOptions& p = r.parallel;
-  p.tensor = row.tensor;
-  p.pipeline = row.pipeline;
-  p.pipeline_schedule = row.schedule;
-  p.virtual_stages = row.virtual_stages;
-  p.sequence_parallel = row.sequence_parallel;
-  p.data_parallel = row.data;
-  p.expert = row.expert;
-  p.search = {};
-  return r;
-}
-
-std::vector<LayoutRow> search_layouts(const Recipe& recipe, const HostFacts& host, bool every_key) {
+LayoutSearch search_layouts(const Recipe& recipe, const HostFacts& host, bool every_key) {
   const ParallelOptions& fixed = recipe.parallel;
   ParallelOptions::Searched searched = fixed.search;
   if (every_key) searched = {true, true, true, true, true, recipe.model.moe.enabled()};
   const int devices = recipe.hardware.total_devices();
   const double data_bytes = planned_data_bytes(recipe);
-  // Tensor groups stay inside a node (their traffic is every layer's).
-  const std::vector<int> tensors = searched.tensor ? divisors(std::min(devices, recipe.hardware.devices_per_node)) : std::vector<int>{fixed.tensor};
+  // Tensor groups stay inside a node (their traffic is every layer's) unless the recipe means otherwise.
+  const int tensor_limit = fixed.tensor_across_nodes ? devices : std::min(devices, recipe.hardware.devices_per_node);
+  const std::vector<int> tensors = searched.tensor ? divisors(tensor_limit) : std::vector<int>{fixed.tensor};
   std::vector<LayoutRow> rows;
+  int64_t left_out = 0;
   for (int t : tensors) {
     if (devices % t != 0) continue;
     for (int pp : searched.pipeline ? divisors(devices / t) : std::vector<int>{fixed.pipeline}) {
+      // More stages than layers can never run: counted, not listed (there can be thousands).
+      if (searched.pipeline && pp > recipe.model.layers && recipe.model.arch == ModelArch::DeepSeek) {
+        ++left_out;
+        continue;
+      }
       const int data = fixed.data_parallel.value_or(devices / (t * pp));
       if (data < 1 || data * t * pp > devices) continue;
       // Schedules: 1F1B (GPipe holds more for the same bubble, so it is only run when asked for);
@@ -103,23 +83,31 @@ std::vector<LayoutRow> search_layouts(const Recipe& recipe, const HostFacts& hos
       for (auto [kind, v] : schedules)
         for (int ep : experts) {
           LayoutRow row;
-          row.tensor = t;
-          row.pipeline = pp;
-          row.data = data;
-          row.schedule = kind;
-          row.virtual_stages = v;
-          row.expert = ep;
+          Layout& l = row.layout;
+          l.tensor = t;
+          l.pipeline = pp;
+          l.data = data;
+          l.schedule = kind;
+          l.virtual_stages = v;
+          l.expert = ep;
+          l.zero_stage = fixed.zero_stage.value_or(0);
+          l.micro = recipe.batch.micro.value_or(1);
+          l.recomputation = fixed.activation_checkpointing == Checkpointing::Full;
+          l.offload = fixed.offload;
+          l.delayed_update = fixed.delayed_update;
           // Sequence parallelism costs no traffic and saves memory: on wherever it applies.
-          row.sequence_parallel = searched.sequence_parallel ? t > 1 && recipe.batch.seq_len % t == 0 && !recipe.model.moe.enabled() : fixed.sequence_parallel && t > 1;
-          row.problem = layout_problem(recipe, row);
+          l.sequence_parallel = searched.sequence_parallel ? t > 1 && recipe.batch.seq_len % t == 0 && !recipe.model.moe.enabled() : fixed.sequence_parallel && t > 1;
+          row.problem = layout_problem(recipe, l);
           if (row.problem.empty()) {
-            const Plan p = plan_candidate(with_layout(recipe, row), host, data_bytes);
-            row.zero_stage = p.zero_stage;
-            row.micro = p.micro_batch;
-            row.checkpointing = p.activation_checkpointing;
+            const Plan p = plan_candidate(with_degrees(recipe, l), host, data_bytes);
+            row.layout = p.layout;
             row.fits = p.fits;
+            row.binds = p.binds;
+            if (!p.pipeline_problem.empty()) row.problem = "the pipeline schedule cannot run: " + p.pipeline_problem;
             row.memory_bytes = p.memory.total() + (p.device == Device::Cpu ? p.memory.states.host : 0);
             row.capacity = p.memory_capacity;
+            row.host_bytes = p.host_memory_needed;
+            row.host_capacity = p.host_memory_capacity;
             row.step_seconds = p.step_seconds;
             row.mfu = p.mfu;
             row.bubble_fraction = p.bubble_fraction;
@@ -138,18 +126,57 @@ std::vector<LayoutRow> search_layouts(const Recipe& recipe, const HostFacts& hos
   const LayoutRow* best = rows.empty() || !rows.front().fits ? nullptr : &rows.front();
   for (LayoutRow& r : rows) {
     if (!r.problem.empty()) r.verdict = "cannot run: " + r.problem;
-    else if (!r.fits) r.verdict = "does not fit: " + format_bytes(r.memory_bytes) + " of " + format_bytes(r.capacity) + " per rank";
+    else if (!r.fits && r.binds == "host memory")
+      r.verdict = "does not fit: host memory " + format_bytes(r.host_bytes) + " of " + format_bytes(r.host_capacity) + " per node (hardware.host_memory_gib)";
+    else if (!r.fits) r.verdict = "does not fit: device memory " + format_bytes(r.memory_bytes) + " of " + format_bytes(r.capacity) + " per rank";
     else if (&r == best) r.verdict = "the fastest that fits: " + seconds_text(r.step_seconds) + " per step, " + format_double(100 * r.mfu, 3) + "% MFU";
     else {
       r.verdict = format_double(100 * (r.step_seconds / best->step_seconds - 1), 3) + "% slower";
       if (r.bubble_fraction > best->bubble_fraction + 1e-9) r.verdict += "; bubble " + format_double(100 * r.bubble_fraction, 3) + "% vs " + format_double(100 * best->bubble_fraction, 3) + "%";
       if (r.exposed_comm_seconds > best->exposed_comm_seconds * 1.05) r.verdict += "; exposed communication " + seconds_text(r.exposed_comm_seconds) + " vs " + seconds_text(best->exposed_comm_seconds);
-      if (r.checkpointing && !best->checkpointing) r.verdict += "; needs recomputation";
-      if (r.expert < best->expert && recipe.model.moe.enabled())
-        r.verdict += "; runs " + std::to_string(recipe.model.moe.routed_experts / r.expert) + " routed experts per layer vs " + std::to_string(recipe.model.moe.routed_experts / best->expert);
+      if (r.layout.recomputation && !best->layout.recomputation) r.verdict += "; needs recomputation";
+      if (r.layout.expert < best->layout.expert && recipe.model.moe.enabled())
+        r.verdict += "; runs " + std::to_string(recipe.model.moe.routed_experts / r.layout.expert) + " routed experts per layer vs " +
+                     std::to_string(recipe.model.moe.routed_experts / best->layout.expert);
     }
   }
-  return rows;
+  return {std::move(rows), left_out};
+}
+
+Plan make_plan(const Recipe& recipe, const HostFacts& host) {
+  if (!recipe.parallel.search.any()) return plan_fixed_layout(recipe, host);
+  // "auto" layout keys: the fastest predicted layout that fits (or the first, if none fits),
+  // planned again whole (the schedule simulated, suggestions made) with every degree fixed.
+  LayoutSearch search = search_layouts(recipe, host);
+  std::vector<LayoutRow>& rows = search.rows;
+  if (rows.empty() || !rows.front().problem.empty()) {
+    ErrorContext c;
+    c.key = "parallel.tensor";
+    c.hint = "set parallel.tensor and parallel.pipeline to degrees the model divides by";
+    throw Error(rows.empty() ? "no layout of this hardware can run the model" : "no layout of this hardware can run the model: " + rows.front().problem, c);
+  }
+  const LayoutRow& best = rows.front();
+  Plan p = plan_fixed_layout(with_degrees(recipe, best.layout), host);
+  const ParallelOptions::Searched& searched = recipe.parallel.search;
+  // The first searched key carries why; the others belong to the same layout.
+  std::string why = rows.size() > 1 ? best.verdict + "; next: " + rows[1].describe() + ", " + rows[1].verdict : best.verdict;
+  auto choose = [&](const char* key, const std::string& value) {
+    p.choices.push_back({key, value, why});
+    why = "the same layout";
+  };
+  const Layout& l = best.layout;
+  if (searched.tensor) choose("parallel.tensor", std::to_string(l.tensor));
+  if (searched.pipeline) choose("parallel.pipeline", std::to_string(l.pipeline));
+  if (searched.schedule && l.pipeline > 1) choose("parallel.pipeline_schedule", to_string(l.schedule));
+  if (searched.virtual_stages && l.pipeline > 1) choose("parallel.virtual_stages", std::to_string(l.virtual_stages));
+  if (searched.expert) choose("parallel.expert", std::to_string(l.expert));
+  if (searched.sequence_parallel)
+    p.choices.push_back({"parallel.sequence_parallel", l.sequence_parallel ? "true" : "false", l.tensor > 1 ? "same traffic as without, 1/tensor of the activations between regions" : "no tensor parallelism"});
+  // The plan keeps the best rows (the stored plan and `dsrun plan` stay small); `dsrun plan --layouts` prints more.
+  p.layouts_searched = static_cast<int64_t>(rows.size()) + search.left_out;
+  if (rows.size() > kLayoutsKept) rows.resize(kLayoutsKept);
+  p.layouts = std::move(rows);
+  return p;
 }
 
 }  // namespace dsrun

@@ -46,7 +46,8 @@ ModelStateBytes plan_model_states_per_rank(const ModelStateOptions& o) {
 
 namespace {
 
-struct Layout {
+// What the planner chooses for a fixed set of degrees: the ZeRO stage, recomputation, micro batch.
+struct Choice {
   int stage = 0;
   bool checkpointing = false;
   int64_t micro = 1;
@@ -57,7 +58,9 @@ struct Evaluation {
   MemoryBreakdown memory;
   HostMemory host;         // per rank
   double host_needed = 0;  // per node
+  bool device_fits = false, host_fits = false;
   bool fits = false;
+  std::string binds() const { return !device_fits ? "device memory" : !host_fits ? "host memory" : ""; }
 };
 
 // Bytes of the data set as the ranks load it (int64 tokens of text, or fp32 images), at the peak of
@@ -110,6 +113,7 @@ class Planner {
     ep_ = r.parallel.expert;
     imbalance_ = ep_ > 1 ? r.parallel.expert_imbalance : 1.0;
     ranks_per_node_ = (dp_ * tp_ * pp_ + hw.nodes - 1) / hw.nodes;
+    placement_ = {std::max(1, hw.nodes), std::max(1, ranks_per_node_)};
     kernel_ = hw.device == Device::Cuda ? AttentionKernel::Flash : AttentionKernel::Math;
     cost_ = model_cost(r.model, r.batch.seq_len, r.precision.dtype, kernel_, /*fused_elementwise=*/hw.device == Device::Cuda);
     capacity_ = hw.ranks_share_memory() ? hw.memory_bytes / ranks_per_node_ : hw.memory_bytes;
@@ -194,7 +198,7 @@ class Planner {
   }
 
   // The stage that needs the most memory decides.
-  Evaluation evaluate(const Layout& l) const {
+  Evaluation evaluate(const Choice& l) const {
     Evaluation worst;
     for (size_t s = 0; s < stages_.size(); ++s) {
       Evaluation ev = evaluate_stage(l, static_cast<int>(s));
@@ -203,7 +207,7 @@ class Planner {
     return worst;
   }
 
-  Evaluation evaluate_stage(const Layout& l, int stage) const {
+  Evaluation evaluate_stage(const Choice& l, int stage) const {
     const HardwareSpec& hw = r_.hardware;
     const StageCost& st = stages_[stage];
     const double live = live_micro_batches(r_.batch.global / (l.micro * dp_), stage);
@@ -264,7 +268,9 @@ class Planner {
     if (hw.ranks_share_memory()) on_device += m.states.host;  // "host" and "device" are the same memory on CPU ranks
     ev.host = host_memory(m);
     ev.host_needed = ev.host.total() * ranks_per_node_;
-    ev.fits = on_device <= capacity_ && ev.host_needed <= hw.host_memory_bytes;
+    ev.device_fits = on_device <= capacity_;
+    ev.host_fits = ev.host_needed <= hw.host_memory_bytes;
+    ev.fits = ev.device_fits && ev.host_fits;
     return ev;
   }
 
@@ -303,18 +309,13 @@ class Planner {
     p.arch = r_.model.arch;
     p.nodes = hw.nodes;
     p.devices_per_node = hw.devices_per_node;
-    p.data_parallel = dp_;
-    p.tensor_parallel = tp_;
-    p.pipeline_parallel = pp_;
-    p.expert_parallel = ep_;
+    p.layout = layout_with({});
     p.expert_imbalance = imbalance_;
-    p.sequence_parallel = r_.parallel.sequence_parallel && tp_ > 1;
     p.world_size = dp_ * tp_ * pp_;
     p.ranks_per_node = ranks_per_node_;
     p.global_batch = r_.batch.global;
     p.seq_len = r_.model.arch == ModelArch::DeepSeek ? r_.batch.seq_len : 0;
     p.dtype = r_.precision.dtype;
-    p.offload = r_.parallel.offload;
     p.attention = kernel_;
     p.cost = cost_;
     p.memory_capacity = capacity_;
@@ -334,30 +335,51 @@ class Planner {
   }
 
  private:
-  // The schedule the ranks will run, simulated before launch: every receive meets its send, and
-  // the bubble the step time counts.
+  // The schedule the ranks will run, simulated before launch as their transport runs it (Gloo's
+  // queued sends on CPU ranks; NCCL's in-order rendezvous, each group of sends and receives
+  // issued together, on GPUs): every receive meets its send and nothing waits forever.
   void check_pipeline(Plan& p) {
-    p.pipeline_schedule = r_.parallel.pipeline_schedule;
-    p.virtual_stages = v_;
     if (pp_ == 1) return;
     for (auto [begin, end] : pieces_) p.pipeline_pieces.push_back({begin, end});
-    const std::string problem = pipeline_schedule_problem(p.pipeline_schedule, pp_, static_cast<int>(p.accumulation), v_);
-    PipelineSimulation sim;
-    if (problem.empty() && options_.full) sim = simulate(build_pipeline_schedule(p.pipeline_schedule, pp_, static_cast<int>(p.accumulation), v_), 1.0 / v_, 2.0 / v_);
-    p.pipeline_problem = problem.empty() ? sim.problem : problem;
+    const PipelineTransport transport = r_.hardware.device == Device::Cuda ? PipelineTransport::RendezvousCoalesced : PipelineTransport::Queued;
+    const std::string problem = pipeline_schedule_problem(p.layout.schedule, pp_, static_cast<int>(p.accumulation), v_);
+    p.pipeline_problem = problem.empty() && options_.full ? pipeline_deadlock_problem(p.layout.schedule, pp_, static_cast<int>(p.accumulation), v_, transport) : problem;
     p.bubble_fraction = bubble_fraction(p.accumulation);
     if (!p.pipeline_problem.empty()) {
       p.fits = false;
+      if (p.binds.empty()) p.binds = "the pipeline schedule";
       p.verdict.push_back("the pipeline schedule cannot run: " + p.pipeline_problem);
     }
   }
 
+  // These degrees with a choice: the value the rules check and the ranks run.
+  Layout layout_with(const Choice& c) const {
+    Layout l;
+    l.pipeline = pp_, l.data = dp_, l.tensor = tp_, l.expert = ep_;
+    l.schedule = r_.parallel.pipeline_schedule;
+    l.virtual_stages = v_;
+    l.sequence_parallel = r_.parallel.sequence_parallel && tp_ > 1;
+    l.zero_stage = c.stage, l.micro = c.micro, l.recomputation = c.checkpointing;
+    l.offload = r_.parallel.offload;
+    l.delayed_update = r_.parallel.delayed_update;
+    return l;
+  }
+  // Whether the layout rules (engine/plan/layout.cpp) allow a choice: the planner picks only what
+  // the ranks will accept.
+  bool allowed(const Choice& c, bool stage_decided = true, bool micro_decided = true) const {
+    LayoutDecided d;
+    d.zero_stage = stage_decided;
+    d.micro = micro_decided;
+    return layout_problems(r_, layout_with(c), d).empty();
+  }
+
   std::vector<int> stage_candidates() const {
     if (r_.parallel.zero_stage) return {*r_.parallel.zero_stage};
-    if (pp_ > 1) return {0, 1, 2};  // ZeRO-3 is refused with pipeline parallelism
-    if (r_.parallel.offload == Offload::OptimizerAndParams) return {3};
-    if (r_.parallel.offload == Offload::Optimizer) return {1, 2, 3};
-    return {0, 1, 2, 3};
+    std::vector<int> out;
+    for (int stage = 0; stage <= 3; ++stage)
+      if (allowed({stage, false, 1}, /*stage_decided=*/true, /*micro_decided=*/false)) out.push_back(stage);
+    DSRUN_ASSERT(!out.empty(), "a layout without a ZeRO stage it can run is refused by its rules");
+    return out;
   }
   std::vector<bool> checkpointing_candidates() const {
     switch (r_.parallel.activation_checkpointing) {
@@ -372,12 +394,12 @@ class Planner {
     // Divisors of the per-rank batch, found in pairs up to its square root (batches can be huge).
     int64_t per_rank = r_.batch.global / dp_;
     std::vector<int64_t> out;
-    // The interleaved schedule needs the micro-batches per step in multiples of the stages.
-    auto allowed = [&](int64_t micro) { return r_.parallel.pipeline_schedule != PipelineScheduleKind::Interleaved || (per_rank / micro) % pp_ == 0; };
+    // The rules decide which divide (the interleaved schedule wants multiples of the stages).
+    auto ok = [&](int64_t micro) { return allowed({0, false, micro}, /*stage_decided=*/false); };
     for (int64_t d = 1; d * d <= per_rank; ++d)
       if (per_rank % d == 0) {
-        if (allowed(d)) out.push_back(d);
-        if (d != per_rank / d && allowed(per_rank / d)) out.push_back(per_rank / d);
+        if (ok(d)) out.push_back(d);
+        if (d != per_rank / d && ok(per_rank / d)) out.push_back(per_rank / d);
       }
     std::sort(out.rbegin(), out.rend());
     return out;
@@ -394,7 +416,7 @@ class Planner {
     const int64_t smallest_micro = micros.back();
 
     // 1. The lowest ZeRO stage (and recomputation only if needed) that fits the smallest micro-batch.
-    Layout chosen{stages.back(), ckpts.back(), smallest_micro};
+    Choice chosen{stages.back(), ckpts.back(), smallest_micro};
     bool found = false;
     std::string stage_reason, ckpt_reason;
     for (int stage : stages) {
@@ -462,9 +484,7 @@ class Planner {
     }
 
     Evaluation ev = evaluate(chosen);
-    p.zero_stage = chosen.stage;
-    p.activation_checkpointing = chosen.checkpointing;
-    p.micro_batch = chosen.micro;
+    p.layout = layout_with(chosen);
     p.accumulation = r_.batch.global / (chosen.micro * dp_);
     DSRUN_ASSERT(p.accumulation * chosen.micro * dp_ == r_.batch.global, "batch divisibility was validated");
     p.tokens_per_step = static_cast<double>(r_.batch.global) * cost_.tokens_per_sample;
@@ -478,25 +498,36 @@ class Planner {
     p.host = ev.host;
     p.host_memory_needed = ev.host_needed;
     p.fits = ev.fits;
+    p.binds = ev.binds();
 
-    double total = rank_total(ev);
-    if (total <= capacity_)
-      p.verdict.push_back("fits: " + format_bytes(total) + " of " + format_bytes(capacity_) + " per rank, headroom " +
-                          format_bytes(capacity_ - total) + " (" + format_double(100.0 * (capacity_ - total) / capacity_, 3) + "%)");
-    else
-      p.verdict.push_back("does not fit: needs " + format_bytes(total) + " per rank, " + format_bytes(capacity_) + " available (short by " +
-                          format_bytes(total - capacity_) + ")");
-    if (r_.hardware.device == Device::Cuda || ev.host_needed > r_.hardware.host_memory_bytes)
-      p.verdict.push_back(std::string(ev.host_needed <= r_.hardware.host_memory_bytes ? "host memory fits: " : "host memory does not fit (hardware.host_memory_gib): ") +
-                          format_bytes(ev.host_needed) + " of " + format_bytes(r_.hardware.host_memory_bytes) + " per node (" +
-                          std::to_string(ranks_per_node_) + " rank(s) x " + format_bytes(ev.host.total()) + ")");
-    if (!p.fits && options_.full) suggest(p, chosen);
+    // The verdict names what binds first (device memory per rank, host memory per node), then
+    // how the other fares: never "does not fit" followed by a bare "fits".
+    const HardwareSpec& hw = r_.hardware;
+    const double total = rank_total(ev);
+    const std::string device_line = ev.device_fits ? "fits: " + format_bytes(total) + " of " + format_bytes(capacity_) + " per rank, headroom " +
+                                                         format_bytes(capacity_ - total) + " (" + format_double(100.0 * (capacity_ - total) / capacity_, 3) + "%)"
+                                                   : "needs " + format_bytes(total) + " per rank, " + format_bytes(capacity_) + " available (short by " +
+                                                         format_bytes(total - capacity_) + ")";
+    const std::string host_line = format_bytes(ev.host_needed) + " of " + format_bytes(hw.host_memory_bytes) + " per node (" + std::to_string(ranks_per_node_) +
+                                  " rank(s) x " + format_bytes(ev.host.total()) + ")";
+    const std::string host_short = "needs " + format_bytes(ev.host_needed) + " per node, " + format_bytes(hw.host_memory_bytes) + " available (short by " +
+                                   format_bytes(ev.host_needed - hw.host_memory_bytes) + "; " + std::to_string(ranks_per_node_) + " rank(s) x " +
+                                   format_bytes(ev.host.total()) + ")";
+    if (!ev.device_fits) p.verdict.push_back("does not fit: device memory " + device_line);
+    else if (!ev.host_fits) p.verdict.push_back("does not fit: host memory (hardware.host_memory_gib) " + host_short);
+    else p.verdict.push_back(device_line);
+    if (!ev.device_fits && !ev.host_fits) p.verdict.push_back("host memory does not fit either (hardware.host_memory_gib): " + host_short);
+    else if (!ev.device_fits && (hw.device == Device::Cuda)) p.verdict.push_back("host memory fits: " + host_line);
+    else if (ev.device_fits && !ev.host_fits) p.verdict.push_back("device memory fits: " + format_bytes(total) + " of " + format_bytes(capacity_) + " per rank");
+    else if (hw.device == Device::Cuda) p.verdict.push_back("host memory fits: " + host_line);
+    if (!p.fits && options_.full) suggest(p, chosen, ev);
   }
 
   // What would fit instead: the least invasive changes first, then more devices.
-  void suggest(Plan& p, const Layout& current) {
+  void suggest(Plan& p, const Choice& current, const Evaluation& now) {
+    if (now.device_fits && !now.host_fits) suggest_host(p, now);
     struct Option {
-      Layout layout;
+      Choice layout;
       Offload offload;
       std::string sets;
     };
@@ -510,7 +541,7 @@ class Planner {
           if (off == Offload::OptimizerAndParams && stage != 3) continue;
           std::string sets = "--set parallel.zero_stage=" + std::to_string(stage);
           if (ckpt) sets += " --set parallel.activation_checkpointing=full";
-          if (off != Offload::None) sets += std::string(" --set parallel.offload=") + to_string(off);
+          if (off != r_.parallel.offload) sets += std::string(" --set parallel.offload=") + to_string(off);
           if (r_.batch.micro || per_rank > 1) sets += " --set batch.micro=1";
           options.push_back({{stage, ckpt, 1}, off, sets});
         }
@@ -519,14 +550,15 @@ class Planner {
       Recipe alt = r_;
       alt.parallel.offload = o.offload;
       Planner alt_planner(alt, host_);
+      if (!alt_planner.allowed(o.layout)) continue;
       Evaluation ev = alt_planner.evaluate(o.layout);
       if (!ev.fits) continue;
       p.suggestions.push_back("fits with " + o.sets + " (" + alt_planner.usage(ev) + ")");
       if (++shown == 2) break;
     }
     // More GPUs of the same kind, with ZeRO-3, recomputation and micro batch 1 (CPU ranks share
-    // one memory, so more of them never helps).
-    if (shown > 0 || r_.hardware.device != Device::Cuda) {
+    // one memory, so more of them never helps); not when only host memory binds.
+    if (shown > 0 || r_.hardware.device != Device::Cuda || now.device_fits) {
       if (p.suggestions.empty()) p.suggestions.push_back("no configuration of this hardware fits: choose a smaller model or more memory");
       return;
     }
@@ -546,88 +578,147 @@ class Planner {
     if (p.suggestions.empty()) p.suggestions.push_back("no configuration of this hardware fits: choose a smaller model or larger devices");
   }
 
+  // Host memory binds: the key that says how much a node has, fewer ranks per node, and (below)
+  // any layout change that holds less on the host.
+  void suggest_host(Plan& p, const Evaluation& now) const {
+    const double GiB = 1024.0 * 1024.0 * 1024.0;
+    p.suggestions.push_back("if the nodes have more host memory, say so: --set hardware.host_memory_gib=" +
+                            std::to_string(static_cast<int64_t>(std::ceil(now.host_needed / GiB))) + " (the plan needs " + format_bytes(now.host_needed) + " per node)");
+    const int per_node = static_cast<int>(std::floor(r_.hardware.host_memory_bytes / std::max(1.0, now.host.total())));
+    if (per_node >= 1 && per_node < ranks_per_node_)
+      p.suggestions.push_back("at most " + std::to_string(per_node) + " rank(s) per node fit in " + format_bytes(r_.hardware.host_memory_bytes) + " (" +
+                              format_bytes(now.host.total()) + " each): more hardware.nodes with fewer ranks on each (hardware.devices_per_node = " +
+                              std::to_string(per_node) + ")");
+  }
+
   // The parameters of one rank's ZeRO shards: its share of the rest over the data ranks, and of
   // its routed experts over the ranks keeping the same ones (shards are padded, never uneven).
   double shard_params() const { return std::ceil(rank_params_ / dp_) + std::ceil(rank_expert_params_ / (dp_ / ep_)); }
 
-  double link_bandwidth() const {
+  // Where a group's members sit decides its price (docs/plan.md, "The network"): a group inside
+  // one node runs at the device link (halved without GPU peer-to-peer: copies go through host
+  // memory); a group that spans nodes at the smaller of that and each rank's share of its node's
+  // network link. Ranks sit on nodes in rank order (the launcher's placement).
+  struct GroupLink {
+    double bandwidth = 0;  // bytes/s a member sends at, comm_efficiency applied
+    int nodes = 1;         // nodes the group spans
+  };
+  double intra_node_bandwidth() const {
     const HardwareSpec& hw = r_.hardware;
-    double bw = hw.link_bandwidth;
-    if (hw.device == Device::Cuda && !hw.p2p) bw /= 2;  // every transfer is copied through host memory
-    if (hw.nodes > 1 && dp_ > ranks_per_node_) bw = std::min(bw, hw.inter_node_bandwidth / ranks_per_node_);
-    return bw * hw.comm_efficiency;
+    return hw.link_bandwidth / (hw.device == Device::Cuda && !hw.p2p ? 2 : 1);
   }
+  double inter_node_share() const { return r_.hardware.inter_node_bandwidth / placement_.ranks_per_node; }
+  // The group start, start + stride, ... (count members): a mesh dimension's group of rank 0.
+  int nodes_spanned(int64_t start, int64_t stride, int64_t count) const {
+    if (count <= 1) return 1;
+    const int64_t rpn = placement_.ranks_per_node;
+    if (stride >= rpn) return static_cast<int>(std::min<int64_t>(count, placement_.nodes));
+    return static_cast<int>((start + (count - 1) * stride) / rpn - start / rpn + 1);
+  }
+  GroupLink group_link(int64_t stride, int64_t count) const {
+    GroupLink g;
+    g.nodes = nodes_spanned(0, stride, count);
+    g.bandwidth = (g.nodes > 1 ? std::min(intra_node_bandwidth(), inter_node_share()) : intra_node_bandwidth()) * r_.hardware.comm_efficiency;
+    return g;
+  }
+  static std::string where(const GroupLink& g) { return g.nodes > 1 ? "across " + std::to_string(g.nodes) + " nodes" : "within a node"; }
 
   void predict_communication(Plan& p) {
     const double psi = rank_params_;
     const double e = bytes_per_element(r_.precision.dtype);
-    const double bw = link_bandwidth();
     const double a = static_cast<double>(p.accumulation);
-    auto add = [&](std::string what, double bytes) {
-      if (bytes <= 0) return;
-      p.comm.push_back({std::move(what), bytes, bytes / bw});
-    };
-    // ZeRO's collectives over `ranks` data ranks for `params` parameters (the routed experts' over
-    // the dp/ep ranks keeping the same ones, with `of` naming them).
-    auto data_parallel = [&](double params, int ranks, const std::string& of) {
+    const HardwareSpec& hw = r_.hardware;
+    // ZeRO's collectives over a group of data ranks for `params` parameters (the routed experts'
+    // over the dp/ep ranks keeping the same ones, with `of` naming them), priced by the group's link.
+    auto data_parallel = [&](double params, int ranks, int64_t stride, const std::string& of) {
       if (ranks <= 1) return;
+      const GroupLink link = group_link(stride, ranks);
+      const std::string at = ", " + where(link);
+      auto add = [&](const std::string& what, double bytes) {
+        if (bytes > 0) p.comm.push_back({what, bytes, bytes / link.bandwidth});
+      };
       const double ring = (ranks - 1.0) / ranks;  // ring collectives: each rank sends (N-1)/N of the buffer per pass
-      switch (p.zero_stage) {
-        case 0: add("all-reduce gradients" + of + " (once per step)", 2 * ring * params * e); break;
+      switch (p.layout.zero_stage) {
+        case 0: add("all-reduce gradients" + of + " (once per step" + at + ")", 2 * ring * params * e); break;
         case 1:
-          add("reduce-scatter gradients" + of + " (once per step)", ring * params * e);
-          add("all-gather updated parameters" + of, ring * params * e);
+          add("reduce-scatter gradients" + of + " (once per step" + at + ")", ring * params * e);
+          add("all-gather updated parameters" + of + " (" + where(link) + ")", ring * params * e);
           break;
         case 2:
-          add("reduce-scatter gradients" + of + " (every micro-batch)", a * ring * params * e);
-          add("all-gather updated parameters" + of, ring * params * e);
+          add("reduce-scatter gradients" + of + " (every micro-batch" + at + ")", a * ring * params * e);
+          add("all-gather updated parameters" + of + " (" + where(link) + ")", ring * params * e);
           break;
         case 3:
-          add("all-gather parameters" + of + " for forward (every micro-batch)", a * ring * params * e);
-          add("all-gather parameters" + of + " for backward (every micro-batch)", a * ring * params * e);
-          add("reduce-scatter gradients" + of + " (every micro-batch)", a * ring * params * e);
+          add("all-gather parameters" + of + " for forward (every micro-batch" + at + ")", a * ring * params * e);
+          add("all-gather parameters" + of + " for backward (every micro-batch" + at + ")", a * ring * params * e);
+          add("reduce-scatter gradients" + of + " (every micro-batch" + at + ")", a * ring * params * e);
           break;
       }
     };
-    data_parallel(psi, dp_, "");
-    data_parallel(rank_expert_params_, dp_ / ep_, " of the routed experts");
+    // Data rank d sits tp ranks after d-1; the replicas of an expert shard sit tp·ep apart.
+    data_parallel(psi, dp_, tp_, "");
+    data_parallel(rank_expert_params_, dp_ / ep_, static_cast<int64_t>(tp_) * ep_, " of the routed experts");
     if (ep_ > 1) {
       // Each MoE layer sends every (token, choice) pair's row to its expert's rank and back, in
       // forward and again in backward (and once more when recomputed): [micro · s · k, h] each
       // way, of which (ep-1)/ep leaves the rank; the busiest rank's share is `imbalance` times
-      // the mean. Within the node while the ep ranks fit in it (they are consecutive data ranks).
+      // the mean. The ep ranks are consecutive data ranks: what goes to members on other nodes
+      // crosses the network, the rest the node's link, both at once.
       int moe_layers = 0;
       for (const StageCost& st : stages_) moe_layers = std::max(moe_layers, st.moe_layers);
-      const double pairs = static_cast<double>(p.micro_batch) * r_.batch.seq_len * r_.model.moe.top_k;
-      const double passes = p.activation_checkpointing ? 6 : 4;
-      const double bytes = a * moe_layers * passes * pairs * r_.model.hidden * e * (ep_ - 1.0) / ep_ * imbalance_;
-      const bool across_nodes = r_.hardware.nodes > 1 && ep_ * tp_ > ranks_per_node_;
-      const double ep_bw = (across_nodes ? r_.hardware.inter_node_bandwidth / ranks_per_node_ : r_.hardware.link_bandwidth) * r_.hardware.comm_efficiency;
-      p.comm.push_back({"all-to-all tokens to their experts and back (expert, " + std::to_string(static_cast<int>(passes)) + " per MoE layer, every micro-batch)", bytes, bytes / ep_bw});
+      const double pairs = static_cast<double>(p.layout.micro) * r_.batch.seq_len * r_.model.moe.top_k;
+      const double passes = p.layout.recomputation ? 6 : 4;
+      const double rows = a * moe_layers * passes * pairs * r_.model.hidden * e * imbalance_;
+      const GroupLink link = group_link(tp_, ep_);
+      const double local = static_cast<double>(ep_) / link.nodes;  // members on this rank's node
+      const double intra = rows * (local - 1) / ep_, inter = rows * (ep_ - local) / ep_;
+      const double seconds = std::max(intra / (intra_node_bandwidth() * hw.comm_efficiency), inter > 0 ? inter / (inter_node_share() * hw.comm_efficiency) : 0.0);
+      p.comm.push_back({"all-to-all tokens to their experts and back (expert, " + std::to_string(static_cast<int>(passes)) + " per MoE layer, every micro-batch, " +
+                            (link.nodes > 1 ? format_double(100 * inter / (intra + inter), 3) + "% across nodes" : "within a node") + ")",
+                        intra + inter, seconds});
     }
     if (tp_ > 1) {
       // Megatron's tensor parallelism: per layer two all-reduces of the activations [b, s, h] in
-      // forward and two in backward, every micro-batch; within the node (tp ranks are consecutive).
-      // Sequence parallelism replaces each by a reduce-scatter and an all-gather: the same bytes.
-      const double activation = static_cast<double>(p.micro_batch) * r_.batch.seq_len * r_.model.hidden * e;
+      // forward and two in backward, every micro-batch, over the tensor group (consecutive ranks:
+      // inside a node unless parallel.tensor_across_nodes says otherwise). Sequence parallelism
+      // replaces each by a reduce-scatter and an all-gather: the same bytes.
+      const double activation = static_cast<double>(p.layout.micro) * r_.batch.seq_len * r_.model.hidden * e;
       const double t = tp_, bytes = a * 4.0 * r_.model.layers * 2 * (t - 1) / t * activation;
-      const double node_bw = r_.hardware.link_bandwidth * r_.hardware.comm_efficiency;
-      p.comm.push_back({r_.parallel.sequence_parallel ? "reduce-scatter + all-gather activations (tensor, sequence-parallel, 4 per layer, every micro-batch)"
-                                                      : "all-reduce activations (tensor, 4 per layer, every micro-batch)",
-                        bytes, bytes / node_bw});
+      const GroupLink link = group_link(1, tp_);
+      p.comm.push_back({std::string(r_.parallel.sequence_parallel ? "reduce-scatter + all-gather activations (tensor, sequence-parallel, 4 per layer, every micro-batch, "
+                                                                  : "all-reduce activations (tensor, 4 per layer, every micro-batch, ") +
+                            where(link) + ")",
+                        bytes, bytes / link.bandwidth});
     }
     if (pp_ > 1) {
       // Every chunk sends its output forward and its input's gradient back, every micro-batch:
       // [micro, seq, hidden] (1/t of it with sequence parallelism). Stages are the outermost
-      // dimension: neighbours sit dp × tp ranks apart, on another node once that passes a node.
-      const double activation = static_cast<double>(p.micro_batch) * r_.batch.seq_len * r_.model.hidden * e / (r_.parallel.sequence_parallel ? tp_ : 1);
-      const bool across_nodes = r_.hardware.nodes > 1 && dp_ * tp_ >= ranks_per_node_;
-      const double p2p_bw = (across_nodes ? r_.hardware.inter_node_bandwidth / ranks_per_node_ : r_.hardware.link_bandwidth) * r_.hardware.comm_efficiency;
+      // dimension, dp × tp ranks apart: a boundary crosses nodes when its two stages' ranks do
+      // (interleaving also wraps from the last stage to the first). The busiest rank sits on a
+      // crossing boundary when there is one.
+      const int64_t stage_ranks = static_cast<int64_t>(dp_) * tp_;
+      auto crosses = [&](int64_t from, int64_t to) {  // stage `from`'s ranks and stage `to`'s
+        const int64_t lo = std::min(from, to), hi = std::max(from, to);
+        return placement_.node_of(static_cast<int>(lo * stage_ranks)) != placement_.node_of(static_cast<int>((hi + 1) * stage_ranks - 1));
+      };
+      int boundaries = pp_ - 1, crossing = 0;
+      for (int s = 0; s + 1 < pp_; ++s) crossing += crosses(s, s + 1) ? 1 : 0;
+      if (v_ > 1) {
+        ++boundaries;
+        crossing += crosses(pp_ - 1, 0) ? 1 : 0;
+      }
+      const double intra = intra_node_bandwidth() * hw.comm_efficiency, inter = std::min(intra_node_bandwidth(), inter_node_share()) * hw.comm_efficiency;
+      const double p2p_bw = crossing > 0 ? inter : intra;
+      const double activation = static_cast<double>(p.layout.micro) * r_.batch.seq_len * r_.model.hidden * e / (r_.parallel.sequence_parallel ? tp_ : 1);
       const double bytes = 2 * a * v_ * activation;
-      p.comm.push_back({"send/receive activations and their gradients (pipeline, every micro-batch)", bytes, bytes / p2p_bw});
+      p.comm.push_back({"send/receive activations and their gradients (pipeline, every micro-batch, " +
+                            (crossing > 0 ? std::to_string(crossing) + " of " + std::to_string(boundaries) + " stage boundaries across nodes" : "within a node") + ")",
+                        bytes, bytes / p2p_bw});
       if (r_.model.tie_embeddings) {
         const double tied = 2 * cost_.embedding_params / tp_ * e;
-        p.comm.push_back({"tied embedding to the last stage and its gradient back (pipeline, once per step)", tied, tied / p2p_bw});
+        const bool tied_crosses = placement_.node_of(0) != placement_.node_of(static_cast<int>((pp_ - 1) * stage_ranks));
+        p.comm.push_back({std::string("tied embedding to the last stage and its gradient back (pipeline, once per step, ") + (tied_crosses ? "across nodes" : "within a node") + ")",
+                          tied, tied / (tied_crosses ? inter : intra)});
       }
     }
     for (const auto& c : p.comm) p.comm_seconds += c.seconds;
@@ -648,16 +739,16 @@ class Planner {
         else overlappable_work += c.seconds;
       }
       double backward = compute * 2.0 / 3.0;
-      double window = p.zero_stage <= 1 ? backward / a : p.zero_stage == 2 ? backward : compute;
+      double window = p.layout.zero_stage <= 1 ? backward / a : p.layout.zero_stage == 2 ? backward : compute;
       p.exposed_comm_seconds = std::max(0.0, overlappable_work - window) + not_overlapped;
     }
 
     // Offload traffic over PCIe: gradient shard down, updated parameter shard up; ZeRO-3 parameter
     // offload also fetches the parameter shard for every forward and backward.
-    if (p.offload != Offload::None && r_.hardware.device == Device::Cuda) {
+    if (p.layout.offload != Offload::None && r_.hardware.device == Device::Cuda) {
       const double shard = shard_params();
       double bytes = 2 * shard * e;
-      if (p.offload == Offload::OptimizerAndParams) bytes += 2 * a * shard * e;
+      if (p.layout.offload == Offload::OptimizerAndParams) bytes += 2 * a * shard * e;
       p.offload_seconds = bytes / r_.hardware.host_link_bandwidth;
     }
   }
@@ -673,7 +764,7 @@ class Planner {
   }
 
   double compute_seconds(Plan& p) const {
-    double per_sample = cost_.model_flops_per_sample + (p.activation_checkpointing ? cost_.recompute_flops_per_sample : 0);
+    double per_sample = cost_.model_flops_per_sample + (p.layout.recomputation ? cost_.recompute_flops_per_sample : 0);
     p.hardware_flops_per_step = per_sample * static_cast<double>(r_.batch.global);
     p.model_flops_per_step = cost_.model_flops_per_sample * static_cast<double>(r_.batch.global);
     p.peak_flops = peak_flops();
@@ -702,7 +793,7 @@ class Planner {
     const double link = r_.hardware.host_link_bandwidth;
     const double forward = p.compute_seconds / 3, backward = p.compute_seconds - forward;
     const double down = shard * e / link;
-    const double up = p.offload == Offload::OptimizerAndParams ? 0 : shard * e / link;
+    const double up = p.layout.offload == Offload::OptimizerAndParams ? 0 : shard * e / link;
     const double fetch = std::max(0.0, p.offload_seconds - down - up - p.compute_seconds);
     const double host = p.optimizer_seconds;
     const double exposed_down = std::max(0.0, down - backward);
@@ -727,9 +818,9 @@ class Planner {
     const bool mixed = r_.precision.dtype != DType::Fp32;
     int states = r_.optimizer.kind == OptimizerKind::Sgd ? (r_.optimizer.momentum > 0 ? 1 : 0) : 2;
     double touched = 8 + 8.0 * states + e + (mixed ? e : 0);
-    const double shard = p.zero_stage >= 1 ? shard_params() : rank_params_ + rank_expert_params_;
+    const double shard = p.layout.zero_stage >= 1 ? shard_params() : rank_params_ + rank_expert_params_;
     // Offloaded, the step runs on the host, whose memory bandwidth the node's ranks share.
-    const bool host_step = p.offload != Offload::None && r_.hardware.device == Device::Cuda;
+    const bool host_step = p.layout.offload != Offload::None && r_.hardware.device == Device::Cuda;
     const double bandwidth = host_step ? r_.hardware.host_memory_bandwidth / ranks_per_node_ : r_.hardware.memory_bandwidth;
     p.optimizer_seconds = shard * touched / bandwidth;
     p.offload_hidden_seconds = host_step ? hidden_offload_seconds(p, shard, e) : 0;
@@ -763,15 +854,14 @@ class Planner {
       p.notes.push_back("attention on CPU keeps the s x s probabilities of every head (no flash kernel in libtorch 1.13)");
     if (hw.device == Device::Cuda && !hw.p2p && dp_ > 1)
       p.notes.push_back("no GPU peer-to-peer: collectives go through host memory (half the link bandwidth assumed); NCCL needs NCCL_P2P_DISABLE=1 here");
-    if (hw.device == Device::Cpu && p.offload != Offload::None)
+    if (hw.device == Device::Cpu && p.layout.offload != Offload::None)
       p.notes.push_back("offload on CPU ranks moves nothing (host and device memory are the same); the same code path runs, with separate host copies");
-    if (p.zero_stage > 0 && dp_ == 1) p.notes.push_back("ZeRO stage " + std::to_string(p.zero_stage) + " with one rank shards nothing");
+    if (p.layout.zero_stage > 0 && dp_ == 1) p.notes.push_back("ZeRO stage " + std::to_string(p.layout.zero_stage) + " with one rank shards nothing");
     if (hw.device == Device::Cuda && pp_ > 1)
-      p.notes.push_back("pipeline on GPUs: NCCL runs a pair's sends and receives in order, and the engine does not yet batch a stage's send with the "
-                        "neighbour's receive (Megatron-LM's send_forward_recv_backward): activations larger than NCCL's buffer may stall 1F1B "
-                        "(docs/parallelism.md, \"On GPUs\"); tested on CPU ranks (Gloo) only");
+      p.notes.push_back("pipeline on GPUs: each run of a stage's sends and receives goes out as one NCCL group (Megatron-LM's send_forward_recv_backward); "
+                        "the schedule was simulated under NCCL's semantics (in-order rendezvous per pair) before launch (docs/parallelism.md, \"On GPUs\")");
     int64_t shard_pad = static_cast<int64_t>(std::ceil(rank_params_ / dp_) * dp_ - rank_params_);
-    if (p.zero_stage > 0 && shard_pad > 0)
+    if (p.layout.zero_stage > 0 && shard_pad > 0)
       p.notes.push_back(format_count(cost_.params) + " parameters do not divide by " + std::to_string(dp_) + " ranks: shards are padded by " +
                         std::to_string(shard_pad) + " elements");
     if (hw.device == Device::Cuda && r_.model.moe.enabled())
@@ -792,6 +882,7 @@ class Planner {
   double rank_params_ = 0;  // the parameters one rank's ZeRO holds: Ψ, less what tensor parallelism splits away and the routed experts
   double rank_expert_params_ = 0;  // the routed experts one rank keeps (the fullest stage's)
   int ranks_per_node_ = 1;
+  Placement placement_;
   AttentionKernel kernel_ = AttentionKernel::Flash;
   ModelCost cost_;
   double capacity_ = 0;
@@ -808,33 +899,9 @@ Plan plan_candidate(const Recipe& recipe, const HostFacts& host, double data_byt
 
 double planned_data_bytes(const Recipe& recipe) { return data_bytes(recipe, recipe.batch.seq_len); }
 
-Plan make_plan(const Recipe& recipe, const HostFacts& host) {
-  if (!recipe.parallel.search.any()) return Planner(recipe, host).plan();
-  // "auto" layout keys: the fastest predicted layout that fits (or the first, if none fits).
-  std::vector<LayoutRow> rows = search_layouts(recipe, host);
-  if (rows.empty() || !rows.front().problem.empty()) {
-    ErrorContext c;
-    c.key = "parallel.tensor";
-    c.hint = "set parallel.tensor and parallel.pipeline to degrees the model divides by";
-    throw Error(rows.empty() ? "no layout of this hardware can run the model" : "no layout of this hardware can run the model: " + rows.front().problem, c);
-  }
-  const LayoutRow& best = rows.front();
-  Plan p = Planner(with_layout(recipe, best), host).plan();
-  const ParallelOptions::Searched& searched = recipe.parallel.search;
-  // The first searched key carries why; the others belong to the same layout.
-  std::string why = rows.size() > 1 ? best.verdict + "; next: " + rows[1].describe() + ", " + rows[1].verdict : best.verdict;
-  auto choose = [&](const char* key, const std::string& value) {
-    p.choices.push_back({key, value, why});
-    why = "the same layout";
-  };
-  if (searched.tensor) choose("parallel.tensor", std::to_string(best.tensor));
-  if (searched.pipeline) choose("parallel.pipeline", std::to_string(best.pipeline));
-  if (searched.schedule && best.pipeline > 1) choose("parallel.pipeline_schedule", to_string(best.schedule));
-  if (searched.virtual_stages && best.pipeline > 1) choose("parallel.virtual_stages", std::to_string(best.virtual_stages));
-  if (searched.expert) choose("parallel.expert", std::to_string(best.expert));
-  if (searched.sequence_parallel) p.choices.push_back({"parallel.sequence_parallel", best.sequence_parallel ? "true" : "false", best.tensor > 1 ? "same traffic as without, 1/tensor of the activations between regions" : "no tensor parallelism"});
-  p.layouts = std::move(rows);
-  return p;
+Plan plan_fixed_layout(const Recipe& recipe, const HostFacts& host) {
+  DSRUN_ASSERT(!recipe.parallel.search.any(), "the search fixes every degree before planning");
+  return Planner(recipe, host).plan();
 }
 
 }  // namespace dsrun

@@ -4,6 +4,7 @@
 
 #include "engine/common/host.hpp"
 #include "engine/plan/cost.hpp"
+#include "engine/plan/layout.hpp"
 #include "engine/recipe/recipe.hpp"
 
 #include <string>
@@ -73,17 +74,14 @@ struct AutoChoice {
 // One layout the search considered (parallel.* = "auto", `dsrun plan --layouts`), with what its
 // plan predicts and why it was or was not chosen.
 struct LayoutRow {
-  int tensor = 1, pipeline = 1, data = 1, virtual_stages = 1, expert = 1;
-  PipelineScheduleKind schedule = PipelineScheduleKind::OneFOneB;
-  bool sequence_parallel = false;
-  int zero_stage = 0;
-  int64_t micro = 0;
-  bool checkpointing = false;
+  Layout layout;        // the ZeRO stage, micro batch and recomputation its plan chose
   std::string problem;  // why it cannot run at all ("" when it can); the numbers below are then 0
   bool fits = false;
-  double memory_bytes = 0, capacity = 0, step_seconds = 0, mfu = 0, bubble_fraction = 0, exposed_comm_seconds = 0;
+  std::string binds;    // what does not fit: "device memory", "host memory" ("" when it fits)
+  double memory_bytes = 0, capacity = 0, host_bytes = 0, host_capacity = 0;
+  double step_seconds = 0, mfu = 0, bubble_fraction = 0, exposed_comm_seconds = 0;
   std::string verdict;  // "chosen", or why it loses
-  std::string describe() const;  // "tp 2 × pp 4 (interleaved × 2) × dp 2, sequence-parallel"
+  std::string describe() const { return layout.describe(); }
 };
 
 struct Plan {
@@ -93,15 +91,10 @@ struct Plan {
   Device device = Device::Cpu;
   ModelArch arch = ModelArch::DeepSeek;
 
-  // topology
-  int nodes = 1, devices_per_node = 1, world_size = 1, data_parallel = 1, ranks_per_node = 1;
-  int tensor_parallel = 1;  // world_size = pipeline_parallel × data_parallel × tensor_parallel
-  int pipeline_parallel = 1;
-  int expert_parallel = 1;  // within data_parallel: ranks sharing one replica's routed experts
+  // topology: the chosen layout (degrees, schedule, ZeRO stage, micro batch, recomputation, offload)
+  Layout layout;
+  int nodes = 1, devices_per_node = 1, world_size = 1, ranks_per_node = 1;
   double expert_imbalance = 1;  // planned: the busiest expert rank's tokens over the mean
-  bool sequence_parallel = false;
-  PipelineScheduleKind pipeline_schedule = PipelineScheduleKind::OneFOneB;
-  int virtual_stages = 1;
   // The model's units (pipeline numbering: embedding, blocks, head) cut into stages × virtual
   // stages pieces [begin, end), balanced by FLOPs; rank r of the pipeline runs pieces r, r + stages, ...
   std::vector<std::pair<int, int>> pipeline_pieces;
@@ -111,14 +104,10 @@ struct Plan {
   double live_micro_batches = 1;  // whose activations that stage holds at once
   std::vector<double> stage_model_state_bytes;  // per pipeline stage: model states (device and host) one rank holds
 
-  // batch math: global = micro × accumulation × data_parallel
-  int64_t global_batch = 0, micro_batch = 0, accumulation = 0, seq_len = 0;
+  // batch math: global = layout.micro × accumulation × layout.data
+  int64_t global_batch = 0, accumulation = 0, seq_len = 0;
   double tokens_per_step = 0;  // samples per step for images
 
-  // parallelism and precision actually used
-  int zero_stage = 0;
-  Offload offload = Offload::None;
-  bool activation_checkpointing = false;
   DType dtype = DType::Fp32;
   AttentionKernel attention = AttentionKernel::Flash;
 
@@ -129,6 +118,7 @@ struct Plan {
   double host_memory_needed = 0;    // per node: host.total() × ranks per node
   double host_memory_capacity = 0;  // per node
   bool fits = false;
+  std::string binds;  // what does not fit: "device memory", "host memory", "the pipeline schedule" ("" when it fits)
 
   std::vector<CommTerm> comm;
   double comm_seconds = 0, exposed_comm_seconds = 0;
@@ -142,7 +132,8 @@ struct Plan {
   int64_t steps = 0;
 
   std::vector<AutoChoice> choices;
-  std::vector<LayoutRow> layouts;        // the layouts searched, the chosen first (empty: nothing was "auto")
+  std::vector<LayoutRow> layouts;        // the best layouts searched, the chosen first (empty: nothing was "auto")
+  int64_t layouts_searched = 0;          // all candidates; those past `layouts` are left out of the plan
   std::vector<std::string> verdict;      // why it fits or not
   std::vector<std::string> suggestions;  // what would fit instead
   std::vector<std::string> notes;        // assumptions worth seeing
@@ -151,23 +142,30 @@ struct Plan {
   std::string hardware_message;
 };
 
+// The plan: the recipe's layout, or for "auto" layout keys the fastest searched layout that fits
+// (engine/plan/layout_search.cpp, which plans each candidate with the planner below).
 Plan make_plan(const Recipe& recipe, const HostFacts& host);
 
+// The planner (engine/plan/plan.cpp) for fixed degrees: it chooses the ZeRO stage, micro batch
+// and recomputation left "auto", simulates the pipeline schedule and suggests what would fit.
+Plan plan_fixed_layout(const Recipe& recipe, const HostFacts& host);
 // For the layout search: one candidate's plan without the schedule simulation or suggestions,
 // with the data's size already measured (data_bytes, see plan.cpp).
 Plan plan_candidate(const Recipe& recipe, const HostFacts& host, double data_bytes);
 double planned_data_bytes(const Recipe& recipe);
 
 // Every layout of the recipe's hardware for the keys it leaves "auto" (all five with
-// every_key), each planned; the fastest that fits first, then the slower, then those that do not
-// fit, then the impossible. engine/plan/layout_search.cpp.
-std::vector<LayoutRow> search_layouts(const Recipe& recipe, const HostFacts& host, bool every_key = false);
-// The recipe with a row's layout in place of its "auto" keys.
-Recipe with_layout(const Recipe& recipe, const LayoutRow& row);
+// every_key), each planned once; the fastest that fits first, then the slower, then those that
+// do not fit, then the impossible.
+struct LayoutSearch {
+  std::vector<LayoutRow> rows;
+  int64_t left_out = 0;  // candidates not listed: more pipeline stages than the model has layers
+};
+LayoutSearch search_layouts(const Recipe& recipe, const HostFacts& host, bool every_key = false);
 
 std::string render_plan(const Plan& plan);  // the readable table
-std::string render_layouts(const std::vector<LayoutRow>& rows, const Recipe& recipe);  // `dsrun plan --layouts`
-std::string layouts_to_json(const std::vector<LayoutRow>& rows);
+std::string render_layouts(const LayoutSearch& search, const Recipe& recipe);  // `dsrun plan --layouts`
+std::string layouts_to_json(const LayoutSearch& search);
 std::string plan_to_json(const Plan& plan); // the same, for machines
 
 }  // namespace dsrun

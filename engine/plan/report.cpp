@@ -24,28 +24,41 @@ std::string layout_table(const std::vector<LayoutRow>& rows) {
       t.add({r.describe(), "", "", "", "", "", "", r.verdict});
       continue;
     }
-    t.add({r.describe(), std::to_string(r.zero_stage), std::to_string(r.micro), r.checkpointing ? "full" : "none", format_bytes(r.memory_bytes) + " of " + format_bytes(r.capacity),
+    const Layout& l = r.layout;
+    t.add({r.describe(), std::to_string(l.zero_stage), std::to_string(l.micro), l.recomputation ? "full" : "none", format_bytes(r.memory_bytes) + " of " + format_bytes(r.capacity),
            format_seconds(r.step_seconds), format_double(100 * r.mfu, 3) + "%", r.verdict});
   }
   return t.render("  ");
 }
+
+nlohmann::ordered_json row_json(const LayoutRow& r) {
+  const Layout& l = r.layout;
+  return {{"tensor", l.tensor}, {"pipeline", l.pipeline}, {"data", l.data}, {"expert", l.expert}, {"schedule", to_string(l.schedule)}, {"virtual_stages", l.virtual_stages},
+          {"sequence_parallel", l.sequence_parallel}, {"problem", r.problem}, {"fits", r.fits}, {"binds", r.binds}, {"zero_stage", l.zero_stage},
+          {"micro", l.micro}, {"checkpointing", l.recomputation}, {"memory_bytes", r.memory_bytes}, {"capacity", r.capacity}, {"host_bytes", r.host_bytes},
+          {"host_capacity", r.host_capacity}, {"step_seconds", r.step_seconds}, {"mfu", r.mfu}, {"bubble_fraction", r.bubble_fraction}, {"verdict", r.verdict}};
+}
+
+// `--layouts` prints at most this many rows (a 100,000-node cluster has thousands of layouts).
+constexpr size_t kLayoutsPrinted = 50;
 }  // namespace
 
-std::string render_layouts(const std::vector<LayoutRow>& rows, const Recipe& recipe) {
+std::string render_layouts(const LayoutSearch& search, const Recipe& recipe) {
+  const std::vector<LayoutRow>& rows = search.rows;
   std::string out = "layouts of " + recipe.hardware.name + " (" + std::to_string(recipe.hardware.total_devices()) + " devices) for " +
                     (recipe.model.name.empty() ? std::string("the model") : recipe.model.name) + ", fastest that fits first\n";
   out += "(each planned as dsrun plan does: the lowest ZeRO stage that fits, then the largest micro batch, recomputation only if needed)\n\n";
-  out += layout_table(rows);
+  out += layout_table(std::vector<LayoutRow>(rows.begin(), rows.begin() + std::min(kLayoutsPrinted, rows.size())));
+  const int64_t left = static_cast<int64_t>(rows.size() - std::min(kLayoutsPrinted, rows.size())) + search.left_out;
+  if (left > 0)
+    out += "\n  " + std::to_string(left) + " more left out (" + std::to_string(search.left_out) +
+           " with more pipeline stages than the model has layers; the rest rank below these: --json lists them)\n";
   return out;
 }
 
-std::string layouts_to_json(const std::vector<LayoutRow>& rows) {
+std::string layouts_to_json(const LayoutSearch& search) {
   nlohmann::ordered_json j = nlohmann::ordered_json::array();
-  for (const auto& r : rows)
-    j.push_back({{"tensor", r.tensor}, {"pipeline", r.pipeline}, {"data", r.data}, {"schedule", to_string(r.schedule)}, {"virtual_stages", r.virtual_stages},
-                 {"sequence_parallel", r.sequence_parallel}, {"problem", r.problem}, {"fits", r.fits}, {"zero_stage", r.zero_stage}, {"micro", r.micro},
-                 {"checkpointing", r.checkpointing}, {"memory_bytes", r.memory_bytes}, {"capacity", r.capacity}, {"step_seconds", r.step_seconds},
-                 {"mfu", r.mfu}, {"bubble_fraction", r.bubble_fraction}, {"verdict", r.verdict}});
+  for (const auto& r : search.rows) j.push_back(row_json(r));
   return j.dump(1);
 }
 
@@ -63,49 +76,49 @@ std::string render_plan(const Plan& p) {
 
   section("topology");
   line(std::to_string(p.nodes) + " node(s) x " + std::to_string(p.devices_per_node) + " devices; " + std::to_string(p.world_size) +
-       " ranks (" + std::to_string(p.ranks_per_node) + " per node); data parallel " + std::to_string(p.data_parallel) +
-       (p.tensor_parallel > 1 ? " × tensor parallel " + std::to_string(p.tensor_parallel) + " (tensor innermost: consecutive ranks)" : "") +
-       (p.pipeline_parallel > 1 ? "; pipeline " + std::to_string(p.pipeline_parallel) + " stages (outermost)" : ""));
-  if (p.expert_parallel > 1)
-    line("expert parallel " + std::to_string(p.expert_parallel) + " within the data ranks: each keeps " + std::to_string(p.cost.routed_experts / p.expert_parallel) + " of " +
-         std::to_string(p.cost.routed_experts) + " routed experts per MoE layer, their states sharded over " + std::to_string(p.data_parallel / p.expert_parallel) +
+       " ranks (" + std::to_string(p.ranks_per_node) + " per node); data parallel " + std::to_string(p.layout.data) +
+       (p.layout.tensor > 1 ? " × tensor parallel " + std::to_string(p.layout.tensor) + " (tensor innermost: consecutive ranks)" : "") +
+       (p.layout.pipeline > 1 ? "; pipeline " + std::to_string(p.layout.pipeline) + " stages (outermost)" : ""));
+  if (p.layout.expert > 1)
+    line("expert parallel " + std::to_string(p.layout.expert) + " within the data ranks: each keeps " + std::to_string(p.cost.routed_experts / p.layout.expert) + " of " +
+         std::to_string(p.cost.routed_experts) + " routed experts per MoE layer, their states sharded over " + std::to_string(p.layout.data / p.layout.expert) +
          " rank(s); planned for the busiest rank routing " + format_double(p.expert_imbalance, 3) + "x the mean (parallel.expert_imbalance)");
-  if (p.pipeline_parallel > 1) {
+  if (p.layout.pipeline > 1) {
     std::string pieces;
     for (size_t g = 0; g < p.pipeline_pieces.size(); ++g) {
       const auto [begin, end] = p.pipeline_pieces[g];
-      pieces += (g ? ", " : "") + std::string("stage ") + std::to_string(g % p.pipeline_parallel) + ": units " + std::to_string(begin) + "-" + std::to_string(end - 1);
+      pieces += (g ? ", " : "") + std::string("stage ") + std::to_string(g % p.layout.pipeline) + ": units " + std::to_string(begin) + "-" + std::to_string(end - 1);
     }
-    line("pipeline schedule " + std::string(to_string(p.pipeline_schedule)) + (p.virtual_stages > 1 ? " × " + std::to_string(p.virtual_stages) + " virtual stages" : "") +
+    line("pipeline schedule " + std::string(to_string(p.layout.schedule)) + (p.layout.virtual_stages > 1 ? " × " + std::to_string(p.layout.virtual_stages) + " virtual stages" : "") +
          ", " + std::to_string(p.accumulation) + " micro-batches per step, bubble " + format_double(100 * p.bubble_fraction, 3) + "% of the step");
     line("split by FLOPs (unit 0 the embedding, then each block, the last the head): " + pieces);
   }
 
   section("batch");
-  line("global " + std::to_string(p.global_batch) + " = micro " + std::to_string(p.micro_batch) + " x accumulation " +
-       std::to_string(p.accumulation) + " x data parallel " + std::to_string(p.data_parallel));
+  line("global " + std::to_string(p.global_batch) + " = micro " + std::to_string(p.layout.micro) + " x accumulation " +
+       std::to_string(p.accumulation) + " x data parallel " + std::to_string(p.layout.data));
   if (images) line(std::to_string(p.global_batch) + " images per step");
   else line("sequence " + std::to_string(p.seq_len) + "; " + format_count(p.tokens_per_step) + " tokens per step");
 
   section("parallelism and precision");
-  line("ZeRO stage " + std::to_string(p.zero_stage) + ", offload " + to_string(p.offload) + ", activation checkpointing " +
-       (p.activation_checkpointing ? "full" : "none") + ", " + to_string(p.dtype) + (images ? "" : std::string(", attention ") + kernel_name(p.attention)));
+  line("ZeRO stage " + std::to_string(p.layout.zero_stage) + ", offload " + to_string(p.layout.offload) + ", activation checkpointing " +
+       (p.layout.recomputation ? "full" : "none") + ", " + to_string(p.dtype) + (images ? "" : std::string(", attention ") + kernel_name(p.attention)));
 
-  section(p.pipeline_parallel > 1 ? "memory per rank (pipeline stage " + std::to_string(p.memory_stage) + ", the fullest)" : std::string("memory per rank"));
+  section(p.layout.pipeline > 1 ? "memory per rank (pipeline stage " + std::to_string(p.memory_stage) + ", the fullest)" : std::string("memory per rank"));
   const MemoryBreakdown& m = p.memory;
   const bool mixed = p.dtype != DType::Fp32;
   TextTable t({"component", "bytes", "how"});
-  t.add({"parameters", format_bytes(m.states.params), std::string(to_string(p.dtype)) + ", " + sharded(p.zero_stage, 3, p.data_parallel) +
-                                                       (p.offload == Offload::OptimizerAndParams ? ", offloaded" : "")});
-  t.add({"gradients", format_bytes(m.states.grads), std::string(to_string(p.dtype)) + ", " + sharded(p.zero_stage, 2, p.data_parallel)});
-  if (mixed) t.add({"fp32 master weights", format_bytes(m.states.master), p.offload != Offload::None ? "offloaded" : sharded(p.zero_stage, 1, p.data_parallel)});
-  t.add({"optimizer states", format_bytes(m.states.optimizer), p.offload != Offload::None ? "offloaded" : sharded(p.zero_stage, 1, p.data_parallel)});
+  t.add({"parameters", format_bytes(m.states.params), std::string(to_string(p.dtype)) + ", " + sharded(p.layout.zero_stage, 3, p.layout.data) +
+                                                       (p.layout.offload == Offload::OptimizerAndParams ? ", offloaded" : "")});
+  t.add({"gradients", format_bytes(m.states.grads), std::string(to_string(p.dtype)) + ", " + sharded(p.layout.zero_stage, 2, p.layout.data)});
+  if (mixed) t.add({"fp32 master weights", format_bytes(m.states.master), p.layout.offload != Offload::None ? "offloaded" : sharded(p.layout.zero_stage, 1, p.layout.data)});
+  t.add({"optimizer states", format_bytes(m.states.optimizer), p.layout.offload != Offload::None ? "offloaded" : sharded(p.layout.zero_stage, 1, p.layout.data)});
   if (m.routed_expert_states > 0) t.add({"  of which routed experts", format_bytes(m.routed_expert_states), "parameters, gradients, master and optimizer states of the experts this rank keeps"});
-  t.add({"activations", format_bytes(m.activations), "micro batch " + std::to_string(p.micro_batch) +
-                                                         (p.pipeline_parallel > 1 ? " × " + format_double(p.live_micro_batches, 3) + " live (" + to_string(p.pipeline_schedule) + ")" : "") +
-                                                         (p.activation_checkpointing ? ", checkpointed" : ", no recomputation")});
+  t.add({"activations", format_bytes(m.activations), "micro batch " + std::to_string(p.layout.micro) +
+                                                         (p.layout.pipeline > 1 ? " × " + format_double(p.live_micro_batches, 3) + " live (" + to_string(p.layout.schedule) + ")" : "") +
+                                                         (p.layout.recomputation ? ", checkpointed" : ", no recomputation")});
   if (m.backward_peak > 0) t.add({"backward peak", format_bytes(m.backward_peak), "logits gradients at the start of backward"});
-  t.add({"communication buffers", format_bytes(m.comm_buffers), p.zero_stage == 3 ? "gathered layers" : "gradient buckets"});
+  t.add({"communication buffers", format_bytes(m.comm_buffers), p.layout.zero_stage == 3 ? "gathered layers" : "gradient buckets"});
   t.add({"runtime", format_bytes(m.runtime), "context, libraries"});
   t.add({"allocator slack", format_bytes(m.fragmentation), "fragmentation"});
   double total = m.total() + (p.device == Device::Cpu ? m.states.host : 0);
@@ -119,7 +132,7 @@ std::string render_plan(const Plan& p) {
   if (h.process > 0) ht.add({"process", format_bytes(h.process), "libraries, the CUDA context's host side (hardware.host_runtime_memory_gib)"});
   if (h.device > 0) ht.add({"device terms", format_bytes(h.device), "the memory table above: the same memory on CPU ranks"});
   if (h.offloaded > 0) ht.add({"offloaded states", format_bytes(h.offloaded), "master weights, optimizer states, gradient shard" +
-                                                                                  std::string(p.offload == Offload::OptimizerAndParams ? ", parameter shard" : "")});
+                                                                                  std::string(p.layout.offload == Offload::OptimizerAndParams ? ", parameter shard" : "")});
   if (h.model_build > 0) ht.add({"model build", format_bytes(h.model_build), "one unit's fp32 initial values while it is built"});
   ht.add({"data", format_bytes(h.data), h.data > 0 ? "tokens or images as loaded (int64 or fp32, twice at the peak)"
                                                    : "none: token files are mapped (the page cache's, shared); a batch widens to int64"});
@@ -138,7 +151,7 @@ std::string render_plan(const Plan& p) {
 
   section("compute and speed");
   line("model FLOPs per step " + format_count(p.model_flops_per_step) + (images ? " (3 x forward" : " (6N + attention") +
-       std::string(p.activation_checkpointing ? "; hardware " + format_count(p.hardware_flops_per_step) + " with recomputation" : "") + ")");
+       std::string(p.layout.recomputation ? "; hardware " + format_count(p.hardware_flops_per_step) + " with recomputation" : "") + ")");
   line("per step: compute " + format_seconds(p.compute_seconds) + " + communication " + format_seconds(p.exposed_comm_seconds) +
        " + optimizer " + format_seconds(p.optimizer_seconds) + (p.offload_seconds > 0 ? " + offload " + format_seconds(p.offload_seconds) : "") +
        (p.offload_hidden_seconds > 0 ? " - beside compute " + format_seconds(p.offload_hidden_seconds) : "") +
@@ -152,7 +165,7 @@ std::string render_plan(const Plan& p) {
     for (const auto& ch : p.choices) line(ch.key + " = " + ch.value + ": " + ch.reason);
   }
   if (!p.layouts.empty()) {
-    section("layouts searched (" + std::to_string(p.layouts.size()) + "; the best five; all with dsrun plan --layouts)");
+    section("layouts searched (" + std::to_string(p.layouts_searched) + "; the best five; more with dsrun plan --layouts)");
     out += layout_table(std::vector<LayoutRow>(p.layouts.begin(), p.layouts.begin() + std::min<size_t>(5, p.layouts.size())));
   }
   if (!p.notes.empty()) {
@@ -179,16 +192,24 @@ std::string plan_to_json(const Plan& p) {
                 {"activation_bytes_per_sample", p.cost.activation_bytes_per_sample},
                 {"checkpointed_activation_bytes_per_sample", p.cost.checkpointed_activation_bytes_per_sample}};
   j["topology"] = {{"device", to_string(p.device)}, {"nodes", p.nodes}, {"devices_per_node", p.devices_per_node},
-                   {"world_size", p.world_size}, {"ranks_per_node", p.ranks_per_node}, {"data_parallel", p.data_parallel}, {"tensor_parallel", p.tensor_parallel},
-                   {"pipeline_parallel", p.pipeline_parallel}, {"expert_parallel", p.expert_parallel}, {"expert_imbalance", p.expert_imbalance}};
-  if (!p.layouts.empty()) j["layouts"] = nlohmann::json::parse(layouts_to_json(p.layouts));
-  if (p.pipeline_parallel > 1)
-    j["pipeline"] = {{"schedule", to_string(p.pipeline_schedule)}, {"virtual_stages", p.virtual_stages}, {"pieces", p.pipeline_pieces},
+                   {"world_size", p.world_size}, {"ranks_per_node", p.ranks_per_node}, {"data_parallel", p.layout.data}, {"tensor_parallel", p.layout.tensor},
+                   {"pipeline_parallel", p.layout.pipeline}, {"expert_parallel", p.layout.expert}, {"expert_imbalance", p.expert_imbalance}};
+  // The chosen layout as the keys that pin it (what the ranks read: runs/<id>/config.toml).
+  j["layout"] = json::object();
+  for (const auto& [key, value] : p.layout.to_config_keys()) j["layout"][key] = json::parse(value.toml());
+  j["binds"] = p.binds;
+  if (!p.layouts.empty()) {
+    j["layouts"] = json::array();
+    for (const LayoutRow& r : p.layouts) j["layouts"].push_back(json::parse(row_json(r).dump()));
+    j["layouts_searched"] = p.layouts_searched;
+  }
+  if (p.layout.pipeline > 1)
+    j["pipeline"] = {{"schedule", to_string(p.layout.schedule)}, {"virtual_stages", p.layout.virtual_stages}, {"pieces", p.pipeline_pieces},
                      {"bubble_fraction", p.bubble_fraction}, {"memory_stage", p.memory_stage}, {"problem", p.pipeline_problem}};
-  j["batch"] = {{"global", p.global_batch}, {"micro", p.micro_batch}, {"accumulation", p.accumulation},
+  j["batch"] = {{"global", p.global_batch}, {"micro", p.layout.micro}, {"accumulation", p.accumulation},
                 {"seq_len", p.seq_len}, {"tokens_per_step", p.tokens_per_step}};
-  j["parallel"] = {{"zero_stage", p.zero_stage}, {"offload", to_string(p.offload)},
-                   {"activation_checkpointing", p.activation_checkpointing}, {"dtype", to_string(p.dtype)},
+  j["parallel"] = {{"zero_stage", p.layout.zero_stage}, {"offload", to_string(p.layout.offload)},
+                   {"activation_checkpointing", p.layout.recomputation}, {"dtype", to_string(p.dtype)},
                    {"attention", kernel_name(p.attention)}};
   j["memory_per_rank"] = {{"params", m.states.params}, {"grads", m.states.grads}, {"master", m.states.master},
                           {"optimizer", m.states.optimizer}, {"activations", m.activations}, {"backward_peak", m.backward_peak}, {"comm_buffers", m.comm_buffers},

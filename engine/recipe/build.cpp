@@ -1,6 +1,7 @@
 // Step 3 of loading: typed Recipe from the validated flat config, and the rules that span keys.
 #include "engine/common/files.hpp"
 #include "engine/common/text.hpp"
+#include "engine/plan/layout.hpp"
 #include "engine/recipe/load.hpp"
 
 #include <cmath>
@@ -52,6 +53,14 @@ struct Builder {
   }
   void error(const std::string& key, std::string message, std::string fix, std::initializer_list<const char*> related = {}) {
     diagnostics.push_back({Diagnostic::Severity::Error, located(key, related), key, std::move(message), std::move(fix)});
+  }
+  void error(const std::string& key, std::string message, std::string fix, const std::vector<std::string>& related) {
+    const Source* best = &located(key, {});
+    for (const std::string& k : related) {
+      const Source& s = at(k).source;
+      if (s.layer > best->layer || (s.layer == best->layer && s.file == best->file && s.line > best->line)) best = &s;
+    }
+    diagnostics.push_back({Diagnostic::Severity::Error, *best, key, std::move(message), std::move(fix)});
   }
   void warning(const std::string& key, std::string message, std::string fix = "") {
     diagnostics.push_back({Diagnostic::Severity::Warning, at(key).source, key, std::move(message), std::move(fix)});
@@ -193,86 +202,6 @@ void build_model(Builder& c, Recipe& r) {
   }
 }
 
-// What tensor parallelism needs of the model and of the rest of the recipe: every split size
-// divides by the degree (whole heads and whole KV heads per rank: KV heads are never replicated).
-void build_tensor_parallel(Builder& c, Recipe& r) {
-  const int t = r.parallel.tensor;
-  const ModelSpec& m = r.model;
-  const std::string tt = std::to_string(t);
-  if (m.arch != ModelArch::DeepSeek) {
-    c.error("parallel.tensor", "tensor parallelism splits a decoder's heads and MLP; a ResNet has neither", "set parallel.tensor = 1", {"model.arch"});
-    return;
-  }
-  auto divides = [&](const char* key, int64_t value, const std::string& what) {
-    if (value % t == 0) return;
-    int64_t best = 1;
-    for (int64_t d = 1; d <= t; ++d)
-      if (value % d == 0 && r.hardware.total_devices() % d == 0) best = d;
-    c.error("parallel.tensor", "tensor = " + tt + " does not divide " + std::string(key) + " = " + std::to_string(value) + " (" + what + ")",
-            "use parallel.tensor = " + std::to_string(best) + ", or a " + std::string(key) + " divisible by " + tt, {key});
-  };
-  for (const TensorSplitSize& size : tensor_split_sizes(m)) divides(size.key, size.value, size.why);
-  const ParallelOptions& p = r.parallel;
-  if (p.sequence_parallel && m.moe.enabled())
-    c.error("parallel.sequence_parallel", "sequence parallelism with MoE layers is not supported yet (the router would see part of the sequence)",
-            "set parallel.sequence_parallel = false", {"model.moe.routed_experts"});
-}
-
-// What pipeline parallelism needs: a decoder with a layer for every piece, a schedule that can
-// be built, ZeRO stages that keep each stage's parameters whole (0-2).
-void build_pipeline_parallel(Builder& c, Recipe& r) {
-  const ParallelOptions& p = r.parallel;
-  const int pieces = p.pipeline * p.virtual_stages;
-  const char* kind = to_string(p.pipeline_schedule);
-  if (p.pipeline_schedule == PipelineScheduleKind::Interleaved && p.virtual_stages < 2)
-    c.error("parallel.virtual_stages", "the interleaved schedule runs at least 2 chunks per pipeline rank", "set parallel.virtual_stages = 2 (or more), or pipeline_schedule = \"1f1b\"", {"parallel.pipeline_schedule"});
-  if (p.pipeline_schedule != PipelineScheduleKind::Interleaved && p.virtual_stages > 1)
-    c.error("parallel.virtual_stages", std::string("the ") + kind + " schedule runs one chunk per pipeline rank", "set parallel.pipeline_schedule = \"interleaved\", or virtual_stages = 1", {"parallel.pipeline_schedule"});
-  if (p.pipeline == 1) return;
-  if (r.model.arch != ModelArch::DeepSeek) {
-    c.error("parallel.pipeline", "pipeline parallelism splits a decoder's layers into stages; a ResNet is not split", "set parallel.pipeline = 1", {"model.arch"});
-    return;
-  }
-  if (pieces > r.model.layers) {
-    int best = 1;
-    for (int d = 1; d * p.virtual_stages <= r.model.layers; ++d)
-      if (r.hardware.total_devices() % (d * p.tensor) == 0) best = d;
-    c.error("parallel.pipeline", std::to_string(p.pipeline) + " stages" + (p.virtual_stages > 1 ? " × " + std::to_string(p.virtual_stages) + " virtual stages" : "") +
-                                     " need at least as many layers, and the model has " + std::to_string(r.model.layers),
-            "use parallel.pipeline = " + std::to_string(best) + (p.virtual_stages > 1 ? ", fewer virtual stages," : "") + " or more model.layers", {"model.layers", "parallel.virtual_stages"});
-  }
-  if (p.zero_stage && *p.zero_stage == 3)
-    c.error("parallel.zero_stage", "ZeRO-3 with pipeline parallelism is not supported (each stage would gather its layers again for every micro-batch's forward and backward, which the schedule interleaves)",
-            "set parallel.zero_stage = 2 (gradients and optimizer states stay sharded over the data ranks of each stage), or parallel.pipeline = 1", {"parallel.pipeline"});
-}
-
-// What expert parallelism needs: routed experts to shard, as many on every rank, and data ranks
-// to carve the expert ranks out of.
-void build_expert_parallel(Builder& c, Recipe& r) {
-  const ParallelOptions& p = r.parallel;
-  const MoeSpec& moe = r.model.moe;
-  if (p.expert == 1) return;
-  const std::string ep = std::to_string(p.expert);
-  if (r.model.arch != ModelArch::DeepSeek || !moe.enabled()) {
-    c.error("parallel.expert", "expert parallelism shards a MoE layer's routed experts, and this model has none", "set parallel.expert = 1, or model.moe.routed_experts > 0",
-            {"model.moe.routed_experts"});
-    return;
-  }
-  const int dp = p.data_parallel_or_auto(r.hardware);
-  auto best = [&](int limit) {  // the largest degree <= limit dividing the experts and the data ranks
-    int b = 1;
-    for (int d = 1; d <= limit; ++d)
-      if (moe.routed_experts % d == 0 && (dp <= 0 || dp % d == 0)) b = d;
-    return std::to_string(b);
-  };
-  if (moe.routed_experts % p.expert != 0)
-    c.error("parallel.expert", "expert = " + ep + " does not divide model.moe.routed_experts = " + std::to_string(moe.routed_experts) + " (each rank keeps as many experts)",
-            "use parallel.expert = " + best(p.expert) + ", or a number of routed experts divisible by " + ep, {"model.moe.routed_experts"});
-  else if (!p.search.any() && dp > 0 && dp % p.expert != 0)
-    c.error("parallel.expert", "expert = " + ep + " does not divide the " + std::to_string(dp) + " data-parallel ranks (expert ranks are carved out of them)",
-            "use parallel.expert = " + best(p.expert) + ", or data_parallel a multiple of " + ep, {"parallel.data_parallel"});
-}
-
 void build_parallel(Builder& c, Recipe& r) {
   ParallelOptions& p = r.parallel;
   if (auto v = c.int_or_auto("parallel.data_parallel")) p.data_parallel = static_cast<int>(*v);
@@ -300,33 +229,7 @@ void build_parallel(Builder& c, Recipe& r) {
   for (const auto& [kind, name] : kPipelineSchedules)
     if (schedule == name) p.pipeline_schedule = kind;
 
-  int devices = r.hardware.total_devices();
-  const std::string model_parallel = p.pipeline > 1 ? "tensor " + std::to_string(p.tensor) + " × pipeline " + std::to_string(p.pipeline) : "tensor " + std::to_string(p.tensor);
-  if (p.data_parallel && devices > 0 && *p.data_parallel * p.model_parallel() > devices)
-    c.error("parallel.data_parallel", std::to_string(*p.data_parallel) + " × " + model_parallel + " = " + std::to_string(*p.data_parallel * p.model_parallel()) +
-                                          " ranks but the hardware has " + std::to_string(devices) + " devices",
-            p.model_parallel() <= devices ? "use data_parallel <= " + std::to_string(devices / p.model_parallel()) + ", or \"auto\""
-                                          : "make data_parallel × tensor × pipeline <= " + std::to_string(devices),
-            {"parallel.tensor", "parallel.pipeline", "hardware.devices_per_node", "hardware.nodes"});
-  else if (devices > 0 && p.model_parallel() > devices)
-    c.error(p.tensor > devices || p.pipeline == 1 ? "parallel.tensor" : "parallel.pipeline",
-            model_parallel + " = " + std::to_string(p.model_parallel()) + " ranks per replica but the hardware has " + std::to_string(devices) + " devices",
-            "use tensor × pipeline <= " + std::to_string(devices), {"parallel.tensor", "parallel.pipeline", "hardware.devices_per_node", "hardware.nodes"});
-  else if (!p.data_parallel && devices > 0 && devices % p.model_parallel() != 0)
-    c.error(p.pipeline > 1 ? "parallel.pipeline" : "parallel.tensor", model_parallel + " = " + std::to_string(p.model_parallel()) + " ranks per replica does not divide the " + std::to_string(devices) + " devices",
-            "use tensor × pipeline dividing " + std::to_string(devices), {"parallel.tensor", "parallel.pipeline", "hardware.devices_per_node", "hardware.nodes"});
-  if (p.tensor > 1) build_tensor_parallel(c, r);
-  build_pipeline_parallel(c, r);
-  build_expert_parallel(c, r);
-  if (p.zero_stage && p.offload == Offload::OptimizerAndParams && *p.zero_stage != 3)
-    c.error("parallel.offload", "offloading parameters needs ZeRO stage 3 (only stage 3 shards parameters)",
-            "set parallel.zero_stage = 3, or offload = \"optimizer\"", {"parallel.zero_stage"});
-  if (p.zero_stage && p.offload == Offload::Optimizer && *p.zero_stage == 0)
-    c.error("parallel.offload", "offloading the optimizer needs ZeRO stage 1, 2 or 3 (ZeRO-Offload moves the optimizer shards)",
-            "set parallel.zero_stage to 1, 2 or 3 (or \"auto\"), or offload = \"none\"", {"parallel.zero_stage"});
-  if (p.delayed_update && p.offload == Offload::None)
-    c.error("parallel.delayed_update", "the delayed update is a way of running an offloaded optimizer, and nothing is offloaded",
-            "set parallel.offload = \"optimizer\" (or \"optimizer+params\"), or delayed_update = false", {"parallel.offload"});
+  p.tensor_across_nodes = c.b("parallel.tensor_across_nodes");
 }
 
 void build_precision(Builder& c, Recipe& r) {
@@ -354,42 +257,17 @@ void build_batch(Builder& c, Recipe& r) {
   b.global = c.i("batch.global");
   b.micro = c.int_or_auto("batch.micro");
   b.seq_len = c.i("batch.seq_len");
-  // A searched layout's data-parallel size is not known yet: the search checks each candidate's batch math.
-  if (r.parallel.search.any() && !r.parallel.data_parallel) return;
-  int64_t dp = r.parallel.data_parallel_or_auto(r.hardware);
-  if (dp <= 0 || dp * r.parallel.model_parallel() > r.hardware.total_devices()) return;  // already reported against the hardware or data_parallel
-  std::string dp_text = std::to_string(dp) + (r.parallel.data_parallel ? "" : r.parallel.model_parallel() > 1 ? " (auto: the devices / (tensor × pipeline))" : " (auto: every device)");
-  if (b.global % dp != 0) {
-    int64_t lower = b.global / dp * dp, upper = lower + dp;
-    c.error("batch.global", "global batch " + std::to_string(b.global) + " does not split evenly over data_parallel = " + dp_text + " ranks",
-            "use a multiple of " + std::to_string(dp) + ": " + (lower > 0 ? std::to_string(lower) + " or " : "") + std::to_string(upper), {"parallel.data_parallel"});
-    return;
-  }
-  if (b.micro) {
-    int64_t per_rank = b.global / dp;
-    if (*b.micro > per_rank)
-      c.error("batch.micro", "micro batch " + std::to_string(*b.micro) + " exceeds the per-rank batch global/data_parallel = " + std::to_string(per_rank),
-              "use micro <= " + std::to_string(per_rank) + ", or raise batch.global", {"batch.global", "parallel.data_parallel"});
-    else if (per_rank % *b.micro != 0)
-      c.error("batch.micro", "global (" + std::to_string(b.global) + ") != micro (" + std::to_string(*b.micro) + ") x accumulation x data_parallel (" +
-                                 dp_text + ") for any whole accumulation",
-              "use a micro batch that divides " + std::to_string(per_rank) + ", such as " + std::to_string(closest_divisor(per_rank, *b.micro)), {"batch.global", "parallel.data_parallel"});
-  }
-  const ParallelOptions& p = r.parallel;
-  if (b.micro && p.pipeline > 1 && p.pipeline_schedule == PipelineScheduleKind::Interleaved && *b.micro <= b.global / dp && (b.global / dp) % *b.micro == 0) {
-    const int64_t accumulation = b.global / dp / *b.micro;
-    if (accumulation % p.pipeline != 0)
-      c.error("batch.micro", "the interleaved schedule needs the micro-batches per step (" + std::to_string(accumulation) + " = global / data_parallel / micro) to be a multiple of parallel.pipeline = " +
-                                 std::to_string(p.pipeline),
-              "use a batch.global or batch.micro giving a multiple of " + std::to_string(p.pipeline) + " micro-batches, or pipeline_schedule = \"1f1b\"", {"batch.global", "parallel.pipeline_schedule"});
-  }
-  if (r.parallel.sequence_parallel && r.parallel.tensor > 1 && b.seq_len % r.parallel.tensor != 0)
-    c.error("batch.seq_len", "sequence length " + std::to_string(b.seq_len) + " does not divide by parallel.tensor = " + std::to_string(r.parallel.tensor) +
-                                 " (sequence parallelism gives each tensor rank an equal part of it)",
-            "use a multiple of " + std::to_string(r.parallel.tensor) + ", or parallel.sequence_parallel = false", {"parallel.sequence_parallel", "parallel.tensor"});
   if (r.model.arch == ModelArch::DeepSeek && b.seq_len > r.model.max_seq_len)
     c.error("batch.seq_len", "sequence length " + std::to_string(b.seq_len) + " exceeds model.max_seq_len = " + std::to_string(r.model.max_seq_len),
             "use seq_len <= " + std::to_string(r.model.max_seq_len) + " or raise model.max_seq_len", {"model.max_seq_len"});
+}
+
+// The layout's rules (engine/plan/layout.cpp) on what the recipe fixes; "auto" keys are the
+// search's to decide, and it asks the same rules of every candidate.
+void check_layout(Builder& c, const Recipe& r) {
+  LayoutDecided decided;
+  const Layout layout = layout_of_recipe(r, &decided);
+  for (const LayoutProblem& problem : layout_problems(r, layout, decided)) c.error(problem.key, problem.message, problem.fix, problem.related);
 }
 
 void build_optimizer(Builder& c, Recipe& r) {
@@ -606,6 +484,7 @@ Recipe build_recipe(const Config& config, const HostFacts& host, const std::stri
   build_parallel(c, r);
   build_precision(c, r);
   build_batch(c, r);
+  check_layout(c, r);
   build_optimizer(c, r);
   build_schedule(c, r);
   build_data(c, r, recipe_dir);

@@ -106,6 +106,7 @@ enum class Checkpointing { None, Full, Auto };
 struct ParallelOptions {
   std::optional<int> data_parallel;  // nullopt: auto (the devices left by tensor parallelism)
   int tensor = 1;                    // tensor-parallel ranks (innermost mesh dimension)
+  bool tensor_across_nodes = false;  // allow a tensor group to span nodes (refused otherwise: its traffic is every layer's)
   bool sequence_parallel = false;    // activations between tensor-parallel regions split along the sequence
   int pipeline = 1;                  // pipeline stages (outermost mesh dimension)
   PipelineScheduleKind pipeline_schedule = PipelineScheduleKind::OneFOneB;

@@ -130,6 +130,9 @@ std::vector<KeySpec> build_schema() {
              "Tensor-parallel ranks (Megatron-LM): each layer's heads, MLP and vocabulary split over this many consecutive ranks, "
              "which should share a node. Heads, KV heads, the MLP sizes and the vocabulary must divide by it. "
              "`auto`: the plan searches the layouts (tensor, pipeline, schedule, data, ZeRO, micro batch, recomputation) that fit and picks the fastest predicted (`dsrun plan --layouts`)."),
+      key("parallel.tensor_across_nodes", T::Bool, "false",
+          "Allow a tensor-parallel group to span nodes. Refused by default: tensor parallelism's all-reduces are every layer's, and across the "
+          "network they run at the node's share of hardware.inter_node_bandwidth_gbs (Megatron-LM and torchtitan keep tensor parallelism inside a node)."),
       key("parallel.sequence_parallel", T::BoolOrAuto, "false",
           "With parallel.tensor > 1: split the activations between tensor-parallel regions (norms, residuals) along the sequence "
           "(Korthikanti et al. 2022): 1/tensor of the activation memory at the same traffic. batch.seq_len must divide by parallel.tensor. `auto`: on wherever it applies."),

@@ -15,6 +15,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <set>
+#include <sstream>
 #include <mutex>
 
 namespace dsrun {
@@ -230,6 +232,19 @@ void restore_whole_parameters(RankTrainingState& s, CheckpointReader& reader, co
       }
     }
   }
+  // The reverse: what the checkpoint holds that no rank's model has (a removed layer, a head the
+  // model now ties to its embedding) would be dropped silently. Every rank holds only its own
+  // stage's units, so the names are gathered: every rank then sees, and reports, the same.
+  std::string mine;
+  for (const ParameterUnit& u : units)
+    for (const std::string& name : u.names) mine += name + "\n";
+  std::set<std::string> in_model;
+  for (const std::string& names : all_gather_strings(s.mesh.world(), mine)) {
+    std::istringstream lines(names);
+    for (std::string name; std::getline(lines, name);) in_model.insert(name);
+  }
+  for (const auto& [name, at] : where)
+    if (!in_model.count(name)) problems.push_back("unexpected " + name + " (in the checkpoint, not in this model)");
   if (!problems.empty()) {
     c.key = "model";
     c.hint = "resume with the checkpoint's model settings; to start a different model from these weights, export them and use model.init_from";

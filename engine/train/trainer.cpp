@@ -31,6 +31,7 @@
 #include <fstream>
 #include <cstdio>
 #include <csignal>
+#include <cstring>
 #include <cstdlib>
 #include <optional>
 #include <iostream>
@@ -92,11 +93,12 @@ void on_save_signal(int) { save_requested = 1; }
 
 // Fault injection for the launcher's tests: DSRUN_TEST_CRASH_AT / DSRUN_TEST_HANG_AT = "RANK:STEP"
 // make that rank die by SIGKILL, or stop making progress, when it reaches that step. Only in the
-// first attempt: ranks the launcher restarts (DSRUN_RESTART > 0) run clean, as after a real fault.
+// first attempt: ranks the launcher restarts (DSRUN_RESTART > 0) run clean, as after a real fault;
+// "RANK:STEP:always" faults in every attempt (a fault that restarts cannot cure).
 bool fault_requested(const char* variable, int rank, int64_t step) {
   const char* v = std::getenv(variable);
   const char* restart = std::getenv("DSRUN_RESTART");
-  if (!v || (restart && std::atoi(restart) > 0)) return false;
+  if (!v || (restart && std::atoi(restart) > 0 && !std::strstr(v, ":always"))) return false;
   int r = -1;
   long long s = -1;
   return std::sscanf(v, "%d:%lld", &r, &s) == 2 && r == rank && s == step;
@@ -127,6 +129,7 @@ class Trainer {
   void run() {
     auto t_start = std::chrono::steady_clock::now();
     select_device();
+    if (fault_requested("DSRUN_TEST_STOP_AT", ctx_.rank, 0)) ::raise(SIGSTOP);  // step 0: stopped during start-up
     connect_to_mesh();
     build_the_model();
     apply_parallelism();
@@ -145,6 +148,7 @@ class Trainer {
     for (int64_t step = first_step; step < r_.run.steps; ++step) {
       if (fault_requested("DSRUN_TEST_CRASH_AT", ctx_.rank, step + 1)) ::raise(SIGKILL);
       while (fault_requested("DSRUN_TEST_HANG_AT", ctx_.rank, step + 1)) ::sleep(1);
+      if (fault_requested("DSRUN_TEST_STOP_AT", ctx_.rank, step + 1)) ::raise(SIGSTOP);  // as `kill -STOP` would
       report_.send(BeatReport{step + 1});  // "started step N": the launcher names a rank that falls behind
       profile_steps(step + 1, /*before=*/true);
       StepOutcome outcome = train_step(step, learning_rate_at(lr_options, step));
@@ -203,12 +207,7 @@ class Trainer {
     rv.rank = ctx_.rank;
     rv.world_size = ctx_.world;
     rv.timeout_s = r_.run.startup_timeout_s;
-    MeshShape shape;
-    shape.pipeline = plan_.pipeline_parallel;
-    shape.data = plan_.data_parallel;
-    shape.tensor = plan_.tensor_parallel;
-    shape.expert = plan_.expert_parallel;
-    mesh_ = connect_mesh(rv, shape);
+    mesh_ = connect_mesh(rv, plan_.layout.mesh_shape());
   }
 
   // Identical weights on every rank and layout. A decoder is built deferred: ZeRO builds one unit
@@ -236,25 +235,25 @@ class Trainer {
   // parallelize(): pipeline split, tensor sharding, recomputation, ZeRO over the data dimension.
   void apply_parallelism() {
     ParallelizeOptions po;
-    if (plan_.pipeline_parallel > 1) {
+    if (plan_.layout.pipeline > 1) {
       for (auto [begin, end] : plan_.pipeline_pieces) po.pipeline_pieces.push_back({begin, end});
       PipelineOptions& pipe = po.pipeline;
-      pipe.schedule = build_pipeline_schedule(plan_.pipeline_schedule, plan_.pipeline_parallel, static_cast<int>(plan_.accumulation), plan_.virtual_stages);
-      const int64_t t = plan_.tensor_parallel;
-      pipe.activation_shape = {plan_.micro_batch, r_.batch.seq_len / (r_.parallel.sequence_parallel ? t : 1), r_.model.hidden};
+      pipe.schedule = build_pipeline_schedule(plan_.layout.schedule, plan_.layout.pipeline, static_cast<int>(plan_.accumulation), plan_.layout.virtual_stages);
+      const int64_t t = plan_.layout.tensor;
+      pipe.activation_shape = {plan_.layout.micro, r_.batch.seq_len / (plan_.layout.sequence_parallel ? t : 1), r_.model.hidden};
       pipe.carries_aux_loss = r_.model.moe.enabled();
       if (r_.model.tie_embeddings) pipe.tied_embedding_shape = {r_.model.vocab / t, r_.model.hidden};
       pipe.dtype = torch_dtype(plan_.dtype);
       pipe.device = device_;
     }
-    po.sequence_parallel = r_.parallel.sequence_parallel;
+    po.sequence_parallel = plan_.layout.sequence_parallel;
     ZeroOptions& zo = po.zero;
-    zo.stage = plan_.zero_stage;
+    zo.stage = plan_.layout.zero_stage;
     zo.dtype = plan_.dtype;
-    zo.activation_checkpointing = plan_.activation_checkpointing;
-    zo.offload = plan_.offload != Offload::None;
-    zo.offload_params = plan_.offload == Offload::OptimizerAndParams;
-    zo.delayed_update = r_.parallel.delayed_update;
+    zo.activation_checkpointing = plan_.layout.recomputation;
+    zo.offload = plan_.layout.offload != Offload::None;
+    zo.offload_params = plan_.layout.offload == Offload::OptimizerAndParams;
+    zo.delayed_update = plan_.layout.delayed_update;
     zo.bucket_bytes = r_.parallel.bucket_bytes;
     zo.device = device_;
     parallel_ = parallelize(*model_, *mesh_, po);
@@ -264,7 +263,7 @@ class Trainer {
   void create_optimizer() {
     // The host step of offloaded GPU ranks gets this rank's share of the node's cores, less one
     // that stays with the thread launching the GPU's work; CPU ranks compute on theirs, one thread each.
-    const int host_threads = device_.is_cuda() && plan_.offload != Offload::None ? std::max(1, read_host_facts().cpu_cores / std::max(1, ctx_.local_world) - 1) : 1;
+    const int host_threads = device_.is_cuda() && plan_.layout.offload != Offload::None ? std::max(1, read_host_facts().cpu_cores / std::max(1, ctx_.local_world) - 1) : 1;
     optimizer_ = std::make_unique<ShardOptimizer>(r_.optimizer, zero_->shards(), host_threads);
     if (plan_.dtype == DType::Fp16) scaler_ = std::make_unique<DynamicLossScaler>(r_.precision.loss_scale);
   }
@@ -294,7 +293,7 @@ class Trainer {
   // The data-parallel index: ranks of one index (tensor ranks) read the same samples.
   int data_rank() const { return mesh_->coordinates().data; }
   // The ranks whose losses the metrics average: the last pipeline stage's.
-  int loss_ranks() const { return ctx_.world / plan_.pipeline_parallel; }
+  int loss_ranks() const { return ctx_.world / plan_.layout.pipeline; }
   PipelineStage::LossFn loss_function() {
     return [this](const ModelOutput& out, const Batch& batch) { return micro_batch_loss(out, batch, parallel_->tensor()); };
   }
@@ -359,7 +358,7 @@ class Trainer {
     const MoeSpec& moe = r_.model.moe;
     if (!moe.enabled()) return;
     const int first = moe.first_dense_layers;
-    torch::Tensor rows = summed.view({r_.model.layers - first, moe.routed_experts + 1}) / plan_.tensor_parallel;
+    torch::Tensor rows = summed.view({r_.model.layers - first, moe.routed_experts + 1}) / plan_.layout.tensor;
     double worst = 0, dropped = 0;
     for (int64_t l = 0; l < rows.size(0); ++l) {
       torch::Tensor routed = rows[l].narrow(0, 0, moe.routed_experts);
@@ -383,7 +382,7 @@ class Trainer {
     facts.config_toml = ctx_.config_toml;
     facts.dtype = to_string(plan_.dtype);
     facts.optimizer = to_string(r_.optimizer.kind);
-    facts.zero_stage = plan_.zero_stage;
+    facts.zero_stage = plan_.layout.zero_stage;
     facts.global_batch = r_.batch.global;
     RankTrainingState state = training_state();
     SavedCheckpoint saved = save_checkpoint(state, facts, ctx_.checkpoint_root, step, hooks_ ? hook_state() : "", r_.checkpoint.keep_last, r_.checkpoint.keep_every);
@@ -465,7 +464,7 @@ class Trainer {
   // agreed before the update, so that a hook can see them and skip the update.
   StepOutcome train_step(int64_t step, double lr) {
     auto t0 = std::chrono::steady_clock::now();
-    const int64_t micro = plan_.micro_batch, accumulation = plan_.accumulation;
+    const int64_t micro = plan_.layout.micro, accumulation = plan_.accumulation;
     const int64_t per_rank = micro * accumulation;
     double loss_sum = 0, aux_sum = 0;
     int64_t items = 0, correct = 0;
@@ -563,13 +562,13 @@ class Trainer {
     // reductions, the device finishing), and with offload the host update (previous step's,
     // beside this one's compute) and the time compute waited for it.
     metrics["backward_end_seconds"] = backward_end_seconds;
-    if (plan_.offload != Offload::None) {
+    if (plan_.layout.offload != Offload::None) {
       metrics["host_update_seconds"] = offload_times.host_update_s;
       metrics["host_update_wait_seconds"] = offload_times.waited_s;
     }
     metrics["lr"] = lr;
     metrics["step_seconds"] = step_seconds;
-    metrics["tokens_per_second"] = static_cast<double>(items) * plan_.data_parallel / step_seconds;
+    metrics["tokens_per_second"] = static_cast<double>(items) * plan_.layout.data / step_seconds;
     if (scaler_) metrics["skipped_steps"] = static_cast<double>(scaler_->skipped_steps());
     if (hooks_active_) metrics["hook_skipped_steps"] = static_cast<double>(hook_skipped_steps_);
     if (!std::isfinite(loss) && !hook_skip) throw Error("loss is " + std::to_string(loss) + " at step " + std::to_string(step + 1), ErrorContext{"", 0, 0, "optimizer.lr", 0, "lower the learning rate or enable clipping"});
@@ -581,7 +580,7 @@ class Trainer {
     torch::NoGradGuard no_grad;
     model_->module().eval();
     double loss_sum = 0, correct = 0, items = 0;
-    const int64_t micro = plan_.micro_batch;
+    const int64_t micro = plan_.layout.micro;
     auto batch_of = [&](int64_t i) { return on_device(data_->val_batch((data_rank() * r_.eval.batches + i) * micro, micro)); };
     if (PipelineStage* pipeline = parallel_->pipeline()) {
       loss_sum = pipeline->evaluate(batch_of, loss_function(), static_cast<int>(r_.eval.batches)).loss_sum;

@@ -1,0 +1,229 @@
+// The layout value and its rules: what the plan accepts, the ranks accept (random recipes pinned
+// back), tensor groups stay in a node, every group is priced by where its members sit.
+#include "engine/plan/plan.hpp"
+#include "test_util.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include <random>
+#include <sstream>
+
+using namespace dsrun;
+using dsrun::test::contains;
+using dsrun::test::load_text;
+
+namespace {
+
+// A random recipe whose layout keys are "auto" or random values, on CPU or GPU hardware of 1 or 2
+// nodes, dense or MoE: the kind of recipe a user writes once and lets the plan finish.
+std::string random_recipe(std::mt19937& rng) {
+  auto pick = [&](std::vector<std::string> options) { return options[std::uniform_int_distribution<size_t>(0, options.size() - 1)(rng)]; };
+  const std::string model = pick({"deepseek-tiny", "deepseek-tiny-gqa", "deepseek-moe-tiny"});
+  const bool gpu = pick({"cpu", "gpu"}) == "gpu";
+  std::string text = "base = [\"" + std::string(gpu ? "hardware/h100-80gb-x8" : "hardware/cpu") + "\", \"models/" + model + "\"]\n";
+  text += "[hardware]\nnodes = " + pick({"1", "1", "2"}) + "\ndevices_per_node = " + pick({"2", "4", "8"}) + "\ninter_node_bandwidth_gbs = " + pick({"1", "25", "100"}) + "\n";
+  if (!gpu) text += "memory_gib = 64\nhost_memory_gib = 64\n";
+  text += "[parallel]\n";
+  text += "tensor = " + pick({"\"auto\"", "1", "2", "4"}) + "\n";
+  text += "pipeline = " + pick({"\"auto\"", "1", "2", "3"}) + "\n";
+  text += "data_parallel = " + pick({"\"auto\"", "\"auto\"", "1", "2"}) + "\n";
+  text += "sequence_parallel = " + pick({"\"auto\"", "true", "false"}) + "\n";
+  text += "pipeline_schedule = " + pick({"\"auto\"", "\"1f1b\"", "\"gpipe\"", "\"interleaved\""}) + "\n";
+  text += "virtual_stages = " + pick({"\"auto\"", "1", "2"}) + "\n";
+  text += "zero_stage = " + pick({"\"auto\"", "0", "1", "2", "3"}) + "\n";
+  text += "activation_checkpointing = " + pick({"\"none\"", "\"auto\"", "\"full\""}) + "\n";
+  text += "offload = " + pick({"\"none\"", "\"none\"", "\"optimizer\""}) + "\n";
+  if (model == "deepseek-moe-tiny") text += "expert = " + pick({"\"auto\"", "1", "2", "4"}) + "\n";
+  text += "[batch]\nglobal = " + pick({"8", "12", "16", "24", "32"}) + "\nmicro = " + pick({"\"auto\"", "\"auto\"", "1", "2", "4"}) + "\nseq_len = " + pick({"32", "64", "128"}) + "\n";
+  text += "[data]\nkind = \"synthetic\"\n";
+  return text;
+}
+
+std::vector<std::string> pins(const Layout& l) {
+  std::vector<std::string> sets;
+  for (const auto& [key, value] : l.to_config_keys()) sets.push_back(key + "=" + value.toml());
+  return sets;
+}
+
+}  // namespace
+
+TEST_CASE("300 random recipes: every layout the plan chooses, pinned back, is accepted and plans the same", "[layout][plan]") {
+  std::mt19937 rng(20261125);
+  int planned = 0, refused = 0, searched = 0;
+  for (int i = 0; i < 300; ++i) {
+    const std::string text = random_recipe(rng);
+    LoadedRecipe loaded = load_text(text);
+    if (!loaded.ok()) {  // the recipe's own rules: fine, as long as they are errors with a key
+      ++refused;
+      continue;
+    }
+    Plan plan;
+    try {
+      plan = make_plan(loaded.recipe, dsrun::test::small_host());
+    } catch (const Error& e) {  // "no layout of this hardware can run the model": said, not run
+      ++refused;
+      continue;
+    }
+    ++planned;
+    searched += plan.layouts.empty() ? 0 : 1;
+    INFO("recipe " << i << ":\n" << text << "chosen: " << plan.layout.describe());
+    // What the launcher writes for the ranks: the recipe with the layout's keys pinned.
+    LoadedRecipe pinned = load_text(text, pins(plan.layout));
+    INFO(pinned.report());
+    REQUIRE(pinned.ok());
+    const Plan again = make_plan(pinned.recipe, dsrun::test::small_host());
+    CHECK(again.layout == plan.layout);
+    CHECK(again.fits == plan.fits);
+    CHECK(again.step_seconds == Approx(plan.step_seconds).epsilon(1e-9));
+    CHECK(again.layouts.empty());  // nothing left to search
+    CHECK(layout_problems(pinned.recipe, plan.layout).empty());
+  }
+  INFO("planned " << planned << ", refused " << refused << ", searched " << searched);
+  CHECK(planned >= 80);  // the sample exercises the search, not only the refusals (99 of 300 with this seed)
+  CHECK(searched >= 50);
+}
+
+TEST_CASE("the rules: one table of problems, each on a key with a fix", "[layout][rules]") {
+  LoadedRecipe r = load_text("base = [\"hardware/h100-80gb-x8\", \"models/deepseek-moe-tiny\"]\n[hardware]\nnodes = 2\ndevices_per_node = 4\ninter_node_bandwidth_gbs = 25\n");
+  REQUIRE(r.ok());
+  Layout l;
+  l.tensor = 8;  // across the two nodes of 4
+  l.data = 1;
+  l.pipeline = 3;
+  l.schedule = PipelineScheduleKind::Interleaved;
+  l.virtual_stages = 1;
+  l.zero_stage = 3;
+  l.expert = 3;
+  std::vector<std::string> keys;
+  for (const LayoutProblem& p : layout_problems(r.recipe, l)) {
+    CHECK_FALSE(p.fix.empty());
+    keys.push_back(p.key);
+  }
+  auto has = [&](const std::string& key) { return std::find(keys.begin(), keys.end(), key) != keys.end(); };
+  CHECK(has("parallel.pipeline"));  // 24 ranks on 8 devices
+  // With degrees the hardware has, the remaining rules speak.
+  l.pipeline = 1;
+  keys.clear();
+  for (const LayoutProblem& p : layout_problems(r.recipe, l)) keys.push_back(p.key);
+  CHECK(has("parallel.tensor"));          // spans nodes
+  CHECK(has("parallel.virtual_stages"));  // interleaved with one chunk
+  CHECK(has("parallel.expert"));          // 3 does not divide the experts
+  // A fixed layout with no problems.
+  Layout ok;
+  ok.tensor = 4, ok.data = 2, ok.expert = 2, ok.zero_stage = 2, ok.micro = 2;
+  CHECK(layout_problems(r.recipe, ok).empty());
+  CHECK(ok.mesh_shape().size() == 8);
+}
+
+TEST_CASE("a tensor group across nodes is refused with a fix, unless the recipe means it", "[layout][network]") {
+  const std::string text = "base = [\"hardware/h100-80gb-x8\", \"models/deepseek-llm-7b\"]\n[hardware]\nnodes = 2\ndevices_per_node = 4\ninter_node_bandwidth_gbs = 25\n"
+                           "[parallel]\ntensor = 8\n[precision]\ndtype = \"bf16\"\n[batch]\nglobal = 32\nseq_len = 4096\n";
+  LoadedRecipe refused = load_text(text);
+  REQUIRE_FALSE(refused.ok());
+  CHECK(contains(refused.report(), "parallel.tensor: a tensor group of 8 ranks would span nodes of 4 ranks"));
+  CHECK(contains(refused.report(), "use parallel.tensor = 4"));
+  CHECK(contains(refused.report(), "parallel.tensor_across_nodes = true"));
+  LoadedRecipe meant = load_text(text, {"parallel.tensor_across_nodes=true"});
+  INFO(meant.report());
+  REQUIRE(meant.ok());
+  const Plan p = make_plan(meant.recipe, dsrun::test::small_host());
+  bool across = false;
+  for (const CommTerm& c : p.comm) across |= contains(c.collective, "(tensor") && contains(c.collective, "across 2 nodes");
+  CHECK(across);
+}
+
+TEST_CASE("7B on 2 nodes, tensor 8 × data 2: the gradient all-reduce crosses the network and is priced by it", "[layout][network]") {
+  const std::string text = "base = [\"hardware/h100-80gb-x8\", \"models/deepseek-llm-7b\"]\n[hardware]\nnodes = 2\n"
+                           "[parallel]\ntensor = 8\nzero_stage = 0\n[precision]\ndtype = \"bf16\"\n[batch]\nglobal = 32\nseq_len = 4096\n";
+  auto gradient_term = [&](const std::string& gbs) {
+    LoadedRecipe r = load_text(text, {"hardware.inter_node_bandwidth_gbs=" + gbs});
+    INFO(r.report());
+    REQUIRE(r.ok());
+    const Plan p = make_plan(r.recipe, dsrun::test::small_host());
+    CHECK(p.layout.data == 2);
+    for (const CommTerm& c : p.comm)
+      if (contains(c.collective, "all-reduce gradients")) {
+        CHECK(contains(c.collective, "across 2 nodes"));
+        return c;
+      }
+    FAIL("no gradient all-reduce");
+    return CommTerm{};
+  };
+  const CommTerm slow = gradient_term("1"), fast = gradient_term("100");
+  CHECK(slow.bytes == Approx(fast.bytes));
+  // The node's network shared by its 8 ranks, at 75% efficiency (the H100 template's): 1 GB/s
+  // gives each rank 0.125 GB/s; 100 GB/s gives 12.5 GB/s, under NVLink's 450.
+  CHECK(slow.seconds == Approx(slow.bytes / (1e9 / 8 * 0.75)).epsilon(1e-6));
+  CHECK(fast.seconds == Approx(fast.bytes / (100e9 / 8 * 0.75)).epsilon(1e-6));
+  CHECK(slow.seconds / fast.seconds == Approx(100));
+}
+
+TEST_CASE("the 67B at 1 GB/s keeps tensor inside a node and says what crosses", "[layout][network][search]") {
+  LoadedRecipe r = dsrun::test::load_file("recipes/deepseek67b_2x8a100_auto.toml", {"hardware.inter_node_bandwidth_gbs=1"});
+  REQUIRE(r.ok());
+  const Plan p = make_plan(r.recipe, dsrun::test::small_host());
+  CHECK(p.fits);
+  CHECK(8 % p.layout.tensor == 0);  // a tensor group inside a node of 8
+  for (const LayoutRow& row : p.layouts) CHECK(8 % row.layout.tensor == 0);
+  bool says = false;
+  for (const CommTerm& c : p.comm) says |= contains(c.collective, "stage boundaries across nodes") || contains(c.collective, "across 2 nodes");
+  CHECK(says);
+  // The network's price moves the choice's step: at 100 GB/s it is faster.
+  LoadedRecipe fast = dsrun::test::load_file("recipes/deepseek67b_2x8a100_auto.toml", {"hardware.inter_node_bandwidth_gbs=100"});
+  REQUIRE(fast.ok());
+  CHECK(make_plan(fast.recipe, dsrun::test::small_host()).step_seconds < p.step_seconds);
+}
+
+TEST_CASE("when host memory binds, the verdict, every row and the suggestion name hardware.host_memory_gib with the numbers", "[layout][verdict]") {
+  LoadedRecipe r = load_text("base = [\"hardware/h100-80gb-x8\", \"models/deepseek-llm-7b\"]\n[hardware]\nhost_memory_gib = 16\n"
+                             "[parallel]\ntensor = \"auto\"\noffload = \"optimizer\"\n[precision]\ndtype = \"bf16\"\n[batch]\nglobal = 32\nseq_len = 4096\n");
+  INFO(r.report());
+  REQUIRE(r.ok());
+  const Plan p = make_plan(r.recipe, dsrun::test::small_host());
+  INFO(render_plan(p));
+  CHECK_FALSE(p.fits);
+  CHECK(p.binds == "host memory");
+  REQUIRE_FALSE(p.verdict.empty());
+  CHECK(contains(p.verdict[0], "does not fit: host memory (hardware.host_memory_gib) needs"));
+  CHECK(contains(p.verdict[0], "16.00 GiB available"));
+  for (const std::string& v : p.verdict) CHECK_FALSE(v.rfind("fits:", 0) == 0);  // never a bare "fits" after "does not fit"
+  for (const LayoutRow& row : p.layouts)
+    if (row.problem.empty() && !row.fits && row.binds == "host memory") CHECK(contains(row.verdict, "per node (hardware.host_memory_gib)"));
+  bool named = false;
+  for (const std::string& s : p.suggestions) named |= contains(s, "--set hardware.host_memory_gib=");
+  CHECK(named);
+}
+
+TEST_CASE("smoke plans of every recipe keep each degree and choice of its plan, with this machine's memory", "[layout][smoke]") {
+  std::vector<std::string> recipes;
+  {
+    std::istringstream names(dsrun::test::run_command("cd '" + dsrun::test::source_dir() + "' && ls recipes/*.toml recipes/gpu/*.toml recipes/hooks/*.toml recipes/sweeps/*.toml").text);
+    for (std::string name; std::getline(names, name);)
+      if (!name.empty()) recipes.push_back(name);
+  }
+  REQUIRE(recipes.size() >= 15);
+  // The micro batch is shrunk with the batch; everything else is the plan's.
+  const std::vector<std::string> kept{"parallel.pipeline", "parallel.data_parallel", "parallel.tensor", "parallel.expert", "parallel.pipeline_schedule", "parallel.virtual_stages",
+                                      "parallel.sequence_parallel", "parallel.zero_stage", "parallel.activation_checkpointing", "parallel.offload", "parallel.delayed_update"};
+  const double machine = static_cast<double>(read_host_facts().memory_bytes);
+  for (const std::string& recipe : recipes) {
+    INFO(recipe);
+    auto plan_json = [&](const std::string& flags) {
+      // run_command joins stderr (the recipes' data-path warnings); keep only stdout's JSON
+      auto out = dsrun::test::run_command("cd '" + dsrun::test::source_dir() + "' && '" DSRUN_BINARY "' plan " + recipe + " --json " + flags + " 2>/dev/null; true");
+      INFO(out.text);
+      REQUIRE(!out.text.empty());
+      return nlohmann::json::parse(out.text);
+    };
+    const nlohmann::json real = plan_json(""), smoke = plan_json("--smoke");
+    for (const std::string& key : kept) {
+      INFO(key);
+      CHECK(smoke["layout"][key] == real["layout"][key]);
+    }
+    CHECK(smoke["topology"]["device"] == "cpu");
+    // Memory from this machine, not a template's: the node is this one.
+    CHECK(smoke["host_memory_per_node"]["capacity"].get<double>() <= machine * 1.001);
+  }
+}
