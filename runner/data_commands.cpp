@@ -143,12 +143,16 @@ int command_prepare(const PrepareOptions& options) {
   };
   const PrepareSummary s = prepare_corpus(options, progress);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  for (const auto& d : s.skipped_directories) std::printf("skipped %s\n", d.c_str());
   std::printf("prepared %s: %lld documents, %lld tokens (%d bytes each) from %lld bytes, %.4f tokens per byte; %d shards (%d kept from an earlier run) in %.1f s\n",
               options.out.c_str(), static_cast<long long>(s.documents), static_cast<long long>(s.tokens), s.token_bytes,
               static_cast<long long>(s.input_bytes), s.input_bytes > 0 ? static_cast<double>(s.tokens) / static_cast<double>(s.input_bytes) : 0.0,
               s.shards, s.shards_reused, seconds);
+  if (s.stale_files_removed > 0)
+    std::printf("removed %d stale files of an earlier prepare (shards beyond these %d, or left half-written)\n", s.stale_files_removed, s.shards);
   if (s.skipped_lines > 0) {
-    std::printf("skipped %lld lines (not JSON or without the field; --strict makes them fatal), for example:\n", static_cast<long long>(s.skipped_lines));
+    std::printf("skipped %lld lines (not JSON or without the field; --strict makes them fatal)%s\n", static_cast<long long>(s.skipped_lines),
+                s.skipped_examples.empty() ? "" : ", for example:");
     for (const auto& e : s.skipped_examples) std::printf("  %s\n", e.c_str());
   }
   return 0;

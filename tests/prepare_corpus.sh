@@ -3,7 +3,8 @@
 # shards, document index and manifest; a prepare that was cut off resumes without redoing finished
 # shards and gives the same manifest; bad JSON lines counted or fatal with file:line; a truncated
 # shard is refused by the loader; a run trains on the mapped corpus; compressed JSON lines streamed
-# into the same shards as plain; a full disk. ~1 min on 2 cores.
+# into the same shards as plain, .zst texts of whole 128 KiB blocks included; a full disk; the
+# output directory inside the input. ~1 min on 2 cores.
 # usage: prepare_corpus.sh DSRUN NODE_MODULES RECIPES_DIR
 set -euo pipefail
 dsrun=$1; modules=$2; recipes=$3
@@ -62,6 +63,15 @@ for v in f.jsonl zst gz; do "$dsrun" prepare --tokenizer "$tok" -o "$work/s-$v" 
 for v in zst gz; do
   cmp -s <(cat "$work/s-f.jsonl"/shard-*.tokens) <(cat "$work/s-$v"/shard-*.tokens) || fail "$v shards differ from the plain file's"
 done
+# Text of exactly 128 KiB, 256 KiB and 1 MiB (zstd's block is 128 KiB: its last block fills the
+# output buffer) written by the zstd tool: read whole and as lines, the same tokens as the plain file.
+for size in 131072 262144 1048576; do
+  python3 -c "import sys; sys.stdout.write(('z' * 1023 + '\n') * ($size // 1024))" > "$work/z$size.txt"; zstd -q "$work/z$size.txt"
+  for mode in "" --line-documents; do
+    for v in txt txt.zst; do "$dsrun" prepare --tokenizer "$tok" -o "$work/z$size$mode-$v" $mode "$work/z$size.$v" > "$work/z.txt" 2>&1 || { cat "$work/z.txt"; fail "a valid .zst of $size bytes of text was refused"; }; done
+    cmp -s "$work/z$size$mode-txt/shard-00000.tokens" "$work/z$size$mode-txt.zst/shard-00000.tokens" || fail "the .zst of $size bytes gave other tokens"
+  done
+done
 head -c 200000 "$work/zst/f.jsonl.zst" > "$work/cut.jsonl.zst"; head -c 200000 "$work/gz/f.jsonl.gz" > "$work/cut.jsonl.gz"
 for v in zst gz; do
   if "$dsrun" prepare --tokenizer "$tok" -o "$work/cut-$v" "$work/cut.jsonl.$v" > "$work/cut.txt" 2>&1; then fail "a cut-off .$v was accepted"; fi
@@ -80,6 +90,12 @@ grep -q "$work/full/shard-0000[0-9].tokens.*cannot write file: File too large" "
 ! ls "$work/full" | grep -v '^shard-[0-9]*\.\(tokens\|docs\|json\)$' | grep -q . || { ls "$work/full"; fail "temporary files left behind"; }
 "$dsrun" prepare --tokenizer "$tok" -o "$work/full" --shard-mb 1 "$work/text" > /dev/null 2>&1 || fail "prepare did not resume after the disk had room"
 cmp -s "$work/manifest.before" "$work/full/manifest.json" || fail "the prepare resumed after a full disk wrote a different manifest"
+
+# The output inside the input, prepared twice: the second run skips its own shards and says so.
+mkdir "$work/nest"; cp "$work/text/art" "$work/text/science" "$work/nest/"
+for run in 1 2; do "$dsrun" prepare --tokenizer "$tok" -o "$work/nest/out" "$work/nest" > "$work/nest$run.txt" 2>/dev/null || fail "prepare into the input failed"; done
+grep -q ": 2 documents" "$work/nest2.txt" || { cat "$work/nest2.txt"; fail "the second prepare read its own shards"; }
+grep -q "skipped $work/nest/out: the output directory" "$work/nest2.txt" || fail "the skipped output directory was not reported"
 
 # Train on the mapped corpus (2 ranks, 3 steps), then refuse a truncated shard.
 cp -r "$work/out" "$work/corpus"

@@ -1,15 +1,27 @@
 // Token corpora read in place: Megatron-LM, llm.c and nanoGPT files written by an independent
 // writer (tests/formats/write_token_formats.cjs, in Node) read back token for token with their
 // document boundaries; bad files refused naming the file; mixtures, shuffling and validation.
+// Then `dsrun prepare`: compressed input, one writer per directory, unfinished and stale
+// directories, output inside the input, inputs changing under it, bad lines, bad indexes.
 #include "engine/data/token_source.hpp"
+#include "engine/data/prepare.hpp"
 #include "test_util.hpp"
 
 #include <catch2/catch.hpp>
+#include <fcntl.h>
 #include <nlohmann/json.hpp>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <zlib.h>
+#include <zstd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <future>
 #include <random>
 #include <set>
+#include <thread>
 
 using dsrun::TokenCorpus;
 using dsrun::TokenCorpusOptions;
@@ -218,4 +230,326 @@ TEST_CASE("shuffled epochs visit every window once, mixtures follow their weight
   stream("dir/2.bin", 500, 5000, 50);
   TokenCorpus(o).val_window(0, later);
   CHECK(first.tokens == later.tokens);
+}
+
+// ---- dsrun prepare's output and the checks made when a corpus is mapped ----------------------
+// `dsrun prepare` runs in this process (prepare_corpus) or as the built binary where a second
+// process matters, on a tokenizer of bytes: id b for byte b, and <eos> (256) closing each
+// document, so a document of n bytes is n + 1 tokens.
+
+namespace {
+
+std::string byte_tokenizer(const TempDir& dir, const std::string& name = "tok", const std::string& eos = "<eos>") {
+  json vocab = json::object();
+  char piece[8];
+  for (int b = 0; b < 256; ++b) {
+    std::snprintf(piece, sizeof piece, "<0x%02X>", b);
+    vocab[piece] = b;
+  }
+  vocab[eos] = 256;
+  const json added = json::array({{{"id", 256}, {"content", eos}, {"single_word", false}, {"lstrip", false}, {"rstrip", false}, {"normalized", false}, {"special", true}}});
+  const json t = {{"version", "1.0"}, {"truncation", nullptr}, {"padding", nullptr}, {"added_tokens", added}, {"normalizer", nullptr}, {"pre_tokenizer", nullptr},
+                  {"post_processor", nullptr}, {"decoder", nullptr},
+                  {"model", {{"type", "BPE"}, {"unk_token", nullptr}, {"byte_fallback", true}, {"ignore_merges", true}, {"vocab", vocab}, {"merges", json::array()}}}};
+  dir.write(name + "/tokenizer.json", t.dump());
+  dir.write(name + "/tokenizer_config.json", json{{"eos_token", eos}}.dump());
+  return dir.file(name);
+}
+
+dsrun::PrepareOptions prepare_options(const std::string& tokenizer, const std::string& out, std::vector<std::string> inputs) {
+  dsrun::PrepareOptions o;
+  o.tokenizer = tokenizer;
+  o.out = out;
+  o.inputs = std::move(inputs);
+  o.threads = 2;
+  return o;
+}
+
+// Every shard's tokens (headers included), in order.
+std::string all_tokens(const std::string& dir) {
+  std::string out;
+  for (const std::string& f : dsrun::data_directory_files(dir, ".tokens")) out += dsrun::read_file(f);
+  return out;
+}
+
+// Lines of 64 bytes, cut to `size` bytes, ending in a newline.
+std::string lines_of(size_t size) {
+  std::string text;
+  while (text.size() < size) text += std::string(63, static_cast<char>('a' + text.size() / 64 % 26)) + "\n";
+  text.resize(size);
+  text.back() = '\n';
+  return text;
+}
+
+std::string zstd_bytes(const std::string& text) {
+  ZSTD_CCtx* c = ZSTD_createCCtx();
+  ZSTD_CCtx_setParameter(c, ZSTD_c_checksumFlag, 1);  // as the zstd tool writes
+  std::string out(ZSTD_compressBound(text.size()), '\0');
+  const size_t n = ZSTD_compress2(c, out.data(), out.size(), text.data(), text.size());
+  ZSTD_freeCCtx(c);
+  REQUIRE(!ZSTD_isError(n));
+  out.resize(n);
+  return out;
+}
+
+void write_gzip(const std::string& path, const std::string& text) {
+  gzFile gz = gzopen(path.c_str(), "wb");
+  REQUIRE(gz != nullptr);
+  REQUIRE(gzwrite(gz, text.data(), static_cast<unsigned>(text.size())) == static_cast<int>(text.size()));
+  REQUIRE(gzclose(gz) == Z_OK);
+}
+
+std::string quoted(const std::string& s) { return "'" + s + "'"; }
+
+std::string prepare_error(const dsrun::PrepareOptions& o) {
+  return dsrun::test::error_of([&] { dsrun::prepare_corpus(o, nullptr); });
+}
+
+}  // namespace
+
+TEST_CASE("prepare reads .zst and .gz files whose text is a multiple of zstd's 128 KiB block", "[data][prepare]") {
+  TempDir dir;
+  const std::string tok = byte_tokenizer(dir);
+  for (const size_t size : {size_t(128) << 10, size_t(256) << 10, size_t(1) << 20}) {
+    INFO("text of " << size << " bytes");
+    const std::string text = lines_of(size), sub = "s" + std::to_string(size) + "/";
+    dir.write(sub + "t.txt", text);
+    dir.write(sub + "t.txt.zst", zstd_bytes(text));
+    write_gzip(dir.file(sub + "t.txt.gz"), text);
+    for (const bool lines : {false, true}) {  // one document (read whole), or lines (decompressed as a stream)
+      INFO((lines ? "a document per line" : "one document"));
+      std::string plain;
+      for (const char* ext : {"", ".zst", ".gz"}) {
+        INFO("t.txt" << ext);
+        dsrun::PrepareOptions o = prepare_options(tok, dir.file(sub + "out" + ext + (lines ? "-lines" : "")), {dir.file(sub + "t.txt" + ext)});
+        o.line_documents = lines;
+        const dsrun::PrepareSummary s = dsrun::prepare_corpus(o, nullptr);
+        CHECK(s.input_bytes == static_cast<int64_t>(size));
+        CHECK(s.tokens == static_cast<int64_t>(lines ? size : size + 1));  // each newline becomes an <eos>; one document gets one
+        if (plain.empty()) plain = all_tokens(o.out);
+        else CHECK(all_tokens(o.out) == plain);
+      }
+    }
+  }
+}
+
+TEST_CASE("a second prepare into a directory being written is refused at once, naming the first's pid", "[data][prepare]") {
+  TempDir dir;
+  const std::string tok = byte_tokenizer(dir), other = byte_tokenizer(dir, "other", "<end>");
+  dir.write("in/a.txt", lines_of(200000));
+  dir.write("in/b.txt", lines_of(100000));
+  const std::string out = dir.file("out");
+  // The first prepare (in this process) holds its lock while its progress callback waits.
+  std::promise<void> started, release;
+  std::shared_future<void> go = release.get_future().share();
+  std::atomic<bool> first_call{true};
+  std::exception_ptr failed;
+  std::thread first([&] {
+    try {
+      dsrun::prepare_corpus(prepare_options(tok, out, {dir.file("in")}), [&](int, int, int64_t, int64_t) {
+        if (!first_call.exchange(false)) return;
+        started.set_value();
+        go.wait();
+      });
+    } catch (...) {
+      failed = std::current_exception();
+      if (first_call.exchange(false)) started.set_value();
+    }
+  });
+  started.get_future().wait();
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto second = dsrun::test::run_command(std::string(DSRUN_BINARY) + " prepare --tokenizer " + quoted(other) + " -o " + quoted(out) + " " + quoted(dir.file("in")));
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const std::string reading = dsrun::test::error_of([&] { TokenCorpus corpus(options(out, 8)); });  // a rank, meanwhile
+  release.set_value();
+  first.join();
+  REQUIRE(!failed);
+  INFO(second.text);
+  CHECK(second.code != 0);
+  const std::string pid = std::to_string(::getpid());
+  CHECK_THAT(second.text, Catch::Contains(out + ": another dsrun prepare (pid " + pid + ") is writing to this directory"));
+  CHECK(seconds < 10);
+  CHECK_THAT(reading, Catch::Contains("dsrun prepare (pid " + pid + ") is still writing this directory"));
+  // One tokenizer: the manifest's, in every shard's record.
+  const json manifest = json::parse(dsrun::read_file(out + "/manifest.json"));
+  for (const std::string& record : dsrun::data_directory_files(out, ".json")) {
+    if (record == out + "/manifest.json") continue;
+    CHECK(json::parse(dsrun::read_file(record))["identity"]["tokenizer"] == manifest["tokenizer"]["checksum"]);
+  }
+  CHECK(manifest["tokens"] == 300002);  // 300,000 bytes and two <eos>
+  // Once the first is done, the lock is free: the second prepare runs (and its tokenizer wins).
+  const auto later = dsrun::test::run_command(std::string(DSRUN_BINARY) + " prepare --tokenizer " + quoted(other) + " -o " + quoted(out) + " " + quoted(dir.file("in")));
+  CHECK(later.code == 0);
+}
+
+TEST_CASE("a prepare directory without its manifest is refused; a smaller corpus prepared again leaves no stale shards", "[data][prepare]") {
+  TempDir dir;
+  const std::string tok = byte_tokenizer(dir), out = dir.file("out");
+  for (int k = 0; k < 3; ++k) dir.write("big/" + std::to_string(k) + ".txt", lines_of(1024));
+  dsrun::PrepareOptions o = prepare_options(tok, out, {dir.file("big")});
+  o.shard_bytes = 1024;  // a shard per file
+  REQUIRE(dsrun::prepare_corpus(o, nullptr).shards == 3);
+  REQUIRE_NOTHROW(TokenCorpus(options(out, 8)));
+  // As a killed prepare leaves it: shards, their records and the lock file, no manifest.
+  REQUIRE(::unlink((out + "/manifest.json").c_str()) == 0);
+  std::string error = dsrun::test::error_of([&] { TokenCorpus corpus(options(out, 8)); });
+  CHECK_THAT(error, Catch::Contains(out + ": data.path: holds dsrun prepare's shards but no manifest.json"));
+  CHECK_THAT(error, Catch::Contains("run the same dsrun prepare command again"));
+  REQUIRE(::unlink((out + "/" + dsrun::kPrepareLockName).c_str()) == 0);  // as an older prepare left it: records only
+  CHECK_THAT(dsrun::test::error_of([&] { TokenCorpus corpus(options(out, 8)); }), Catch::Contains("holds dsrun prepare's shards but no manifest.json"));
+  // Loose shards (no records) are still read as they are.
+  std::vector<uint32_t> ids(100, 7);
+  dir.write("loose/a.tokens", dsrun::token_shard_bytes(ids, 2));
+  CHECK(TokenCorpus(options(dir.file("loose"), 8)).train_windows() == 12);
+
+  // A smaller corpus into the same directory, beside a temporary file a killed write left.
+  dir.write("out/shard-00002.tokens.tmp.4242", "partial");
+  o.inputs = {dir.file("big/0.txt")};
+  const dsrun::PrepareSummary s = dsrun::prepare_corpus(o, nullptr);
+  CHECK(s.shards == 1);
+  CHECK(s.shards_reused == 1);
+  CHECK(s.stale_files_removed == 7);  // shards 1 and 2 (three files each) and the temporary file
+  CHECK(dsrun::list_directory(out) == std::vector<std::string>{"manifest.json", "shard-00000.docs", "shard-00000.json", "shard-00000.tokens"});
+  CHECK(TokenCorpus(options(out, 8)).train_windows() == (1025 - 1) / 8);  // 1024 bytes and an <eos>
+}
+
+TEST_CASE("prepare skips its own output directory inside an input directory, and says so", "[data][prepare]") {
+  TempDir dir;
+  const std::string tok = byte_tokenizer(dir), out = dir.file("in/out");
+  dir.write("in/a.txt", "the first document\n");
+  dir.write("in/b.txt", "the second\n");
+  REQUIRE(dsrun::prepare_corpus(prepare_options(tok, out, {dir.file("in")}), nullptr).documents == 2);
+  const std::string manifest = dsrun::read_file(out + "/manifest.json");
+  // Run again, as a process: the shards now inside the input are not read as text.
+  const auto again = dsrun::test::run_command(std::string(DSRUN_BINARY) + " prepare --tokenizer " + quoted(tok) + " -o " + quoted(out) + " " + quoted(dir.file("in")));
+  INFO(again.text);
+  CHECK(again.code == 0);
+  CHECK_THAT(again.text, Catch::Contains("skipped " + out + ": the output directory (-o), not read as input"));
+  CHECK_THAT(again.text, Catch::Contains("prepared " + out + ": 2 documents"));
+  CHECK(dsrun::read_file(out + "/manifest.json") == manifest);
+  // Another prepare's output inside the input is skipped too; named as the input, either is refused.
+  REQUIRE(dsrun::prepare_corpus(prepare_options(tok, dir.file("elsewhere"), {dir.file("in")}), nullptr).documents == 2);
+  const dsrun::PrepareSummary s = dsrun::prepare_corpus(prepare_options(tok, dir.file("elsewhere"), {dir.file("in")}), nullptr);
+  CHECK(s.documents == 2);
+  CHECK(s.skipped_directories == std::vector<std::string>{out + ": the output of another dsrun prepare, not read as input"});
+  CHECK_THAT(prepare_error(prepare_options(tok, out, {out})), Catch::Contains(out + ": the input is the output directory (-o): its shards are not text"));
+  CHECK_THAT(prepare_error(prepare_options(tok, dir.file("third"), {out})), Catch::Contains("the input is the output of another dsrun prepare"));
+}
+
+TEST_CASE("a file rewritten while prepare reads it is an error naming it, not a corpus of old and new text", "[data][prepare]") {
+  TempDir dir;
+  const std::string tok = byte_tokenizer(dir);
+  const size_t size = 8 << 20;
+  const std::string path = dir.write("in/big.txt", lines_of(size));
+  const struct timespec past[2] = {{946684800, 0}, {946684800, 0}};  // so a rewrite in the same clock tick still shows
+  REQUIRE(::utimensat(AT_FDCWD, path.c_str(), past, 0) == 0);
+  dsrun::PrepareOptions o = prepare_options(tok, dir.file("out"), {path});
+  o.line_documents = true;
+  o.shard_bytes = 64 << 10;  // 128 chunks, read one after another by one thread
+  o.threads = 1;
+  bool rewritten = false;
+  // At the first progress report (the first chunks in hand, most not yet read), the last line
+  // changes in place: same size, new text.
+  const std::string error = dsrun::test::error_of([&] {
+    dsrun::prepare_corpus(o, [&](int, int, int64_t, int64_t) {
+      if (rewritten) return;
+      rewritten = true;
+      const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+      if (fd >= 0 && ::pwrite(fd, "Z", 1, static_cast<off_t>(size - 2)) == 1) ::close(fd);
+    });
+  });
+  CHECK(rewritten);
+  CHECK_THAT(error, Catch::Contains(path + ": was rewritten (same size, a new modification time) while dsrun prepare was reading it"));
+  CHECK(!dsrun::file_exists(dir.file("out/manifest.json")));
+}
+
+TEST_CASE("a bad JSON line is reported by a short excerpt, not echoed whole", "[data][prepare]") {
+  TempDir dir;
+  const std::string tok = byte_tokenizer(dir);
+  // An unterminated string of 2 MB: the JSON parser's message quotes all of it.
+  const std::string docs = dir.write("docs.jsonl", "{\"text\": \"" + std::string(2 << 20, 'x') + "\n{\"text\": \"fine\"}\n");
+  const std::string command = std::string(DSRUN_BINARY) + " prepare --tokenizer " + quoted(tok) + " -o " + quoted(dir.file("out")) + " " + quoted(docs);
+  const auto skipped = dsrun::test::run_command(command);
+  CHECK(skipped.code == 0);
+  CHECK(skipped.text.size() < 4000);
+  CHECK_THAT(skipped.text, Catch::Contains("skipped 1 lines"));
+  CHECK_THAT(skipped.text, Catch::Contains(docs + ":1: not JSON: [json.exception.parse_error"));
+  CHECK_THAT(skipped.text, Catch::Contains("bytes in all)"));
+  const auto strict = dsrun::test::run_command(command + " --strict");  // the same directory: the shard that skipped the line is not kept
+  CHECK(strict.code != 0);
+  CHECK(strict.text.size() < 4000);
+  CHECK_THAT(strict.text, Catch::Contains(docs + ":1: not JSON"));
+}
+
+TEST_CASE("index entries out of order or past the tokens are refused when a file is mapped, naming the entry", "[data][formats]") {
+  TempDir dir;
+  const auto put = [](std::string& s, auto v) { s.append(reinterpret_cast<const char*>(&v), sizeof v); };
+  // Megatron-LM: sequences of 3, 4 and 5 uint16 tokens (bytes 0, 6, 14), one document each.
+  const auto megatron = [&](const std::string& name, std::vector<int64_t> pointers) {
+    std::string idx("MMIDIDX\0\0", 9), bin;
+    put(idx, uint64_t(1));
+    idx += char(8);  // uint16
+    put(idx, uint64_t(3));
+    put(idx, uint64_t(4));
+    for (int32_t n : {3, 4, 5}) put(idx, n);
+    for (int64_t p : pointers) put(idx, p);
+    for (int64_t d : {0, 1, 2, 3}) put(idx, d);
+    for (uint16_t t = 1; t <= 12; ++t) put(bin, t);
+    dir.write(name + ".idx", idx);
+    return dir.write(name + ".bin", bin);
+  };
+  const auto refusal = [&](const std::string& path) {
+    try {
+      TokenCorpus corpus(options(path, 2));
+    } catch (const dsrun::Error& e) {
+      return e;
+    }
+    FAIL("accepted " + path);
+    return dsrun::Error("");
+  };
+  REQUIRE(TokenCorpus(options(megatron("good", {0, 6, 14}), 2)).train_windows() == (12 - 1) / 2);
+  megatron("reversed", {14, 6, 0});
+  dsrun::Error e = refusal(dir.file("reversed.bin"));
+  CHECK(e.context().file == dir.file("reversed.idx"));
+  CHECK_THAT(e.what(), Catch::Contains("sequence 1 of 3 (byte pointer 6, 4 tokens) starts before the end of sequence 0 (byte 20): pointers must ascend"));
+  megatron("past", {0, 4000, 14});
+  e = refusal(dir.file("past.bin"));
+  CHECK(e.context().file == dir.file("past.idx"));
+  CHECK_THAT(e.what(), Catch::Contains("sequence 1 of 3 (byte pointer 4000, 4 tokens) points past the end of " + dir.file("past.bin") + " (24 bytes)"));
+  // dsrun's .docs: document ends that go back before the last.
+  std::vector<uint32_t> ids(20, 3);
+  dir.write("s.tokens", dsrun::token_shard_bytes(ids, 2));
+  dir.write("s.docs", dsrun::document_index_bytes({5, 12, 9, 20}));
+  e = refusal(dir.file("s.tokens"));
+  CHECK(e.context().file == dir.file("s.docs"));
+  CHECK_THAT(e.what(), Catch::Contains("document ends decrease at entry 2 of 4 (9 after 12)"));
+}
+
+TEST_CASE("a validation split far from data.val_fraction is warned about, saying where each file was cut", "[data][formats]") {
+  TempDir dir;
+  std::vector<uint32_t> ids(6000);
+  for (size_t k = 0; k < ids.size(); ++k) ids[k] = static_cast<uint32_t>(k % 1000);
+  const std::string two = dir.write("two.tokens", dsrun::token_shard_bytes(ids, 2));
+  dir.write("two.docs", dsrun::document_index_bytes({40, 6000}));
+  TokenCorpusOptions o = options(two, 8);
+  o.val_fraction = 0.05;
+  {
+    TokenCorpus corpus(o);
+    const std::string d = corpus.describe();
+    CHECK_THAT(d, Catch::Contains("40 training tokens (4 sequences), 5960 validation tokens (whole documents at each file's end)"));
+    CHECK_THAT(d, Catch::Contains("; warning: validation is 99.3% of the tokens (5960), not the 5% data.val_fraction asks (300): " + two +
+                                  " is cut at token 40 of 6000, the last document end at or before its share's end, token 5700"));
+    CHECK(corpus.warnings().size() == 1);
+  }
+  // One document longer than the training share: cut inside it, and not called whole documents.
+  ids.resize(1000);
+  o.paths = {dir.write("one.tokens", dsrun::token_shard_bytes(ids, 2))};
+  dir.write("one.docs", dsrun::document_index_bytes({1000}));
+  {
+    TokenCorpus corpus(o);
+    const std::string d = corpus.describe();
+    CHECK_THAT(d, Catch::Contains("950 training tokens (118 sequences), 50 validation tokens (each file's end; cut inside a document"));
+    CHECK_THAT(d, !Catch::Contains("whole documents"));
+    CHECK(corpus.warnings().empty());
+  }
 }

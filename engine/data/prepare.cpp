@@ -2,8 +2,11 @@
 // whole files) before any tokenizing, so shard k is a pure function of chunk k and the tokenizer:
 // that is what lets a killed prepare keep the shards it finished. Each shard is three files
 // written atomically in order (.tokens, .docs, then .json, the mark of a finished shard); the
-// manifest is written last, so a directory without one is never taken as a finished corpus.
+// manifest is written last, so a directory without one is never taken as a finished corpus. One
+// prepare at a time writes to a directory (flock on its lock file); an input file that changes
+// while it is read is an error, not a corpus of old and new text.
 #include "engine/data/prepare.hpp"
+#include "engine/data/prepare_directory.hpp"
 
 #include "engine/common/error.hpp"
 #include "engine/common/files.hpp"
@@ -12,6 +15,7 @@
 #include "engine/tokenizer/tokenizer.hpp"
 
 #include <nlohmann/json.hpp>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <xxhash.h>
 #include <zlib.h>
@@ -21,9 +25,11 @@
 #include <atomic>
 #include <map>
 #include <deque>
+#include <cctype>
 #include <condition_variable>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fcntl.h>
 #include <memory>
@@ -52,7 +58,34 @@ struct InputFile {
   bool json_lines = false;
   int64_t size = 0;
   int64_t mtime_ns = 0;
+  int64_t ctime_ns = 0;  // not in a shard's identity; only to see a change while the file is read
 };
+
+int64_t nanoseconds(const struct timespec& t) { return int64_t(t.tv_sec) * 1000000000 + t.tv_nsec; }
+
+// After a file was read: the file must be as it was when the inputs were listed, or the corpus
+// would mix old and new text. Size, modification time and status-change time (which no tool can
+// set back, so a file put back with its old modification time is caught too).
+void check_unchanged(const InputFile& f, int fd) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) throw input_error(f.path, 0, std::string("cannot stat: ") + std::strerror(errno), "check the file");
+  std::string what;
+  if (st.st_size != f.size) what = "changed size from " + std::to_string(f.size) + " to " + std::to_string(st.st_size) + " bytes";
+  else if (nanoseconds(st.st_mtim) != f.mtime_ns) what = "was rewritten (same size, a new modification time)";
+  else if (nanoseconds(st.st_ctim) != f.ctime_ns) what = "was replaced or rewritten (a new status-change time)";
+  if (!what.empty()) {
+    throw input_error(f.path, 0, what + " while dsrun prepare was reading it: its shards would mix old and new text",
+                      "run the same command again once nothing writes to the inputs (finished shards are kept)");
+  }
+}
+
+// At most `limit` bytes of `text`, cut at a character boundary, saying how long it was.
+std::string excerpt(const std::string& text, size_t limit = 300) {
+  if (text.size() <= limit) return text;
+  size_t cut = limit;
+  while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) --cut;
+  return text.substr(0, cut) + "... (" + std::to_string(text.size()) + " bytes in all)";
+}
 
 // A stretch of one input file: bytes of a plain file, or of a compressed file's text.
 struct Piece {
@@ -66,16 +99,33 @@ struct Chunk {
   int64_t bytes = 0;
 };
 
-void collect(const std::string& path, std::vector<std::string>& out) {
+// The output directory, to keep it out of the inputs: a prepare run again with -o inside an input
+// directory would otherwise read its own shards as text.
+struct OutputDirectory {
+  bool exists = false;
+  dev_t device = 0;
+  ino_t inode = 0;
+};
+
+void collect(const std::string& path, std::vector<std::string>& out, const OutputDirectory& output, bool named,
+             std::vector<std::string>& skipped) {
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0) throw input_error(path, 0, "input not found", "check the path");
   if (S_ISDIR(st.st_mode)) {
-    for (const std::string& name : list_directory(path)) {
+    const bool is_output = output.exists && st.st_dev == output.device && st.st_ino == output.inode;
+    const std::vector<std::string> names = list_directory(path);
+    if (is_output || holds_prepare_output(path, names)) {
+      const std::string what = is_output ? "the output directory (-o)" : "the output of another dsrun prepare";
+      if (named) throw input_error(path, 0, "the input is " + what + ": its shards are not text", "name the text files or directories, and write the shards outside them");
+      skipped.push_back(path + ": " + what + ", not read as input");
+      return;
+    }
+    for (const std::string& name : names) {
       if (name.empty() || name[0] == '.' || ends_with(name, ".dat")) continue;
       const std::string child = path_join(path, name);
       struct stat cst {};
       if (::lstat(child.c_str(), &cst) != 0) continue;
-      if (S_ISDIR(cst.st_mode) || S_ISREG(cst.st_mode)) collect(child, out);  // links are skipped, as in data directories
+      if (S_ISDIR(cst.st_mode) || S_ISREG(cst.st_mode)) collect(child, out, output, false, skipped);  // links are skipped, as in data directories
     }
   } else if (S_ISREG(st.st_mode)) {
     out.push_back(path);
@@ -99,12 +149,13 @@ InputFile describe_input(const std::string& path) {
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0) throw input_error(path, 0, "cannot stat input", "check the path");
   f.size = st.st_size;
-  f.mtime_ns = int64_t(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+  f.mtime_ns = nanoseconds(st.st_mtim);
+  f.ctime_ns = nanoseconds(st.st_ctim);
   return f;
 }
 
-// Bytes [begin, end) of a plain file.
-std::string read_range(const std::string& path, int64_t begin, int64_t end) {
+// Bytes [begin, end) of a plain file; with `input`, checked unchanged after reading.
+std::string read_range(const std::string& path, int64_t begin, int64_t end, const InputFile* input = nullptr) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) throw input_error(path, 0, std::string("cannot open: ") + std::strerror(errno), "check the file");
   std::string out(static_cast<size_t>(end - begin), '\0');
@@ -113,10 +164,27 @@ std::string read_range(const std::string& path, int64_t begin, int64_t end) {
     const ssize_t n = ::pread(fd, out.data() + done, out.size() - done, begin + static_cast<int64_t>(done));
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) {
+      const int err = errno;
+      if (input) {
+        try {
+          check_unchanged(*input, fd);  // a file that shrank: say that it changed
+        } catch (...) {
+          ::close(fd);
+          throw;
+        }
+      }
       ::close(fd);
-      throw input_error(path, 0, n < 0 ? std::string("cannot read: ") + std::strerror(errno) : "the file shrank while being read", "check the file");
+      throw input_error(path, 0, n < 0 ? std::string("cannot read: ") + std::strerror(err) : "the file shrank while being read", "check the file");
     }
     done += static_cast<size_t>(n);
+  }
+  if (input) {
+    try {
+      check_unchanged(*input, fd);
+    } catch (...) {
+      ::close(fd);
+      throw;
+    }
   }
   ::close(fd);
   return out;
@@ -126,13 +194,21 @@ std::string read_range(const std::string& path, int64_t begin, int64_t end) {
 class Decompressor {
  public:
   explicit Decompressor(const InputFile& f) : f_(f) {
+    fd_ = ::open(f.path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd_ < 0) throw input_error(f.path, 0, std::string("cannot open: ") + std::strerror(errno), "check the file");
     if (f.compression == Compression::gzip) {
-      gz_ = ::gzopen(f.path.c_str(), "rb");
-      if (!gz_) throw input_error(f.path, 0, "cannot open gzip file", "check the file");
+      gz_ = ::gzdopen(fd_, "rb");  // closes fd_ on gzclose
+      if (!gz_) {
+        ::close(fd_);
+        throw input_error(f.path, 0, "cannot open gzip file", "check the file");
+      }
       ::gzbuffer(gz_, 1 << 17);
     } else {
-      file_ = std::fopen(f.path.c_str(), "rb");
-      if (!file_) throw input_error(f.path, 0, std::string("cannot open: ") + std::strerror(errno), "check the file");
+      file_ = ::fdopen(fd_, "rb");  // closes fd_ on fclose
+      if (!file_) {
+        ::close(fd_);
+        throw input_error(f.path, 0, std::string("cannot open: ") + std::strerror(errno), "check the file");
+      }
       zstd_ = ZSTD_createDCtx();
       in_.resize(ZSTD_DStreamInSize());
     }
@@ -160,6 +236,7 @@ class Decompressor {
       const char* why = ::gzerror(gz_, &code);
       if (n == 0 && code != Z_OK)  // zlib reports a cut-off stream here, not as n < 0
         throw input_error(f_.path, 0, std::string(code == Z_BUF_ERROR ? "truncated gzip data: " : "corrupt gzip data: ") + why, "download the file again");
+      if (n == 0) check_unchanged(f_, fd_);
       return n > 0;
     }
     while (out.size() - start < (1 << 20)) {
@@ -169,6 +246,7 @@ class Decompressor {
         consumed_ += static_cast<int64_t>(in_size_);
         if (in_size_ == 0) {
           if (std::ferror(file_)) throw input_error(f_.path, 0, std::string("cannot read: ") + std::strerror(errno), "check the file");
+          check_unchanged(f_, fd_);
           if (last_ != 0) throw input_error(f_.path, 0, "truncated zstd data", "download the file again");
           return out.size() > start;
         }
@@ -181,7 +259,11 @@ class Decompressor {
       if (ZSTD_isError(last_)) throw input_error(f_.path, 0, std::string("corrupt zstd data: ") + ZSTD_getErrorName(last_), "download the file again");
       out.resize(at + o.pos);
       in_pos_ = in.pos;
-      pending_ = o.pos == o.size;  // a full output buffer: more may come without more input
+      // A full output buffer: more may come without more input, unless the frame just ended
+      // (last_ == 0: decoded and flushed). Asked again with no input after its end, zstd would
+      // answer with the size of the next frame's header, which is not a cut-off frame: a text of
+      // a multiple of 128 KiB ends exactly so.
+      pending_ = o.pos == o.size && last_ != 0;
     }
     return true;
   }
@@ -197,6 +279,7 @@ class Decompressor {
   size_t in_pos_ = 0, in_size_ = 0, last_ = 0;
   bool pending_ = false;
   int64_t consumed_ = 0;
+  int fd_ = -1;  // owned by gz_ or file_
 };
 
 std::string decompress(const InputFile& f) {
@@ -328,13 +411,15 @@ class Preparer {
     if (file_exists(base + ".json")) {  // finished before: reuse if it is this chunk's shard, whole
       try {
         json done = json::parse(read_file(base + ".json"));
+        // --strict is not in the identity: a shard that skipped lines is made again, to fail.
         if (done.value("identity", json()) == id && file_size(base + ".tokens") == done.value("tokens_file_bytes", int64_t(-1)) &&
-            file_size(base + ".docs") == done.value("docs_file_bytes", int64_t(-1))) {
+            file_size(base + ".docs") == done.value("docs_file_bytes", int64_t(-1)) && !(o_.strict && done.value("skipped_lines", 0) > 0)) {
           r.record = done;
           r.documents = done["documents"];
           r.tokens = done["tokens"];
           r.bytes = done["input_bytes"];
           r.skipped = done["skipped_lines"];
+          if (done.contains("skipped_examples")) r.skipped_examples = done["skipped_examples"].get<std::vector<std::string>>();
           r.reused = true;
           return r;
         }
@@ -355,7 +440,7 @@ class Preparer {
     for (const Piece& p : chunk.pieces) {
       const InputFile& f = files_[p.file];
       std::string read;
-      if (!streamed) read = f.compression == Compression::none ? read_range(f.path, p.begin, p.end) : decompress(f);
+      if (!streamed) read = f.compression == Compression::none ? read_range(f.path, p.begin, p.end, &f) : decompress(f);
       const std::string& text = streamed ? *streamed : read;
       r.bytes += static_cast<int64_t>(text.size());
       if (!f.json_lines && !o_.line_documents) {
@@ -378,7 +463,7 @@ class Preparer {
             else if (!doc[o_.field].is_string()) why = "field \"" + o_.field + "\" is not a string";
             else add_document(doc[o_.field].get_ref<const std::string&>());
           } catch (const json::parse_error& e) {
-            why = std::string("not JSON: ") + e.what();
+            why = excerpt(std::string("not JSON: ") + e.what());  // the parser quotes the whole bad token, maybe megabytes
           }
           if (!why.empty()) {
             if (first_line == 0) first_line = p.first_line > 0 ? p.first_line : line_at(f.path, p.begin);
@@ -414,6 +499,7 @@ class Preparer {
                 {"docs_file", shard_name(k) + ".docs"},
                 {"docs_file_bytes", static_cast<int64_t>(docs.size())},
                 {"docs_xxh3", hex64(XXH3_64bits(docs.data(), docs.size()))}};
+    if (!r.skipped_examples.empty()) r.record["skipped_examples"] = r.skipped_examples;  // for a prepare that keeps this shard
     write_file_atomic(base + ".json", r.record.dump(1) + "\n");
     return r;
   }
@@ -427,12 +513,69 @@ class Preparer {
   uint32_t eos_ = 0;
 };
 
+// The lock of an output directory, held (flock) from before the old manifest is deleted until the
+// new one is written; the kernel drops it when the process ends, however it ends. The file stays
+// (removing it would let a second prepare lock a file the first no longer sees); it holds the pid.
+class OutputLock {
+ public:
+  explicit OutputLock(const std::string& dir) {
+    const std::string path = path_join(dir, kPrepareLockName);
+    fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd_ < 0) throw input_error(path, 0, std::string("cannot create the lock file: ") + std::strerror(errno), "check that the output directory is writable");
+    if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+      const int err = errno;
+      char text[32] = {};
+      const ssize_t n = ::pread(fd_, text, sizeof text - 1, 0);
+      const long long pid = n > 0 ? std::atoll(text) : 0;
+      ::close(fd_);
+      if (err == EWOULDBLOCK) {
+        ErrorContext c;
+        c.file = dir;
+        c.hint = "wait for it to finish (or stop it), or write to another directory with -o";
+        throw Error("another dsrun prepare" + (pid > 0 ? " (pid " + std::to_string(pid) + ")" : std::string()) + " is writing to this directory", c);
+      }
+      throw input_error(path, 0, std::string("cannot lock: ") + std::strerror(err), "put the output directory on a file system that supports flock");
+    }
+    const std::string pid = std::to_string(::getpid()) + "\n";
+    if (::ftruncate(fd_, 0) != 0 || ::pwrite(fd_, pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size())) {
+      // The lock holds without the pid; a second prepare is refused all the same, without it.
+    }
+  }
+  ~OutputLock() { ::close(fd_); }
+  OutputLock(const OutputLock&) = delete;
+  OutputLock& operator=(const OutputLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
+
+// Files an earlier prepare left that this one's manifest does not list: shards numbered `shards`
+// and above (the earlier corpus was larger), and temporary files of a killed prepare. Under the
+// lock, so no other prepare is writing them.
+int remove_stale_files(const std::string& dir, size_t shards) {
+  int removed = 0;
+  for (const std::string& name : list_directory(dir)) {
+    bool temporary = false;
+    const int64_t k = shard_number(name, &temporary);
+    const bool manifest_tmp = name.rfind("manifest.json.tmp.", 0) == 0;
+    if (!manifest_tmp && (k < 0 || (!temporary && static_cast<size_t>(k) < shards))) continue;
+    const std::string path = path_join(dir, name);
+    if (::unlink(path.c_str()) != 0 && errno != ENOENT)
+      throw input_error(path, 0, std::string("cannot remove a stale file of an earlier prepare: ") + std::strerror(errno), "remove it by hand, or write to a new directory");
+    ++removed;
+  }
+  return removed;
+}
+
 }  // namespace
 
 PrepareSummary prepare_corpus(const PrepareOptions& o, const PrepareProgress& progress) {
   if (o.inputs.empty()) throw input_error("", 0, "no inputs", "name text, .jsonl, .gz or .zst files or directories");
-  std::vector<std::string> paths;
-  for (const std::string& in : o.inputs) collect(in, paths);
+  OutputDirectory output;
+  struct stat out_st {};
+  if (::stat(o.out.c_str(), &out_st) == 0 && S_ISDIR(out_st.st_mode)) output = {true, out_st.st_dev, out_st.st_ino};
+  std::vector<std::string> paths, skipped_directories;
+  for (const std::string& in : o.inputs) collect(in, paths, output, true, skipped_directories);
   if (paths.empty()) throw input_error(o.inputs.front(), 0, "no input files", "name text, .jsonl, .gz or .zst files or directories");
   std::vector<InputFile> files;
   int64_t total_bytes = 0;
@@ -442,6 +585,7 @@ PrepareSummary prepare_corpus(const PrepareOptions& o, const PrepareProgress& pr
   }
   const std::vector<PlannedChunk> planned = make_chunks(files, o);
   make_directories(o.out);
+  const OutputLock lock(o.out);  // a second prepare into this directory is refused until this one ends
   const std::string manifest_path = path_join(o.out, "manifest.json");
   if (file_exists(manifest_path)) ::unlink(manifest_path.c_str());  // re-preparing: not finished until written again
 
@@ -537,6 +681,10 @@ PrepareSummary prepare_corpus(const PrepareOptions& o, const PrepareProgress& pr
       }
       bytes_done += job.chunk.bytes;
       ++done;
+      {
+        std::lock_guard<std::mutex> lock(mutex);  // so the wait below cannot miss the last one
+      }
+      changed.notify_all();
     }
   };
   std::thread producer(produce);
@@ -548,7 +696,8 @@ PrepareSummary prepare_corpus(const PrepareOptions& o, const PrepareProgress& pr
       if (failed || (produced_all && done == known)) break;
     }
     if (progress) progress(done, known, bytes_done, total_bytes);
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    std::unique_lock<std::mutex> lock(mutex);  // a report every 200 ms, and none waited for once all is done
+    changed.wait_for(lock, std::chrono::milliseconds(200), [&] { return failed || (produced_all && done == known); });
   }
   producer.join();
   for (auto& t : pool) t.join();
@@ -559,6 +708,8 @@ PrepareSummary prepare_corpus(const PrepareOptions& o, const PrepareProgress& pr
   PrepareSummary s;
   s.shards = static_cast<int>(n);
   s.token_bytes = preparer.token_bytes_;
+  s.skipped_directories = std::move(skipped_directories);
+  s.stale_files_removed = remove_stale_files(o.out, n);
   json shards = json::array();
   for (size_t k = 0; k < n; ++k) {
     const ShardResult& r = results.at(k);
@@ -570,6 +721,7 @@ PrepareSummary prepare_corpus(const PrepareOptions& o, const PrepareProgress& pr
     for (const auto& e : r.skipped_examples) if (s.skipped_examples.size() < 5) s.skipped_examples.push_back(e);
     json entry = r.record;
     entry.erase("identity");
+    entry.erase("skipped_examples");  // in the shard records only, for a prepare that keeps the shard
     shards.push_back(entry);
   }
   const json manifest = {{"format", "dsrun-tokens"},

@@ -1,6 +1,9 @@
 // `dsrun prepare`: text, JSON-lines and their .gz/.zst forms to token shards, a document index
-// and a manifest (written last), tokenized on every core; a killed prepare resumes. docs/data.md.
+// and a manifest (written last), tokenized on every core; a killed prepare resumes; one prepare at
+// a time per output directory (a lock file in it). docs/data.md.
 #pragma once
+
+#include "engine/data/prepare_directory.hpp"
 
 #include <cstdint>
 #include <functional>
@@ -23,13 +26,17 @@ struct PrepareOptions {
 struct PrepareSummary {
   int64_t documents = 0, tokens = 0, input_bytes = 0, skipped_lines = 0;
   int shards = 0, shards_reused = 0;
+  int stale_files_removed = 0;  // shard files of an earlier, larger prepare (and temporary files of a killed one)
   int token_bytes = 0;
   std::vector<std::string> skipped_examples;  // "file:line: why", the first few
+  std::vector<std::string> skipped_directories;  // "dir: why": output directories met while walking the inputs
 };
 
 // Progress reports: shards done, shards in all, input bytes done, input bytes in all.
 using PrepareProgress = std::function<void(int, int, int64_t, int64_t)>;
 
 PrepareSummary prepare_corpus(const PrepareOptions& options, const PrepareProgress& progress);
+
+
 
 }  // namespace dsrun

@@ -5,6 +5,7 @@
 #include "engine/common/error.hpp"
 #include "engine/common/files.hpp"
 #include "engine/common/text.hpp"
+#include "engine/data/prepare_directory.hpp"
 
 #include <nlohmann/json.hpp>
 #include <sys/mman.h>
@@ -169,8 +170,10 @@ class TokenFile {
     }
   }
 
-  // The last document boundary at or before t (t itself when documents are unknown or none is near).
-  int64_t boundary_before(int64_t t, int64_t vocab) const {
+  bool knows_documents() const { return indexed() || separator >= 0; }
+
+  // The last document boundary at or before t; -1 when documents are unknown or none is near.
+  int64_t boundary_before(int64_t t) const {
     if (indexed()) {
       int64_t lo = 0, hi = doc_count;  // documents ending at or before t: [0, lo)
       while (lo < hi) {
@@ -178,14 +181,14 @@ class TokenFile {
         if (document_end(mid) <= t) lo = mid + 1;
         else hi = mid;
       }
-      return lo > 0 ? document_end(lo - 1) : t;
+      return lo > 0 ? document_end(lo - 1) : -1;
     }
     if (separator >= 0) {
       for (int64_t k = t - 1; k >= std::max<int64_t>(0, t - (int64_t(1) << 22)); --k) {
         if (token(k, INT64_MAX) == separator) return documents == Documents::SeparatorBefore ? k : k + 1;
       }
     }
-    return t;
+    return -1;
   }
 };
 
@@ -218,6 +221,18 @@ void attach_document_index(TokenFile& f, const std::string& docs_path) {
   if (m.size() < 32 || std::memcmp(m.data(), "DSRUNDOC", 8) != 0 || get<uint32_t>(m.data() + 8) != 1 || count > (m.size() - 32) / 8 ||
       m.size() != 32 + count * 8 || (count > 0 && get<uint64_t>(m.data() + 32 + 8 * (count - 1)) > uint64_t(f.count))) {
     throw data_error(docs_path, "not a dsrun document index, truncated, or not this shard's", "run dsrun prepare again");
+  }
+  // The ends must not decrease (documents are looked up by binary search, and the split is cut at
+  // one): one pass over the index, the last checked against the shard above.
+  uint64_t previous = 0;
+  for (uint64_t d = 0; d < count; ++d) {
+    const uint64_t end = get<uint64_t>(m.data() + 32 + 8 * d);
+    if (end < previous) {
+      throw data_error(docs_path, "document ends decrease at entry " + std::to_string(d) + " of " + std::to_string(count) + " (" + std::to_string(end) +
+                                      " after " + std::to_string(previous) + "): a corrupt index",
+                       "run dsrun prepare again");
+    }
+    previous = end;
   }
   f.documents = Documents::EndOffsets;
   f.ends = m.data() + 32;
@@ -255,10 +270,29 @@ void open_megatron(TokenFile& f, const std::string& idx_path) {
   if (get<int64_t>(f.doc_index) != 0 || get<int64_t>(f.doc_index + 8 * f.doc_count) != f.seqs) throw bad("document indices do not span the sequences");
   for (int64_t d = 0; d < f.doc_count; ++d)
     if (get<int64_t>(f.doc_index + 8 * (d + 1)) < get<int64_t>(f.doc_index + 8 * d)) throw bad("document indices are not ascending at document " + std::to_string(d));
-  const int64_t end = f.seqs > 0 ? get<int64_t>(f.pointers + 8 * (f.seqs - 1)) + int64_t(get<int32_t>(f.lengths + 4 * (f.seqs - 1))) * f.width : 0;
-  if (end < 0 || static_cast<size_t>(end) > f.tokens_map->size())
-    throw data_error(f.path, "shorter than its index says (" + std::to_string(f.tokens_map->size()) + " bytes, the index needs " + std::to_string(end) + ")",
-                     "the .bin is truncated: copy it again or rebuild it");
+  const int64_t bin_bytes = static_cast<int64_t>(f.tokens_map->size());
+  if (f.seqs > 0) {  // the last sequence past the end: the .bin is cut off
+    const int64_t pointer = get<int64_t>(f.pointers + 8 * (f.seqs - 1)), length = get<int32_t>(f.lengths + 4 * (f.seqs - 1));
+    if (pointer >= 0 && length >= 0 && (pointer > bin_bytes || pointer + length * f.width > bin_bytes)) {
+      throw data_error(f.path, "shorter than its index says (" + std::to_string(bin_bytes) + " bytes, the index needs " +
+                                   (pointer > bin_bytes ? "more than " + std::to_string(pointer) : std::to_string(pointer + length * f.width)) + ")",
+                       "the .bin is truncated: copy it again or rebuild it");
+    }
+  }
+  // Every sequence in order, inside the .bin, at a token boundary: one pass over the index (not
+  // the tokens). Reversed or stray pointers would move document ends, and with them the split.
+  int64_t end = 0;
+  for (int64_t i = 0; i < f.seqs; ++i) {
+    const int64_t pointer = get<int64_t>(f.pointers + 8 * i), length = get<int32_t>(f.lengths + 4 * i);
+    const std::string entry = "sequence " + std::to_string(i) + " of " + std::to_string(f.seqs) + " (byte pointer " + std::to_string(pointer) +
+                              ", " + std::to_string(length) + " tokens)";
+    if (length < 0) throw bad(entry + " has a negative length");
+    if (pointer < 0 || pointer > bin_bytes || pointer + length * f.width > bin_bytes)
+      throw bad(entry + " points past the end of " + f.path + " (" + std::to_string(bin_bytes) + " bytes)");
+    if (pointer % f.width != 0) throw bad(entry + " does not start at a " + std::to_string(f.width) + "-byte token");
+    if (pointer < end) throw bad(entry + " starts before the end of sequence " + std::to_string(i - 1) + " (byte " + std::to_string(end) + "): pointers must ascend");
+    end = pointer + length * f.width;
+  }
   f.count = end / f.width;
 }
 
@@ -365,6 +399,17 @@ Files open_prepared(const std::string& dir, const TokenCorpusOptions& o) {
 Files open_files(const std::string& path, const TokenCorpusOptions& o) {
   if (is_directory(path)) {
     if (file_exists(path_join(path, "manifest.json"))) return open_prepared(path, o);
+    // A prepare's directory without its manifest is not finished (killed, failed, or still
+    // writing): its shards may be of an older corpus, or missing. Never read as loose shards.
+    if (is_prepare_directory(path)) {
+      const int64_t pid = prepare_running_in(path);
+      if (pid != 0) {
+        throw data_error(path, "dsrun prepare" + (pid > 0 ? " (pid " + std::to_string(pid) + ")" : std::string()) + " is still writing this directory: it has no manifest.json yet",
+                         "wait for the prepare to finish");
+      }
+      throw data_error(path, "holds dsrun prepare's shards but no manifest.json: the prepare that wrote them did not finish (killed, or failed)",
+                       "run the same dsrun prepare command again to finish it (it keeps the shards that are whole)");
+    }
     Files files;
     for (const std::string& f : data_directory_files(path, "")) {
       if (ends_with(f, ".idx") || ends_with(f, ".docs") || ends_with(f, ".json")) continue;  // read with the file they index
@@ -461,7 +506,9 @@ struct TokenCorpus::Source {
   Files files;
   Stream train, val;
   int64_t train_windows = 0, val_windows = 0;
-  bool whole_documents = true;  // every file's validation tail starts at a document boundary
+  int files_unknown = 0;  // files whose documents are unknown: their validation tail starts at a token
+  int files_inside = 0;   // files cut inside a document: none ends at or before the training share's end
+  std::string warning;    // the split is far from data.val_fraction: by how much, and where it fell
   std::unique_ptr<FeistelOrder> order;
 };
 
@@ -474,19 +521,51 @@ std::unique_ptr<TokenCorpus::Source> open_source(const std::string& path, const 
   if (s->files.empty()) {  // a Megatron prefix
     s->files.push_back(open_token_file(path + ".bin", o));
   }
+  struct Cut {
+    const TokenFile* file;
+    int64_t target, cut;
+  };
+  std::vector<Cut> cuts;
   for (const auto& f : s->files) {
     // Validation is the tail of each file, cut at a document boundary: adding files changes
     // no other file's split.
     const int64_t target = static_cast<int64_t>(std::floor(static_cast<double>(f->count) * (1 - val_fraction)));
-    int64_t cut = val_fraction > 0 ? f->boundary_before(target, o.vocab) : f->count;
-    if (val_fraction > 0 && (cut == target && !(f->indexed() || f->separator >= 0))) s->whole_documents = false;
-    if (cut <= 0) cut = target;  // one document longer than the training share: cut inside it
+    int64_t cut = f->count;
+    if (val_fraction > 0) {
+      const int64_t boundary = f->boundary_before(target);
+      if (boundary > 0) {
+        cut = boundary;
+      } else {  // documents unknown, or one document longer than the training share: cut inside it
+        cut = target;
+        if (target > 0) ++(f->knows_documents() ? s->files_inside : s->files_unknown);
+      }
+    }
+    cuts.push_back({f.get(), target, cut});
     s->train.add(f.get(), 0, cut);
     s->val.add(f.get(), cut, f->count - cut);
   }
   const int64_t seq = o.seq_len;
   s->train_windows = s->train.tokens() > seq ? (s->train.tokens() - 1) / seq : 0;
   s->val_windows = s->val.tokens() > seq ? (s->val.tokens() - 1) / seq : 0;
+
+  // Cutting at the document end before each file's share can hand validation much more than
+  // asked (a file of a few long documents): more than 2x off, and by more than a window, is said,
+  // with the files that moved most.
+  const int64_t total = s->train.tokens() + s->val.tokens(), asked = static_cast<int64_t>(std::llround(val_fraction * static_cast<double>(total)));
+  const int64_t got = s->val.tokens();
+  if (val_fraction > 0 && val_fraction < 1 && total > 0 && (got > 2 * asked || 2 * got < asked) && std::llabs(got - asked) > seq) {
+    char share[160];
+    std::snprintf(share, sizeof share, "validation is %.3g%% of the tokens (%lld), not the %.3g%% data.val_fraction asks (%lld)",
+                  100.0 * static_cast<double>(got) / static_cast<double>(total), static_cast<long long>(got), 100.0 * val_fraction, static_cast<long long>(asked));
+    std::stable_sort(cuts.begin(), cuts.end(), [](const Cut& a, const Cut& b) { return a.target - a.cut > b.target - b.cut; });
+    std::string where;
+    for (size_t k = 0; k < cuts.size() && k < 3 && cuts[k].cut != cuts[k].target; ++k) {
+      where += (where.empty() ? "" : "; ") + cuts[k].file->path + " is cut at token " + std::to_string(cuts[k].cut) + " of " + std::to_string(cuts[k].file->count) +
+               ", the last document end at or before its share's end, token " + std::to_string(cuts[k].target);
+    }
+    s->warning = std::string(share) + (where.empty() ? "" : ": " + where) +
+                 " (each file's tail goes to validation in whole documents: give data.val_path, or split long documents)";
+  }
   return s;
 }
 
@@ -595,6 +674,13 @@ void TokenCorpus::val_window(int64_t i, Window& out) const {
   }
 }
 
+std::vector<std::string> TokenCorpus::warnings() const {
+  std::vector<std::string> out;
+  for (const auto& s : sources_)
+    if (!s->warning.empty()) out.push_back(s->path + ": " + s->warning);
+  return out;
+}
+
 int64_t TokenCorpus::train_windows() const {
   int64_t n = 0;
   for (const auto& s : sources_) n += s->train_windows;
@@ -609,7 +695,18 @@ std::string TokenCorpus::describe() const {
     out += s.path + " (" + s.files.front()->format + ", " + std::to_string(s.files.size()) + (s.files.size() == 1 ? " file" : " files") + " mapped): " +
            std::to_string(s.train.tokens()) + " training tokens (" + std::to_string(s.train_windows) + " sequences), " + std::to_string(s.val.tokens()) +
            " validation tokens";
-    if (s.val.tokens() > 0) out += s.whole_documents ? " (whole documents at each file's end)" : " (each file's end; documents unknown)";
+    if (s.val.tokens() > 0) {
+      const size_t n = s.files.size();
+      const auto of = [n](int k) { return n == 1 ? std::string() : " in " + std::to_string(k) + " of " + std::to_string(n) + " files"; };
+      if (s.files_unknown == 0 && s.files_inside == 0) out += " (whole documents at each file's end)";
+      else if (s.files_inside == 0) out += " (each file's end; documents unknown" + of(s.files_unknown) + ")";
+      else {
+        out += " (each file's end; cut inside a document" + of(s.files_inside) + ", where no document ends before the cut";
+        if (s.files_unknown > 0) out += "; documents unknown" + of(s.files_unknown);
+        out += ")";
+      }
+    }
+    if (!s.warning.empty()) out += "; warning: " + s.warning;
     if (sources_.size() > 1) out += ", weight " + std::to_string(blend_count_[d]) + "/" + std::to_string(blend_.size());
   }
   if (val_source_) out += "; validation: " + val_source_->path + " (" + std::to_string(val_source_->val.tokens()) + " tokens)";

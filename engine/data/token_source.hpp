@@ -65,7 +65,11 @@ class TokenCorpus {
   void val_window(int64_t i, Window& out) const;  // in order, wrapping around
   int64_t train_windows() const;                  // one epoch, all sources
   int64_t val_windows() const;
+  // What rank 0 reports as the data event: sources, tokens, how validation was cut, and warnings.
   std::string describe() const;
+  // "source: why" for each source whose validation share is far (over 2x) from data.val_fraction;
+  // describe() carries them too.
+  std::vector<std::string> warnings() const;
 
   struct Source;
 
