@@ -1,12 +1,17 @@
 // The tokenizer.json components one at a time, on tiny hand-written tokenizers whose expected
 // pieces follow the `tokenizers` crate's documentation; errors for what dsrun does not implement.
 // Real tokenizers against the reference: tests/tokenizer_reference.sh.
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include "engine/tokenizer/regex.hpp"
 #include "engine/tokenizer/tokenizer.hpp"
 #include "engine/tokenizer/unicode.hpp"
 #include "test_util.hpp"
 
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
+#include <pcre2.h>
+
+#include <random>
 
 using dsrun::test::TempDir;
 using json = nlohmann::json;
@@ -259,4 +264,297 @@ TEST_CASE("invalid UTF-8 is repaired one U+FFFD per maximal subpart", "[tokenize
   CHECK(repair_utf8("\xED\xA0\x80") == r + r + r);                  // surrogate: each byte
   CHECK(repair_utf8("\xF0\x9F\x91\x8D") == "\xF0\x9F\x91\x8D");     // valid 4-byte: kept
   CHECK(repair_utf8("\xF0\x9F\x91") == r);
+}
+
+// ---------------------------------------------------------------- hostile and malformed files
+
+namespace {
+
+// A tokenizer.json (as text) with `component` (a JSON text) at `key`: built as text, since a
+// nlohmann value 100,000 levels deep would overflow the stack in dump().
+std::string with_component(const std::string& key, const std::string& component) {
+  json j = tiny({"a", "b"});
+  j[key] = "@@";
+  std::string text = j.dump();
+  const std::string placeholder = "\"" + key + "\":\"@@\"";
+  return text.replace(text.find(placeholder), placeholder.size(), "\"" + key + "\":" + component);
+}
+
+// A Sequence of `type` (its list named `list`) nested `depth` levels around `leaf`.
+std::string nested(int depth, const std::string& list, const std::string& leaf) {
+  std::string open = "{\"type\":\"Sequence\",\"" + list + "\":[", text;
+  text.reserve(depth * (open.size() + 2) + leaf.size());
+  for (int i = 0; i < depth; ++i) text += open;
+  text += leaf;
+  for (int i = 0; i < depth; ++i) text += "]}";
+  return text;
+}
+
+// The error opening tokenizer.json text `text` gives; a library exception (not a dsrun::Error)
+// shows up as its message prefixed with "not a dsrun::Error: ".
+struct Failure {
+  std::string message, file, key;
+};
+Failure failure_of(const TempDir& dir, const std::string& text, const std::string& config = "") {
+  const std::string path = dir.write("hostile/tokenizer.json", text);
+  std::remove(dir.file("hostile/tokenizer_config.json").c_str());
+  if (!config.empty()) dir.write("hostile/tokenizer_config.json", config);
+  try {
+    dsrun::open_tokenizer(path);
+  } catch (const dsrun::Error& e) {
+    return {e.what(), e.context().file, e.context().key};
+  } catch (const std::exception& e) {
+    return {std::string("not a dsrun::Error: ") + e.what(), "", ""};
+  }
+  return {"(no error)", "", ""};
+}
+
+}  // namespace
+
+TEST_CASE("Sequences nested past 64 levels are refused with the file and JSON path, not a crash", "[tokenizer]") {
+  TempDir dir;
+  const std::string file = dir.file("hostile/tokenizer.json");
+  const std::string nfc = "{\"type\":\"NFC\"}";
+  // 64 levels load; 65 do not; 100,000 (3.6 MB, once a SIGSEGV after 4.9 GB) fail just as fast.
+  CHECK(failure_of(dir, with_component("normalizer", nested(64, "normalizers", nfc))).message == "(no error)");
+  for (const int depth : {65, 100000}) {
+    INFO("depth " << depth);
+    const Failure f = failure_of(dir, with_component("normalizer", nested(depth, "normalizers", nfc)));
+    CHECK(f.message == "Sequence nested more than 64 levels deep");
+    CHECK(f.file == file);
+    CHECK(f.key.rfind("normalizer.normalizers[0].normalizers[0]", 0) == 0);
+    CHECK(f.key.size() < 200);
+    const Failure p = failure_of(dir, with_component("pre_tokenizer", nested(depth, "pretokenizers", "{\"type\":\"Digits\"}")));
+    CHECK(p.message == "Sequence nested more than 64 levels deep");
+    CHECK(p.key.rfind("pre_tokenizer.pretokenizers[0]", 0) == 0);
+    CHECK(failure_of(dir, with_component("decoder", nested(depth, "decoders", "{\"type\":\"Fuse\"}"))).message ==
+          "Sequence nested more than 64 levels deep");
+    CHECK(failure_of(dir, with_component("post_processor", nested(depth, "processors", "{\"type\":\"ByteLevel\"}"))).message ==
+          "Sequence nested more than 64 levels deep");
+  }
+}
+
+TEST_CASE("token ids out of range are refused naming their JSON path, never wrapped or allocated", "[tokenizer]") {
+  TempDir dir;
+  const auto fails = [&](const json& j) { return failure_of(dir, j.dump()); };
+  json j = tiny({"a", "b", "c"});
+  {
+    json k = j;
+    k["model"]["vocab"]["z"] = 4294967497ull;  // was id 201
+    const Failure f = fails(k);
+    CHECK(f.key == "model.vocab[\"z\"]");
+    CHECK(f.message == "id 4294967497 is out of range");
+    CHECK(f.file == dir.file("hostile/tokenizer.json"));
+  }
+  {
+    json k = j;
+    k["model"]["vocab"]["zz"] = 300000000;  // was a 9 GB table and std::bad_alloc
+    CHECK(fails(k).key == "model.vocab[\"zz\"]");
+    k["model"]["vocab"]["zz"] = 2147483648ull;  // 2^31
+    CHECK(fails(k).key == "model.vocab[\"zz\"]");
+    k["model"]["vocab"]["zz"] = -1;
+    CHECK(fails(k).message == "id -1 is negative");
+    k["model"]["vocab"]["zz"] = 3.0;
+    CHECK(fails(k).key == "model.vocab[\"zz\"]");
+  }
+  {
+    json k = j;  // an added <eos> past 2^32 once ended every document with id 3
+    k["added_tokens"] = {{{"id", 4294967299ull}, {"content", "<eos>"}, {"special", true}}};
+    CHECK(fails(k).key == "added_tokens[0].id");
+    k["added_tokens"][0]["id"] = -1;  // was 4294967295
+    CHECK(fails(k).key == "added_tokens[0].id");
+    CHECK(fails(k).message == "id -1 is negative");
+    // Ids stay dense enough: 4 x 4 tokens + 65535 is the largest allowed here.
+    k["added_tokens"][0]["id"] = 4 * 4 + 65535;
+    CHECK(fails(k).message == "(no error)");
+    k["added_tokens"][0]["id"] = 4 * 4 + 65536;
+    CHECK(fails(k).key == "added_tokens[0].id");
+  }
+  {
+    json k = j;  // the post-processor's ids must be tokens
+    k["post_processor"] = {{"type", "TemplateProcessing"},
+                           {"single", {{{"SpecialToken", {{"id", "<s>"}, {"type_id", 0}}}}, {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}},
+                           {"pair", json::array()},
+                           {"special_tokens", {{"<s>", {{"id", "<s>"}, {"ids", {4294967296ull}}, {"tokens", {"<s>"}}}}}}};
+    CHECK(fails(k).key == "post_processor.special_tokens[\"<s>\"].ids[0]");
+    k["post_processor"]["special_tokens"]["<s>"]["ids"] = {3};  // one past the vocabulary
+    CHECK(fails(k).key == "post_processor.special_tokens[\"<s>\"].ids[0]");
+    k["post_processor"]["special_tokens"]["<s>"]["ids"] = {2};
+    CHECK(open(dir, k)->encode("a", true) == std::vector<uint32_t>{2, 0});
+    k["post_processor"] = {{"type", "RobertaProcessing"}, {"cls", {"<s>", -1}}, {"sep", {"</s>", 1}}};
+    CHECK(fails(k).key == "post_processor.cls[1]");
+  }
+}
+
+TEST_CASE("values of the wrong type are errors naming the file, the JSON path and the type expected", "[tokenizer]") {
+  TempDir dir;
+  const std::string file = dir.file("hostile/tokenizer.json");
+  const json base = tiny({"a", "b", "<s>"});
+  const json sequence_template = {{"type", "TemplateProcessing"},
+                                  {"single", {{{"SpecialToken", {{"id", "<s>"}, {"type_id", 0}}}}, {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}},
+                                  {"pair", json::array()},
+                                  {"special_tokens", {{"<s>", {{"id", "<s>"}, {"ids", {"2"}}, {"tokens", {"<s>"}}}}}}};
+  struct Case {
+    std::function<void(json&)> change;
+    std::string key;
+  };
+  const std::vector<Case> cases = {
+      {[](json& k) { k["normalizer"] = {{"type", "Sequence"}, {"normalizers", "NFC"}}; }, "normalizer.normalizers"},
+      {[](json& k) { k["pre_tokenizer"] = {{"type", "Sequence"}, {"pretokenizers", "Digits"}}; }, "pre_tokenizer.pretokenizers"},
+      {[](json& k) { k["decoder"] = {{"type", "Sequence"}, {"decoders", {{"type", "Fuse"}}}}; }, "decoder.decoders"},
+      {[](json& k) { k["post_processor"] = {{"type", "Sequence"}, {"processors", 1}}; }, "post_processor.processors"},
+      {[&](json& k) { k["post_processor"] = sequence_template; }, "post_processor.special_tokens[\"<s>\"].ids[0]"},
+      {[&](json& k) { k["post_processor"] = sequence_template; k["post_processor"]["single"] = "<s> $A"; }, "post_processor.single"},
+      {[&](json& k) { k["post_processor"] = sequence_template; k["post_processor"]["special_tokens"] = json::array(); }, "post_processor.special_tokens"},
+      {[](json& k) { k["post_processor"] = {{"type", "RobertaProcessing"}, {"cls", "<s>"}, {"sep", {"<s>", 2}}}; }, "post_processor.cls"},
+      {[](json& k) { k["model"]["dropout"] = "0.1"; }, "model.dropout"},
+      {[](json& k) { k["model"]["merges"] = "a b"; }, "model.merges"},
+      {[](json& k) { k["model"]["vocab"]["a"] = "0"; }, "model.vocab[\"a\"]"},
+      {[](json& k) { k["model"]["unk_token"] = 0; }, "model.unk_token"},
+      {[](json& k) { k["model"] = json::array(); }, "model"},
+      {[](json& k) { k["added_tokens"] = {{{"id", "7"}, {"content", "<x>"}}}; }, "added_tokens[0].id"},
+      {[](json& k) { k["added_tokens"] = {{"id", 7}, {"content", "<x>"}}; }, "added_tokens"},
+      {[](json& k) { k["added_tokens"] = {"<x>"}; }, "added_tokens[0]"},
+      {[](json& k) { k["added_tokens"] = {{{"id", 7}, {"content", "<x>"}, {"lstrip", "yes"}}}; }, "added_tokens[0].lstrip"},
+      {[](json& k) { k["decoder"] = {{"type", "Strip"}, {"content", " "}, {"start", "1"}, {"stop", 0}}; }, "decoder.start"},
+      {[](json& k) { k["pre_tokenizer"] = {{"type", "Split"}, {"pattern", "a"}, {"behavior", "Isolated"}}; }, "pre_tokenizer.pattern"},
+  };
+  for (const Case& c : cases) {
+    json k = base;
+    c.change(k);
+    INFO(k.dump());
+    const Failure f = failure_of(dir, k.dump());
+    CHECK(f.key == c.key);
+    CHECK(f.file == file);
+    CHECK(f.message.find("expected") != std::string::npos);
+    CHECK(f.message.find("json.exception") == std::string::npos);
+  }
+  // tokenizer_config.json too: its flags and tokens, and the file is named.
+  const std::string config = dir.file("hostile/tokenizer_config.json");
+  Failure f = failure_of(dir, base.dump(), R"({"add_bos_token": "yes", "bos_token": "<s>"})");
+  CHECK(f.key == "add_bos_token");
+  CHECK(f.file == config);
+  CHECK(f.message.find("json.exception") == std::string::npos);
+  f = failure_of(dir, base.dump(), R"({"bos_token": 5})");
+  CHECK(f.key == "bos_token");
+  CHECK(f.file == config);
+  f = failure_of(dir, base.dump(), R"({"bos_token": )");
+  CHECK(f.message.rfind("cannot parse tokenizer_config.json: ", 0) == 0);
+  CHECK(f.message.find("json.exception") == std::string::npos);
+  CHECK(f.file == config);
+  CHECK(failure_of(dir, base.dump(), R"({"add_bos_token": null, "bos_token": null})").message == "(no error)");
+}
+
+TEST_CASE("a quadratic regex exceeds its budget with a catchable tokenizer regex error; long tokens do not", "[tokenizer]") {
+  TempDir dir;
+  json j = tiny({"a", "b", "\n"});
+  j["pre_tokenizer"] = {{"type", "Split"}, {"pattern", {{"Regex", ".(?=.*$)"}}}, {"behavior", "Isolated"}, {"invert", false}};
+  const auto t = open(dir, j);
+  const std::string document(320 * 1024, 'a');  // 18.8 s of matching without a bound
+  std::vector<uint32_t> ids = {1};
+  try {
+    t->encode(document, false, ids);
+    FAIL("no error");
+  } catch (const dsrun::TokenizerRegexError& e) {
+    CHECK(std::string(e.what()).rfind("tokenizer regex /.(?=.*$)/ (pre_tokenizer.pattern.Regex) exceeded its matching budget", 0) == 0);
+    CHECK(e.context().key == "pre_tokenizer.pattern.Regex");
+    CHECK(e.context().file == dir.file("tok/tokenizer.json"));
+  }
+  CHECK(ids == std::vector<uint32_t>{1});        // nothing of the failed document
+  CHECK(t->encode("aab") == std::vector<uint32_t>{0, 0, 1});  // the tokenizer goes on
+  // A lookahead that fails from every start (no "b" in the line) is bounded as well.
+  j["pre_tokenizer"]["pattern"]["Regex"] = "a(?=.*b)";
+  CHECK_THROWS_AS(open(dir, j)->encode(std::string(100000, 'a') + "\nb"), dsrun::TokenizerRegexError);
+  // Catastrophic backtracking too, as a dsrun::Error whose message says what it is.
+  j["pre_tokenizer"]["pattern"]["Regex"] = "(a|aa)*c";
+  CHECK_THROWS_WITH(open(dir, j)->encode(std::string(64, 'a') + "b c"), Catch::StartsWith("tokenizer regex /(a|aa)*c/"));
+  // Long tokens and long runs need more than the first window, but cost linear work.
+  using V = std::vector<std::string>;
+  std::string spaces;  // byte-level spaces: U+0120
+  for (int i = 0; i < 50000; ++i) spaces += "\xC4\xA0";
+  json k = tiny({"a", "\xC4\xA0" "b", spaces, std::string(200000, 'a')});
+  k["pre_tokenizer"] = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", true}};
+  const auto byte_level = open(dir, k);
+  CHECK(pieces(*byte_level, std::string(200000, 'a') + " b") == V{std::string(200000, 'a'), "\xC4\xA0" "b"});
+  CHECK(pieces(*byte_level, "a" + std::string(50001, ' ') + "b") == V{"a", spaces, "\xC4\xA0" "b"});  // \s+(?!\S), then " b"
+  // DeepSeek-Coder's `\s+$` tries every start in a whitespace run that does not end the text.
+  const std::string run(10000, ' ');
+  json c = tiny({"a", run, "a" + run + "1"});
+  c["pre_tokenizer"] = {{"type", "Split"}, {"pattern", {{"Regex", "\\s+$"}}}, {"behavior", "Isolated"}, {"invert", false}};
+  CHECK(pieces(*open(dir, c), "a" + run + "1") == V{"a" + run + "1"});
+  CHECK(pieces(*open(dir, c), "a" + run) == V{"a", run});
+}
+
+TEST_CASE("bounded regex matching finds exactly the matches of an unbounded search", "[tokenizer]") {
+  const std::vector<std::string> patterns = {
+      // Llama-3, GPT-4o, DeepSeek-V3, GPT-2 (ByteLevel), dsrun's Whitespace pre-tokenizer, digits
+      R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)",
+      R"([^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+)",
+      R"([!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)",
+      R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)", R"(\w+|[^\w\s]+)", R"(\p{N}{1,3})",
+      // what windows must get right: $, \b, lookarounds, empty matches, long runs
+      R"(\s+$)", R"(\s*$)", R"((?m)^\s*)", R"(\b)", R"(\B)", R"((?<=a)b|(?<!\d)\d+)", R"(a(?=[^\n]*!))", R"(x*)", R"(\X)", R"(\s+\b)",
+      R"(.(?=.{0,400}$))", R"((?:ab)+|a)", R"(\R)"};
+  const size_t kRealPatterns = 6;
+  // The reference: one PCRE2 search over the whole text per match, as dsrun matched before.
+  struct Reference {
+    pcre2_code* code;
+    pcre2_match_data* data;
+    explicit Reference(const std::string& pattern) {
+      int error;
+      PCRE2_SIZE offset;
+      code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), PCRE2_UTF | PCRE2_UCP, &error, &offset, nullptr);
+      pcre2_jit_compile(code, PCRE2_JIT_COMPLETE);
+      data = pcre2_match_data_create(1, nullptr);
+    }
+    ~Reference() {
+      pcre2_match_data_free(data);
+      pcre2_code_free(code);
+    }
+    std::vector<std::pair<size_t, size_t>> find_all(const std::string& text) const {
+      std::vector<std::pair<size_t, size_t>> matches;
+      size_t start = 0, last_end = SIZE_MAX;
+      while (start <= text.size()) {
+        if (pcre2_match(code, reinterpret_cast<PCRE2_SPTR>(text.data()), text.size(), start, 0, data, nullptr) < 0) break;
+        const size_t s = pcre2_get_ovector_pointer(data)[0], e = pcre2_get_ovector_pointer(data)[1];
+        if (s == e) {
+          if (s != last_end) matches.emplace_back(s, e);
+          start = s + 1;
+          while (start < text.size() && (static_cast<unsigned char>(text[start]) & 0xC0) == 0x80) ++start;
+          last_end = SIZE_MAX;
+        } else {
+          matches.emplace_back(s, e);
+          start = last_end = e;
+        }
+      }
+      return matches;
+    }
+  };
+  std::vector<std::unique_ptr<dsrun::Regex>> regexes;
+  std::vector<std::unique_ptr<Reference>> references;
+  for (const std::string& p : patterns) {
+    regexes.push_back(std::make_unique<dsrun::Regex>(p, "test"));
+    references.push_back(std::make_unique<Reference>(p));
+  }
+  // Random texts of short pieces, with runs longer than a window; 1 in 3 longer than a window.
+  const std::vector<std::string> pieces = {"a", "b", "Ab", "x", "1", "23", " ", "  ", "\t", "\n", "\r\n", "'s", "!", "...", "\xC3\xA9",
+                                           "\xE4\xB8\xAD", "\xC2\xA0", "\xF0\x9F\x91\x8D", "\xCC\x81", "ab"};
+  std::mt19937 random(20240611);
+  std::vector<std::pair<size_t, size_t>> got;
+  for (int round = 0; round < 100; ++round) {
+    std::string text;
+    const size_t length = random() % 3 == 0 ? 200 + random() % 3000 : random() % 400;
+    while (text.size() < length) {
+      const std::string& piece = pieces[random() % pieces.size()];
+      const int repeat = random() % 10 == 0 ? 1 + random() % 1500 : 1;
+      for (int k = 0; k < repeat; ++k) text += piece;
+    }
+    for (size_t p = 0; p < patterns.size(); ++p) {
+      INFO("pattern /" << patterns[p] << "/ on a text of " << text.size() << " bytes: " << json(text).dump());
+      // Real files' patterns stay within a document's budget; some of the others are quadratic.
+      dsrun::RegexBudget budget(p < kRealPatterns ? text.size() : size_t(1) << 30);
+      regexes[p]->find_all(text, got, budget);
+      REQUIRE(got == references[p]->find_all(text));
+    }
+  }
 }

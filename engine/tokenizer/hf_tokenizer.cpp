@@ -1,6 +1,8 @@
 // Hugging Face tokenizer.json: added tokens, normalizers, pre-tokenizers, the BPE model, the
 // post-processor and decoders, each following the `tokenizers` crate (Rust) so ids are identical.
-// Anything in the file dsrun does not implement is an error naming its JSON path.
+// Anything in the file dsrun does not implement is an error naming its JSON path; so is every value
+// of the wrong type (all reads go through the checked accessors below), an id out of range, and
+// Sequences nested deeper than kMaxNesting.
 #include "engine/common/error.hpp"
 #include "engine/common/files.hpp"
 #include "engine/tokenizer/bpe.hpp"
@@ -11,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cstdio>
 #include <functional>
 #include <map>
 #include <set>
@@ -20,12 +23,18 @@ namespace {
 
 using json = nlohmann::json;
 
+// Sequences inside Sequences (normalizer, pre_tokenizer, post_processor, decoder): real files use
+// one or two levels; each level is a recursion here and a longer JSON path.
+constexpr int kMaxNesting = 64;
+
 // Where in which file, for every error while reading a tokenizer.json.
 struct JsonPlace {
   const std::string* file;
   std::string path;  // "pre_tokenizer.pretokenizers[1]"
   JsonPlace at(const std::string& key) const { return {file, path.empty() ? key : path + "." + key}; }
   JsonPlace at(size_t index) const { return {file, path + "[" + std::to_string(index) + "]"}; }
+  // A key of a map such as model.vocab: any text, so quoted as JSON ("model.vocab[\"zz\"]").
+  JsonPlace entry(const std::string& key) const { return {file, path + "[" + json(key).dump(-1, ' ', false, json::error_handler_t::replace) + "]"}; }
 };
 
 [[noreturn]] void fail(const JsonPlace& place, const std::string& message, const std::string& hint) {
@@ -41,31 +50,143 @@ struct JsonPlace {
        "use a tokenizer.json without it (docs/tokenizers.md lists what is supported); dsrun never guesses, since ids would differ");
 }
 
+// "a string", "a list", ...: what a value is, for "expected X, found Y".
+std::string kind_of(const json& v) {
+  switch (v.type()) {
+    case json::value_t::null: return "null";
+    case json::value_t::object: return "an object";
+    case json::value_t::array: return "a list";
+    case json::value_t::string: {
+      std::string text = v.dump(-1, ' ', false, json::error_handler_t::replace);
+      if (text.size() > 40) {  // cut on a character boundary
+        text.resize(unicode::previous_char_start(text, 36));
+        text += "...\"";
+      }
+      return "a string (" + text + ")";
+    }
+    case json::value_t::boolean: return v.get<bool>() ? "true" : "false";
+    case json::value_t::number_integer:
+    case json::value_t::number_unsigned:
+    case json::value_t::number_float: return "the number " + v.dump();
+    default: return "an unexpected value";
+  }
+}
+
+[[noreturn]] void wrong_type(const JsonPlace& place, const json& v, const std::string& expected) {
+  fail(place, "expected " + expected + ", found " + kind_of(v), "write " + expected + " there, as Hugging Face's libraries do");
+}
+
+void expect_object(const json& v, const JsonPlace& place) {
+  if (!v.is_object()) wrong_type(place, v, "an object {...}");
+}
+
+// `object` must be an object; its `key` must be there.
 const json& member(const json& object, const JsonPlace& place, const char* key) {
-  if (!object.is_object() || !object.contains(key)) fail(place.at(key), std::string("missing key \"") + key + "\"", "check the tokenizer.json");
-  return object[key];
+  expect_object(object, place);
+  const auto it = object.find(key);
+  if (it == object.end()) fail(place.at(key), std::string("missing key \"") + key + "\"", "check the tokenizer.json");
+  return *it;
+}
+
+// The value of `key`, or nullptr when it is absent or null.
+const json* optional_member(const json& object, const JsonPlace& place, const char* key) {
+  expect_object(object, place);
+  const auto it = object.find(key);
+  return it == object.end() || it->is_null() ? nullptr : &*it;
 }
 
 std::string string_member(const json& object, const JsonPlace& place, const char* key) {
   const json& v = member(object, place, key);
-  if (!v.is_string()) fail(place.at(key), "expected a string", "check the tokenizer.json");
+  if (!v.is_string()) wrong_type(place.at(key), v, "a string");
   return v.get<std::string>();
 }
 
+std::optional<std::string> optional_string(const json& object, const JsonPlace& place, const char* key) {
+  const json* v = optional_member(object, place, key);
+  if (!v) return std::nullopt;
+  if (!v->is_string()) wrong_type(place.at(key), *v, "a string or null");
+  return v->get<std::string>();
+}
+
 bool bool_member(const json& object, const JsonPlace& place, const char* key, bool fallback) {
-  if (!object.contains(key) || object[key].is_null()) return fallback;
-  if (!object[key].is_boolean()) fail(place.at(key), "expected true or false", "check the tokenizer.json");
-  return object[key].get<bool>();
+  const json* v = optional_member(object, place, key);
+  if (!v) return fallback;
+  if (!v->is_boolean()) wrong_type(place.at(key), *v, "true or false");
+  return v->get<bool>();
+}
+
+const json& array_member(const json& object, const JsonPlace& place, const char* key) {
+  const json& v = member(object, place, key);
+  if (!v.is_array()) wrong_type(place.at(key), v, "a list [...]");
+  return v;
+}
+
+const json& object_member(const json& object, const JsonPlace& place, const char* key) {
+  const json& v = member(object, place, key);
+  expect_object(v, place.at(key));
+  return v;
+}
+
+// A count (Strip's start and stop).
+size_t count_member(const json& object, const JsonPlace& place, const char* key) {
+  const json& v = member(object, place, key);
+  if (!v.is_number_unsigned()) wrong_type(place.at(key), v, "a count (an integer from 0)");
+  return v.get<size_t>();
+}
+
+// Token ids: integers from 0 to max_id (-1: none is allowed). `place_of` makes the JSON path, only
+// for an error (model.vocab holds 100,000s of ids). `rule` says which ids are allowed.
+template <class PlaceOf>
+uint32_t id_value(const json& v, const PlaceOf& place_of, int64_t max_id, const std::string& rule) {
+  if (v.is_number_unsigned()) {
+    const uint64_t id = v.get<uint64_t>();
+    if (id <= uint64_t(INT64_MAX) && int64_t(id) <= max_id) return static_cast<uint32_t>(id);
+    fail(place_of(), "id " + std::to_string(id) + " is out of range", rule);
+  }
+  if (v.is_number_integer()) fail(place_of(), "id " + v.dump() + " is negative", "token ids run from 0; fix the tokenizer.json");
+  wrong_type(place_of(), v, "an id (an integer from 0)");
+}
+
+// The largest id a tokenizer.json with `entries` tokens (model vocabulary and added tokens) may
+// use: ids below 2^31, and at most 4 x entries + 65535 (room for gaps of three unused ids per token,
+// and for any numbering of a small vocabulary). Real files number their tokens densely (Llama-3:
+// 128256 tokens, largest id 128255); dsrun sizes id-indexed tables (and `dsrun prepare` the token
+// width, a model its embedding) by the largest id, so one far id would cost memory for every id
+// below it: 9 GB for "zz": 300000000. The `tokenizers` crate refuses ids of 2^32 and more.
+int64_t id_ceiling(uint64_t entries) { return static_cast<int64_t>(std::min<uint64_t>(INT32_MAX, 4 * entries + 65535)); }
+
+std::string id_rule(uint64_t entries) {
+  return "ids must lie within 0.." + std::to_string(id_ceiling(entries)) + ": below 2^31 and at most 4 x " + std::to_string(entries) +
+         " tokens + 65535, since dsrun sizes its tables by the largest id; fix the id in the tokenizer.json";
 }
 
 // Keys a component may carry; any other key could change ids, so it is refused.
 void expect_keys(const json& object, const JsonPlace& place, std::initializer_list<const char*> known) {
+  expect_object(object, place);
   for (const auto& item : object.items()) {
     if (item.key() == "type") continue;
     if (std::none_of(known.begin(), known.end(), [&](const char* k) { return item.key() == k; })) {
       unsupported(place.at(item.key()), "the key \"" + item.key() + "\"");
     }
   }
+}
+
+// A JSON path for a message: a deeply nested one shortened in the middle.
+std::string shortened(const std::string& path) {
+  if (path.size() <= 160) return path;
+  size_t head = path.find('.', 60), tail = path.rfind('.', path.size() - 60);
+  if (head == std::string::npos || tail == std::string::npos || tail <= head) return path;
+  return path.substr(0, head) + ". ... " + path.substr(tail);
+}
+
+// Guards the recursion of a Sequence.
+void check_nesting(int depth, const JsonPlace& place) {
+  if (depth < kMaxNesting) return;
+  ErrorContext c;
+  c.file = *place.file;
+  c.key = shortened(place.path);
+  c.hint = "real tokenizer.json files nest one or two Sequences; flatten the Sequence into one list";
+  throw Error("Sequence nested more than " + std::to_string(kMaxNesting) + " levels deep", c);
 }
 
 // Metaspace's replacement: exactly one character.
@@ -81,16 +202,12 @@ std::unique_ptr<Regex> pattern_member(const json& object, const JsonPlace& place
   const json& p = member(object, place, key);
   const JsonPlace where = place.at(key);
   if (p.is_object() && p.contains("String") && p["String"].is_string()) {
-    return std::make_unique<Regex>(regex_escape(p["String"].get<std::string>()), where.path + ".String");
+    return std::make_unique<Regex>(regex_escape(p["String"].get<std::string>()), where.path + ".String", *place.file);
   }
   if (p.is_object() && p.contains("Regex") && p["Regex"].is_string()) {
-    try {
-      return std::make_unique<Regex>(p["Regex"].get<std::string>(), where.path + ".Regex");
-    } catch (const Error& e) {
-      fail(where.at("Regex"), e.what(), e.context().hint);
-    }
+    return std::make_unique<Regex>(p["Regex"].get<std::string>(), where.path + ".Regex", *place.file);
   }
-  fail(where, "expected {\"String\": ...} or {\"Regex\": ...}", "check the tokenizer.json");
+  fail(where, "expected {\"String\": \"...\"} or {\"Regex\": \"...\"}, found " + kind_of(p), "check the tokenizer.json");
 }
 
 // ---------------------------------------------------------------- normalizers
@@ -103,14 +220,15 @@ struct Normalizer {
   bool left = false, right = false;  // strip
 };
 
-void parse_normalizer(const json& j, const JsonPlace& place, std::vector<Normalizer>& out) {
+void parse_normalizer(const json& j, const JsonPlace& place, std::vector<Normalizer>& out, int depth = 0) {
   if (j.is_null()) return;
   const std::string type = string_member(j, place, "type");
   Normalizer n;
   if (type == "Sequence") {
+    check_nesting(depth, place);
     expect_keys(j, place, {"normalizers"});
-    const json& list = member(j, place, "normalizers");
-    for (size_t i = 0; i < list.size(); ++i) parse_normalizer(list[i], place.at("normalizers").at(i), out);
+    const json& list = array_member(j, place, "normalizers");
+    for (size_t i = 0; i < list.size(); ++i) parse_normalizer(list[i], place.at("normalizers").at(i), out, depth + 1);
     return;
   }
   static const std::map<std::string, Normalizer::Kind> forms = {
@@ -139,9 +257,9 @@ void parse_normalizer(const json& j, const JsonPlace& place, std::vector<Normali
   out.push_back(std::move(n));
 }
 
-std::string replace_all(const Regex& pattern, std::string_view text, const std::string& content) {
+std::string replace_all(const Regex& pattern, std::string_view text, const std::string& content, RegexBudget& budget) {
   thread_local std::vector<std::pair<size_t, size_t>> matches;
-  pattern.find_all(text, matches);
+  pattern.find_all(text, matches, budget);
   if (matches.empty()) return std::string(text);
   std::string out;
   size_t at = 0;
@@ -154,7 +272,7 @@ std::string replace_all(const Regex& pattern, std::string_view text, const std::
   return out;
 }
 
-std::string apply_normalizers(const std::vector<Normalizer>& normalizers, std::string text) {
+std::string apply_normalizers(const std::vector<Normalizer>& normalizers, std::string text, RegexBudget& budget) {
   for (const Normalizer& n : normalizers) {
     switch (n.kind) {
       case Normalizer::Kind::nfc: text = unicode::normalize(text, unicode::NormalForm::nfc); break;
@@ -162,7 +280,7 @@ std::string apply_normalizers(const std::vector<Normalizer>& normalizers, std::s
       case Normalizer::Kind::nfkc: text = unicode::normalize(text, unicode::NormalForm::nfkc); break;
       case Normalizer::Kind::nfkd: text = unicode::normalize(text, unicode::NormalForm::nfkd); break;
       case Normalizer::Kind::lowercase: text = unicode::lowercase(text); break;
-      case Normalizer::Kind::replace: text = replace_all(*n.pattern, text, n.content); break;
+      case Normalizer::Kind::replace: text = replace_all(*n.pattern, text, n.content, budget); break;
       case Normalizer::Kind::prepend:
         if (!text.empty()) text = n.content + text;  // the crate prepends to non-empty text only
         break;
@@ -272,14 +390,14 @@ void split_piece(const Piece& piece, std::vector<Segment>& segments, SplitBehavi
 }
 
 // Segments from a regex: each match, and the text between matches.
-void regex_segments(const Regex& regex, std::string_view text, std::vector<Segment>& segments) {
+void regex_segments(const Regex& regex, std::string_view text, std::vector<Segment>& segments, RegexBudget& budget) {
   thread_local std::vector<std::pair<size_t, size_t>> matches;
   segments.clear();
   if (text.empty()) {
     segments.push_back({0, 0, false});
     return;
   }
-  regex.find_all(text, matches);
+  regex.find_all(text, matches, budget);
   size_t previous = 0;
   for (const auto& [s, e] : matches) {
     if (previous != s) segments.push_back({previous, s, false});
@@ -326,14 +444,15 @@ struct PreTokenizer {
   bool metaspace_split = true;
 };
 
-void parse_pre_tokenizer(const json& j, const JsonPlace& place, std::vector<PreTokenizer>& out) {
+void parse_pre_tokenizer(const json& j, const JsonPlace& place, std::vector<PreTokenizer>& out, int depth = 0) {
   if (j.is_null()) return;
   const std::string type = string_member(j, place, "type");
   PreTokenizer p;
   if (type == "Sequence") {
+    check_nesting(depth, place);
     expect_keys(j, place, {"pretokenizers"});
-    const json& list = member(j, place, "pretokenizers");
-    for (size_t i = 0; i < list.size(); ++i) parse_pre_tokenizer(list[i], place.at("pretokenizers").at(i), out);
+    const json& list = array_member(j, place, "pretokenizers");
+    for (size_t i = 0; i < list.size(); ++i) parse_pre_tokenizer(list[i], place.at("pretokenizers").at(i), out, depth + 1);
     return;
   } else if (type == "Split") {
     expect_keys(j, place, {"pattern", "behavior", "invert"});
@@ -345,7 +464,7 @@ void parse_pre_tokenizer(const json& j, const JsonPlace& place, std::vector<PreT
     expect_keys(j, place, {"add_prefix_space", "trim_offsets", "use_regex"});  // trim_offsets: offsets only
     p.kind = PreTokenizer::Kind::byte_level;
     p.add_prefix_space = bool_member(j, place, "add_prefix_space", true);
-    if (bool_member(j, place, "use_regex", true)) p.regex = std::make_unique<Regex>(kByteLevelRegex, place.path + " (byte-level regex)");
+    if (bool_member(j, place, "use_regex", true)) p.regex = std::make_unique<Regex>(kByteLevelRegex, place.path + " (byte-level regex)", *place.file);
   } else if (type == "Digits") {
     expect_keys(j, place, {"individual_digits"});
     p.kind = PreTokenizer::Kind::digits;
@@ -368,7 +487,7 @@ void parse_pre_tokenizer(const json& j, const JsonPlace& place, std::vector<PreT
   } else if (type == "Whitespace") {
     expect_keys(j, place, {});
     p.kind = PreTokenizer::Kind::whitespace;
-    p.regex = std::make_unique<Regex>(R"(\w+|[^\w\s]+)", place.path + " (whitespace regex)");
+    p.regex = std::make_unique<Regex>(R"(\w+|[^\w\s]+)", place.path + " (whitespace regex)", *place.file);
   } else if (type == "WhitespaceSplit") {
     expect_keys(j, place, {});
     p.kind = PreTokenizer::Kind::whitespace_split;
@@ -415,21 +534,21 @@ bool is_bert_punctuation(char32_t cp) {
   return (cp < 0x80 && std::ispunct(static_cast<int>(cp))) || unicode::is_punctuation(cp);
 }
 
-void apply_pre_tokenizer(const PreTokenizer& p, std::vector<Piece>& pieces) {
+void apply_pre_tokenizer(const PreTokenizer& p, std::vector<Piece>& pieces, RegexBudget& budget) {
   thread_local std::vector<Piece> out;  // reused: short lines would otherwise allocate per step
   out.clear();
   thread_local std::vector<Segment> segments;
   for (Piece& piece : pieces) {
     switch (p.kind) {
       case PreTokenizer::Kind::split:
-        regex_segments(*p.regex, piece.text, segments);
+        regex_segments(*p.regex, piece.text, segments, budget);
         split_piece(piece, segments, p.behavior, p.invert, out);
         break;
       case PreTokenizer::Kind::byte_level: {
         if (p.add_prefix_space && piece.text.compare(0, 1, " ") != 0) piece.text.insert(0, " ");
         const size_t first = out.size();
         if (p.regex) {
-          regex_segments(*p.regex, piece.text, segments);
+          regex_segments(*p.regex, piece.text, segments, budget);
           split_piece(piece, segments, SplitBehavior::isolated, false, out);
         } else {
           out.push_back(std::move(piece));
@@ -462,7 +581,7 @@ void apply_pre_tokenizer(const PreTokenizer& p, std::vector<Piece>& pieces) {
         break;
       }
       case PreTokenizer::Kind::whitespace:
-        regex_segments(*p.regex, piece.text, segments);
+        regex_segments(*p.regex, piece.text, segments, budget);
         split_piece(piece, segments, SplitBehavior::removed, true, out);
         break;
       case PreTokenizer::Kind::whitespace_split:
@@ -612,14 +731,15 @@ struct Decoder {
   size_t start = 0, stop = 0;      // strip
 };
 
-void parse_decoder(const json& j, const JsonPlace& place, std::vector<Decoder>& out) {
+void parse_decoder(const json& j, const JsonPlace& place, std::vector<Decoder>& out, int depth = 0) {
   if (j.is_null()) return;
   const std::string type = string_member(j, place, "type");
   Decoder d;
   if (type == "Sequence") {
+    check_nesting(depth, place);
     expect_keys(j, place, {"decoders"});
-    const json& list = member(j, place, "decoders");
-    for (size_t i = 0; i < list.size(); ++i) parse_decoder(list[i], place.at("decoders").at(i), out);
+    const json& list = array_member(j, place, "decoders");
+    for (size_t i = 0; i < list.size(); ++i) parse_decoder(list[i], place.at("decoders").at(i), out, depth + 1);
     return;
   } else if (type == "ByteLevel") {
     expect_keys(j, place, {"add_prefix_space", "trim_offsets", "use_regex"});
@@ -644,11 +764,8 @@ void parse_decoder(const json& j, const JsonPlace& place, std::vector<Decoder>& 
     expect_keys(j, place, {"content", "start", "stop"});
     d.kind = Decoder::Kind::strip;
     d.content = string_member(j, place, "content");
-    const json& a = member(j, place, "start");
-    const json& b = member(j, place, "stop");
-    if (!a.is_number_unsigned() || !b.is_number_unsigned()) fail(place, "start and stop must be counts", "check the tokenizer.json");
-    d.start = a.get<size_t>();
-    d.stop = b.get<size_t>();
+    d.start = count_member(j, place, "start");
+    d.stop = count_member(j, place, "stop");
   } else if (type == "BPEDecoder") {
     expect_keys(j, place, {"suffix"});
     d.kind = Decoder::Kind::bpe;
@@ -659,7 +776,7 @@ void parse_decoder(const json& j, const JsonPlace& place, std::vector<Decoder>& 
   out.push_back(std::move(d));
 }
 
-std::vector<std::string> apply_decoder(const Decoder& d, std::vector<std::string> tokens) {
+std::vector<std::string> apply_decoder(const Decoder& d, std::vector<std::string> tokens, RegexBudget& budget) {
   switch (d.kind) {
     case Decoder::Kind::byte_level: {
       std::string bytes;
@@ -691,7 +808,7 @@ std::vector<std::string> apply_decoder(const Decoder& d, std::vector<std::string
       }
       return tokens;
     case Decoder::Kind::replace:
-      for (std::string& t : tokens) t = replace_all(*d.pattern, t, d.content);
+      for (std::string& t : tokens) t = replace_all(*d.pattern, t, d.content, budget);
       return tokens;
     case Decoder::Kind::byte_fallback: {
       std::vector<std::string> out;
@@ -769,6 +886,34 @@ std::vector<std::string> apply_decoder(const Decoder& d, std::vector<std::string
 
 // ---------------------------------------------------------------- the tokenizer
 
+// "[json.exception.parse_error.101] parse error at line 1, column 11: syntax error ..." -> the
+// text after the library's prefixes, with the line and column for the error's context.
+std::string library_message(const std::exception& e, int* line = nullptr, int* column = nullptr) {
+  std::string m = e.what();
+  if (m.rfind("[json.exception.", 0) == 0 && m.find("] ") != std::string::npos) m = m.substr(m.find("] ") + 2);
+  int l = 0, c = 0;
+  if (sscanf(m.c_str(), "parse error at line %d, column %d", &l, &c) == 2 && m.find(": ") != std::string::npos) {
+    m = m.substr(m.find(": ") + 2);
+    if (line) *line = l;
+    if (column) *column = c;
+  }
+  return m;
+}
+
+// A JSON file, parsed; a syntax error names the file, line and column. (nlohmann's parser and
+// destructor do not recurse: a file nested 1,000,000 deep parses in bounded stack.)
+json parse_json_file(const std::string& path, const std::string& what, const std::string& hint) {
+  try {
+    return json::parse(read_file(path));
+  } catch (const json::parse_error& e) {
+    ErrorContext c;
+    c.file = path;
+    c.hint = hint;
+    const std::string message = library_message(e, &c.line, &c.column);
+    throw Error("cannot parse " + what + ": " + message, c);
+  }
+}
+
 class HfTokenizer final : public Tokenizer {
  public:
   explicit HfTokenizer(const std::string& path);
@@ -783,9 +928,13 @@ class HfTokenizer final : public Tokenizer {
   }
 
  private:
-  void encode_text(std::string_view text, bool at_start, std::vector<uint32_t>& ids) const;
-  void parse_post_processor(const json& j, const JsonPlace& place);
-  std::optional<uint32_t> config_token(const json& config, const char* key) const;
+  void load(const json& root);
+  void load_config(const std::string& config_path);
+  void encode_pieces(std::string_view input, bool add_special, std::vector<uint32_t>& ids) const;
+  void encode_text(std::string_view text, bool at_start, std::vector<uint32_t>& ids, RegexBudget& budget) const;
+  void parse_post_processor(const json& j, const JsonPlace& place, int depth = 0);
+  uint32_t special_id(const json& v, const JsonPlace& place) const;
+  std::optional<uint32_t> config_token(const json& config, const JsonPlace& place, const char* key) const;
 
   std::string path_;
   std::vector<Normalizer> normalizers_;
@@ -801,87 +950,122 @@ class HfTokenizer final : public Tokenizer {
   int64_t vocab_size_ = 0;
 };
 
-std::optional<uint32_t> HfTokenizer::config_token(const json& config, const char* key) const {
-  if (!config.contains(key)) return std::nullopt;
-  const json& v = config[key];
+std::optional<uint32_t> HfTokenizer::config_token(const json& config, const JsonPlace& place, const char* key) const {
+  const json* v = optional_member(config, place, key);
+  if (!v) return std::nullopt;
   std::string content;
-  if (v.is_string()) content = v.get<std::string>();
-  else if (v.is_object() && v.contains("content") && v["content"].is_string()) content = v["content"].get<std::string>();
-  else return std::nullopt;
+  if (v->is_string()) content = v->get<std::string>();
+  else if (v->is_object()) content = string_member(*v, place.at(key), "content");
+  else wrong_type(place.at(key), *v, "a token: a string, or {\"content\": \"...\"}");
   for (const AddedToken& t : added_) if (t.content == content) return t.id;
   return model_->token_id(content);
 }
 
-void HfTokenizer::parse_post_processor(const json& j, const JsonPlace& place) {
+// Ids the post-processor adds: tokens of the vocabulary.
+uint32_t HfTokenizer::special_id(const json& v, const JsonPlace& place) const {
+  return id_value(v, [&] { return place; }, vocab_size_ - 1,
+                  "the post-processor's ids must be in the vocabulary (0.." + std::to_string(vocab_size_ - 1) + "); fix the tokenizer.json");
+}
+
+void HfTokenizer::parse_post_processor(const json& j, const JsonPlace& place, int depth) {
   if (j.is_null()) return;
   const std::string type = string_member(j, place, "type");
   if (type == "Sequence") {
+    check_nesting(depth, place);
     expect_keys(j, place, {"processors"});
-    const json& list = member(j, place, "processors");
-    for (size_t i = 0; i < list.size(); ++i) parse_post_processor(list[i], place.at("processors").at(i));
+    const json& list = array_member(j, place, "processors");
+    for (size_t i = 0; i < list.size(); ++i) parse_post_processor(list[i], place.at("processors").at(i), depth + 1);
   } else if (type == "ByteLevel") {
     expect_keys(j, place, {"add_prefix_space", "trim_offsets", "use_regex"});  // offsets only
   } else if (type == "TemplateProcessing") {
     expect_keys(j, place, {"single", "pair", "special_tokens"});
-    const json& single = member(j, place, "single");
-    const json& specials = member(j, place, "special_tokens");
+    const json& single = array_member(j, place, "single");
+    const json& specials = object_member(j, place, "special_tokens");
     bool after = false;
     for (size_t i = 0; i < single.size(); ++i) {
       const JsonPlace at = place.at("single").at(i);
+      expect_object(single[i], at);
       if (single[i].contains("Sequence")) {
         if (after) unsupported(at, "a template with the sequence twice");
         after = true;
       } else if (single[i].contains("SpecialToken")) {
-        const std::string name = string_member(single[i]["SpecialToken"], at.at("SpecialToken"), "id");
-        if (!specials.contains(name)) fail(at, "special token \"" + name + "\" is not in special_tokens", "check the tokenizer.json");
-        for (const json& id : member(specials[name], place.at("special_tokens").at(name), "ids")) {
-          (after ? suffix_ : prefix_).push_back(id.get<uint32_t>());
-        }
+        const std::string name = string_member(object_member(single[i], at, "SpecialToken"), at.at("SpecialToken"), "id");
+        const auto it = specials.find(name);
+        if (it == specials.end()) fail(at, "special token \"" + name + "\" is not in special_tokens", "check the tokenizer.json");
+        const JsonPlace sp = place.at("special_tokens").entry(name);
+        const json& ids = array_member(*it, sp, "ids");
+        for (size_t k = 0; k < ids.size(); ++k) (after ? suffix_ : prefix_).push_back(special_id(ids[k], sp.at("ids").at(k)));
       } else {
-        fail(at, "expected Sequence or SpecialToken", "check the tokenizer.json");
+        fail(at, "expected {\"Sequence\": ...} or {\"SpecialToken\": ...}", "check the tokenizer.json");
       }
     }
   } else if (type == "RobertaProcessing" || type == "BertProcessing") {
-    const json& cls = member(j, place, "cls");
-    const json& sep = member(j, place, "sep");
-    prefix_.push_back(cls.at(1).get<uint32_t>());
-    suffix_.push_back(sep.at(1).get<uint32_t>());
+    for (const char* key : {"cls", "sep"}) {  // ["<s>", 0]
+      const json& token = array_member(j, place, key);
+      if (token.size() != 2 || !token[0].is_string()) wrong_type(place.at(key), token, "[\"token\", id]");
+      (key[0] == 'c' ? prefix_ : suffix_).push_back(special_id(token[1], place.at(key).at(1)));
+    }
   } else {
     unsupported(place.at("type"), "the post-processor \"" + type + "\"");
   }
 }
 
 HfTokenizer::HfTokenizer(const std::string& path) : path_(path) {
-  json root;
+  const json root = parse_json_file(path, "tokenizer.json", "the file is not valid JSON; download it again");
   try {
-    root = json::parse(read_file(path));
-  } catch (const json::parse_error& e) {
+    load(root);
+  } catch (const json::exception& e) {  // every read is checked, so only for a case missed
     ErrorContext c;
     c.file = path;
-    c.hint = "the file is not valid JSON; download it again";
-    throw Error(std::string("cannot parse tokenizer.json: ") + e.what(), c);
+    c.hint = "check the tokenizer.json against one the `tokenizers` crate writes";
+    throw Error("unexpected JSON in the tokenizer.json: " + library_message(e), c);
   }
+  // transformers' Llama-style tokenizers rebuild the template from tokenizer_config.json's flags.
+  const std::string config_path = path_join(parent_directory(path), "tokenizer_config.json");
+  if (file_exists(config_path)) {
+    try {
+      load_config(config_path);
+    } catch (const json::exception& e) {
+      ErrorContext c;
+      c.file = config_path;
+      c.hint = "fix the file or remove it";
+      throw Error("unexpected JSON in tokenizer_config.json: " + library_message(e), c);
+    }
+  }
+}
+
+void HfTokenizer::load(const json& root) {
   const JsonPlace top{&path_, ""};
-  if (!root.is_object()) fail(top, "expected a JSON object", "is this a tokenizer.json?");
+  if (!root.is_object()) fail(top, "expected a JSON object, found " + kind_of(root), "is this a tokenizer.json?");
   for (const char* key : {"truncation", "padding"}) {
-    if (root.contains(key) && !root[key].is_null()) unsupported(top.at(key), std::string("\"") + key + "\" other than null");
+    if (optional_member(root, top, key)) unsupported(top.at(key), std::string("\"") + key + "\" other than null");
   }
 
-  const json& model = member(root, top, "model");
+  const json& model = object_member(root, top, "model");
   const JsonPlace mp = top.at("model");
   const std::string type = model.contains("type") ? string_member(model, mp, "type") : "BPE";
   if (type != "BPE") unsupported(mp.at("type"), "the model \"" + type + "\" (only BPE)");
   expect_keys(model, mp, {"dropout", "unk_token", "continuing_subword_prefix", "end_of_word_suffix", "fuse_unk", "byte_fallback", "ignore_merges", "vocab", "merges"});
-  if (model.contains("dropout") && !model["dropout"].is_null() && model["dropout"].get<double>() != 0.0) unsupported(mp.at("dropout"), "BPE dropout");
-  BpeOptions options;
-  const json& vocab = member(model, mp, "vocab");
-  if (!vocab.is_object()) fail(mp.at("vocab"), "expected an object of token: id", "check the tokenizer.json");
-  options.vocab.reserve(vocab.size());
-  for (const auto& item : vocab.items()) {
-    if (!item.value().is_number_unsigned()) fail(mp.at("vocab").at(item.key()), "expected a non-negative id", "check the tokenizer.json");
-    options.vocab.emplace_back(item.key(), item.value().get<uint32_t>());
+  if (const json* dropout = optional_member(model, mp, "dropout")) {
+    if (!dropout->is_number()) wrong_type(mp.at("dropout"), *dropout, "a number or null");
+    if (dropout->get<double>() != 0.0) unsupported(mp.at("dropout"), "BPE dropout");
   }
-  const json& merges = member(model, mp, "merges");
+
+  // Ids: the model's and the added tokens' together decide how far they may go.
+  const json& vocab = object_member(model, mp, "vocab");
+  const json* added = optional_member(root, top, "added_tokens");
+  if (added && !added->is_array()) wrong_type(top.at("added_tokens"), *added, "a list [...]");
+  const uint64_t entries = vocab.size() + (added ? added->size() : 0);
+  const int64_t max_id = id_ceiling(entries);
+  const std::string rule = id_rule(entries);
+
+  BpeOptions options;
+  options.vocab.reserve(vocab.size());
+  const JsonPlace vp = mp.at("vocab");
+  for (const auto& item : vocab.items()) {
+    options.vocab.emplace_back(item.key(), id_value(item.value(), [&] { return vp.entry(item.key()); }, max_id, rule));
+  }
+  const json& merges = array_member(model, mp, "merges");
   options.merges.reserve(merges.size());
   for (size_t i = 0; i < merges.size(); ++i) {
     const json& m = merges[i];
@@ -895,14 +1079,12 @@ HfTokenizer::HfTokenizer(const std::string& path) : path_(path) {
     } else if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string()) {
       options.merges.emplace_back(m[0].get<std::string>(), m[1].get<std::string>());
     } else {
-      fail(mp.at("merges").at(i), "expected \"a b\" or [\"a\", \"b\"]", "check the tokenizer.json");
+      fail(mp.at("merges").at(i), "expected \"a b\" or [\"a\", \"b\"], found " + kind_of(m), "check the tokenizer.json");
     }
   }
-  if (model.contains("unk_token") && model["unk_token"].is_string()) options.unk_token = model["unk_token"].get<std::string>();
-  if (model.contains("continuing_subword_prefix") && model["continuing_subword_prefix"].is_string()) {
-    options.continuing_subword_prefix = model["continuing_subword_prefix"].get<std::string>();
-  }
-  if (model.contains("end_of_word_suffix") && model["end_of_word_suffix"].is_string()) options.end_of_word_suffix = model["end_of_word_suffix"].get<std::string>();
+  options.unk_token = optional_string(model, mp, "unk_token");
+  options.continuing_subword_prefix = optional_string(model, mp, "continuing_subword_prefix").value_or("");
+  options.end_of_word_suffix = optional_string(model, mp, "end_of_word_suffix").value_or("");
   options.fuse_unk = bool_member(model, mp, "fuse_unk", false);
   options.byte_fallback = bool_member(model, mp, "byte_fallback", false);
   options.ignore_merges = bool_member(model, mp, "ignore_merges", false);
@@ -913,74 +1095,78 @@ HfTokenizer::HfTokenizer(const std::string& path) : path_(path) {
   }
   vocab_size_ = model_->size();
 
-  if (root.contains("normalizer")) parse_normalizer(root["normalizer"], top.at("normalizer"), normalizers_);
-  if (root.contains("pre_tokenizer")) parse_pre_tokenizer(root["pre_tokenizer"], top.at("pre_tokenizer"), pre_tokenizers_);
-  if (root.contains("decoder")) parse_decoder(root["decoder"], top.at("decoder"), decoders_);
+  if (const json* j = optional_member(root, top, "normalizer")) parse_normalizer(*j, top.at("normalizer"), normalizers_);
+  if (const json* j = optional_member(root, top, "pre_tokenizer")) parse_pre_tokenizer(*j, top.at("pre_tokenizer"), pre_tokenizers_);
+  if (const json* j = optional_member(root, top, "decoder")) parse_decoder(*j, top.at("decoder"), decoders_);
 
-  if (root.contains("added_tokens")) {
-    const json& list = root["added_tokens"];
-    for (size_t i = 0; i < list.size(); ++i) {
+  if (added) {
+    for (size_t i = 0; i < added->size(); ++i) {
+      const json& token = (*added)[i];
       const JsonPlace at = top.at("added_tokens").at(i);
       AddedToken t;
-      t.id = member(list[i], at, "id").get<uint32_t>();
-      t.content = string_member(list[i], at, "content");
-      t.single_word = bool_member(list[i], at, "single_word", false);
-      t.lstrip = bool_member(list[i], at, "lstrip", false);
-      t.rstrip = bool_member(list[i], at, "rstrip", false);
-      t.normalized = bool_member(list[i], at, "normalized", true);
-      t.special = bool_member(list[i], at, "special", false);
+      t.id = id_value(member(token, at, "id"), [&] { return at.at("id"); }, max_id, rule);
+      t.content = string_member(token, at, "content");
+      t.single_word = bool_member(token, at, "single_word", false);
+      t.lstrip = bool_member(token, at, "lstrip", false);
+      t.rstrip = bool_member(token, at, "rstrip", false);
+      t.normalized = bool_member(token, at, "normalized", true);
+      t.special = bool_member(token, at, "special", false);
       added_by_id_[t.id] = added_.size();
       vocab_size_ = std::max<int64_t>(vocab_size_, int64_t(t.id) + 1);
       added_.push_back(std::move(t));
     }
     for (size_t i = 0; i < added_.size(); ++i) {
       // Normalized tokens are matched in normalized text, so the crate matches their normalized form.
-      if (added_[i].normalized) normalized_added_.add(apply_normalizers(normalizers_, added_[i].content), static_cast<int>(i));
+      RegexBudget budget(added_[i].content.size());
+      if (added_[i].normalized) normalized_added_.add(apply_normalizers(normalizers_, added_[i].content, budget), static_cast<int>(i));
       else raw_added_.add(added_[i].content, static_cast<int>(i));
     }
   }
 
-  if (root.contains("post_processor")) parse_post_processor(root["post_processor"], top.at("post_processor"));
+  if (const json* j = optional_member(root, top, "post_processor")) parse_post_processor(*j, top.at("post_processor"));
   for (uint32_t id : prefix_) if (!bos_) bos_ = id;
   for (uint32_t id : suffix_) eos_ = id;
+}
 
-  // transformers' Llama-style tokenizers rebuild the template from tokenizer_config.json's flags.
-  const std::string config_path = path_join(parent_directory(path), "tokenizer_config.json");
-  if (file_exists(config_path)) {
-    json config;
-    try {
-      config = json::parse(read_file(config_path));
-    } catch (const json::parse_error& e) {
-      ErrorContext c;
-      c.file = config_path;
-      c.hint = "fix the file or remove it";
-      throw Error(std::string("cannot parse tokenizer_config.json: ") + e.what(), c);
-    }
-    if (const auto id = config_token(config, "bos_token")) bos_ = id;
-    if (const auto id = config_token(config, "eos_token")) eos_ = id;
-    if (config.contains("add_bos_token") || config.contains("add_eos_token")) {
-      prefix_.clear();
-      suffix_.clear();
-      if (config.value("add_bos_token", false) && bos_) prefix_.push_back(*bos_);
-      if (config.value("add_eos_token", false) && eos_) suffix_.push_back(*eos_);
-    }
+void HfTokenizer::load_config(const std::string& config_path) {
+  const json config = parse_json_file(config_path, "tokenizer_config.json", "fix the file or remove it");
+  const JsonPlace top{&config_path, ""};
+  if (!config.is_object()) fail(top, "expected a JSON object, found " + kind_of(config), "fix the file or remove it");
+  if (const auto id = config_token(config, top, "bos_token")) bos_ = id;
+  if (const auto id = config_token(config, top, "eos_token")) eos_ = id;
+  if (config.contains("add_bos_token") || config.contains("add_eos_token")) {
+    prefix_.clear();
+    suffix_.clear();
+    if (bool_member(config, top, "add_bos_token", false) && bos_) prefix_.push_back(*bos_);
+    if (bool_member(config, top, "add_eos_token", false) && eos_) suffix_.push_back(*eos_);
   }
 }
 
-void HfTokenizer::encode_text(std::string_view text, bool at_start, std::vector<uint32_t>& ids) const {
+void HfTokenizer::encode_text(std::string_view text, bool at_start, std::vector<uint32_t>& ids, RegexBudget& budget) const {
   thread_local std::vector<Piece> pieces;
   pieces.clear();
   pieces.push_back({std::string(text), at_start});
-  for (const PreTokenizer& p : pre_tokenizers_) apply_pre_tokenizer(p, pieces);
+  for (const PreTokenizer& p : pre_tokenizers_) apply_pre_tokenizer(p, pieces, budget);
   for (const Piece& piece : pieces) model_->encode_word(piece.text, ids);
 }
 
 void HfTokenizer::encode(std::string_view input, bool add_special, std::vector<uint32_t>& ids) const {
+  const size_t before = ids.size();
+  try {
+    encode_pieces(input, add_special, ids);
+  } catch (...) {
+    ids.resize(before);  // all of the text's ids or none
+    throw;
+  }
+}
+
+void HfTokenizer::encode_pieces(std::string_view input, bool add_special, std::vector<uint32_t>& ids) const {
   std::string repaired;
   if (!unicode::is_valid_utf8(input)) {
     repaired = unicode::repair_utf8(input);
     input = repaired;
   }
+  RegexBudget budget(input.size());  // for every regex of this text
   if (add_special) ids.insert(ids.end(), prefix_.begin(), prefix_.end());
   thread_local std::vector<Split> raw, normalized_splits;
   find_added(raw_added_, added_, input, raw);
@@ -992,12 +1178,12 @@ void HfTokenizer::encode(std::string_view input, bool add_special, std::vector<u
     if (s.start == s.end) continue;
     const std::string_view raw_text = input.substr(s.start, s.end - s.start);
     std::string normalized_text;
-    if (!normalizers_.empty()) normalized_text = apply_normalizers(normalizers_, std::string(raw_text));
+    if (!normalizers_.empty()) normalized_text = apply_normalizers(normalizers_, std::string(raw_text), budget);
     const std::string_view normalized = normalizers_.empty() ? raw_text : std::string_view(normalized_text);
     find_added(normalized_added_, added_, normalized, normalized_splits);
     for (const Split& n : normalized_splits) {
       if (n.token >= 0) ids.push_back(added_[n.token].id);
-      else if (n.end > n.start) encode_text(normalized.substr(n.start, n.end - n.start), s.start == 0 && n.start == 0, ids);
+      else if (n.end > n.start) encode_text(normalized.substr(n.start, n.end - n.start), s.start == 0 && n.start == 0, ids, budget);
     }
   }
   if (add_special) ids.insert(ids.end(), suffix_.begin(), suffix_.end());
@@ -1006,6 +1192,7 @@ void HfTokenizer::encode(std::string_view input, bool add_special, std::vector<u
 std::string HfTokenizer::decode(const std::vector<uint32_t>& ids, bool skip_special) const {
   std::vector<std::string> tokens;
   tokens.reserve(ids.size());
+  size_t bytes = 0;
   for (const uint32_t id : ids) {
     if (const auto it = added_by_id_.find(id); it != added_by_id_.end()) {
       if (!(skip_special && added_[it->second].special)) tokens.push_back(added_[it->second].content);
@@ -1017,13 +1204,15 @@ std::string HfTokenizer::decode(const std::vector<uint32_t>& ids, bool skip_spec
       c.hint = "ids run from 0 to " + std::to_string(vocab_size_ - 1);
       throw Error("id " + std::to_string(id) + " is not in the vocabulary", c);
     }
+    if (!tokens.empty()) bytes += tokens.back().size();
   }
   if (decoders_.empty()) {
     std::string joined;
     for (size_t i = 0; i < tokens.size(); ++i) joined += (i ? " " : "") + tokens[i];
     return joined;
   }
-  for (const Decoder& d : decoders_) tokens = apply_decoder(d, std::move(tokens));
+  RegexBudget budget(bytes);
+  for (const Decoder& d : decoders_) tokens = apply_decoder(d, std::move(tokens), budget);
   std::string text;
   for (const std::string& t : tokens) text += t;
   return text;

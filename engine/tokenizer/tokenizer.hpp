@@ -2,6 +2,8 @@
 // `tokenizers` crate) and SentencePiece tokenizer.model files. docs/tokenizers.md has the details.
 #pragma once
 
+#include "engine/common/error.hpp"
+
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -11,11 +13,21 @@
 
 namespace dsrun {
 
+// Thrown by encode (and decode) when a tokenizer.json regex exceeds its matching budget on a text
+// (a pattern that is quadratic or worse there, such as `.(?=.*$)`) or PCRE2 fails on it. The
+// message starts with "tokenizer regex" and names the pattern; context: the tokenizer.json and the
+// pattern's JSON path. The tokenizer stays usable: a caller may skip that text and go on.
+class TokenizerRegexError : public Error {
+ public:
+  using Error::Error;
+};
+
 class Tokenizer {
  public:
   virtual ~Tokenizer() = default;
   // Appends the ids of `text` to `ids`. `text` may hold invalid UTF-8 (repaired to U+FFFD first).
   // With `add_special`, the post-processor's tokens (BOS/EOS) too. Safe from several threads.
+  // Throws TokenizerRegexError when a regex needs too much work on `text`.
   virtual void encode(std::string_view text, bool add_special, std::vector<uint32_t>& ids) const = 0;
   // The text of `ids`; special tokens left out with `skip_special`. Ids outside the vocabulary are
   // an error.
