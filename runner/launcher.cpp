@@ -315,7 +315,7 @@ class Supervisor {
       }
       for (auto& p : ranks_) {
         if (!p.running) continue;
-        const double limit = p.ready ? r_.run.step_timeout_s : r_.run.startup_timeout_s;
+        const double limit = p.ready ? r_.run.step_timeout_s : plan_.startup_timeout_seconds;
         if (now - p.last_progress <= limit) continue;
         auto progress = [](const RankProcess& q) { return q.ready ? q.step : -1; };  // not ready: least of all
         const RankProcess* culprit = &p;

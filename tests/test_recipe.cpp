@@ -521,3 +521,18 @@ TEST_CASE("expert parallelism in the plan: each rank's experts, their ZeRO repli
   for (const AutoChoice& c : searched.choices) explained |= c.key == "parallel.expert" && contains(c.reason, "the fastest that fits");
   CHECK(explained);
 }
+
+TEST_CASE("a hook script that is a directory, and a batch that does not split over the default data ranks, are errors at a file and line", "[recipe][rules]") {
+  auto errors = errors_of(load_text("[hooks]\nscript = \"/\"\n"));
+  REQUIRE(errors.size() == 1);
+  CHECK(errors[0].key == "hooks.script");
+  CHECK(errors[0].source.line == 2);
+  CHECK(contains(errors[0].message, "is a directory"));
+  // Neither batch.global nor data_parallel written: the error points at the hardware base's
+  // devices_per_node, which makes the data ranks, not at "(default)".
+  errors = errors_of(load_text("base = [\"hardware/cpu\", \"models/deepseek-tiny\"]\n[hardware]\ndevices_per_node = 3\n"));
+  REQUIRE(errors.size() == 1);
+  CHECK(errors[0].key == "batch.global");
+  CHECK(errors[0].source.layer != Layer::Default);
+  CHECK(errors[0].source.line == 3);
+}

@@ -239,7 +239,7 @@ TEST_CASE("shuffled epochs visit every window once, mixtures follow their weight
 
 namespace {
 
-std::string byte_tokenizer(const TempDir& dir, const std::string& name = "tok", const std::string& eos = "<eos>") {
+std::string byte_tokenizer(const TempDir& dir, const std::string& name = "tok", const std::string& eos = "<eos>", const json& pre_tokenizer = nullptr) {
   json vocab = json::object();
   char piece[8];
   for (int b = 0; b < 256; ++b) {
@@ -248,7 +248,7 @@ std::string byte_tokenizer(const TempDir& dir, const std::string& name = "tok", 
   }
   vocab[eos] = 256;
   const json added = json::array({{{"id", 256}, {"content", eos}, {"single_word", false}, {"lstrip", false}, {"rstrip", false}, {"normalized", false}, {"special", true}}});
-  const json t = {{"version", "1.0"}, {"truncation", nullptr}, {"padding", nullptr}, {"added_tokens", added}, {"normalizer", nullptr}, {"pre_tokenizer", nullptr},
+  const json t = {{"version", "1.0"}, {"truncation", nullptr}, {"padding", nullptr}, {"added_tokens", added}, {"normalizer", nullptr}, {"pre_tokenizer", pre_tokenizer},
                   {"post_processor", nullptr}, {"decoder", nullptr},
                   {"model", {{"type", "BPE"}, {"unk_token", nullptr}, {"byte_fallback", true}, {"ignore_merges", true}, {"vocab", vocab}, {"merges", json::array()}}}};
   dir.write(name + "/tokenizer.json", t.dump());
@@ -382,7 +382,7 @@ TEST_CASE("a second prepare into a directory being written is refused at once, n
   CHECK(later.code == 0);
 }
 
-TEST_CASE("a prepare directory without its manifest is refused; a smaller corpus prepared again leaves no stale shards", "[data][prepare]") {
+TEST_CASE("a prepare directory without its manifest is refused, and a smaller corpus prepared again leaves no stale shards", "[data][prepare]") {
   TempDir dir;
   const std::string tok = byte_tokenizer(dir), out = dir.file("out");
   for (int k = 0; k < 3; ++k) dir.write("big/" + std::to_string(k) + ".txt", lines_of(1024));
@@ -552,4 +552,23 @@ TEST_CASE("a validation split far from data.val_fraction is warned about, saying
     CHECK_THAT(d, !Catch::Contains("whole documents"));
     CHECK(corpus.warnings().empty());
   }
+}
+
+TEST_CASE("a document whose tokenizer regex runs past its work budget is skipped and counted, or with --strict fails naming file and line", "[data][prepare]") {
+  TempDir dir;
+  // A hostile Split pattern: quadratic in the document (18.8 s for 320 KB before the budget).
+  const json split = {{"type", "Split"}, {"pattern", {{"Regex", ".(?=.*$)"}}}, {"behavior", "Isolated"}, {"invert", false}};
+  const std::string tok = byte_tokenizer(dir, "hostile", "<eos>", split);
+  const std::string docs = dir.write("docs.jsonl", "{\"text\": \"short and fine\"}\n{\"text\": \"" + std::string(320 << 10, 'z') + "\"}\n{\"text\": \"fine too\"}\n");
+  const std::string command = std::string(DSRUN_BINARY) + " prepare --tokenizer " + quoted(tok) + " -o " + quoted(dir.file("out")) + " " + quoted(docs);
+  const auto skipped = dsrun::test::run_command(command);
+  INFO(skipped.text);
+  CHECK(skipped.code == 0);
+  CHECK_THAT(skipped.text, Catch::Contains("skipped 1 lines"));
+  CHECK_THAT(skipped.text, Catch::Contains(docs + ":2: tokenizer regex"));
+  const auto strict = dsrun::test::run_command(command + " --strict");
+  INFO(strict.text);
+  CHECK(strict.code != 0);
+  CHECK_THAT(strict.text, Catch::Contains(docs + ":2"));
+  CHECK_THAT(strict.text, Catch::Contains("tokenizer regex"));
 }

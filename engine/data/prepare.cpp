@@ -430,12 +430,19 @@ class Preparer {
     std::vector<uint32_t> tokens;
     std::vector<uint64_t> ends;
     std::vector<uint32_t> ids;
-    const auto add_document = [&](std::string_view text) {
+    // A document the tokenizer cannot take (a regex past its work budget) is skipped and counted
+    // like a bad line, or with --strict fails the prepare: why it was skipped, or "".
+    const auto add_document = [&](std::string_view text) -> std::string {
       ids.clear();
-      tokenizer_->encode(text, marks_from_post_processor_, ids);
+      try {
+        tokenizer_->encode(text, marks_from_post_processor_, ids);
+      } catch (const TokenizerRegexError& e) {
+        return excerpt(e.what());
+      }
       if (!marks_from_post_processor_) ids.push_back(eos_);
       tokens.insert(tokens.end(), ids.begin(), ids.end());
       ends.push_back(tokens.size());
+      return "";
     };
     for (const Piece& p : chunk.pieces) {
       const InputFile& f = files_[p.file];
@@ -443,28 +450,35 @@ class Preparer {
       if (!streamed) read = f.compression == Compression::none ? read_range(f.path, p.begin, p.end, &f) : decompress(f);
       const std::string& text = streamed ? *streamed : read;
       r.bytes += static_cast<int64_t>(text.size());
+      int first_line = 0;  // counted only when a line is reported
       if (!f.json_lines && !o_.line_documents) {
-        add_document(text);
+        if (const std::string why = add_document(text); !why.empty()) {
+          const int at = p.first_line > 0 ? p.first_line : line_at(f.path, p.begin);
+          if (o_.strict) throw input_error(f.path, at, why, "drop --strict to skip and count such documents, or change the tokenizer's pattern");
+          ++r.skipped;
+          if (r.skipped_examples.size() < 5) r.skipped_examples.push_back(f.path + ":" + std::to_string(at) + ": " + why);
+        }
         continue;
       }
-      int first_line = 0;  // counted only when a line is reported
       size_t start = 0;
       while (start < text.size()) {
         size_t end = text.find('\n', start);
         if (end == std::string::npos) end = text.size();
         std::string_view line(text.data() + start, end - start);
+        std::string why;
         if (!f.json_lines) {
-          add_document(line);
+          why = add_document(line);
         } else if (!line.empty() && line.find_first_not_of(" \t\r") != std::string_view::npos) {
-          std::string why;
           try {
             const json doc = json::parse(line);
             if (!doc.is_object() || !doc.contains(o_.field)) why = "no field \"" + o_.field + "\"";
             else if (!doc[o_.field].is_string()) why = "field \"" + o_.field + "\" is not a string";
-            else add_document(doc[o_.field].get_ref<const std::string&>());
+            else why = add_document(doc[o_.field].get_ref<const std::string&>());
           } catch (const json::parse_error& e) {
             why = excerpt(std::string("not JSON: ") + e.what());  // the parser quotes the whole bad token, maybe megabytes
           }
+        }
+        {
           if (!why.empty()) {
             if (first_line == 0) first_line = p.first_line > 0 ? p.first_line : line_at(f.path, p.begin);
             const int at = first_line + static_cast<int>(std::count(text.begin(), text.begin() + static_cast<long>(start), '\n'));

@@ -263,7 +263,11 @@ struct Rules {
     if (b.global % dp != 0) {
       const int64_t lower = b.global / dp * dp, upper = lower + dp;
       add("batch.global", "global batch " + std::to_string(b.global) + " does not split evenly over data_parallel = " + dp_text + " ranks",
-          "use a multiple of " + std::to_string(dp) + ": " + (lower > 0 ? std::to_string(lower) + " or " : "") + std::to_string(upper), {"parallel.data_parallel"});
+          "use a multiple of " + std::to_string(dp) + ": " + (lower > 0 ? std::to_string(lower) + " or " : "") + std::to_string(upper),
+          // the keys that make the data ranks: written, data_parallel; "auto", the devices and the
+          // model-parallel degrees (the error points at whichever the user, or a base, wrote last)
+          r.parallel.data_parallel ? std::vector<std::string>{"parallel.data_parallel"}
+                                   : std::vector<std::string>{"parallel.data_parallel", "hardware.devices_per_node", "hardware.nodes", "parallel.tensor", "parallel.pipeline"});
       return;
     }
     const int64_t per_rank = b.global / dp;

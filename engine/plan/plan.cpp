@@ -828,6 +828,10 @@ class Planner {
     p.tokens_per_second = p.tokens_per_step / p.step_seconds;
     p.mfu = p.model_flops_per_step / (p.step_seconds * p.peak_flops * p.world_size);
     p.total_seconds = p.step_seconds * static_cast<double>(r_.run.steps);
+    // Start-up scales with what it must do: every rank builds (or reads) the fp32 weights of its
+    // units and loads its data; 0.5 GB/s is slow on purpose, so a healthy start never times out.
+    const double startup_bytes = 4 * (rank_params_ + rank_expert_params_) + data_bytes_;
+    p.startup_timeout_seconds = r_.run.startup_timeout_s > 0 ? r_.run.startup_timeout_s : 120 + startup_bytes / 0.5e9;
   }
 
   void check_hardware_present(Plan& p) {

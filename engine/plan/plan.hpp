@@ -129,6 +129,9 @@ struct Plan {
   double compute_seconds = 0, optimizer_seconds = 0, offload_seconds = 0;
   double offload_hidden_seconds = 0;     // of optimizer + offload: what runs beside the device's compute
   double step_seconds = 0, tokens_per_second = 0, mfu = 0, total_seconds = 0;
+  // Launch to the first step: run.startup_timeout_s, or for "auto" 120 s plus the model's build
+  // (or weights read) and the data at 0.5 GB/s. The launcher and the ranks' rendezvous use it.
+  double startup_timeout_seconds = 0;
   int64_t steps = 0;
 
   std::vector<AutoChoice> choices;

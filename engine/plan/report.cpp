@@ -158,7 +158,7 @@ std::string render_plan(const Plan& p) {
        " = " + format_seconds(p.step_seconds));
   line((images ? format_count(p.tokens_per_second) + " images/s" : format_count(p.tokens_per_second) + " tokens/s") + ", MFU " +
        format_double(100 * p.mfu, 3) + "% of " + format_count(p.peak_flops) + "FLOP/s peak per device");
-  line(std::to_string(p.steps) + " steps: " + format_seconds(p.total_seconds));
+  line(std::to_string(p.steps) + " steps: " + format_seconds(p.total_seconds) + "; start-up allowed " + format_seconds(p.startup_timeout_seconds) + " (run.startup_timeout_s)");
 
   if (!p.choices.empty()) {
     section("chosen automatically");
@@ -228,7 +228,7 @@ std::string plan_to_json(const Plan& p) {
                 {"hardware_flops_per_step", p.hardware_flops_per_step}, {"compute_seconds", p.compute_seconds},
                 {"optimizer_seconds", p.optimizer_seconds}, {"offload_seconds", p.offload_seconds}, {"offload_hidden_seconds", p.offload_hidden_seconds},
                 {"step_seconds", p.step_seconds}, {"tokens_per_second", p.tokens_per_second}, {"mfu", p.mfu},
-                {"steps", p.steps}, {"total_seconds", p.total_seconds}};
+                {"steps", p.steps}, {"total_seconds", p.total_seconds}, {"startup_timeout_seconds", p.startup_timeout_seconds}};
   json choices = json::array();
   for (const auto& c : p.choices) choices.push_back({{"key", c.key}, {"value", c.value}, {"reason", c.reason}});
   j["auto_choices"] = choices;

@@ -88,8 +88,9 @@ void build_run(Builder& c, Recipe& r) {
   r.run.steps = c.i("run.steps");
   r.run.max_restarts = static_cast<int>(c.i("run.max_restarts"));
   r.run.step_timeout_s = c.f("run.step_timeout_s");
-  r.run.startup_timeout_s = c.f("run.startup_timeout_s");
-  if (r.run.startup_timeout_s < r.run.step_timeout_s && c.written("run.startup_timeout_s"))
+  // "auto" (0 here): the plan sizes it to what start-up must do (Plan::startup_timeout_seconds).
+  r.run.startup_timeout_s = c.at("run.startup_timeout_s").value.is_auto() ? 0 : c.f("run.startup_timeout_s");
+  if (r.run.startup_timeout_s > 0 && r.run.startup_timeout_s < r.run.step_timeout_s && c.written("run.startup_timeout_s"))
     c.warning("run.startup_timeout_s", "start-up timeout is shorter than the step timeout",
               "start-up includes rendezvous and model build; give it at least run.step_timeout_s");
 }
@@ -413,6 +414,8 @@ void build_rest(Builder& c, Recipe& r, const std::string& recipe_dir) {
     if (starts_with(key, "hooks.options.")) h.options[key.substr(14)] = setting.value.toml();
   if (!h.script.empty() && !file_exists(h.script))
     c.error("hooks.script", "hook script \"" + h.script + "\" not found", "check the path (relative to the recipe)");
+  else if (!h.script.empty() && is_directory(h.script))
+    c.error("hooks.script", "hook script \"" + h.script + "\" is a directory", "name the .lua file in it (relative to the recipe)");
 }
 
 // Keys that only mean something under another key's value: written anyway, they are a warning,

@@ -21,7 +21,7 @@ struct RunOptions {
   int64_t steps = 100;
   int max_restarts = 0;
   double step_timeout_s = 600;
-  double startup_timeout_s = 900;
+  double startup_timeout_s = 0;  // 0: "auto", the plan's Plan::startup_timeout_seconds
 };
 
 enum class Device { Cpu, Cuda };

@@ -57,7 +57,9 @@ std::vector<KeySpec> build_schema() {
       ranged("run.steps", T::Int, "100", 1, 1e12, "Optimizer steps to train."),
       ranged("run.max_restarts", T::Int, "0", 0, 1000, "Restarts from the latest checkpoint when a rank dies."),
       ranged("run.step_timeout_s", T::Float, "600", 1, 1e7, "A step slower than this is reported as a hang, naming the rank."),
-      ranged("run.startup_timeout_s", T::Float, "900", 1, 1e7, "Time allowed from launch to the first step (rendezvous, model build)."),
+      ranged("run.startup_timeout_s", T::FloatOrAuto, "\"auto\"", 1, 1e7,
+             "Time allowed from launch to the first step (rendezvous, model build, data). `auto`: 120 s plus what the plan expects start-up to take "
+             "(building or reading the model's fp32 weights at 0.5 GB/s, mapping the data), shown in the plan."),
 
       // ---- hardware
       key("hardware.name", T::String, "\"cpu\"", "Label of the hardware profile."),

@@ -206,7 +206,7 @@ class Trainer {
     rv.master_port = env_int("MASTER_PORT", 29500);
     rv.rank = ctx_.rank;
     rv.world_size = ctx_.world;
-    rv.timeout_s = r_.run.startup_timeout_s;
+    rv.timeout_s = plan_.startup_timeout_seconds;
     mesh_ = connect_mesh(rv, plan_.layout.mesh_shape());
   }
 
