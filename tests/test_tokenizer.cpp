@@ -445,7 +445,7 @@ TEST_CASE("values of the wrong type are errors naming the file, the JSON path an
   CHECK(failure_of(dir, base.dump(), R"({"add_bos_token": null, "bos_token": null})").message == "(no error)");
 }
 
-TEST_CASE("a quadratic regex exceeds its budget with a catchable tokenizer regex error; long tokens do not", "[tokenizer]") {
+TEST_CASE("a quadratic regex exceeds its budget with a catchable tokenizer regex error, and long tokens do not", "[tokenizer]") {
   TempDir dir;
   json j = tiny({"a", "b", "\n"});
   j["pre_tokenizer"] = {{"type", "Split"}, {"pattern", {{"Regex", ".(?=.*$)"}}}, {"behavior", "Isolated"}, {"invert", false}};
