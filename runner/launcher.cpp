@@ -90,6 +90,16 @@ std::string tail_of_file(const std::string& path, int lines) {
   return join(std::vector<std::string>(all.begin() + static_cast<long>(from), all.end()), "\n");
 }
 
+// The kernel's state letter for a process ('R', 'S', 'T' stopped, 't' traced, 'Z' zombie, ...),
+// or 0 when /proc does not show it.
+char process_state(int64_t pid) {
+  const std::string path = "/proc/" + std::to_string(pid) + "/stat";
+  if (!file_exists(path)) return 0;
+  const std::string stat = read_file(path);
+  const size_t paren = stat.rfind(')');  // the command name in parentheses may hold anything
+  return paren == std::string::npos || paren + 2 >= stat.size() ? 0 : stat[paren + 2];
+}
+
 struct RankProcess {
   int rank = 0;
   pid_t pid = -1;
@@ -541,15 +551,6 @@ class Supervisor {
   std::string hostname_ = read_host_facts().hostname;
   int64_t oom_kills_at_start_ = -1;  // the kernel's out-of-memory kills when the ranks started
 
-  // The kernel's state letter for a process ('R', 'S', 'T' stopped, 't' traced, 'Z', ...), or 0.
-  static char process_state(pid_t pid) {
-    const std::string path = "/proc/" + std::to_string(pid) + "/stat";
-    if (!file_exists(path)) return 0;
-    const std::string stat = read_file(path);
-    const size_t paren = stat.rfind(')');
-    return paren == std::string::npos || paren + 2 >= stat.size() ? 0 : stat[paren + 2];
-  }
-
   // The kernel's count of out-of-memory kills on this machine (-1 where it keeps none).
   static int64_t kernel_oom_kills() {
     if (!file_exists("/proc/vmstat")) return -1;
@@ -644,9 +645,7 @@ RunStatus launch_run(const LoadedRecipe& loaded, const Plan& plan, Store& store,
 
 bool process_alive(int64_t pid) {
   if (pid <= 0 || (::kill(static_cast<pid_t>(pid), 0) != 0 && errno != EPERM)) return false;
-  const std::string stat = file_exists("/proc/" + std::to_string(pid) + "/stat") ? read_file("/proc/" + std::to_string(pid) + "/stat") : "";
-  const size_t paren = stat.rfind(')');
-  return paren == std::string::npos || paren + 2 >= stat.size() || stat[paren + 2] != 'Z';
+  return process_state(pid) != 'Z';
 }
 
 std::string launcher_gone(const RunRecord& run, const std::string& this_host, double now) {

@@ -3,10 +3,9 @@
 // only picks ZeRO stages and micro batches that keep them (docs/architecture.md, "The layout").
 #include "engine/plan/layout.hpp"
 
+#include "engine/common/text.hpp"
+
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
-#include <set>
 
 namespace dsrun {
 
@@ -105,10 +104,10 @@ Recipe with_layout(const Recipe& recipe, const Layout& l) {
   return r;
 }
 
-int Placement::nodes_spanned(const std::vector<int>& ranks) const {
-  std::set<int> seen;
-  for (int r : ranks) seen.insert(node_of(r));
-  return static_cast<int>(seen.size());
+int Placement::nodes_spanned(int64_t start, int64_t stride, int64_t count) const {
+  if (count <= 1) return 1;
+  if (stride >= ranks_per_node) return static_cast<int>(std::min<int64_t>(count, nodes));
+  return static_cast<int>((start + (count - 1) * stride) / ranks_per_node - start / ranks_per_node + 1);
 }
 
 Placement placement_of(const HardwareSpec& hw, const Layout& l) {
@@ -259,10 +258,13 @@ struct Rules {
     if (!d.data || l.data < 1) return;
     const BatchOptions& b = r.batch;
     const int64_t dp = l.data;
-    const std::string dp_text = std::to_string(dp) + (r.parallel.data_parallel ? "" : l.model_parallel() > 1 ? " (auto: the devices / (tensor × pipeline))" : " (auto: every device)");
+    // Only for messages: the planner asks these rules of every micro-batch candidate.
+    const auto dp_text = [&] {
+      return std::to_string(dp) + (r.parallel.data_parallel ? "" : l.model_parallel() > 1 ? " (auto: the devices / (tensor × pipeline))" : " (auto: every device)");
+    };
     if (b.global % dp != 0) {
       const int64_t lower = b.global / dp * dp, upper = lower + dp;
-      add("batch.global", "global batch " + std::to_string(b.global) + " does not split evenly over data_parallel = " + dp_text + " ranks",
+      add("batch.global", "global batch " + std::to_string(b.global) + " does not split evenly over data_parallel = " + dp_text() + " ranks",
           "use a multiple of " + std::to_string(dp) + ": " + (lower > 0 ? std::to_string(lower) + " or " : "") + std::to_string(upper),
           // the keys that make the data ranks: written, data_parallel; "auto", the devices and the
           // model-parallel degrees (the error points at whichever the user, or a base, wrote last)
@@ -280,7 +282,7 @@ struct Rules {
       }
       if (per_rank % l.micro != 0) {
         add("batch.micro",
-            "global (" + std::to_string(b.global) + ") != micro (" + std::to_string(l.micro) + ") x accumulation x data_parallel (" + dp_text + ") for any whole accumulation",
+            "global (" + std::to_string(b.global) + ") != micro (" + std::to_string(l.micro) + ") x accumulation x data_parallel (" + dp_text() + ") for any whole accumulation",
             "use a micro batch that divides " + std::to_string(per_rank) + ", such as " + std::to_string(closest_divisor(per_rank, l.micro)),
             {"batch.global", "parallel.data_parallel"});
         return;
@@ -312,18 +314,7 @@ struct Rules {
           "set parallel.offload = \"optimizer\" (or \"optimizer+params\"), or delayed_update = false", {"parallel.offload"});
   }
 
-  static int64_t closest_divisor(int64_t n, int64_t near) {
-    int64_t best = 1;
-    for (int64_t x = 1; x <= n && x <= (1 << 20); ++x)
-      if (n % x == 0 && std::llabs(x - near) < std::llabs(best - near)) best = x;
-    return best;
-  }
-  static std::string format_bandwidth(double bytes_per_second) {
-    const double gbs = bytes_per_second / 1e9;
-    char text[32];
-    std::snprintf(text, sizeof text, "%.3g GB/s", gbs);
-    return text;
-  }
+  static std::string format_bandwidth(double bytes_per_second) { return format_double(bytes_per_second / 1e9, 3) + " GB/s"; }
 };
 
 }  // namespace

@@ -69,8 +69,9 @@ Recipe with_degrees(const Recipe& recipe, const Layout& layout);
 struct Placement {
   int nodes = 1, ranks_per_node = 1;
   int node_of(int rank) const { return rank / ranks_per_node; }
-  // Nodes that `ranks` span.
-  int nodes_spanned(const std::vector<int>& ranks) const;
+  // Nodes the ranks start, start + stride, ... (count of them) span: a mesh dimension's group.
+  // Computed, not listed: a data group of a 100,000-node cluster has hundreds of millions of ranks.
+  int nodes_spanned(int64_t start, int64_t stride, int64_t count) const;
 };
 Placement placement_of(const HardwareSpec& hardware, const Layout& layout);
 

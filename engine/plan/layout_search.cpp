@@ -84,17 +84,13 @@ LayoutSearch search_layouts(const Recipe& recipe, const HostFacts& host, bool ev
         for (int ep : experts) {
           LayoutRow row;
           Layout& l = row.layout;
+          l = layout_of_recipe(recipe);  // ZeRO stage, micro batch, recomputation, offload as written
           l.tensor = t;
           l.pipeline = pp;
           l.data = data;
           l.schedule = kind;
           l.virtual_stages = v;
           l.expert = ep;
-          l.zero_stage = fixed.zero_stage.value_or(0);
-          l.micro = recipe.batch.micro.value_or(1);
-          l.recomputation = fixed.activation_checkpointing == Checkpointing::Full;
-          l.offload = fixed.offload;
-          l.delayed_update = fixed.delayed_update;
           // Sequence parallelism costs no traffic and saves memory: on wherever it applies.
           l.sequence_parallel = searched.sequence_parallel ? t > 1 && recipe.batch.seq_len % t == 0 && !recipe.model.moe.enabled() : fixed.sequence_parallel && t > 1;
           row.problem = layout_problem(recipe, l);

@@ -112,8 +112,8 @@ class Planner {
     v_ = r.parallel.virtual_stages;
     ep_ = r.parallel.expert;
     imbalance_ = ep_ > 1 ? r.parallel.expert_imbalance : 1.0;
-    ranks_per_node_ = (dp_ * tp_ * pp_ + hw.nodes - 1) / hw.nodes;
-    placement_ = {std::max(1, hw.nodes), std::max(1, ranks_per_node_)};
+    placement_ = placement_of(hw, layout_with({}));
+    ranks_per_node_ = placement_.ranks_per_node;
     kernel_ = hw.device == Device::Cuda ? AttentionKernel::Flash : AttentionKernel::Math;
     cost_ = model_cost(r.model, r.batch.seq_len, r.precision.dtype, kernel_, /*fused_elementwise=*/hw.device == Device::Cuda);
     capacity_ = hw.ranks_share_memory() ? hw.memory_bytes / ranks_per_node_ : hw.memory_bytes;
@@ -354,14 +354,9 @@ class Planner {
 
   // These degrees with a choice: the value the rules check and the ranks run.
   Layout layout_with(const Choice& c) const {
-    Layout l;
-    l.pipeline = pp_, l.data = dp_, l.tensor = tp_, l.expert = ep_;
-    l.schedule = r_.parallel.pipeline_schedule;
-    l.virtual_stages = v_;
-    l.sequence_parallel = r_.parallel.sequence_parallel && tp_ > 1;
+    Layout l = layout_of_recipe(r_);  // every degree fixed here
+    l.sequence_parallel &= tp_ > 1;
     l.zero_stage = c.stage, l.micro = c.micro, l.recomputation = c.checkpointing;
-    l.offload = r_.parallel.offload;
-    l.delayed_update = r_.parallel.delayed_update;
     return l;
   }
   // Whether the layout rules (engine/plan/layout.cpp) allow a choice: the planner picks only what
@@ -608,16 +603,10 @@ class Planner {
     return hw.link_bandwidth / (hw.device == Device::Cuda && !hw.p2p ? 2 : 1);
   }
   double inter_node_share() const { return r_.hardware.inter_node_bandwidth / placement_.ranks_per_node; }
-  // The group start, start + stride, ... (count members): a mesh dimension's group of rank 0.
-  int nodes_spanned(int64_t start, int64_t stride, int64_t count) const {
-    if (count <= 1) return 1;
-    const int64_t rpn = placement_.ranks_per_node;
-    if (stride >= rpn) return static_cast<int>(std::min<int64_t>(count, placement_.nodes));
-    return static_cast<int>((start + (count - 1) * stride) / rpn - start / rpn + 1);
-  }
+  // A mesh dimension's group of rank 0: ranks 0, stride, ... (count of them).
   GroupLink group_link(int64_t stride, int64_t count) const {
     GroupLink g;
-    g.nodes = nodes_spanned(0, stride, count);
+    g.nodes = placement_.nodes_spanned(0, stride, count);
     g.bandwidth = (g.nodes > 1 ? std::min(intra_node_bandwidth(), inter_node_share()) : intra_node_bandwidth()) * r_.hardware.comm_efficiency;
     return g;
   }

@@ -72,13 +72,16 @@ std::string resolve_path(const std::string& path, const std::string& recipe_dir)
   return path_join(recipe_dir, path);
 }
 
-// The divisor of n closest to `near`, for "use a divisor of 4096 such as 32".
+}  // namespace
+
 int64_t closest_divisor(int64_t n, int64_t near) {
   int64_t best = 1;
   for (int64_t d = 1; d <= n && d <= (1 << 20); ++d)
     if (n % d == 0 && std::llabs(d - near) < std::llabs(best - near)) best = d;
   return best;
 }
+
+namespace {
 
 void build_run(Builder& c, Recipe& r) {
   r.run.name = c.s("run.name");

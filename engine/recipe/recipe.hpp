@@ -252,6 +252,9 @@ struct TensorSplitSize {
 };
 std::vector<TensorSplitSize> tensor_split_sizes(const ModelSpec& m);
 
+// The divisor of n closest to `near`, for fixes such as "use a divisor of 4096 such as 32".
+int64_t closest_divisor(int64_t n, int64_t near);
+
 const char* to_string(Device d);
 const char* to_string(ModelArch a);
 const char* to_string(Offload o);
