@@ -6,6 +6,8 @@
 #include "engine/common/files.hpp"
 #include "engine/common/host.hpp"
 #include "engine/common/text.hpp"
+#include "engine/data/data_identity.hpp"
+#include "engine/data/token_source.hpp"
 #include "engine/hooks/hooks.hpp"
 #include "engine/plan/plan.hpp"
 #include "engine/recipe/load.hpp"
@@ -25,6 +27,20 @@ namespace dsrun {
 namespace {
 
 // Loads and validates; prints every diagnostic (warnings too) to stderr. Throws when invalid.
+// What rank 0 will find when it opens token data, found now, before a run is recorded: the corpus
+// is opened as the ranks open it (files mapped; headers, indexes, vocabulary and the mixture
+// checked). Data missing on this machine was a warning of the recipe's and is not opened here.
+void check_token_data(const Recipe& r) {
+  if (r.data.kind != DataKind::Tokens) return;
+  const TokenCorpusOptions o = token_corpus_options(r.data, r.model.vocab, r.batch.seq_len, r.run.seed);
+  std::vector<std::string> all = o.paths;
+  if (!o.val_path.empty()) all.push_back(o.val_path);
+  for (const std::string& p : all)
+    if (!file_exists(p) && !(file_exists(p + ".bin") && file_exists(p + ".idx"))) return;
+  const TokenCorpus corpus(o);
+  for (const std::string& w : corpus.warnings()) std::cerr << "dsrun: warning: data: " << w << "\n";
+}
+
 LoadedRecipe load_or_report(const RecipeArgs& args, const HostFacts& host) {
   LoadOptions options;
   options.overrides = args.sets;
@@ -39,6 +55,7 @@ LoadedRecipe load_or_report(const RecipeArgs& args, const HostFacts& host) {
   }
   std::string warnings = loaded.report();
   if (!warnings.empty()) std::cerr << warnings;
+  check_token_data(loaded.recipe);
   return loaded;
 }
 
@@ -109,8 +126,9 @@ NewRun run_record(const LoadedRecipe& loaded, const Plan& plan, const std::strin
 
 // Launches a recorded run (from step 0, or from a checkpoint) and prints how it ended.
 int launch_and_report(const LoadedRecipe& loaded, const Plan& plan, Store& store, const std::string& id, const RunFlags& flags,
-                      const std::string& db_path, const std::string& resume_from) {
+                      const std::string& db_path, const std::string& resume_from, bool accept_data_change = false) {
   LaunchOptions launch;
+  launch.accept_data_change = accept_data_change;
   launch.run_dir = path_join(parent_directory(db_path), id);
   launch.nnodes = flags.nnodes;
   launch.node_rank = flags.node_rank;
@@ -350,6 +368,21 @@ int command_run(const RecipeArgs& given, const RunFlags& flags, const std::strin
   return launch_and_report(loaded, plan, store, id, flags, db_path, "");
 }
 
+// The data files a checkpoint recorded, against the same paths now. A difference is refused
+// unless `force`; forced, the differences are returned, to be said and recorded. The ranks check
+// again against the files they open (the launcher's restarts included).
+static std::vector<std::string> check_checkpoint_data(const CheckpointInfo& found, bool force, const std::string& force_flag) {
+  const CheckpointManifest m = read_checkpoint(found.path, /*verify_files=*/false);
+  const DataChanges changes = compare_with_disk(m.data_files);
+  for (const std::string& t : changes.touched) std::cerr << "dsrun: note: " << t << "\n";
+  if (changes.same() || force) return changes.differ;
+  ErrorContext c;
+  c.file = path_join(found.path, kManifestFile);
+  c.key = "data.path";
+  c.hint = "put the data back as it was, or pass " + force_flag + " to train on it as it is now (recorded as a resume_change event)";
+  throw Error("the data differs from what the checkpoint at step " + std::to_string(found.step) + " trained on: " + join(changes.differ, "; "), c);
+}
+
 int command_resume(const ResumeArgs& args, const RunFlags& flags, const std::string& db_path) {
   Store store = open_existing_store(db_path);
   RunRecord r = store.get_run(store.resolve_run(args.run));
@@ -386,6 +419,11 @@ int command_resume(const ResumeArgs& args, const RunFlags& flags, const std::str
   }
   // What a --set changes that a resume cannot take back: said, recorded, or refused.
   std::vector<std::string> changes;
+  const std::vector<std::string> data_changes = check_checkpoint_data(*found, args.force, "--force");
+  for (const std::string& d : data_changes) {
+    changes.push_back("data file changed since the checkpoint (--force): " + d);
+    std::cerr << "dsrun: warning: resume of " << r.id << ": " << changes.back() << "\n";
+  }
   if (!args.sets.empty()) {
     const LoadedRecipe before = load_run_config(db_path, r, {}, host);
     auto changed = [&](const std::string& key) { return before.config.at(key).value.toml() != loaded.config.at(key).value.toml(); };
@@ -413,10 +451,10 @@ int command_resume(const ResumeArgs& args, const RunFlags& flags, const std::str
   for (const auto& why : skipped) store.add_event(r.id, "checkpoint", -1, "skipped a checkpoint that does not verify", why);
   store.add_event(r.id, "resume", -1, message);
   std::cout << "run " << r.id << ": " << message << "; " << plan.world_size << " rank(s), ZeRO stage " << plan.layout.zero_stage << "\n";
-  return launch_and_report(loaded, plan, store, r.id, flags, db_path, found->path);
+  return launch_and_report(loaded, plan, store, r.id, flags, db_path, found->path, !data_changes.empty());
 }
 
-int command_rollback(const std::string& run, int64_t to_step, const std::vector<std::string>& sets, const RunFlags& flags, const std::string& db_path) {
+int command_rollback(const std::string& run, int64_t to_step, const std::vector<std::string>& sets, bool force, const RunFlags& flags, const std::string& db_path) {
   Store store = open_existing_store(db_path);
   RunRecord parent = store.get_run(store.resolve_run(run));
   HostFacts host = read_host_facts();
@@ -432,6 +470,8 @@ int command_rollback(const std::string& run, int64_t to_step, const std::vector<
     c.hint = "complete checkpoints of run " + parent.id + " are at steps: " + steps_available(root);
     throw Error("no complete checkpoint at or before step " + std::to_string(to_step), c);
   }
+  const std::vector<std::string> data_changes = check_checkpoint_data(*found, force, "--force");
+  for (const std::string& d : data_changes) std::cerr << "dsrun: warning: rollback of " << parent.id << ": data file changed since the checkpoint (--force): " << d << "\n";
   // The checkpoint's own config (what ran up to that step), plus the overrides.
   CheckpointManifest manifest = read_checkpoint(found->path, false);
   LoadOptions options;
@@ -458,9 +498,10 @@ int command_rollback(const std::string& run, int64_t to_step, const std::vector<
     return kExitDoesNotFit;
   }
   store.add_event(id, "rollback", -1, "from run " + parent.id + " at step " + std::to_string(found->step) + (sets.empty() ? "" : " with " + join(sets, " ")));
+  for (const std::string& d : data_changes) store.add_event(id, "resume_change", -1, "data file changed since the checkpoint (--force): " + d);
   std::cout << "run " << id << ": rolled back from run " << parent.id << " at step " << found->step << (found->step != to_step ? " (the newest checkpoint at or before " + std::to_string(to_step) + ")" : "")
             << "; " << plan.world_size << " rank(s)\n";
-  return launch_and_report(loaded, plan, store, id, flags, db_path, found->path);
+  return launch_and_report(loaded, plan, store, id, flags, db_path, found->path, !data_changes.empty());
 }
 
 int command_export(const std::string& run, int64_t step, const std::string& to, const std::string& dtype, const std::string& db_path) {

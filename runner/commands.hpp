@@ -39,11 +39,12 @@ struct ResumeArgs {
   std::string run;
   std::vector<std::string> sets;
   bool fallback = false;
-  bool force = false;  // a run still marked running whose launcher is gone
+  bool force = false;  // a run still marked running whose launcher is gone, or data changed since the checkpoint
 };
 int command_resume(const ResumeArgs& args, const RunFlags& flags, const std::string& db_path);
 // `dsrun rollback RUN --to-step N`: a new run (child of RUN) from RUN's checkpoint at or before N.
-int command_rollback(const std::string& run, int64_t to_step, const std::vector<std::string>& sets, const RunFlags& flags, const std::string& db_path);
+// force: start even if the data changed since the checkpoint (recorded).
+int command_rollback(const std::string& run, int64_t to_step, const std::vector<std::string>& sets, bool force, const RunFlags& flags, const std::string& db_path);
 // `dsrun export RUN --to DIR`: consolidated safetensors + config.json from a checkpoint (-1: newest).
 int command_export(const std::string& run, int64_t step, const std::string& to, const std::string& dtype, const std::string& db_path);
 int command_show(const std::string& db_path, const std::string& run, bool json);

@@ -221,6 +221,7 @@ class Supervisor {
         ::setenv("DSRUN_CHECKPOINT_DIR", o_.checkpoint_root.c_str(), 1);
         if (!resume_from.empty()) ::setenv("DSRUN_RESUME_FROM", resume_from.c_str(), 1);
         else ::unsetenv("DSRUN_RESUME_FROM");
+        if (o_.accept_data_change) ::setenv("DSRUN_ACCEPT_DATA_CHANGE", "1", 1);
         // Threads: torch's OpenMP pool gets the rank's share of the cores; OpenBLAS stays single-
         // threaded, since its own pool fights OpenMP's (measured: 0.57 -> 0.16 s/step, docs/benchmarks.md).
         // Values the user exported win.

@@ -22,6 +22,7 @@ struct LaunchOptions {
   bool progress = true;           // the live progress line
   std::string resume_from;        // a checkpoint directory the ranks start from ("": step 0)
   std::string checkpoint_root;    // "": checkpoint_root_of(recipe, run_dir, run_id)
+  bool accept_data_change = false;  // dsrun resume --force: the ranks train on data changed since the checkpoint
 };
 
 // Where a run's step_N/ checkpoint directories go: RUN_DIR/checkpoints, or checkpoint.dir/RUN_ID

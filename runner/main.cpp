@@ -140,7 +140,7 @@ int main(int argc, char** argv) {
   resume->add_option("run", resume_args.run, "Run id, id prefix or run name")->required();
   resume->add_option("--set", resume_args.sets, "Override a key, e.g. another world size or ZeRO stage (shards are re-cut)");
   resume->add_flag("--fallback", resume_args.fallback, "Skip checkpoints that fail verification and use the newest good one");
-  resume->add_flag("--force", resume_args.force, "Resume a run still marked running whose launcher is gone");
+  resume->add_flag("--force", resume_args.force, "Resume a run still marked running whose launcher is gone, or whose data changed since its checkpoint");
   add_launch_flags(resume);
 
   std::string rollback_run;
@@ -150,6 +150,8 @@ int main(int argc, char** argv) {
   rollback->add_option("run", rollback_run, "Run id, id prefix or run name")->required();
   rollback->add_option("--to-step", to_step, "Use the newest checkpoint at or before this step")->required()->check(CLI::Range(int64_t{0}, int64_t{1} << 50));
   rollback->add_option("--set", rollback_sets, "Override a key of the checkpoint's config (repeatable)");
+  bool rollback_force = false;
+  rollback->add_flag("--force", rollback_force, "Start even if the data changed since the checkpoint (recorded)");
   add_launch_flags(rollback);
 
   std::string export_run, export_to, export_dtype = "fp32";
@@ -219,7 +221,7 @@ int main(int argc, char** argv) {
     if (*sweep) return dsrun::command_sweep(sweep_args, db);
     if (*show) return dsrun::command_show(db, run_id, json);
     if (*resume) return dsrun::command_resume(resume_args, flags, db);
-    if (*rollback) return dsrun::command_rollback(rollback_run, to_step, rollback_sets, flags, db);
+    if (*rollback) return dsrun::command_rollback(rollback_run, to_step, rollback_sets, rollback_force, flags, db);
     if (*exporter) return dsrun::command_export(export_run, export_step, export_to, export_dtype, db);
     if (*init) return dsrun::command_init(name, template_name, force);
     if (*templates) return dsrun::command_templates();

@@ -124,3 +124,33 @@ TEST_CASE("init writes a recipe from a template and templates lists them", "[cli
   CHECK(dsrun_cli("init '" + dir.file("mine") + "' --template quickstart", dir).code == 1);  // no silent overwrite
   CHECK(contains(dsrun_cli("init x --template quickstrat", dir).text, "did you mean quickstart"));
 }
+
+TEST_CASE("dsrun plan opens token data as the ranks will: bad data is refused before a run is recorded", "[cli][data]") {
+  dsrun::test::TempDir dir;
+  const auto tokens = [](const std::vector<int>& lengths) {  // nanoGPT u16 documents, 50256 closing each
+    std::string out;
+    for (int n : lengths)
+      for (int k = 0; k < n; ++k) {
+        const uint16_t t = k + 1 == n ? 50256 : static_cast<uint16_t>(1 + k % 250);
+        out.append(reinterpret_cast<const char*>(&t), 2);
+      }
+    return out;
+  };
+  const std::string sets = " --set data.kind=tokens --set data.format=nanogpt --set data.token_width=2 --set model.vocab=50304 --set data.path=";
+  dir.write("short.bin", tokens({20}));
+  Output plan = dsrun_cli("plan tests/recipes/tiny_train.toml" + sets + dir.file("short.bin"), dir);
+  INFO(plan.text);
+  CHECK(plan.code != 0);
+  CHECK(contains(plan.text, dir.file("short.bin") + ": data.path: has 19 training tokens: not one sequence of 33"));
+  Output run = dsrun_cli("run tests/recipes/tiny_train.toml" + sets + dir.file("short.bin"), dir);
+  CHECK(run.code != 0);
+  CHECK(!contains(run.text, "\nrun "));  // nothing recorded
+
+  // Documents of 40 and 6000 tokens: a 5% validation tail cut at the last document end is 99%.
+  dir.write("skewed.bin", tokens({40, 6000}));
+  plan = dsrun_cli("plan tests/recipes/tiny_train.toml" + sets + dir.file("skewed.bin"), dir);
+  INFO(plan.text);
+  CHECK(plan.code == 0);
+  CHECK(contains(plan.text, "dsrun: warning: data: "));  // the terminal wraps the rest
+  CHECK(contains(plan.text, "validation is 99.3%"));
+}

@@ -536,3 +536,30 @@ TEST_CASE("a hook script that is a directory, and a batch that does not split ov
   CHECK(errors[0].source.layer != Layer::Default);
   CHECK(errors[0].source.line == 3);
 }
+
+TEST_CASE("data mixtures the ranks would refuse are refused by the recipe, at their line", "[recipe][rules][data]") {
+  dsrun::test::TempDir dir;
+  dir.write("a.bin", std::string(4096, 'a'));
+  const std::string a = "\"" + dir.file("a.bin") + "\"";
+  std::string many = "[data]\nkind = \"tokens\"\nblend = [";
+  for (int k = 0; k < 5000; ++k) many += (k ? ", " : "") + a;
+  many += "]\n";
+  const Diagnostic too_many = only_error(load_text(many));
+  CHECK(too_many.key == "data.blend");
+  CHECK(contains(too_many.message, "5000 sources: a mixture takes at most 4096"));
+  const Diagnostic zero = only_error(load_text("[data]\nkind = \"tokens\"\nblend = [" + a + ", " + a + "]\nblend_weights = [0.0, 0.0]\n"));
+  CHECK(zero.key == "data.blend_weights");
+  CHECK(zero.source.line == 4);
+  CHECK(contains(zero.message, "sum to zero"));
+  CHECK(only_error(load_text("[data]\nkind = \"tokens\"\nblend = [" + a + ", " + a + "]\nblend_weights = [1.0, -1.0]\n")).key == "data.blend_weights");
+  // A Megatron-LM prefix (PREFIX.bin beside PREFIX.idx) is data that exists: no warning.
+  dir.write("corpus_text_document.bin", "x");
+  dir.write("corpus_text_document.idx", "x");
+  const LoadedRecipe prefix = load_text("[data]\nkind = \"tokens\"\npath = \"" + dir.file("corpus_text_document") + "\"\n");
+  REQUIRE(prefix.ok());
+  CHECK(prefix.diagnostics.empty());
+  const LoadedRecipe missing = load_text("[data]\nkind = \"tokens\"\nblend = [" + a + ", \"/nonexistent/x.bin\"]\n");
+  REQUIRE(missing.ok());
+  REQUIRE(missing.diagnostics.size() == 1);
+  CHECK(contains(missing.diagnostics[0].message, "1 of 2 sources do not exist on this machine"));
+}

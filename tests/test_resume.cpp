@@ -414,3 +414,46 @@ TEST_CASE("a resume that changes the batch, the seed or the steps says what chan
   CHECK(contains(reseeded.text, "batch.global 12 -> 24: the data position is step x global batch, so the resumed run reads from sample 96, not from where the run stopped (sample 48)"));
   CHECK(count_events(dir, crashed.id, "resume_change") == 2);
 }
+
+TEST_CASE("a resume whose data changed is refused, naming the file; --force trains on and records it", "[resume][data]") {
+  TempDir dir;
+  std::string nano;
+  for (int k = 0; k < 6000; ++k) {
+    const uint16_t t = k % 37 == 36 ? 50256 : static_cast<uint16_t>(1 + (k * 7) % 250);
+    nano.append(reinterpret_cast<const char*>(&t), 2);
+  }
+  dir.write("nano.bin", nano);
+  const std::string data = " --set data.kind=tokens --set data.path=" + dir.file("nano.bin") + " --set data.format=nanogpt --set data.token_width=2 --set model.vocab=50304";
+  Run crashed = train(dir, layout(0, 1) + kSixSteps + data, "DSRUN_TEST_CRASH_AT=0:5");
+  INFO(crashed.text);
+  REQUIRE(crashed.code == 1);
+
+  // Same size, one token rewritten: refused before any rank starts.
+  std::string edited = nano;
+  edited[7000] ^= 1;
+  dir.write("nano.bin", edited);
+  auto out = dsrun_command(dir, "resume " + crashed.id);
+  INFO(out.text);
+  CHECK(out.code != 0);
+  CHECK(contains(out.text, "the data differs from what the checkpoint at step 4 trained on: " + dir.file("nano.bin") + ": same size, different content"));
+  CHECK(contains(out.text, "--force"));
+
+  // A rank resumed by another launcher (torchrun, a restart) checks the files it maps itself.
+  const std::string rank_binary = dsrun::parent_directory(DSRUN_BINARY) + "/dsrun-rank";
+  const std::string checkpoint = dir.file(crashed.id + "/checkpoints/step_00000004");
+  auto rank = dsrun::test::run_command("cd '" + dir.path() + "' && RANK=0 WORLD_SIZE=1 MASTER_PORT=$((20000 + RANDOM % 12000))" +
+                                       " DSRUN_RESUME_FROM='" + checkpoint + "' '" + rank_binary + "' '" + dir.file(crashed.id + "/config.toml") + "'");
+  INFO(rank.text);
+  CHECK(rank.code == 1);
+  CHECK(contains(rank.text, "the data differs from what the checkpoint at step 4 trained on"));
+
+  // --force: trained on, said and recorded.
+  dir.write("nano.bin", nano.substr(0, 4096));
+  out = dsrun_command(dir, "resume " + crashed.id + " --force");
+  INFO(out.text);
+  REQUIRE(out.code == 0);
+  CHECK(contains(out.text, "12000 bytes -> 4096 bytes"));
+  const std::string shown = dsrun_command(dir, "show " + crashed.id).text;
+  CHECK(contains(shown, "resume_change  data file changed since the checkpoint (--force): " + dir.file("nano.bin") + ": 12000 bytes -> 4096 bytes"));
+  CHECK(contains(shown, "resumed on changed data (--force)"));
+}

@@ -3,6 +3,8 @@
 // document boundaries; bad files refused naming the file; mixtures, shuffling and validation.
 // Then `dsrun prepare`: compressed input, one writer per directory, unfinished and stale
 // directories, output inside the input, inputs changing under it, bad lines, bad indexes.
+#include "engine/common/mapped_file.hpp"
+#include "engine/data/data_identity.hpp"
 #include "engine/data/token_source.hpp"
 #include "engine/data/prepare.hpp"
 #include "test_util.hpp"
@@ -11,11 +13,13 @@
 #include <fcntl.h>
 #include <nlohmann/json.hpp>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #include <zlib.h>
 #include <zstd.h>
 
 #include <algorithm>
+#include <csignal>
 #include <atomic>
 #include <chrono>
 #include <future>
@@ -28,6 +32,7 @@ using dsrun::TokenCorpusOptions;
 using dsrun::TokenFormat;
 using dsrun::Window;
 using dsrun::test::TempDir;
+using dsrun::test::contains;
 using json = nlohmann::json;
 
 namespace {
@@ -571,4 +576,81 @@ TEST_CASE("a document whose tokenizer regex runs past its work budget is skipped
   CHECK(strict.code != 0);
   CHECK_THAT(strict.text, Catch::Contains(docs + ":2"));
   CHECK_THAT(strict.text, Catch::Contains("tokenizer regex"));
+}
+
+TEST_CASE("a mapped token file truncated under its reader: the SIGBUS names the file", "[data][reliability]") {
+  TempDir dir;
+  std::string bytes;
+  for (int k = 0; k < 40000; ++k) {  // 80 KB: pages past the first 4 KiB vanish with the truncation
+    const uint16_t t = static_cast<uint16_t>(1 + k % 250);
+    bytes.append(reinterpret_cast<const char*>(&t), 2);
+  }
+  dir.write("nano.bin", bytes);
+  const std::string path = dir.file("nano.bin");
+  int fds[2];
+  REQUIRE(::pipe(fds) == 0);
+  const pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {  // the reader: maps, sees its file truncated, reads on
+    ::close(fds[0]);
+    try {
+      dsrun::report_mapped_file_faults(fds[1], [](const std::string& message) { return "report: " + message + "\n"; });
+      TokenCorpusOptions o = options(path, 32);
+      o.format = dsrun::TokenFormat::Nanogpt;
+      o.token_width = 2;
+      TokenCorpus corpus(o);
+      if (::truncate(path.c_str(), 4096) != 0) ::_exit(3);
+      dsrun::Window w;
+      for (int64_t g = 0; g < corpus.train_windows(); ++g) corpus.train_window(g, w);
+    } catch (...) {
+      ::_exit(4);
+    }
+    ::_exit(0);
+  }
+  ::close(fds[1]);
+  std::string said;
+  char buffer[4096];
+  for (ssize_t n; (n = ::read(fds[0], buffer, sizeof buffer)) > 0;) said.append(buffer, static_cast<size_t>(n));
+  ::close(fds[0]);
+  int status = 0;
+  REQUIRE(::waitpid(pid, &status, 0) == pid);
+  INFO(said);
+  REQUIRE(WIFSIGNALED(status));
+  CHECK(WTERMSIG(status) == SIGBUS);  // it still dies of the signal: the launcher records signal 7
+  CHECK(contains(said, "report: SIGBUS reading the mapped file " + path + " (80000 bytes when mapped)"));
+}
+
+TEST_CASE("data identity: size, content and modification time, compared in order", "[data][resume]") {
+  TempDir dir;
+  dir.write("a.bin", std::string(100000, 'a'));
+  dir.write("b.bin", std::string(5000, 'b'));
+  const auto then = dsrun::identify_data_files({dir.file("a.bin"), dir.file("b.bin")});
+  CHECK(dsrun::compare_with_disk(then).same());
+  // One byte rewritten inside a sampled block, same size.
+  std::string a(100000, 'a');
+  a[0] = 'z';
+  dir.write("a.bin", a);
+  auto changes = dsrun::compare_with_disk(then);
+  REQUIRE(changes.differ.size() == 1);
+  CHECK(contains(changes.differ[0], "same size, different content"));
+  // Truncated; and a file gone.
+  ::truncate(dir.file("a.bin").c_str(), 4096);
+  ::unlink(dir.file("b.bin").c_str());
+  changes = dsrun::compare_with_disk(then);
+  REQUIRE(changes.differ.size() == 2);
+  CHECK(contains(changes.differ[0], "100000 bytes -> 4096 bytes"));
+  CHECK(contains(changes.differ[1], "missing"));
+  // The same files moved elsewhere are the same data; a touched file is said, not refused.
+  dir.write("c.bin", std::string(5000, 'b'));
+  auto moved = dsrun::identify_data_files({dir.file("c.bin")});
+  CHECK(dsrun::compare_data_files({then[1]}, moved).same());
+  moved[0].mtime_ns += 1;
+  moved[0].path = then[1].path;
+  changes = dsrun::compare_data_files({then[1]}, moved);
+  CHECK(changes.same());
+  CHECK(changes.touched.size() == 1);
+  // An extra file is a change.
+  CHECK(!dsrun::compare_data_files({then[1]}, {then[1], then[0]}).same());
+  // The record survives the manifest's JSON.
+  CHECK(dsrun::data_files_from_json(dsrun::data_files_to_json(then))[0].sample_hash == then[0].sample_hash);
 }

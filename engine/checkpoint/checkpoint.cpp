@@ -77,6 +77,7 @@ std::string manifest_to_json(const CheckpointManifest& m) {
     }
     j["units"].push_back(unit);
   }
+  if (!m.data_files.empty()) j["data_files"] = data_files_to_json(m.data_files);
   j["config_toml"] = m.config_toml;
   return j.dump(1) + "\n";
 }
@@ -100,9 +101,10 @@ CheckpointManifest manifest_from_json(const std::string& text, const std::string
     m.optimizer_steps = j.at("optimizer_steps").get<int64_t>();
     m.created_at = j.at("created_at").get<double>();
     m.config_toml = j.at("config_toml").get<std::string>();
+    if (j.contains("data_files")) m.data_files = data_files_from_json(j.at("data_files"));  // absent before dsrun recorded it
     for (const auto& f : j.at("files")) m.files.push_back({f.at("name"), f.at("rank"), f.at("bytes"), f.at("checksum")});
     for (const auto& u : j.at("units")) {
-      CheckpointUnit unit{u.at("name"), u.at("numel"), {}};
+      CheckpointUnit unit{u.at("name"), u.at("numel"), {}, {}};
       for (const auto& p : u.at("params")) unit.params.push_back({p.at("name"), p.at("shape").get<std::vector<int64_t>>(), p.at("offset")});
       if (u.contains("slices"))
         for (const auto& sl : u.at("slices")) unit.slices.push_back({sl.at("rank"), sl.at("begin"), sl.at("end")});

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "engine/checkpoint/safetensors.hpp"
+#include "engine/data/data_identity.hpp"
 
 #include <cstdint>
 #include <map>
@@ -58,6 +59,7 @@ struct CheckpointManifest {
   int64_t optimizer_steps = 0;  // Adam's t (differs from step when fp16 skipped steps)
   double created_at = 0;
   std::string config_toml;     // the resolved config the ranks ran
+  std::vector<DataFileIdentity> data_files;  // what the run read, to refuse a resume whose data changed (empty: not recorded)
   std::vector<CheckpointUnit> units;
   std::vector<CheckpointFile> files;
 };

@@ -43,8 +43,9 @@ class EpochOrder {
 // Decoder data: a token stream cut into non-overlapping windows of seq_len + 1 tokens.
 class TokenWindows final : public Dataset {
  public:
-  TokenWindows(std::vector<int64_t> tokens, double val_fraction, int64_t seq_len, uint64_t seed, bool shuffle, std::string what)
-      : seq_(seq_len), what_(std::move(what)) {
+  TokenWindows(std::vector<int64_t> tokens, double val_fraction, int64_t seq_len, uint64_t seed, bool shuffle, std::string what,
+               std::vector<std::string> files = {})
+      : seq_(seq_len), what_(std::move(what)), files_(std::move(files)) {
     const int64_t n = static_cast<int64_t>(tokens.size());
     const int64_t val_tokens = static_cast<int64_t>(static_cast<double>(n) * val_fraction);
     train_ = torch::from_blob(tokens.data(), {n - val_tokens}, torch::kInt64).clone();
@@ -79,6 +80,7 @@ class TokenWindows final : public Dataset {
     return what_ + ": " + std::to_string(train_.numel()) + " training tokens (" + std::to_string(train_windows_) + " sequences), " +
            std::to_string(val_.numel()) + " validation tokens";
   }
+  std::vector<std::string> files() const override { return files_; }
 
  private:
   Batch cut(const torch::Tensor& stream, const std::vector<int64_t>& windows) const {
@@ -94,6 +96,7 @@ class TokenWindows final : public Dataset {
   torch::Tensor train_, val_;
   int64_t seq_, train_windows_ = 0, val_windows_ = 0;
   std::string what_;
+  std::vector<std::string> files_;
   std::unique_ptr<EpochOrder> order_;
 };
 
@@ -110,6 +113,8 @@ class CorpusWindows final : public Dataset {
     return cut(count, [&](int64_t i, Window& w) { corpus_.val_window(first + i, w); });
   }
   std::string describe() const override { return corpus_.describe(); }
+  std::vector<std::string> files() const override { return corpus_.files(); }
+  std::vector<std::string> warnings() const override { return corpus_.warnings(); }
 
  private:
   template <class Read>
@@ -277,20 +282,10 @@ std::unique_ptr<Dataset> open_dataset(const DataOptions& data, const ModelSpec& 
   }
   switch (data.kind) {
     case DataKind::Text:
-      return std::make_unique<TokenWindows>(read_text_bytes(data.path), data.val_fraction, seq_len, seed, data.shuffle, "text at " + data.path);
+      return std::make_unique<TokenWindows>(read_text_bytes(data.path), data.val_fraction, seq_len, seed, data.shuffle, "text at " + data.path,
+                                            data_files(data.path, ""));
     case DataKind::Tokens: {
-      TokenCorpusOptions o;
-      o.paths = data.blend.empty() ? std::vector<std::string>{data.path} : data.blend;
-      o.weights = data.blend_weights;
-      o.val_path = data.val_path;
-      o.format = data.format;
-      o.token_width = data.token_width;
-      o.document_token = data.document_token;
-      o.val_fraction = data.val_fraction;
-      o.vocab = model.vocab;
-      o.seq_len = seq_len;
-      o.seed = seed;
-      o.shuffle = data.shuffle;
+      const TokenCorpusOptions o = token_corpus_options(data, model.vocab, seq_len, seed);
       return std::make_unique<CorpusWindows>(o, data.separate_documents);
     }
     default:

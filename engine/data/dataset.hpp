@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace dsrun {
 
@@ -20,6 +21,10 @@ class Dataset {
   // Validation samples, in order, wrapping around.
   virtual Batch val_batch(int64_t first, int64_t count) = 0;
   virtual std::string describe() const = 0;
+  // The files read, for the checkpoint's record of the data (empty: synthetic data, images).
+  virtual std::vector<std::string> files() const { return {}; }
+  // What the data's reader found worth saying (a validation split far from data.val_fraction).
+  virtual std::vector<std::string> warnings() const { return {}; }
   // Training augmentation, on the batch's device once it is there (data.augment for images).
   virtual void augment(Batch& /*on_device*/) const {}
 };

@@ -4,19 +4,18 @@
 
 #include "engine/common/error.hpp"
 #include "engine/common/files.hpp"
+#include "engine/common/mapped_file.hpp"
 #include "engine/common/text.hpp"
 #include "engine/data/prepare_directory.hpp"
+#include "engine/recipe/recipe.hpp"
 
 #include <nlohmann/json.hpp>
-#include <sys/mman.h>
 #include <xxhash.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
-#include <fcntl.h>
-#include <unistd.h>
 
 namespace dsrun {
 
@@ -61,41 +60,6 @@ T get(const unsigned char* p) {
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-
-// A read-only map of a whole file, unmapped on destruction. MAP_SHARED: its pages are the page
-// cache's, shared by every rank on the host, and not counted in a rank's anonymous memory.
-class MappedFile {
- public:
-  explicit MappedFile(const std::string& path) : path_(path) {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) throw data_error(path, std::string("cannot open: ") + std::strerror(errno), "check data.path");
-    const off_t size = ::lseek(fd, 0, SEEK_END);
-    size_ = size > 0 ? static_cast<size_t>(size) : 0;
-    if (size_ > 0) {
-      void* p = ::mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd, 0);
-      const int err = errno;
-      ::close(fd);
-      if (p == MAP_FAILED) throw data_error(path, std::string("cannot map: ") + std::strerror(err), "check data.path");
-      data_ = static_cast<const unsigned char*>(p);
-      ::madvise(p, size_, MADV_RANDOM);  // windows are read in shuffled order
-    } else {
-      ::close(fd);
-    }
-  }
-  ~MappedFile() {
-    if (data_) ::munmap(const_cast<unsigned char*>(data_), size_);
-  }
-  MappedFile(const MappedFile&) = delete;
-  MappedFile& operator=(const MappedFile&) = delete;
-  const unsigned char* data() const { return data_; }
-  size_t size() const { return size_; }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-  const unsigned char* data_ = nullptr;
-  size_t size_ = 0;
-};
 
 // How a file says where its documents end.
 enum class Documents {
@@ -579,14 +543,22 @@ TokenCorpus::TokenCorpus(const TokenCorpusOptions& o) : options_(o) {
     c.hint = "give one weight per path in data.blend";
     throw Error(std::to_string(o.weights.size()) + " weights for " + std::to_string(o.paths.size()) + " sources", c);
   }
-  if (o.paths.size() > 4096) {
+  if (o.paths.size() > kMaxBlendSources) {
     ErrorContext c;
     c.key = "data.blend";
     c.hint = "merge sources into directories (a directory is one source)";
-    throw Error(std::to_string(o.paths.size()) + " sources: a mixture takes at most 4096", c);
+    throw Error(std::to_string(o.paths.size()) + " sources: a mixture takes at most " + std::to_string(kMaxBlendSources), c);
   }
   double weight_sum = 0;
-  for (double w : o.weights) weight_sum += w;
+  for (double w : o.weights) {
+    if (!(w >= 0) || !std::isfinite(w)) {
+      ErrorContext c;
+      c.key = "data.blend_weights";
+      c.hint = "give each source a weight >= 0";
+      throw Error("a mixture weight of " + std::to_string(w), c);
+    }
+    weight_sum += w;
+  }
   if (!o.weights.empty() && !(weight_sum > 0)) {
     ErrorContext c;
     c.key = "data.blend_weights";
@@ -710,6 +682,35 @@ std::string TokenCorpus::describe() const {
     if (sources_.size() > 1) out += ", weight " + std::to_string(blend_count_[d]) + "/" + std::to_string(blend_.size());
   }
   if (val_source_) out += "; validation: " + val_source_->path + " (" + std::to_string(val_source_->val.tokens()) + " tokens)";
+  return out;
+}
+
+TokenCorpusOptions token_corpus_options(const DataOptions& data, int64_t vocab, int64_t seq_len, uint64_t seed) {
+  TokenCorpusOptions o;
+  o.paths = data.blend.empty() ? std::vector<std::string>{data.path} : data.blend;
+  o.weights = data.blend_weights;
+  o.val_path = data.val_path;
+  o.format = data.format;
+  o.token_width = data.token_width;
+  o.document_token = data.document_token;
+  o.val_fraction = data.val_fraction;
+  o.vocab = vocab;
+  o.seq_len = seq_len;
+  o.seed = seed;
+  o.shuffle = data.shuffle;
+  return o;
+}
+
+std::vector<std::string> TokenCorpus::files() const {
+  std::vector<std::string> out;
+  const auto add = [&](const Source& s) {
+    for (const auto& f : s.files) {
+      out.push_back(f->tokens_map->path());
+      if (f->index_map) out.push_back(f->index_map->path());
+    }
+  };
+  for (const auto& s : sources_) add(*s);
+  if (val_source_) add(*val_source_);
   return out;
 }
 

@@ -10,6 +10,7 @@
 namespace dsrun {
 
 class Error;
+struct DataOptions;
 // An error about a data file: names the file, the key data.path, and how to fix it.
 Error data_error(const std::string& path, const std::string& what, const std::string& hint);
 
@@ -47,6 +48,12 @@ struct TokenCorpusOptions {
   bool shuffle = true;
 };
 
+// A mixture takes at most this many sources (a directory is one source): the blend table is u16.
+constexpr size_t kMaxBlendSources = 4096;
+
+// The corpus a recipe's [data] names, as every rank and `dsrun plan` open it.
+TokenCorpusOptions token_corpus_options(const DataOptions& data, int64_t vocab, int64_t seq_len, uint64_t seed);
+
 // Where one window's tokens came from: document starts inside it (offsets > 0), for masking.
 struct Window {
   std::vector<int64_t> tokens;           // seq_len + 1
@@ -70,6 +77,8 @@ class TokenCorpus {
   // "source: why" for each source whose validation share is far (over 2x) from data.val_fraction;
   // describe() carries them too.
   std::vector<std::string> warnings() const;
+  // Every file mapped, in a fixed order (sources, then data.val_path): tokens, then their index.
+  std::vector<std::string> files() const;
 
   struct Source;
 

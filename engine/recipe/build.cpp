@@ -356,6 +356,19 @@ void build_data(Builder& c, Recipe& r, const std::string& recipe_dir) {
   d.augment = c.b("data.augment");
   if (!d.blend.empty() && !c.s("data.path").empty())
     c.error("data.blend", "both data.path and data.blend name the data", "keep one: data.blend for a mixture, data.path for one source", {"data.path"});
+  if (d.blend.size() > kMaxBlendSources)
+    c.error("data.blend", std::to_string(d.blend.size()) + " sources: a mixture takes at most " + std::to_string(kMaxBlendSources),
+            "merge sources into directories (a directory is one source)");
+  {
+    double sum = 0;
+    bool negative = false;
+    for (double w : d.blend_weights) {
+      negative = negative || !(w >= 0) || !std::isfinite(w);
+      sum += w;
+    }
+    if (negative) c.error("data.blend_weights", "a mixture weight is negative or not finite", "give each source a weight >= 0");
+    else if (!d.blend_weights.empty() && !(sum > 0)) c.error("data.blend_weights", "the mixture weights sum to zero: no source would be read", "give at least one source a positive weight");
+  }
   if (!d.blend_weights.empty() && d.blend_weights.size() != d.blend.size())
     c.error("data.blend_weights", std::to_string(d.blend_weights.size()) + " weights for " + std::to_string(d.blend.size()) + " sources in data.blend",
             "give one weight per source, or none for equal weights", {"data.blend"});
@@ -369,12 +382,21 @@ void build_data(Builder& c, Recipe& r, const std::string& recipe_dir) {
     c.error("model.init_from", "\"" + r.model.init_from + "\" does not exist", "give a .safetensors file or a directory of them (dsrun export writes one)");
   d.val_fraction = c.f("data.val_fraction");
   d.shuffle = c.b("data.shuffle");
+  // A Megatron-LM prefix names PREFIX.bin and PREFIX.idx, not a file of its own.
+  const auto present = [&](const std::string& p) { return file_exists(p) || (d.kind == DataKind::Tokens && file_exists(p + ".bin") && file_exists(p + ".idx")); };
   if (d.kind != DataKind::Synthetic && d.blend.empty()) {
     if (d.path.empty())
       c.error("data.path", "data.kind = \"" + kind + "\" needs a path", "set data.path to a file or directory");
-    else if (!file_exists(d.path))
+    else if (!present(d.path))
       c.warning("data.path", "\"" + d.path + "\" does not exist on this machine; a run here would fail", "check the path");
   }
+  int missing = 0;
+  for (const std::string& p : d.blend) missing += present(p) ? 0 : 1;
+  if (missing > 0 && d.blend.size() <= kMaxBlendSources)
+    c.warning("data.blend", std::to_string(missing) + " of " + std::to_string(d.blend.size()) + " sources do not exist on this machine; a run here would fail",
+              "check the paths");
+  if (!d.val_path.empty() && !present(d.val_path))
+    c.warning("data.val_path", "\"" + d.val_path + "\" does not exist on this machine; a run here would fail", "check the path");
   bool images = r.model.arch == ModelArch::ResNet;
   if (images && (d.kind == DataKind::Text || d.kind == DataKind::Tokens))
     c.error("data.kind", "a ResNet trains on images, not " + kind, "use data.kind = \"cifar10\" or \"synthetic\"", {"model.arch"});

@@ -326,6 +326,7 @@ SavedCheckpoint save_checkpoint(RankTrainingState& s, const CheckpointRunFacts& 
     m.optimizer_steps = s.optimizer.steps_taken();
     m.created_at = static_cast<double>(std::time(nullptr));
     m.config_toml = facts.config_toml;
+    m.data_files = facts.data_files;
     auto names = parameter_names(s.model);
     if (!whole_parameters.empty()) m.format_version = 2;  // units name their slices
     m.units = whole_parameters;

@@ -32,6 +32,7 @@ struct CheckpointRunFacts {
   std::string dtype, optimizer;
   int zero_stage = 0;
   int64_t global_batch = 0;
+  std::vector<DataFileIdentity> data_files;  // what the run reads
 };
 
 struct SavedCheckpoint {

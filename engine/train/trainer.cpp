@@ -3,7 +3,10 @@
 #include "engine/common/error.hpp"
 #include "engine/common/files.hpp"
 #include "engine/common/host.hpp"
+#include "engine/common/mapped_file.hpp"
+#include "engine/common/text.hpp"
 #include "engine/common/torch_compat.hpp"
+#include "engine/data/data_identity.hpp"
 #include "engine/data/dataset.hpp"
 #include "engine/dist/mesh.hpp"
 #include "engine/hooks/hooks.hpp"
@@ -270,7 +273,11 @@ class Trainer {
 
   void open_data() {
     data_ = open_dataset(r_.data, r_.model, r_.batch.seq_len, r_.run.seed);
-    if (ctx_.rank == 0) report_.send(EventReport{"data", data_->describe()});
+    data_files_ = identify_data_files(data_->files());
+    if (ctx_.rank == 0) {
+      report_.send(EventReport{"data", data_->describe()});
+      for (const std::string& w : data_->warnings()) report_.send(EventReport{"warning", "data: " + w});
+    }
     if (r_.eval.every > 0) data_->val_batch(0, 1);  // a validation split too small fails now, not at the first evaluation
   }
 
@@ -280,6 +287,7 @@ class Trainer {
     hooks_active_ = !r_.hooks.script.empty();
     if (hooks_active_ && ctx_.rank == 0) hooks_ = std::make_unique<RecipeHooks>(r_.hooks);
     if (ctx_.resume_from.empty()) return 0;
+    check_resumed_data();
     RankTrainingState state = training_state();
     RestoredProgress p = restore_checkpoint(state, ctx_.resume_from);
     last_saved_step_ = p.step;
@@ -288,6 +296,28 @@ class Trainer {
       report_.send(EventReport{"resumed", "resumed from " + ctx_.resume_from + " at step " + std::to_string(p.step) + " (saved by " +
                                               std::to_string(p.from_world) + " rank(s), ZeRO stage " + std::to_string(p.from_stage) + ")"});
     return p.step;
+  }
+
+  // The data a checkpoint trained on must be the data read now: a file truncated, rewritten or
+  // replaced since would change what each step reads, silently. Refused unless `dsrun resume
+  // --force` said to go on (DSRUN_ACCEPT_DATA_CHANGE), which the launcher records.
+  void check_resumed_data() {
+    const CheckpointManifest m = read_checkpoint(ctx_.resume_from, /*verify_files=*/false);
+    if (m.data_files.empty()) return;  // saved before dsrun recorded its data
+    const DataChanges changes = compare_data_files(m.data_files, data_files_);
+    if (ctx_.rank == 0)
+      for (const std::string& t : changes.touched) report_.send(EventReport{"data", "resumed on data modified since the checkpoint: " + t});
+    if (changes.same()) return;
+    if (env_int("DSRUN_ACCEPT_DATA_CHANGE", 0) == 1) {
+      if (ctx_.rank == 0) report_.send(EventReport{"data", "resumed on changed data (--force): " + join(changes.differ, "; ")});
+      return;
+    }
+    ErrorContext c;
+    c.file = path_join(ctx_.resume_from, kManifestFile);
+    c.key = "data.path";
+    c.rank = ctx_.rank;
+    c.hint = "put the data back as it was, or pass --force to dsrun resume to train on it as it is now";
+    throw Error("the data differs from what the checkpoint at step " + std::to_string(m.step) + " trained on: " + join(changes.differ, "; "), c);
   }
 
   // The data-parallel index: ranks of one index (tensor ranks) read the same samples.
@@ -384,6 +414,7 @@ class Trainer {
     facts.optimizer = to_string(r_.optimizer.kind);
     facts.zero_stage = plan_.layout.zero_stage;
     facts.global_batch = r_.batch.global;
+    facts.data_files = data_files_;
     RankTrainingState state = training_state();
     SavedCheckpoint saved = save_checkpoint(state, facts, ctx_.checkpoint_root, step, hooks_ ? hook_state() : "", r_.checkpoint.keep_last, r_.checkpoint.keep_every);
     last_saved_step_ = step;
@@ -662,6 +693,7 @@ class Trainer {
   std::unique_ptr<ShardOptimizer> optimizer_;
   std::unique_ptr<DynamicLossScaler> scaler_;
   std::unique_ptr<Dataset> data_;
+  std::vector<DataFileIdentity> data_files_;  // identified when opened: what checkpoints record
   int64_t last_saved_step_ = -1;
   bool hooks_active_ = false;             // the recipe has a hook script (known to every rank)
   std::unique_ptr<RecipeHooks> hooks_;    // rank 0 only
@@ -680,6 +712,7 @@ int rank_main(int argc, char** argv) {
   ctx.local_rank = env_int("LOCAL_RANK", ctx.rank);
   ctx.local_world = env_int("LOCAL_WORLD_SIZE", ctx.world);
   RankReporter reporter(ctx.rank, env_int("DSRUN_REPORT_FD", -1));
+  report_mapped_file_faults(env_int("DSRUN_REPORT_FD", -1), [rank = ctx.rank](const std::string& message) { return encode_report(rank, ErrorReport{message}) + "\n"; });
   std::signal(SIGTERM, on_stop_signal);
   std::signal(SIGINT, on_stop_signal);
   std::signal(SIGUSR1, on_save_signal);
