@@ -61,17 +61,22 @@ TEST_CASE("activation bytes follow what autograd keeps in a DeepSeek block", "[p
   ModelSpec m = model_from("deepseek-llm-7b");
   const double s = 4096, h = 4096, f = 11008, V = 102400, L = 30, e = 2;
   ModelCost flash = model_cost(m, 4096, DType::Bf16, AttentionKernel::Flash);
-  const double head = s * (e * 2 * h + 4 * V);  // final norm in/out, fp32 log-softmax
-  CHECK(flash.activation_bytes_per_sample == Approx(e * s * L * (8 * h + 4 * f) + head));
+  // The reference RMSNorm (no fused kernels) also keeps x·rsqrt: h per norm, 2h per layer.
+  const double head = s * (e * 3 * h + 4 * V);  // final norm in, x·rsqrt and out; fp32 log-softmax
+  CHECK(flash.activation_bytes_per_sample == Approx(e * s * L * (10 * h + 4 * f) + head));
   CHECK(flash.checkpointed_activation_bytes_per_sample == Approx(e * s * L * h + head));
-  CHECK(flash.recomputed_layer_bytes_per_sample == Approx(e * s * (8 * h + 4 * f)));
+  CHECK(flash.recomputed_layer_bytes_per_sample == Approx(e * s * (10 * h + 4 * f)));
   CHECK(flash.head_backward_bytes_per_sample == Approx(s * 8 * V));
-  // The fused RMSNorm/SwiGLU kernels (CUDA builds) keep gate|up and the product, not silu(gate).
+  CHECK(flash.attention_backward_bytes_per_sample == 0);
+  // The fused RMSNorm/SwiGLU kernels (CUDA builds) keep gate|up and the product, not silu(gate),
+  // and the norms' input and scale only.
   ModelCost fused = model_cost(m, 4096, DType::Bf16, AttentionKernel::Flash, /*fused_elementwise=*/true);
-  CHECK(flash.activation_bytes_per_sample - fused.activation_bytes_per_sample == Approx(e * s * L * f));
-  // The math kernel also keeps the s x s probabilities of every head.
+  CHECK(flash.activation_bytes_per_sample - fused.activation_bytes_per_sample == Approx(e * s * L * (f + 2 * h) + e * s * h));
+  // The math kernel also keeps the s x s probabilities of every head and, with as many KV heads as
+  // query heads, the projection's output and the rotated q|k that its views hold: 6h, not 3h.
   ModelCost math = model_cost(m, 4096, DType::Bf16, AttentionKernel::Math);
-  CHECK(math.activation_bytes_per_sample - flash.activation_bytes_per_sample == Approx(e * s * L * 32 * s));
+  CHECK(math.activation_bytes_per_sample - flash.activation_bytes_per_sample == Approx(e * s * L * (32 * s + 3 * h)));
+  CHECK(math.attention_backward_bytes_per_sample == Approx(8.0 * 32 * s * s));  // fp32 gradients of probabilities and scores
   // Grouped-query attention keeps smaller k and v with the flash kernel.
   ModelSpec gqa = m;
   gqa.kv_heads = 8;

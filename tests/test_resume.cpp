@@ -415,7 +415,7 @@ TEST_CASE("a resume that changes the batch, the seed or the steps says what chan
   CHECK(count_events(dir, crashed.id, "resume_change") == 2);
 }
 
-TEST_CASE("a resume whose data changed is refused, naming the file; --force trains on and records it", "[resume][data]") {
+TEST_CASE("a resume whose data changed is refused naming the file, and --force trains on and records it", "[resume][data]") {
   TempDir dir;
   std::string nano;
   for (int k = 0; k < 6000; ++k) {

@@ -405,7 +405,7 @@ void ZeroDataParallel::start_reduction(Unit& u, bool during_backward) {
       u.reduced = torch::empty({u.layout.shard}, u.grad_acc.options());
       PendingCollective reduce = u.group->reduce_scatter_sum_async(u.grad_acc, u.reduced);
       if (gradients_down_in_backward_) send_gradient_down(u, std::move(reduce), Tensor(), u.reduced);
-      else pending_.push_back(std::move(reduce));
+      else track_reduction(std::move(reduce), static_cast<double>(u.grad_acc.numel()) * static_cast<double>(u.grad_acc.element_size()));
     }
     return;
   }
@@ -428,10 +428,26 @@ void ZeroDataParallel::start_reduction(Unit& u, bool during_backward) {
     return;
   }
   Tensor acc = u.grad_acc;
-  pending_.push_back(PendingCollective([reduce, acc, mine]() mutable {
-    reduce.wait();
-    acc.add_(mine);
-  }));
+  track_reduction(PendingCollective([reduce, acc, mine]() mutable {
+                    reduce.wait();
+                    acc.add_(mine);
+                  }),
+                  static_cast<double>(flat.numel()) * static_cast<double>(flat.element_size()));
+}
+
+// At most two buckets of gradient in flight (DeepSpeed's reduce_bucket_size with overlap_comm).
+// Unbounded, every unit's gradient copy (stage 2's flat buffer; on Gloo, which has no
+// reduce-scatter, the copy it all-reduces) lived until the end of backward: the whole model's
+// gradient once or twice over, which the plan never counted (CPU ranks measured 25% above it).
+// The oldest reductions finish first; one unit larger than the budget goes alone.
+void ZeroDataParallel::track_reduction(PendingCollective reduction, double bytes) {
+  while (!reductions_.empty() && reduction_bytes_ + bytes > 2 * options_.bucket_bytes) {
+    reductions_.front().done.wait();
+    reduction_bytes_ -= reductions_.front().bytes;
+    reductions_.pop_front();
+  }
+  reductions_.push_back({std::move(reduction), bytes});
+  reduction_bytes_ += bytes;
 }
 
 void ZeroDataParallel::send_gradient_down(Unit& u, PendingCollective reduce, const Tensor& flat, const Tensor& mine) {
@@ -525,6 +541,9 @@ ZeroDataParallel::OffloadTimes ZeroDataParallel::take_offload_times() {
 void ZeroDataParallel::wait_pending() {
   for (auto& p : pending_) p.wait();
   pending_.clear();
+  for (auto& r : reductions_) r.done.wait();
+  reductions_.clear();
+  reduction_bytes_ = 0;
 }
 
 void ZeroDataParallel::after_backward(UnitRange range) {

@@ -13,6 +13,7 @@
 
 #include <torch/torch.h>
 
+#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
@@ -183,6 +184,7 @@ class ZeroDataParallel final : public UnitRunner {
   // Offload on a GPU, last micro-batch: the reduced shard comes down on down_stream_ as soon as its
   // reduction is done, its squared norm taken on the device on the way.
   void send_gradient_down(Unit& u, PendingCollective reduce, const torch::Tensor& flat, const torch::Tensor& mine);
+  void track_reduction(PendingCollective reduction, double bytes);
   void upload_parameters(Unit& u);     // param_out -> the unit's working slice, on up_stream_
   void await_update(Unit& u);          // before a unit's parameters are read: its host update is done and up
   void await_all_updates();
@@ -198,6 +200,14 @@ class ZeroDataParallel final : public UnitRunner {
   std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;  // own the gradient-ready hooks
   std::shared_ptr<ZeroDataParallel*> alive_ = std::make_shared<ZeroDataParallel*>(this);  // null once destroyed
   std::vector<PendingCollective> pending_;         // reductions started and not yet waited for
+  // Stage 1-3: each reduction in flight with the bytes of gradient it copies, oldest first; at
+  // most two buckets' worth (parallel.bucket_bytes), as the plan counts (track_reduction).
+  struct Reduction {
+    PendingCollective done;
+    double bytes = 0;
+  };
+  std::deque<Reduction> reductions_;
+  double reduction_bytes_ = 0;
   bool last_micro_batch_ = true;
   int64_t overlapped_reductions_ = 0;
   bool offload_to_host_ = false;                   // master and optimizer states in host memory

@@ -47,26 +47,34 @@ ModelCost decoder_cost(const ModelSpec& m, double s, double e, AttentionKernel k
   //   RMSNorm inputs 2h, q/k/v projection input h, q k v after rotary h + 2kv (math kernel: k, v are
   //   repeated to h each), attention output h, MLP input h, SwiGLU: gate|up and the product 3f
   //   fused; libtorch's silu and mul also keep silu(gate): 4f.
-  const double qkv = kernel == AttentionKernel::Flash ? h + 2 * kv : 3 * h;
+  //   Unfused (CPU, and wherever the fused kernels do not run) the reference RMSNorm also keeps
+  //   x·rsqrt (h per norm). The math kernel with as many KV heads as query heads keeps, besides
+  //   the scaled q and the k and v it multiplies, the fused projection's output (v is a view of it)
+  //   and the rotated q|k (k is a view of it): 6h where q, k, v alone are 3h; grouped-query
+  //   attention repeats k and v into new tensors, so only those stay. Measured on CPU ranks:
+  //   docs/benchmarks.md (CPU peak memory against the plan).
+  const double norm_extra = fused ? 0 : 2 * h;
+  const double qkv = kernel == AttentionKernel::Flash ? h + 2 * kv : kv == h ? 6 * h : 3 * h;
   const double attention_probs = kernel == AttentionKernel::Math ? m.heads * s : 0;  // per token
   const double swiglu = fused ? 3 : 4;  // per inner element
-  const double per_token_dense = 5 * h + qkv + attention_probs + swiglu * f;
+  const double per_token_dense = 5 * h + norm_extra + qkv + attention_probs + swiglu * f;
   // MoE layer: router probabilities (fp32), the token copy sent to each chosen expert and its
   // output (kept for the weighting by the router's scores), and SwiGLU activations in each routed
   // and shared expert the token visits.
   const double routed_per_token = 2 * k * h + k * swiglu * fe;
-  const double per_token_moe = 5 * h + qkv + attention_probs + (4.0 / e) * E + routed_per_token + S * swiglu * fe;
+  const double per_token_moe = 5 * h + norm_extra + qkv + attention_probs + (4.0 / e) * E + routed_per_token + S * swiglu * fe;
   const double per_token_layers = dense_layers * per_token_dense + moe_layers * per_token_moe;
   // Outside the blocks: final norm input and output, and the fp32 log-softmax the cross-entropy
   // keeps. The logits themselves (compute dtype, then fp32) are freed once converted: forward's
   // transient e·V + 4·V stays below backward's 8·V.
-  const double head_bytes_per_token = e * 2 * h + 4 * V;
+  const double head_bytes_per_token = e * (fused ? 2 : 3) * h + 4 * V;
 
   c.terms.push_back({"blocks (" + std::to_string(m.layers) + " layers)", e * s * per_token_layers});
   if (kernel == AttentionKernel::Math) c.terms.push_back({"  of which attention probabilities (math kernel)", e * s * m.layers * attention_probs});
   c.terms.push_back({"final norm, logits, fp32 log-softmax", s * head_bytes_per_token});
   c.activation_bytes_per_sample = e * s * per_token_layers + s * head_bytes_per_token;
   c.head_backward_bytes_per_sample = s * (4 + 4) * V;
+  if (kernel == AttentionKernel::Math) c.attention_backward_bytes_per_sample = (4.0 + 4.0) * m.heads * s * s;
 
   // Full checkpointing keeps each block's input (h per token) and, during backward, one block's
   // recomputed activations at a time — after the head's backward has freed its own.

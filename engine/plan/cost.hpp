@@ -34,6 +34,9 @@ struct ModelCost {
   double head_backward_bytes_per_sample = 0;
   // Full checkpointing: one block's activations, recomputed during its backward (after the head's).
   double recomputed_layer_bytes_per_sample = 0;
+  // Math attention kernel: one layer's gradients of its probabilities and of its scores (fp32,
+  // s x s per head), live together while that layer's softmax backward runs.
+  double attention_backward_bytes_per_sample = 0;
   std::vector<ActivationTerm> terms;  // how activation_bytes_per_sample adds up
 
   // Decoders, per unit in pipeline numbering (the embedding, each block, the head: Model's), for

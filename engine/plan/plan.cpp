@@ -246,8 +246,12 @@ class Planner {
     }
     // Backward's transient on top: the loss gradient at its start, or with recomputation whichever
     // is larger of that and one block's recomputed activations (they are never live together).
+    // The math attention kernel's softmax backward (heads split over tensor ranks) adds its own
+    // transient in each layer; with recomputation it comes on top of that layer's activations.
     const double head_backward = st.has_head ? cost_.head_backward_bytes_per_sample : 0;
-    m.backward_peak = l.micro * (l.checkpointing && st.has_blocks ? std::max(head_backward, cost_.recomputed_layer_bytes_per_sample) : head_backward);
+    const double attention_backward = st.has_blocks ? cost_.attention_backward_bytes_per_sample / tp_ : 0;
+    m.backward_peak = l.micro * (l.checkpointing && st.has_blocks ? std::max(head_backward, cost_.recomputed_layer_bytes_per_sample + attention_backward)
+                                                                  : std::max(head_backward, attention_backward));
     const double e = bytes_per_element(r_.precision.dtype);
     if (l.stage == 3 && dp_ > 1) {
       // The layer being computed, the prefetched next one, and one layer's full gradient before reduce-scatter.
@@ -255,6 +259,15 @@ class Planner {
       // Without recomputation autograd keeps every layer's gathered weights (matmuls save them for
       // backward) until that layer's backward has run: the whole model, gathered, at the end of forward.
       if (!l.checkpointing) m.comm_buffers += e * (st.rank_params + st.rank_expert_params);
+    } else if (dp_ > 1 && (l.stage == 2 || (l.stage == 1 && hw.device != Device::Cuda))) {
+      // Reductions in flight: at most two buckets, or one unit larger than that (zero.cpp). Stage
+      // 2 reduces a flat copy of each unit's gradient, beside autograd's gradients of the unit
+      // whose backward runs; Gloo has no reduce-scatter and all-reduces a copy (stage 1: of the
+      // accumulated gradient; stage 2: of the flat copy). NCCL's stage 1 reduces in place.
+      const double unit = e * cost_.largest_unit_params / tp_;
+      const double in_flight = std::min(std::max(2 * r_.parallel.bucket_bytes, unit), (st.rank_params + st.rank_expert_params) * e);
+      const bool gloo = hw.device != Device::Cuda;
+      m.comm_buffers = l.stage == 1 ? in_flight : in_flight * (gloo ? 2 : 1) + unit;
     } else if (dp_ > 1) {
       m.comm_buffers = 2 * std::min(r_.parallel.bucket_bytes, (st.rank_params + st.rank_expert_params) * e);  // bucket being reduced + the next
     }

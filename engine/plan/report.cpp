@@ -117,7 +117,7 @@ std::string render_plan(const Plan& p) {
   t.add({"activations", format_bytes(m.activations), "micro batch " + std::to_string(p.layout.micro) +
                                                          (p.layout.pipeline > 1 ? " × " + format_double(p.live_micro_batches, 3) + " live (" + to_string(p.layout.schedule) + ")" : "") +
                                                          (p.layout.recomputation ? ", checkpointed" : ", no recomputation")});
-  if (m.backward_peak > 0) t.add({"backward peak", format_bytes(m.backward_peak), "logits gradients at the start of backward"});
+  if (m.backward_peak > 0) t.add({"backward peak", format_bytes(m.backward_peak), "backward's largest transient: logits or softmax gradients"});
   t.add({"communication buffers", format_bytes(m.comm_buffers), p.layout.zero_stage == 3 ? "gathered layers" : "gradient buckets"});
   t.add({"runtime", format_bytes(m.runtime), "context, libraries"});
   t.add({"allocator slack", format_bytes(m.fragmentation), "fragmentation"});
