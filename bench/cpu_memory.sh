@@ -18,7 +18,7 @@ probe() {
   local peak plan
   peak=$(echo "$show" | awk '/rank0\/peak_rss_bytes/ {print $2}')
   plan=$(echo "$show" | awk '/rank0\/predicted_host_bytes/ {print $2}')
-  printf "%-34s %10.0f %10.0f %7.3f\n" "$layers $micro $seq $*" "$(echo "$peak / 1048576" | bc -l)" "$(echo "$plan / 1048576" | bc -l)" "$(echo "$peak / $plan" | bc -l)"
+  awk -v what="$layers $micro $seq $*" -v peak="$peak" -v plan="$plan" 'BEGIN { printf "%-34s %10.0f %10.0f %7.3f\n", what, peak / 1048576, plan / 1048576, peak / plan }'
   rm -rf "$d"
 }
 probe 4 4 128
