@@ -1,5 +1,6 @@
 // `dsrun tokenize` (see data_commands.hpp). Lines are split on \n only, so a CRLF line keeps
 // its \r, as a tokenizer given the text would. Blocks of lines go to threads; output keeps order.
+// A long line is encoded a piece at a time at the tokenizer's safe cuts (same ids).
 #include "runner/data_commands.hpp"
 
 #include "engine/common/error.hpp"
@@ -97,7 +98,7 @@ int command_tokenize(const TokenizeArgs& args) {
             out += '\n';
           } else {
             ids.clear();
-            tokenizer->encode(lines[i], args.special, ids);
+            tokenizer->encode_in_pieces(lines[i], args.special, ids);  // a line of megabytes costs a piece's working memory
             tokens_per_thread[static_cast<size_t>(t)] += ids.size();
             append_ids(out, ids);
           }
@@ -148,10 +149,14 @@ int command_prepare(const PrepareOptions& options) {
               options.out.c_str(), static_cast<long long>(s.documents), static_cast<long long>(s.tokens), s.token_bytes,
               static_cast<long long>(s.input_bytes), s.input_bytes > 0 ? static_cast<double>(s.tokens) / static_cast<double>(s.input_bytes) : 0.0,
               s.shards, s.shards_reused, seconds);
+  if (s.cut_documents > 0)
+    std::printf("%lld documents longer than a piece were cut into %lld pieces at safe cuts and tokenized on %d threads\n",
+                static_cast<long long>(s.cut_documents), static_cast<long long>(s.cut_pieces), s.threads);
   if (s.stale_files_removed > 0)
     std::printf("removed %d stale files of an earlier prepare (shards beyond these %d, or left half-written)\n", s.stale_files_removed, s.shards);
   if (s.skipped_lines > 0) {
-    std::printf("skipped %lld lines (not JSON or without the field; --strict makes them fatal)%s\n", static_cast<long long>(s.skipped_lines),
+    std::printf("skipped %lld lines (not JSON, without the field, too long to hold, or refused by the tokenizer; --strict makes them fatal)%s\n",
+                static_cast<long long>(s.skipped_lines),
                 s.skipped_examples.empty() ? "" : ", for example:");
     for (const auto& e : s.skipped_examples) std::printf("  %s\n", e.c_str());
   }

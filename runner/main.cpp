@@ -198,6 +198,10 @@ int main(int argc, char** argv) {
   prepare->add_option("--threads", prep.threads, "Threads (default: every core)")->check(CLI::Range(1, 1024));
   int64_t shard_mb = 64;
   prepare->add_option("--shard-mb", shard_mb, "Input megabytes per shard (default 64)")->check(CLI::Range(1, 1 << 20));
+  int64_t max_document_mb = 256;
+  prepare->add_option("--max-document-mb", max_document_mb,
+                      "The most text held whole: a JSON line, or a document with no safe cut; longer ones are skipped (default 256)")
+      ->check(CLI::Range(1, 1 << 20));
 
   std::vector<std::string> args = with_default_command(argc, argv);
   std::reverse(args.begin(), args.end());  // CLI11 takes a reversed vector
@@ -229,6 +233,7 @@ int main(int argc, char** argv) {
     if (*tokenize) return dsrun::command_tokenize(tok);
     if (*prepare) {
       prep.shard_bytes = shard_mb << 20;
+      prep.max_document_bytes = max_document_mb << 20;
       return dsrun::command_prepare(prep);
     }
   } catch (const dsrun::Error& e) {

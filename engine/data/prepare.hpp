@@ -21,6 +21,10 @@ struct PrepareOptions {
   bool strict = false;               // a bad JSON line is fatal (default: skipped and counted)
   int threads = 0;                   // 0: every core
   int64_t shard_bytes = 64 << 20;    // input bytes per shard (whole files for compressed input)
+  // The most text held whole: a JSON line (parsed whole), or a document the tokenizer cannot cut
+  // into pieces (no safe cut in it, or a tokenizer without safe cuts). Longer ones are skipped and
+  // counted (--strict: an error), so memory never depends on one line or document.
+  int64_t max_document_bytes = int64_t(256) << 20;
 };
 
 struct PrepareSummary {
@@ -28,6 +32,10 @@ struct PrepareSummary {
   int shards = 0, shards_reused = 0;
   int stale_files_removed = 0;  // shard files of an earlier, larger prepare (and temporary files of a killed one)
   int token_bytes = 0;
+  int threads = 0;  // that tokenized
+  // Documents tokenized now in several pieces at once (longer than a piece, about 1 MiB), and
+  // their pieces; not counted for shards kept from an earlier run.
+  int64_t cut_documents = 0, cut_pieces = 0;
   std::vector<std::string> skipped_examples;  // "file:line: why", the first few
   std::vector<std::string> skipped_directories;  // "dir: why": output directories met while walking the inputs
 };

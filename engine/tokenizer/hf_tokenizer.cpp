@@ -884,6 +884,90 @@ std::vector<std::string> apply_decoder(const Decoder& d, std::vector<std::string
   return tokens;
 }
 
+// ---------------------------------------------------------------- safe cuts
+
+// Where a long document may be cut so that its two pieces, each encoded alone, give the ids of the
+// whole (Tokenizer::safe_cut). Two kinds of cut at offset c of the document D:
+//   after a line break: D[c-1] is '\n', the character before it is not whitespace, D[c] is a letter;
+//   before a space:     D[c] is ' ', the characters on both sides are letters.
+// Encoding runs the added tokens, the normalizers, the normalized added tokens, the pre-tokenizers,
+// then BPE on each pre-token. The pieces give the whole's ids when each stage maps the whole to the
+// concatenation of what it maps the pieces to, and some pre-tokenizer puts a pre-token boundary at
+// the cut (BPE merges within a pre-token only). find_cut_rules checks this stage by stage and keeps
+// only the kinds of cut it can show for this tokenizer.json; anything it does not know drops them.
+enum CutRule : unsigned { kCutAfterNewline = 1, kCutBeforeSpace = 2 };
+
+// Split patterns (and ByteLevel's own regex) whose matches at a cut are known. `bounds`: there is a
+// match boundary at every cut of both kinds, and the matches of the whole are those of the pieces.
+// Otherwise no match can touch a cut (its characters are never matched), so the whole's text
+// around the cut stays one segment and the pieces' two halves of it stay two: nothing changes.
+//
+// Why the `bounds` patterns bound: a piece differs from the whole only in what a match attempt
+// sees at the cut: end of text instead of D[c] (a letter after '\n'; a space before a letter).
+//  - No alternative matches across the cut. Before a space: every alternative that consumes a
+//    letter goes on with letters, marks, digits or an apostrophe only, and a space is taken only as
+//    an alternative's first character (` ?`, `[^\r\n\p{L}\p{N}]?`, `\s`). After '\n': '\n' is taken
+//    only by whitespace runs (`\s+`, `\s*[\r\n]+`) and by trailing `[\r\n]*` / `[\r\n/]*`, none of
+//    which goes on with a letter; the optional first characters exclude \r and \n.
+//  - An attempt that stops at the cut stops there both ways: a letter after a letter run's end is
+//    impossible (the run would have taken it), and classes of whitespace, newlines, digits and
+//    punctuation fail on both a letter and the end of text; `(?i:'s|...)?` fails on both a space
+//    and the end. The one test that differs is `(?!\S)` (true at the end of text, false before a
+//    letter). In the Llama-3, Qwen, GPT-4o and DeepSeek-V3 patterns it follows `\s+`, which is tried
+//    only where `\s*[\r\n]+`, an earlier alternative, failed: never on a whitespace run that ends
+//    at a '\n' before the cut. In GPT-2's pattern `\s+(?!\S)` comes first, so the whole splits a
+//    run "  \n" before a letter into "  " and "\n" while a piece ending there keeps "  \n": hence a
+//    cut after '\n' needs a character other than whitespace before the '\n' (the run is "\n" alone,
+//    matched whole either way).
+//  - So the whole's last match before the cut ends exactly at it (the '\n', or the letter before the
+//    space, is matched by an alternative that stops there), and the search resumes there as a
+//    piece's starts: no pattern here looks behind.
+// The other patterns (digits, DeepSeek-V3's kana and CJK runs) never match '\n', ' ' or a letter
+// that is not theirs, and their runs cannot cross a space or a line break.
+struct KnownSplit {
+  const char* pattern;
+  bool bounds;
+};
+const KnownSplit kKnownSplits[] = {
+    // GPT-2 (ByteLevel's own regex, also written as a Split by some files)
+    {kByteLevelRegex, true},
+    // Llama-3's (any file with exactly this pattern is covered, whatever its model)
+    {R"re((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)re", true},
+    // Qwen3's
+    {R"re((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)re", true},
+    // GPT-4o's (o200k)
+    {R"re([^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+)re", true},
+    // DeepSeek-V3 (its file writes \r and \n as the characters themselves), after its two below
+    {"[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+", true},
+    {R"re(\p{N}{1,3})re", false},
+    {"[\u4E00-\u9FA5\u3040-\u309F\u30A0-\u30FF]+", false},
+};
+
+const KnownSplit* known_split(const std::string& pattern) {
+  for (const KnownSplit& k : kKnownSplits) {
+    if (pattern == k.pattern) return &k;
+  }
+  return nullptr;
+}
+
+// Whitespace as any regex engine of a tokenizer may see it: Unicode's White_Space, and U+180E
+// (MONGOLIAN VOWEL SEPARATOR, a space until Unicode 6.3 and still in PCRE2's \h).
+bool is_space_for_cut(char32_t cp) { return unicode::is_whitespace(cp) || cp == 0x180E; }
+
+bool starts_with_letter(std::string_view text) {
+  char32_t cp;
+  int len;
+  return unicode::decode_checked(text, 0, &cp, &len) && unicode::is_letter(cp);
+}
+
+bool ends_with_letter(std::string_view text) {
+  if (text.empty()) return false;
+  const size_t k = unicode::previous_char_start(text, text.size());
+  char32_t cp;
+  int len;
+  return unicode::decode_checked(text, k, &cp, &len) && unicode::is_letter(cp);
+}
+
 // ---------------------------------------------------------------- the tokenizer
 
 // "[json.exception.parse_error.101] parse error at line 1, column 11: syntax error ..." -> the
@@ -926,11 +1010,19 @@ class HfTokenizer final : public Tokenizer {
   std::string describe() const override {
     return path_ + " (BPE, " + std::to_string(vocab_size_) + " ids, " + std::to_string(added_.size()) + " added tokens)";
   }
+  void document_marks(std::vector<uint32_t>& before, std::vector<uint32_t>& after) const override {
+    before = prefix_;
+    after = suffix_;
+  }
+  size_t safe_cut(std::string_view text, size_t near) const override;
+  bool can_cut() const override { return cut_rules_ != 0; }
 
  private:
   void load(const json& root);
   void load_config(const std::string& config_path);
   void encode_pieces(std::string_view input, bool add_special, std::vector<uint32_t>& ids) const;
+  unsigned find_cut_rules() const;
+  bool neighbours_survive_normalizers(char32_t before, char32_t after, bool letter_before) const;
   void encode_text(std::string_view text, bool at_start, std::vector<uint32_t>& ids, RegexBudget& budget) const;
   void parse_post_processor(const json& j, const JsonPlace& place, int depth = 0);
   uint32_t special_id(const json& v, const JsonPlace& place) const;
@@ -948,6 +1040,7 @@ class HfTokenizer final : public Tokenizer {
   std::vector<uint32_t> prefix_, suffix_;
   std::optional<uint32_t> bos_, eos_;
   int64_t vocab_size_ = 0;
+  unsigned cut_rules_ = 0;  // CutRule bits: the kinds of safe cut shown for this file
 };
 
 std::optional<uint32_t> HfTokenizer::config_token(const json& config, const JsonPlace& place, const char* key) const {
@@ -1032,6 +1125,7 @@ HfTokenizer::HfTokenizer(const std::string& path) : path_(path) {
       throw Error("unexpected JSON in tokenizer_config.json: " + library_message(e), c);
     }
   }
+  cut_rules_ = find_cut_rules();
 }
 
 void HfTokenizer::load(const json& root) {
@@ -1189,6 +1283,115 @@ void HfTokenizer::encode_pieces(std::string_view input, bool add_special, std::v
   if (add_special) ids.insert(ids.end(), suffix_.begin(), suffix_.end());
 }
 
+unsigned HfTokenizer::find_cut_rules() const {
+  unsigned rules = kCutAfterNewline | kCutBeforeSpace;
+  // Normalizers. Unicode normalization, Lowercase and StripAccents work character by character,
+  // except that NFC/NFKC compose a starter with what follows and reorder combining marks, which
+  // never reaches across '\n' or ' ' (starters that compose with nothing), and Lowercase's final
+  // sigma looks at the characters next to it, which a '\n' or ' ' stops. Whether the neighbours
+  // stay a letter / no space is checked per cut (neighbours_survive_normalizers). Prepend and Strip
+  // act on the ends of each text (the second piece would get a prefix, the first lose its '\n'),
+  // Replace's pattern could match across a cut: no cut with them.
+  for (const Normalizer& n : normalizers_) {
+    switch (n.kind) {
+      case Normalizer::Kind::nfc:
+      case Normalizer::Kind::nfd:
+      case Normalizer::Kind::nfkc:
+      case Normalizer::Kind::nfkd:
+      case Normalizer::Kind::lowercase:
+      case Normalizer::Kind::strip_accents:
+        break;
+      case Normalizer::Kind::replace:
+      case Normalizer::Kind::prepend:
+      case Normalizer::Kind::strip:
+        return 0;
+    }
+  }
+  // Added tokens are matched before anything else (raw ones in the text, normalized ones in the
+  // normalized text). One matched across a cut would hold '\n' or ' '; lstrip on a token that
+  // starts at a cut after '\n' would take the '\n' into it, and rstrip on a token that ends before
+  // a cut's space the space; single_word sees a '\n', a space or the end of text beside the cut,
+  // none of them a word character, either way.
+  for (const AddedToken& t : added_) {
+    std::vector<std::string> forms{t.content};
+    if (t.normalized && !normalizers_.empty()) {
+      RegexBudget budget(t.content.size());
+      forms.push_back(apply_normalizers(normalizers_, t.content, budget));
+    }
+    for (const std::string& form : forms) {
+      if (form.find('\n') != std::string::npos || (t.lstrip && starts_with_letter(form))) rules &= ~unsigned(kCutAfterNewline);
+      if (form.find(' ') != std::string::npos || (t.rstrip && ends_with_letter(form))) rules &= ~unsigned(kCutBeforeSpace);
+    }
+  }
+  // Pre-tokenizers, in order, on the pieces the one before made. `bounded`: the rules whose cuts are
+  // already a boundary between pieces; from there on every step sees the same pieces in the whole
+  // and in the cut text (only Metaspace's prepend_scheme "first" tells a text's first piece apart).
+  unsigned bounded = 0;
+  for (const PreTokenizer& p : pre_tokenizers_) {
+    switch (p.kind) {
+      case PreTokenizer::Kind::split: {
+        const KnownSplit* known = known_split(p.regex->pattern());
+        const bool per_segment = p.behavior == SplitBehavior::isolated || p.behavior == SplitBehavior::removed;
+        if (known && known->bounds && per_segment) bounded |= rules;
+        else if (!(known && !known->bounds && p.behavior == SplitBehavior::isolated && !p.invert)) rules &= bounded;
+        break;
+      }
+      case PreTokenizer::Kind::byte_level:
+        if (p.add_prefix_space) rules &= bounded;  // a space before each piece: before the second half of a cut piece too
+        if (p.regex) bounded |= rules;             // GPT-2's pattern (kKnownSplits)
+        break;
+      case PreTokenizer::Kind::digits:
+      case PreTokenizer::Kind::punctuation:
+        break;  // they split at digits or punctuation only, none of which is next to a cut
+      case PreTokenizer::Kind::whitespace:        // \w+|[^\w\s]+, the rest removed: '\n' and ' ' go
+      case PreTokenizer::Kind::whitespace_split:  // split at whitespace, which goes
+      case PreTokenizer::Kind::bert:
+        bounded |= rules;
+        break;
+      case PreTokenizer::Kind::metaspace:
+        return 0;  // prepends its replacement to pieces (always, or to the first): not shown here
+    }
+  }
+  return rules & bounded;
+}
+
+bool HfTokenizer::neighbours_survive_normalizers(char32_t before, char32_t after, bool letter_before) const {
+  std::string a, b;
+  unicode::append_utf8(a, before);
+  unicode::append_utf8(b, after);
+  RegexBudget budget(16);
+  a = apply_normalizers(normalizers_, std::move(a), budget);
+  b = apply_normalizers(normalizers_, std::move(b), budget);
+  if (a.empty() || !starts_with_letter(b)) return false;  // StripAccents may remove the character before
+  if (letter_before) return ends_with_letter(a);
+  int len;
+  return !is_space_for_cut(unicode::decode_at(a, unicode::previous_char_start(a, a.size()), &len));
+}
+
+size_t HfTokenizer::safe_cut(std::string_view text, size_t near) const {
+  if (cut_rules_ == 0) return npos;
+  char32_t before, after;
+  int len;
+  // The character ending at `end`, when it is whole and well formed.
+  const auto char_before = [&](size_t end, char32_t* cp) {
+    const size_t k = unicode::previous_char_start(text, end);
+    return unicode::decode_checked(text, k, cp, &len) && k + static_cast<size_t>(len) == end;
+  };
+  for (size_t c = std::max<size_t>(near, 2); c + 1 < text.size(); ++c) {
+    if (text[c - 1] == '\n' && (cut_rules_ & kCutAfterNewline) && char_before(c - 1, &before) && !is_space_for_cut(before) &&
+        unicode::decode_checked(text, c, &after, &len) && unicode::is_letter(after) &&
+        (normalizers_.empty() || neighbours_survive_normalizers(before, after, false))) {
+      return c;
+    }
+    if (text[c] == ' ' && (cut_rules_ & kCutBeforeSpace) && char_before(c, &before) && unicode::is_letter(before) &&
+        unicode::decode_checked(text, c + 1, &after, &len) && unicode::is_letter(after) &&
+        (normalizers_.empty() || neighbours_survive_normalizers(before, after, true))) {
+      return c;
+    }
+  }
+  return npos;
+}
+
 std::string HfTokenizer::decode(const std::vector<uint32_t>& ids, bool skip_special) const {
   std::vector<std::string> tokens;
   tokens.reserve(ids.size());
@@ -1221,6 +1424,30 @@ std::string HfTokenizer::decode(const std::vector<uint32_t>& ids, bool skip_spec
 }  // namespace
 
 std::unique_ptr<Tokenizer> open_hf_tokenizer(const std::string& json_path) { return std::make_unique<HfTokenizer>(json_path); }
+
+void Tokenizer::encode_in_pieces(std::string_view text, bool add_special, std::vector<uint32_t>& ids, size_t piece_bytes) const {
+  if (text.size() <= piece_bytes || !can_cut()) {
+    encode(text, add_special, ids);
+    return;
+  }
+  const size_t before_size = ids.size();
+  try {
+    std::vector<uint32_t> before, after;
+    if (add_special) document_marks(before, after);
+    ids.insert(ids.end(), before.begin(), before.end());
+    for (size_t at = 0; at < text.size();) {
+      const std::string_view rest = text.substr(at);
+      const size_t cut = rest.size() > piece_bytes ? safe_cut(rest, piece_bytes) : npos;
+      const size_t n = cut == npos ? rest.size() : cut;
+      encode(rest.substr(0, n), false, ids);
+      at += n;
+    }
+    ids.insert(ids.end(), after.begin(), after.end());
+  } catch (...) {
+    ids.resize(before_size);  // all of the text's ids or none, as encode
+    throw;
+  }
+}
 
 std::string tokenizer_file(const std::string& path) {
   if (!is_directory(path)) return path;

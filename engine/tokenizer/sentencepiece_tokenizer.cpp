@@ -52,6 +52,13 @@ class SentencePieceTokenizer final : public Tokenizer {
   std::optional<uint32_t> bos() const override { return id_or_none(processor_.bos_id()); }
   std::optional<uint32_t> eos() const override { return id_or_none(processor_.eos_id()); }
   std::string describe() const override { return path_ + " (SentencePiece, " + std::to_string(vocab_size()) + " ids)"; }
+  // As encode: BOS before, nothing after. No safe cuts: SentencePiece's normalizer adds a dummy
+  // prefix to each text and folds whitespace at its ends, which a cut would change.
+  void document_marks(std::vector<uint32_t>& before, std::vector<uint32_t>& after) const override {
+    before.clear();
+    after.clear();
+    if (processor_.bos_id() >= 0) before.push_back(static_cast<uint32_t>(processor_.bos_id()));
+  }
 
  private:
   static std::optional<uint32_t> id_or_none(int id) { return id >= 0 ? std::optional<uint32_t>(static_cast<uint32_t>(id)) : std::nullopt; }

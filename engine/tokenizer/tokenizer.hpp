@@ -39,12 +39,31 @@ class Tokenizer {
   virtual std::optional<uint32_t> eos() const = 0;
   // "tokenizer.json (BPE, 128000 ids)"
   virtual std::string describe() const = 0;
+  // The ids encode(text, true, ids) puts before and after the text's own ids (BOS, EOS; either
+  // may be empty), so that a text encoded in pieces gets them once.
+  virtual void document_marks(std::vector<uint32_t>& before, std::vector<uint32_t>& after) const = 0;
+
+  // Cutting a long text into pieces that encode to the ids of the whole: the first offset c >= near
+  // in `text` where encode(D[0, a + c)) followed by encode(D[a + c, end)) gives encode(D) for every
+  // document D holding `text` at offset a (both without add_special: the marks go around the whole,
+  // document_marks). Only the bytes next to c decide, and they must lie inside `text`, so `text`
+  // may be any window of a document. npos when there is none in `text`, and always when the
+  // tokenizer cannot promise it (can_cut() false): then a text must be encoded whole.
+  static constexpr size_t npos = std::string_view::npos;
+  virtual size_t safe_cut(std::string_view /*text*/, size_t /*near*/) const { return npos; }
+  virtual bool can_cut() const { return false; }
 
   std::vector<uint32_t> encode(std::string_view text, bool add_special = false) const {
     std::vector<uint32_t> ids;
     encode(text, add_special, ids);
     return ids;
   }
+  // The ids encode(text, add_special, ids) appends, encoded a piece of about `piece_bytes` at a time
+  // (cut at safe_cut), so that the tokenizer's working memory, many bytes per byte of text, is a
+  // piece's and not a long document's. All of the text's ids or none, as encode.
+  void encode_in_pieces(std::string_view text, bool add_special, std::vector<uint32_t>& ids, size_t piece_bytes = kPieceBytes) const;
+  // The piece size `dsrun prepare` and `dsrun tokenize` cut long texts into.
+  static constexpr size_t kPieceBytes = size_t(1) << 20;
 };
 
 // `path` is a tokenizer.json, a SentencePiece tokenizer.model, or a directory holding one of them

@@ -73,6 +73,15 @@ int well_formed_length(std::string_view text, size_t i, int* subpart) {
 }
 }  // namespace
 
+bool decode_checked(std::string_view text, size_t i, char32_t* cp, int* length) {
+  if (i >= text.size()) return false;
+  int subpart;
+  const int len = well_formed_length(text, i, &subpart);
+  if (len == 0) return false;
+  *cp = decode_at(text, i, length);
+  return true;
+}
+
 bool is_valid_utf8(std::string_view text) {
   for (size_t i = 0; i < text.size();) {
     if (static_cast<unsigned char>(text[i]) < 0x80) { ++i; continue; }
@@ -125,6 +134,11 @@ bool is_alphanumeric(char32_t cp) {
 bool is_punctuation(char32_t cp) {
   const auto c = utf8proc_category(static_cast<utf8proc_int32_t>(cp));
   return c >= UTF8PROC_CATEGORY_PC && c <= UTF8PROC_CATEGORY_PO;
+}
+
+bool is_letter(char32_t cp) {
+  const auto c = utf8proc_category(static_cast<utf8proc_int32_t>(cp));
+  return c >= UTF8PROC_CATEGORY_LU && c <= UTF8PROC_CATEGORY_LO;
 }
 
 bool is_nonspacing_mark(char32_t cp) {

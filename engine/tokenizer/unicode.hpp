@@ -13,6 +13,10 @@ namespace dsrun::unicode {
 char32_t decode_at(std::string_view text, size_t i, int* length);
 // Where the character ending just before byte `i` starts (i > 0; `text` valid UTF-8).
 size_t previous_char_start(std::string_view text, size_t i);
+// The code point at text[i] when a well-formed sequence starts there and ends inside `text`; false
+// for anything else (a continuation byte, an ill-formed or cut-off sequence). For text of unknown
+// validity, where decode_at would read a wrong character or past the end.
+bool decode_checked(std::string_view text, size_t i, char32_t* cp, int* length);
 void append_utf8(std::string& out, char32_t cp);
 // Valid UTF-8, invalid sequences replaced by U+FFFD one per maximal subpart (Unicode's
 // recommended practice; Rust's from_utf8_lossy and JavaScript's TextDecoder do the same).
@@ -26,6 +30,7 @@ bool is_numeric(char32_t cp);
 bool is_alphanumeric(char32_t cp);
 bool is_punctuation(char32_t cp);
 bool is_nonspacing_mark(char32_t cp);  // category Mn (StripAccents removes them)
+bool is_letter(char32_t cp);           // categories Lu, Ll, Lt, Lm, Lo: what \p{L} matches
 
 enum class NormalForm { nfc, nfd, nfkc, nfkd };
 std::string normalize(std::string_view text, NormalForm form);
