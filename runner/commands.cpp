@@ -41,6 +41,12 @@ void check_token_data(const Recipe& r) {
   for (const std::string& w : corpus.warnings()) std::cerr << "dsrun: warning: data: " << w << "\n";
 }
 
+// The free space where the run's checkpoints will go (checkpoint.dir, else beside the store), for
+// the plan's disk check.
+void note_checkpoint_disk(HostFacts& host, const Recipe& r, const std::string& db_path) {
+  host.checkpoint_free_bytes = free_disk_bytes(r.checkpoint.dir.empty() ? parent_directory(db_path) : r.checkpoint.dir);
+}
+
 LoadedRecipe load_or_report(const RecipeArgs& args, const HostFacts& host) {
   LoadOptions options;
   options.overrides = args.sets;
@@ -190,6 +196,7 @@ int command_plan(const RecipeArgs& given, bool json, bool layouts, bool smoke) {
   HostFacts host = read_host_facts();
   RecipeArgs args = given;
   LoadedRecipe loaded = load_or_report(args, host);
+  note_checkpoint_disk(host, loaded.recipe, default_store_path());
   if (layouts) {
     const LayoutSearch search = search_layouts(loaded.recipe, host, /*every_key=*/true);
     std::cout << (json ? layouts_to_json(search) + "\n" : render_layouts(search, loaded.recipe));
@@ -309,6 +316,7 @@ int command_run(const RecipeArgs& given, const RunFlags& flags, const std::strin
   HostFacts host = read_host_facts();
   RecipeArgs args = given;
   LoadedRecipe loaded = load_or_report(args, host);
+  note_checkpoint_disk(host, loaded.recipe, db_path);
   Plan plan = make_plan(loaded.recipe, host);
   const std::string rejected = apply_plan_hook(args, loaded, plan, host);
   std::string plan_text = render_plan(plan);
@@ -402,6 +410,7 @@ int command_resume(const ResumeArgs& args, const RunFlags& flags, const std::str
   }
   HostFacts host = read_host_facts();
   LoadedRecipe loaded = load_run_config(db_path, r, args.sets, host);
+  note_checkpoint_disk(host, loaded.recipe, db_path);
   Plan plan = make_plan(loaded.recipe, host);
   if (!plan.fits) {
     std::cout << render_plan(plan);
@@ -482,6 +491,7 @@ int command_rollback(const std::string& run, int64_t to_step, const std::vector<
     std::cerr << loaded.report();
     throw Error("invalid config for the rollback", ErrorContext{found->path, 0, 0, "", -1, "fix the --set overrides"});
   }
+  note_checkpoint_disk(host, loaded.recipe, db_path);
   Plan plan = make_plan(loaded.recipe, host);
   std::string plan_text = render_plan(plan);
   NewRun child = run_record(loaded, plan, plan_text, host);

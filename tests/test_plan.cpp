@@ -262,3 +262,48 @@ TEST_CASE("CPU ranks share the host's memory", "[plan][cpu]") {
   CHECK(p.attention == AttentionKernel::Math);
   CHECK(p.fits);
 }
+
+TEST_CASE("the plan counts checkpoint disk: one that cannot fit is refused, retention that cannot is said", "[plan][checkpoint]") {
+  const std::string tiny = "base = [\"hardware/cpu\", \"models/deepseek-tiny\"]\n";
+  LoadedRecipe r = load_text(tiny + "[run]\nsteps = 1000\n[checkpoint]\nevery = 100\nkeep_last = 2\n");
+  INFO(r.report());
+  REQUIRE(r.ok());
+  HostFacts host = dsrun::test::small_host();
+  const Plan unknown = make_plan(r.recipe, host);
+  const CheckpointDisk& d = unknown.checkpoint_disk;
+  // AdamW: the fp32 master (4 bytes) and m, v (8) per parameter, once over all ranks.
+  CHECK(d.bytes == Approx(unknown.cost.params * 12));
+  CHECK(d.saves == 10);
+  CHECK(d.kept == 3);  // keep_last, and the new one written before the oldest goes
+  CHECK(d.needed == Approx(3 * d.bytes));
+  CHECK(d.free == -1);
+  CHECK(unknown.fits);  // free space not known: nothing said
+
+  host.checkpoint_free_bytes = 0.5 * d.bytes;
+  const Plan small = make_plan(r.recipe, host);
+  CHECK(!small.fits);
+  CHECK(small.binds == "disk");
+  REQUIRE(!small.verdict.empty());
+  CHECK(small.verdict.front().find("does not fit: disk (checkpoint.dir): one checkpoint is") == 0);
+  CHECK(render_plan(small).find("checkpoint.dir to a disk with") != std::string::npos);
+
+  host.checkpoint_free_bytes = 2.5 * d.bytes;
+  const Plan two = make_plan(r.recipe, host);
+  CHECK(two.fits);
+  bool said = false;
+  for (const auto& v : two.verdict) said = said || v.find("holds 2 checkpoint(s)") != std::string::npos;
+  CHECK(said);
+
+  // keep_every adds the checkpoints kept forever; no saves, nothing to count.
+  LoadedRecipe forever = load_text(tiny + "[run]\nsteps = 1000\n[checkpoint]\nevery = 100\nkeep_last = 2\nkeep_every = 500\n");
+  CHECK(make_plan(forever.recipe, dsrun::test::small_host()).checkpoint_disk.kept == 5);
+  LoadedRecipe none = load_text(tiny + "[checkpoint]\nat_end = false\n");
+  CHECK(make_plan(none.recipe, host).checkpoint_disk.saves == 0);
+  CHECK(make_plan(none.recipe, host).fits);
+  // A plan for GPUs this machine lacks is about the cluster's disks, not this one's.
+  LoadedRecipe seven = load_text(kSevenB);
+  host.checkpoint_free_bytes = 1e6;
+  const Plan elsewhere = make_plan(seven.recipe, host);
+  CHECK(!elsewhere.hardware_present);
+  CHECK(elsewhere.binds != "disk");
+}

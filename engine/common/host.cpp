@@ -1,6 +1,7 @@
 #include "engine/common/host.hpp"
 
 #include <dirent.h>
+#include <sys/statvfs.h>
 #include <sched.h>
 #include <unistd.h>
 
@@ -48,6 +49,19 @@ HostFacts read_host_facts() {
   char name[256] = {0};
   if (gethostname(name, sizeof name - 1) == 0) h.hostname = name;
   return h;
+}
+
+double free_disk_bytes(const std::string& path) {
+  // A checkpoint directory usually does not exist before the run: ask about the directory that will hold it.
+  std::string at = path.empty() ? "." : path;
+  for (;;) {
+    struct statvfs fs {};
+    if (::statvfs(at.c_str(), &fs) == 0) return static_cast<double>(fs.f_bavail) * static_cast<double>(fs.f_frsize);
+    const size_t slash = at.find_last_of('/');
+    if (slash == std::string::npos) at = at == "." ? "" : ".";
+    else at = slash == 0 ? "/" : at.substr(0, slash);
+    if (at.empty() || (at == "/" && ::statvfs("/", &fs) != 0)) return -1;
+  }
 }
 
 }  // namespace dsrun

@@ -13,8 +13,14 @@ struct HostFacts {
   double available_bytes = 0;   // MemAvailable when read: what a run can still take without swapping
   int cuda_devices = 0;         // NVIDIA GPUs visible to the driver (0 on a CPU machine)
   std::string hostname;
+  // Free bytes where checkpoints will be written (checkpoint.dir, else the run store's directory),
+  // filled in by the command that plans a run; -1: not known (the plan then says nothing of disk).
+  double checkpoint_free_bytes = -1;
 };
 
 HostFacts read_host_facts();
+// Free bytes (for an unprivileged writer) on the filesystem holding `path`, or the nearest
+// existing directory above it; -1 when none can be read.
+double free_disk_bytes(const std::string& path);
 
 }  // namespace dsrun

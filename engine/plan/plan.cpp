@@ -5,6 +5,7 @@
 #include "engine/common/text.hpp"
 
 #include <algorithm>
+#include <numeric>
 #include <cmath>
 
 namespace dsrun {
@@ -343,6 +344,7 @@ class Planner {
     predict_communication(p);
     predict_time(p);
     check_hardware_present(p);
+    plan_checkpoint_disk(p);
     add_notes(p);
     return p;
   }
@@ -529,6 +531,35 @@ class Planner {
     else if (ev.device_fits && !ev.host_fits) p.verdict.push_back("device memory fits: " + format_bytes(total) + " of " + format_bytes(capacity_) + " per rank");
     else if (hw.device == Device::Cuda) p.verdict.push_back("host memory fits: " + host_line);
     if (!p.fits && options_.full) suggest(p, chosen, ev);
+  }
+
+  // A checkpoint is every parameter's fp32 master copy and optimizer states, once over all ranks
+  // (each rank writes its slice). One that cannot fit on the disk is refused before launch; the
+  // ones the retention keeps at once not fitting is said.
+  void plan_checkpoint_disk(Plan& p) {
+    CheckpointDisk& d = p.checkpoint_disk;
+    const CheckpointOptions& ck = r_.checkpoint;
+    const double states = r_.optimizer.kind == OptimizerKind::Sgd ? (r_.optimizer.momentum > 0 ? 4 : 0) : 8;
+    d.bytes = cost_.params * (4 + states);
+    const int64_t steps = r_.run.steps;
+    d.saves = (ck.every > 0 ? steps / ck.every : 0) + (ck.at_end && (ck.every <= 0 || steps % ck.every != 0) ? 1 : 0);
+    // A new checkpoint is complete before retention deletes the oldest: keep_last + 1 at that moment.
+    int64_t forever = 0;
+    if (ck.keep_every > 0 && ck.every > 0) forever = steps / std::lcm(ck.every, ck.keep_every);
+    d.kept = std::min(d.saves, ck.keep_last + 1 + forever);
+    d.needed = static_cast<double>(d.kept) * d.bytes;
+    d.free = host_.checkpoint_free_bytes;
+    // Only where the run would write: a plan for hardware this machine lacks is about other disks.
+    if (d.free < 0 || d.saves == 0 || !p.hardware_present) return;
+    if (d.bytes > d.free) {
+      p.fits = false;
+      if (p.binds.empty()) p.binds = "disk";
+      p.verdict.insert(p.verdict.begin(), "does not fit: disk (checkpoint.dir): one checkpoint is " + format_bytes(d.bytes) + ", " + format_bytes(d.free) + " free there");
+      p.suggestions.push_back("set checkpoint.dir to a disk with " + format_bytes(d.needed) + " free (" + std::to_string(d.kept) + " checkpoint(s) at once), or checkpoint.every = 0 and checkpoint.at_end = false to save none");
+    } else if (d.needed > d.free) {
+      p.verdict.push_back("disk (checkpoint.dir) holds " + std::to_string(static_cast<int64_t>(d.free / d.bytes)) + " checkpoint(s) of " + format_bytes(d.bytes) + " but the retention keeps up to " +
+                          std::to_string(d.kept) + " at once (" + format_bytes(d.needed) + "): lower checkpoint.keep_last, or free space");
+    }
   }
 
   // What would fit instead: the least invasive changes first, then more devices.

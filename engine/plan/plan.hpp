@@ -73,6 +73,16 @@ struct AutoChoice {
 
 // One layout the search considered (parallel.* = "auto", `dsrun plan --layouts`), with what its
 // plan predicts and why it was or was not chosen.
+// Disk for checkpoints: what one takes (every rank's file: the fp32 master weights and optimizer
+// states), how many the retention keeps at once over the run, against the free space there.
+struct CheckpointDisk {
+  double bytes = 0;     // one checkpoint, all ranks
+  int64_t saves = 0;    // over run.steps: every checkpoint.every steps, and at the end
+  int64_t kept = 0;     // at most on disk at once: keep_last (+1 while a new one is written) and the keep_every ones
+  double needed = 0;    // kept x bytes
+  double free = -1;     // under checkpoint.dir (or the store's directory); -1: not known here
+};
+
 struct LayoutRow {
   Layout layout;        // the ZeRO stage, micro batch and recomputation its plan chose
   std::string problem;  // why it cannot run at all ("" when it can); the numbers below are then 0
@@ -133,6 +143,7 @@ struct Plan {
   // (or weights read) and the data at 0.5 GB/s. The launcher and the ranks' rendezvous use it.
   double startup_timeout_seconds = 0;
   int64_t steps = 0;
+  CheckpointDisk checkpoint_disk;
 
   std::vector<AutoChoice> choices;
   std::vector<LayoutRow> layouts;        // the best layouts searched, the chosen first (empty: nothing was "auto")

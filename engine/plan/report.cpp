@@ -160,6 +160,14 @@ std::string render_plan(const Plan& p) {
        format_double(100 * p.mfu, 3) + "% of " + format_count(p.peak_flops) + "FLOP/s peak per device");
   line(std::to_string(p.steps) + " steps: " + format_seconds(p.total_seconds) + "; start-up allowed " + format_seconds(p.startup_timeout_seconds) + " (run.startup_timeout_s)");
 
+  const CheckpointDisk& disk = p.checkpoint_disk;
+  if (disk.saves > 0) {
+    section("checkpoints on disk");
+    line(format_bytes(disk.bytes) + " each (fp32 master weights and optimizer states, all ranks); " + std::to_string(disk.saves) + " save(s), at most " +
+         std::to_string(disk.kept) + " on disk at once: " + format_bytes(disk.needed) +
+         (disk.free >= 0 ? "; " + format_bytes(disk.free) + " free under checkpoint.dir" : "; free space not known here"));
+  }
+
   if (!p.choices.empty()) {
     section("chosen automatically");
     for (const auto& ch : p.choices) line(ch.key + " = " + ch.value + ": " + ch.reason);
@@ -231,6 +239,8 @@ std::string plan_to_json(const Plan& p) {
                 {"steps", p.steps}, {"total_seconds", p.total_seconds}, {"startup_timeout_seconds", p.startup_timeout_seconds}};
   json choices = json::array();
   for (const auto& c : p.choices) choices.push_back({{"key", c.key}, {"value", c.value}, {"reason", c.reason}});
+  j["checkpoint_disk"] = {{"bytes", p.checkpoint_disk.bytes}, {"saves", p.checkpoint_disk.saves}, {"kept", p.checkpoint_disk.kept},
+                          {"needed", p.checkpoint_disk.needed}, {"free", p.checkpoint_disk.free}};
   j["auto_choices"] = choices;
   j["notes"] = p.notes;
   j["hardware_present"] = p.hardware_present;
