@@ -26,7 +26,6 @@ namespace dsrun {
 
 namespace {
 
-// Loads and validates; prints every diagnostic (warnings too) to stderr. Throws when invalid.
 // What rank 0 will find when it opens token data, found now, before a run is recorded: the corpus
 // is opened as the ranks open it (files mapped; headers, indexes, vocabulary and the mixture
 // checked). Data missing on this machine was a warning of the recipe's and is not opened here.
@@ -47,6 +46,7 @@ void note_checkpoint_disk(HostFacts& host, const Recipe& r, const std::string& d
   host.checkpoint_free_bytes = free_disk_bytes(r.checkpoint.dir.empty() ? parent_directory(db_path) : r.checkpoint.dir);
 }
 
+// Loads and validates; prints every diagnostic (warnings too) to stderr. Throws when invalid.
 LoadedRecipe load_or_report(const RecipeArgs& args, const HostFacts& host) {
   LoadOptions options;
   options.overrides = args.sets;
@@ -379,15 +379,14 @@ int command_run(const RecipeArgs& given, const RunFlags& flags, const std::strin
 // The data files a checkpoint recorded, against the same paths now. A difference is refused
 // unless `force`; forced, the differences are returned, to be said and recorded. The ranks check
 // again against the files they open (the launcher's restarts included).
-static std::vector<std::string> check_checkpoint_data(const CheckpointInfo& found, bool force, const std::string& force_flag) {
-  const CheckpointManifest m = read_checkpoint(found.path, /*verify_files=*/false);
+static std::vector<std::string> check_checkpoint_data(const CheckpointInfo& found, const CheckpointManifest& m, bool force) {
   const DataChanges changes = compare_with_disk(m.data_files);
   for (const std::string& t : changes.touched) std::cerr << "dsrun: note: " << t << "\n";
   if (changes.same() || force) return changes.differ;
   ErrorContext c;
   c.file = path_join(found.path, kManifestFile);
   c.key = "data.path";
-  c.hint = "put the data back as it was, or pass " + force_flag + " to train on it as it is now (recorded as a resume_change event)";
+  c.hint = "put the data back as it was, or pass --force to train on it as it is now (recorded as a resume_change event)";
   throw Error("the data differs from what the checkpoint at step " + std::to_string(found.step) + " trained on: " + join(changes.differ, "; "), c);
 }
 
@@ -428,7 +427,7 @@ int command_resume(const ResumeArgs& args, const RunFlags& flags, const std::str
   }
   // What a --set changes that a resume cannot take back: said, recorded, or refused.
   std::vector<std::string> changes;
-  const std::vector<std::string> data_changes = check_checkpoint_data(*found, args.force, "--force");
+  const std::vector<std::string> data_changes = check_checkpoint_data(*found, read_checkpoint(found->path, /*verify_files=*/false), args.force);
   for (const std::string& d : data_changes) {
     changes.push_back("data file changed since the checkpoint (--force): " + d);
     std::cerr << "dsrun: warning: resume of " << r.id << ": " << changes.back() << "\n";
@@ -479,10 +478,10 @@ int command_rollback(const std::string& run, int64_t to_step, const std::vector<
     c.hint = "complete checkpoints of run " + parent.id + " are at steps: " + steps_available(root);
     throw Error("no complete checkpoint at or before step " + std::to_string(to_step), c);
   }
-  const std::vector<std::string> data_changes = check_checkpoint_data(*found, force, "--force");
-  for (const std::string& d : data_changes) std::cerr << "dsrun: warning: rollback of " << parent.id << ": data file changed since the checkpoint (--force): " << d << "\n";
   // The checkpoint's own config (what ran up to that step), plus the overrides.
   CheckpointManifest manifest = read_checkpoint(found->path, false);
+  const std::vector<std::string> data_changes = check_checkpoint_data(*found, manifest, force);
+  for (const std::string& d : data_changes) std::cerr << "dsrun: warning: rollback of " << parent.id << ": data file changed since the checkpoint (--force): " << d << "\n";
   LoadOptions options;
   options.overrides = sets;
   options.host = host;

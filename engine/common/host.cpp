@@ -53,14 +53,12 @@ HostFacts read_host_facts() {
 
 double free_disk_bytes(const std::string& path) {
   // A checkpoint directory usually does not exist before the run: ask about the directory that will hold it.
-  std::string at = path.empty() ? "." : path;
-  for (;;) {
+  for (std::string at = path.empty() ? "." : path;;) {
     struct statvfs fs {};
     if (::statvfs(at.c_str(), &fs) == 0) return static_cast<double>(fs.f_bavail) * static_cast<double>(fs.f_frsize);
+    if (at == "/" || at == ".") return -1;
     const size_t slash = at.find_last_of('/');
-    if (slash == std::string::npos) at = at == "." ? "" : ".";
-    else at = slash == 0 ? "/" : at.substr(0, slash);
-    if (at.empty() || (at == "/" && ::statvfs("/", &fs) != 0)) return -1;
+    at = slash == std::string::npos ? "." : slash == 0 ? "/" : at.substr(0, slash);
   }
 }
 

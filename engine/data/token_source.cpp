@@ -537,33 +537,11 @@ std::unique_ptr<TokenCorpus::Source> open_source(const std::string& path, const 
 
 TokenCorpus::TokenCorpus(const TokenCorpusOptions& o) : options_(o) {
   DSRUN_ASSERT(!o.paths.empty() && o.seq_len > 0, "a corpus needs a path and a sequence length");
-  if (!o.weights.empty() && o.weights.size() != o.paths.size()) {
+  if (const auto problems = mixture_problems(o.paths.size(), o.weights); !problems.empty()) {
     ErrorContext c;
-    c.key = "data.blend_weights";
-    c.hint = "give one weight per path in data.blend";
-    throw Error(std::to_string(o.weights.size()) + " weights for " + std::to_string(o.paths.size()) + " sources", c);
-  }
-  if (o.paths.size() > kMaxBlendSources) {
-    ErrorContext c;
-    c.key = "data.blend";
-    c.hint = "merge sources into directories (a directory is one source)";
-    throw Error(std::to_string(o.paths.size()) + " sources: a mixture takes at most " + std::to_string(kMaxBlendSources), c);
-  }
-  double weight_sum = 0;
-  for (double w : o.weights) {
-    if (!(w >= 0) || !std::isfinite(w)) {
-      ErrorContext c;
-      c.key = "data.blend_weights";
-      c.hint = "give each source a weight >= 0";
-      throw Error("a mixture weight of " + std::to_string(w), c);
-    }
-    weight_sum += w;
-  }
-  if (!o.weights.empty() && !(weight_sum > 0)) {
-    ErrorContext c;
-    c.key = "data.blend_weights";
-    c.hint = "give at least one source a positive weight";
-    throw Error("the mixture weights sum to zero", c);
+    c.key = problems.front().key;
+    c.hint = problems.front().hint;
+    throw Error(problems.front().message, c);
   }
   const double val_fraction = o.val_path.empty() ? o.val_fraction : 0;
   for (const std::string& p : o.paths) {
@@ -682,6 +660,26 @@ std::string TokenCorpus::describe() const {
     if (sources_.size() > 1) out += ", weight " + std::to_string(blend_count_[d]) + "/" + std::to_string(blend_.size());
   }
   if (val_source_) out += "; validation: " + val_source_->path + " (" + std::to_string(val_source_->val.tokens()) + " tokens)";
+  return out;
+}
+
+std::vector<MixtureProblem> mixture_problems(size_t sources, const std::vector<double>& weights) {
+  std::vector<MixtureProblem> out;
+  if (sources > kMaxBlendSources)
+    out.push_back({"data.blend", std::to_string(sources) + " sources: a mixture takes at most " + std::to_string(kMaxBlendSources),
+                   "merge sources into directories (a directory is one source)", {}});
+  if (weights.empty()) return out;
+  double sum = 0;
+  bool bad = false;
+  for (double w : weights) {
+    bad = bad || !(w >= 0) || !std::isfinite(w);
+    sum += w;
+  }
+  if (bad) out.push_back({"data.blend_weights", "a mixture weight is negative or not finite", "give each source a weight >= 0", {}});
+  else if (!(sum > 0)) out.push_back({"data.blend_weights", "the mixture weights sum to zero: no source would be read", "give at least one source a positive weight", {}});
+  if (weights.size() != sources)
+    out.push_back({"data.blend_weights", std::to_string(weights.size()) + " weights for " + std::to_string(sources) + " sources in data.blend",
+                   "give one weight per source, or none for equal weights", {"data.blend"}});
   return out;
 }
 

@@ -51,6 +51,14 @@ struct TokenCorpusOptions {
 // A mixture takes at most this many sources (a directory is one source): the blend table is u16.
 constexpr size_t kMaxBlendSources = 4096;
 
+// What is wrong with a mixture of `sources` with these weights (empty: equal), every problem: one
+// check for the recipe (each at its line) and the corpus (the first thrown, for callers without one).
+struct MixtureProblem {
+  std::string key, message, hint;
+  std::vector<std::string> related;  // other keys the problem involves
+};
+std::vector<MixtureProblem> mixture_problems(size_t sources, const std::vector<double>& weights);
+
 // The corpus a recipe's [data] names, as every rank and `dsrun plan` open it.
 TokenCorpusOptions token_corpus_options(const DataOptions& data, int64_t vocab, int64_t seq_len, uint64_t seed);
 

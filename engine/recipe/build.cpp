@@ -356,22 +356,7 @@ void build_data(Builder& c, Recipe& r, const std::string& recipe_dir) {
   d.augment = c.b("data.augment");
   if (!d.blend.empty() && !c.s("data.path").empty())
     c.error("data.blend", "both data.path and data.blend name the data", "keep one: data.blend for a mixture, data.path for one source", {"data.path"});
-  if (d.blend.size() > kMaxBlendSources)
-    c.error("data.blend", std::to_string(d.blend.size()) + " sources: a mixture takes at most " + std::to_string(kMaxBlendSources),
-            "merge sources into directories (a directory is one source)");
-  {
-    double sum = 0;
-    bool negative = false;
-    for (double w : d.blend_weights) {
-      negative = negative || !(w >= 0) || !std::isfinite(w);
-      sum += w;
-    }
-    if (negative) c.error("data.blend_weights", "a mixture weight is negative or not finite", "give each source a weight >= 0");
-    else if (!d.blend_weights.empty() && !(sum > 0)) c.error("data.blend_weights", "the mixture weights sum to zero: no source would be read", "give at least one source a positive weight");
-  }
-  if (!d.blend_weights.empty() && d.blend_weights.size() != d.blend.size())
-    c.error("data.blend_weights", std::to_string(d.blend_weights.size()) + " weights for " + std::to_string(d.blend.size()) + " sources in data.blend",
-            "give one weight per source, or none for equal weights", {"data.blend"});
+  for (const MixtureProblem& m : mixture_problems(d.blend.size(), d.blend_weights)) c.error(m.key, m.message, m.hint, m.related);
   if (d.format == TokenFormat::Nanogpt && d.token_width != 2 && d.token_width != 4)
     c.error("data.token_width", "nanoGPT's .bin has no header saying how wide a token is", "set data.token_width = 2 (uint16, as nanoGPT writes) or 4", {"data.format"});
   if (d.kind != DataKind::Tokens && (!d.blend.empty() || d.separate_documents))
