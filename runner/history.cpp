@@ -146,14 +146,17 @@ std::vector<std::vector<std::string>> differences(const std::vector<std::map<std
 enum class Better { Lower, Higher, Neither };
 Better better_direction(const std::string& key) {
   if (key == "lr" || key == "loss_scale" || key == "grad_norm") return Better::Neither;
-  if (key.find("accuracy") != std::string::npos || key.find("tokens_per_second") != std::string::npos || key.find("mfu") != std::string::npos)
+  if (key.find("accuracy") != std::string::npos || key.find("tokens_per_second") != std::string::npos || key.find("mfu") != std::string::npos ||
+      key.find("MBps") != std::string::npos)
     return Better::Higher;
   return Better::Lower;
 }
 
 // Plan numbers that are sizes in bytes (shown as KiB, MiB, GiB rather than 3.47158e+06).
 bool is_byte_quantity(const std::string& plan_key) {
-  return plan_key.rfind("memory_per_rank.", 0) == 0 || plan_key.rfind("host_memory_per_node.", 0) == 0 || plan_key.rfind("host_memory_per_rank.", 0) == 0 || plan_key.find("bytes") != std::string::npos;
+  return plan_key.rfind("memory_per_rank.", 0) == 0 || plan_key.rfind("host_memory_per_node.", 0) == 0 || plan_key.rfind("host_memory_per_rank.", 0) == 0 ||
+         plan_key.find("bytes") != std::string::npos || plan_key == "checkpoint_disk.free" || plan_key == "checkpoint_disk.needed" ||
+         plan_key == "checkpoint_disk.staging_per_rank";
 }
 
 double mean_after_first(const std::vector<MetricValue>& h) {

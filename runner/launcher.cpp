@@ -431,8 +431,19 @@ class Supervisor {
     c.created_at = unix_now();
     store_.add_checkpoint(run_id_, c);
     for (const auto& removed : r.removed) store_.remove_checkpoint(run_id_, removed);
+    const double write_seconds = std::max(1e-9, r.seconds);
     store_.add_event(run_id_, "checkpoint", -1, "saved step " + std::to_string(c.step) + " (" + r.why + ") to " + c.path + ", " +
-                                                   format_bytes(static_cast<double>(c.bytes)) + " in " + format_seconds(r.seconds));
+                                                   format_bytes(static_cast<double>(c.bytes)) + " in " + format_seconds(r.seconds) +
+                                                   (r.async ? ", training paused " + format_seconds(r.pause_seconds) + " (async)" : " (sync)"));
+    // Per save, so that compare shows what checkpoints cost: the pause, and the disk's bandwidth.
+    store_.add_metrics(run_id_, r.step, {{"checkpoint_pause_s", r.pause_seconds}, {"checkpoint_wait_s", r.wait_seconds}, {"checkpoint_write_s", r.seconds},
+                                         {"checkpoint_write_MBps", static_cast<double>(c.bytes) / 1e6 / write_seconds}});
+  }
+
+  void on_report(RankProcess& p, const RestoreReport& r) {
+    store_.add_metrics(run_id_, r.step, {{"checkpoint_read_s", r.seconds}, {"checkpoint_read_MBps", static_cast<double>(r.bytes) / 1e6 / std::max(1e-9, r.seconds)}});
+    store_.add_event(run_id_, "checkpoint", -1, "read step " + std::to_string(r.step) + " from " + r.path + ": " + format_bytes(static_cast<double>(r.bytes)) + " in " +
+                                                   format_seconds(r.seconds));
   }
 
   void on_report(RankProcess& p, const ErrorReport& r) { p.error = r.message; }

@@ -153,13 +153,16 @@ TEST_CASE("a checkpoint exists only once its marker matches its manifest", "[che
   dsrun::make_directories(step_dir);
   std::vector<float> master = {1, 2, 3, 4, 5};
   dsrun::SafetensorsWriter w;
-  w.add(dsrun::unit_tensor_name(0, "master"), "F32", {5}, master.data());
+  w.add(dsrun::slice_tensor_name("p", "master"), "F32", {5}, master.data());
   dsrun::WrittenFile written = w.write_atomic(step_dir + "/" + dsrun::rank_file_name(0));
   dsrun::CheckpointManifest m;
   m.run_id = "abc";
   m.step = 5;
   m.world_size = 1;
-  m.units = {{"u", 5, {{"p", {5}, 0}}, {}}};
+  dsrun::ParamSlice slice;
+  slice.end = 5;
+  slice.tensor = "p";
+  m.params = {{"p", {5}, {slice}}};
   m.files = {{dsrun::rank_file_name(0), 0, written.bytes, written.checksum}};
 
   CHECK(contains(error_of([&] { dsrun::read_checkpoint(step_dir, true); }), "no completion marker"));
@@ -171,7 +174,7 @@ TEST_CASE("a checkpoint exists only once its marker matches its manifest", "[che
 
   dsrun::CheckpointReader reader(step_dir, m);
   std::vector<float> mid(2);
-  reader.read_unit("master", 0, 1, 3, mid.data());
+  reader.read(*reader.find("p"), "master", dsrun::TensorRegion{}, 1, 3, mid.data());
   CHECK(mid == std::vector<float>{2, 3});
 
   // A flipped byte: the checksum names the file and the step.
@@ -211,4 +214,82 @@ TEST_CASE("Hugging Face names split fused q/k/v and gate/up by rows", "[checkpoi
   auto config = nlohmann::json::parse(dsrun::hf_config_json(spec, "float32"));
   CHECK(config["model_type"] == "llama");
   CHECK(config["num_key_value_heads"] == 2);
+}
+
+TEST_CASE("tensor regions map rank slices onto the whole parameter: column blocks, row blocks of fused parts", "[checkpoint][format]") {
+  // A 4 x 6 parameter; columns 3-5 (tensor rank 1 of 2, split by columns).
+  dsrun::TensorRegion columns{1, {{3, 3}}};
+  CHECK(dsrun::region_shape({4, 6}, columns) == std::vector<int64_t>{4, 3});
+  auto runs = dsrun::region_runs({4, 6}, columns);
+  REQUIRE(runs.size() == 4);  // one run per row
+  CHECK(runs[1].in_region == 3);
+  CHECK(runs[1].in_whole == 9);
+  CHECK(runs[1].count == 3);
+  // Rows 1 and 3 of a fused q|k pair of 2 rows each (tensor rank 1 of 2, split by rows in parts).
+  dsrun::TensorRegion rows{0, {{1, 1}, {3, 1}}};
+  std::vector<float> whole(24);
+  for (int i = 0; i < 24; ++i) whole[i] = static_cast<float>(i);
+  std::vector<float> part(5);
+  dsrun::copy_region_range(dsrun::region_runs({4, 6}, rows), 4, 9, part.data(), whole.data(), /*to_whole=*/false);
+  CHECK(part == std::vector<float>{10, 11, 18, 19, 20});  // region elements 4-8: the end of row 1, the start of row 3
+  CHECK_THROWS_WITH(dsrun::region_runs({4, 6}, dsrun::TensorRegion{1, {{4, 3}}}), Catch::Contains("outside dimension 1"));
+}
+
+TEST_CASE("the reader assembles any region of a parameter from slices of any other", "[checkpoint][format]") {
+  // A 4 x 6 parameter written by tensor parallelism over columns (2 regions of 4 x 3), each region
+  // cut in two by ZeRO: four slices in four rank files.
+  dsrun::test::TempDir dir;
+  const std::string step_dir = dir.file(dsrun::checkpoint_dir_name(1));
+  dsrun::make_directories(step_dir);
+  std::vector<float> whole(24);
+  for (int i = 0; i < 24; ++i) whole[i] = static_cast<float>(i) + 0.5f;
+  dsrun::CheckpointManifest m;
+  m.step = 1;
+  m.world_size = 4;
+  dsrun::StoredParam p{"w", {4, 6}, {}};
+  std::vector<std::vector<float>> data(4);
+  for (int r = 0; r < 4; ++r) {
+    dsrun::ParamSlice sl;
+    sl.rank = r;
+    sl.region = dsrun::TensorRegion{1, {{3 * (r / 2), 3}}};
+    sl.begin = r % 2 == 0 ? 0 : 5;
+    sl.end = r % 2 == 0 ? 5 : 12;
+    sl.tensor = "w";
+    std::vector<float> region(12);
+    dsrun::copy_region_range(dsrun::region_runs(p.shape, sl.region), 0, 12, region.data(), whole.data(), false);
+    data[r].assign(region.begin() + sl.begin, region.begin() + sl.end);
+    dsrun::SafetensorsWriter w;
+    w.add(dsrun::slice_tensor_name("w", "master"), "F32", {sl.end - sl.begin}, data[r].data());
+    dsrun::WrittenFile f = w.write_atomic(step_dir + "/" + dsrun::rank_file_name(r));
+    m.files.push_back({dsrun::rank_file_name(r), r, f.bytes, f.checksum});
+    p.slices.push_back(sl);
+  }
+  m.params = {p};
+  dsrun::commit_checkpoint(step_dir, m);
+  const dsrun::CheckpointManifest back = dsrun::read_checkpoint(step_dir, true);  // through JSON
+  REQUIRE(back.params.size() == 1);
+  CHECK(back.params[0].slices[3].region == p.slices[3].region);
+  dsrun::CheckpointReader reader(step_dir, back);
+  const dsrun::StoredParam& stored = *reader.find("w");
+  CHECK(reader.read_whole(stored) == whole);
+  // The same region (ZeRO-resharded): straight from the slices.
+  std::vector<float> out(7);
+  reader.read(stored, "master", dsrun::TensorRegion{1, {{3, 3}}}, 2, 9, out.data());
+  CHECK(out == std::vector<float>{5.5f, 9.5f, 10.5f, 11.5f, 15.5f, 16.5f, 17.5f});
+  // Another tensor-parallel cut (rows), and no tensor parallelism at all.
+  reader.read(stored, "master", dsrun::TensorRegion{0, {{2, 2}}}, 0, 7, out.data());
+  CHECK(out == std::vector<float>{12.5f, 13.5f, 14.5f, 15.5f, 16.5f, 17.5f, 18.5f});
+  reader.read(stored, "master", dsrun::TensorRegion{}, 17, 24, out.data());
+  CHECK(out == std::vector<float>{17.5f, 18.5f, 19.5f, 20.5f, 21.5f, 22.5f, 23.5f});
+  CHECK(reader.bytes_read() > 0);
+
+  // A manifest whose slices leave part of a parameter out is refused when the part is read.
+  dsrun::CheckpointManifest gap = back;
+  gap.params[0].slices.pop_back();
+  dsrun::CheckpointReader partial(step_dir, gap);
+  CHECK_THROWS_WITH(partial.read_whole(*partial.find("w")), Catch::Contains("its slices hold 17 of its 24 elements"));
+  // One that points outside the parameter is refused when read.
+  nlohmann::json j = nlohmann::json::parse(dsrun::manifest_to_json(back));
+  j["params"][0]["slices"][0]["ranges"][0][0] = 5;
+  CHECK_THROWS_WITH(dsrun::manifest_from_json(j.dump(), "manifest.json"), Catch::Contains("a slice of parameter w"));
 }

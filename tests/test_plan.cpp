@@ -307,3 +307,46 @@ TEST_CASE("the plan counts checkpoint disk: one that cannot fit is refused, rete
   CHECK(!elsewhere.hardware_present);
   CHECK(elsewhere.binds != "disk");
 }
+
+TEST_CASE("the plan counts asynchronous checkpoints' staging memory and says each save's pause", "[plan][checkpoint]") {
+  // GPUs: asynchronous unless the recipe says otherwise; the pause is the copy over PCIe alone.
+  const LoadedRecipe seven = load_text(kSevenB + "[run]\nsteps = 100\n[checkpoint]\nevery = 50\n");
+  const Plan gpu = make_plan(seven.recipe, dsrun::test::small_host());
+  const dsrun::HardwareSpec& hw = seven.recipe.hardware;
+  const CheckpointDisk& d = gpu.checkpoint_disk;
+  CHECK(d.async);
+  CHECK(d.staging_per_rank == Approx(d.bytes / gpu.world_size));
+  CHECK(gpu.host.checkpoint_staging == Approx(d.staging_per_rank));  // pinned host memory, per rank
+  CHECK(d.pause_seconds == Approx(d.copy_seconds));
+  CHECK(d.copy_seconds == Approx(d.staging_per_rank / (hw.host_link_bandwidth * hw.comm_efficiency)));  // over PCIe
+  CHECK(d.write_seconds == Approx(d.staging_per_rank * gpu.ranks_per_node / 1e9));  // hardware.disk_write_gbs = 1
+  CHECK(render_plan(gpu).find("asynchronous (checkpoint.async): training pauses") != std::string::npos);
+  CHECK(d.staging_pinned);
+  // Offloaded states are in host memory already: a memory copy (a read and a write), unpinned.
+  const Plan offload = make_plan(load_text(kSevenB + "[parallel]\nzero_stage = 2\noffload = \"optimizer\"\n[run]\nsteps = 100\n[checkpoint]\nevery = 50\n").recipe,
+                                 dsrun::test::small_host());
+  CHECK_FALSE(offload.checkpoint_disk.staging_pinned);
+  CHECK(offload.checkpoint_disk.copy_seconds == Approx(offload.checkpoint_disk.staging_per_rank / (hw.host_memory_bandwidth / 2)));
+  // Synchronous: no staging kept, and the pause includes the write.
+  const Plan sync = make_plan(load_text(kSevenB + "[run]\nsteps = 100\n[checkpoint]\nevery = 50\nasync = false\n").recipe, dsrun::test::small_host());
+  CHECK_FALSE(sync.checkpoint_disk.async);
+  CHECK(sync.host.checkpoint_staging == 0);
+  CHECK(sync.host.total() == Approx(gpu.host.total() - d.staging_per_rank));
+  CHECK(sync.checkpoint_disk.pause_seconds == Approx(d.copy_seconds + d.write_seconds));
+  // CPU ranks: synchronous unless asked.
+  const std::string tiny = "base = [\"hardware/cpu\", \"models/deepseek-tiny\"]\n";
+  CHECK_FALSE(make_plan(load_text(tiny).recipe, dsrun::test::small_host()).checkpoint_disk.async);
+  CHECK(make_plan(load_text(tiny + "[checkpoint]\nasync = true\n").recipe, dsrun::test::small_host()).host.checkpoint_staging > 0);
+  // Left unset, asynchronous saves give way when their staging copy is what host memory lacks.
+  const double between = (sync.host_memory_needed + gpu.host_memory_needed) / 2 / (1024.0 * 1024 * 1024);
+  const std::string tight = kSevenB + "[parallel]\nzero_stage = 3\nactivation_checkpointing = \"full\"\n[run]\nsteps = 100\n[hardware]\nhost_memory_gib = " + std::to_string(between) + "\n[checkpoint]\nevery = 50\n";
+  const Plan chosen = make_plan(load_text(tight).recipe, dsrun::test::small_host());
+  CHECK(chosen.fits);
+  CHECK_FALSE(chosen.checkpoint_disk.async);
+  bool said = false;
+  for (const auto& c : chosen.choices) said = said || (c.key == "checkpoint.async" && c.value == "false");
+  CHECK(said);
+  const Plan asked = make_plan(load_text(tight + "async = true\n").recipe, dsrun::test::small_host());
+  CHECK_FALSE(asked.fits);  // written by the user: kept, and the plan says it does not fit
+  CHECK(asked.binds == "host memory");
+}

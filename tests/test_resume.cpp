@@ -203,19 +203,18 @@ TEST_CASE("export writes safetensors with Hugging Face names holding exactly the
   options.host = dsrun::test::small_host();
   dsrun::ModelSpec spec = dsrun::load_recipe_text(manifest.config_toml, "manifest", options).recipe.model;
   size_t tensors = 0;
-  for (size_t u = 0; u < manifest.units.size(); ++u)
-    for (const auto& p : manifest.units[u].params) {
-      std::vector<float> full = reader.read_param(u, p);
-      const int64_t row = p.shape.size() > 1 ? static_cast<int64_t>(full.size()) / p.shape[0] : 1;
-      for (const auto& piece : dsrun::hf_pieces(p.name, p.shape, spec)) {
-        const dsrun::SafetensorsEntry& e = exported.at(piece.name);
-        CHECK(e.dtype == "F32");
-        std::vector<float> got = exported.read_f32(e, 0, e.numel());
-        std::vector<float> want(full.begin() + piece.row_begin * row, full.begin() + (piece.row_begin + piece.rows) * row);
-        CHECK(got == want);
-        ++tensors;
-      }
+  for (const auto& p : manifest.params) {
+    std::vector<float> full = reader.read_whole(p);
+    const int64_t row = p.shape.size() > 1 ? static_cast<int64_t>(full.size()) / p.shape[0] : 1;
+    for (const auto& piece : dsrun::hf_pieces(p.name, p.shape, spec)) {
+      const dsrun::SafetensorsEntry& e = exported.at(piece.name);
+      CHECK(e.dtype == "F32");
+      std::vector<float> got = exported.read_f32(e, 0, e.numel());
+      std::vector<float> want(full.begin() + piece.row_begin * row, full.begin() + (piece.row_begin + piece.rows) * row);
+      CHECK(got == want);
+      ++tensors;
     }
+  }
   CHECK(tensors == exported.entries().size());
   CHECK(contains(dsrun::read_file(dir.file("export/config.json")), "\"LlamaForCausalLM\""));
 
@@ -456,4 +455,205 @@ TEST_CASE("a resume whose data changed is refused naming the file, and --force t
   const std::string shown = dsrun_command(dir, "show " + crashed.id).text;
   CHECK(contains(shown, "resume_change  data file changed since the checkpoint (--force): " + dir.file("nano.bin") + ": 12000 bytes -> 4096 bytes"));
   CHECK(contains(shown, "resumed on changed data (--force)"));
+}
+
+namespace {
+
+// A layout written out whole, so that a rollback into it replaces every setting of the last one.
+std::string full_layout(int stage, int data, int tensor, int pipeline, int expert, const std::string& offload, int micro) {
+  return layout(stage, data) + " --set parallel.tensor=" + std::to_string(tensor) + " --set parallel.pipeline=" + std::to_string(pipeline) +
+         " --set parallel.expert=" + std::to_string(expert) + " --set parallel.offload=\\\"" + offload + "\\\" --set batch.micro=" + std::to_string(micro);
+}
+
+std::string run_id_in(const std::string& text) {
+  const size_t at = text.find("\nrun ");
+  return at == std::string::npos ? "" : text.substr(at + 5, 8);
+}
+
+}  // namespace
+
+TEST_CASE("one checkpoint format: every layout saves it and every other layout resumes from it", "[resume][reshard][format]") {
+  TempDir dir;
+  // A mixture-of-experts decoder, so that expert parallelism has experts to place.
+  const std::string moe = " --set model.moe.routed_experts=4 --set model.moe.top_k=2 --set model.moe.intermediate=64 --set model.moe.shared_experts=1 --set hardware.devices_per_node=4 --set schedule.warmup_steps=1";
+  // Micro-batches of one sample everywhere: the balancing loss is per micro-batch, so its size is
+  // part of the trajectory (ep2 x dp2 needs 1 for the global batch of 12 on 4 ranks).
+  const std::vector<std::pair<std::string, std::string>> layouts = {
+      {"dp2 ZeRO-0", full_layout(0, 2, 1, 1, 1, "none", 1)},
+      {"dp2 ZeRO-1", full_layout(1, 2, 1, 1, 1, "none", 1)},
+      {"dp2 ZeRO-2", full_layout(2, 2, 1, 1, 1, "none", 1)},
+      {"dp2 ZeRO-3", full_layout(3, 2, 1, 1, 1, "none", 1)},
+      {"tp2 x pp2", full_layout(1, 1, 2, 2, 1, "none", 1)},
+      {"ep2 x dp2", full_layout(1, 4, 1, 1, 2, "none", 1)},
+      {"ZeRO-3 offload", full_layout(3, 2, 1, 1, 1, "optimizer+params", 1)},
+  };
+  Run whole = train(dir, layouts[1].second + moe + " --set run.steps=3 --set checkpoint.at_end=false");
+  INFO(whole.text);
+  REQUIRE(whole.code == 0);
+  REQUIRE(whole.losses.size() == 3);
+  std::vector<std::string> writers;
+  for (const auto& [name, sets] : layouts) {
+    INFO("writer " << name);
+    Run w = train(dir, sets + moe + " --set run.steps=2");  // saves at the end, step 2
+    INFO(w.text);
+    REQUIRE(w.code == 0);
+    const dsrun::CheckpointManifest m = dsrun::read_checkpoint(checkpoint_dir(dir, w.id, 2), true);
+    CHECK(m.format_version == 3);
+    size_t sliced = 0;  // tensor parallelism's regions, ZeRO's ranges: parameters stored in parts
+    for (const auto& p : m.params) sliced += p.slices.size() > 1;
+    if (name != "dp2 ZeRO-0") CHECK(sliced > 0);
+    writers.push_back(w.id);
+  }
+  for (size_t from = 0; from < layouts.size(); ++from)
+    for (size_t to = 0; to < layouts.size(); ++to) {
+      if (from == to) continue;
+      INFO(layouts[from].first << " -> " << layouts[to].first);
+      auto out = dsrun_command(dir, "rollback " + writers[from] + " --to-step 2 --set run.steps=3 --set checkpoint.at_end=false " + layouts[to].second);
+      INFO(out.text);
+      REQUIRE(out.code == 0);
+      const std::vector<double> losses = recorded_losses(dir, run_id_in(out.text));
+      REQUIRE(losses.size() == 1);  // step 3, on the restored weights and optimizer states
+      CHECK(std::fabs(losses[0] - whole.losses[2]) <= 1e-5 * std::fabs(whole.losses[2]));
+    }
+}
+
+TEST_CASE("checkpoints in the two older formats (ZeRO shards, whole parameters) still resume and export", "[resume][format]") {
+  // tests/checkpoints/ holds step 2 of these runs as dsrun wrote them before format 3: flat ZeRO
+  // units from 2 data-parallel ranks (version 1), whole parameters from tensor parallelism (version 2).
+  TempDir dir;
+  const std::string small = " --set model.hidden=16 --set model.layers=2 --set model.heads=2 --set model.kv_heads=2 --set model.intermediate=32 --set model.vocab=64 --set run.steps=4 --set checkpoint.every=2";
+  Run reference = train(dir, layout(1, 2) + small);
+  INFO(reference.text);
+  REQUIRE(reference.code == 0);
+  REQUIRE(reference.losses.size() == 4);
+  auto out = dsrun_command(dir, "export " + reference.id + " --step 2 --to '" + dir.file("reference") + "'");
+  REQUIRE(out.code == 0);
+  dsrun::SafetensorsFile expected(dir.file("reference/model.safetensors"));
+  struct Old {
+    std::string fixture, sets;
+    int version;
+    double tolerance;  // the tensor-parallel run's sums are ordered otherwise
+  };
+  for (const Old& old : {Old{"v1_zero1_dp2", layout(1, 2), 1, 0.0}, Old{"v2_tensor2", layout(1, 1) + " --set parallel.tensor=2", 2, 1e-5}}) {
+    INFO(old.fixture);
+    Run crashed = train(dir, old.sets + small, "DSRUN_TEST_CRASH_AT=0:3");
+    REQUIRE(crashed.code == 1);
+    // Its step 2 becomes the one the older dsrun wrote for the same recipe.
+    const std::string step2 = checkpoint_dir(dir, crashed.id, 2);
+    dsrun::remove_tree(step2);
+    dsrun::make_directories(step2);
+    const std::string fixture = dsrun::test::source_dir() + "/tests/checkpoints/" + old.fixture;
+    for (const std::string& name : dsrun::list_directory(fixture)) dsrun::write_file_atomic(step2 + "/" + name, dsrun::read_file(fixture + "/" + name));
+    REQUIRE(dsrun::read_checkpoint(step2, true).format_version == old.version);
+    out = dsrun_command(dir, "resume " + crashed.id);
+    INFO(out.text);
+    REQUIRE(out.code == 0);
+    CHECK(contains(out.text, "resume from step 2"));
+    check_same_trajectory(reference.losses, Run{0, out.text, crashed.id, recorded_losses(dir, crashed.id), 0}, old.tolerance);
+    out = dsrun_command(dir, "export " + crashed.id + " --step 2 --to '" + dir.file(old.fixture) + "'");
+    INFO(out.text);
+    REQUIRE(out.code == 0);
+    dsrun::SafetensorsFile exported(dir.file(old.fixture + "/model.safetensors"));
+    REQUIRE(exported.entries().size() == expected.entries().size());
+    for (const auto& e : expected.entries()) {
+      INFO(e.name);
+      const std::vector<float> want = expected.read_f32(e, 0, e.numel()), got = exported.read_f32(exported.at(e.name), 0, e.numel());
+      for (size_t i = 0; i < want.size(); ++i) CHECK(std::fabs(got[i] - want[i]) <= old.tolerance * (1 + std::fabs(want[i])));
+    }
+  }
+}
+
+namespace {
+
+// A tmpfs of `size` mounted on `path` while it lives (root only); mounted() says whether it is.
+class SmallDisk {
+ public:
+  SmallDisk(const std::string& path, const std::string& size) : path_(path) {
+    dsrun::make_directories(path);
+    mounted_ = dsrun::test::run_command("mount -t tmpfs -o size=" + size + " tmpfs '" + path + "' 2>&1").code == 0;
+  }
+  ~SmallDisk() {
+    if (mounted_) dsrun::test::run_command("umount '" + path_ + "' 2>&1");
+  }
+  bool mounted() const { return mounted_; }
+  bool grow(const std::string& size) { return dsrun::test::run_command("mount -o remount,size=" + size + " '" + path_ + "' 2>&1").code == 0; }
+
+ private:
+  std::string path_;
+  bool mounted_ = false;
+};
+
+std::vector<int64_t> complete_steps(const std::string& root) {
+  std::vector<int64_t> steps;
+  for (const auto& c : dsrun::list_checkpoints(root)) {
+    CHECK(c.complete);  // nothing half-written left behind
+    steps.push_back(c.step);
+  }
+  return steps;
+}
+
+}  // namespace
+
+TEST_CASE("a save that meets a full disk fails cleanly, keep_last leaves the newest two, and resume goes on", "[resume][disk]") {
+  TempDir dir;
+  Run reference = train(dir, layout(1, 2) + " --set run.steps=8 --set checkpoint.at_end=false");
+  REQUIRE(reference.code == 0);
+  // Room for two checkpoints of the tiny decoder (9.8 MiB each), not for a third beside them.
+  const std::string disk = dir.file("small_disk");
+  SmallDisk small(disk, "26m");
+  // Where no filesystem can be mounted, a file size limit makes the step-6 save fail the same way.
+  const std::string env = small.mounted() ? "" : "DSRUN_TEST_FILE_SIZE_LIMIT=6:1000000";
+  if (!small.mounted()) WARN("tmpfs cannot be mounted here: RLIMIT_FSIZE stands in for the full disk");
+  const std::string sets = layout(1, 2) + " --set run.steps=8 --set checkpoint.every=2 --set checkpoint.keep_last=2 --set checkpoint.dir='\"" + disk + "\"'";
+  Run full = train(dir, sets, env);
+  INFO(full.text);
+  REQUIRE(full.code == 1);
+  CHECK(contains(full.text, "checkpoint at step 6 did not fit"));
+  CHECK(contains(full.text, "checkpoint.dir"));
+  CHECK(contains(full.text, "It needs 9.8"));  // the checkpoint's bytes, all ranks
+  CHECK(contains(full.text, "the newest complete checkpoint is step 4"));
+  const std::string root = disk + "/" + full.id;  // checkpoint.dir holds a directory per run
+  CHECK(complete_steps(root) == std::vector<int64_t>{2, 4});  // step 6's partial files removed, retention untouched
+  CHECK(dsrun::Store(dir.file("runs.db")).get_run(full.id).status == dsrun::RunStatus::Failed);
+
+  if (small.mounted()) REQUIRE(small.grow("64m"));
+  auto out = dsrun_command(dir, "resume " + full.id);
+  INFO(out.text);
+  REQUIRE(out.code == 0);
+  CHECK(contains(out.text, "resume from step 4"));
+  CHECK(complete_steps(root) == std::vector<int64_t>{6, 8});  // keep_last = 2: exactly the newest two
+  CHECK(recorded_losses(dir, full.id) == reference.losses);
+}
+
+TEST_CASE("asynchronous saves: the trajectory is the synchronous one bitwise, each save records its pause, a crash mid-write leaves the previous checkpoint latest", "[resume][async]") {
+  TempDir dir;
+  Run async = train(dir, layout(1, 2) + kSixSteps + " --set checkpoint.async=true");
+  INFO(async.text);
+  REQUIRE(async.code == 0);
+  CHECK(async.losses == uninterrupted());
+  CHECK(complete_steps(dir.file(async.id + "/checkpoints")) == std::vector<int64_t>{2, 4, 6});
+  const std::vector<double> pauses = dsrun::test::recorded_metric(dir, async.id, "checkpoint_pause_s");
+  const std::vector<double> bandwidth = dsrun::test::recorded_metric(dir, async.id, "checkpoint_write_MBps");
+  CHECK(pauses.size() == 3);
+  CHECK(bandwidth.size() == 3);
+  for (double b : bandwidth) CHECK(b > 0);
+  int async_events = 0;
+  for (const auto& e : dsrun::Store(dir.file("runs.db")).events(async.id)) async_events += e.kind == "checkpoint" && contains(e.message, "(async)");
+  CHECK(async_events == 3);
+
+  // Rank 1 dies in its writer thread, its file of step 4 written, before the commit.
+  Run crashed = train(dir, layout(1, 2) + kSixSteps + " --set checkpoint.async=true", "DSRUN_TEST_CRASH_IN_SAVE=1:4");
+  INFO(crashed.text);
+  REQUIRE(crashed.code == 1);
+  CHECK_FALSE(dsrun::file_exists(checkpoint_dir(dir, crashed.id, 4) + "/COMPLETE"));
+  auto newest = dsrun::find_checkpoint(dir.file(crashed.id + "/checkpoints"), -1, false);
+  REQUIRE(newest.has_value());
+  CHECK(newest->step == 2);
+  auto out = dsrun_command(dir, "resume " + crashed.id);
+  INFO(out.text);
+  REQUIRE(out.code == 0);
+  CHECK(contains(out.text, "resume from step 2"));
+  CHECK(recorded_losses(dir, crashed.id) == uninterrupted());
+  // A resume reads its checkpoint and records how fast.
+  CHECK(dsrun::test::recorded_metric(dir, crashed.id, "checkpoint_read_MBps").size() == 1);
 }

@@ -111,8 +111,7 @@ void check_model_parallel(const std::string& model, const std::string& parallel,
     dsrun::CheckpointManifest m = dsrun::read_checkpoint(ckpt, true);
     dsrun::CheckpointReader reader(ckpt, m);
     std::map<std::string, std::vector<float>> weights;
-    for (size_t u = 0; u < m.units.size(); ++u)
-      for (const auto& p : m.units[u].params) weights[p.name] = reader.read_param(u, p);
+    for (const auto& p : m.params) weights[p.name] = reader.read_whole(p);
     return weights;
   };
   const auto a = final_weights(one), b = final_weights(tp);

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <tuple>
 
 namespace dsrun {
 
@@ -28,6 +29,42 @@ int64_t step_of_directory(const std::string& name) {
   return std::atoll(name.c_str() + 5);
 }
 
+// Versions 1 and 2 stored flat units ("unit3.master" in each file): rank r's file held elements
+// checkpoint_slice(numel, world, r) of each (version 1), or the ranges a unit's "slices" list
+// (version 2). Each parameter's part of such a range is a slice of the whole parameter.
+std::vector<StoredParam> legacy_params(const nlohmann::json& units, int world) {
+  std::vector<StoredParam> out;
+  for (size_t k = 0; k < units.size(); ++k) {
+    const nlohmann::json& u = units[k];
+    const int64_t numel = u.at("numel").get<int64_t>();
+    std::vector<std::tuple<int, int64_t, int64_t>> held;  // rank, [begin, end) of the unit
+    if (u.contains("slices"))
+      for (const auto& sl : u.at("slices")) held.emplace_back(sl.at("rank").get<int>(), sl.at("begin").get<int64_t>(), sl.at("end").get<int64_t>());
+    else
+      for (int r = 0; r < world; ++r) {
+        auto [b, e] = checkpoint_slice(numel, world, r);
+        held.emplace_back(r, b, e);
+      }
+    for (const auto& p : u.at("params")) {
+      StoredParam param{p.at("name"), p.at("shape").get<std::vector<int64_t>>(), {}};
+      const int64_t offset = p.at("offset").get<int64_t>(), n = element_count(param.shape);
+      for (const auto& [rank, b, e] : held) {
+        const int64_t lo = std::max(b, offset), hi = std::min(e, offset + n);
+        if (lo >= hi) continue;
+        ParamSlice sl;
+        sl.rank = rank;
+        sl.begin = lo - offset;
+        sl.end = hi - offset;
+        sl.tensor = "unit" + std::to_string(k);
+        sl.tensor_offset = lo - b;
+        param.slices.push_back(std::move(sl));
+      }
+      out.push_back(std::move(param));
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 std::string checkpoint_dir_name(int64_t step) {
@@ -42,7 +79,7 @@ std::string rank_file_name(int rank) {
   return buf;
 }
 
-std::string unit_tensor_name(size_t unit, const std::string& kind) { return "unit" + std::to_string(unit) + "." + kind; }
+std::string slice_tensor_name(const std::string& tensor, const std::string& kind) { return tensor + "." + kind; }
 
 std::pair<int64_t, int64_t> checkpoint_slice(int64_t numel, int world, int rank) {
   const int64_t chunk = (numel + world - 1) / world;
@@ -66,16 +103,19 @@ std::string manifest_to_json(const CheckpointManifest& m) {
   j["created_at"] = m.created_at;
   j["files"] = nlohmann::ordered_json::array();
   for (const auto& f : m.files) j["files"].push_back({{"name", f.name}, {"rank", f.rank}, {"bytes", f.bytes}, {"checksum", f.checksum}});
-  j["units"] = nlohmann::ordered_json::array();
-  for (const auto& u : m.units) {
-    nlohmann::ordered_json params = nlohmann::ordered_json::array();
-    for (const auto& p : u.params) params.push_back({{"name", p.name}, {"shape", p.shape}, {"offset", p.offset}});
-    nlohmann::ordered_json unit = {{"name", u.name}, {"numel", u.numel}, {"params", params}};
-    if (!u.slices.empty()) {
-      unit["slices"] = nlohmann::ordered_json::array();
-      for (const auto& sl : u.slices) unit["slices"].push_back({{"rank", sl.rank}, {"begin", sl.begin}, {"end", sl.end}});
+  j["params"] = nlohmann::ordered_json::array();
+  for (const auto& p : m.params) {
+    nlohmann::ordered_json slices = nlohmann::ordered_json::array();
+    for (const auto& sl : p.slices) {
+      nlohmann::ordered_json one = {{"rank", sl.rank}, {"begin", sl.begin}, {"end", sl.end}};
+      if (!sl.region.whole()) {
+        one["dim"] = sl.region.dim;
+        one["ranges"] = nlohmann::ordered_json::array();
+        for (const auto& [b, n] : sl.region.ranges) one["ranges"].push_back({b, n});
+      }
+      slices.push_back(one);
     }
-    j["units"].push_back(unit);
+    j["params"].push_back({{"name", p.name}, {"shape", p.shape}, {"slices", slices}});
   }
   if (!m.data_files.empty()) j["data_files"] = data_files_to_json(m.data_files);
   j["config_toml"] = m.config_toml;
@@ -88,8 +128,8 @@ CheckpointManifest manifest_from_json(const std::string& text, const std::string
   CheckpointManifest m;
   try {
     m.format_version = j.at("format_version").get<int>();
-    // 2: units may name their slices (tensor- and pipeline-parallel runs write whole parameters).
-    if (m.format_version < 1 || m.format_version > 2) bad_checkpoint(path, -1, "manifest format version " + std::to_string(m.format_version) + " is newer than this dsrun reads (2)");
+    // 1: flat units; 2: units may name their slices (whole parameters); 3: parameters in slices.
+    if (m.format_version < 1 || m.format_version > 3) bad_checkpoint(path, -1, "manifest format version " + std::to_string(m.format_version) + " is newer than this dsrun reads (3)");
     m.run_id = j.at("run_id").get<std::string>();
     m.step = j.at("step").get<int64_t>();
     m.samples_seen = j.at("samples_seen").get<int64_t>();
@@ -103,17 +143,43 @@ CheckpointManifest manifest_from_json(const std::string& text, const std::string
     m.config_toml = j.at("config_toml").get<std::string>();
     if (j.contains("data_files")) m.data_files = data_files_from_json(j.at("data_files"));  // absent before dsrun recorded it
     for (const auto& f : j.at("files")) m.files.push_back({f.at("name"), f.at("rank"), f.at("bytes"), f.at("checksum")});
-    for (const auto& u : j.at("units")) {
-      CheckpointUnit unit{u.at("name"), u.at("numel"), {}, {}};
-      for (const auto& p : u.at("params")) unit.params.push_back({p.at("name"), p.at("shape").get<std::vector<int64_t>>(), p.at("offset")});
-      if (u.contains("slices"))
-        for (const auto& sl : u.at("slices")) unit.slices.push_back({sl.at("rank"), sl.at("begin"), sl.at("end")});
-      m.units.push_back(std::move(unit));
+    if (m.format_version >= 3) {
+      for (const auto& p : j.at("params")) {
+        StoredParam param{p.at("name"), p.at("shape").get<std::vector<int64_t>>(), {}};
+        for (const auto& sl : p.at("slices")) {
+          ParamSlice slice;
+          slice.rank = sl.at("rank");
+          slice.begin = sl.at("begin");
+          slice.end = sl.at("end");
+          if (sl.contains("dim")) {
+            slice.region.dim = sl.at("dim");
+            for (const auto& r : sl.at("ranges")) slice.region.ranges.push_back({r.at(0), r.at(1)});
+          }
+          slice.tensor = param.name;
+          param.slices.push_back(std::move(slice));
+        }
+        m.params.push_back(std::move(param));
+      }
+    } else {
+      m.params = legacy_params(j.at("units"), m.world_size);
     }
   } catch (const nlohmann::json::exception& e) {
     bad_checkpoint(path, m.step, std::string("manifest field missing or of the wrong type: ") + e.what());
   }
   if (m.world_size < 1 || static_cast<int>(m.files.size()) != m.world_size) bad_checkpoint(path, m.step, "manifest lists " + std::to_string(m.files.size()) + " files for world size " + std::to_string(m.world_size));
+  for (const StoredParam& p : m.params)
+    for (const ParamSlice& sl : p.slices) {
+      std::string problem;
+      if (sl.rank < 0 || sl.rank >= m.world_size) problem = "names rank " + std::to_string(sl.rank) + "'s file of " + std::to_string(m.world_size);
+      try {
+        const int64_t n = element_count(region_shape(p.shape, sl.region));
+        region_runs(p.shape, sl.region);
+        if (sl.begin < 0 || sl.begin > sl.end || sl.end > n) problem = "has elements [" + std::to_string(sl.begin) + ", " + std::to_string(sl.end) + ") of a region of " + std::to_string(n);
+      } catch (const Error& e) {
+        problem = e.what();
+      }
+      if (!problem.empty()) bad_checkpoint(path, m.step, "a slice of parameter " + p.name + " " + problem);
+    }
   return m;
 }
 
@@ -192,7 +258,14 @@ std::vector<std::string> checkpoints_to_remove(const std::vector<CheckpointInfo>
 }
 
 CheckpointReader::CheckpointReader(std::string dir, CheckpointManifest manifest, bool verify_checksums)
-    : dir_(std::move(dir)), m_(std::move(manifest)), verify_(verify_checksums) {}
+    : dir_(std::move(dir)), m_(std::move(manifest)), verify_(verify_checksums) {
+  for (size_t i = 0; i < m_.params.size(); ++i) by_name_[m_.params[i].name] = i;
+}
+
+const StoredParam* CheckpointReader::find(const std::string& name) const {
+  auto it = by_name_.find(name);
+  return it == by_name_.end() ? nullptr : &m_.params[it->second];
+}
 
 const SafetensorsFile& CheckpointReader::rank_file(int rank) {
   auto& f = files_[rank];
@@ -206,33 +279,44 @@ const SafetensorsFile& CheckpointReader::rank_file(int rank) {
   return *f;
 }
 
-void CheckpointReader::read_unit(const std::string& kind, size_t unit, int64_t begin, int64_t end, float* out) {
-  const CheckpointUnit& u = m_.units.at(unit);
-  end = std::min(end, u.numel);
-  std::vector<CheckpointSlice> slices = u.slices;
-  if (slices.empty())
-    for (int r = 0; r < m_.world_size; ++r) {
-      auto [b, e] = checkpoint_slice(u.numel, m_.world_size, r);
-      slices.push_back({r, b, e});
-    }
-  for (const CheckpointSlice& sl : slices) {
-    const int64_t b = sl.begin, e = sl.end;
-    const int64_t lo = std::max(b, begin), hi = std::min(e, end);
-    if (lo >= hi) continue;
-    if (sl.rank < 0 || sl.rank >= m_.world_size) bad_checkpoint(dir_, m_.step, "unit " + u.name + " names rank " + std::to_string(sl.rank) + "'s file, and there are " + std::to_string(m_.world_size));
-    const SafetensorsFile& f = rank_file(sl.rank);
-    const SafetensorsEntry& entry = f.at(unit_tensor_name(unit, kind));
-    if (entry.dtype != "F32" || entry.numel() != e - b) bad_checkpoint(f.path(), m_.step, "tensor " + entry.name + " has the wrong dtype or size for its slice");
-    f.read(entry, static_cast<uint64_t>(lo - b) * 4, static_cast<uint64_t>(hi - lo) * 4, out + (lo - begin));
-  }
+void CheckpointReader::read_slice(const StoredParam& p, const ParamSlice& s, const std::string& kind, int64_t begin, int64_t end, float* out) {
+  const SafetensorsFile& f = rank_file(s.rank);
+  const SafetensorsEntry& entry = f.at(slice_tensor_name(s.tensor, kind));
+  if (entry.dtype != "F32" || entry.numel() < s.tensor_offset + (s.end - s.begin))
+    bad_checkpoint(f.path(), m_.step, "tensor " + entry.name + " (of " + p.name + ") has the wrong dtype or size for its slice");
+  const uint64_t bytes = static_cast<uint64_t>(end - begin) * 4;
+  f.read(entry, static_cast<uint64_t>(s.tensor_offset + begin - s.begin) * 4, bytes, out);
+  bytes_read_ += bytes;
 }
 
-std::vector<float> CheckpointReader::read_param(size_t unit, const CheckpointParam& p, const std::string& kind) {
-  int64_t n = 1;
-  for (int64_t d : p.shape) n *= d;
-  std::vector<float> out(static_cast<size_t>(n));
-  read_unit(kind, unit, p.offset, p.offset + n, out.data());
-  return out;
+std::vector<float> CheckpointReader::read_whole(const StoredParam& p, const std::string& kind) {
+  std::vector<float> whole(static_cast<size_t>(element_count(p.shape)));
+  int64_t covered = 0;
+  std::vector<float> part;
+  for (const ParamSlice& s : p.slices) {
+    part.resize(static_cast<size_t>(s.end - s.begin));
+    read_slice(p, s, kind, s.begin, s.end, part.data());
+    copy_region_range(region_runs(p.shape, s.region), s.begin, s.end, part.data(), whole.data(), /*to_whole=*/true);
+    covered += s.end - s.begin;
+  }
+  if (covered != static_cast<int64_t>(whole.size()))
+    bad_checkpoint(dir_, m_.step, "parameter " + p.name + ": its slices hold " + std::to_string(covered) + " of its " + std::to_string(whole.size()) + " elements");
+  return whole;
+}
+
+void CheckpointReader::read(const StoredParam& p, const std::string& kind, const TensorRegion& region, int64_t begin, int64_t end, float* out) {
+  // The same region as stored (the same tensor-parallel degree, or none): copy the ranges straight.
+  int64_t covered = 0;
+  for (const ParamSlice& s : p.slices) {
+    if (!(s.region == region)) continue;
+    const int64_t lo = std::max(begin, s.begin), hi = std::min(end, s.end);
+    if (lo >= hi) continue;
+    read_slice(p, s, kind, lo, hi, out + (lo - begin));
+    covered += hi - lo;
+  }
+  if (covered == end - begin) return;
+  std::vector<float> whole = read_whole(p, kind);
+  copy_region_range(region_runs(p.shape, region), begin, end, out, whole.data(), /*to_whole=*/false);
 }
 
 }  // namespace dsrun

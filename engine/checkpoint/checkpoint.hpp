@@ -4,6 +4,7 @@
 #pragma once
 
 #include "engine/checkpoint/safetensors.hpp"
+#include "engine/common/tensor_region.hpp"
 #include "engine/data/data_identity.hpp"
 
 #include <cstdint>
@@ -15,28 +16,23 @@
 
 namespace dsrun {
 
-// A checkpoint stores every flat unit of parameter space (as ZeRO lays it out) cut into world-size
-// slices: rank r holds elements [r * ceil(n / world), ...) of each unit, whatever the ZeRO stage.
-// That layout is the same for stage 0 and 3, so a checkpoint loads into any stage and any world size.
-// Tensor- and pipeline-parallel runs store one unit per parameter, each whole (its full shape,
-// whatever slices the ranks held) in the file of the rank that gathered it: `slices` says where.
-// Either way every parameter is logical, so any layout resumes from any other.
-struct CheckpointParam {
+// The one format (version 3): every parameter is stored as slices, each a flat range of a region of
+// it (tensor parallelism's part, TensorRegion) held by one rank's file, as PyTorch DCP stores
+// sharded tensors. ZeRO's shard of a rank is such a range, so every layout writes its own slices
+// without gathering and reads any other's by name. Versions 1 (flat ZeRO units cut into world-size
+// slices) and 2 (whole parameters from model-parallel runs) are read into the same slices.
+struct ParamSlice {
+  int rank = 0;                // whose file holds it
+  TensorRegion region;         // the part of the parameter the range is of
+  int64_t begin = 0, end = 0;  // elements of the region, row-major
+  std::string tensor;          // in the file: tensor "<tensor>.<kind>" (version 3: the parameter's name; 1-2: "unit3")
+  int64_t tensor_offset = 0;   // element of that tensor where the slice starts
+};
+
+struct StoredParam {
   std::string name;            // the model's parameter name, "block0.attn.wqkv.weight"
-  std::vector<int64_t> shape;
-  int64_t offset = 0;          // first element within the unit
-};
-
-struct CheckpointSlice {
-  int rank = 0;                // whose file holds elements [begin, end) of the unit
-  int64_t begin = 0, end = 0;
-};
-
-struct CheckpointUnit {
-  std::string name;            // "embedding", "block 3", "head"
-  int64_t numel = 0;
-  std::vector<CheckpointParam> params;
-  std::vector<CheckpointSlice> slices;  // empty: checkpoint_slice(numel, world_size, r) in rank r's file
+  std::vector<int64_t> shape;  // the whole parameter's
+  std::vector<ParamSlice> slices;
 };
 
 struct CheckpointFile {
@@ -47,7 +43,7 @@ struct CheckpointFile {
 };
 
 struct CheckpointManifest {
-  int format_version = 1;
+  int format_version = 3;
   std::string run_id;
   int64_t step = 0;            // optimizer steps completed; training continues with step + 1
   int64_t samples_seen = 0;    // the data position: the next sample index is samples_seen
@@ -60,7 +56,7 @@ struct CheckpointManifest {
   double created_at = 0;
   std::string config_toml;     // the resolved config the ranks ran
   std::vector<DataFileIdentity> data_files;  // what the run read, to refuse a resume whose data changed (empty: not recorded)
-  std::vector<CheckpointUnit> units;
+  std::vector<StoredParam> params;  // read from any version; written as version 3
   std::vector<CheckpointFile> files;
 };
 
@@ -69,8 +65,8 @@ constexpr const char* kCompleteMarker = "COMPLETE";
 
 std::string checkpoint_dir_name(int64_t step);  // "step_00000100"
 std::string rank_file_name(int rank);           // "rank00003.safetensors"
-std::string unit_tensor_name(size_t unit, const std::string& kind);  // "unit3.master"
-// Elements [begin, end) of an n-element unit that `rank` of `world` stores.
+std::string slice_tensor_name(const std::string& tensor, const std::string& kind);  // "block0.norm.weight.master"
+// Elements [begin, end) of an n-element flat unit that `rank` of `world` stores (ZeRO's shards).
 std::pair<int64_t, int64_t> checkpoint_slice(int64_t numel, int world, int rank);
 
 std::string manifest_to_json(const CheckpointManifest& m);
@@ -100,24 +96,30 @@ std::optional<CheckpointInfo> find_checkpoint(const std::string& root, int64_t m
 // multiple of `keep_every` (> 0); incomplete ones older than the newest complete one go too.
 std::vector<std::string> checkpoints_to_remove(const std::vector<CheckpointInfo>& all, int64_t keep_last, int64_t keep_every);
 
-// Reads ranges of units from a checkpoint's rank files, whichever world size wrote them.
+// Reads parts of parameters from a checkpoint's rank files, whichever layout wrote them.
 class CheckpointReader {
  public:
   // verify_checksums: each rank file's checksum is checked when it is first opened.
   CheckpointReader(std::string dir, CheckpointManifest manifest, bool verify_checksums = false);
   const CheckpointManifest& manifest() const { return m_; }
-  // Elements [begin, end) (clipped to the unit) of tensor `kind` of unit `unit` into out[0, end - begin).
-  void read_unit(const std::string& kind, size_t unit, int64_t begin, int64_t end, float* out);
+  const StoredParam* find(const std::string& name) const;
+  // Elements [begin, end) of `region` of parameter p's tensor `kind` ("master" or an optimizer
+  // state), row-major, into out[0, end - begin). Straight from the slices of the same region
+  // when they cover the range; otherwise from the whole parameter, assembled.
+  void read(const StoredParam& p, const std::string& kind, const TensorRegion& region, int64_t begin, int64_t end, float* out);
+  std::vector<float> read_whole(const StoredParam& p, const std::string& kind = "master");
   // One rank's file, opened (and parsed) once.
   const SafetensorsFile& rank_file(int rank);
-  // A parameter's full value (or optimizer state `kind`), gathered from the slices that hold it.
-  std::vector<float> read_param(size_t unit, const CheckpointParam& p, const std::string& kind = "master");
+  uint64_t bytes_read() const { return bytes_read_; }
 
  private:
+  void read_slice(const StoredParam& p, const ParamSlice& s, const std::string& kind, int64_t begin, int64_t end, float* out);
   std::string dir_;
   CheckpointManifest m_;
   bool verify_ = false;
   std::map<int, std::unique_ptr<SafetensorsFile>> files_;
+  std::map<std::string, size_t> by_name_;
+  uint64_t bytes_read_ = 0;
 };
 
 }  // namespace dsrun

@@ -118,35 +118,36 @@ ExportResult export_checkpoint(const std::string& checkpoint_dir, const std::str
   require_valid(loaded);
   const ModelSpec& spec = loaded.recipe.model;
   auto reader = std::make_shared<CheckpointReader>(checkpoint_dir, manifest);
+  const CheckpointManifest& stored = reader->manifest();
   const bool bf16 = dtype == "bf16";
   SafetensorsWriter writer;
   writer.set_metadata("format", "pt");
   writer.set_metadata("dsrun.run_id", manifest.run_id);
   writer.set_metadata("dsrun.step", std::to_string(manifest.step));
   ExportResult result;
-  for (size_t u = 0; u < manifest.units.size(); ++u)
-    for (const auto& p : manifest.units[u].params) {
-      int64_t row_elements = 1;
-      for (size_t d = 1; d < p.shape.size(); ++d) row_elements *= p.shape[d];
-      for (const auto& piece : hf_pieces(p.name, p.shape, spec)) {
-        std::vector<int64_t> shape = p.shape.empty() ? std::vector<int64_t>{} : p.shape;
-        if (!shape.empty()) shape[0] = piece.rows;
-        const int64_t first = p.offset + piece.row_begin * row_elements, count = piece.rows * row_elements;
-        writer.add(piece.name, bf16 ? "BF16" : "F32", shape, [reader, u, first, count, bf16](char* out) {
-          std::vector<float> values(static_cast<size_t>(count));
-          reader->read_unit("master", u, first, first + count, values.data());
-          if (!bf16) {
-            std::memcpy(out, values.data(), values.size() * 4);
-            return;
-          }
-          for (size_t i = 0; i < values.size(); ++i) {
-            uint16_t h = float_to_bf16(values[i]);
-            std::memcpy(out + 2 * i, &h, 2);
-          }
-        });
-        ++result.tensors;
-      }
+  for (const StoredParam& p : stored.params) {
+    int64_t row_elements = 1;
+    for (size_t d = 1; d < p.shape.size(); ++d) row_elements *= p.shape[d];
+    for (const auto& piece : hf_pieces(p.name, p.shape, spec)) {
+      std::vector<int64_t> shape = p.shape;
+      if (!shape.empty()) shape[0] = piece.rows;
+      const int64_t first = piece.row_begin * row_elements, count = piece.rows * row_elements;
+      const StoredParam* param = &p;  // the manifest lives in the reader, which the writer keeps alive
+      writer.add(piece.name, bf16 ? "BF16" : "F32", shape, [reader, param, first, count, bf16](char* out) {
+        std::vector<float> values(static_cast<size_t>(count));
+        reader->read(*param, "master", TensorRegion{}, first, first + count, values.data());
+        if (!bf16) {
+          std::memcpy(out, values.data(), values.size() * 4);
+          return;
+        }
+        for (size_t i = 0; i < values.size(); ++i) {
+          uint16_t h = float_to_bf16(values[i]);
+          std::memcpy(out + 2 * i, &h, 2);
+        }
+      });
+      ++result.tensors;
     }
+  }
   make_directories(out_dir);
   result.weights_path = path_join(out_dir, "model.safetensors");
   result.config_path = path_join(out_dir, "config.json");

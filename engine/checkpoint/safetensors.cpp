@@ -20,11 +20,18 @@ namespace dsrun {
 
 namespace {
 
-[[noreturn]] void bad_file(const std::string& path, const std::string& what, const std::string& hint = "") {
+[[noreturn]] void bad_file(const std::string& path, const std::string& what, const std::string& hint = "", int system_errno = 0) {
   ErrorContext c;
   c.file = path;
   c.hint = hint.empty() ? "the file is damaged or not safetensors; use another checkpoint (dsrun resume --fallback) or re-export it" : hint;
+  c.system_errno = system_errno;
   throw Error(what, c);
+}
+
+// A failed write or fsync: errno travels with the error, so that a full disk can be told apart.
+[[noreturn]] void write_failed(const std::string& path, const std::string& what) {
+  const int e = errno;
+  bad_file(path, what + ": " + std::strerror(e), "check free space and permissions", e);
 }
 
 // An owned file descriptor.
@@ -44,7 +51,8 @@ void write_all(int fd, const void* data, size_t bytes, const std::string& path, 
   while (bytes > 0) {
     ssize_t n = ::write(fd, p, std::min<size_t>(bytes, size_t{1} << 30));
     if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) bad_file(path, std::string("cannot write: ") + std::strerror(errno), "check free space and permissions");
+    if (n == 0) errno = ENOSPC;  // no progress on a regular file: no room
+    if (n <= 0) write_failed(path, "cannot write");
     p += n;
     bytes -= static_cast<size_t>(n);
   }
@@ -114,6 +122,7 @@ WrittenFile SafetensorsWriter::write_atomic(const std::string& path) const {
   XXH3_state_t* state = XXH3_createState();
   DSRUN_ASSERT(state != nullptr, "xxhash state");
   XXH3_64bits_reset(state);
+  // Whatever fails from here leaves no PATH.tmp behind (a full disk stays as full as it was).
   try {
     write_all(fd.fd, length, 8, tmp, state);
     write_all(fd.fd, text.data(), text.size(), tmp, state);
@@ -129,11 +138,17 @@ WrittenFile SafetensorsWriter::write_atomic(const std::string& path) const {
     }
   } catch (...) {
     XXH3_freeState(state);
+    ::unlink(tmp.c_str());
     throw;
   }
   WrittenFile written{8 + text.size() + data_bytes_, hex64(XXH3_64bits_digest(state))};
   XXH3_freeState(state);
-  if (::fsync(fd.fd) != 0) bad_file(tmp, std::string("fsync failed: ") + std::strerror(errno), "check the disk");
+  if (::fsync(fd.fd) != 0) {  // NFS and delayed allocation report a full disk here
+    const int e = errno;
+    ::unlink(tmp.c_str());
+    errno = e;
+    write_failed(tmp, "fsync failed");
+  }
   ::close(fd.fd);
   fd.fd = -1;
   if (::rename(tmp.c_str(), path.c_str()) != 0) bad_file(path, std::string("cannot rename into place: ") + std::strerror(errno), "check permissions");

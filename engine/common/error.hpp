@@ -15,6 +15,7 @@ struct ErrorContext {
   std::string key;    // dotted recipe key, e.g. "parallel.zero_stage"
   int rank = -1;      // distributed rank, -1 when not in a rank
   std::string hint;   // how to fix it
+  int system_errno = 0;  // errno of the failed system call (ENOSPC, ...), 0 when none
 };
 
 class Error : public std::runtime_error {

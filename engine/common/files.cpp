@@ -20,6 +20,7 @@ namespace dsrun {
 static Error file_error(const std::string& what, const std::string& path) {
   ErrorContext c;
   c.file = path;
+  c.system_errno = errno;  // ENOSPC and EDQUOT are told apart by callers
   return Error(what + ": " + std::strerror(errno), c);
 }
 
@@ -133,8 +134,9 @@ void write_file_atomic(const std::string& path, const std::string& content) {
   size_t done = 0;
   while (done < content.size()) {
     ssize_t n = ::write(fd, content.data() + done, content.size() - done);
-    if (n < 0) {
-      if (errno == EINTR) continue;
+    if (n == 0) errno = ENOSPC;  // no progress on a regular file: no room
+    if (n <= 0) {
+      if (n < 0 && errno == EINTR) continue;
       Error e = file_error("cannot write file", tmp);
       ::close(fd);
       ::unlink(tmp.c_str());
@@ -143,8 +145,9 @@ void write_file_atomic(const std::string& path, const std::string& content) {
     done += static_cast<size_t>(n);
   }
   if (::fsync(fd) != 0 || ::close(fd) != 0) {
+    Error e = file_error("cannot flush file", tmp);
     ::unlink(tmp.c_str());
-    throw file_error("cannot flush file", tmp);
+    throw e;
   }
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
     ::unlink(tmp.c_str());

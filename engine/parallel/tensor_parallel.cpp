@@ -160,6 +160,31 @@ std::vector<int64_t> tensor_slice_shape(const std::vector<int64_t>& full_shape, 
   return shape;
 }
 
+TensorRegion tensor_region(const std::vector<int64_t>& full_shape, const TensorSplit& split, int rank, int size) {
+  TensorRegion region;
+  if (split.kind == TensorSplit::Replicated || size == 1) return region;
+  if (split.kind == TensorSplit::Columns) {
+    const int64_t cols = full_shape.at(1) / size;
+    region.dim = 1;
+    region.ranges = {{rank * cols, cols}};
+    return region;
+  }
+  region.dim = 0;  // as tensor_slice: this rank's rows of every part
+  int64_t begin = 0;
+  for (int64_t p : row_parts(split, full_shape.at(0))) {
+    region.ranges.push_back({begin + rank * (p / size), p / size});
+    begin += p;
+  }
+  return region;
+}
+
+std::vector<int64_t> tensor_whole_shape(const std::vector<int64_t>& slice_shape, const TensorSplit& split, int size) {
+  std::vector<int64_t> shape = slice_shape;
+  if (split.kind == TensorSplit::Rows) shape.at(0) *= size;
+  if (split.kind == TensorSplit::Columns) shape.at(1) *= size;
+  return shape;
+}
+
 Tensor tensor_slice(const Tensor& full, const TensorSplit& split, int rank, int size) {
   DSRUN_ASSERT(tensor_split_problem(full.sizes().vec(), split, size).empty(), "tensor splits validated by the recipe");
   if (split.kind == TensorSplit::Replicated || size == 1) return full.clone();

@@ -3,6 +3,7 @@
 // parallel embedding lookup and cross-entropy, and cutting a full weight to this rank's slice.
 #pragma once
 
+#include "engine/common/tensor_region.hpp"
 #include "engine/dist/communicator.hpp"
 #include "engine/model/model.hpp"
 
@@ -50,6 +51,10 @@ std::vector<int64_t> tensor_slice_shape(const std::vector<int64_t>& full_shape, 
 torch::Tensor tensor_slice(const torch::Tensor& full, const TensorSplit& split, int rank, int size);
 // The full tensor from every rank's slice, in rank order (tensor_slice's inverse).
 torch::Tensor tensor_join(const std::vector<torch::Tensor>& slices, const TensorSplit& split);
+// Where rank r's slice lies in the whole parameter (checkpoints store slices by it).
+TensorRegion tensor_region(const std::vector<int64_t>& full_shape, const TensorSplit& split, int rank, int size);
+// The whole parameter's shape from rank r's slice shape (tensor_slice_shape's inverse).
+std::vector<int64_t> tensor_whole_shape(const std::vector<int64_t>& slice_shape, const TensorSplit& split, int size);
 // Why a split cannot be cut evenly over `size` ranks ("" when it can).
 std::string tensor_split_problem(const std::vector<int64_t>& full_shape, const TensorSplit& split, int size);
 

@@ -139,7 +139,9 @@ LayoutSearch search_layouts(const Recipe& recipe, const HostFacts& host, bool ev
   return {std::move(rows), left_out};
 }
 
-Plan make_plan(const Recipe& recipe, const HostFacts& host) {
+namespace {
+
+Plan plan_with_layout_search(const Recipe& recipe, const HostFacts& host) {
   if (!recipe.parallel.search.any()) return plan_fixed_layout(recipe, host);
   // "auto" layout keys: the fastest predicted layout that fits (or the first, if none fits),
   // planned again whole (the schedule simulated, suggestions made) with every degree fixed.
@@ -173,6 +175,23 @@ Plan make_plan(const Recipe& recipe, const HostFacts& host) {
   if (rows.size() > kLayoutsKept) rows.resize(kLayoutsKept);
   p.layouts = std::move(rows);
   return p;
+}
+
+}  // namespace
+
+Plan make_plan(const Recipe& recipe, const HostFacts& host) {
+  Plan p = plan_with_layout_search(recipe, host);
+  // checkpoint.async left unset on GPUs: asynchronous, unless its staging copy is what host memory lacks.
+  const CheckpointOptions& ck = recipe.checkpoint;
+  if (p.fits || p.binds != "host memory" || !ck.async || ck.async_set) return p;
+  Recipe sync = recipe;
+  sync.checkpoint.async = false;
+  Plan q = plan_with_layout_search(sync, host);
+  if (!q.fits) return p;
+  q.choices.push_back({"checkpoint.async", "false",
+                       "asynchronous saves would keep a staging copy of " + format_bytes(p.checkpoint_disk.staging_per_rank * p.ranks_per_node) +
+                           " per node, which host memory lacks; each save pauses " + format_seconds(q.checkpoint_disk.pause_seconds) + " for the write instead"});
+  return q;
 }
 
 }  // namespace dsrun

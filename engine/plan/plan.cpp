@@ -299,6 +299,7 @@ class Planner {
     // A decoder is built deferred, one unit at a time; a ResNet or weights from a file, whole.
     const bool deferred = r_.model.arch == ModelArch::DeepSeek && r_.model.init_from.empty();
     const double build = 4 * (deferred ? cost_.largest_unit_params : cost_.params);
+    if (r_.checkpoint.async && checkpoint_saves() > 0) h.checkpoint_staging = checkpoint_bytes() / (dp_ * tp_ * pp_);
     if (hw.ranks_share_memory()) {
       h.device = m.total();
       h.model_build = std::max(0.0, build - (m.activations + m.backward_peak + m.comm_buffers));
@@ -536,13 +537,36 @@ class Planner {
   // A checkpoint is every parameter's fp32 master copy and optimizer states, once over all ranks
   // (each rank writes its slice). One that cannot fit on the disk is refused before launch; the
   // ones the retention keeps at once not fitting is said.
+  double checkpoint_bytes() const {
+    const double states = r_.optimizer.kind == OptimizerKind::Sgd ? (r_.optimizer.momentum > 0 ? 4 : 0) : 8;
+    return cost_.params * (4 + states);
+  }
+  int64_t checkpoint_saves() const {
+    const CheckpointOptions& ck = r_.checkpoint;
+    const int64_t steps = r_.run.steps;
+    return (ck.every > 0 ? steps / ck.every : 0) + (ck.at_end && (ck.every <= 0 || steps % ck.every != 0) ? 1 : 0);
+  }
+
   void plan_checkpoint_disk(Plan& p) {
     CheckpointDisk& d = p.checkpoint_disk;
     const CheckpointOptions& ck = r_.checkpoint;
-    const double states = r_.optimizer.kind == OptimizerKind::Sgd ? (r_.optimizer.momentum > 0 ? 4 : 0) : 8;
-    d.bytes = cost_.params * (4 + states);
+    const HardwareSpec& hw = r_.hardware;
+    d.bytes = checkpoint_bytes();
     const int64_t steps = r_.run.steps;
-    d.saves = (ck.every > 0 ? steps / ck.every : 0) + (ck.at_end && (ck.every <= 0 || steps % ck.every != 0) ? 1 : 0);
+    d.saves = checkpoint_saves();
+    // The pause: every rank copies its share to host staging memory (over PCIe from a GPU; a memory
+    // copy, read and write, on CPU ranks and of offloaded states), then the files are written at the disk's bandwidth,
+    // the node's ranks sharing it. Asynchronous saves pause for the copy alone.
+    d.async = ck.async;
+    d.staging_per_rank = d.bytes / p.world_size;
+    d.staging_pinned = hw.device == Device::Cuda && p.layout.offload == Offload::None;
+    d.copy_seconds = d.staging_per_rank / (d.staging_pinned ? hw.host_link_bandwidth * r_.hardware.comm_efficiency : hw.host_memory_bandwidth / 2);
+    d.write_seconds = d.staging_per_rank * ranks_per_node_ / hw.disk_write_bandwidth;
+    d.pause_seconds = d.copy_seconds + (ck.async ? 0 : d.write_seconds);
+    // A save waits for the one before it: saves closer together than a write takes stall training.
+    if (ck.async && ck.every > 0 && d.saves > 1 && d.write_seconds > ck.every * p.step_seconds)
+      p.notes.push_back("checkpoints come every " + format_seconds(ck.every * p.step_seconds) + " of training but take " + format_seconds(d.write_seconds) +
+                        " to write: each save waits for the one before (raise checkpoint.every, or set hardware.disk_write_gbs to the disk's measured checkpoint_write_MBps)");
     // A new checkpoint is complete before retention deletes the oldest: keep_last + 1 at that moment.
     int64_t forever = 0;
     if (ck.keep_every > 0 && ck.every > 0) forever = steps / std::lcm(ck.every, ck.keep_every);

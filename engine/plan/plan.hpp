@@ -55,7 +55,8 @@ struct HostMemory {
   double model_build = 0;  // transient while ZeRO builds the model: one unit's fp32 initial values
   double data = 0;         // the token stream, at the peak of loading (16 bytes per token)
   double device = 0;       // CPU ranks: MemoryBreakdown::total(), less what the build overlaps
-  double total() const { return process + offloaded + model_build + data + device; }
+  double checkpoint_staging = 0;  // checkpoint.async: this rank's share of a checkpoint, copied there and kept between saves
+  double total() const { return process + offloaded + model_build + data + device + checkpoint_staging; }
 };
 
 struct CommTerm {
@@ -81,6 +82,12 @@ struct CheckpointDisk {
   int64_t kept = 0;     // at most on disk at once: keep_last (+1 while a new one is written) and the keep_every ones
   double needed = 0;    // kept x bytes
   double free = -1;     // under checkpoint.dir (or the store's directory); -1: not known here
+  bool async = false;   // checkpoint.async
+  double staging_per_rank = 0;  // a rank's share, copied to host memory at each save
+  bool staging_pinned = false;  // copied from GPU memory (pinned staging); else from host memory (CPU ranks, offload)
+  double copy_seconds = 0;      // that copy (device to host, or host to host)
+  double write_seconds = 0;     // a node's share written at hardware.disk_write_gbs
+  double pause_seconds = 0;     // training stands still per save: the copy (async), or copy and write
 };
 
 struct LayoutRow {

@@ -134,6 +134,8 @@ std::string render_plan(const Plan& p) {
   if (h.offloaded > 0) ht.add({"offloaded states", format_bytes(h.offloaded), "master weights, optimizer states, gradient shard" +
                                                                                   std::string(p.layout.offload == Offload::OptimizerAndParams ? ", parameter shard" : "")});
   if (h.model_build > 0) ht.add({"model build", format_bytes(h.model_build), "one unit's fp32 initial values while it is built"});
+  if (h.checkpoint_staging > 0) ht.add({"checkpoint staging", format_bytes(h.checkpoint_staging), "checkpoint.async: this rank's share of a checkpoint, kept between saves" +
+                                                                                                  std::string(p.checkpoint_disk.staging_pinned ? " (pinned)" : "")});
   ht.add({"data", format_bytes(h.data), h.data > 0 ? "tokens or images as loaded (int64 or fp32, twice at the peak)"
                                                    : "none: token files are mapped (the page cache's, shared); a batch widens to int64"});
   ht.add({"total", format_bytes(h.total()), "x " + std::to_string(p.ranks_per_node) + " rank(s) = " + format_bytes(p.host_memory_needed) + " of " +
@@ -166,6 +168,10 @@ std::string render_plan(const Plan& p) {
     line(format_bytes(disk.bytes) + " each (fp32 master weights and optimizer states, all ranks); " + std::to_string(disk.saves) + " save(s), at most " +
          std::to_string(disk.kept) + " on disk at once: " + format_bytes(disk.needed) +
          (disk.free >= 0 ? "; " + format_bytes(disk.free) + " free under checkpoint.dir" : "; free space not known here"));
+    const std::string copy = "each rank copies " + format_bytes(disk.staging_per_rank) + " to host memory (" + format_seconds(disk.copy_seconds) + ")";
+    const std::string write = format_bytes(disk.staging_per_rank * p.ranks_per_node) + " per node is written (" + format_seconds(disk.write_seconds) + " at hardware.disk_write_gbs)";
+    line(disk.async ? "asynchronous (checkpoint.async): training pauses " + format_seconds(disk.pause_seconds) + " per save while " + copy + "; then " + write + " beside training"
+                    : "synchronous: training pauses " + format_seconds(disk.pause_seconds) + " per save: " + copy + ", then " + write + "; checkpoint.async = true pauses for the copy alone");
   }
 
   if (!p.choices.empty()) {
@@ -224,7 +230,7 @@ std::string plan_to_json(const Plan& p) {
                           {"routed_expert_states", m.routed_expert_states}, {"runtime", m.runtime}, {"fragmentation", m.fragmentation}, {"offloaded_to_host", m.states.host},
                           {"total", m.total() + (p.device == Device::Cpu ? m.states.host : 0)}, {"capacity", p.memory_capacity}};
   j["host_memory_per_rank"] = {{"process", p.host.process}, {"device", p.host.device}, {"offloaded", p.host.offloaded},
-                               {"model_build", p.host.model_build}, {"data", p.host.data}, {"total", p.host.total()}};
+                               {"model_build", p.host.model_build}, {"data", p.host.data}, {"checkpoint_staging", p.host.checkpoint_staging}, {"total", p.host.total()}};
   j["host_memory_per_node"] = {{"needed", p.host_memory_needed}, {"capacity", p.host_memory_capacity}};
   j["fits"] = p.fits;
   j["verdict"] = p.verdict;
@@ -240,7 +246,9 @@ std::string plan_to_json(const Plan& p) {
   json choices = json::array();
   for (const auto& c : p.choices) choices.push_back({{"key", c.key}, {"value", c.value}, {"reason", c.reason}});
   j["checkpoint_disk"] = {{"bytes", p.checkpoint_disk.bytes}, {"saves", p.checkpoint_disk.saves}, {"kept", p.checkpoint_disk.kept},
-                          {"needed", p.checkpoint_disk.needed}, {"free", p.checkpoint_disk.free}};
+                          {"needed", p.checkpoint_disk.needed}, {"free", p.checkpoint_disk.free}, {"async", p.checkpoint_disk.async},
+                          {"staging_per_rank", p.checkpoint_disk.staging_per_rank}, {"staging_pinned", p.checkpoint_disk.staging_pinned}, {"copy_seconds", p.checkpoint_disk.copy_seconds},
+                          {"write_seconds", p.checkpoint_disk.write_seconds}, {"pause_seconds", p.checkpoint_disk.pause_seconds}};
   j["auto_choices"] = choices;
   j["notes"] = p.notes;
   j["hardware_present"] = p.hardware_present;

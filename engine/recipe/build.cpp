@@ -132,6 +132,7 @@ void build_hardware(Builder& c, Recipe& r, const HostFacts& host) {
   h.inter_node_bandwidth = c.f("hardware.inter_node_bandwidth_gbs") * GB;
   h.host_link_bandwidth = c.f("hardware.host_link_bandwidth_gbs") * GB;
   h.host_memory_bandwidth = c.f("hardware.host_memory_bandwidth_gbs") * GB;
+  h.disk_write_bandwidth = c.f("hardware.disk_write_gbs") * GB;
   h.matmul_efficiency = c.f("hardware.matmul_efficiency");
   h.expert_call_seconds = c.f("hardware.expert_call_ms") * 1e-3;
   h.comm_efficiency = c.f("hardware.comm_efficiency");
@@ -407,6 +408,8 @@ void build_rest(Builder& c, Recipe& r, const std::string& recipe_dir) {
   r.checkpoint.keep_every = c.i("checkpoint.keep_every");
   r.checkpoint.dir = resolve_path(c.s("checkpoint.dir"), recipe_dir);
   r.checkpoint.at_end = c.b("checkpoint.at_end");
+  r.checkpoint.async_set = c.written("checkpoint.async");
+  r.checkpoint.async = r.checkpoint.async_set ? c.b("checkpoint.async") : r.hardware.device == Device::Cuda;
 
   r.logging.every = c.i("logging.every");
   r.logging.level = c.s("logging.level");

@@ -42,6 +42,7 @@ struct HardwareSpec {
   bool p2p = true;
   double inter_node_bandwidth = 0;
   double host_link_bandwidth = 0;
+  double disk_write_bandwidth = 0;  // under checkpoint.dir, per node (bytes/s)
   double host_memory_bandwidth = 0;
   double matmul_efficiency = 0.5;
   double expert_call_seconds = 0.8e-3;  // GPUs: a routed expert's host-side cost per micro-batch beyond its FLOPs
@@ -206,6 +207,8 @@ struct CheckpointOptions {
   int64_t keep_every = 0;
   std::string dir;
   bool at_end = true;
+  bool async = false;      // resolved: written by the user, else true on GPUs
+  bool async_set = false;  // the recipe or command line wrote it (else the plan may choose synchronous)
 };
 
 struct LoggingOptions {

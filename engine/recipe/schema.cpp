@@ -82,6 +82,8 @@ std::vector<KeySpec> build_schema() {
       ranged("hardware.inter_node_bandwidth_gbs", T::Float, "0", 0, 1e7, "Per-node network bandwidth in GB/s; required when nodes > 1."),
       ranged("hardware.host_link_bandwidth_gbs", T::Float, "25", 1e-3, 1e7, "Device-to-host bandwidth in GB/s (PCIe), used by offload."),
       ranged("hardware.host_memory_bandwidth_gbs", T::Float, "50", 1e-3, 1e7, "Host memory bandwidth in GB/s; an offloaded optimizer step is bound by it."),
+      ranged("hardware.disk_write_gbs", T::Float, "1", 1e-4, 1e6,
+             "Write bandwidth of the disk under checkpoint.dir in GB/s per node: a synchronous checkpoint's pause. Each save records the measured checkpoint_write_MBps."),
       ranged("hardware.expert_call_ms", T::Float, "0.8", 0, 1000,
              "GPUs: time one routed expert costs per micro-batch (forward and backward) beyond its FLOPs. A MoE layer runs its "
              "experts one after another, a few kernel launches each, and the host's launching outpaces small matrix products: "
@@ -230,6 +232,9 @@ std::vector<KeySpec> build_schema() {
       ranged("checkpoint.keep_every", T::Int, "0", 0, 1e12, "Also keep every checkpoint whose step is a multiple of this, forever; 0: none."),
       key("checkpoint.dir", T::String, "\"\"", "Where checkpoints go. Empty: the run's directory."),
       key("checkpoint.at_end", T::Bool, "true", "Save when the run finishes or is stopped."),
+      key("checkpoint.async", T::Bool, "false",
+          "Write checkpoints from a thread while training goes on: the step pauses only to copy this rank's states to host memory (kept between saves). "
+          "Unset: true on GPUs (hardware.device = \"cuda\"), false on CPU ranks."),
 
       // ---- logging
       ranged("logging.every", T::Int, "1", 1, 1e12, "Record metrics every this many steps."),

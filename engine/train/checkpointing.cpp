@@ -3,14 +3,20 @@
 #include "engine/checkpoint/export.hpp"
 #include "engine/common/error.hpp"
 #include "engine/common/files.hpp"
+#include "engine/common/host.hpp"
 #include "engine/common/text.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <nlohmann/json.hpp>
 
+#include <sys/resource.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <chrono>
 #include <csignal>
+#include <cstring>
 #include <ctime>
 #include <cstdio>
 #include <cstdlib>
@@ -18,6 +24,9 @@
 #include <set>
 #include <sstream>
 #include <mutex>
+#include <thread>
+#include <tuple>
+#include <utility>
 
 namespace dsrun {
 
@@ -58,19 +67,21 @@ bool crash_in_save_requested(int rank, int64_t step) {
   return v && std::sscanf(v, "%d:%lld", &r, &s) == 2 && r == rank && s == step;
 }
 
-uint64_t checksum_value(const std::string& checksum) { return std::strtoull(checksum.substr(checksum.find(':') + 1).c_str(), nullptr, 16); }
-
-std::string checksum_text(uint64_t v) {
-  char buf[17];
-  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
-  return std::string("xxh3:") + buf;
+// Test fault injection: DSRUN_TEST_FILE_SIZE_LIMIT="STEP:BYTES" caps this process's file size
+// (RLIMIT_FSIZE) before the save of STEP, standing in for a disk that fills where a test cannot
+// mount a small filesystem. Writes past the cap fail with EFBIG, as a full disk fails with ENOSPC.
+void apply_test_file_size_limit(int64_t step) {
+  const char* v = std::getenv("DSRUN_TEST_FILE_SIZE_LIMIT");
+  long long s = -1, bytes = 0;
+  if (!v || std::sscanf(v, "%lld:%lld", &s, &bytes) != 2 || s != step) return;
+  std::signal(SIGXFSZ, SIG_IGN);  // an error return, not a killed process
+  struct rlimit limit {static_cast<rlim_t>(bytes), static_cast<rlim_t>(bytes)};
+  if (::setrlimit(RLIMIT_FSIZE, &limit) != 0) fail_at(__FILE__, __LINE__, std::string("setrlimit: ") + std::strerror(errno));
 }
 
-// Parameter names by tensor identity (ZeRO swaps their storage, never the tensors themselves).
-std::map<const void*, std::string> parameter_names(Model& model) {
-  std::map<const void*, std::string> names;
-  for (const auto& p : model.module().named_parameters()) names[p.value().unsafeGetTensorImpl()] = p.key();
-  return names;
+bool disk_full(const Error& e) {
+  const int n = e.context().system_errno;
+  return n == ENOSPC || n == EDQUOT || n == EFBIG;
 }
 
 std::string join_numbers(const std::vector<int64_t>& v) {
@@ -78,10 +89,6 @@ std::string join_numbers(const std::vector<int64_t>& v) {
   for (int64_t x : v) parts.push_back(std::to_string(x));
   return join(parts, ", ");
 }
-
-torch::Tensor cpu_contiguous(const torch::Tensor& t) { return t.to(torch::kCPU).contiguous(); }
-
-bool model_parallel(const DeviceMesh& mesh) { return mesh.shape().tensor * mesh.shape().pipeline * mesh.shape().expert > 1; }
 
 // Every rank's string, on every rank (a sum of rows, each rank filling its own).
 std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& mine) {
@@ -102,280 +109,375 @@ std::vector<std::string> all_gather_strings(Communicator& comm, const std::strin
   return out;
 }
 
-// A unit's flat shard of `kind` ("master" or an optimizer state), whole: gathered over the data
-// ranks (routed experts: those keeping the same ones) unless this rank already holds all of it (ZeRO-0).
-torch::Tensor whole_unit(RankTrainingState& s, size_t k, const std::string& kind) {
-  torch::Tensor shard = kind == "master" ? s.zero.shards()[k].master : s.optimizer.state(kind, k);
-  Communicator& data = s.zero.unit_group(k);
-  if (s.zero.master_begin(k) == 0 && shard.numel() >= s.zero.unit_numel(k)) return shard;
-  torch::Tensor full = torch::empty({shard.numel() * data.world_size()}, shard.options());
-  data.all_gather(shard.contiguous(), full);
-  return full;
+// ---- ZeRO's flat shards <-> the checkpoint's slices: the one place that knows both ----
+
+// Each unit's parameter names, in ZeRO's order: the unit's own list, else (a ResNet's units name
+// none) the model's names found by tensor identity (ZeRO swaps storage, never the tensors).
+std::vector<std::vector<std::string>> unit_parameter_names(Model& model, const std::vector<ParameterUnit>& units) {
+  std::map<const void*, std::string> by_tensor;
+  for (const auto& p : model.module().named_parameters()) by_tensor[p.value().unsafeGetTensorImpl()] = p.key();
+  std::vector<std::vector<std::string>> names;
+  for (const ParameterUnit& u : units) {
+    names.push_back(u.names);
+    if (u.names.size() == u.params.size()) continue;
+    names.back().clear();
+    for (const torch::Tensor& t : u.params) names.back().push_back(by_tensor.at(t.unsafeGetTensorImpl()));
+  }
+  return names;
 }
 
-// Model-parallel saves (tensor, pipeline, expert): every parameter of this rank's units whole (its
-// ZeRO shards gathered over the data ranks, its slices over the tensor ranks), written as a unit of
-// its own by one rank of the mesh's holders (MeshShape::holders): tensor rank 0 of the first data
-// rank of each stage, and for routed experts that of each expert shard. The holders' group alone
-// agrees on the numbering. Returns, on rank 0, the manifest's units.
-std::vector<CheckpointUnit> save_whole_parameters(RankTrainingState& s, const std::vector<std::string>& states,
-                                                  const std::function<void(const std::string&, const torch::Tensor&)>& add) {
+// A parameter's elements that a rank's flat shard of unit `unit` holds (master and every
+// optimizer state alike): elements [begin, end) of `region`, this rank's tensor-parallel part of
+// the whole parameter, found from `shard_offset` of the shard.
+struct ShardPiece {
+  size_t unit = 0;
+  std::string name;
+  std::vector<int64_t> whole_shape;
+  TensorRegion region;
+  int64_t begin = 0, end = 0;
+  int64_t shard_offset = 0;
+};
+
+enum class PieceUse {
+  Write,  // each element once in the whole checkpoint: replicas split the writing
+  Read,   // everything this rank's shards hold
+};
+
+// A unit's elements are written by the ranks its shards are spread over (unit_group), rank g of
+// G writing checkpoint_slice(numel, G, g): its own shard at ZeRO stages 1-3 (ZeRO pads each unit
+// to G equal shards, the same cut), an equal share of the replica at stage 0. Of a parameter that
+// tensor parallelism replicates, tensor rank 0 writes; of the rest, each tensor rank its region.
+std::vector<ShardPiece> shard_pieces(RankTrainingState& s, PieceUse use) {
   Communicator& tensor = s.mesh.along(MeshDim::Tensor);
-  Communicator* holders = s.mesh.holders();
-  const bool writer = holders != nullptr;
   const std::vector<ParameterUnit> units = s.model.parameter_units();  // ZeRO's order
-  // Dense units are written by data rank 0 alone; each expert shard's by its first replica.
-  const auto writes = [&](const ParameterUnit& u) { return writer && (u.experts_of >= 0 || s.mesh.coordinates().data == 0); };
-  // Where this writer's units start in the checkpoint: after every earlier holder's.
-  int64_t index = 0;
-  if (writer) {
-    Communicator& writers = *holders;
-    int64_t count = 0;
-    for (const auto& u : units)
-      if (writes(u)) count += static_cast<int64_t>(u.params.size());
-    torch::Tensor counts = torch::zeros({writers.world_size()}, torch::kInt64);
-    counts[writers.rank()] = count;
-    writers.all_reduce_sum(counts);
-    index = counts.narrow(0, 0, writers.rank()).sum().item<int64_t>();
-  }
-
-  nlohmann::json mine = nlohmann::json::array();
-  std::vector<std::string> kinds{"master"};
-  kinds.insert(kinds.end(), states.begin(), states.end());
+  DSRUN_ASSERT(units.size() == s.zero.unit_count(), "ZeRO holds the model's units");
+  const std::vector<std::vector<std::string>> names = unit_parameter_names(s.model, units);
+  std::vector<ShardPiece> pieces;
   for (size_t k = 0; k < units.size(); ++k) {
-    std::vector<torch::Tensor> flats;
-    for (const auto& kind : kinds) flats.push_back(whole_unit(s, k, kind));
+    const int64_t numel = s.zero.unit_numel(k), shard_begin = s.zero.master_begin(k);
+    const int64_t shard_end = std::min(numel, shard_begin + s.zero.shards()[k].master.numel());
+    int64_t lo = shard_begin, hi = shard_end;
+    if (use == PieceUse::Write) {
+      Communicator& group = s.zero.unit_group(k);
+      std::tie(lo, hi) = checkpoint_slice(numel, group.world_size(), group.rank());
+      DSRUN_ASSERT(lo >= hi || (lo >= shard_begin && hi <= shard_end), "a rank writes only what its shard holds");
+    }
     for (size_t i = 0; i < units[k].params.size(); ++i) {
-      const std::vector<int64_t>& local_shape = s.zero.unit_shape(k, i);
       const TensorSplit split = i < units[k].splits.size() ? units[k].splits[i] : TensorSplit{};
-      std::vector<int64_t> full_shape;
-      int64_t numel = 1;
-      for (int64_t d : local_shape) numel *= d;
-      for (size_t n = 0; n < kinds.size(); ++n) {
-        torch::Tensor local = flats[n].narrow(0, s.zero.unit_offsets(k)[i], numel).view(local_shape).contiguous();
-        torch::Tensor full = local;
-        if (tensor.world_size() > 1 && split.kind != TensorSplit::Replicated) {
-          torch::Tensor gathered = torch::empty({numel * tensor.world_size()}, local.options());
-          tensor.all_gather(local.flatten(), gathered);
-          std::vector<torch::Tensor> slices;
-          for (const auto& row : gathered.view({tensor.world_size(), numel}).unbind(0)) slices.push_back(row.view(local_shape));
-          full = tensor_join(slices, split);
-        }
-        full_shape = full.sizes().vec();
-        if (writes(units[k])) add(unit_tensor_name(static_cast<size_t>(index), kinds[n]), full.flatten());
-      }
-      if (!writes(units[k])) continue;
-      mine.push_back({{"name", units[k].names[i]}, {"shape", full_shape}, {"index", index}});
-      ++index;
+      const bool replicated = split.kind == TensorSplit::Replicated || tensor.world_size() == 1;
+      if (use == PieceUse::Write && replicated && tensor.rank() != 0) continue;
+      const std::vector<int64_t>& local_shape = s.zero.unit_shape(k, i);
+      const int64_t offset = s.zero.unit_offsets(k)[i];
+      const int64_t a = std::max(lo, offset), b = std::min(hi, offset + element_count(local_shape));
+      if (a >= b) continue;
+      ShardPiece p;
+      p.unit = k;
+      p.name = names[k][i];
+      p.whole_shape = tensor_whole_shape(local_shape, split, tensor.world_size());
+      p.region = tensor_region(p.whole_shape, split, tensor.rank(), tensor.world_size());
+      p.begin = a - offset;
+      p.end = b - offset;
+      p.shard_offset = a - shard_begin;
+      pieces.push_back(std::move(p));
     }
   }
-  // Rank 0 writes the manifest: every writer's parameters, in checkpoint order.
-  std::vector<CheckpointUnit> all;
-  if (!writer) return all;
-  const std::vector<std::string> lists = all_gather_strings(*holders, mine.dump());
-  const std::vector<int> writer_ranks = s.mesh.shape().holders();
-  for (size_t w = 0; w < writer_ranks.size(); ++w)
-    for (const auto& p : nlohmann::json::parse(lists[w])) {
-      const int r = writer_ranks[w];
-      CheckpointUnit u;
-      u.name = p.at("name").get<std::string>();
-      const std::vector<int64_t> shape = p.at("shape").get<std::vector<int64_t>>();
-      u.numel = 1;
-      for (int64_t d : shape) u.numel *= d;
-      u.params.push_back({u.name, shape, 0});
-      u.slices.push_back({r, 0, u.numel});
-      DSRUN_ASSERT(p.at("index").get<int64_t>() == static_cast<int64_t>(all.size()), "writers number their parameters in rank order");
-      all.push_back(std::move(u));
-    }
-  return all;
+  return pieces;
 }
 
-// Restores into any layout from any checkpoint: every parameter of this rank's units read whole by
-// name, cut to this rank's tensor slice, and the part within its ZeRO shard copied in.
-void restore_whole_parameters(RankTrainingState& s, CheckpointReader& reader, const std::vector<std::string>& states, ErrorContext& c) {
-  const CheckpointManifest& m = reader.manifest();
-  std::map<std::string, std::pair<size_t, const CheckpointParam*>> where;
-  for (size_t u = 0; u < m.units.size(); ++u)
-    for (const auto& p : m.units[u].params) where[p.name] = {u, &p};
-  Communicator& tensor = s.mesh.along(MeshDim::Tensor);
-  const std::vector<ParameterUnit> units = s.model.parameter_units();
-  std::vector<std::string> problems;
-  std::vector<std::string> kinds{"master"};
-  kinds.insert(kinds.end(), states.begin(), states.end());
-  for (size_t k = 0; k < units.size(); ++k) {
-    const int64_t shard_begin = s.zero.master_begin(k), shard_numel = s.zero.shards()[k].master.numel();
-    for (size_t i = 0; i < units[k].params.size(); ++i) {
-      const std::string& name = units[k].names[i];
-      const TensorSplit split = i < units[k].splits.size() ? units[k].splits[i] : TensorSplit{};
-      auto it = where.find(name);
-      if (it == where.end()) {
-        problems.push_back("no parameter " + name);
-        continue;
-      }
-      const CheckpointParam& p = *it->second.second;
-      const std::vector<int64_t>& local_shape = s.zero.unit_shape(k, i);
-      if (!tensor_split_problem(p.shape, split, tensor.world_size()).empty() || tensor_slice_shape(p.shape, split, tensor.world_size()) != local_shape) {
-        problems.push_back(name + " has shape [" + join_numbers(p.shape) + "] in the checkpoint, which does not give this rank's [" + join_numbers(local_shape) + "]");
-        continue;
-      }
-      const int64_t offset = s.zero.unit_offsets(k)[i];
-      int64_t numel = 1;
-      for (int64_t d : local_shape) numel *= d;
-      const int64_t lo = std::max(offset, shard_begin), hi = std::min(offset + numel, shard_begin + shard_numel);
-      if (lo >= hi) continue;  // none of it in this rank's shard
-      for (const auto& kind : kinds) {
-        std::vector<float> values = reader.read_param(it->second.first, p, kind);
-        torch::Tensor full = torch::from_blob(values.data(), p.shape, torch::kFloat32);
-        torch::Tensor mine = tensor_slice(full, split, tensor.rank(), tensor.world_size()).flatten();
-        torch::Tensor target = kind == "master" ? s.zero.shards()[k].master : s.optimizer.state(kind, k);
-        target.narrow(0, lo - shard_begin, hi - lo).copy_(mine.narrow(0, lo - offset, hi - lo));
-      }
+torch::Tensor shard_of(RankTrainingState& s, const std::string& kind, size_t unit) {
+  return kind == "master" ? s.zero.shards()[unit].master : s.optimizer.state(kind, unit);
+}
+
+nlohmann::json pieces_json(const std::vector<ShardPiece>& pieces, int rank) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const ShardPiece& p : pieces) {
+    nlohmann::json ranges = nlohmann::json::array();
+    for (const auto& [b, n] : p.region.ranges) ranges.push_back({b, n});
+    out.push_back({{"name", p.name}, {"shape", p.whole_shape}, {"rank", rank}, {"dim", p.region.dim}, {"ranges", ranges}, {"begin", p.begin}, {"end", p.end}});
+  }
+  return out;
+}
+
+// Every rank's written pieces -> the manifest's parameters, in the order of first appearance.
+std::vector<StoredParam> stored_params(const std::vector<std::string>& per_rank) {
+  std::vector<StoredParam> params;
+  std::map<std::string, size_t> index;
+  for (const std::string& text : per_rank)
+    for (const auto& p : nlohmann::json::parse(text)) {
+      const std::string name = p.at("name").get<std::string>();
+      auto [it, added] = index.emplace(name, params.size());
+      if (added) params.push_back({name, p.at("shape").get<std::vector<int64_t>>(), {}});
+      ParamSlice sl;
+      sl.rank = p.at("rank").get<int>();
+      sl.region.dim = p.at("dim").get<int>();
+      for (const auto& r : p.at("ranges")) sl.region.ranges.push_back({r.at(0).get<int64_t>(), r.at(1).get<int64_t>()});
+      sl.begin = p.at("begin").get<int64_t>();
+      sl.end = p.at("end").get<int64_t>();
+      sl.tensor = name;
+      params[it->second].slices.push_back(std::move(sl));
     }
-  }
-  // The reverse: what the checkpoint holds that no rank's model has (a removed layer, a head the
-  // model now ties to its embedding) would be dropped silently. Every rank holds only its own
-  // stage's units, so the names are gathered: every rank then sees, and reports, the same.
-  std::string mine;
-  for (const ParameterUnit& u : units)
-    for (const std::string& name : u.names) mine += name + "\n";
-  std::set<std::string> in_model;
-  for (const std::string& names : all_gather_strings(s.mesh.world(), mine)) {
-    std::istringstream lines(names);
-    for (std::string name; std::getline(lines, name);) in_model.insert(name);
-  }
-  for (const auto& [name, at] : where)
-    if (!in_model.count(name)) problems.push_back("unexpected " + name + " (in the checkpoint, not in this model)");
-  if (!problems.empty()) {
-    c.key = "model";
-    c.hint = "resume with the checkpoint's model settings; to start a different model from these weights, export them and use model.init_from";
-    throw Error("checkpoint does not fit this model: " + join(problems, "; "), c);
-  }
+  return params;
+}
+
+std::string written_marker_name(int rank) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "rank%05d.written", rank);
+  return buf;
 }
 
 }  // namespace
 
-SavedCheckpoint save_checkpoint(RankTrainingState& s, const CheckpointRunFacts& facts, const std::string& root, int64_t step,
-                                const std::string& hook_state, int64_t keep_last, int64_t keep_every) {
+// ---- saving ----
+
+// What a writer needs, captured at the end of the pause: it reads staging memory and nothing live.
+struct CheckpointSaver::Job {
+  std::string dir;
+  int64_t step = 0;
+  std::string why;
+  bool async = false;
+  SafetensorsWriter file;              // points into staging and into `small`
+  std::vector<torch::Tensor> small;    // buffers and RNG state, copied
+  uint64_t checkpoint_bytes = 0;       // the slices' bytes over every rank, for a full disk's message
+  CheckpointManifest manifest;         // rank 0: everything but the files
+  SavedCheckpoint result;
+};
+
+CheckpointSaver::CheckpointSaver(CheckpointSaveOptions options, int rank, int world) : o_(std::move(options)), rank_(rank), world_(world) {}
+
+CheckpointSaver::~CheckpointSaver() {
+  cancel_ = true;
+  if (writer_.joinable()) writer_.join();
+}
+
+void CheckpointSaver::collect() {
+  if (writer_.joinable()) writer_.join();
+  job_.reset();
+}
+
+std::vector<SavedCheckpoint> CheckpointSaver::finished() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+  return std::exchange(done_, {});
+}
+
+std::vector<SavedCheckpoint> CheckpointSaver::wait() {
+  collect();
+  return finished();
+}
+
+namespace {
+
+// The staging buffer, large enough for this rank's slices (grown, never shrunk).
+void ensure_staging(torch::Tensor& staging, bool async, RankTrainingState& s, const std::vector<std::string>& kinds, const std::vector<ShardPiece>& pieces) {
+  // What must be copied: everything when the write happens beside training; when synchronous,
+  // only what lives on a GPU (host shards are written where they are, as they stand still).
+  int64_t total = 0;
+  bool from_device = false;
+  for (const std::string& kind : kinds)
+    for (const ShardPiece& p : pieces) {
+      const torch::Tensor shard = shard_of(s, kind, p.unit);
+      DSRUN_ASSERT(shard.is_contiguous() && shard.dim() == 1, "ZeRO shards are flat");
+      if (async || shard.is_cuda()) total += p.end - p.begin;
+      from_device |= shard.is_cuda();
+    }
+  if (staging.defined() && staging.numel() >= total) return;
+  // Pinned (slow to allocate, fast to copy into) only when kept between saves.
+  staging = torch::empty({std::max<int64_t>(total, 1)}, torch::TensorOptions().dtype(torch::kFloat32).pinned_memory(from_device && async));
+  // Kept between saves: touched now, so that the first save does not pay its page faults.
+  if (async && !staging.is_pinned()) staging.zero_();
+}
+
+std::vector<std::string> state_kinds(RankTrainingState& s) {
+  std::vector<std::string> k{"master"};
+  for (const auto& name : s.optimizer.state_names()) k.push_back(name);
+  return k;
+}
+
+}  // namespace
+
+void CheckpointSaver::reserve(RankTrainingState& s) {
+  if (o_.async) ensure_staging(staging_, o_.async, s, state_kinds(s), shard_pieces(s, PieceUse::Write));
+}
+
+void CheckpointSaver::save(RankTrainingState& s, const CheckpointRunFacts& facts, int64_t step, const std::string& hook_state, const std::string& why) {
   torch::NoGradGuard no_grad;
+  const auto t0 = std::chrono::steady_clock::now();
+  collect();  // one save at a time: the staging memory is the previous one's until it is written
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+  }
   Communicator& comm = s.mesh.world();
-  const int rank = comm.rank(), world = comm.world_size();
-  const std::string dir = path_join(root, checkpoint_dir_name(step));
-  make_directories(dir);
-  // A complete checkpoint of this step from an earlier attempt stops existing before it is rewritten.
-  if (rank == 0 && file_exists(path_join(dir, kCompleteMarker))) {
-    std::remove(path_join(dir, kCompleteMarker).c_str());
-    sync_directory(dir);
+  auto job = std::make_unique<Job>();
+  job->dir = path_join(o_.root, checkpoint_dir_name(step));
+  job->step = step;
+  job->why = why;
+  job->async = o_.async;
+  make_directories(job->dir);
+  // What an earlier attempt at this step left (its marker, the ranks' notes) stops existing first.
+  if (rank_ == 0) {
+    std::remove(path_join(job->dir, kCompleteMarker).c_str());
+    for (int r = 0; r < world_; ++r) std::remove(path_join(job->dir, written_marker_name(r)).c_str());
+    sync_directory(job->dir);
   }
   comm.barrier();
 
-  std::vector<torch::Tensor> keep;  // the bytes the writer points at, alive until written
-  SafetensorsWriter writer;
-  auto add = [&](const std::string& name, const torch::Tensor& t) {
-    torch::Tensor c = cpu_contiguous(t);
-    keep.push_back(c);
-    writer.add(name, safetensors_dtype(c.scalar_type()), c.sizes().vec(), c.data_ptr());
-  };
-  const std::vector<std::string> states = s.optimizer.state_names();
-  std::vector<CheckpointUnit> whole_parameters;  // model-parallel: the manifest's units
-  if (model_parallel(s.mesh)) {
-    whole_parameters = save_whole_parameters(s, states, add);
-  } else {
-    for (size_t k = 0; k < s.zero.unit_count(); ++k) {
-      auto [begin, end] = checkpoint_slice(s.zero.unit_numel(k), world, rank);
-      const int64_t from = begin - s.zero.master_begin(k);
-      add(unit_tensor_name(k, "master"), s.zero.shards()[k].master.narrow(0, from, end - begin));
-      for (const auto& name : states) add(unit_tensor_name(k, name), s.optimizer.state(name, k).narrow(0, from, end - begin));
+  // Stage: this rank's slices of the master weights and every optimizer state, back to back.
+  s.zero.wait_host_update();  // offload: the host step is done with the states
+  const std::vector<std::string> kinds = state_kinds(s);
+  const std::vector<ShardPiece> pieces = shard_pieces(s, PieceUse::Write);
+  ensure_staging(staging_, o_.async, s, kinds, pieces);
+  bool from_device = false;
+  int64_t at = 0;
+  for (const std::string& kind : kinds)
+    for (const ShardPiece& p : pieces) {
+      const int64_t n = p.end - p.begin;
+      torch::Tensor src = shard_of(s, kind, p.unit).narrow(0, p.shard_offset, n);
+      if (!o_.async && !src.is_cuda()) {  // synchronous: host shards are written where they are
+        job->file.add(slice_tensor_name(p.name, kind), "F32", {n}, src.data_ptr());
+        continue;
+      }
+      torch::Tensor dst = staging_.narrow(0, at, n);
+      dst.copy_(src, /*non_blocking=*/src.is_cuda());
+      from_device |= src.is_cuda();
+      job->file.add(slice_tensor_name(p.name, kind), "F32", {n}, dst.data_ptr());
+      at += n;
     }
-  }
   // Per-rank state: buffers (BatchNorm statistics are not synchronised across ranks) and RNG.
-  for (const auto& b : s.model.module().named_buffers()) add("buffer." + b.key(), b.value());
+  auto add_small = [&](const std::string& name, const torch::Tensor& t) {
+    torch::Tensor c = t.to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true).contiguous();
+    job->small.push_back(c);
+    job->file.add(name, safetensors_dtype(c.scalar_type()), c.sizes().vec(), c.data_ptr());
+  };
+  for (const auto& b : s.model.module().named_buffers()) add_small("buffer." + b.key(), b.value());
   {
     auto generator = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(generator.mutex());
-    add("rng.cpu", generator.get_state());
+    add_small("rng.cpu", generator.get_state());
   }
-  nlohmann::json rank_state = {{"rank", rank}, {"world_size", world}, {"step", step}, {"optimizer_steps", s.optimizer.steps_taken()}, {"hook_state", hook_state}};
+#ifdef DSRUN_WITH_CUDA
+  if (from_device) torch::cuda::synchronize();  // the copies to pinned staging memory have landed
+#endif
+  nlohmann::json rank_state = {{"rank", rank_}, {"world_size", world_}, {"step", step}, {"optimizer_steps", s.optimizer.steps_taken()}, {"hook_state", hook_state}};
   if (s.scaler) {
     LossScalerState st = s.scaler->state();
     rank_state["loss_scaler"] = {{"scale", st.scale}, {"hysteresis_left", st.hysteresis_left}, {"clean_steps", st.clean_steps}, {"skipped", st.skipped}};
   }
-  writer.set_metadata("format", "dsrun-rank-state");
-  writer.set_metadata("dsrun.rank_state", rank_state.dump());
-  WrittenFile written = writer.write_atomic(path_join(dir, rank_file_name(rank)));
-  if (crash_in_save_requested(rank, step)) ::raise(SIGKILL);
+  job->file.set_metadata("format", "dsrun-rank-state");
+  job->file.set_metadata("dsrun.rank_state", rank_state.dump());
 
-  // Every rank's size and checksum to rank 0 (a sum where each rank fills its own row).
-  torch::Tensor table = torch::zeros({world, 2}, torch::kInt64);
-  table[rank][0] = static_cast<int64_t>(written.bytes);
-  table[rank][1] = static_cast<int64_t>(checksum_value(written.checksum));
-  comm.all_reduce_sum(table);
-
-  SavedCheckpoint saved;
-  saved.path = dir;
-  saved.step = step;
-  if (rank == 0) {
-    CheckpointManifest m;
+  // The manifest's parameters: every rank's slices, gathered once per save (a few KiB).
+  const std::vector<StoredParam> params = stored_params(all_gather_strings(comm, pieces_json(pieces, rank_).dump()));
+  for (const StoredParam& p : params)
+    for (const ParamSlice& sl : p.slices) job->checkpoint_bytes += static_cast<uint64_t>(sl.end - sl.begin) * 4 * kinds.size();
+  if (rank_ == 0) {
+    CheckpointManifest& m = job->manifest;
     m.run_id = facts.run_id;
     m.step = step;
     m.samples_seen = step * facts.global_batch;
-    m.world_size = world;
+    m.world_size = world_;
     m.zero_stage = facts.zero_stage;
     m.dtype = facts.dtype;
     m.optimizer = facts.optimizer;
-    m.optimizer_states = states;
+    m.optimizer_states = s.optimizer.state_names();
     m.optimizer_steps = s.optimizer.steps_taken();
     m.created_at = static_cast<double>(std::time(nullptr));
     m.config_toml = facts.config_toml;
     m.data_files = facts.data_files;
-    auto names = parameter_names(s.model);
-    if (!whole_parameters.empty()) m.format_version = 2;  // units name their slices
-    m.units = whole_parameters;
-    for (size_t k = 0; k < s.zero.unit_count() && whole_parameters.empty(); ++k) {
-      CheckpointUnit u{s.zero.unit_name(k), s.zero.unit_numel(k), {}, {}};
-      const auto& params = s.zero.unit_params(k);
-      for (size_t i = 0; i < params.size(); ++i) {
-        const auto& shape = s.zero.unit_shape(k, i);
-        u.params.push_back({names.at(params[i].unsafeGetTensorImpl()), shape, s.zero.unit_offsets(k)[i]});
+    m.params = params;
+  }
+  job->result.pause_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  job->result.waited_seconds = waited;
+  apply_test_file_size_limit(step);
+
+  job_ = std::move(job);
+  if (o_.async) {
+    writer_ = std::thread([this] {
+      try {
+        run_job(*job_);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        error_ = std::current_exception();
       }
-      m.units.push_back(std::move(u));
+    });
+    return;
+  }
+  run_job(*job_);
+  staging_ = torch::Tensor();  // synchronous: nothing is kept between saves
+  comm.barrier();  // nobody goes on (or reports success) before the checkpoint exists
+  job_->result.pause_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::lock_guard<std::mutex> lock(mutex_);
+  done_.back().pause_seconds = job_->result.pause_seconds;
+}
+
+void CheckpointSaver::run_job(Job& job) {
+  const auto t0 = std::chrono::steady_clock::now();
+  SavedCheckpoint& saved = job.result;
+  saved.path = job.dir;
+  saved.step = job.step;
+  saved.why = job.why;
+  saved.async = job.async;
+  try {
+    const WrittenFile written = job.file.write_atomic(path_join(job.dir, rank_file_name(rank_)));
+    saved.bytes = written.bytes;
+    if (crash_in_save_requested(rank_, job.step)) ::raise(SIGKILL);
+    write_file_atomic(path_join(job.dir, written_marker_name(rank_)), nlohmann::json{{"bytes", written.bytes}, {"checksum", written.checksum}}.dump());
+  } catch (const Error& e) {
+    // The step's partial files go, whoever wrote them: the previous checkpoint stays the latest.
+    remove_tree(job.dir);
+    if (!disk_full(e)) throw;
+    std::string latest = "none";
+    for (const CheckpointInfo& c : list_checkpoints(o_.root))
+      if (c.complete) latest = "step " + std::to_string(c.step);
+    ErrorContext c;
+    c.file = o_.root;
+    c.key = "checkpoint.dir";
+    c.rank = rank_;
+    c.hint = "free space there, point checkpoint.dir at a larger disk, or lower checkpoint.keep_last; then `dsrun resume` continues from " + latest;
+    throw Error("checkpoint at step " + std::to_string(job.step) + " did not fit: " + e.what() + ". It needs " + format_bytes(static_cast<double>(job.checkpoint_bytes)) +
+                    " in all; " + format_bytes(free_disk_bytes(o_.root)) + " is free. Its partial files were removed; the newest complete checkpoint is " + latest,
+                c);
+  }
+  if (rank_ == 0) {
+    // Commit once every rank's file is written: each leaves a marker with its size and checksum.
+    CheckpointManifest& m = job.manifest;
+    saved.bytes = 0;
+    for (int r = 0; r < world_; ++r) {
+      const std::string marker = path_join(job.dir, written_marker_name(r));
+      while (!file_exists(marker)) {
+        if (cancel_) throw Error("checkpoint at step " + std::to_string(job.step) + " abandoned: the rank is stopping");
+        if (!is_directory(job.dir)) throw Error("checkpoint at step " + std::to_string(job.step) + " abandoned: another rank's write failed (its error says why)");
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+      const nlohmann::json j = nlohmann::json::parse(read_file(marker));
+      m.files.push_back({rank_file_name(r), r, j.at("bytes").get<uint64_t>(), j.at("checksum").get<std::string>()});
+      saved.bytes += m.files.back().bytes;
     }
-    for (int r = 0; r < world; ++r) {
-      const uint64_t bytes = static_cast<uint64_t>(table[r][0].item<int64_t>());
-      m.files.push_back({rank_file_name(r), r, bytes, checksum_text(static_cast<uint64_t>(table[r][1].item<int64_t>()))});
-      saved.bytes += bytes;
-    }
-    saved.checksum = commit_checkpoint(dir, m);
-    for (const auto& old : checkpoints_to_remove(list_checkpoints(root), keep_last, keep_every)) {
+    saved.checksum = commit_checkpoint(job.dir, m);
+    for (int r = 0; r < world_; ++r) std::remove(path_join(job.dir, written_marker_name(r)).c_str());
+    // Retention only now that a newer checkpoint is complete.
+    for (const auto& old : checkpoints_to_remove(list_checkpoints(o_.root), o_.keep_last, o_.keep_every)) {
       remove_tree(old);
       saved.removed.push_back(old);
     }
   }
-  comm.barrier();  // nobody goes on (or reports success) before the checkpoint exists
-  return saved;
+  saved.write_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::lock_guard<std::mutex> lock(mutex_);
+  done_.push_back(saved);
 }
+
+// ---- restoring ----
 
 RestoredProgress restore_checkpoint(RankTrainingState& s, const std::string& dir) {
   torch::NoGradGuard no_grad;
-  const int rank = s.mesh.world().rank();
+  const auto t0 = std::chrono::steady_clock::now();
+  Communicator& world = s.mesh.world();
+  const int rank = world.rank();
   CheckpointManifest m = read_checkpoint(dir, /*verify_files=*/false);
   ErrorContext c;
   c.file = path_join(dir, kManifestFile);
   c.rank = rank;
-  // Unit by unit when both sides are one flat layout (no model parallelism here, no whole
-  // parameters there); otherwise parameter by parameter, by name (restore_whole_parameters).
-  const bool same_units = !model_parallel(s.mesh) && std::all_of(m.units.begin(), m.units.end(), [](const CheckpointUnit& u) { return u.slices.empty(); });
-  // Then the model must be the one that was saved: same units, same sizes.
-  std::vector<std::string> problems;
-  if (same_units && m.units.size() != s.zero.unit_count())
-    problems.push_back("the checkpoint has " + std::to_string(m.units.size()) + " parameter units, this model " + std::to_string(s.zero.unit_count()));
-  for (size_t k = 0; same_units && k < std::min(m.units.size(), s.zero.unit_count()); ++k)
-    if (m.units[k].numel != s.zero.unit_numel(k))
-      problems.push_back("unit \"" + m.units[k].name + "\" has " + std::to_string(m.units[k].numel) + " elements in the checkpoint, " + std::to_string(s.zero.unit_numel(k)) + " here");
-  if (!problems.empty()) {
-    c.key = "model";
-    c.hint = "resume with the checkpoint's model settings; to start a different model from these weights, export them and use model.init_from";
-    throw Error("checkpoint does not fit this model: " + join(problems, "; "), c);
-  }
   const std::vector<std::string> states = s.optimizer.state_names();
   for (const auto& name : states)
     if (std::find(m.optimizer_states.begin(), m.optimizer_states.end(), name) == m.optimizer_states.end()) {
@@ -383,22 +485,52 @@ RestoredProgress restore_checkpoint(RankTrainingState& s, const std::string& dir
       c.hint = "use the checkpoint's optimizer (" + m.optimizer + ")";
       throw Error("the checkpoint has no optimizer state \"" + name + "\" (it was written by " + m.optimizer + ")", c);
     }
-
   CheckpointReader reader(dir, m, /*verify_checksums=*/true);
-  auto load_into = [&](const std::string& kind, size_t k, torch::Tensor& target) {
-    const int64_t begin = s.zero.master_begin(k), count = std::min(target.numel(), s.zero.unit_numel(k) - begin);
-    if (count <= 0) return;  // a shard of padding only
-    std::vector<float> values(static_cast<size_t>(count));
-    reader.read_unit(kind, k, begin, begin + count, values.data());
-    target.narrow(0, 0, count).copy_(torch::from_blob(values.data(), {count}, torch::kFloat32));
-  };
-  if (same_units) {
-    for (size_t k = 0; k < s.zero.unit_count(); ++k) {
-      load_into("master", k, s.zero.shards()[k].master);
-      for (const auto& name : states) load_into(name, k, s.optimizer.state(name, k));
+
+  // The model must be the one that was saved: every parameter of this rank's units there with its
+  // whole shape, and nothing there that no rank's model has (a removed layer, a head the model
+  // now ties to its embedding, silently dropped otherwise). Every rank holds only its own stage's
+  // units, so the names are gathered: every rank then sees, and reports, the same.
+  Communicator& tensor = s.mesh.along(MeshDim::Tensor);
+  const std::vector<ParameterUnit> units = s.model.parameter_units();
+  const std::vector<std::vector<std::string>> names = unit_parameter_names(s.model, units);
+  std::vector<std::string> problems;
+  std::string mine;
+  for (size_t k = 0; k < units.size(); ++k)
+    for (size_t i = 0; i < names[k].size(); ++i) {
+      const std::string& name = names[k][i];
+      mine += name + "\n";
+      const TensorSplit split = i < units[k].splits.size() ? units[k].splits[i] : TensorSplit{};
+      const std::vector<int64_t> whole = tensor_whole_shape(s.zero.unit_shape(k, i), split, tensor.world_size());
+      const StoredParam* p = reader.find(name);
+      if (!p) problems.push_back("no parameter " + name);
+      else if (p->shape != whole || !tensor_split_problem(p->shape, split, tensor.world_size()).empty())
+        problems.push_back(name + " has shape [" + join_numbers(p->shape) + "] in the checkpoint, this model [" + join_numbers(whole) + "]");
     }
-  } else {
-    restore_whole_parameters(s, reader, states, c);
+  std::set<std::string> in_model;
+  for (const std::string& names : all_gather_strings(world, mine)) {
+    std::istringstream lines(names);
+    for (std::string name; std::getline(lines, name);) in_model.insert(name);
+  }
+  for (const StoredParam& p : m.params)
+    if (!in_model.count(p.name)) problems.push_back("unexpected " + p.name + " (in the checkpoint, not in this model)");
+  if (!problems.empty()) {
+    c.key = "model";
+    c.hint = "resume with the checkpoint's model settings; to start a different model from these weights, export them and use model.init_from";
+    throw Error("checkpoint does not fit this model: " + join(problems, "; "), c);
+  }
+
+  std::vector<std::string> kinds{"master"};
+  kinds.insert(kinds.end(), states.begin(), states.end());
+  std::vector<float> values;
+  for (const ShardPiece& piece : shard_pieces(s, PieceUse::Read)) {
+    const StoredParam& p = *reader.find(piece.name);
+    const int64_t n = piece.end - piece.begin;
+    values.resize(static_cast<size_t>(n));
+    for (const std::string& kind : kinds) {
+      reader.read(p, kind, piece.region, piece.begin, piece.end, values.data());
+      shard_of(s, kind, piece.unit).narrow(0, piece.shard_offset, n).copy_(torch::from_blob(values.data(), {n}, torch::kFloat32));
+    }
   }
   s.optimizer.set_steps_taken(m.optimizer_steps);
 
@@ -427,11 +559,16 @@ RestoredProgress restore_checkpoint(RankTrainingState& s, const std::string& dir
     s.scaler->restore({j.at("scale").get<double>(), j.at("hysteresis_left").get<int>(), j.at("clean_steps").get<int64_t>(), j.at("skipped").get<int64_t>()});
   }
   s.zero.publish_master();
+  torch::Tensor bytes = torch::tensor({static_cast<int64_t>(reader.bytes_read())}, torch::kInt64);
+  world.all_reduce_sum(bytes);  // also: every rank has read its part
   RestoredProgress p;
   p.step = m.step;
   p.hook_state = rank_state.value("hook_state", std::string());
   p.from_world = m.world_size;
   p.from_stage = m.zero_stage;
+  p.format_version = m.format_version;
+  p.bytes_read = static_cast<uint64_t>(bytes.item<int64_t>());
+  p.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return p;
 }
 

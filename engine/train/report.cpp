@@ -86,7 +86,15 @@ struct Wire<CheckpointReport> {
   static constexpr auto fields = std::make_tuple(field("step", &CheckpointReport::step), field("path", &CheckpointReport::path),
                                                  field("bytes", &CheckpointReport::bytes), field("checksum", &CheckpointReport::checksum),
                                                  field("removed", &CheckpointReport::removed), field("why", &CheckpointReport::why),
-                                                 field("seconds", &CheckpointReport::seconds));
+                                                 field("seconds", &CheckpointReport::seconds), field("pause_seconds", &CheckpointReport::pause_seconds),
+                                                 field("async", &CheckpointReport::async), field("wait_seconds", &CheckpointReport::wait_seconds));
+};
+
+template <>
+struct Wire<RestoreReport> {
+  static constexpr const char* type = "restore";
+  static constexpr auto fields = std::make_tuple(field("step", &RestoreReport::step), field("path", &RestoreReport::path), field("bytes", &RestoreReport::bytes),
+                                                 field("seconds", &RestoreReport::seconds));
 };
 
 template <>

@@ -62,6 +62,17 @@ struct CheckpointReport {
   std::string checksum;
   std::vector<std::string> removed;  // older checkpoints retention deleted: the store forgets them
   std::string why = "interval";
+  double seconds = 0;        // from the save's start until the checkpoint was complete
+  double pause_seconds = 0;  // of those, training stood still (all of them when synchronous)
+  bool async = false;        // checkpoint.async: written from a thread while training went on
+  double wait_seconds = 0;   // of the pause, waiting for the previous save's write
+};
+
+// A resume read its checkpoint: every rank's bytes, rank 0's seconds (the last rank done).
+struct RestoreReport {
+  int64_t step = 0;
+  std::string path;
+  int64_t bytes = 0;
   double seconds = 0;
 };
 
@@ -71,8 +82,8 @@ struct ErrorReport {
 
 struct DoneReport {};
 
-using RankReport = std::variant<ReadyReport, BeatReport, StepReport, EvalReport, MemoryReport, EventReport, CheckpointReport, ErrorReport,
-                                DoneReport>;
+using RankReport = std::variant<ReadyReport, BeatReport, StepReport, EvalReport, MemoryReport, EventReport, CheckpointReport, RestoreReport,
+                                ErrorReport, DoneReport>;
 
 struct ReceivedReport {
   int rank = -1;

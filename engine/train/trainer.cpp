@@ -142,6 +142,10 @@ class Trainer {
     report_.send(ReadyReport{seconds_since(t_start), first_step + 1});
 
     if (hooks_) run_hook([&] { hooks_->on_start(hook_context(first_step, {})); });
+    if (plan_.checkpoint_disk.saves > 0) {  // the staging memory now, not in the first save's pause
+      RankTrainingState state = training_state();
+      checkpoint_saver().reserve(state);
+    }
 
     // Steps are numbered from 1 in reports and checkpoints; `step` here counts those completed.
     LrScheduleOptions lr_options{r_.schedule, r_.optimizer.lr, r_.run.steps};
@@ -162,6 +166,7 @@ class Trainer {
       const bool at_interval = r_.checkpoint.every > 0 && done % r_.checkpoint.every == 0;
       const bool at_end = r_.checkpoint.at_end && (done == r_.run.steps || outcome.stop) && !outcome.hook_failed;
       if (at_interval || at_end || outcome.save) save(done, outcome.save ? "requested" : at_interval ? "interval" : "end");
+      else if (saver_) report_saved(saver_->finished());
       last = outcome;
       if (outcome.stop) {
         if (outcome.why == "signal")
@@ -172,6 +177,7 @@ class Trainer {
       }
     }
     zero_->wait_host_update();  // the last host update's errors surface here, not in a destructor
+    if (saver_) report_saved(saver_->wait());  // the last asynchronous save is complete before the run is
     if (hooks_ && !last.hook_failed)
       run_hook([&] { hooks_->on_end(hook_context(done, {}), {{"steps", done}, {"reason", last.stop ? last.why : "finished"}, {"loss", last_loss_}}); });
     mesh_->world().barrier();
@@ -292,9 +298,12 @@ class Trainer {
     RestoredProgress p = restore_checkpoint(state, ctx_.resume_from);
     last_saved_step_ = p.step;
     if (hooks_) restore_hook_state(p.hook_state);
-    if (ctx_.rank == 0)
+    if (ctx_.rank == 0) {
       report_.send(EventReport{"resumed", "resumed from " + ctx_.resume_from + " at step " + std::to_string(p.step) + " (saved by " +
-                                              std::to_string(p.from_world) + " rank(s), ZeRO stage " + std::to_string(p.from_stage) + ")"});
+                                              std::to_string(p.from_world) + " rank(s), ZeRO stage " + std::to_string(p.from_stage) +
+                                              (p.format_version < 3 ? ", checkpoint format " + std::to_string(p.format_version) : "") + ")"});
+      report_.send(RestoreReport{p.step, ctx_.resume_from, static_cast<int64_t>(p.bytes_read), p.seconds});
+    }
     return p.step;
   }
 
@@ -406,7 +415,6 @@ class Trainer {
 
   void save(int64_t step, const std::string& why) {
     if (step == last_saved_step_) return;  // already on disk (resumed from it, or saved just now)
-    auto t0 = std::chrono::steady_clock::now();
     CheckpointRunFacts facts;
     facts.run_id = ctx_.run_id;
     facts.config_toml = ctx_.config_toml;
@@ -416,11 +424,30 @@ class Trainer {
     facts.global_batch = r_.batch.global;
     facts.data_files = data_files_;
     RankTrainingState state = training_state();
-    SavedCheckpoint saved = save_checkpoint(state, facts, ctx_.checkpoint_root, step, hooks_ ? hook_state() : "", r_.checkpoint.keep_last, r_.checkpoint.keep_every);
+    checkpoint_saver().save(state, facts, step, hooks_ ? hook_state() : "", why);
     last_saved_step_ = step;
+    report_saved(saver_->finished());
+  }
+
+  CheckpointSaver& checkpoint_saver() {
+    if (!saver_)
+      saver_ = std::make_unique<CheckpointSaver>(CheckpointSaveOptions{ctx_.checkpoint_root, r_.checkpoint.keep_last, r_.checkpoint.keep_every, plan_.checkpoint_disk.async},
+                                                 ctx_.rank, ctx_.world);
+    return *saver_;
+  }
+
+  // Saves complete since the last look (asynchronous ones finish during later steps): rank 0
+  // records them and runs on_checkpoint. A failed write throws here, failing the run.
+  void report_saved(const std::vector<SavedCheckpoint>& saved) {
     if (ctx_.rank != 0) return;
-    report_.send(CheckpointReport{step, saved.path, static_cast<int64_t>(saved.bytes), saved.checksum, saved.removed, why, seconds_since(t0)});
-    if (hooks_) run_hook([&] { hooks_->on_checkpoint(hook_context(step, {{"checkpoint", {{"step", step}, {"path", saved.path}, {"bytes", saved.bytes}}}})); });
+    for (const SavedCheckpoint& c : saved) {
+      const double seconds = c.async ? c.pause_seconds + c.write_seconds : c.pause_seconds;
+      report_.send(CheckpointReport{c.step, c.path, static_cast<int64_t>(c.bytes), c.checksum, c.removed, c.why, seconds, c.pause_seconds, c.async, c.waited_seconds});
+      if (c.waited_seconds > 0.1)
+        report_.send(EventReport{"warning", "the save of step " + std::to_string(c.step) + " waited " + format_seconds(c.waited_seconds) +
+                                                " for the previous one's write: saves come faster than the disk takes them (raise checkpoint.every)"});
+      if (hooks_) run_hook([&] { hooks_->on_checkpoint(hook_context(c.step, {{"checkpoint", {{"step", c.step}, {"path", c.path}, {"bytes", c.bytes}}}})); });
+    }
   }
 
   // ---- hooks (rank 0 runs them; decisions reach every rank through broadcast_decision) ----
@@ -695,6 +722,7 @@ class Trainer {
   std::unique_ptr<Dataset> data_;
   std::vector<DataFileIdentity> data_files_;  // identified when opened: what checkpoints record
   int64_t last_saved_step_ = -1;
+  std::unique_ptr<CheckpointSaver> saver_;  // made at the first save
   bool hooks_active_ = false;             // the recipe has a hook script (known to every rank)
   std::unique_ptr<RecipeHooks> hooks_;    // rank 0 only
   std::optional<double> lr_override_;     // rank 0: set by a hook's lr action
