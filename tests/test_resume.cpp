@@ -242,33 +242,37 @@ TEST_CASE("a run initialised from exported weights starts where the exported run
 }
 
 TEST_CASE("a launcher killed with SIGKILL takes its ranks with it, and the run resumes with --force", "[resume][restart]") {
-  TempDir dir;
-  // Train "forever" with a checkpoint every 2 steps; kill -9 the launcher once one exists.
-  const std::string run_cmd = "'" DSRUN_BINARY "' run tests/recipes/tiny_train.toml --db '" + dir.file("runs.db") + "' " + layout(1, 2) +
-                              " --set run.steps=100000 --set checkpoint.every=2 --set schedule.name=\\\"constant\\\"";
-  auto out = dsrun::test::run_command("cd '" + dsrun::test::source_dir() + "' && (" + run_cmd + " > '" + dir.file("out.txt") + "' 2>&1 & echo $! > '" +
-                                      dir.file("pid") + "'); for i in $(seq 300); do ls '" + dir.path() + "'/*/checkpoints/step_*/COMPLETE >/dev/null 2>&1 && break; sleep 0.1; done; "
-                                      "kill -9 $(cat '" + dir.file("pid") + "'); sleep 1");
-  INFO(out.text << dsrun::read_file(dir.file("out.txt")));
-  dsrun::Store store(dir.file("runs.db"));
-  auto runs = store.list_runs({});
-  REQUIRE(runs.size() == 1);
-  const std::string id = runs[0].id;
-  CHECK(runs[0].status == dsrun::RunStatus::Running);  // nobody was left to record the end
-  // No rank outlived its launcher (their command lines name the run's config; "[k]" keeps pgrep
-  // from matching the shell that runs it).
-  CHECK(dsrun::test::run_command("pgrep -f 'dsrun-ran[k] " + dir.file(id + "/config.toml") + "'").code != 0);
+  // Synchronous saves, then asynchronous ones: the kill then lands while a writer thread writes.
+  for (const std::string async : {"false", "true"}) {
+    INFO("checkpoint.async = " << async);
+    TempDir dir;
+    // Train "forever" with a checkpoint every 2 steps; kill -9 the launcher once one exists.
+    const std::string run_cmd = "'" DSRUN_BINARY "' run tests/recipes/tiny_train.toml --db '" + dir.file("runs.db") + "' " + layout(1, 2) +
+                                " --set run.steps=100000 --set checkpoint.every=2 --set schedule.name=\\\"constant\\\" --set checkpoint.async=" + async;
+    auto out = dsrun::test::run_command("cd '" + dsrun::test::source_dir() + "' && (" + run_cmd + " > '" + dir.file("out.txt") + "' 2>&1 & echo $! > '" +
+                                        dir.file("pid") + "'); for i in $(seq 300); do ls '" + dir.path() + "'/*/checkpoints/step_*/COMPLETE >/dev/null 2>&1 && break; sleep 0.1; done; "
+                                        "kill -9 $(cat '" + dir.file("pid") + "'); sleep 1");
+    INFO(out.text << dsrun::read_file(dir.file("out.txt")));
+    dsrun::Store store(dir.file("runs.db"));
+    auto runs = store.list_runs({});
+    REQUIRE(runs.size() == 1);
+    const std::string id = runs[0].id;
+    CHECK(runs[0].status == dsrun::RunStatus::Running);  // nobody was left to record the end
+    // No rank outlived its launcher (their command lines name the run's config; "[k]" keeps pgrep
+    // from matching the shell that runs it).
+    CHECK(dsrun::test::run_command("pgrep -f 'dsrun-ran[k] " + dir.file(id + "/config.toml") + "'").code != 0);
 
-  auto refused = dsrun_command(dir, "resume " + id);
-  CHECK(refused.code == 1);
-  CHECK(contains(refused.text, "--force"));
-  auto newest = dsrun::find_checkpoint(dir.file(id + "/checkpoints"), -1, false);
-  REQUIRE(newest.has_value());
-  auto resumed = dsrun_command(dir, "resume " + id + " --force --set run.steps=" + std::to_string(newest->step + 2));
-  INFO(resumed.text);
-  CHECK(resumed.code == 0);
-  CHECK(contains(resumed.text, "resume from step " + std::to_string(newest->step)));
-  CHECK(store.get_run(id).status == dsrun::RunStatus::Finished);
+    auto refused = dsrun_command(dir, "resume " + id);
+    CHECK(refused.code == 1);
+    CHECK(contains(refused.text, "--force"));
+    auto newest = dsrun::find_checkpoint(dir.file(id + "/checkpoints"), -1, false);
+    REQUIRE(newest.has_value());
+    auto resumed = dsrun_command(dir, "resume " + id + " --force --set run.steps=" + std::to_string(newest->step + 2));
+    INFO(resumed.text);
+    CHECK(resumed.code == 0);
+    CHECK(contains(resumed.text, "resume from step " + std::to_string(newest->step)));
+    CHECK(store.get_run(id).status == dsrun::RunStatus::Finished);
+  }
 }
 
 TEST_CASE("resume on a weighted mixture of mapped token files (nanoGPT and llm.c, separate documents) continues bitwise", "[resume][data]") {

@@ -21,11 +21,7 @@ std::unique_ptr<DeviceMesh> connect_mesh(const RendezvousOptions& o, const MeshS
     const int me = static_cast<int>(std::find(members.begin(), members.end(), o.rank) - members.begin());
     expert_groups[static_cast<size_t>(g)] = rendezvous->group(shape.expert_group_name(o.rank, g), me, static_cast<int>(members.size()));
   }
-  const std::vector<int> holders = shape.holders();
-  std::unique_ptr<Communicator> holders_group;
-  const auto me = std::find(holders.begin(), holders.end(), o.rank);
-  if (me != holders.end()) holders_group = rendezvous->group("holders", static_cast<int>(me - holders.begin()), static_cast<int>(holders.size()));
-  return std::make_unique<DeviceMesh>(shape, o.rank, std::move(world), std::move(groups), std::move(expert_groups), std::move(holders_group));
+  return std::make_unique<DeviceMesh>(shape, o.rank, std::move(world), std::move(groups), std::move(expert_groups));
 }
 
 }  // namespace dsrun

@@ -76,14 +76,6 @@ struct MeshShape {
     }
     return ranks;
   }
-  // The ranks that hold one copy of every parameter between them once each gathers its ZeRO
-  // shards: tensor rank 0 of the first replica (data < expert) of every stage, in rank order.
-  std::vector<int> holders() const {
-    std::vector<int> ranks;
-    for (int p = 0; p < pipeline; ++p)
-      for (int d = 0; d < expert; ++d) ranks.push_back(rank_of({p, d, 0}));
-    return ranks;
-  }
   int expert_shard(int rank) const { return coordinates_of(rank).data % expert; }
   int expert_replica(int rank) const { return coordinates_of(rank).data / expert; }
   // The group's name, the same on every member: its kind and its first member.
