@@ -592,6 +592,7 @@ std::string rank_config_toml(const LoadedRecipe& loaded, const Plan& plan) {
   pin(c, "hardware.devices_per_node", Value::of_int(r.hardware.devices_per_node));
   pin(c, "hardware.memory_gib", Value::of_float(r.hardware.memory_bytes / GiB));
   pin(c, "hardware.host_memory_gib", Value::of_float(r.hardware.host_memory_bytes / GiB));
+  pin(c, "checkpoint.async", Value::of_bool(plan.checkpoint_disk.async));  // as planned: unset, the plan may have chosen synchronous
   pin(c, "data.path", Value::of_string(absolute(r.data.path)));
   pin(c, "data.val_path", Value::of_string(absolute(r.data.val_path)));
   if (!r.data.blend.empty()) {  // resolved against the recipe: the rank reads its config from the run directory

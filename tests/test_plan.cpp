@@ -327,6 +327,9 @@ TEST_CASE("the plan counts asynchronous checkpoints' staging memory and says eac
                                  dsrun::test::small_host());
   CHECK_FALSE(offload.checkpoint_disk.staging_pinned);
   CHECK(offload.checkpoint_disk.copy_seconds == Approx(offload.checkpoint_disk.staging_per_rank / (hw.host_memory_bandwidth / 2)));
+  const Plan offload_sync = make_plan(load_text(kSevenB + "[parallel]\nzero_stage = 2\noffload = \"optimizer\"\n[run]\nsteps = 100\n[checkpoint]\nevery = 50\nasync = false\n").recipe,
+                                      dsrun::test::small_host());
+  CHECK(offload_sync.checkpoint_disk.pause_seconds == Approx(offload_sync.checkpoint_disk.write_seconds));  // host shards are written as they stand
   // Synchronous: no staging kept, and the pause includes the write.
   const Plan sync = make_plan(load_text(kSevenB + "[run]\nsteps = 100\n[checkpoint]\nevery = 50\nasync = false\n").recipe, dsrun::test::small_host());
   CHECK_FALSE(sync.checkpoint_disk.async);

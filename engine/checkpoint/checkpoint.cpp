@@ -90,7 +90,9 @@ std::pair<int64_t, int64_t> checkpoint_slice(int64_t numel, int world, int rank)
 std::string manifest_to_json(const CheckpointManifest& m) {
   nlohmann::ordered_json j;
   j["format"] = "dsrun-checkpoint";
-  j["format_version"] = m.format_version;
+  j["format_version"] = 3;  // what is written; a manifest read from an older version is converted, never written back
+  for (const auto& p : m.params)
+    for (const auto& sl : p.slices) DSRUN_ASSERT(sl.tensor == p.name && sl.tensor_offset == 0, "format 3 stores each slice as the tensor named for its parameter");
   j["run_id"] = m.run_id;
   j["step"] = m.step;
   j["samples_seen"] = m.samples_seen;
@@ -161,6 +163,7 @@ CheckpointManifest manifest_from_json(const std::string& text, const std::string
         m.params.push_back(std::move(param));
       }
     } else {
+      if (m.world_size < 1) bad_checkpoint(path, m.step, "manifest world size " + std::to_string(m.world_size));
       m.params = legacy_params(j.at("units"), m.world_size);
     }
   } catch (const nlohmann::json::exception& e) {
@@ -175,7 +178,7 @@ CheckpointManifest manifest_from_json(const std::string& text, const std::string
         const int64_t n = element_count(region_shape(p.shape, sl.region));
         region_runs(p.shape, sl.region);
         if (sl.begin < 0 || sl.begin > sl.end || sl.end > n) problem = "has elements [" + std::to_string(sl.begin) + ", " + std::to_string(sl.end) + ") of a region of " + std::to_string(n);
-      } catch (const Error& e) {
+      } catch (const std::exception& e) {  // dsrun::Error, or std::out_of_range for a dimension past the shape
         problem = e.what();
       }
       if (!problem.empty()) bad_checkpoint(path, m.step, "a slice of parameter " + p.name + " " + problem);

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdlib>
+#include <optional>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -144,10 +145,13 @@ void write_file_atomic(const std::string& path, const std::string& content) {
     }
     done += static_cast<size_t>(n);
   }
-  if (::fsync(fd) != 0 || ::close(fd) != 0) {
-    Error e = file_error("cannot flush file", tmp);
+  const bool synced = ::fsync(fd) == 0;
+  std::optional<Error> failed;
+  if (!synced) failed = file_error("cannot flush file", tmp);
+  if (::close(fd) != 0 && !failed) failed = file_error("cannot flush file", tmp);
+  if (failed) {
     ::unlink(tmp.c_str());
-    throw e;
+    throw *failed;
   }
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
     ::unlink(tmp.c_str());

@@ -562,7 +562,9 @@ class Planner {
     d.staging_pinned = hw.device == Device::Cuda && p.layout.offload == Offload::None;
     d.copy_seconds = d.staging_per_rank / (d.staging_pinned ? hw.host_link_bandwidth * r_.hardware.comm_efficiency : hw.host_memory_bandwidth / 2);
     d.write_seconds = d.staging_per_rank * ranks_per_node_ / hw.disk_write_bandwidth;
-    d.pause_seconds = d.copy_seconds + (ck.async ? 0 : d.write_seconds);
+    // Synchronous saves copy nothing from host memory (they write the shards as they stand);
+    // from a GPU each slice comes down as it is written.
+    d.pause_seconds = ck.async ? d.copy_seconds : (d.staging_pinned ? d.copy_seconds : 0) + d.write_seconds;
     // A save waits for the one before it: saves closer together than a write takes stall training.
     if (ck.async && ck.every > 0 && d.saves > 1 && d.write_seconds > ck.every * p.step_seconds)
       p.notes.push_back("checkpoints come every " + format_seconds(ck.every * p.step_seconds) + " of training but take " + format_seconds(d.write_seconds) +

@@ -171,7 +171,8 @@ std::string render_plan(const Plan& p) {
     const std::string copy = "each rank copies " + format_bytes(disk.staging_per_rank) + " to host memory (" + format_seconds(disk.copy_seconds) + ")";
     const std::string write = format_bytes(disk.staging_per_rank * p.ranks_per_node) + " per node is written (" + format_seconds(disk.write_seconds) + " at hardware.disk_write_gbs)";
     line(disk.async ? "asynchronous (checkpoint.async): training pauses " + format_seconds(disk.pause_seconds) + " per save while " + copy + "; then " + write + " beside training"
-                    : "synchronous: training pauses " + format_seconds(disk.pause_seconds) + " per save: " + copy + ", then " + write + "; checkpoint.async = true pauses for the copy alone");
+                    : "synchronous: training pauses " + format_seconds(disk.pause_seconds) + " per save: " + (disk.staging_pinned ? copy + ", then " : std::string()) + write +
+                          "; checkpoint.async = true pauses for a copy to host memory alone (" + format_seconds(disk.copy_seconds) + ")");
   }
 
   if (!p.choices.empty()) {

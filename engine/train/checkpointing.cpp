@@ -267,24 +267,22 @@ std::vector<SavedCheckpoint> CheckpointSaver::wait() {
 
 namespace {
 
-// The staging buffer, large enough for this rank's slices (grown, never shrunk).
-void ensure_staging(torch::Tensor& staging, bool async, RankTrainingState& s, const std::vector<std::string>& kinds, const std::vector<ShardPiece>& pieces) {
-  // What must be copied: everything when the write happens beside training; when synchronous,
-  // only what lives on a GPU (host shards are written where they are, as they stand still).
+// Asynchronous saves: the staging buffer, large enough for this rank's slices (grown, never
+// shrunk), pinned when they come from a GPU (slow to allocate, fast to copy into).
+void ensure_staging(torch::Tensor& staging, RankTrainingState& s, const std::vector<std::string>& kinds, const std::vector<ShardPiece>& pieces) {
   int64_t total = 0;
   bool from_device = false;
   for (const std::string& kind : kinds)
     for (const ShardPiece& p : pieces) {
       const torch::Tensor shard = shard_of(s, kind, p.unit);
       DSRUN_ASSERT(shard.is_contiguous() && shard.dim() == 1, "ZeRO shards are flat");
-      if (async || shard.is_cuda()) total += p.end - p.begin;
+      total += p.end - p.begin;
       from_device |= shard.is_cuda();
     }
   if (staging.defined() && staging.numel() >= total) return;
-  // Pinned (slow to allocate, fast to copy into) only when kept between saves.
-  staging = torch::empty({std::max<int64_t>(total, 1)}, torch::TensorOptions().dtype(torch::kFloat32).pinned_memory(from_device && async));
+  staging = torch::empty({std::max<int64_t>(total, 1)}, torch::TensorOptions().dtype(torch::kFloat32).pinned_memory(from_device));
   // Kept between saves: touched now, so that the first save does not pay its page faults.
-  if (async && !staging.is_pinned()) staging.zero_();
+  if (!staging.is_pinned()) staging.zero_();
 }
 
 std::vector<std::string> state_kinds(RankTrainingState& s) {
@@ -296,7 +294,7 @@ std::vector<std::string> state_kinds(RankTrainingState& s) {
 }  // namespace
 
 void CheckpointSaver::reserve(RankTrainingState& s) {
-  if (o_.async) ensure_staging(staging_, o_.async, s, state_kinds(s), shard_pieces(s, PieceUse::Write));
+  if (o_.async) ensure_staging(staging_, s, state_kinds(s), shard_pieces(s, PieceUse::Write));
 }
 
 void CheckpointSaver::save(RankTrainingState& s, const CheckpointRunFacts& facts, int64_t step, const std::string& hook_state, const std::string& why) {
@@ -327,14 +325,20 @@ void CheckpointSaver::save(RankTrainingState& s, const CheckpointRunFacts& facts
   s.zero.wait_host_update();  // offload: the host step is done with the states
   const std::vector<std::string> kinds = state_kinds(s);
   const std::vector<ShardPiece> pieces = shard_pieces(s, PieceUse::Write);
-  ensure_staging(staging_, o_.async, s, kinds, pieces);
+  if (o_.async) ensure_staging(staging_, s, kinds, pieces);
   bool from_device = false;
   int64_t at = 0;
   for (const std::string& kind : kinds)
     for (const ShardPiece& p : pieces) {
       const int64_t n = p.end - p.begin;
       torch::Tensor src = shard_of(s, kind, p.unit).narrow(0, p.shard_offset, n);
-      if (!o_.async && !src.is_cuda()) {  // synchronous: host shards are written where they are
+      // Synchronous: nothing moves while the rank writes, so host shards are written where they
+      // are and a GPU's slices are copied down one at a time as the file is written.
+      if (!o_.async && src.is_cuda()) {
+        job->file.add(slice_tensor_name(p.name, kind), "F32", {n}, [src, n](char* out) { torch::from_blob(out, {n}, torch::kFloat32).copy_(src); });
+        continue;
+      }
+      if (!o_.async) {
         job->file.add(slice_tensor_name(p.name, kind), "F32", {n}, src.data_ptr());
         continue;
       }
@@ -404,11 +408,31 @@ void CheckpointSaver::save(RankTrainingState& s, const CheckpointRunFacts& facts
     return;
   }
   run_job(*job_);
-  staging_ = torch::Tensor();  // synchronous: nothing is kept between saves
   comm.barrier();  // nobody goes on (or reports success) before the checkpoint exists
   job_->result.pause_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::lock_guard<std::mutex> lock(mutex_);
   done_.back().pause_seconds = job_->result.pause_seconds;
+}
+
+// Rank 0, once every rank's file is written (each leaves a note with its size and checksum):
+// the manifest, then the marker.
+void CheckpointSaver::commit(Job& job) {
+  CheckpointManifest& m = job.manifest;
+  SavedCheckpoint& saved = job.result;
+  saved.bytes = 0;
+  for (int r = 0; r < world_; ++r) {
+    const std::string marker = path_join(job.dir, written_marker_name(r));
+    while (!file_exists(marker)) {
+      if (cancel_) throw Error("checkpoint at step " + std::to_string(job.step) + " abandoned: the rank is stopping");
+      if (!is_directory(job.dir)) throw Error("checkpoint at step " + std::to_string(job.step) + " abandoned: another rank's write failed (its error says why)");
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    const nlohmann::json j = nlohmann::json::parse(read_file(marker));
+    m.files.push_back({rank_file_name(r), r, j.at("bytes").get<uint64_t>(), j.at("checksum").get<std::string>()});
+    saved.bytes += m.files.back().bytes;
+  }
+  saved.checksum = commit_checkpoint(job.dir, m);
+  for (int r = 0; r < world_; ++r) std::remove(path_join(job.dir, written_marker_name(r)).c_str());
 }
 
 void CheckpointSaver::run_job(Job& job) {
@@ -418,13 +442,15 @@ void CheckpointSaver::run_job(Job& job) {
   saved.step = job.step;
   saved.why = job.why;
   saved.async = job.async;
+  // Whatever fails to be written (a rank's file, its note, the manifest) takes the step's files
+  // with it: the previous checkpoint stays the latest. A full disk says what it needed.
   try {
     const WrittenFile written = job.file.write_atomic(path_join(job.dir, rank_file_name(rank_)));
     saved.bytes = written.bytes;
     if (crash_in_save_requested(rank_, job.step)) ::raise(SIGKILL);
     write_file_atomic(path_join(job.dir, written_marker_name(rank_)), nlohmann::json{{"bytes", written.bytes}, {"checksum", written.checksum}}.dump());
+    if (rank_ == 0) commit(job);
   } catch (const Error& e) {
-    // The step's partial files go, whoever wrote them: the previous checkpoint stays the latest.
     remove_tree(job.dir);
     if (!disk_full(e)) throw;
     std::string latest = "none";
@@ -440,22 +466,6 @@ void CheckpointSaver::run_job(Job& job) {
                 c);
   }
   if (rank_ == 0) {
-    // Commit once every rank's file is written: each leaves a marker with its size and checksum.
-    CheckpointManifest& m = job.manifest;
-    saved.bytes = 0;
-    for (int r = 0; r < world_; ++r) {
-      const std::string marker = path_join(job.dir, written_marker_name(r));
-      while (!file_exists(marker)) {
-        if (cancel_) throw Error("checkpoint at step " + std::to_string(job.step) + " abandoned: the rank is stopping");
-        if (!is_directory(job.dir)) throw Error("checkpoint at step " + std::to_string(job.step) + " abandoned: another rank's write failed (its error says why)");
-        std::this_thread::sleep_for(std::chrono::milliseconds(5));
-      }
-      const nlohmann::json j = nlohmann::json::parse(read_file(marker));
-      m.files.push_back({rank_file_name(r), r, j.at("bytes").get<uint64_t>(), j.at("checksum").get<std::string>()});
-      saved.bytes += m.files.back().bytes;
-    }
-    saved.checksum = commit_checkpoint(job.dir, m);
-    for (int r = 0; r < world_; ++r) std::remove(path_join(job.dir, written_marker_name(r)).c_str());
     // Retention only now that a newer checkpoint is complete.
     for (const auto& old : checkpoints_to_remove(list_checkpoints(o_.root), o_.keep_last, o_.keep_every)) {
       remove_tree(old);

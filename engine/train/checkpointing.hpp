@@ -83,12 +83,13 @@ class CheckpointSaver {
  private:
   struct Job;
   void run_job(Job& job);
+  void commit(Job& job);
   void collect();  // joins a finished or running writer into done_ / error_
 
   CheckpointSaveOptions o_;
   int rank_ = 0, world_ = 1;
-  // Every slice's master and states, back to back: kept between asynchronous saves (pinned when
-  // copied from a GPU); synchronous saves stage only what a GPU holds, and free it after.
+  // Asynchronous saves: every slice's master and states, back to back, kept between saves (pinned
+  // when copied from a GPU). Synchronous saves need none.
   torch::Tensor staging_;
   std::unique_ptr<Job> job_;
   std::thread writer_;

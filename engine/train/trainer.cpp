@@ -429,10 +429,14 @@ class Trainer {
     report_saved(saver_->finished());
   }
 
+  // Collective the first time (every rank makes it at the start, or at the first save): rank 0's
+  // plan says whether saves are asynchronous, so that ranks planning on different hosts agree.
   CheckpointSaver& checkpoint_saver() {
-    if (!saver_)
-      saver_ = std::make_unique<CheckpointSaver>(CheckpointSaveOptions{ctx_.checkpoint_root, r_.checkpoint.keep_last, r_.checkpoint.keep_every, plan_.checkpoint_disk.async},
-                                                 ctx_.rank, ctx_.world);
+    if (saver_) return *saver_;
+    torch::Tensor async = torch::tensor({plan_.checkpoint_disk.async ? 1 : 0}, torch::kInt64);
+    mesh_->world().broadcast(async, 0);
+    saver_ = std::make_unique<CheckpointSaver>(CheckpointSaveOptions{ctx_.checkpoint_root, r_.checkpoint.keep_last, r_.checkpoint.keep_every, async.item<int64_t>() != 0},
+                                               ctx_.rank, ctx_.world);
     return *saver_;
   }
 
