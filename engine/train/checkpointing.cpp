@@ -424,7 +424,12 @@ void CheckpointSaver::commit(Job& job) {
     const std::string marker = path_join(job.dir, written_marker_name(r));
     while (!file_exists(marker)) {
       if (cancel_) throw Error("checkpoint at step " + std::to_string(job.step) + " abandoned: the rank is stopping");
-      if (!is_directory(job.dir)) throw Error("checkpoint at step " + std::to_string(job.step) + " abandoned: another rank's write failed (its error says why)");
+      if (!is_directory(job.dir)) {
+        // Another rank's write failed and removed the step. Its error says why, so this rank
+        // waits to be stopped rather than race it to the launcher with a vaguer one.
+        for (int i = 0; i < 300 && !cancel_; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        throw Error("checkpoint at step " + std::to_string(job.step) + " abandoned: another rank's write failed (its error says why)");
+      }
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
     const nlohmann::json j = nlohmann::json::parse(read_file(marker));
