@@ -118,7 +118,7 @@ WrittenFile SafetensorsWriter::write_atomic(const std::string& path) const {
 
   const std::string tmp = path + ".tmp";
   Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-  if (fd.fd < 0) bad_file(tmp, std::string("cannot create: ") + std::strerror(errno), "check that the directory exists and is writable");
+  if (fd.fd < 0) bad_file(tmp, std::string("cannot create: ") + std::strerror(errno), "check that the directory exists and is writable", errno);
   XXH3_state_t* state = XXH3_createState();
   DSRUN_ASSERT(state != nullptr, "xxhash state");
   XXH3_64bits_reset(state);
@@ -151,7 +151,7 @@ WrittenFile SafetensorsWriter::write_atomic(const std::string& path) const {
   }
   ::close(fd.fd);
   fd.fd = -1;
-  if (::rename(tmp.c_str(), path.c_str()) != 0) bad_file(path, std::string("cannot rename into place: ") + std::strerror(errno), "check permissions");
+  if (::rename(tmp.c_str(), path.c_str()) != 0) bad_file(path, std::string("cannot rename into place: ") + std::strerror(errno), "check permissions", errno);
   sync_directory(parent_directory(path));
   return written;
 }

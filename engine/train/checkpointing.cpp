@@ -414,6 +414,13 @@ void CheckpointSaver::save(RankTrainingState& s, const CheckpointRunFacts& facts
   done_.back().pause_seconds = job_->result.pause_seconds;
 }
 
+// Another rank's write failed and removed the step's directory. Its error says why, so this rank
+// waits to be stopped rather than race it to the launcher with a vaguer one ("cannot rename").
+void CheckpointSaver::abandon(const Job& job) {
+  for (int i = 0; i < 300 && !cancel_; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  throw Error("checkpoint at step " + std::to_string(job.step) + " abandoned: another rank's write failed (its error says why)");
+}
+
 // Rank 0, once every rank's file is written (each leaves a note with its size and checksum):
 // the manifest, then the marker.
 void CheckpointSaver::commit(Job& job) {
@@ -424,12 +431,7 @@ void CheckpointSaver::commit(Job& job) {
     const std::string marker = path_join(job.dir, written_marker_name(r));
     while (!file_exists(marker)) {
       if (cancel_) throw Error("checkpoint at step " + std::to_string(job.step) + " abandoned: the rank is stopping");
-      if (!is_directory(job.dir)) {
-        // Another rank's write failed and removed the step. Its error says why, so this rank
-        // waits to be stopped rather than race it to the launcher with a vaguer one.
-        for (int i = 0; i < 300 && !cancel_; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-        throw Error("checkpoint at step " + std::to_string(job.step) + " abandoned: another rank's write failed (its error says why)");
-      }
+      if (!is_directory(job.dir)) abandon(job);
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
     const nlohmann::json j = nlohmann::json::parse(read_file(marker));
@@ -456,7 +458,10 @@ void CheckpointSaver::run_job(Job& job) {
     write_file_atomic(path_join(job.dir, written_marker_name(rank_)), nlohmann::json{{"bytes", written.bytes}, {"checksum", written.checksum}}.dump());
     if (rank_ == 0) commit(job);
   } catch (const Error& e) {
+    // A file or the directory gone from under this rank's write: another rank removed the step.
+    const bool removed_by_another = !is_directory(job.dir) || e.context().system_errno == ENOENT;
     remove_tree(job.dir);
+    if (!disk_full(e) && removed_by_another) abandon(job);
     if (!disk_full(e)) throw;
     std::string latest = "none";
     for (const CheckpointInfo& c : list_checkpoints(o_.root))

@@ -84,6 +84,7 @@ class CheckpointSaver {
   struct Job;
   void run_job(Job& job);
   void commit(Job& job);
+  [[noreturn]] void abandon(const Job& job);
   void collect();  // joins a finished or running writer into done_ / error_
 
   CheckpointSaveOptions o_;
