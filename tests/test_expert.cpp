@@ -3,6 +3,7 @@
 // comes, lopsided (every token to one expert, a rank with none) and with a capacity that drops.
 #include "engine/dist/mesh.hpp"
 #include "engine/model/model.hpp"
+#include "engine/model/grouped_experts.hpp"
 #include "engine/parallel/parallelize.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
 #include "engine/train/loss.hpp"
@@ -134,4 +135,90 @@ TEST_CASE("expert parallelism when routing is lopsided: every token to one exper
   ModelSpec dropping = dsrun::test::tiny_moe_decoder(4);
   dropping.moe.capacity_factor = 0.5;  // half the mean: about half the pairs dropped
   CHECK(expert_parallel_matches(dropping, {{1, 2, 1, 2}, 0}));
+}
+
+// The grouped experts against the loop through autograd's own ops: outputs and every gradient,
+// with uneven groups and an expert that gets no row (its weights' gradient is zero).
+TEST_CASE("grouped experts equal the expert-by-expert loop: outputs and gradients, an empty expert, weights stacked as views", "[engine][expert][grouped]") {
+  torch::manual_seed(11);
+  const int64_t hidden = 16, inner = 8;
+  const std::vector<int64_t> sizes = {5, 0, 9, 2};
+  const int64_t experts = static_cast<int64_t>(sizes.size()), rows = 16;
+  // Every gate/up weight in one buffer, then every down weight, as ZeRO's flat buffer holds them.
+  torch::Tensor flat = torch::randn({experts * 2 * inner * hidden + experts * hidden * inner}) * 0.3;
+  auto make = [&](bool views) {
+    std::vector<torch::Tensor> gate_up, down;
+    for (int64_t e = 0; e < experts; ++e) {
+      torch::Tensor g = flat.narrow(0, e * 2 * inner * hidden, 2 * inner * hidden).view({2 * inner, hidden});
+      torch::Tensor d = flat.narrow(0, experts * 2 * inner * hidden + e * hidden * inner, hidden * inner).view({hidden, inner});
+      gate_up.push_back(views ? g.detach().requires_grad_(true) : g.detach().clone().requires_grad_(true));
+      down.push_back(views ? d.detach().requires_grad_(true) : d.detach().clone().requires_grad_(true));
+    }
+    return std::make_pair(gate_up, down);
+  };
+  auto [gate_up, down] = make(true);
+  auto [gate_up_ref, down_ref] = make(false);
+  bool viewed = false;
+  torch::Tensor stacked = stack_weights(gate_up, &viewed);
+  CHECK(viewed);
+  CHECK(stacked.data_ptr() == gate_up[0].data_ptr());
+  CHECK(stacked.sizes() == torch::IntArrayRef({experts, 2 * inner, hidden}));
+  stack_weights(gate_up_ref, &viewed);
+  CHECK_FALSE(viewed);  // separate tensors: copied
+  CHECK(torch::equal(stack_weights(gate_up_ref), stacked));
+
+  torch::Tensor x = torch::randn({rows, hidden}).requires_grad_(true);
+  torch::Tensor x_ref = x.detach().clone().requires_grad_(true);
+  torch::Tensor counts = torch::tensor(sizes, torch::kInt64);
+  torch::Tensor upstream = torch::randn({rows, hidden});
+  torch::Tensor y = grouped_swiglu_experts(x, counts, gate_up, down);
+  torch::Tensor y_ref = looped_swiglu_experts(x_ref, counts, gate_up_ref, down_ref);
+  CHECK(torch::allclose(y, y_ref, 1e-5, 1e-6));
+  (y * upstream).sum().backward();
+  (y_ref * upstream).sum().backward();
+  CHECK(torch::allclose(x.grad(), x_ref.grad(), 1e-5, 1e-6));
+  for (int64_t e = 0; e < experts; ++e) {
+    INFO("expert " << e);
+    REQUIRE(gate_up[e].grad().defined());
+    if (sizes[e] == 0) {
+      CHECK(gate_up[e].grad().abs().max().item<double>() == 0);
+      CHECK(down[e].grad().abs().max().item<double>() == 0);
+      continue;
+    }
+    CHECK(torch::allclose(gate_up[e].grad(), gate_up_ref[e].grad(), 1e-5, 1e-6));
+    CHECK(torch::allclose(down[e].grad(), down_ref[e].grad(), 1e-5, 1e-6));
+  }
+}
+
+TEST_CASE("in ZeRO's flat buffers a MoE layer's routed expert weights lie kind after kind: the grouped product reads them without a copy", "[engine][expert][grouped]") {
+  ModelSpec m = dsrun::test::tiny_moe_decoder(4);
+  for (int stage : {0, 3}) {
+    INFO("ZeRO " << stage);
+    auto model = build_model(m, 16, {5});
+    auto comm = single_process_communicator();
+    ZeroOptions zo;
+    zo.stage = stage;
+    ZeroDataParallel zero(*model, *comm, zo);
+    // Stage 3 holds the weights only while gathered: inside the unit's computation.
+    std::vector<ParameterUnit> units = model->parameter_units();
+    int moe_unit = -1;
+    for (size_t u = 0; u < units.size(); ++u)
+      for (const auto& n : units[u].names)
+        if (n.find("moe.expert") != std::string::npos) moe_unit = static_cast<int>(u);
+    REQUIRE(moe_unit >= 0);
+    bool gate_up_viewed = false, down_viewed = false;
+    zero.run(moe_unit, [&](const Tensors& in) {
+      std::vector<torch::Tensor> gate_up, down;
+      for (auto& p : model->module().named_parameters()) {
+        if (p.key().find("moe.expert") == std::string::npos) continue;
+        (p.key().find("gate_up") != std::string::npos ? gate_up : down).push_back(p.value());
+      }
+      REQUIRE(gate_up.size() == 4);
+      stack_weights(gate_up, &gate_up_viewed);
+      stack_weights(down, &down_viewed);
+      return in;
+    }, {torch::zeros({1})});
+    CHECK(gate_up_viewed);
+    CHECK(down_viewed);
+  }
 }

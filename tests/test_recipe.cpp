@@ -480,6 +480,22 @@ TEST_CASE("expert parallelism: degrees the experts or the data ranks do not divi
   CHECK(only_error(load_text("base = [\"models/deepseek-moe-tiny\"]\n[model.moe]\nroute_bias = [1, 2]\n")).key == "model.moe.route_bias");
 }
 
+TEST_CASE("MoE balancing: an unknown balance and a negative bias_update_rate are refused with the line and a fix", "[recipe][expert][balance]") {
+  const Diagnostic& balance = only_error(load_text("base = [\"models/deepseek-moe-tiny\"]\n[model.moe]\nbalance = \"biased\"\n"));
+  CHECK(balance.key == "model.moe.balance");
+  CHECK(balance.source.line == 3);
+  CHECK(contains(balance.message, "aux_loss, bias"));
+  CHECK(contains(balance.fix, "\"bias\""));
+  const Diagnostic& rate = only_error(load_text("base = [\"models/deepseek-moe-tiny\"]\n[model.moe]\nbalance = \"bias\"\nbias_update_rate = -0.001\n"));
+  CHECK(rate.key == "model.moe.bias_update_rate");
+  CHECK(rate.source.line == 4);
+  CHECK_FALSE(rate.fix.empty());
+  LoadedRecipe ok = load_text("base = [\"models/deepseek-moe-tiny\"]\n[model.moe]\nbalance = \"bias\"\nbias_update_rate = 0.01\n");
+  REQUIRE(errors_of(ok).empty());
+  CHECK(ok.recipe.model.moe.learns_bias());
+  CHECK(ok.recipe.model.moe.bias_update_rate == 0.01);
+}
+
 TEST_CASE("expert parallelism in the plan: each rank's experts, their ZeRO replicas, the all-to-all and the imbalance headroom", "[recipe][plan][expert]") {
   auto plan_of = [](const std::string& parallel) {
     LoadedRecipe r = load_text("base = [\"models/deepseek-moe-tiny\"]\n[hardware]\ndevices_per_node = 4\n[parallel]\nzero_stage = 1\n" + parallel +

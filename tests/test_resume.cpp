@@ -661,3 +661,55 @@ TEST_CASE("asynchronous saves: the trajectory is the synchronous one bitwise, ea
   // A resume reads its checkpoint and records how fast.
   CHECK(dsrun::test::recorded_metric(dir, crashed.id, "checkpoint_read_MBps").size() == 1);
 }
+
+TEST_CASE("balance by bias: a router forced onto one expert evens out, every rank holds the same bias, resume continues it bitwise, export carries it", "[resume][expert][balance]") {
+  // Top-1 of 4 experts with expert 0 favoured by a fixed +1 on its score: every token goes there
+  // (busiest / mean = 4) until the learned bias (0.01 a step) has pulled expert 0 down by about 1.
+  // Two ranks keeping two experts each, so that the loads are summed over the expert exchange.
+  const std::string sets = layout(1, 2) + " --set parallel.expert=2 --set run.steps=120 --set checkpoint.every=60" +
+                           " --set model.moe.routed_experts=4 --set model.moe.top_k=1 --set model.moe.intermediate=64 --set model.moe.shared_experts=1" +
+                           " --set model.moe.route_bias=[1,0,0,0] --set model.moe.balance=\"bias\" --set model.moe.bias_update_rate=0.01";
+  TempDir dir;
+  Run whole = train(dir, sets);
+  INFO(whole.text);
+  REQUIRE(whole.code == 0);
+  const std::vector<double> load = dsrun::test::recorded_metric(dir, whole.id, "expert_load_max");
+  REQUIRE(load.size() == 120);
+  CHECK(load.front() == 4.0);
+  double late = 0;
+  for (size_t i = 100; i < 120; ++i) late += load[i] / 20;
+  CHECK(late < 1.6);
+
+  // The bias is in every rank's file, the same on each, and expert 0's went down.
+  auto bias_of = [&](const std::string& run_id, int rank) {
+    dsrun::SafetensorsFile f(dsrun::path_join(checkpoint_dir(dir, run_id, 120), dsrun::rank_file_name(rank)));
+    const dsrun::SafetensorsEntry& e = f.at("buffer.block1.moe.expert_bias");
+    return f.read_f32(e, 0, e.numel());
+  };
+  const std::vector<float> bias = bias_of(whole.id, 0);
+  REQUIRE(bias.size() == 4);
+  CHECK(bias_of(whole.id, 1) == bias);
+  CHECK(bias[0] < -0.5f);
+
+  // A crash after the checkpoint at step 60: the resumed run ends with the same bias and losses.
+  Run crashed = train(dir, sets, "DSRUN_TEST_CRASH_AT=1:90");
+  REQUIRE(crashed.code == 1);
+  auto out = dsrun_command(dir, "resume " + crashed.id);
+  INFO(out.text);
+  REQUIRE(out.code == 0);
+  CHECK(recorded_losses(dir, crashed.id) == whole.losses);
+  CHECK(bias_of(crashed.id, 0) == bias);
+
+  // Exported under DeepSeek-V3's name, and read back by a run initialised from the export.
+  out = dsrun_command(dir, "export " + whole.id + " --to '" + dir.file("export") + "'");
+  INFO(out.text);
+  REQUIRE(out.code == 0);
+  dsrun::SafetensorsFile exported(dir.file("export/model.safetensors"));
+  const dsrun::SafetensorsEntry& e = exported.at("model.layers.1.mlp.gate.e_score_correction_bias");
+  CHECK(exported.read_f32(e, 0, e.numel()) == bias);
+  Run from_export = train(dir, sets + " --set run.steps=3 --set model.init_from=\"" + dir.file("export") + "\"");
+  INFO(from_export.text);
+  REQUIRE(from_export.code == 0);
+  // With the bias the routing starts even, not at 4.
+  CHECK(dsrun::test::recorded_metric(dir, from_export.id, "expert_load_max").front() < 2.0);
+}

@@ -62,6 +62,13 @@ std::vector<WeightPiece> hf_pieces(const std::string& param, const std::vector<i
   fail_at(__FILE__, __LINE__, "no Hugging Face name for parameter " + param);
 }
 
+std::string hf_buffer_name(const std::string& buffer) {
+  int layer = 0;
+  std::string rest;
+  if (split_block_name(buffer, layer, rest) && rest == "moe.expert_bias") return "model.layers." + std::to_string(layer) + ".mlp.gate.e_score_correction_bias";
+  return "";
+}
+
 std::string hf_config_json(const ModelSpec& m, const std::string& torch_dtype) {
   nlohmann::ordered_json j;
   if (m.arch == ModelArch::ResNet) {
@@ -147,6 +154,20 @@ ExportResult export_checkpoint(const std::string& checkpoint_dir, const std::str
       });
       ++result.tensors;
     }
+  }
+  // Buffers that are model state: every rank holds the same values, rank 0's are written.
+  const SafetensorsFile& rank0 = reader->rank_file(0);
+  for (const SafetensorsEntry& e : rank0.entries()) {
+    if (!starts_with(e.name, "buffer.")) continue;
+    const std::string name = hf_buffer_name(e.name.substr(7));
+    if (name.empty()) continue;
+    const SafetensorsFile* file = &rank0;
+    const SafetensorsEntry* entry = &e;
+    writer.add(name, "F32", e.shape, [reader, file, entry](char* out) {  // fp32 in either dtype: the bias moves by steps of 1e-3
+      std::vector<float> values = file->read_f32(*entry, 0, entry->numel());
+      std::memcpy(out, values.data(), values.size() * 4);
+    });
+    ++result.tensors;
   }
   make_directories(out_dir);
   result.weights_path = path_join(out_dir, "model.safetensors");

@@ -21,6 +21,10 @@ struct WeightPiece {
 // are fused here). ResNet parameters keep their dsrun names.
 std::vector<WeightPiece> hf_pieces(const std::string& param, const std::vector<int64_t>& shape, const ModelSpec& spec);
 
+// The Hugging Face name of a model buffer that is model state, "" for the others (BatchNorm's
+// statistics stay per rank): the MoE selection bias is DeepSeek-V3's e_score_correction_bias.
+std::string hf_buffer_name(const std::string& buffer);
+
 // config.json for the model (LlamaForCausalLM for dense decoders, DeepseekForCausalLM for MoE).
 std::string hf_config_json(const ModelSpec& spec, const std::string& torch_dtype);
 

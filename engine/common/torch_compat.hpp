@@ -91,6 +91,55 @@ inline bool fused_adam_step(const std::vector<torch::Tensor>& params, const std:
 #endif
 }
 
+// Grouped matrix products over rows grouped by expert; `offs` holds the groups' cumulative row
+// ends ([G] int32 on a's device, the last equal to the rows). Two forms, as at::_grouped_mm has:
+//   a [M, K], b [G, K, N] -> [M, N]: rows offs[g-1]..offs[g] of a times b[g];
+//   a [K, M], b [M, N]    -> [G, K, N]: the groups split the shared dimension M (weight gradients).
+// grouped_mm_loop is the reference: one mm per group, reading the offsets on the host. grouped_mm
+// runs PyTorch >= 2.8's kernel (CUTLASS for bf16 on Hopper) on CUDA with no host synchronisation,
+// where its layout rules hold (K and N multiples of 16 bytes), and the loop elsewhere (1.13, CPUs).
+inline torch::Tensor grouped_mm_loop(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& offs) {
+  const torch::Tensor ends_host = offs.to(torch::kCPU, torch::kInt64);
+  const int64_t* ends = ends_host.data_ptr<int64_t>();
+  const int64_t groups = offs.size(0);
+  torch::Tensor out = b.dim() == 3 ? torch::zeros({a.size(0), b.size(2)}, a.options()) : torch::zeros({groups, a.size(0), b.size(1)}, a.options());
+  int64_t begin = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t rows = ends[g] - begin;
+    if (rows > 0) {
+      if (b.dim() == 3) {
+        torch::Tensor dst = out.narrow(0, begin, rows);
+        at::mm_out(dst, a.narrow(0, begin, rows), b[g]);
+      } else {
+        torch::Tensor dst = out[g];
+        at::mm_out(dst, a.narrow(1, begin, rows), b.narrow(0, begin, rows));
+      }
+    }
+    begin = ends[g];
+  }
+  return out;
+}
+
+constexpr bool kHasGroupedMm = DSRUN_TORCH_AT_LEAST(2, 8);
+inline bool grouped_mm_kernel_applies(const torch::Tensor& a, const torch::Tensor& b) {
+#if DSRUN_TORCH_AT_LEAST(2, 8)
+  if (!a.is_cuda() || a.numel() == 0 || a.scalar_type() != b.scalar_type() || a.scalar_type() != torch::kBFloat16) return false;
+  const int64_t align = 16 / a.element_size();  // the rows of every operand start 16-byte aligned
+  const int64_t k = b.dim() == 3 ? a.size(1) : a.size(0), n = b.size(-1);
+  return k % align == 0 && n % align == 0;
+#else
+  (void)a, (void)b;
+  return false;
+#endif
+}
+
+inline torch::Tensor grouped_mm(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& offs) {
+#if DSRUN_TORCH_AT_LEAST(2, 8)
+  if (grouped_mm_kernel_applies(a, b)) return at::_grouped_mm(a, b, offs);
+#endif
+  return grouped_mm_loop(a, b, offs);
+}
+
 }  // namespace dsrun::compat
 
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>

@@ -4,6 +4,7 @@
 #include "engine/common/text.hpp"
 #include "engine/common/torch_compat.hpp"
 #include "engine/model/fused_ops.hpp"
+#include "engine/model/grouped_experts.hpp"
 #include "engine/model/model.hpp"
 
 #include <cmath>
@@ -152,16 +153,20 @@ TORCH_MODULE(SwiGLU);
 
 // DeepSeek-MoE: every token goes through the shared experts and through its top-k routed experts,
 // weighted by the router's softmax scores (not renormalised, as in DeepSeek-MoE 16B). The routed
-// experts run on the (token, choice) pairs grouped by expert, through the runner: under expert
-// parallelism they travel to the ranks that keep their experts.
+// experts run on the (token, choice) pairs grouped by expert, as two grouped matrix products
+// (grouped_experts.hpp), through the runner: under expert parallelism the pairs travel to the
+// ranks that keep their experts. Without a capacity nothing on this path waits for the device.
 struct MoEImpl : nn::Module {
   MoEImpl(const ModelSpec& m, int layer, const torch::TensorOptions& o)
-      : layer(layer), top_k(m.moe.top_k), experts_count(m.moe.routed_experts), local_count(m.moe.routed_experts), aux_weight(m.moe.aux_loss_weight), capacity_factor(m.moe.capacity_factor) {
+      : layer(layer), top_k(m.moe.top_k), experts_count(m.moe.routed_experts), local_count(m.moe.routed_experts),
+        aux_weight(m.moe.learns_bias() ? 0.0 : m.moe.aux_loss_weight), capacity_factor(m.moe.capacity_factor) {
     router = register_module("router", Linear(m.hidden, experts_count, o));
     for (int e = 0; e < experts_count; ++e) experts.push_back(register_module("expert" + std::to_string(e), SwiGLU(m.hidden, m.moe.intermediate, o)));
     if (m.moe.shared_experts > 0)  // S shared experts of size fe act like one SwiGLU of size S·fe
       shared = register_module("shared", SwiGLU(m.hidden, m.moe.shared_experts * m.moe.intermediate, o));
     if (!m.moe.route_bias.empty()) route_bias = torch::tensor(m.moe.route_bias, torch::kFloat64).to(torch::kFloat32);
+    // Balance by bias (DeepSeek-V3): learned between steps (Model::balance_experts), fp32, model state.
+    if (m.moe.learns_bias()) expert_bias = register_buffer("expert_bias", torch::zeros({experts_count}, torch::kFloat32));
   }
   Tensor forward(const Tensor& x, Tensor& aux_loss, UnitRunner& runner) {
     const auto shape = x.sizes().vec();
@@ -170,49 +175,78 @@ struct MoEImpl : nn::Module {
     // The router is replicated; the experts may be split. Its weights enter the split region, so
     // that their gradient (taken from the experts' partial outputs) is summed over the ranks.
     Tensor scores = torch::softmax(router(tokens).to(torch::kFloat32), -1);  // [T, E]
-    Tensor chosen = std::get<1>((route_bias.defined() ? scores + route_bias.to(scores.device()) : scores).topk(top_k, -1));  // [T, k]
+    Tensor chosen = std::get<1>(choice_scores(scores).topk(top_k, -1));       // [T, k]
     Tensor weights = runner.enter_split(scores.gather(1, chosen));
     Tensor expert_in = runner.enter_split(tokens);
+    // The shared experts first: under expert parallelism the device computes them while the host
+    // waits for the routed counts the exchange needs.
+    Tensor shared_out = shared ? shared(expert_in) : Tensor();
 
     // Pair p = t·k + i is token t's i-th choice. A capacity keeps each expert's first pairs in token order.
     Tensor pair_expert = chosen.reshape({-1});
     Tensor routed = per_expert_counts(pair_expert);  // [E] int64
-    Tensor kept = torch::arange(T * top_k, pair_expert.options());
+    Tensor pairs, counts;  // the kept pairs grouped by expert (in pair order within each: a stable sort), and how many each
+    int64_t dropped = 0;
     if (capacity_factor > 0) {
       const int64_t capacity = static_cast<int64_t>(std::ceil(capacity_factor * T * top_k / experts_count));
       Tensor place = torch::one_hot(pair_expert, experts_count).cumsum(0).gather(1, pair_expert.unsqueeze(1)).squeeze(1);  // 1-based within its expert
-      kept = (place <= capacity).nonzero().squeeze(-1);
+      Tensor kept = (place <= capacity).nonzero().squeeze(-1);  // (reads the count back: capacity runs synchronise)
+      dropped = T * top_k - kept.numel();
+      Tensor kept_expert = pair_expert.index_select(0, kept);
+      pairs = kept.index_select(0, std::get<1>(kept_expert.sort(/*stable=*/true, 0, false)));
+      counts = per_expert_counts(kept_expert);
+    } else {
+      pairs = std::get<1>(pair_expert.sort(/*stable=*/true, 0, false));
+      counts = routed;
     }
-    const int64_t dropped = T * top_k - kept.numel();
     runner.record_routing(layer, routed, dropped);
-    // Grouped by expert, in pair order within each (a stable sort): the same order on every layout.
-    Tensor kept_expert = pair_expert.index_select(0, kept);
-    Tensor pairs = kept.index_select(0, std::get<1>(kept_expert.sort(/*stable=*/true, 0, false)));
-    Tensor counts = capacity_factor > 0 ? per_expert_counts(kept_expert) : routed;
-    Tensor counts_cpu = counts.cpu();
-    std::vector<int64_t> per_expert(counts_cpu.data_ptr<int64_t>(), counts_cpu.data_ptr<int64_t>() + experts_count);
-    Tensor outputs = runner.routed_experts(expert_in.index_select(0, pairs.div(top_k, "floor")), per_expert, [this](const Tensor& rows, const std::vector<int64_t>& c) {
-      // One split, not a narrow per expert: each narrow's backward would write a gradient the size
-      // of all the rows (zeros but its slice), and autograd would add them up expert by expert.
-      std::vector<Tensor> parts, inputs = rows.split_with_sizes(c);
-      for (size_t j = 0; j < c.size(); ++j)
-        if (c[j] > 0) parts.push_back(experts[first_local + j](inputs[j]));
-      return parts.empty() ? rows.narrow(0, 0, 0) : torch::cat(parts);  // (still on autograd's path: the exchange's backward runs everywhere)
-    });
-    Tensor per_pair = torch::zeros({T * top_k, outputs.size(-1)}, outputs.options()).index_copy(0, pairs, outputs);  // dropped pairs: 0
+    Tensor outputs = runner.routed_experts(expert_in.index_select(0, pairs.div(top_k, "floor")), counts,
+                                           [this](const Tensor& rows, const Tensor& c) { return local_experts(rows, c); });
+    // Back to pair order (dropped pairs: 0), weighted, summed over each token's choices.
+    Tensor per_pair = torch::zeros({T * top_k, outputs.size(-1)}, outputs.options()).index_copy(0, pairs, outputs);
     Tensor out = (per_pair.view({T, top_k, -1}) * weights.unsqueeze(-1).to(x.scalar_type())).sum(1);
-    if (shared) out = out + shared(expert_in);
+    if (shared) out = out + shared_out;
     out = runner.leave_split(out);
     // Expert-level balance loss (DeepSeek-MoE eq. 12): α Σ_i f_i P_i, f_i = E/(kT) · tokens routed to i,
     // P_i = mean router score of i. Equals α when routing is perfectly uniform.
-    Tensor f = routed.to(torch::kFloat32) * (static_cast<double>(experts_count) / (top_k * T));
-    Tensor p = scores.mean(0);
-    aux_loss = aux_loss + aux_weight * (f * p).sum();  // f counts tokens: no gradient flows through it
+    if (aux_weight > 0) {
+      Tensor f = routed.to(torch::kFloat32) * (static_cast<double>(experts_count) / (top_k * T));
+      Tensor p = scores.mean(0);
+      aux_loss = aux_loss + aux_weight * (f * p).sum();  // f counts tokens: no gradient flows through it
+    }
     return out.reshape(shape);
+  }
+  // The scores experts are chosen by: the router's, plus the fixed bias of the recipe and the
+  // learned one. Neither bias weights an expert's output.
+  Tensor choice_scores(const Tensor& scores) {
+    Tensor s = scores;
+    if (route_bias.defined()) {
+      if (route_bias.device() != scores.device()) route_bias = route_bias.to(scores.device());  // once, not per call
+      s = s + route_bias;
+    }
+    if (expert_bias.defined()) s = s + expert_bias.to(scores.device());
+    return s;
+  }
+  // This rank's routed experts on their rows, grouped: their weights lie one after another in the
+  // unit's flat buffer (DeepSeekModel::units), so stacking them copies nothing.
+  Tensor local_experts(const Tensor& rows, const Tensor& counts) {
+    std::vector<Tensor> gate_up, down;
+    for (int e = first_local; e < first_local + local_count; ++e) {
+      gate_up.push_back(experts[e]->gate_up->weight);
+      down.push_back(experts[e]->down->weight);
+    }
+    return grouped_swiglu_experts(rows, counts, gate_up, down);
   }
   // Pairs per expert, [E] int64, without a device sync (torch::bincount reads the maximum back).
   Tensor per_expert_counts(const Tensor& pair_expert) const {
     return torch::zeros({experts_count}, pair_expert.options()).scatter_add_(0, pair_expert, torch::ones_like(pair_expert));
+  }
+  // DeepSeek-V3's update: bias += rate · sign(mean load − load), loads summed over every rank.
+  void balance(const Tensor& loads, double rate) {
+    torch::NoGradGuard no_grad;
+    Tensor l = loads.to(torch::kFloat64);
+    Tensor step = ((l.mean() - l).sign() * rate).to(torch::kFloat32);
+    expert_bias.add_(step.to(expert_bias.device()));
   }
   // Keeps routed experts [shard·E/S, (shard+1)·E/S); the others' parameters are dropped.
   void keep_experts(int shard, int shards) {
@@ -226,7 +260,8 @@ struct MoEImpl : nn::Module {
   int layer, top_k, experts_count;
   int first_local = 0, local_count;  // the routed experts this rank keeps
   double aux_weight, capacity_factor;
-  Tensor route_bias;  // [E] fp32, or undefined
+  Tensor route_bias;   // [E] fp32, or undefined
+  Tensor expert_bias;  // [E] fp32 buffer with balance = "bias", or undefined
   Linear router{nullptr};
   std::vector<SwiGLU> experts;
   SwiGLU shared{nullptr};
@@ -305,6 +340,29 @@ Named params_of(nn::Module& m, const std::string& prefix, const ModelSpec& spec,
   return out;
 }
 
+// The routed experts' weights kind after kind: every gate/up weight in expert order, then every
+// down weight, after the layer's other parameters. ZeRO lays a unit's parameters out in its flat
+// buffer in this order, so each kind is one [experts, ...] block that the grouped products read
+// as a view (stack_weights) rather than a copy per step.
+Named with_experts_stacked(const Named& n) {
+  std::vector<size_t> order, gate_up, down;
+  for (size_t i = 0; i < n.names.size(); ++i) {
+    const bool routed = n.names[i].find(".moe.expert") != std::string::npos;
+    if (routed && ends_with(n.names[i], ".gate_up.weight")) gate_up.push_back(i);
+    else if (routed && ends_with(n.names[i], ".down.weight")) down.push_back(i);
+    else order.push_back(i);
+  }
+  order.insert(order.end(), gate_up.begin(), gate_up.end());
+  order.insert(order.end(), down.begin(), down.end());
+  Named out;
+  for (size_t i : order) {
+    out.params.push_back(n.params[i]);
+    out.names.push_back(n.names[i]);
+    out.splits.push_back(n.splits[i]);
+  }
+  return out;
+}
+
 class DeepSeekModel final : public Model {
  public:
   DeepSeekModel(const ModelSpec& spec, int64_t seq_len, bool deferred, uint64_t seed)
@@ -350,10 +408,15 @@ class DeepSeekModel final : public Model {
     for (size_t k = 0; k < ordinary; ++k) {
       if (kept_blocks[k] < 0 || !net_->blocks[kept_blocks[k]]->moe) continue;
       MoE& moe = net_->blocks[kept_blocks[k]]->moe;
-      std::vector<Named> parts;
+      Named local;
       const std::string prefix = "block" + std::to_string(kept_blocks[k]) + ".moe.expert";
-      for (int e = moe->first_local; e < moe->first_local + moe->local_count; ++e) parts.push_back(params_of(*moe->experts[e], prefix + std::to_string(e), spec_));
-      kept.push_back(make_unit(kept[k].name + " experts", parts, /*checkpointable=*/false, /*always=*/false));  // an expert no token chose gets no gradient
+      for (int e = moe->first_local; e < moe->first_local + moe->local_count; ++e) {
+        Named one = params_of(*moe->experts[e], prefix + std::to_string(e), spec_);
+        local.params.insert(local.params.end(), one.params.begin(), one.params.end());
+        local.names.insert(local.names.end(), one.names.begin(), one.names.end());
+        local.splits.insert(local.splits.end(), one.splits.begin(), one.splits.end());
+      }
+      kept.push_back(make_unit(kept[k].name + " experts", {with_experts_stacked(local)}, /*checkpointable=*/false, /*always=*/true));  // (grouped: an expert no token chose gets a zero gradient)
       kept.back().experts_of = static_cast<int>(k);
     }
     return kept;
@@ -414,6 +477,12 @@ class DeepSeekModel final : public Model {
     return t;
   }
 
+  void balance_experts(int layer, const Tensor& loads, double rate) override {
+    MoE& moe = net_->blocks.at(layer)->moe;
+    DSRUN_ASSERT(moe && moe->expert_bias.defined(), "layer " + std::to_string(layer) + " learns no selection bias");
+    moe->balance(loads, rate);
+  }
+
   nn::Module& module() override { return *net_; }
   bool deferred() const override { return deferred_; }
 
@@ -447,9 +516,8 @@ class DeepSeekModel final : public Model {
     else unit("embedding", {params_of(*net_->embedding, "embedding", spec_)}, false);
     const std::function<bool(const std::string&)> routed_expert = [](const std::string& name) { return starts_with(name, "moe.expert"); };
     for (int i = 0; i < blocks(); ++i) {
-      const bool moe = static_cast<bool>(net_->blocks[i]->moe);  // an expert no token chose gets no gradient
-      const bool apart = moe && expert_shards_ > 1;
-      unit("block " + std::to_string(i), {params_of(*net_->blocks[i], "block" + std::to_string(i), spec_, apart ? routed_expert : std::function<bool(const std::string&)>())}, true, !moe || apart, i);
+      const bool apart = net_->blocks[i]->moe && expert_shards_ > 1;  // (every routed expert gets a gradient, zero where no token chose it)
+      unit("block " + std::to_string(i), {with_experts_stacked(params_of(*net_->blocks[i], "block" + std::to_string(i), spec_, apart ? routed_expert : std::function<bool(const std::string&)>()))}, true, true, i);
     }
     if (spec_.tie_embeddings && pipeline_numbering) unit("head", {params_of(*net_->norm, "norm", spec_)}, false);
     else if (!spec_.tie_embeddings) unit("head", {params_of(*net_->norm, "norm", spec_), params_of(*net_->head, "head", spec_)}, false);

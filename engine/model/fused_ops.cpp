@@ -124,13 +124,15 @@ struct SwigluFunction : torch::autograd::Function<SwigluFunction> {
     return out;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    Tensor in = ctx->get_saved_variables()[0];
-    Tensor d_out = grads[0].contiguous();
+    return {kernel_backward(ctx->get_saved_variables()[0], grads[0])};
+  }
+  static Tensor kernel_backward(const Tensor& in, const Tensor& grad) {
+    Tensor d_out = grad.contiguous();
     const int64_t inner = in.size(-1) / 2, rows = in.numel() / in.size(-1);
     Tensor d_in = torch::empty_like(in);
     dsrun_swiglu_backward(d_out.data_ptr(), in.data_ptr(), d_in.data_ptr(), rows, inner, kernel_dtype(in), stream());
     DSRUN_CHECK_LAUNCH();
-    return {d_in};
+    return d_in;
   }
 };
 
@@ -171,6 +173,15 @@ torch::Tensor swiglu(const torch::Tensor& gate_up) {
   if (fused_kernels_active(gate_up)) return SwigluFunction::apply(gate_up);
 #endif
   return swiglu_reference(gate_up);
+}
+
+torch::Tensor swiglu_backward(const torch::Tensor& gate_up, const torch::Tensor& d_out) {
+#ifdef DSRUN_WITH_FUSED_KERNELS
+  if (fused_kernels_active(gate_up) && gate_up.is_contiguous()) return SwigluFunction::kernel_backward(gate_up, d_out);
+#endif
+  torch::AutoGradMode enable(true);
+  Tensor in = gate_up.detach().requires_grad_(true);
+  return torch::autograd::grad({swiglu_reference(in)}, {in}, {d_out})[0];
 }
 
 }  // namespace dsrun::fused

@@ -16,6 +16,9 @@ torch::Tensor rotary(const torch::Tensor& qk, int64_t head_dim, const torch::Ten
 
 // silu(gate) · up where gate_up = [gate | up] along the last dimension.
 torch::Tensor swiglu(const torch::Tensor& gate_up);
+// The gradient of swiglu at gate_up for the output's gradient d_out (outside autograd: for
+// functions that write their own backward, engine/model/grouped_experts.cpp).
+torch::Tensor swiglu_backward(const torch::Tensor& gate_up, const torch::Tensor& d_out);
 
 // True where the fused CUDA kernels run for x (a CUDA tensor in a CUDA build); for tests.
 bool fused_kernels_active(const torch::Tensor& x);

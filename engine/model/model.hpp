@@ -20,8 +20,8 @@ using Tensors = std::vector<torch::Tensor>;
 // It must be a pure function of its inputs and the unit's parameters: checkpointing calls it twice.
 using UnitFn = std::function<Tensors(const Tensors&)>;
 // Runs some of a MoE layer's routed experts: `rows` grouped expert by expert, counts[j] rows for
-// the j-th of them; returns each row's output in the same order.
-using ExpertsFn = std::function<torch::Tensor(const torch::Tensor& rows, const std::vector<int64_t>& counts)>;
+// the j-th of them ([experts] int64 on the rows' device); returns each row's output in the same order.
+using ExpertsFn = std::function<torch::Tensor(const torch::Tensor& rows, const torch::Tensor& counts)>;
 
 // The seam through which parallelism reaches into a model. run() runs one unit's computation:
 // the default just calls it; ZeRO-3 gathers the unit's parameters around it, activation
@@ -38,10 +38,11 @@ class UnitRunner {
   // A lookup in an embedding whose rows (the vocabulary) may be split.
   virtual torch::Tensor embedding(const torch::Tensor& weight, const torch::Tensor& ids) { return torch::embedding(weight, ids); }
   // Routed experts: `rows` are the inputs of every (token, choice) pair of a MoE layer, grouped by
-  // expert, counts[e] for expert e of all the layer's; returns their outputs in the same order.
-  // `local` runs the experts this rank keeps (Model::keep_experts): all of them here; under expert
-  // parallelism the rows travel to the ranks that keep theirs and back.
-  virtual torch::Tensor routed_experts(const torch::Tensor& rows, const std::vector<int64_t>& counts, const ExpertsFn& local) { return local(rows, counts); }
+  // expert, counts[e] for expert e of all the layer's ([experts] int64 on the device: here they
+  // stay there); returns their outputs in the same order. `local` runs the experts this rank keeps
+  // (Model::keep_experts): all of them here; under expert parallelism the rows travel to the ranks
+  // that keep theirs and back, which needs the counts on the host once.
+  virtual torch::Tensor routed_experts(const torch::Tensor& rows, const torch::Tensor& counts, const ExpertsFn& local) { return local(rows, counts); }
   // One MoE layer's routing in one forward: pairs routed to each expert (before any capacity,
   // [experts] int64) and pairs the capacity dropped. For metrics; recomputation does not repeat it.
   virtual void record_routing(int layer, const torch::Tensor& routed, int64_t dropped) {}
@@ -131,6 +132,10 @@ class Model {
   // others' parameters are dropped). parameter_units() then lists each layer's kept experts as a
   // unit of its own (experts_of), after all the others.
   virtual void keep_experts(int shard, int shards) { DSRUN_ASSERT(shards == 1, "this model has no routed experts"); }
+  // MoE balance by bias (model.moe.balance = "bias"): moves MoE layer `layer`'s selection bias
+  // toward even loads; `loads` are the pairs routed to each expert this step, summed over every
+  // rank that routes ([experts]). Every rank calls it with the same loads and keeps the same bias.
+  virtual void balance_experts(int layer, const torch::Tensor& loads, double rate) {}
   // Deferred: the parameters have shapes but no values (never written, so no resident memory);
   // ZeRO builds each unit from initialize_parameter.
   virtual bool deferred() const { return false; }

@@ -37,12 +37,14 @@ struct ExchangeRows : torch::autograd::Function<ExchangeRows> {
 
 }  // namespace
 
-Tensor ExpertParallel::run(const Tensor& rows, const std::vector<int64_t>& counts, const ExpertsFn& local) {
+Tensor ExpertParallel::run(const Tensor& rows, const Tensor& counts_on_device, const ExpertsFn& local) {
+  const Tensor counts_host = counts_on_device.to(torch::kCPU, torch::kInt64);
+  const std::vector<int64_t> counts(counts_host.data_ptr<int64_t>(), counts_host.data_ptr<int64_t>() + counts_host.numel());
   const int shards = size();
   const int64_t experts = static_cast<int64_t>(counts.size()), per_shard = experts / shards;
   DSRUN_ASSERT(experts % shards == 0, "routed experts divide by the expert-parallel ranks (checked by the recipe)");
   // 1. Counts: row q of `received` holds source q's counts for this shard's experts.
-  Tensor sent = torch::tensor(counts, torch::kInt64);
+  Tensor sent = counts_host.clone();
   Tensor received = torch::empty({experts}, torch::kInt64);
   group_.all_to_all(sent, received);
   std::vector<int64_t> from(received.data_ptr<int64_t>(), received.data_ptr<int64_t>() + experts);  // [source][local expert]
@@ -67,7 +69,7 @@ Tensor ExpertParallel::run(const Tensor& rows, const std::vector<int64_t>& count
   std::vector<int64_t> arrival(order.size());  // its inverse: where arrived row i sits expert-major
   for (size_t i = 0; i < order.size(); ++i) arrival[static_cast<size_t>(order[i])] = static_cast<int64_t>(i);
   auto on_device = [&](const std::vector<int64_t>& v) { return torch::tensor(v, torch::kInt64).to(rows.device()); };
-  Tensor outputs = local(arrived.index_select(0, on_device(order)), local_counts);
+  Tensor outputs = local(arrived.index_select(0, on_device(order)), on_device(local_counts));
   Tensor back = outputs.index_select(0, on_device(arrival));
   // 4. Combine.
   return ExchangeRows::apply(back, address, recv_rows, send_rows);

@@ -25,7 +25,9 @@ class ExpertParallel {
   int size() const { return group_.world_size(); }
   int rank() const { return group_.rank(); }
   // UnitRunner::routed_experts over the group.
-  torch::Tensor run(const torch::Tensor& rows, const std::vector<int64_t>& counts, const ExpertsFn& local);
+  // The counts come to the host once (the exchange's sizes): the layer computes its shared experts
+  // before, so the device has work while the host waits.
+  torch::Tensor run(const torch::Tensor& rows, const torch::Tensor& counts_on_device, const ExpertsFn& local);
 
  private:
   Communicator& group_;

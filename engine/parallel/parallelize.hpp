@@ -38,7 +38,7 @@ class ParallelModel final : public UnitRunner {
   torch::Tensor enter_split(const torch::Tensor& x) override { return tensor_.enter(x); }
   torch::Tensor leave_split(const torch::Tensor& partial) override { return tensor_.leave(partial); }
   torch::Tensor embedding(const torch::Tensor& weight, const torch::Tensor& ids) override { return tensor_.embedding(weight, ids); }
-  torch::Tensor routed_experts(const torch::Tensor& rows, const std::vector<int64_t>& counts, const ExpertsFn& local) override {
+  torch::Tensor routed_experts(const torch::Tensor& rows, const torch::Tensor& counts, const ExpertsFn& local) override {
     return experts_ ? experts_->run(rows, counts, local) : local(rows, counts);
   }
   void record_routing(int layer, const torch::Tensor& routed, int64_t dropped) override;

@@ -172,6 +172,8 @@ void build_model(Builder& c, Recipe& r) {
   m.moe.aux_loss_weight = c.f("model.moe.aux_loss_weight");
   m.moe.capacity_factor = c.f("model.moe.capacity_factor");
   m.moe.route_bias = c.floats("model.moe.route_bias");
+  m.moe.balance = c.s("model.moe.balance") == "bias" ? MoeSpec::Balance::Bias : MoeSpec::Balance::AuxLoss;
+  m.moe.bias_update_rate = c.f("model.moe.bias_update_rate");
   m.resnet.depth = static_cast<int>(c.i("model.resnet.depth"));
   m.resnet.classes = static_cast<int>(c.i("model.resnet.classes"));
   m.resnet.image_size = static_cast<int>(c.i("model.resnet.image_size"));
@@ -460,9 +462,11 @@ void warn_inapplicable(Builder& c, const Recipe& r) {
       {"model.moe.top_k", [](const Recipe& x) { return x.model.moe.enabled(); }, "model.moe.routed_experts > 0"},
       {"model.moe.intermediate", [](const Recipe& x) { return x.model.moe.enabled(); }, "model.moe.routed_experts > 0"},
       {"model.moe.first_dense_layers", [](const Recipe& x) { return x.model.moe.enabled(); }, "model.moe.routed_experts > 0"},
-      {"model.moe.aux_loss_weight", [](const Recipe& x) { return x.model.moe.enabled(); }, "model.moe.routed_experts > 0"},
+      {"model.moe.aux_loss_weight", [](const Recipe& x) { return x.model.moe.enabled() && !x.model.moe.learns_bias(); }, "model.moe.balance = \"aux_loss\""},
       {"model.moe.capacity_factor", [](const Recipe& x) { return x.model.moe.enabled(); }, "model.moe.routed_experts > 0"},
       {"model.moe.route_bias", [](const Recipe& x) { return x.model.moe.enabled(); }, "model.moe.routed_experts > 0"},
+      {"model.moe.balance", [](const Recipe& x) { return x.model.moe.enabled(); }, "model.moe.routed_experts > 0"},
+      {"model.moe.bias_update_rate", [](const Recipe& x) { return x.model.moe.learns_bias(); }, "model.moe.balance = \"bias\""},
       {"parallel.expert_imbalance", [](const Recipe& x) { return x.parallel.expert > 1 || x.parallel.search.expert; }, "parallel.expert > 1"},
       {"model.resnet.", [](const Recipe& x) { return x.model.arch == ModelArch::ResNet; }, "model.arch = \"resnet\""},
       {"batch.seq_len", [](const Recipe& x) { return x.model.arch == ModelArch::DeepSeek; }, "model.arch = \"deepseek\""},

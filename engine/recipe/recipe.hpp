@@ -70,7 +70,13 @@ struct MoeSpec {
   // Added to the router's scores for choosing the experts only (not for weighting them), one per
   // routed expert: DeepSeek-V3's selection bias, fixed. Empty: none.
   std::vector<double> route_bias;
+  // How routing is kept even: the auxiliary loss (aux_loss_weight), or DeepSeek-V3's learned
+  // selection bias, moved by bias_update_rate × sign(mean load − load) after every step.
+  enum class Balance { AuxLoss, Bias };
+  Balance balance = Balance::AuxLoss;
+  double bias_update_rate = 1e-3;
   bool enabled() const { return routed_experts > 0; }
+  bool learns_bias() const { return enabled() && balance == Balance::Bias; }
 };
 
 struct ResNetSpec {

@@ -122,6 +122,12 @@ std::vector<KeySpec> build_schema() {
       ranged("model.moe.route_bias", T::FloatList, "[]", -1e6, 1e6,
              "One number per routed expert added to the router's scores when choosing the experts, not when weighting them "
              "(DeepSeek-V3's selection bias, here fixed): steers routing, e.g. [100, 0, 0, 0] sends every token to expert 0. Empty: none."),
+      choice("model.moe.balance", "aux_loss", {"aux_loss", "bias"},
+             "How routing is kept even. `aux_loss`: the expert-level balance loss (aux_loss_weight). `bias`: DeepSeek-V3's auxiliary-loss-free "
+             "balancing: a per-expert bias added to the scores when choosing experts (not when weighting them), moved after every step by "
+             "bias_update_rate × sign(mean load − load), loads summed over every rank; the bias is model state (checkpointed, exported). "
+             "No balance loss is added."),
+      ranged("model.moe.bias_update_rate", T::Float, "0.001", 0, 1, "Step of the selection bias per training step with balance = \"bias\" (DeepSeek-V3: 0.001)."),
       ranged("model.resnet.depth", T::Int, "50", 18, 152, "ResNet depth: 18, 34, 50, 101 or 152."),
       ranged("model.resnet.classes", T::Int, "10", 2, 1000000, "Output classes."),
       ranged("model.resnet.image_size", T::Int, "32", 8, 8192, "Square input side in pixels (32 for CIFAR-10)."),

@@ -566,6 +566,12 @@ RestoredProgress restore_checkpoint(RankTrainingState& s, const std::string& dir
   };
   for (auto& b : s.model.module().named_buffers()) {
     const SafetensorsEntry* e = own.find("buffer." + b.key());
+    if (!e && ends_with(b.key(), "moe.expert_bias")) {
+      ErrorContext bias = c;
+      bias.key = "model.moe.balance";
+      bias.hint = "the checkpoint was written with balance = \"aux_loss\": resume with that, or export it and start a new run from its weights (model.init_from)";
+      throw Error("the checkpoint has no MoE selection bias (" + b.key() + ")", bias);
+    }
     if (!e) throw Error("the checkpoint has no buffer " + b.key(), c);
     b.value().copy_(read_tensor(*e));
   }
@@ -637,6 +643,18 @@ void load_pretrained_weights(Model& model, const ModelSpec& spec, const std::str
       }
       copies.push_back({shape.empty() ? p.value() : p.value().narrow(0, piece.row_begin, piece.rows), it->second.first, it->second.second});
     }
+  }
+  // Buffers that are model state (the MoE selection bias): taken when the weights have them, else
+  // they keep their initial values (weights trained with the balance loss have none).
+  for (const auto& b : model.module().named_buffers()) {
+    auto it = index.find(hf_buffer_name(b.key()));
+    if (hf_buffer_name(b.key()).empty() || it == index.end()) continue;
+    used[it->first] = true;
+    if (it->second.second->shape != b.value().sizes().vec()) {
+      problems.push_back(it->first + " has shape [" + join_numbers(it->second.second->shape) + "], the model needs [" + join_numbers(b.value().sizes().vec()) + "]");
+      continue;
+    }
+    copies.push_back({b.value(), it->second.first, it->second.second});
   }
   for (const auto& [name, where] : index)
     if (!used.count(name) && !ends_with(name, "rotary_emb.inv_freq")) problems.push_back("unexpected " + name + " (not in this model)");

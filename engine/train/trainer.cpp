@@ -237,8 +237,11 @@ class Trainer {
     compute_dtype_ = torch_dtype(plan_.dtype);
     torch::NoGradGuard no_grad;
     // BatchNorm statistics stay per rank (not synchronised), as with PyTorch's DDP.
-    for (auto& b : model_->module().buffers())
-      if (b.is_floating_point()) b.set_data(b.to(compute_dtype_));
+    // The MoE selection bias stays fp32 (its steps of 1e-3 would round away in bf16), on the device.
+    for (auto& b : model_->module().named_buffers()) {
+      if (ends_with(b.key(), "moe.expert_bias")) b.value().set_data(b.value().to(device_));
+      else if (b.value().is_floating_point()) b.value().set_data(b.value().to(compute_dtype_));
+    }
   }
 
   // parallelize(): pipeline split, tensor sharding, recomputation, ZeRO over the data dimension.
@@ -409,6 +412,16 @@ class Trainer {
     }
     metrics["expert_load_max"] = worst;
     metrics["dropped_tokens"] = dropped;
+  }
+
+  // Balance by bias: every rank moves every MoE layer's bias by the loads summed over the world
+  // (routing_rows), so all hold the same bias; the sign ignores that tensor ranks count alike.
+  void balance_experts(const torch::Tensor& summed) {
+    const MoeSpec& moe = r_.model.moe;
+    if (!moe.learns_bias()) return;
+    const int first = moe.first_dense_layers;
+    torch::Tensor rows = summed.view({r_.model.layers - first, moe.routed_experts + 1});
+    for (int64_t l = 0; l < rows.size(0); ++l) model_->balance_experts(first + static_cast<int>(l), rows[l].narrow(0, 0, moe.routed_experts), moe.bias_update_rate);
   }
 
   RankTrainingState training_state() { return {*model_, *zero_, *optimizer_, scaler_.get(), *mesh_}; }
@@ -614,6 +627,7 @@ class Trainer {
       if (zero_->host_update_pipelined()) zero_->start_host_update(optimizer_->host_update(lr));
       else optimizer_->step(lr);
     }
+    if (!skipped && !outcome.hook_failed) balance_experts(totals.narrow(0, 5, totals.numel() - 5));
     if (hook_skip) ++hook_skipped_steps_;
     zero_->after_step();
 
