@@ -3,6 +3,7 @@
 // comes, lopsided (every token to one expert, a rank with none) and with a capacity that drops.
 #include "engine/dist/mesh.hpp"
 #include "engine/model/model.hpp"
+#include "engine/common/torch_compat.hpp"
 #include "engine/model/grouped_experts.hpp"
 #include "engine/parallel/parallelize.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
@@ -220,5 +221,64 @@ TEST_CASE("in ZeRO's flat buffers a MoE layer's routed expert weights lie kind a
     }, {torch::zeros({1})});
     CHECK(gate_up_viewed);
     CHECK(down_viewed);
+  }
+}
+
+// On a GPU: PyTorch's grouped kernel (compat::grouped_mm) against one mm per group, both forms,
+// and the experts' outputs and gradients against the loop; bf16 within its rounding, fp32 within
+// 1e-5 where this libtorch runs fp32 grouped products on the device.
+TEST_CASE("CUDA: the grouped matrix product kernel equals the loop, and the grouped experts the expert-by-expert loop", "[engine][cuda][expert][grouped]") {
+  if (!torch::cuda::is_available()) {
+    WARN("no CUDA device: the grouped kernel is compared on a GPU machine (bench/gpu_moe.sh runs this test)");
+    return;
+  }
+  torch::manual_seed(12);
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA);
+  const std::vector<int64_t> sizes = {40, 0, 72, 8, 136};  // one empty group, uneven rows
+  const int64_t groups = static_cast<int64_t>(sizes.size()), rows = 256, k = 64, n = 96;
+  torch::Tensor offs = torch::tensor(sizes, torch::kInt64).cumsum(0).to(torch::kInt32).to(torch::kCUDA);
+  for (auto dtype : {torch::kBFloat16, torch::kFloat32}) {
+    INFO("dtype " << c10::toString(dtype));
+    const double tolerance = dtype == torch::kBFloat16 ? 2e-2 : 1e-5;
+    torch::Tensor a = torch::randn({rows, k}, cuda).to(dtype), b = torch::randn({groups, n, k}, cuda).to(dtype).transpose(1, 2);
+    INFO("kernel applies: " << compat::grouped_mm_kernel_applies(a, b));
+    torch::Tensor got = compat::grouped_mm(a, b, offs), want = compat::grouped_mm_loop(a, b, offs);
+    CHECK(torch::allclose(got.to(torch::kFloat32), want.to(torch::kFloat32), tolerance, tolerance * std::sqrt(double(k))));
+    torch::Tensor g = torch::randn({rows, n}, cuda).to(dtype);
+    got = compat::grouped_mm(a.t(), g, offs);
+    want = compat::grouped_mm_loop(a.t(), g, offs);
+    CHECK(torch::allclose(got.to(torch::kFloat32), want.to(torch::kFloat32), tolerance, tolerance * std::sqrt(double(rows))));
+  }
+  // The experts, bf16: the grouped function against the loop through autograd's ops.
+  const int64_t hidden = 64, inner = 32, experts = groups;
+  torch::Tensor counts = torch::tensor(sizes, torch::kInt64).to(torch::kCUDA);
+  torch::Tensor flat = (torch::randn({experts * 3 * inner * hidden}, cuda) * 0.2).to(torch::kBFloat16);
+  std::vector<torch::Tensor> gate_up, down, gate_up_ref, down_ref;
+  for (int64_t e = 0; e < experts; ++e) {
+    gate_up.push_back(flat.narrow(0, e * 2 * inner * hidden, 2 * inner * hidden).view({2 * inner, hidden}).detach().requires_grad_(true));
+    down.push_back(flat.narrow(0, experts * 2 * inner * hidden + e * hidden * inner, hidden * inner).view({hidden, inner}).detach().requires_grad_(true));
+    gate_up_ref.push_back(gate_up.back().detach().clone().requires_grad_(true));
+    down_ref.push_back(down.back().detach().clone().requires_grad_(true));
+  }
+  torch::Tensor x = torch::randn({rows, hidden}, cuda).to(torch::kBFloat16).requires_grad_(true);
+  torch::Tensor x_ref = x.detach().clone().requires_grad_(true);
+  torch::Tensor upstream = torch::randn({rows, hidden}, cuda).to(torch::kBFloat16);
+  torch::Tensor y = grouped_swiglu_experts(x, counts, gate_up, down), y_ref = looped_swiglu_experts(x_ref, counts, gate_up_ref, down_ref);
+  auto close = [](const torch::Tensor& p, const torch::Tensor& q) {
+    const double scale = q.to(torch::kFloat32).abs().max().item<double>();
+    return (p.to(torch::kFloat32) - q.to(torch::kFloat32)).abs().max().item<double>() <= 2e-2 * std::max(scale, 1e-3);
+  };
+  CHECK(close(y, y_ref));
+  (y.to(torch::kFloat32) * upstream.to(torch::kFloat32)).sum().backward();
+  (y_ref.to(torch::kFloat32) * upstream.to(torch::kFloat32)).sum().backward();
+  CHECK(close(x.grad(), x_ref.grad()));
+  for (int64_t e = 0; e < experts; ++e) {
+    INFO("expert " << e);
+    if (sizes[e] == 0) {
+      CHECK(gate_up[e].grad().abs().max().item<double>() == 0);
+      continue;
+    }
+    CHECK(close(gate_up[e].grad(), gate_up_ref[e].grad()));
+    CHECK(close(down[e].grad(), down_ref[e].grad()));
   }
 }

@@ -97,7 +97,8 @@ inline bool fused_adam_step(const std::vector<torch::Tensor>& params, const std:
 //   a [K, M], b [M, N]    -> [G, K, N]: the groups split the shared dimension M (weight gradients).
 // grouped_mm_loop is the reference: one mm per group, reading the offsets on the host. grouped_mm
 // runs PyTorch >= 2.8's kernel (CUTLASS for bf16 on Hopper) on CUDA with no host synchronisation,
-// where its layout rules hold (K and N multiples of 16 bytes), and the loop elsewhere (1.13, CPUs).
+// for bf16 and fp32 where its layout rules hold (K and N multiples of 16 bytes), and the loop
+// elsewhere (1.13, CPUs).
 inline torch::Tensor grouped_mm_loop(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& offs) {
   const torch::Tensor ends_host = offs.to(torch::kCPU, torch::kInt64);
   const int64_t* ends = ends_host.data_ptr<int64_t>();
@@ -123,7 +124,8 @@ inline torch::Tensor grouped_mm_loop(const torch::Tensor& a, const torch::Tensor
 constexpr bool kHasGroupedMm = DSRUN_TORCH_AT_LEAST(2, 8);
 inline bool grouped_mm_kernel_applies(const torch::Tensor& a, const torch::Tensor& b) {
 #if DSRUN_TORCH_AT_LEAST(2, 8)
-  if (!a.is_cuda() || a.numel() == 0 || a.scalar_type() != b.scalar_type() || a.scalar_type() != torch::kBFloat16) return false;
+  const auto dtype = a.scalar_type();  // (2.11 on an H100 takes both; fp16 is left to the loop)
+  if (!a.is_cuda() || a.numel() == 0 || dtype != b.scalar_type() || (dtype != torch::kBFloat16 && dtype != torch::kFloat32)) return false;
   const int64_t align = 16 / a.element_size();  // the rows of every operand start 16-byte aligned
   const int64_t k = b.dim() == 3 ? a.size(1) : a.size(0), n = b.size(-1);
   return k % align == 0 && n % align == 0;
