@@ -70,23 +70,25 @@ inline torch::Tensor masked_attention(const torch::Tensor& q, const torch::Tenso
 // One fused Adam (L2) or AdamW (decoupled) update over lists of fp32 tensors, every list on one
 // device: PyTorch >= 2.4 has multi-tensor kernels for CUDA and CPU (the same update as the plain
 // expressions in optimizer.cpp, in one pass over memory). False where this libtorch has none.
-// `step` is the bias-correction step count, a scalar float tensor on the tensors' device.
+// `step` is the bias-correction step count, a scalar float tensor on the tensors' device;
+// `grad_divisor`, if defined (a scalar float tensor there), divides every gradient as it is read.
 // kHasFusedAdam says at compile time whether it does anything.
 constexpr bool kHasFusedAdam = DSRUN_TORCH_AT_LEAST(2, 4);
 inline bool fused_adam_step(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,
                             const std::vector<torch::Tensor>& exp_avgs, const std::vector<torch::Tensor>& exp_avg_sqs,
                             const torch::Tensor& step, double lr, double beta1, double beta2, double weight_decay, double eps,
-                            bool decoupled) {
+                            bool decoupled, const torch::Tensor& grad_divisor = {}) {
 #if DSRUN_TORCH_AT_LEAST(2, 4)
   std::vector<torch::Tensor> steps(params.size(), step);
+  const c10::optional<torch::Tensor> divisor = grad_divisor.defined() ? c10::optional<torch::Tensor>(grad_divisor) : c10::nullopt;
   if (decoupled)
-    at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, {}, steps, lr, beta1, beta2, weight_decay, eps, false, false);
+    at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, {}, steps, lr, beta1, beta2, weight_decay, eps, false, false, divisor);
   else
-    at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, {}, steps, lr, beta1, beta2, weight_decay, eps, false, false);
+    at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, {}, steps, lr, beta1, beta2, weight_decay, eps, false, false, divisor);
   return true;
 #else
   (void)params, (void)grads, (void)exp_avgs, (void)exp_avg_sqs, (void)step, (void)lr, (void)beta1, (void)beta2;
-  (void)weight_decay, (void)eps, (void)decoupled;
+  (void)weight_decay, (void)eps, (void)decoupled, (void)grad_divisor;
   return false;
 #endif
 }

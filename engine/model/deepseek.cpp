@@ -151,6 +151,24 @@ struct SwiGLUImpl : nn::Module {
 };
 TORCH_MODULE(SwiGLU);
 
+// The token rows of every (token, choice) pair, in `order` (every pair once; pair p = t·k + i
+// is token t's i-th choice). Backward sums each token's k row gradients by gathering them back
+// into pair order: no atomic adds (index_select's backward), so the sum is deterministic.
+struct DispatchTokens : torch::autograd::Function<DispatchTokens> {
+  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& tokens, const Tensor& order, int64_t top_k) {
+    ctx->save_for_backward({order});
+    ctx->saved_data["top_k"] = top_k;
+    return tokens.index_select(0, order.div(top_k, "floor"));
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    const Tensor order = ctx->get_saved_variables()[0];
+    const int64_t top_k = ctx->saved_data["top_k"].toInt();
+    const Tensor place = torch::empty_like(order).scatter_(0, order, torch::arange(order.numel(), order.options()));  // the inverse permutation
+    const Tensor by_pair = grads[0].index_select(0, place);
+    return {by_pair.view({order.numel() / top_k, top_k, by_pair.size(-1)}).sum(1), Tensor(), Tensor()};
+  }
+};
+
 // DeepSeek-MoE: every token goes through the shared experts and through its top-k routed experts,
 // weighted by the router's softmax scores (not renormalised, as in DeepSeek-MoE 16B). The routed
 // experts run on the (token, choice) pairs grouped by expert, as two grouped matrix products
@@ -200,11 +218,13 @@ struct MoEImpl : nn::Module {
       counts = routed;
     }
     runner.record_routing(layer, routed, dropped);
-    Tensor outputs = runner.routed_experts(expert_in.index_select(0, pairs.div(top_k, "floor")), counts,
-                                           [this](const Tensor& rows, const Tensor& c) { return local_experts(rows, c); });
-    // Back to pair order (dropped pairs: 0), weighted, summed over each token's choices.
-    Tensor per_pair = torch::zeros({T * top_k, outputs.size(-1)}, outputs.options()).index_copy(0, pairs, outputs);
-    Tensor out = (per_pair.view({T, top_k, -1}) * weights.unsqueeze(-1).to(x.scalar_type())).sum(1);
+    Tensor rows = capacity_factor > 0 ? expert_in.index_select(0, pairs.div(top_k, "floor")) : DispatchTokens::apply(expert_in, pairs, top_k);
+    Tensor outputs = runner.routed_experts(rows, counts, [this](const Tensor& r, const Tensor& c) { return local_experts(r, c); });
+    // Back to pair order (dropped pairs: 0), and each token's choices weighted and summed in one
+    // batched product, [T, 1, k] x [T, k, h].
+    Tensor per_pair = (capacity_factor > 0 ? torch::zeros({T * top_k, outputs.size(-1)}, outputs.options()) : torch::empty({T * top_k, outputs.size(-1)}, outputs.options()))
+                          .index_copy(0, pairs, outputs);
+    Tensor out = torch::bmm(weights.to(x.scalar_type()).unsqueeze(1), per_pair.view({T, top_k, -1})).squeeze(1);
     if (shared) out = out + shared_out;
     out = runner.leave_split(out);
     // Expert-level balance loss (DeepSeek-MoE eq. 12): α Σ_i f_i P_i, f_i = E/(kT) · tokens routed to i,

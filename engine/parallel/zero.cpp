@@ -595,6 +595,11 @@ void ZeroDataParallel::reduce_gradients() {
       }
       m.grad_scale = inv_world;
       m.clip_scale = 1;
+    } else if (options_.step_applies_scales && reduced.is_cuda()) {
+      m.grad_sq = squared_norm(reduced, inv_world);
+      m.grad = reduced.to(m.master.device(), torch::kFloat32);
+      m.grad_scale = inv_world;
+      m.clip_scale = 1;
     } else {
       m.grad = reduced.to(m.master.device(), torch::kFloat32).mul_(inv_world);
     }
@@ -613,7 +618,9 @@ ZeroDataParallel::GradientSquares ZeroDataParallel::gradient_squares() {
   };
   for (size_t k = 0; k < shards_.size(); ++k) {
     const MasterShard& s = shards_[k];
-    add(units_[k]->routed_experts ? experts : total, s.grad_sq.defined() ? s.grad_sq : s.scaled_grad().pow(2).sum().to(torch::kFloat64));
+    // (grad_sq leaves out clip_scale, which by now holds fp16's unscaling alone, if anything)
+    Tensor squares = !s.grad_sq.defined() ? s.scaled_grad().pow(2).sum().to(torch::kFloat64) : s.clip_scale == 1 ? s.grad_sq : s.grad_sq * (s.clip_scale * s.clip_scale);
+    add(units_[k]->routed_experts ? experts : total, squares);
     if (units_[k]->replicated_ranges.empty()) continue;
     Tensor g = s.scaled_grad();
     for (const auto& [begin, end] : units_[k]->replicated_ranges) add(replicated, g.narrow(0, begin, end - begin).pow(2).sum().to(torch::kFloat64));
@@ -637,7 +644,7 @@ double ZeroDataParallel::global_grad_norm() {
 
 void ZeroDataParallel::scale_gradients(double factor) {
   for (auto& s : shards_) {
-    if (s.master.device().is_cpu()) s.clip_scale *= factor;  // applied by the host step
+    if (s.master.device().is_cpu() || options_.step_applies_scales) s.clip_scale *= factor;  // applied by the step
     else s.grad.mul_(factor);
   }
 }

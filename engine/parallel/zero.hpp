@@ -42,6 +42,10 @@ struct ZeroOptions {
   // over these ranks, the data ranks keeping the same experts, instead of the whole data group.
   // Null: no expert parallelism.
   Communicator* expert_replicas = nullptr;
+  // Masters on a GPU: the optimizer's step applies grad_scale and clip_scale as it reads the
+  // gradient (the fused Adam kernel's grad_scale), so neither costs a pass over the fp32 gradient,
+  // and the norm is taken from the reduced gradient in the working dtype.
+  bool step_applies_scales = false;
 };
 
 // The torch dtype of a recipe dtype.
@@ -54,12 +58,13 @@ inline torch::ScalarType torch_dtype(DType d) {
 struct MasterShard {
   torch::Tensor master;  // fp32, updated in place by the optimizer
   // The averaged gradient for master is grad · grad_scale · clip_scale. A master on the device
-  // gets grad in fp32 with the factors applied (both 1). A master in host memory (CPU ranks,
+  // gets grad in fp32, with the factors applied (both 1) unless ZeroOptions::step_applies_scales
+  // leaves them to the step. A master in host memory (CPU ranks,
   // offload) gets grad as reduced, in the working dtype, and the fused host step applies the
   // factors as it reads it: no fp32 copy of the gradient is ever made.
   torch::Tensor grad;
   double grad_scale = 1, clip_scale = 1;
-  torch::Tensor grad_sq;  // host masters: Σ (g · grad_scale)² as an fp64 scalar, taken where the gradient was reduced (undefined: not taken)
+  torch::Tensor grad_sq;  // host masters and step_applies_scales: Σ (g · grad_scale)² as an fp64 scalar, taken where the gradient was reduced (undefined: not taken)
   // Host masters: where the host step writes the working parameters (the rank's slice): the slice
   // itself when it is in host memory, else a pinned upload buffer that publish_master copies to
   // the device. Undefined for device masters.

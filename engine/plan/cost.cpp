@@ -59,9 +59,10 @@ ModelCost decoder_cost(const ModelSpec& m, double s, double e, AttentionKernel k
   const double swiglu = fused ? 3 : 4;  // per inner element
   const double per_token_dense = 5 * h + norm_extra + qkv + attention_probs + swiglu * f;
   // MoE layer: router probabilities (fp32), the token copy sent to each chosen expert and its
-  // output (kept for the weighting by the router's scores), and SwiGLU activations in each routed
-  // and shared expert the token visits.
-  const double routed_per_token = 2 * k * h + k * swiglu * fe;
+  // output (kept for the weighting by the router's scores), the routed experts' gate|up products
+  // (2fe per choice: the grouped experts recompute their SwiGLU in backward), and the shared
+  // experts' SwiGLU activations.
+  const double routed_per_token = 2 * k * h + 2 * k * fe;
   const double per_token_moe = 5 * h + norm_extra + qkv + attention_probs + (4.0 / e) * E + routed_per_token + S * swiglu * fe;
   const double per_token_layers = dense_layers * per_token_dense + moe_layers * per_token_moe;
   // Outside the blocks: final norm input and output, and the fp32 log-softmax the cross-entropy

@@ -829,15 +829,14 @@ class Planner {
     p.peak_flops = peak_flops();
     // A pipeline step lasts as long as its busiest stage's share of the work, stretched by the
     // bubble; under expert parallelism the busiest rank's routed experts compute `imbalance` times the mean.
-    // On GPUs each routed expert a rank runs also costs hardware.expert_call_ms per micro-batch
-    // (the experts run one after another, launch-bound: docs/benchmarks.md).
-    const double a = static_cast<double>(p.accumulation);
-    const double experts_per_rank = r_.model.moe.enabled() ? static_cast<double>(r_.model.moe.routed_experts) / ep_ : 0;
+    // On GPUs the routed experts run as grouped matrix products, at their own measured efficiency
+    // (hardware.grouped_matmul_efficiency); on CPUs as one product per expert, like the rest.
+    const double per_flop = p.hardware_flops_per_step / cost_.model_flops_per_sample / (dp_ * tp_);
+    const double grouped_efficiency = r_.hardware.device == Device::Cuda ? r_.hardware.grouped_matmul_efficiency : r_.hardware.matmul_efficiency;
     double busiest = 0;
     for (const StageCost& st : stages_) {
-      const double flops = p.hardware_flops_per_step * (st.flops_per_sample + (imbalance_ - 1) * st.routed_flops_per_sample) / cost_.model_flops_per_sample / (dp_ * tp_);
-      const double expert_calls = r_.hardware.device == Device::Cuda ? a * st.moe_layers * experts_per_rank * r_.hardware.expert_call_seconds : 0;
-      busiest = std::max(busiest, flops / (p.peak_flops * r_.hardware.matmul_efficiency) + expert_calls);
+      const double dense = per_flop * (st.flops_per_sample - st.routed_flops_per_sample), routed = per_flop * imbalance_ * st.routed_flops_per_sample;
+      busiest = std::max(busiest, dense / (p.peak_flops * r_.hardware.matmul_efficiency) + routed / (p.peak_flops * grouped_efficiency));
     }
     return busiest / (1 - bubble_fraction(p.accumulation));
   }
@@ -928,8 +927,8 @@ class Planner {
       p.notes.push_back(format_count(cost_.params) + " parameters do not divide by " + std::to_string(dp_) + " ranks: shards are padded by " +
                         std::to_string(shard_pad) + " elements");
     if (hw.device == Device::Cuda && r_.model.moe.enabled())
-      p.notes.push_back("routed experts run one after another: each costs " + format_double(hw.expert_call_seconds * 1e3, 3) + " ms per micro-batch beyond its FLOPs (" +
-                        std::to_string(r_.model.moe.routed_experts / ep_) + " per MoE layer on a rank; hardware.expert_call_ms)");
+      p.notes.push_back("routed experts run as grouped matrix products at " + format_double(100 * hw.grouped_matmul_efficiency, 3) + "% of peak FLOP/s (" +
+                        std::to_string(r_.model.moe.routed_experts / ep_) + " per MoE layer on a rank; hardware.grouped_matmul_efficiency)");
     p.notes.push_back("speed assumes " + format_double(100 * hw.matmul_efficiency, 3) + "% of peak FLOP/s and " +
                       format_double(100 * hw.comm_efficiency, 3) + "% of link bandwidth (hardware.matmul_efficiency, comm_efficiency)");
   }

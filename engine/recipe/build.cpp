@@ -134,7 +134,7 @@ void build_hardware(Builder& c, Recipe& r, const HostFacts& host) {
   h.host_memory_bandwidth = c.f("hardware.host_memory_bandwidth_gbs") * GB;
   h.disk_write_bandwidth = c.f("hardware.disk_write_gbs") * GB;
   h.matmul_efficiency = c.f("hardware.matmul_efficiency");
-  h.expert_call_seconds = c.f("hardware.expert_call_ms") * 1e-3;
+  h.grouped_matmul_efficiency = c.f("hardware.grouped_matmul_efficiency");
   h.comm_efficiency = c.f("hardware.comm_efficiency");
   h.runtime_memory_bytes = c.f("hardware.runtime_memory_gib") * GiB;
   h.host_runtime_memory_bytes = c.f("hardware.host_runtime_memory_gib") * GiB;

@@ -45,7 +45,7 @@ struct HardwareSpec {
   double disk_write_bandwidth = 0;  // under checkpoint.dir, per node (bytes/s)
   double host_memory_bandwidth = 0;
   double matmul_efficiency = 0.5;
-  double expert_call_seconds = 0.8e-3;  // GPUs: a routed expert's host-side cost per micro-batch beyond its FLOPs
+  double grouped_matmul_efficiency = 0.6;  // GPUs: the routed experts' grouped products, fraction of peak
   double comm_efficiency = 0.8;
   double runtime_memory_bytes = 0;
   double host_runtime_memory_bytes = 0;  // a GPU rank process's own host memory

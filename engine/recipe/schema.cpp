@@ -84,10 +84,9 @@ std::vector<KeySpec> build_schema() {
       ranged("hardware.host_memory_bandwidth_gbs", T::Float, "50", 1e-3, 1e7, "Host memory bandwidth in GB/s; an offloaded optimizer step is bound by it."),
       ranged("hardware.disk_write_gbs", T::Float, "1", 1e-4, 1e6,
              "Write bandwidth of the disk under checkpoint.dir in GB/s per node: a synchronous checkpoint's pause. Each save records the measured checkpoint_write_MBps."),
-      ranged("hardware.expert_call_ms", T::Float, "0.8", 0, 1000,
-             "GPUs: time one routed expert costs per micro-batch (forward and backward) beyond its FLOPs. A MoE layer runs its "
-             "experts one after another, a few kernel launches each, and the host's launching outpaces small matrix products: "
-             "0.8 ms measured on one H100 with DeepSeek-MoE 16B's experts (docs/benchmarks.md). The plan adds it per expert a rank runs."),
+      ranged("hardware.grouped_matmul_efficiency", T::Float, "0.6", 0.001, 1,
+             "GPUs: fraction of peak FLOP/s that a MoE layer's routed experts reach, run as grouped matrix products (forward and backward); "
+             "0.61 measured on one H100 with DeepSeek-MoE 16B's experts in bf16 (docs/benchmarks.md)."),
       ranged("hardware.matmul_efficiency", T::Float, "0.5", 0.001, 1,
              "Fraction of peak FLOP/s that training reaches; calibrated by bench/ (docs/benchmarks.md)."),
       ranged("hardware.comm_efficiency", T::Float, "0.8", 0.001, 1, "Fraction of link bandwidth that collectives reach."),

@@ -4,6 +4,7 @@
 #include "engine/common/torch_compat.hpp"
 
 #include <cmath>
+#include <map>
 
 namespace dsrun {
 
@@ -52,15 +53,21 @@ ShardOptimizer::ShardOptimizer(const OptimizerOptions& options, std::vector<Mast
 // the ranges that get weight decay and those that do not, one call for each group.
 void ShardOptimizer::fused_adam_step(double lr) {
   if (shards_.empty()) return;
-  std::vector<torch::Tensor> p[2], g[2], m[2], v[2];  // [0]: no weight decay, [1]: weight decay
+  // Per factor (grad_scale · clip_scale, which the kernel divides out as it reads the gradient:
+  // expert shards average over fewer ranks than the others) and weight decay: [0] none, [1] decay.
+  struct Lists {
+    std::vector<torch::Tensor> p[2], g[2], m[2], v[2];
+  };
+  std::map<double, Lists> by_factor;
   for (size_t k = 0; k < shards_.size(); ++k) {
     MasterShard& s = shards_[k];
+    Lists& l = by_factor[s.grad_scale * s.clip_scale];
     auto add = [&](int group, int64_t begin, int64_t end) {
       if (end <= begin) return;
-      p[group].push_back(s.master.narrow(0, begin, end - begin));
-      g[group].push_back(s.grad.narrow(0, begin, end - begin));
-      m[group].push_back(m_[k].narrow(0, begin, end - begin));
-      v[group].push_back(v_[k].narrow(0, begin, end - begin));
+      l.p[group].push_back(s.master.narrow(0, begin, end - begin));
+      l.g[group].push_back(s.grad.narrow(0, begin, end - begin));
+      l.m[group].push_back(m_[k].narrow(0, begin, end - begin));
+      l.v[group].push_back(v_[k].narrow(0, begin, end - begin));
     };
     int64_t at = 0;
     for (auto [begin, end] : s.decay_ranges) {  // ascending and disjoint (flat_layout.cpp)
@@ -70,15 +77,18 @@ void ShardOptimizer::fused_adam_step(double lr) {
     }
     add(0, at, s.master.numel());
   }
-  torch::Tensor step = torch::full({}, static_cast<double>(t_), shards_[0].master.options());
+  const auto options = shards_[0].master.options();
+  torch::Tensor step = torch::full({}, static_cast<double>(t_), options);
   const bool decoupled = o_.kind == OptimizerKind::AdamW;
-  for (int group : {0, 1}) {
-    if (p[group].empty()) continue;
-    const double wd = group == 1 ? o_.weight_decay : 0.0;
-    compat::fused_adam_step(p[group], g[group], m[group], v[group], step, lr, o_.beta1, o_.beta2, wd, o_.eps, decoupled);
+  for (auto& [factor, l] : by_factor) {
+    const torch::Tensor divisor = factor == 1 ? torch::Tensor() : torch::full({}, 1.0 / factor, options);
+    for (int group : {0, 1}) {
+      if (l.p[group].empty()) continue;
+      const double wd = group == 1 ? o_.weight_decay : 0.0;
+      compat::fused_adam_step(l.p[group], l.g[group], l.m[group], l.v[group], step, lr, o_.beta1, o_.beta2, wd, o_.eps, decoupled, divisor);
+    }
   }
 }
-
 
 HostStep ShardOptimizer::host_step_scalars(double lr) const {
   HostStep st;
@@ -168,6 +178,7 @@ void ShardOptimizer::step(double lr) {
   for (size_t k = 0; k < shards_.size(); ++k) {
     torch::Tensor& p = shards_[k].master;
     torch::Tensor g = shards_[k].grad;
+    if (const double factor = shards_[k].grad_scale * shards_[k].clip_scale; factor != 1) g.mul_(factor);  // (left to the step: ZeroOptions::step_applies_scales)
     // Weight decay only where decay_ranges say (matrices), as a mask-free loop over ranges.
     auto decay = [&](double factor_per_param, bool into_grad) {
       for (auto [begin, end] : shards_[k].decay_ranges) {

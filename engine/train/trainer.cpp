@@ -268,6 +268,7 @@ class Trainer {
     zo.delayed_update = plan_.layout.delayed_update;
     zo.bucket_bytes = r_.parallel.bucket_bytes;
     zo.device = device_;
+    zo.step_applies_scales = device_.is_cuda() && compat::kHasFusedAdam && r_.optimizer.kind != OptimizerKind::Sgd;
     parallel_ = parallelize(*model_, *mesh_, po);
     zero_ = &parallel_->zero();
   }
