@@ -220,11 +220,11 @@ struct MoEImpl : nn::Module {
     runner.record_routing(layer, routed, dropped);
     Tensor rows = capacity_factor > 0 ? expert_in.index_select(0, pairs.div(top_k, "floor")) : DispatchTokens::apply(expert_in, pairs, top_k);
     Tensor outputs = runner.routed_experts(rows, counts, [this](const Tensor& r, const Tensor& c) { return local_experts(r, c); });
-    // Back to pair order (dropped pairs: 0), and each token's choices weighted and summed in one
-    // batched product, [T, 1, k] x [T, k, h].
+    // Back to pair order (dropped pairs: 0), weighted, summed over each token's choices. (A batched
+    // product [T, 1, k] x [T, k, h] instead ran a 32x32-tile kernel 4x slower on an H100.)
     Tensor per_pair = (capacity_factor > 0 ? torch::zeros({T * top_k, outputs.size(-1)}, outputs.options()) : torch::empty({T * top_k, outputs.size(-1)}, outputs.options()))
                           .index_copy(0, pairs, outputs);
-    Tensor out = torch::bmm(weights.to(x.scalar_type()).unsqueeze(1), per_pair.view({T, top_k, -1})).squeeze(1);
+    Tensor out = (per_pair.view({T, top_k, -1}) * weights.unsqueeze(-1).to(x.scalar_type())).sum(1);
     if (shared) out = out + shared_out;
     out = runner.leave_split(out);
     // Expert-level balance loss (DeepSeek-MoE eq. 12): α Σ_i f_i P_i, f_i = E/(kT) · tokens routed to i,

@@ -867,6 +867,22 @@ class Planner {
     return std::max(0.0, host + p.offload_seconds - exposed);
   }
 
+  // Memory-bound work the FLOPs leave out, on GPUs (on CPUs matmul_efficiency absorbs it), per
+  // rank: the cross-entropy converts its slice of the logits to fp32 and runs log-softmax forward
+  // and backward, about 24 + 2e bytes per token and vocabulary entry; a MoE layer moves each
+  // token's k rows through dispatch, the experts' return to pair order and the weighted sum, about
+  // 14·k·h·e bytes per token forward and backward (docs/plan.md; measured in docs/benchmarks.md).
+  double elementwise_seconds(const Plan& p) const {
+    if (r_.hardware.device != Device::Cuda || r_.model.arch != ModelArch::DeepSeek) return 0;
+    const double e = bytes_per_element(r_.precision.dtype);
+    const double tokens = static_cast<double>(r_.batch.global) * static_cast<double>(r_.batch.seq_len) / dp_;
+    int moe_layers = 0;
+    for (const StageCost& st : stages_) moe_layers = std::max(moe_layers, st.moe_layers);
+    const double loss = (24 + 2 * e) * static_cast<double>(r_.model.vocab) / tp_;
+    const double permutation = 14.0 * r_.model.moe.top_k * r_.model.hidden * e * moe_layers;
+    return tokens * (loss + permutation) / r_.hardware.memory_bandwidth;
+  }
+
   void predict_time(Plan& p) {
     p.compute_seconds = compute_seconds(p);
     // The optimizer step is memory-bound. Per parameter of the shard it reads and writes the fp32
@@ -879,10 +895,15 @@ class Planner {
     const double shard = p.layout.zero_stage >= 1 ? shard_params() : rank_params_ + rank_expert_params_;
     // Offloaded, the step runs on the host, whose memory bandwidth the node's ranks share.
     const bool host_step = p.layout.offload != Offload::None && r_.hardware.device == Device::Cuda;
+    // On a GPU the gradient also passes through memory outside the step: autograd accumulates it
+    // (3e), and with mixed precision it becomes fp32 (e + 4, then 4 read by the step rather than e)
+    // and the step's fp32 weights become the working copy (4 + e, besides the e written).
+    if (r_.hardware.device == Device::Cuda && !host_step) touched += 3 * e + (mixed ? (e + 4) + (4 - e) + 4 : 0);
     const double bandwidth = host_step ? r_.hardware.host_memory_bandwidth / ranks_per_node_ : r_.hardware.memory_bandwidth;
     p.optimizer_seconds = shard * touched / bandwidth;
     p.offload_hidden_seconds = host_step ? hidden_offload_seconds(p, shard, e) : 0;
-    p.step_seconds = p.compute_seconds + p.exposed_comm_seconds + p.optimizer_seconds + p.offload_seconds - p.offload_hidden_seconds;
+    p.elementwise_seconds = elementwise_seconds(p);
+    p.step_seconds = p.compute_seconds + p.elementwise_seconds + p.exposed_comm_seconds + p.optimizer_seconds + p.offload_seconds - p.offload_hidden_seconds;
     p.tokens_per_second = p.tokens_per_step / p.step_seconds;
     p.mfu = p.model_flops_per_step / (p.step_seconds * p.peak_flops * p.world_size);
     p.total_seconds = p.step_seconds * static_cast<double>(r_.run.steps);

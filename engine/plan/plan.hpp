@@ -144,6 +144,9 @@ struct Plan {
   double hardware_flops_per_step = 0;    // all ranks, recomputation included
   double model_flops_per_step = 0;       // all ranks, the MFU numerator
   double compute_seconds = 0, optimizer_seconds = 0, offload_seconds = 0;
+  // GPUs: memory-bound work beside the matrix products (the cross-entropy over the vocabulary,
+  // MoE layers' token permutation), at hardware.memory_bandwidth.
+  double elementwise_seconds = 0;
   double offload_hidden_seconds = 0;     // of optimizer + offload: what runs beside the device's compute
   double step_seconds = 0, tokens_per_second = 0, mfu = 0, total_seconds = 0;
   // Launch to the first step: run.startup_timeout_s, or for "auto" 120 s plus the model's build

@@ -154,7 +154,7 @@ std::string render_plan(const Plan& p) {
   section("compute and speed");
   line("model FLOPs per step " + format_count(p.model_flops_per_step) + (images ? " (3 x forward" : " (6N + attention") +
        std::string(p.layout.recomputation ? "; hardware " + format_count(p.hardware_flops_per_step) + " with recomputation" : "") + ")");
-  line("per step: compute " + format_seconds(p.compute_seconds) + " + communication " + format_seconds(p.exposed_comm_seconds) +
+  line("per step: compute " + format_seconds(p.compute_seconds) + (p.elementwise_seconds > 0 ? " + memory-bound " + format_seconds(p.elementwise_seconds) : "") + " + communication " + format_seconds(p.exposed_comm_seconds) +
        " + optimizer " + format_seconds(p.optimizer_seconds) + (p.offload_seconds > 0 ? " + offload " + format_seconds(p.offload_seconds) : "") +
        (p.offload_hidden_seconds > 0 ? " - beside compute " + format_seconds(p.offload_hidden_seconds) : "") +
        " = " + format_seconds(p.step_seconds));
@@ -241,7 +241,7 @@ std::string plan_to_json(const Plan& p) {
   j["communication"] = {{"terms", comm}, {"seconds", p.comm_seconds}, {"exposed_seconds", p.exposed_comm_seconds}};
   j["speed"] = {{"peak_flops", p.peak_flops}, {"model_flops_per_step", p.model_flops_per_step},
                 {"hardware_flops_per_step", p.hardware_flops_per_step}, {"compute_seconds", p.compute_seconds},
-                {"optimizer_seconds", p.optimizer_seconds}, {"offload_seconds", p.offload_seconds}, {"offload_hidden_seconds", p.offload_hidden_seconds},
+                {"optimizer_seconds", p.optimizer_seconds}, {"elementwise_seconds", p.elementwise_seconds}, {"offload_seconds", p.offload_seconds}, {"offload_hidden_seconds", p.offload_hidden_seconds},
                 {"step_seconds", p.step_seconds}, {"tokens_per_second", p.tokens_per_second}, {"mfu", p.mfu},
                 {"steps", p.steps}, {"total_seconds", p.total_seconds}, {"startup_timeout_seconds", p.startup_timeout_seconds}};
   json choices = json::array();
