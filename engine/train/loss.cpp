@@ -2,16 +2,20 @@
 
 namespace dsrun {
 
-MicroBatchLoss micro_batch_loss(const ModelOutput& out, const Batch& batch, TensorParallel& tensor) {
+MicroBatchLoss micro_batch_loss(const ModelOutput& out, const Batch& batch, TensorParallel& tensor, bool read_now) {
   MicroBatchLoss l;
   const bool classification = batch.targets.dim() == 1;
   const torch::Tensor logits = out.logits.to(torch::kFloat32);
   torch::Tensor task = tensor.cross_entropy(logits.reshape({-1, logits.size(-1)}), batch.targets.reshape({-1}));
-  l.task_loss = task.item<double>();
   l.loss = task;
+  l.task_value = task.detach();
   if (out.aux_loss.defined()) {
     l.loss = task + out.aux_loss;
-    l.aux_loss = out.aux_loss.item<double>();
+    l.aux_value = out.aux_loss.detach();
+  }
+  if (read_now) {
+    l.task_loss = l.task_value.item<double>();
+    if (l.aux_value.defined()) l.aux_loss = l.aux_value.item<double>();
   }
   if (classification) l.correct = out.logits.argmax(-1).eq(batch.targets).sum().item<int64_t>();
   return l;

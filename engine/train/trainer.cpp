@@ -560,17 +560,28 @@ class Trainer {
       aux_sum = t.aux_loss_sum;
       items = t.items;
     } else {
+      std::vector<torch::Tensor> task_values, aux_values;  // read once, after every backward
       for (int64_t m = 0; m < accumulation; ++m) {
         Batch batch = batch_of(m);
         zero_->begin_micro_batch(m == accumulation - 1);
-        MicroBatchLoss out = micro_batch_loss(model_->forward(batch, *parallel_), batch, parallel_->tensor());
+        MicroBatchLoss out = micro_batch_loss(model_->forward(batch, *parallel_), batch, parallel_->tensor(), /*read_now=*/false);
         (out.loss * (loss_scale / static_cast<double>(accumulation))).backward();
         zero_->after_backward();
-        loss_sum += out.task_loss;
-        aux_sum += out.aux_loss;
+        task_values.push_back(out.task_value);
+        if (out.aux_value.defined()) aux_values.push_back(out.aux_value);
         items += batch.items;
         if (out.correct >= 0) correct += out.correct;
       }
+      // Summed in double in micro-batch order, as each value read on its own would be.
+      auto sum_of = [](const std::vector<torch::Tensor>& values) {
+        double sum = 0;
+        if (values.empty()) return sum;
+        const torch::Tensor host = torch::stack(values).to(torch::kCPU, torch::kFloat64);
+        for (int64_t i = 0; i < host.numel(); ++i) sum += host[i].item<double>();
+        return sum;
+      };
+      loss_sum = sum_of(task_values);
+      aux_sum = sum_of(aux_values);
     }
     zero_->reduce_gradients();
     bool overflow = false;
