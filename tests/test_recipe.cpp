@@ -494,6 +494,10 @@ TEST_CASE("MoE balancing: an unknown balance and a negative bias_update_rate are
   REQUIRE(errors_of(ok).empty());
   CHECK(ok.recipe.model.moe.learns_bias());
   CHECK(ok.recipe.model.moe.bias_update_rate == 0.01);
+  // A key older versions wrote into every config (checkpoint manifests): a warning, not an error.
+  LoadedRecipe old = load_text("base = [\"models/deepseek-moe-tiny\"]\n[hardware]\nexpert_call_ms = 0.8\n");
+  CHECK(errors_of(old).empty());
+  CHECK(contains(old.report(), "no longer used"));
 }
 
 TEST_CASE("expert parallelism in the plan: each rank's experts, their ZeRO replicas, the all-to-all and the imbalance headroom", "[recipe][plan][expert]") {

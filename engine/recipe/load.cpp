@@ -10,6 +10,7 @@
 #include <toml++/toml.h>
 
 #include <algorithm>
+#include <map>
 #include <charconv>
 #include <climits>
 #include <cmath>
@@ -426,6 +427,16 @@ bool is_section_name(const std::string& key) {
   return key == "model.moe" || key == "model.resnet" || key == "precision.loss_scale" || key == "hooks.options";
 }
 
+// Keys earlier versions of dsrun had: configs they wrote (checkpoint manifests, stored runs)
+// still load, with a warning; the key is ignored.
+const char* retired_key_explanation(const std::string& key) {
+  static const std::map<std::string, const char*> retired = {
+      {"hardware.expert_call_ms", "routed experts run as grouped matrix products now; the plan prices them with hardware.grouped_matmul_efficiency"},
+  };
+  auto it = retired.find(key);
+  return it == retired.end() ? nullptr : it->second;
+}
+
 void report_unknown_key(const std::string& key, const Setting& setting, Parser& p) {
   if (const char* why = derived_key_explanation(key)) {
     p.error(setting.source, key, "this key cannot be set", std::string(why) + "; remove the key");
@@ -467,6 +478,10 @@ LoadedRecipe finish(Parser& p, const std::string& name, std::string text) {
       continue;
     }
     const KeySpec* spec = find_key_spec(key);
+    if (!spec && retired_key_explanation(key)) {
+      p.diagnostics.push_back({Diagnostic::Severity::Warning, setting.source, key, std::string("no longer used: ") + retired_key_explanation(key), "remove the key"});
+      continue;
+    }
     if (!spec) {
       report_unknown_key(key, setting, p);
       continue;
