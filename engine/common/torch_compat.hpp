@@ -130,7 +130,8 @@ inline bool grouped_mm_kernel_applies(const torch::Tensor& a, const torch::Tenso
   if (!a.is_cuda() || a.numel() == 0 || dtype != b.scalar_type() || (dtype != torch::kBFloat16 && dtype != torch::kFloat32)) return false;
   const int64_t align = 16 / a.element_size();  // the rows of every operand start 16-byte aligned
   const int64_t k = b.dim() == 3 ? a.size(1) : a.size(0), n = b.size(-1);
-  return k % align == 0 && n % align == 0;
+  auto aligned = [](const torch::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };  // (a view into a flat buffer may not be)
+  return k % align == 0 && n % align == 0 && aligned(a) && aligned(b);
 #else
   (void)a, (void)b;
   return false;
