@@ -123,7 +123,6 @@ inline torch::Tensor grouped_mm_loop(const torch::Tensor& a, const torch::Tensor
   return out;
 }
 
-constexpr bool kHasGroupedMm = DSRUN_TORCH_AT_LEAST(2, 8);
 inline bool grouped_mm_kernel_applies(const torch::Tensor& a, const torch::Tensor& b) {
 #if DSRUN_TORCH_AT_LEAST(2, 8)
   const auto dtype = a.scalar_type();  // (2.11 on an H100 takes both; fp16 is left to the loop)

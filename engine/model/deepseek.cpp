@@ -360,6 +360,17 @@ Named params_of(nn::Module& m, const std::string& prefix, const ModelSpec& spec,
   return out;
 }
 
+// The parts one after another.
+Named joined(const std::vector<Named>& parts) {
+  Named all;
+  for (const Named& part : parts) {
+    all.params.insert(all.params.end(), part.params.begin(), part.params.end());
+    all.names.insert(all.names.end(), part.names.begin(), part.names.end());
+    all.splits.insert(all.splits.end(), part.splits.begin(), part.splits.end());
+  }
+  return all;
+}
+
 // The routed experts' weights kind after kind: every gate/up weight in expert order, then every
 // down weight, after the layer's other parameters. ZeRO lays a unit's parameters out in its flat
 // buffer in this order, so each kind is one [experts, ...] block that the grouped products read
@@ -428,15 +439,10 @@ class DeepSeekModel final : public Model {
     for (size_t k = 0; k < ordinary; ++k) {
       if (kept_blocks[k] < 0 || !net_->blocks[kept_blocks[k]]->moe) continue;
       MoE& moe = net_->blocks[kept_blocks[k]]->moe;
-      Named local;
+      std::vector<Named> parts;
       const std::string prefix = "block" + std::to_string(kept_blocks[k]) + ".moe.expert";
-      for (int e = moe->first_local; e < moe->first_local + moe->local_count; ++e) {
-        Named one = params_of(*moe->experts[e], prefix + std::to_string(e), spec_);
-        local.params.insert(local.params.end(), one.params.begin(), one.params.end());
-        local.names.insert(local.names.end(), one.names.begin(), one.names.end());
-        local.splits.insert(local.splits.end(), one.splits.begin(), one.splits.end());
-      }
-      kept.push_back(make_unit(kept[k].name + " experts", {with_experts_stacked(local)}, /*checkpointable=*/false, /*always=*/true));  // (grouped: an expert no token chose gets a zero gradient)
+      for (int e = moe->first_local; e < moe->first_local + moe->local_count; ++e) parts.push_back(params_of(*moe->experts[e], prefix + std::to_string(e), spec_));
+      kept.push_back(make_unit(kept[k].name + " experts", {with_experts_stacked(joined(parts))}, /*checkpointable=*/false, /*always=*/true));  // (grouped: an expert no token chose gets a zero gradient)
       kept.back().experts_of = static_cast<int>(k);
     }
     return kept;
@@ -514,13 +520,8 @@ class DeepSeekModel final : public Model {
   // the final norm. Pipeline numbering: the embedding, each block, the head (norm and projection;
   // tied, the norm alone: the head reads the embedding's weight or its copy).
   static ParameterUnit make_unit(const std::string& name, const std::vector<Named>& parts, bool checkpointable, bool always) {
-    ParameterUnit u{name, {}, checkpointable, always, {}, {}, -1};
-    for (const auto& part : parts) {
-      u.params.insert(u.params.end(), part.params.begin(), part.params.end());
-      u.names.insert(u.names.end(), part.names.begin(), part.names.end());
-      u.splits.insert(u.splits.end(), part.splits.begin(), part.splits.end());
-    }
-    return u;
+    Named all = joined(parts);
+    return ParameterUnit{name, std::move(all.params), checkpointable, always, std::move(all.names), std::move(all.splits), -1};
   }
 
   // (block_of: each unit's block number, -1 for the others.) With routed experts kept apart

@@ -74,10 +74,8 @@ Tensor stack_weights(const std::vector<Tensor>& weights, bool* viewed) {
   if (!adjacent) return torch::stack(weights);
   std::vector<int64_t> shape = {static_cast<int64_t>(weights.size())};
   for (int64_t d : first.sizes()) shape.push_back(d);
-  std::vector<int64_t> strides(shape.size(), 1);
-  for (int64_t d = static_cast<int64_t>(shape.size()) - 2; d >= 0; --d) strides[d] = strides[d + 1] * shape[d + 1];
   torch::NoGradGuard no_grad;
-  return torch::empty({0}, first.options()).set_(first.storage(), first.storage_offset(), shape, strides);
+  return torch::empty({0}, first.options()).set_(first.storage(), first.storage_offset(), shape);  // (no strides: contiguous)
 }
 
 Tensor grouped_swiglu_experts(const Tensor& rows, const Tensor& counts, const std::vector<Tensor>& gate_up, const std::vector<Tensor>& down) {

@@ -44,9 +44,8 @@ Tensor ExpertParallel::run(const Tensor& rows, const Tensor& counts_on_device, c
   const int64_t experts = static_cast<int64_t>(counts.size()), per_shard = experts / shards;
   DSRUN_ASSERT(experts % shards == 0, "routed experts divide by the expert-parallel ranks (checked by the recipe)");
   // 1. Counts: row q of `received` holds source q's counts for this shard's experts.
-  Tensor sent = counts_host.clone();
   Tensor received = torch::empty({experts}, torch::kInt64);
-  group_.all_to_all(sent, received);
+  group_.all_to_all(counts_host, received);
   std::vector<int64_t> from(received.data_ptr<int64_t>(), received.data_ptr<int64_t>() + experts);  // [source][local expert]
   std::vector<int64_t> send_rows(shards, 0), recv_rows(shards, 0), local_counts(per_shard, 0);
   for (int q = 0; q < shards; ++q)

@@ -723,8 +723,7 @@ class Planner {
       // way, of which (ep-1)/ep leaves the rank; the busiest rank's share is `imbalance` times
       // the mean. The ep ranks are consecutive data ranks: what goes to members on other nodes
       // crosses the network, the rest the node's link, both at once.
-      int moe_layers = 0;
-      for (const StageCost& st : stages_) moe_layers = std::max(moe_layers, st.moe_layers);
+      const int moe_layers = busiest_stage_moe_layers();
       const double pairs = static_cast<double>(p.layout.micro) * r_.batch.seq_len * r_.model.moe.top_k;
       const double passes = p.layout.recomputation ? 6 : 4;
       const double rows = a * moe_layers * passes * pairs * r_.model.hidden * e * imbalance_;
@@ -867,17 +866,23 @@ class Planner {
     return std::max(0.0, host + p.offload_seconds - exposed);
   }
 
+  // The most MoE layers a pipeline stage holds (every layer without pipelining).
+  int busiest_stage_moe_layers() const {
+    int moe_layers = 0;
+    for (const StageCost& st : stages_) moe_layers = std::max(moe_layers, st.moe_layers);
+    return moe_layers;
+  }
+
   // Memory-bound work the FLOPs leave out, on GPUs (on CPUs matmul_efficiency absorbs it), per
   // rank: the cross-entropy converts its slice of the logits to fp32 and runs log-softmax forward
   // and backward, about 24 + 2e bytes per token and vocabulary entry; a MoE layer moves each
   // token's k rows through dispatch, the experts' return to pair order and the weighted sum, about
   // 14·k·h·e bytes per token forward and backward (docs/plan.md; measured in docs/benchmarks.md).
-  double elementwise_seconds(const Plan& p) const {
+  double elementwise_seconds() const {
     if (r_.hardware.device != Device::Cuda || r_.model.arch != ModelArch::DeepSeek) return 0;
     const double e = bytes_per_element(r_.precision.dtype);
     const double tokens = static_cast<double>(r_.batch.global) * static_cast<double>(r_.batch.seq_len) / dp_;
-    int moe_layers = 0;
-    for (const StageCost& st : stages_) moe_layers = std::max(moe_layers, st.moe_layers);
+    const int moe_layers = busiest_stage_moe_layers();
     const double loss = (24 + 2 * e) * static_cast<double>(r_.model.vocab) / tp_;
     const double permutation = 14.0 * r_.model.moe.top_k * r_.model.hidden * e * moe_layers;
     return tokens * (loss + permutation) / r_.hardware.memory_bandwidth;
@@ -902,7 +907,7 @@ class Planner {
     const double bandwidth = host_step ? r_.hardware.host_memory_bandwidth / ranks_per_node_ : r_.hardware.memory_bandwidth;
     p.optimizer_seconds = shard * touched / bandwidth;
     p.offload_hidden_seconds = host_step ? hidden_offload_seconds(p, shard, e) : 0;
-    p.elementwise_seconds = elementwise_seconds(p);
+    p.elementwise_seconds = elementwise_seconds();
     p.step_seconds = p.compute_seconds + p.elementwise_seconds + p.exposed_comm_seconds + p.optimizer_seconds + p.offload_seconds - p.offload_hidden_seconds;
     p.tokens_per_second = p.tokens_per_step / p.step_seconds;
     p.mfu = p.model_flops_per_step / (p.step_seconds * p.peak_flops * p.world_size);

@@ -10,11 +10,11 @@
 #include <toml++/toml.h>
 
 #include <algorithm>
-#include <map>
 #include <charconv>
 #include <climits>
 #include <cmath>
 #include <cstdlib>
+#include <map>
 #include <set>
 #include <sstream>
 

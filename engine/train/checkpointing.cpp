@@ -647,8 +647,9 @@ void load_pretrained_weights(Model& model, const ModelSpec& spec, const std::str
   // Buffers that are model state (the MoE selection bias): taken when the weights have them, else
   // they keep their initial values (weights trained with the balance loss have none).
   for (const auto& b : model.module().named_buffers()) {
-    auto it = index.find(hf_buffer_name(b.key()));
-    if (hf_buffer_name(b.key()).empty() || it == index.end()) continue;
+    const std::string name = hf_buffer_name(b.key());
+    auto it = index.find(name);
+    if (name.empty() || it == index.end()) continue;
     used[it->first] = true;
     if (it->second.second->shape != b.value().sizes().vec()) {
       problems.push_back(it->first + " has shape [" + join_numbers(it->second.second->shape) + "], the model needs [" + join_numbers(b.value().sizes().vec()) + "]");
