@@ -10,6 +10,7 @@ packages=(
   libtorch-dev libopenblas0-pthread   # LibTorch 1.13 (CPU, c10d, Gloo); OpenBLAS: ~12x faster than reference BLAS
   libgloo-dev                         # headers that c10d's ProcessGroupGloo.hpp includes
   libtomlplusplus-dev liblua5.4-dev libsqlite3-dev libspdlog-dev libcli11-dev catch2
+  libpq-dev                           # the run store on a PostgreSQL server (--db postgresql://...), for teams and clusters
   nlohmann-json3-dev                  # plan --json, stored plans and configs
   libxxhash-dev                       # XXH3 checksums of checkpoint files (GB/s; zlib's crc32 is ~10x slower)
   libpcre2-dev                        # tokenizer pre-tokenizer regexes: \p{L}, possessive quantifiers, JIT (std::regex has neither)
@@ -24,6 +25,7 @@ if [ "${1:-}" = "--with-test-tools" ]; then
   packages+=(chromium)                # renders the HTML report in the report test (headless)
   packages+=(fortunes-zh)             # Chinese text for the tokenizer tests (adds 3 files to /usr/share/games/fortunes)
   packages+=(sentencepiece)           # spm_train/spm_encode: a real tokenizer.model and its reference ids
+  packages+=(postgresql)              # a real server for the store tests (started by the tests, as its own user)
 fi
 missing=()
 for p in "${packages[@]}"; do

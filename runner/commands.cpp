@@ -43,7 +43,7 @@ void check_token_data(const Recipe& r) {
 // The free space where the run's checkpoints will go (checkpoint.dir, else beside the store), for
 // the plan's disk check.
 void note_checkpoint_disk(HostFacts& host, const Recipe& r, const std::string& db_path) {
-  host.checkpoint_free_bytes = free_disk_bytes(r.checkpoint.dir.empty() ? parent_directory(db_path) : r.checkpoint.dir);
+  host.checkpoint_free_bytes = free_disk_bytes(r.checkpoint.dir.empty() ? runs_directory(db_path) : r.checkpoint.dir);
 }
 
 // Loads and validates; prints every diagnostic (warnings too) to stderr. Throws when invalid.
@@ -135,7 +135,7 @@ int launch_and_report(const LoadedRecipe& loaded, const Plan& plan, Store& store
                       const std::string& db_path, const std::string& resume_from, bool accept_data_change = false) {
   LaunchOptions launch;
   launch.accept_data_change = accept_data_change;
-  launch.run_dir = path_join(parent_directory(db_path), id);
+  launch.run_dir = path_join(runs_directory(db_path), id);
   launch.nnodes = flags.nnodes;
   launch.node_rank = flags.node_rank;
   launch.master_addr = flags.master_addr;
@@ -155,7 +155,7 @@ int launch_and_report(const LoadedRecipe& loaded, const Plan& plan, Store& store
 }
 
 Store open_existing_store(const std::string& db_path) {
-  if (!file_exists(db_path)) {
+  if (!store_exists(db_path)) {
     ErrorContext c;
     c.file = db_path;
     c.hint = "run a recipe first, or pass --db";
@@ -166,7 +166,7 @@ Store open_existing_store(const std::string& db_path) {
 
 // A recorded run's resolved config (RUNS/<id>/config.toml, what its ranks ran), with overrides.
 LoadedRecipe load_run_config(const std::string& db_path, const RunRecord& r, const std::vector<std::string>& sets, const HostFacts& host) {
-  const std::string path = path_join(path_join(parent_directory(db_path), r.id), "config.toml");
+  const std::string path = path_join(path_join(runs_directory(db_path), r.id), "config.toml");
   if (!file_exists(path)) {
     ErrorContext c;
     c.file = path;
@@ -347,7 +347,7 @@ int command_run(const RecipeArgs& given, const RunFlags& flags, const std::strin
   const char* sweep_id = std::getenv("DSRUN_SWEEP_ID");
   if (loaded.has_sweep && !sweep_id)
     std::cerr << args.path << ": warning: the [sweep] section is ignored by `dsrun run`, which runs the recipe once; use `dsrun sweep " << args.path << "`\n";
-  make_directories(parent_directory(db_path));
+  make_directories(runs_directory(db_path));
   Store store(db_path);
   NewRun run = run_record(loaded, plan, plan_text, host);
   run.name = loaded.recipe.run.name.empty() ? file_stem(args.path) : loaded.recipe.run.name;
@@ -372,7 +372,7 @@ int command_run(const RecipeArgs& given, const RunFlags& flags, const std::strin
     std::cout << "\nrun " << id << " recorded as infeasible: the plan does not fit (see the suggestions above)\n";
     return kExitDoesNotFit;
   }
-  std::cout << "\nrun " << id << ": " << plan.world_size << " rank(s), logs in " << path_join(parent_directory(db_path), id + "/logs") << "\n";
+  std::cout << "\nrun " << id << ": " << plan.world_size << " rank(s), logs in " << path_join(runs_directory(db_path), id + "/logs") << "\n";
   return launch_and_report(loaded, plan, store, id, flags, db_path, "");
 }
 
@@ -415,7 +415,7 @@ int command_resume(const ResumeArgs& args, const RunFlags& flags, const std::str
     std::cout << render_plan(plan);
     return kExitDoesNotFit;
   }
-  const std::string run_dir = path_join(parent_directory(db_path), r.id);
+  const std::string run_dir = path_join(runs_directory(db_path), r.id);
   const std::string root = checkpoint_root_of(loaded.recipe, run_dir, r.id);
   std::vector<std::string> skipped;
   auto found = find_checkpoint(root, -1, args.fallback, &skipped);
@@ -467,7 +467,7 @@ int command_rollback(const std::string& run, int64_t to_step, const std::vector<
   RunRecord parent = store.get_run(store.resolve_run(run));
   HostFacts host = read_host_facts();
   LoadedRecipe parent_config = load_run_config(db_path, parent, {}, host);
-  const std::string root = checkpoint_root_of(parent_config.recipe, path_join(parent_directory(db_path), parent.id), parent.id);
+  const std::string root = checkpoint_root_of(parent_config.recipe, path_join(runs_directory(db_path), parent.id), parent.id);
   std::vector<std::string> skipped;
   auto found = find_checkpoint(root, to_step, /*fallback=*/true, &skipped);
   for (const auto& why : skipped) std::cerr << "dsrun: warning: skipped: " << why << "\n";
@@ -518,7 +518,7 @@ int command_export(const std::string& run, int64_t step, const std::string& to, 
   RunRecord r = store.get_run(store.resolve_run(run));
   HostFacts host = read_host_facts();
   LoadedRecipe config = load_run_config(db_path, r, {}, host);
-  const std::string root = checkpoint_root_of(config.recipe, path_join(parent_directory(db_path), r.id), r.id);
+  const std::string root = checkpoint_root_of(config.recipe, path_join(runs_directory(db_path), r.id), r.id);
   auto found = find_checkpoint(root, step, /*fallback=*/false);
   if (!found) {
     ErrorContext c;

@@ -29,7 +29,7 @@ namespace dsrun {
 namespace {
 
 Store open_store(const std::string& db_path) {
-  if (!file_exists(db_path)) throw Error("no run store here", ErrorContext{db_path, 0, 0, "", -1, "run a recipe first, or pass --db"});
+  if (!store_exists(db_path)) throw Error("no run store here", ErrorContext{db_path, 0, 0, "", -1, "run a recipe first, or pass --db"});
   return Store(db_path);
 }
 
@@ -184,7 +184,7 @@ nlohmann::json number_or_null(double v) { return std::isfinite(v) ? nlohmann::js
 
 int command_history(const HistoryArgs& a, const std::string& db_path) {
   if (!a.status.empty()) run_status_from_string(a.status);  // a typo is an error, not an empty list
-  if (!file_exists(db_path)) {
+  if (!store_exists(db_path)) {
     std::cout << "no runs yet (no store at " << db_path << ")\n";
     return 0;
   }
@@ -197,7 +197,8 @@ int command_history(const HistoryArgs& a, const std::string& db_path) {
   q.hardware = a.hardware;
   q.recipe = a.recipe;
   q.since_seconds = a.since.empty() ? 0 : parse_duration(a.since);
-  const QueryNames names = query_names();
+  QueryNames names = query_names();
+  names.dialect = store.dialect();
   if (!a.where.empty()) q.where = parse_where(a.where, names);
   if (!a.sort.empty()) q.sort = sort_expression(a.sort, names);
   q.ascending = a.ascending;
@@ -259,6 +260,17 @@ int command_restore(const std::vector<std::string>& runs, const std::string& db_
   return 0;
 }
 
+int command_store_copy(const std::string& from, const std::string& to) {
+  Store source = open_store(from);
+  if (!is_postgres_location(to)) make_directories(parent_directory(to));
+  Store target(to);
+  const int64_t before = target.count_runs();
+  const int64_t added = copy_store(source, target);
+  std::cout << "copied " << added << " new run(s) of " << source.count_runs() << " from " << source.path() << " to " << target.path() << " ("
+            << before << " there before, " << target.count_runs() << " now)\n";
+  return 0;
+}
+
 int command_gc(bool dry_run, const std::string& db_path) {
   Store store = open_store(db_path);
   RunQuery q;
@@ -266,7 +278,7 @@ int command_gc(bool dry_run, const std::string& db_path) {
   q.limit = 1 << 30;
   int64_t freed = 0, runs = 0;
   for (const auto& r : store.query_runs(q)) {
-    std::vector<std::string> listed{path_join(parent_directory(db_path), r.id)};
+    std::vector<std::string> listed{path_join(runs_directory(db_path), r.id)};
     for (const auto& c : store.checkpoints(r.id)) listed.push_back(c.path);
     const std::vector<std::string> paths = outermost_paths(listed);
     int64_t bytes = 0;

@@ -18,6 +18,8 @@ int command_history(const HistoryArgs& args, const std::string& db_path);
 // A run marked running is refused, unless its launcher is gone (launcher_gone) and `force` is set.
 int command_delete(const std::vector<std::string>& runs, bool force, const std::string& db_path);
 int command_restore(const std::vector<std::string>& runs, const std::string& db_path);
+// `dsrun store copy SRC DST`: every record from one store (SQLite file or PostgreSQL URL) into another.
+int command_store_copy(const std::string& from, const std::string& to);
 // Removes the files (run directory, checkpoints) of soft-deleted runs; reports the bytes freed.
 int command_gc(bool dry_run, const std::string& db_path);
 

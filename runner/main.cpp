@@ -17,7 +17,7 @@
 
 namespace {
 
-const char* const kCommands[] = {"run", "plan", "history", "show", "resume", "rollback", "export", "sweep", "compare", "watch", "delete", "restore", "gc", "report", "init", "templates", "docs", "worker", "tokenize", "prepare"};
+const char* const kCommands[] = {"run", "plan", "history", "show", "resume", "rollback", "export", "sweep", "compare", "watch", "delete", "restore", "gc", "report", "init", "templates", "docs", "worker", "tokenize", "prepare", "store", "cancel"};
 
 // `dsrun recipes/x.toml ...` means `dsrun run recipes/x.toml ...`.
 std::vector<std::string> with_default_command(int argc, char** argv) {
@@ -45,7 +45,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   app.fallthrough();  // global options such as --db work after the command too
   std::string db = dsrun::default_store_path();
-  app.add_option("--db", db, "Run store (SQLite file); default $DSRUN_DB or runs/dsrun.db");
+  app.add_option("--db", db, "Run store: a SQLite file or postgresql://USER@HOST/DB; default $DSRUN_DB or runs/dsrun.db");
 
   dsrun::RecipeArgs recipe_args;
   auto add_recipe_args = [&](CLI::App* cmd) {
@@ -173,6 +173,12 @@ int main(int argc, char** argv) {
   std::string worker_config;
   CLI::App* worker = app.add_subcommand("worker", "Be one rank under torchrun, Slurm or Kubernetes (reads RANK, WORLD_SIZE, MASTER_ADDR, ...)");
   worker->add_option("config", worker_config, "Recipe or resolved config")->required();
+  std::string copy_from, copy_to;
+  CLI::App* store_cmd = app.add_subcommand("store", "Work on run stores as a whole");
+  store_cmd->require_subcommand(1);
+  CLI::App* store_copy = store_cmd->add_subcommand("copy", "Copy every run, metric, event, checkpoint record and sweep from SRC into DST (again: adds only what is new)");
+  store_copy->add_option("src", copy_from, "A SQLite file or postgresql://USER@HOST/DB")->required();
+  store_copy->add_option("dst", copy_to, "A SQLite file (created) or postgresql://USER@HOST/DB")->required();
   std::string topic;
   CLI::App* docs = app.add_subcommand("docs", "Print a generated reference page (recipe)");
   docs->add_option("topic", topic, "recipe")->required();
@@ -214,6 +220,7 @@ int main(int argc, char** argv) {
   try {
     if (*run) return dsrun::command_run(recipe_args, flags, db);
     if (*worker) dsrun::command_worker(worker_config);
+    if (*store_copy) return dsrun::command_store_copy(copy_from, copy_to);
     if (*plan) return dsrun::command_plan(recipe_args, json, layouts, plan_smoke);
     if (*history) return dsrun::command_history(hist, db);
     if (*del) return dsrun::command_delete(run_list, delete_force, db);

@@ -219,7 +219,7 @@ std::string render_report_html(const Store& store, const std::vector<std::string
 }
 
 int command_report(const std::vector<std::string>& queries, const std::string& output, const std::string& db_path) {
-  if (!file_exists(db_path)) throw Error("no run store here", ErrorContext{db_path, 0, 0, "", -1, "run a recipe first, or pass --db"});
+  if (!store_exists(db_path)) throw Error("no run store here", ErrorContext{db_path, 0, 0, "", -1, "run a recipe first, or pass --db"});
   Store store(db_path);
   std::vector<std::string> ids;
   for (const auto& q : queries) {

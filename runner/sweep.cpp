@@ -221,7 +221,7 @@ class SweepDriver {
     sigaction(SIGTERM, &sa, nullptr);
     slots_ = divide_devices(spec_.concurrency);
     busy_.assign(slots_.size(), false);
-    log_dir_ = path_join(parent_directory(db_path_), "sweeps/" + sweep_.id);
+    log_dir_ = path_join(runs_directory(db_path_), "sweeps/" + sweep_.id);
     make_directories(log_dir_);
     const int64_t budget = trial_budget(spec_);
     const double deadline = spec_.max_minutes > 0 ? now_seconds() + spec_.max_minutes * 60 : 0;
@@ -437,7 +437,7 @@ class SweepDriver {
 
 int command_sweep(const SweepArgs& args, const std::string& db_path) {
   if (!args.show.empty() || !args.resume.empty()) {
-    if (!file_exists(db_path)) throw Error("no run store here", ErrorContext{db_path, 0, 0, "", -1, "pass --db"});
+    if (!store_exists(db_path)) throw Error("no run store here", ErrorContext{db_path, 0, 0, "", -1, "pass --db"});
   }
   if (!args.show.empty()) {
     Store store(db_path);
@@ -445,7 +445,7 @@ int command_sweep(const SweepArgs& args, const std::string& db_path) {
     print_leaderboard(store, sweep_spec_from_json(nlohmann::json::parse(sweep.spec_json)), sweep, args.json, args.csv);
     return 0;
   }
-  make_directories(parent_directory(db_path));
+  make_directories(runs_directory(db_path));
   Store store(db_path);
   SweepRecord sweep;
   SweepSpec spec;

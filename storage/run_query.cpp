@@ -67,8 +67,11 @@ class WhereParser {
     return f;
   }
 
-  SqlFragment name_value(const Token& t) {
+  // `is_config` (when given) tells whether the name was a config key, whose SQL depends on what it
+  // is compared with on PostgreSQL.
+  SqlFragment name_value(const Token& t, bool* is_config = nullptr) {
     SqlFragment f;
+    if (is_config) *is_config = false;
     const std::string lower = lowercase(t.text);
     if (auto it = columns().find(lower); it != columns().end()) {
       f.sql = it->second;
@@ -80,6 +83,12 @@ class WhereParser {
       return f;
     }
     if (names_.is_config_key && names_.is_config_key(t.text)) {
+      if (is_config) *is_config = true;
+      if (names_.dialect == SqlDialect::Postgres) {
+        f.sql = "(runs.config_json::jsonb -> ?)";  // jsonb orders numbers as numbers, text as text
+        f.params.push_back({false, 0, t.text});
+        return f;
+      }
       f.sql = "json_extract(runs.config_json, ?)";
       f.params.push_back({false, 0, "$.\"" + t.text + "\""});
       return f;
@@ -252,7 +261,10 @@ class WhereParser {
       fail(peek(), "more than " + std::to_string(kMaxConditions) + " conditions", "shorten the and / or chain, e.g. with like or a range (x >= a and x <= b)");
     const Token left = next();
     if (left.kind != Token::Name) fail(left, "expected a name (a column, config key or metrics.KEY)", "for example: optimizer.lr > 1e-4");
-    SqlFragment f = name_value(left);
+    bool is_config = false;
+    SqlFragment f = name_value(left, &is_config);
+    const bool postgres = names_.dialect == SqlDialect::Postgres;
+    if (postgres && is_config) f.sql = "(runs.config_json::jsonb ->> ?)";  // as text, NULL when absent or JSON null
     if (word("is")) {
       next();
       bool negated = false;
@@ -289,6 +301,11 @@ class WhereParser {
       if (op == "LIKE") check_like_pattern(right);
     } else {
       fail(right, "expected a value after " + op, "a number, a 'string' or a word");
+    }
+    if (postgres && is_config && value.is_number) f.sql = "dsrun_json_number(runs.config_json, ?)";  // see the store's schema
+    if (postgres && op == "LIKE") {
+      op = "ILIKE";  // SQLite's LIKE folds ASCII case
+      f.sql = "CAST(" + f.sql + " AS TEXT)";
     }
     f.sql = "(" + f.sql + " " + op + " ?)";
     f.params.push_back(value);

@@ -3,6 +3,8 @@
 // Anything else is an error that points at the offending token.
 #pragma once
 
+#include "storage/database.hpp"
+
 #include <functional>
 #include <string>
 #include <vector>
@@ -25,6 +27,7 @@ struct SqlFragment {
 struct QueryNames {
   std::function<bool(const std::string&)> is_config_key;
   std::vector<std::string> known_names;
+  SqlDialect dialect = SqlDialect::Sqlite;  // the store's: config values are read from JSON differently
 };
 
 // "optimizer.lr > 1e-4 and metrics.val_loss < 2.5 and status = finished" -> a WHERE condition.

@@ -1,112 +1,157 @@
 #include "storage/store.hpp"
 
 #include "engine/common/error.hpp"
+#include "engine/common/files.hpp"
 
-#include <sqlite3.h>
-#include <unistd.h>
+#include <sys/stat.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
 
 namespace dsrun {
 
-// The message names the store file and SQLite's reason; the statement and dsrun's source line go
-// to the origin (shown with DSRUN_DEBUG=1).
-[[noreturn]] static void sqlite_fail(sqlite3* db, int rc, const char* what, const char* file, int line) {
-  ErrorContext c;
-  const char* path = db ? sqlite3_db_filename(db, "main") : nullptr;
-  c.file = path ? path : "";
-  c.hint = rc == SQLITE_BUSY || rc == SQLITE_LOCKED ? "another dsrun holds the store for long; try again" :
-           rc == SQLITE_FULL || rc == SQLITE_IOERR ? "check free disk space and the file system" : "";
-  std::string detail = db ? sqlite3_errmsg(db) : sqlite3_errstr(rc);
-  throw Error("run store: " + detail + " (SQLite error " + std::to_string(rc) + ")", c).with_origin(source_origin(file, line) + ": " + what);
-}
-
-// Every SQLite return code goes through this: anything but OK/ROW/DONE throws with file:line.
-#define SQLITE_CHECK(db, expr)                                                            \
-  do {                                                                                    \
-    int rc_ = (expr);                                                                     \
-    if (rc_ != SQLITE_OK && rc_ != SQLITE_ROW && rc_ != SQLITE_DONE)                      \
-      sqlite_fail((db), rc_, #expr, __FILE__, __LINE__);                                  \
-  } while (0)
-
-void SqliteCloser::operator()(sqlite3* db) const { sqlite3_close_v2(db); }
-
 namespace {
 
-// An owned prepared statement with typed binds and reads.
-class Statement {
- public:
-  Statement(sqlite3* db, const char* sql) : db_(db) {
-    const int rc = sqlite3_prepare_v2(db, sql, -1, &stmt_, nullptr);
-    if (rc != SQLITE_OK) sqlite_fail(db, rc, sql, __FILE__, __LINE__);
-  }
-  ~Statement() { sqlite3_finalize(stmt_); }
-  Statement(const Statement&) = delete;
-  Statement& operator=(const Statement&) = delete;
-
-  Statement& bind(int i, const std::string& v) {
-    SQLITE_CHECK(db_, sqlite3_bind_text(stmt_, i, v.data(), static_cast<int>(v.size()), SQLITE_TRANSIENT));
-    return *this;
-  }
-  Statement& bind(int i, int64_t v) { SQLITE_CHECK(db_, sqlite3_bind_int64(stmt_, i, v)); return *this; }
-  Statement& bind(int i, int v) { return bind(i, static_cast<int64_t>(v)); }
-  Statement& bind(int i, double v) { SQLITE_CHECK(db_, sqlite3_bind_double(stmt_, i, v)); return *this; }
-  Statement& bind_null(int i) { SQLITE_CHECK(db_, sqlite3_bind_null(stmt_, i)); return *this; }
-  Statement& bind_optional(int i, const std::string& v) { return v.empty() ? bind_null(i) : bind(i, v); }
-
-  // True while rows come; false when done.
-  bool step() {
-    int rc = sqlite3_step(stmt_);
-    if (rc == SQLITE_ROW) return true;
-    if (rc == SQLITE_DONE) return false;
-    sqlite_fail(db_, rc, sqlite3_sql(stmt_), __FILE__, __LINE__);
-  }
-  void run() {
-    step();
-    SQLITE_CHECK(db_, sqlite3_reset(stmt_));
-  }
-  std::string text(int col) const {
-    const unsigned char* t = sqlite3_column_text(stmt_, col);
-    return t ? std::string(reinterpret_cast<const char*>(t), sqlite3_column_bytes(stmt_, col)) : std::string();
-  }
-  int64_t integer(int col) const { return sqlite3_column_int64(stmt_, col); }
-  double real(int col) const { return sqlite3_column_double(stmt_, col); }
-  bool is_null(int col) const { return sqlite3_column_type(stmt_, col) == SQLITE_NULL; }
-
- private:
-  sqlite3* db_;
-  sqlite3_stmt* stmt_ = nullptr;
-};
-
-void exec(sqlite3* db, const char* sql) {
-  const int rc = sqlite3_exec(db, sql, nullptr, nullptr, nullptr);
-  if (rc != SQLITE_OK) sqlite_fail(db, rc, sql, __FILE__, __LINE__);
-}
-
-// One transaction; rolled back unless commit() is reached (an exception leaves the store untouched).
-class Transaction {
- public:
-  explicit Transaction(sqlite3* db) : db_(db) { exec(db_, "BEGIN IMMEDIATE"); }
-  ~Transaction() {
-    if (!done_) sqlite3_exec(db_, "ROLLBACK", nullptr, nullptr, nullptr);  // nothing to report: the error is already in flight
-  }
-  void commit() {
-    exec(db_, "COMMIT");
-    done_ = true;
-  }
-
- private:
-  sqlite3* db_;
-  bool done_ = false;
-};
+using Rows = SqlRows;
 
 // Migrations, in order; migration i brings the schema to version i + 1. Never edit a shipped one.
-const char* const kMigrations[] = {
+// The PostgreSQL backend arrived at version 5: its first script creates version 5's schema whole
+// (types spelled as PostgreSQL names them, a trigger function for metrics_latest), the next four
+// have nothing left to do.
+struct Migration {
+  const char* sqlite;
+  const char* postgres;
+};
+
+const char* const kPostgresVersion5 = R"sql(
+CREATE TABLE runs(
+  rowid BIGSERIAL UNIQUE,
+  id TEXT PRIMARY KEY,
+  name TEXT NOT NULL,
+  status TEXT NOT NULL,
+  created_at DOUBLE PRECISION NOT NULL,
+  started_at DOUBLE PRECISION,
+  ended_at DOUBLE PRECISION,
+  heartbeat_at DOUBLE PRECISION,
+  recipe_path TEXT,
+  recipe_text TEXT NOT NULL,
+  config_toml TEXT NOT NULL,
+  plan_json TEXT,
+  plan_text TEXT,
+  model TEXT,
+  hardware TEXT,
+  zero_stage BIGINT,
+  world_size BIGINT,
+  host TEXT,
+  git_revision TEXT,
+  parent_run TEXT REFERENCES runs(id),
+  parent_step BIGINT,
+  sweep_id TEXT,
+  error TEXT,
+  deleted_at DOUBLE PRECISION,
+  trial_index BIGINT,
+  trial_params TEXT,
+  config_json TEXT,
+  pid BIGINT
+);
+CREATE INDEX runs_created ON runs(created_at);
+CREATE INDEX runs_status ON runs(status);
+CREATE INDEX runs_sweep ON runs(sweep_id, trial_index);
+CREATE TABLE metrics(
+  run_id TEXT NOT NULL REFERENCES runs(id),
+  key TEXT NOT NULL,
+  step BIGINT NOT NULL,
+  value DOUBLE PRECISION NOT NULL,
+  time DOUBLE PRECISION NOT NULL,
+  PRIMARY KEY(run_id, key, step)
+);
+CREATE TABLE metrics_latest(
+  run_id TEXT NOT NULL,
+  key TEXT NOT NULL,
+  step BIGINT NOT NULL,
+  value DOUBLE PRECISION NOT NULL,
+  time DOUBLE PRECISION NOT NULL,
+  PRIMARY KEY(run_id, key)
+);
+CREATE FUNCTION dsrun_keep_latest() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+  INSERT INTO metrics_latest(run_id, key, step, value, time) VALUES (NEW.run_id, NEW.key, NEW.step, NEW.value, NEW.time)
+  ON CONFLICT(run_id, key) DO UPDATE SET step = excluded.step, value = excluded.value, time = excluded.time
+  WHERE excluded.step >= metrics_latest.step;
+  RETURN NEW;
+END $$;
+CREATE TRIGGER metrics_keep_latest AFTER INSERT OR UPDATE ON metrics FOR EACH ROW EXECUTE FUNCTION dsrun_keep_latest();
+CREATE TABLE checkpoints(
+  run_id TEXT NOT NULL REFERENCES runs(id),
+  step BIGINT NOT NULL,
+  path TEXT NOT NULL,
+  bytes BIGINT NOT NULL,
+  checksum TEXT NOT NULL,
+  created_at DOUBLE PRECISION NOT NULL,
+  PRIMARY KEY(run_id, step)
+);
+CREATE TABLE events(
+  id BIGSERIAL PRIMARY KEY,
+  run_id TEXT NOT NULL REFERENCES runs(id),
+  time DOUBLE PRECISION NOT NULL,
+  kind TEXT NOT NULL,
+  rank BIGINT,
+  message TEXT NOT NULL,
+  detail TEXT
+);
+CREATE INDEX events_run ON events(run_id, id);
+CREATE TABLE sweeps(
+  rowid BIGSERIAL UNIQUE,
+  id TEXT PRIMARY KEY,
+  name TEXT NOT NULL,
+  status TEXT NOT NULL,
+  created_at DOUBLE PRECISION NOT NULL,
+  ended_at DOUBLE PRECISION,
+  heartbeat_at DOUBLE PRECISION,
+  recipe_path TEXT NOT NULL,
+  recipe_text TEXT NOT NULL,
+  spec_json TEXT NOT NULL,
+  host TEXT,
+  pid BIGINT,
+  best_run TEXT,
+  error TEXT
+);
+-- `history --where optimizer.lr > 1e-4`: a config value as a number (JSON true/false as 1/0, as
+-- SQLite's json_extract reads them), NULL when it is text or absent.
+CREATE FUNCTION dsrun_json_number(doc TEXT, key TEXT) RETURNS DOUBLE PRECISION LANGUAGE sql IMMUTABLE AS $$
+  SELECT CASE jsonb_typeof(doc::jsonb -> key)
+           WHEN 'number' THEN (doc::jsonb ->> key)::double precision
+           WHEN 'boolean' THEN CASE WHEN (doc::jsonb -> key) = 'true'::jsonb THEN 1.0 ELSE 0.0 END
+         END
+$$;
+)sql";
+
+// Version 6, the same on both: the batch job behind a run, and each node's own report.
+#define DSRUN_VERSION6_COMMON                                                          \
+  "ALTER TABLE runs ADD COLUMN job_id TEXT;\n"                                         \
+  "ALTER TABLE runs ADD COLUMN job_state TEXT;\n"                                      \
+  "ALTER TABLE runs ADD COLUMN job_nodes TEXT;\n"                                      \
+  "ALTER TABLE runs ADD COLUMN job_reason TEXT;\n"                                     \
+  "ALTER TABLE sweeps ADD COLUMN job_id TEXT;\n"                                       \
+  "CREATE TABLE run_nodes(\n"                                                          \
+  "  run_id TEXT NOT NULL REFERENCES runs(id),\n"                                      \
+  "  node_rank INTEGER NOT NULL,\n"                                                    \
+  "  host TEXT,\n"                                                                     \
+  "  pid BIGINT,\n"                                                                    \
+  "  status TEXT NOT NULL,\n"                                                          \
+  "  heartbeat_at DOUBLE PRECISION,\n"                                                 \
+  "  restarts INTEGER NOT NULL DEFAULT 0,\n"                                           \
+  "  error TEXT,\n"                                                                    \
+  "  PRIMARY KEY(run_id, node_rank)\n"                                                 \
+  ");\n"                                                                               \
+  "CREATE INDEX runs_job ON runs(job_id);\n"
+
+const Migration kMigrations[] = {
     // 1: runs, metrics, checkpoints, events
-    R"sql(
+    {R"sql(
 CREATE TABLE runs(
   id TEXT PRIMARY KEY,
   name TEXT NOT NULL,
@@ -160,9 +205,10 @@ CREATE TABLE events(
 );
 CREATE INDEX events_run ON events(run_id, id);
 )sql",
+     kPostgresVersion5},
     // 2: latest value per metric kept by a trigger (history shows it without scanning metrics),
     //    soft delete, and a status index.
-    R"sql(
+    {R"sql(
 CREATE TABLE metrics_latest(
   run_id TEXT NOT NULL,
   key TEXT NOT NULL,
@@ -182,8 +228,9 @@ END;
 ALTER TABLE runs ADD COLUMN deleted_at REAL;
 CREATE INDEX runs_status ON runs(status);
 )sql",
+     "SELECT 1"},
     // 3: sweeps, and each trial's index and parameters on its run.
-    R"sql(
+    {R"sql(
 CREATE TABLE sweeps(
   id TEXT PRIMARY KEY,
   name TEXT NOT NULL,
@@ -203,22 +250,34 @@ ALTER TABLE runs ADD COLUMN trial_index INTEGER;
 ALTER TABLE runs ADD COLUMN trial_params TEXT;
 CREATE INDEX runs_sweep ON runs(sweep_id, trial_index);
 )sql",
+     "SELECT 1"},
     // 4: the resolved config as flat JSON, for `history --where optimizer.lr > 1e-4`.
-    R"sql(
+    {R"sql(
 ALTER TABLE runs ADD COLUMN config_json TEXT;
 )sql",
+     "SELECT 1"},
     // 5: the launcher's process id (with runs.host and runs.heartbeat_at: is a running run's
     //    launcher still alive?).
-    R"sql(
+    {R"sql(
 ALTER TABLE runs ADD COLUMN pid INTEGER;
 )sql",
+     "SELECT 1"},
+    // 6: the batch job behind a run (Slurm), each node's report; SQLite's metrics_latest also
+    //    follows an upsert's update path.
+    {DSRUN_VERSION6_COMMON
+     "CREATE TRIGGER metrics_keep_latest_update AFTER UPDATE ON metrics BEGIN\n"
+     "  INSERT INTO metrics_latest(run_id, key, step, value, time) VALUES (NEW.run_id, NEW.key, NEW.step, NEW.value, NEW.time)\n"
+     "  ON CONFLICT(run_id, key) DO UPDATE SET step = excluded.step, value = excluded.value, time = excluded.time\n"
+     "  WHERE excluded.step >= metrics_latest.step;\n"
+     "END;\n",
+     DSRUN_VERSION6_COMMON},
 };
 constexpr int kSchemaVersion = sizeof(kMigrations) / sizeof(kMigrations[0]);
 
-int read_user_version(sqlite3* db) {
-  Statement s(db, "PRAGMA user_version");
-  s.step();
-  return static_cast<int>(s.integer(0));
+std::vector<std::string> migration_scripts(SqlDialect dialect, int target_version) {
+  std::vector<std::string> out;
+  for (int v = 0; v < target_version; ++v) out.push_back(dialect == SqlDialect::Sqlite ? kMigrations[v].sqlite : kMigrations[v].postgres);
+  return out;
 }
 
 std::string random_id() {
@@ -243,9 +302,9 @@ bool transition_allowed(RunStatus from, RunStatus to) {
 const char* kRunColumns =
     "id, name, status, created_at, started_at, ended_at, recipe_path, recipe_text, config_toml, plan_json, model, hardware, "
     "zero_stage, world_size, host, git_revision, parent_run, parent_step, sweep_id, error, plan_text, trial_index, trial_params, deleted_at, "
-    "heartbeat_at, pid";
+    "heartbeat_at, pid, job_id, job_state, job_nodes, job_reason, config_json";
 
-RunRecord read_run(const Statement& s) {
+RunRecord read_run(const SqlRow& s) {
   RunRecord r;
   r.id = s.text(0);
   r.name = s.text(1);
@@ -273,7 +332,48 @@ RunRecord read_run(const Statement& s) {
   r.deleted_at = s.real(23);
   r.heartbeat_at = s.real(24);
   r.pid = s.is_null(25) ? 0 : s.integer(25);
+  r.job_id = s.text(26);
+  r.job_state = s.text(27);
+  r.job_nodes = s.text(28);
+  r.job_reason = s.text(29);
+  r.config_json = s.text(30);
   return r;
+}
+
+std::vector<RunRecord> read_runs(const Rows& rows) {
+  std::vector<RunRecord> out;
+  out.reserve(rows.size());
+  for (const auto& row : rows) out.push_back(read_run(row));
+  return out;
+}
+
+const char* kSweepColumns = "id, name, status, created_at, ended_at, heartbeat_at, recipe_path, recipe_text, spec_json, host, pid, best_run, error";
+
+SweepRecord read_sweep(const SqlRow& s) {
+  SweepRecord w;
+  w.id = s.text(0);
+  w.name = s.text(1);
+  w.status = s.text(2);
+  w.created_at = s.real(3);
+  w.ended_at = s.real(4);
+  w.heartbeat_at = s.real(5);
+  w.recipe_path = s.text(6);
+  w.recipe_text = s.text(7);
+  w.spec_json = s.text(8);
+  w.host = s.text(9);
+  w.pid = s.integer(10);
+  w.best_run = s.text(11);
+  w.error = s.text(12);
+  return w;
+}
+
+// A fresh id that no row of `table` has (read inside the caller's transaction).
+std::string unused_id(Database& db, const char* table, const std::string& prefix) {
+  for (int attempt = 0; attempt < 16; ++attempt) {
+    const std::string candidate = prefix + random_id().substr(prefix.size());
+    if (db.query(std::string("SELECT 1 FROM ") + table + " WHERE id = ?", {candidate}).empty()) return candidate;
+  }
+  fail_at(__FILE__, __LINE__, "16 random 32-bit ids collided");
 }
 
 }  // namespace
@@ -304,177 +404,109 @@ RunStatus run_status_from_string(const std::string& s) {
   throw Error("unknown run status \"" + s + "\"", c);
 }
 
-// Switches a new store to WAL (a persistent setting). SQLite answers a switch that races another
-// connection with SQLITE_BUSY at once, without its busy handler, so this one retries for as long
-// as the busy timeout would have waited.
-void use_wal(sqlite3* db) {
-  for (int attempt = 0;; ++attempt) {
-    {
-      Statement mode(db, "PRAGMA journal_mode");
-      if (mode.step() && mode.text(0) == "wal") return;
-    }
-    const int rc = sqlite3_exec(db, "PRAGMA journal_mode = WAL", nullptr, nullptr, nullptr);
-    if (rc == SQLITE_OK) return;
-    if ((rc != SQLITE_BUSY && rc != SQLITE_LOCKED) || attempt >= 500) sqlite_fail(db, rc, "PRAGMA journal_mode = WAL", __FILE__, __LINE__);
-    ::usleep(static_cast<useconds_t>(5000 + (attempt * 7919) % 15000));  // 5-20 ms, staggered
+std::string runs_directory(const std::string& location) {
+  if (is_postgres_location(location)) {
+    const char* dir = std::getenv("DSRUN_RUNS_DIR");
+    return dir && *dir ? dir : "runs";
   }
+  return parent_directory(location);
 }
 
-// Creation and every migration in one exclusive transaction, the version read inside it: of many
-// processes opening a new store at once, one creates it and the others find it created. A kill
-// leaves the old schema or the new one.
-void migrate_store(sqlite3* db, int target_version) {
-  auto check_not_newer = [&](int version) {
-    if (version <= kSchemaVersion) return;
-    ErrorContext c;
-    c.file = sqlite3_db_filename(db, "main");
-    c.hint = "use a newer dsrun, or point --db at another file";
-    throw Error("the run store has schema version " + std::to_string(version) + ", newer than this dsrun's " + std::to_string(kSchemaVersion), c);
-  };
-  int version = read_user_version(db);
-  check_not_newer(version);
-  if (version >= target_version) return;
-  Transaction t(db);
-  version = read_user_version(db);
-  check_not_newer(version);
-  if (version >= target_version) return;
-  for (int v = version; v < target_version; ++v) exec(db, kMigrations[v]);
-  exec(db, ("PRAGMA user_version = " + std::to_string(target_version)).c_str());
-  t.commit();
+bool store_exists(const std::string& location) {
+  struct stat st {};
+  return is_postgres_location(location) || ::stat(location.c_str(), &st) == 0;
 }
 
-Store::Store(const std::string& path) : path_(path) {
-  sqlite3* raw = nullptr;
-  int rc = sqlite3_open_v2(path.c_str(), &raw, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_FULLMUTEX, nullptr);
-  db_.reset(raw);  // owned even when opening failed, so the handle is closed
-  if (rc != SQLITE_OK) {
-    ErrorContext c;
-    c.file = path;
-    c.hint = "check that the directory exists and is writable, or pass --db";
-    throw Error(std::string("cannot open the run store: ") + (raw ? sqlite3_errmsg(raw) : sqlite3_errstr(rc)), c);
-  }
-  // Readers never block the writer; a writer waits up to 10 s for another instead of failing.
-  SQLITE_CHECK(raw, sqlite3_busy_timeout(raw, 10000));
-  use_wal(raw);
-  exec(raw, "PRAGMA synchronous = NORMAL");  // with WAL: durable at checkpoints, never corrupt
-  exec(raw, "PRAGMA foreign_keys = ON");
-  migrate_store(raw, kSchemaVersion);
-}
+void migrate_store(Database& db, int target_version) { db.migrate(migration_scripts(db.dialect(), target_version)); }
+
+Store::Store(const std::string& location) : db_(open_database(location)) { migrate_store(*db_, kSchemaVersion); }
 
 int Store::current_schema_version() { return kSchemaVersion; }
-int Store::schema_version() const { return read_user_version(db_.get()); }
+int Store::schema_version() const { return db_->schema_version(); }
 
 std::string Store::create_run(const NewRun& run) {
-  Transaction t(db_.get());
   std::string id;
-  for (int attempt = 0; attempt < 16 && id.empty(); ++attempt) {
-    std::string candidate = random_id();
-    Statement exists(db_.get(), "SELECT 1 FROM runs WHERE id = ?");
-    exists.bind(1, candidate);
-    if (!exists.step()) id = candidate;
-  }
-  DSRUN_ASSERT(!id.empty(), "16 random 32-bit ids collided");
-  Statement s(db_.get(),
-              "INSERT INTO runs(id, name, status, created_at, recipe_path, recipe_text, config_toml, plan_json, model, hardware, "
-              "zero_stage, world_size, host, git_revision, parent_run, parent_step, sweep_id, plan_text, trial_index, trial_params, config_json) "
-              "VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)");
-  s.bind(1, id).bind(2, run.name).bind(3, std::string(to_string(run.status))).bind(4, unix_now());
-  s.bind(5, run.recipe_path).bind(6, run.recipe_text).bind(7, run.config_toml).bind(8, run.plan_json);
-  s.bind(9, run.model).bind(10, run.hardware).bind(11, run.zero_stage).bind(12, run.world_size);
-  s.bind(13, run.host).bind_optional(14, run.git_revision).bind_optional(15, run.parent_run);
-  if (run.parent_step >= 0) s.bind(16, run.parent_step);
-  else s.bind_null(16);
-  s.bind_optional(17, run.sweep_id).bind(18, run.plan_text);
-  if (run.trial_index >= 0) s.bind(19, run.trial_index);
-  else s.bind_null(19);
-  s.bind_optional(20, run.trial_params).bind_optional(21, run.config_json);
-  s.run();
-  t.commit();
+  db_->transaction([&] {
+    id = unused_id(*db_, "runs", "");
+    db_->query("INSERT INTO runs(id, name, status, created_at, recipe_path, recipe_text, config_toml, plan_json, model, hardware, "
+               "zero_stage, world_size, host, git_revision, parent_run, parent_step, sweep_id, plan_text, trial_index, trial_params, config_json) "
+               "VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+               {id, run.name, to_string(run.status), unix_now(), run.recipe_path, run.recipe_text, run.config_toml, run.plan_json, run.model,
+                run.hardware, run.zero_stage, run.world_size, run.host, SqlValue::text_or_null(run.git_revision),
+                SqlValue::text_or_null(run.parent_run), SqlValue::integer_or_null(run.parent_step, run.parent_step >= 0),
+                SqlValue::text_or_null(run.sweep_id), run.plan_text, SqlValue::integer_or_null(run.trial_index, run.trial_index >= 0),
+                SqlValue::text_or_null(run.trial_params), SqlValue::text_or_null(run.config_json)});
+  });
   return id;
 }
 
 void Store::set_status(const std::string& run_id, RunStatus status, const std::string& error) {
-  Transaction t(db_.get());
-  RunStatus from = get_run(run_id).status;
-  if (!transition_allowed(from, status)) {
-    ErrorContext c;
-    c.key = run_id;
-    throw Error(std::string("run cannot go from ") + to_string(from) + " to " + to_string(status), c);
-  }
-  double now = unix_now();
-  Statement s(db_.get(),
-              "UPDATE runs SET status = ?1, error = CASE WHEN ?1 = 'running' THEN NULL ELSE COALESCE(?2, error) END, "
-              "started_at = CASE WHEN ?3 = 'running' THEN COALESCE(started_at, ?4) ELSE started_at END, "
-              "ended_at = CASE WHEN ? IN ('finished','failed','killed','pruned','infeasible') THEN ? ELSE NULL END WHERE id = ?");
-  std::string st = to_string(status);
-  s.bind(1, st).bind_optional(2, error).bind(3, st).bind(4, now).bind(5, st).bind(6, now).bind(7, run_id);
-  s.run();
-  t.commit();
+  db_->transaction([&] {
+    RunStatus from = get_run(run_id).status;
+    if (!transition_allowed(from, status)) {
+      ErrorContext c;
+      c.key = run_id;
+      throw Error(std::string("run cannot go from ") + to_string(from) + " to " + to_string(status), c);
+    }
+    const double now = unix_now();
+    const std::string st = to_string(status);
+    db_->query("UPDATE runs SET status = ?1, error = CASE WHEN ?1 = 'running' THEN NULL ELSE COALESCE(?2, error) END, "
+               "started_at = CASE WHEN ?1 = 'running' THEN COALESCE(started_at, ?3) ELSE started_at END, "
+               "ended_at = CASE WHEN ?1 IN ('finished','failed','killed','pruned','infeasible') THEN ?3 ELSE NULL END WHERE id = ?4",
+               {st, SqlValue::text_or_null(error), now, run_id});
+  });
 }
 
 void Store::add_metrics(const std::string& run_id, int64_t step, const std::vector<std::pair<std::string, double>>& values) {
-  Transaction t(db_.get());
-  // REPLACE keeps a (run, key, step) row unique: a step recorded again after a resume overwrites, never duplicates.
-  Statement s(db_.get(), "INSERT OR REPLACE INTO metrics(run_id, key, step, value, time) VALUES(?,?,?,?,?)");
-  double now = unix_now();
-  for (const auto& [key, value] : values) {
-    s.bind(1, run_id).bind(2, key).bind(3, step).bind(4, value).bind(5, now);
-    s.run();
-  }
-  Statement hb(db_.get(), "UPDATE runs SET heartbeat_at = ? WHERE id = ?");
-  hb.bind(1, now).bind(2, run_id);
-  hb.run();
-  t.commit();
+  db_->transaction([&] {
+    // A (run, key, step) row stays unique: a step recorded again after a resume overwrites, never duplicates.
+    const double now = unix_now();
+    for (const auto& [key, value] : values)
+      db_->query("INSERT INTO metrics(run_id, key, step, value, time) VALUES(?,?,?,?,?) "
+                 "ON CONFLICT(run_id, key, step) DO UPDATE SET value = excluded.value, time = excluded.time",
+                 {run_id, key, step, value, now});
+    db_->query("UPDATE runs SET heartbeat_at = ? WHERE id = ?", {now, run_id});
+  });
 }
 
 void Store::run_heartbeat(const std::string& run_id, const std::string& host, int64_t pid) {
-  Statement s(db_.get(), "UPDATE runs SET heartbeat_at = ?, host = ?, pid = ? WHERE id = ?");
-  s.bind(1, unix_now()).bind(2, host).bind(3, pid).bind(4, run_id);
-  s.run();
+  db_->query("UPDATE runs SET heartbeat_at = ?, host = ?, pid = ? WHERE id = ?", {unix_now(), host, pid, run_id});
 }
 
 void Store::add_event(const std::string& run_id, const std::string& kind, int rank, const std::string& message, const std::string& detail) {
-  Statement s(db_.get(), "INSERT INTO events(run_id, time, kind, rank, message, detail) VALUES(?,?,?,?,?,?)");
-  s.bind(1, run_id).bind(2, unix_now()).bind(3, kind);
-  if (rank >= 0) s.bind(4, rank);
-  else s.bind_null(4);
-  s.bind(5, message).bind_optional(6, detail);
-  s.run();
+  db_->query("INSERT INTO events(run_id, time, kind, rank, message, detail) VALUES(?,?,?,?,?,?)",
+             {run_id, unix_now(), kind, SqlValue::integer_or_null(rank, rank >= 0), message, SqlValue::text_or_null(detail)});
 }
 
 void Store::add_checkpoint(const std::string& run_id, const CheckpointRecord& c) {
-  Statement s(db_.get(), "INSERT OR REPLACE INTO checkpoints(run_id, step, path, bytes, checksum, created_at) VALUES(?,?,?,?,?,?)");
-  s.bind(1, run_id).bind(2, c.step).bind(3, c.path).bind(4, c.bytes).bind(5, c.checksum).bind(6, c.created_at > 0 ? c.created_at : unix_now());
-  s.run();
+  db_->query("INSERT INTO checkpoints(run_id, step, path, bytes, checksum, created_at) VALUES(?,?,?,?,?,?) "
+             "ON CONFLICT(run_id, step) DO UPDATE SET path = excluded.path, bytes = excluded.bytes, checksum = excluded.checksum, "
+             "created_at = excluded.created_at",
+             {run_id, c.step, c.path, c.bytes, c.checksum, c.created_at > 0 ? c.created_at : unix_now()});
 }
 
 void Store::remove_checkpoint(const std::string& run_id, const std::string& path) {
-  Statement s(db_.get(), "DELETE FROM checkpoints WHERE run_id = ? AND path = ?");
-  s.bind(1, run_id).bind(2, path);
-  s.run();
+  db_->query("DELETE FROM checkpoints WHERE run_id = ? AND path = ?", {run_id, path});
 }
 
 void Store::update_plan(const std::string& run_id, const std::string& config_toml, const std::string& plan_json, const std::string& plan_text,
                         int zero_stage, int world_size) {
-  Statement s(db_.get(), "UPDATE runs SET config_toml = ?, plan_json = ?, plan_text = ?, zero_stage = ?, world_size = ? WHERE id = ?");
-  s.bind(1, config_toml).bind(2, plan_json).bind(3, plan_text).bind(4, zero_stage).bind(5, world_size).bind(6, run_id);
-  s.run();
+  db_->query("UPDATE runs SET config_toml = ?, plan_json = ?, plan_text = ?, zero_stage = ?, world_size = ? WHERE id = ?",
+             {config_toml, plan_json, plan_text, zero_stage, world_size, run_id});
 }
 
 std::string Store::resolve_run(const std::string& query, bool include_deleted) const {
   std::vector<std::string> matches;
-  {
-    Statement s(db_.get(), "SELECT id FROM runs WHERE substr(id, 1, length(?1)) = ?1 AND (deleted_at IS NULL OR ?2) ORDER BY created_at DESC");
-    s.bind(1, query).bind(2, include_deleted ? 1 : 0);
-    while (s.step()) matches.push_back(s.text(0));
-  }
-  if (matches.empty()) {
-    Statement s(db_.get(), "SELECT id FROM runs WHERE name = ? AND (deleted_at IS NULL OR ?2) ORDER BY created_at DESC");
-    s.bind(1, query).bind(2, include_deleted ? 1 : 0);
-    while (s.step()) matches.push_back(s.text(0));
-  }
+  const SqlValue deleted_too = include_deleted ? 1 : 0;
+  for (const auto& row : db_->query("SELECT id FROM runs WHERE substr(id, 1, length(?1)) = ?1 AND (deleted_at IS NULL OR ?2 = 1) "
+                                    "ORDER BY created_at DESC",
+                                    {query, deleted_too}))
+    matches.push_back(row.text(0));
+  if (matches.empty())
+    for (const auto& row : db_->query("SELECT id FROM runs WHERE name = ?1 AND (deleted_at IS NULL OR ?2 = 1) ORDER BY created_at DESC", {query, deleted_too}))
+      matches.push_back(row.text(0));
   ErrorContext c;
-  c.file = path_;
+  c.file = path();
   c.key = query;
   if (matches.empty()) {
     c.hint = "`dsrun history` lists the runs";
@@ -490,25 +522,21 @@ std::string Store::resolve_run(const std::string& query, bool include_deleted) c
 }
 
 RunRecord Store::get_run(const std::string& run_id) const {
-  Statement s(db_.get(), (std::string("SELECT ") + kRunColumns + " FROM runs WHERE id = ?").c_str());
-  s.bind(1, run_id);
-  if (!s.step()) {
+  Rows rows = db_->query(std::string("SELECT ") + kRunColumns + " FROM runs WHERE id = ?", {run_id});
+  if (rows.empty()) {
     ErrorContext c;
-    c.file = path_;
+    c.file = path();
     c.key = run_id;
     throw Error("no such run", c);
   }
-  return read_run(s);
+  return read_run(rows[0]);
 }
 
 std::vector<RunRecord> Store::list_runs(const RunListOptions& o) const {
-  std::string sql = std::string("SELECT ") + kRunColumns + " FROM runs WHERE deleted_at IS NULL AND (?1 = '' OR status = ?1) "
-                    "AND (?3 = '' OR sweep_id = ?3) ORDER BY created_at DESC, rowid DESC LIMIT ?2";
-  Statement s(db_.get(), sql.c_str());
-  s.bind(1, o.status).bind(2, o.limit).bind(3, o.sweep);
-  std::vector<RunRecord> out;
-  while (s.step()) out.push_back(read_run(s));
-  return out;
+  return read_runs(db_->query(std::string("SELECT ") + kRunColumns +
+                                  " FROM runs WHERE deleted_at IS NULL AND (?1 = '' OR status = ?1) "
+                                  "AND (?3 = '' OR sweep_id = ?3) ORDER BY created_at DESC, rowid DESC LIMIT ?2",
+                              {o.status, o.limit, o.sweep}));
 }
 
 std::vector<RunRecord> Store::query_runs(const RunQuery& q) const {
@@ -521,11 +549,13 @@ std::vector<RunRecord> Store::query_runs(const RunQuery& q) const {
   };
   text(" AND status = ?", q.status);
   text(" AND sweep_id = ?", q.sweep);
-  auto contains = [&](const char* column, const std::string& value) {  // a substring, LIKE wildcards escaped
+  // A substring, wildcards escaped; ASCII case folded on both backends (SQLite's LIKE does).
+  const char* like = dialect() == SqlDialect::Postgres ? " ILIKE ? ESCAPE '\\'" : " LIKE ? ESCAPE '\\'";
+  auto contains = [&](const char* column, const std::string& value) {
     if (value.empty()) return;
     std::string pattern = "%";
     for (char c : value) pattern += (c == '%' || c == '_' || c == '\\') ? std::string("\\") + c : std::string(1, c);
-    text(std::string(" AND ") + column + " LIKE ? ESCAPE '\\'", pattern + "%");
+    text(std::string(" AND ") + column + like, pattern + "%");
   };
   contains("model", q.model);
   contains("hardware", q.hardware);
@@ -548,132 +578,118 @@ std::vector<RunRecord> Store::query_runs(const RunQuery& q) const {
   }
   sql += " LIMIT ?";
   params.push_back({true, static_cast<double>(q.limit), ""});
-  Statement s(db_.get(), sql.c_str());
-  for (size_t i = 0; i < params.size(); ++i) {
-    const int index = static_cast<int>(i) + 1;
-    if (!params[i].is_number) s.bind(index, params[i].text);
-    else if (std::floor(params[i].number) == params[i].number && std::fabs(params[i].number) < 9e15) s.bind(index, static_cast<int64_t>(params[i].number));
-    else s.bind(index, params[i].number);
+  std::vector<SqlValue> values;
+  for (const auto& p : params) {
+    if (!p.is_number) values.emplace_back(p.text);
+    else if (std::floor(p.number) == p.number && std::fabs(p.number) < 9e15) values.emplace_back(static_cast<int64_t>(p.number));
+    else values.emplace_back(p.number);
   }
-  std::vector<RunRecord> out;
-  while (s.step()) out.push_back(read_run(s));
-  return out;
+  return read_runs(db_->query(sql, values));
 }
 
 void Store::set_deleted(const std::string& run_id, bool deleted) {
-  Statement s(db_.get(), "UPDATE runs SET deleted_at = ? WHERE id = ?");
-  if (deleted) s.bind(1, unix_now());
-  else s.bind_null(1);
-  s.bind(2, run_id);
-  s.run();
+  db_->query("UPDATE runs SET deleted_at = ? WHERE id = ?", {deleted ? SqlValue(unix_now()) : SqlValue(), run_id});
 }
 
-int64_t Store::count_runs() const {
-  Statement s(db_.get(), "SELECT count(*) FROM runs WHERE deleted_at IS NULL");
-  s.step();
-  return s.integer(0);
-}
+int64_t Store::count_runs() const { return db_->query("SELECT count(*) FROM runs WHERE deleted_at IS NULL").at(0).integer(0); }
 
 std::map<std::string, MetricValue> Store::latest_metrics(const std::string& run_id) const {
-  Statement s(db_.get(), "SELECT key, step, value, time FROM metrics_latest WHERE run_id = ?");
-  s.bind(1, run_id);
   std::map<std::string, MetricValue> out;
-  while (s.step()) out[s.text(0)] = {s.integer(1), s.real(2), s.real(3)};
+  for (const auto& s : db_->query("SELECT key, step, value, time FROM metrics_latest WHERE run_id = ?", {run_id}))
+    out[s.text(0)] = {s.integer(1), s.real(2), s.real(3)};
   return out;
 }
 
 std::vector<MetricValue> Store::metric_history(const std::string& run_id, const std::string& key) const {
-  Statement s(db_.get(), "SELECT step, value, time FROM metrics WHERE run_id = ? AND key = ? ORDER BY step");
-  s.bind(1, run_id).bind(2, key);
   std::vector<MetricValue> out;
-  while (s.step()) out.push_back({s.integer(0), s.real(1), s.real(2)});
+  for (const auto& s : db_->query("SELECT step, value, time FROM metrics WHERE run_id = ? AND key = ? ORDER BY step", {run_id, key}))
+    out.push_back({s.integer(0), s.real(1), s.real(2)});
   return out;
 }
 
 std::vector<EventRecord> Store::events(const std::string& run_id) const {
-  Statement s(db_.get(), "SELECT id, time, kind, rank, message, detail FROM events WHERE run_id = ? ORDER BY id");
-  s.bind(1, run_id);
   std::vector<EventRecord> out;
-  while (s.step()) out.push_back({s.integer(0), s.real(1), s.text(2), s.is_null(3) ? -1 : static_cast<int>(s.integer(3)), s.text(4), s.text(5)});
+  for (const auto& s : db_->query("SELECT id, time, kind, rank, message, detail FROM events WHERE run_id = ? ORDER BY id", {run_id}))
+    out.push_back({s.integer(0), s.real(1), s.text(2), s.is_null(3) ? -1 : static_cast<int>(s.integer(3)), s.text(4), s.text(5)});
   return out;
 }
 
 std::vector<CheckpointRecord> Store::checkpoints(const std::string& run_id) const {
-  Statement s(db_.get(), "SELECT step, path, bytes, checksum, created_at FROM checkpoints WHERE run_id = ? ORDER BY step");
-  s.bind(1, run_id);
   std::vector<CheckpointRecord> out;
-  while (s.step()) out.push_back({s.integer(0), s.text(1), s.integer(2), s.text(3), s.real(4)});
+  for (const auto& s : db_->query("SELECT step, path, bytes, checksum, created_at FROM checkpoints WHERE run_id = ? ORDER BY step", {run_id}))
+    out.push_back({s.integer(0), s.text(1), s.integer(2), s.text(3), s.real(4)});
   return out;
 }
 
-namespace {
-
-const char* kSweepColumns = "id, name, status, created_at, ended_at, heartbeat_at, recipe_path, recipe_text, spec_json, host, pid, best_run, error";
-
-SweepRecord read_sweep(const Statement& s) {
-  SweepRecord w;
-  w.id = s.text(0);
-  w.name = s.text(1);
-  w.status = s.text(2);
-  w.created_at = s.real(3);
-  w.ended_at = s.real(4);
-  w.heartbeat_at = s.real(5);
-  w.recipe_path = s.text(6);
-  w.recipe_text = s.text(7);
-  w.spec_json = s.text(8);
-  w.host = s.text(9);
-  w.pid = s.integer(10);
-  w.best_run = s.text(11);
-  w.error = s.text(12);
-  return w;
+void Store::report_node(const std::string& run_id, const NodeReport& r) {
+  db_->query("INSERT INTO run_nodes(run_id, node_rank, host, pid, status, heartbeat_at, restarts, error) VALUES(?,?,?,?,?,?,?,?) "
+             "ON CONFLICT(run_id, node_rank) DO UPDATE SET host = excluded.host, pid = excluded.pid, status = excluded.status, "
+             "heartbeat_at = excluded.heartbeat_at, restarts = excluded.restarts, error = excluded.error",
+             {run_id, r.node_rank, r.host, r.pid, r.status, unix_now(), r.restarts, SqlValue::text_or_null(r.error)});
 }
 
-}  // namespace
+std::vector<NodeRecord> Store::nodes(const std::string& run_id) const {
+  std::vector<NodeRecord> out;
+  for (const auto& s : db_->query("SELECT node_rank, host, pid, status, restarts, error, heartbeat_at FROM run_nodes WHERE run_id = ? ORDER BY node_rank",
+                                  {run_id})) {
+    NodeRecord n;
+    n.node_rank = static_cast<int>(s.integer(0));
+    n.host = s.text(1);
+    n.pid = s.integer(2);
+    n.status = s.text(3);
+    n.restarts = static_cast<int>(s.integer(4));
+    n.error = s.text(5);
+    n.heartbeat_at = s.real(6);
+    out.push_back(n);
+  }
+  return out;
+}
+
+void Store::set_job(const std::string& run_id, const std::string& job_id, const std::string& job_state, const std::string& job_nodes,
+                    const std::string& job_reason) {
+  db_->query("UPDATE runs SET job_id = COALESCE(?, job_id), job_state = COALESCE(?, job_state), job_nodes = COALESCE(?, job_nodes), "
+             "job_reason = ? WHERE id = ?",
+             {SqlValue::text_or_null(job_id), SqlValue::text_or_null(job_state), SqlValue::text_or_null(job_nodes), SqlValue::text_or_null(job_reason),
+              run_id});
+}
+
+void Store::set_sweep_job(const std::string& sweep_id, const std::string& job_id) {
+  db_->query("UPDATE sweeps SET job_id = ? WHERE id = ?", {job_id, sweep_id});
+}
+
+std::string Store::sweep_job(const std::string& sweep_id) const {
+  Rows rows = db_->query("SELECT job_id FROM sweeps WHERE id = ?", {sweep_id});
+  return rows.empty() ? "" : rows[0].text(0);
+}
 
 std::string Store::create_sweep(const SweepRecord& w) {
-  Transaction t(db_.get());
   std::string id;
-  for (int attempt = 0; attempt < 16 && id.empty(); ++attempt) {
-    std::string candidate = "s" + random_id().substr(1);
-    Statement exists(db_.get(), "SELECT 1 FROM sweeps WHERE id = ?");
-    exists.bind(1, candidate);
-    if (!exists.step()) id = candidate;
-  }
-  DSRUN_ASSERT(!id.empty(), "16 random sweep ids collided");
-  Statement s(db_.get(), "INSERT INTO sweeps(id, name, status, created_at, heartbeat_at, recipe_path, recipe_text, spec_json, host, pid) VALUES(?,?,?,?,?,?,?,?,?,?)");
-  const double now = unix_now();
-  s.bind(1, id).bind(2, w.name).bind(3, std::string("running")).bind(4, now).bind(5, now).bind(6, w.recipe_path).bind(7, w.recipe_text);
-  s.bind(8, w.spec_json).bind(9, w.host).bind(10, w.pid);
-  s.run();
-  t.commit();
+  db_->transaction([&] {
+    id = unused_id(*db_, "sweeps", "s");
+    const double now = unix_now();
+    db_->query("INSERT INTO sweeps(id, name, status, created_at, heartbeat_at, recipe_path, recipe_text, spec_json, host, pid) VALUES(?,?,?,?,?,?,?,?,?,?)",
+               {id, w.name, "running", now, now, w.recipe_path, w.recipe_text, w.spec_json, w.host, w.pid});
+  });
   return id;
 }
 
 void Store::update_sweep(const std::string& id, const std::string& status, const std::string& best_run, const std::string& error, int64_t pid) {
-  const bool ended = status != "running";
-  Statement s(db_.get(), "UPDATE sweeps SET status = ?, best_run = ?, error = ?, heartbeat_at = ?, pid = ?, ended_at = ? WHERE id = ?");
-  s.bind(1, status).bind_optional(2, best_run).bind_optional(3, error).bind(4, unix_now()).bind(5, pid);
-  if (ended) s.bind(6, unix_now());
-  else s.bind_null(6);
-  s.bind(7, id);
-  s.run();
+  const double now = unix_now();
+  db_->query("UPDATE sweeps SET status = ?, best_run = ?, error = ?, heartbeat_at = ?, pid = ?, ended_at = ? WHERE id = ?",
+             {status, SqlValue::text_or_null(best_run), SqlValue::text_or_null(error), now, pid, status != "running" ? SqlValue(now) : SqlValue(), id});
 }
 
-void Store::sweep_heartbeat(const std::string& id) {
-  Statement s(db_.get(), "UPDATE sweeps SET heartbeat_at = ? WHERE id = ?");
-  s.bind(1, unix_now()).bind(2, id);
-  s.run();
-}
+void Store::sweep_heartbeat(const std::string& id) { db_->query("UPDATE sweeps SET heartbeat_at = ? WHERE id = ?", {unix_now(), id}); }
 
 SweepRecord Store::get_sweep(const std::string& id_prefix) const {
-  std::string sql = std::string("SELECT ") + kSweepColumns + " FROM sweeps WHERE substr(id, 1, length(?1)) = ?1 OR name = ?1 ORDER BY created_at DESC";
-  Statement s(db_.get(), sql.c_str());
-  s.bind(1, id_prefix);
   std::vector<SweepRecord> found;
-  while (s.step()) found.push_back(read_sweep(s));
+  for (const auto& row : db_->query(std::string("SELECT ") + kSweepColumns +
+                                        " FROM sweeps WHERE substr(id, 1, length(?1)) = ?1 OR name = ?1 ORDER BY created_at DESC",
+                                    {id_prefix}))
+    found.push_back(read_sweep(row));
   if (found.size() == 1) return found[0];
   ErrorContext c;
-  c.file = path_;
+  c.file = path();
   c.key = "sweep";
   if (found.empty()) {
     c.hint = "dsrun history lists runs with their sweep ids";
@@ -686,21 +702,58 @@ SweepRecord Store::get_sweep(const std::string& id_prefix) const {
 }
 
 std::vector<RunRecord> Store::sweep_trials(const std::string& sweep_id) const {
-  std::string sql = std::string("SELECT ") + kRunColumns + " FROM runs WHERE sweep_id = ? AND deleted_at IS NULL ORDER BY trial_index, created_at, rowid";
-  Statement s(db_.get(), sql.c_str());
-  s.bind(1, sweep_id);
-  std::vector<RunRecord> out;
-  while (s.step()) out.push_back(read_run(s));
-  return out;
+  return read_runs(db_->query(std::string("SELECT ") + kRunColumns +
+                                  " FROM runs WHERE sweep_id = ? AND deleted_at IS NULL ORDER BY trial_index, created_at, rowid",
+                              {sweep_id}));
 }
 
 std::vector<RunRecord> Store::children(const std::string& run_id) const {
-  std::string sql = std::string("SELECT ") + kRunColumns + " FROM runs WHERE parent_run = ? AND deleted_at IS NULL ORDER BY created_at, rowid";
-  Statement s(db_.get(), sql.c_str());
-  s.bind(1, run_id);
-  std::vector<RunRecord> out;
-  while (s.step()) out.push_back(read_run(s));
-  return out;
+  return read_runs(db_->query(std::string("SELECT ") + kRunColumns + " FROM runs WHERE parent_run = ? AND deleted_at IS NULL ORDER BY created_at, rowid",
+                              {run_id}));
+}
+
+namespace {
+
+// One table's rows copied as they are: columns listed, a row the destination already holds (by its
+// key) left alone. `order` puts parents before children (runs reference their parent run).
+int64_t copy_table(Database& from, Database& to, const std::string& table, const std::string& columns, const std::string& key,
+                   const std::string& order) {
+  const Rows rows = from.query("SELECT " + columns + " FROM " + table + " ORDER BY " + order);
+  size_t n = 1;
+  for (char c : columns) n += c == ',';
+  std::string marks;
+  for (size_t i = 0; i < n; ++i) marks += i ? ",?" : "?";
+  const std::string insert = "INSERT INTO " + table + "(" + columns + ") VALUES(" + marks + ") ON CONFLICT(" + key + ") DO NOTHING";
+  int64_t before = to.query("SELECT count(*) FROM " + table).at(0).integer(0);
+  to.transaction([&] {
+    for (const auto& row : rows) to.query(insert, row.cells);
+  });
+  return to.query("SELECT count(*) FROM " + table).at(0).integer(0) - before;
+}
+
+}  // namespace
+
+int64_t copy_store(const Store& from, Store& to) {
+  Database& src = from.database();
+  Database& dst = to.database();
+  copy_table(src, dst, "sweeps",
+             "id, name, status, created_at, ended_at, heartbeat_at, recipe_path, recipe_text, spec_json, host, pid, best_run, error, job_id", "id",
+             "created_at, id");
+  const int64_t runs = copy_table(src, dst, "runs", kRunColumns, "id", "created_at, id");
+  copy_table(src, dst, "metrics", "run_id, key, step, value, time", "run_id, key, step", "run_id, key, step");
+  copy_table(src, dst, "checkpoints", "run_id, step, path, bytes, checksum, created_at", "run_id, step", "run_id, step");
+  copy_table(src, dst, "run_nodes", "run_id, node_rank, host, pid, status, heartbeat_at, restarts, error", "run_id, node_rank", "run_id, node_rank");
+  // Events have no natural key: one is copied unless the destination holds the same run, time,
+  // kind and message; their ids are the destination's own.
+  const Rows events = src.query("SELECT run_id, time, kind, rank, message, detail FROM events ORDER BY id");
+  dst.transaction([&] {
+    for (const auto& e : events)
+      dst.query("INSERT INTO events(run_id, time, kind, rank, message, detail) "
+                "SELECT ?1, CAST(?2 AS DOUBLE PRECISION), ?3, CAST(?4 AS BIGINT), ?5, ?6 WHERE NOT EXISTS "
+                "(SELECT 1 FROM events WHERE run_id = ?1 AND time = CAST(?2 AS DOUBLE PRECISION) AND kind = ?3 AND message = ?5)",
+                e.cells);
+  });
+  return runs;
 }
 
 }  // namespace dsrun

@@ -1,17 +1,17 @@
-// The run store: one SQLite file holding runs, metrics, checkpoints and events, with a versioned
-// schema and migrations. WAL mode and short transactions keep it consistent if a process is killed.
+// The run store: runs, metrics, checkpoints, events, sweeps and each node's reports, with a
+// versioned schema and migrations, in a SQLite file (the default) or on a PostgreSQL server.
 #pragma once
 
+#include "storage/database.hpp"
 #include "storage/run_query.hpp"
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
-
-struct sqlite3;
 
 namespace dsrun {
 
@@ -47,6 +47,22 @@ struct RunRecord : NewRun {
   std::string error;
   double heartbeat_at = 0;  // the launcher's last sign of life (unix seconds), 0 when none
   int64_t pid = 0;          // the launcher's process on `host`, 0 when not recorded (before schema v5)
+  // A batch job's scheduler record (Slurm): empty when the run was started directly.
+  std::string job_id, job_state, job_nodes, job_reason;
+};
+
+// What one node of a run reports: its launcher (or an outside launcher's rank 0 of that node).
+struct NodeReport {
+  int node_rank = 0;
+  std::string host;
+  int64_t pid = 0;
+  std::string status;  // starting, running, finished, failed, killed, lost
+  int restarts = 0;
+  std::string error;
+};
+
+struct NodeRecord : NodeReport {
+  double heartbeat_at = 0;
 };
 
 struct MetricValue {
@@ -100,19 +116,16 @@ struct SweepRecord {
   std::string best_run, error;
 };
 
-// An owned sqlite3 connection (closed on destruction).
-struct SqliteCloser {
-  void operator()(sqlite3* db) const;
-};
-using SqliteHandle = std::unique_ptr<sqlite3, SqliteCloser>;
-
 class Store {
  public:
-  // Opens (creating if needed) and migrates to the current schema.
-  explicit Store(const std::string& path);
+  // Opens (creating if needed) and migrates to the current schema. `location` is a SQLite file
+  // or a postgresql:// URL.
+  explicit Store(const std::string& location);
   static int current_schema_version();
   int schema_version() const;
-  const std::string& path() const { return path_; }
+  // The file, or the URL without its password.
+  const std::string& path() const { return db_->location(); }
+  SqlDialect dialect() const { return db_->dialect(); }
 
   std::string create_run(const NewRun& run);  // returns the new run's id
   void set_status(const std::string& run_id, RunStatus status, const std::string& error = "");
@@ -145,15 +158,35 @@ class Store {
   SweepRecord get_sweep(const std::string& id_prefix_or_name) const;  // throws naming the matches
   std::vector<RunRecord> sweep_trials(const std::string& sweep_id) const;  // by trial index
 
-  sqlite3* handle() const { return db_.get(); }
+  // A node's launcher reports (one row per node, replaced): also its heartbeat.
+  void report_node(const std::string& run_id, const NodeReport& report);
+  std::vector<NodeRecord> nodes(const std::string& run_id) const;  // by node rank
+  // The batch job behind a run (Slurm's id, state, nodes and reason).
+  void set_job(const std::string& run_id, const std::string& job_id, const std::string& job_state, const std::string& job_nodes,
+               const std::string& job_reason);
+  void set_sweep_job(const std::string& sweep_id, const std::string& job_id);
+  std::string sweep_job(const std::string& sweep_id) const;
+  // Runs `body` in one transaction (retried from the start on a serialization conflict).
+  void transaction(const std::function<void()>& body) const { db_->transaction(body); }
+
+  // Raw SQL, for tests and `store copy`.
+  Database& database() const { return *db_; }
 
  private:
-  std::string path_;
-  SqliteHandle db_;
+  std::unique_ptr<Database> db_;
 };
 
+// Where runs' directories (config, logs, checkpoints) go: beside a SQLite store; with a server
+// store, $DSRUN_RUNS_DIR or ./runs.
+std::string runs_directory(const std::string& store_location);
+// A SQLite file that exists, or any server URL (the server says whether it answers).
+bool store_exists(const std::string& store_location);
+
 // Applies migrations up to `target_version` (tests use it to build an old database).
-void migrate_store(sqlite3* db, int target_version);
+void migrate_store(Database& db, int target_version);
+// Copies every sweep, run, metric, event, checkpoint record and node report from `from` into
+// `to`; what `to` already holds is kept, so copying twice changes nothing. Returns the runs added.
+int64_t copy_store(const Store& from, Store& to);
 double unix_now();
 
 }  // namespace dsrun

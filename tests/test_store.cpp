@@ -1,10 +1,10 @@
 // The run store: round trip, lifecycle, id prefixes, migration from an old schema, and
 // consistency when the writing process is killed with SIGKILL at arbitrary points.
 #include "storage/store.hpp"
+#include "store_backends.hpp"
 #include "test_util.hpp"
 
 #include <catch2/catch.hpp>
-#include <sqlite3.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -31,20 +31,19 @@ NewRun sample_run(const std::string& name) {
   return r;
 }
 
-int64_t count(sqlite3* db, const std::string& sql) {
-  sqlite3_stmt* s = nullptr;
-  REQUIRE(sqlite3_prepare_v2(db, sql.c_str(), -1, &s, nullptr) == SQLITE_OK);
-  REQUIRE(sqlite3_step(s) == SQLITE_ROW);
-  int64_t n = sqlite3_column_int64(s, 0);
-  sqlite3_finalize(s);
-  return n;
+int64_t count(Database& db, const std::string& sql) {
+  SqlRows rows = db.query(sql, {});
+  REQUIRE(rows.size() == 1);
+  return rows[0].integer(0);
 }
 
 }  // namespace
 
 TEST_CASE("a run round-trips with its metrics, events and checkpoints", "[store]") {
   dsrun::test::TempDir dir;
-  Store store(dir.file("runs.db"));
+  for (const auto& backend : test::store_backends(dir)) {
+  INFO(backend.name);
+  Store store(backend.location);
   CHECK(store.schema_version() == Store::current_schema_version());
   std::string id = store.create_run(sample_run("first"));
   CHECK(id.size() == 8);
@@ -79,10 +78,13 @@ TEST_CASE("a run round-trips with its metrics, events and checkpoints", "[store]
   REQUIRE(store.checkpoints(id).size() == 1);
   CHECK(store.checkpoints(id)[0].bytes == 1234);
 }
+}
 
 TEST_CASE("status changes follow the lifecycle", "[store]") {
   dsrun::test::TempDir dir;
-  Store store(dir.file("runs.db"));
+  for (const auto& backend : test::store_backends(dir)) {
+  INFO(backend.name);
+  Store store(backend.location);
   std::string id = store.create_run(sample_run("x"));
   CHECK_THROWS_WITH(store.set_status(id, RunStatus::Planned), Catch::Contains("cannot go from planned to planned"));
   store.set_status(id, RunStatus::Infeasible, "does not fit");
@@ -94,11 +96,14 @@ TEST_CASE("status changes follow the lifecycle", "[store]") {
   store.set_status(other, RunStatus::Running);  // resume
   CHECK(store.get_run(other).ended_at == 0);
   CHECK_THROWS(run_status_from_string("done"));
+  }
 }
 
 TEST_CASE("runs are found by id, unique prefix or name, and ambiguity is an error", "[store]") {
   dsrun::test::TempDir dir;
-  Store store(dir.file("runs.db"));
+  for (const auto& backend : test::store_backends(dir)) {
+  INFO(backend.name);
+  Store store(backend.location);
   std::vector<std::string> ids;
   for (int i = 0; i < 40; ++i) ids.push_back(store.create_run(sample_run("run" + std::to_string(i))));
   CHECK(store.resolve_run(ids[7]) == ids[7]);
@@ -118,21 +123,19 @@ TEST_CASE("runs are found by id, unique prefix or name, and ambiguity is an erro
   auto newest = store.list_runs(o);
   REQUIRE(newest.size() == 5);
   CHECK(newest[0].id == ids.back());
+  }
 }
 
 TEST_CASE("an old store is migrated and keeps its data", "[store][migration]") {
   dsrun::test::TempDir dir;
   std::string path = dir.file("old.db");
   {
-    sqlite3* raw = nullptr;
-    REQUIRE(sqlite3_open(path.c_str(), &raw) == SQLITE_OK);
-    SqliteHandle db(raw);
-    migrate_store(raw, 1);
-    REQUIRE(count(raw, "PRAGMA user_version") == 1);
-    REQUIRE(sqlite3_exec(raw,
-                         "INSERT INTO runs(id, name, status, created_at, recipe_text, config_toml) VALUES('abcd1234', 'old', 'finished', 1, '', '');"
-                         "INSERT INTO metrics VALUES('abcd1234', 'loss', 1, 3.0, 1), ('abcd1234', 'loss', 5, 2.0, 2), ('abcd1234', 'lr', 5, 0.1, 2);",
-                         nullptr, nullptr, nullptr) == SQLITE_OK);
+    auto db = open_sqlite_database(path);
+    migrate_store(*db, 1);
+    REQUIRE(count(*db, "PRAGMA user_version") == 1);
+    db->execute_script(
+        "INSERT INTO runs(id, name, status, created_at, recipe_text, config_toml) VALUES('abcd1234', 'old', 'finished', 1, '', '');"
+        "INSERT INTO metrics VALUES('abcd1234', 'loss', 1, 3.0, 1), ('abcd1234', 'loss', 5, 2.0, 2), ('abcd1234', 'lr', 5, 0.1, 2);");
   }
   Store store(path);
   CHECK(store.schema_version() == Store::current_schema_version());
@@ -140,19 +143,26 @@ TEST_CASE("an old store is migrated and keeps its data", "[store][migration]") {
   CHECK(latest.at("loss").step == 5);
   CHECK(latest.at("loss").value == 2.0);
   CHECK(store.get_run("abcd1234").name == "old");
+  // Migration 6's trigger: a step recorded again (an upsert's update) is the latest value too.
+  store.add_metrics("abcd1234", 5, {{"loss", 1.5}});
+  CHECK(store.latest_metrics("abcd1234").at("loss").value == 1.5);
 }
 
 TEST_CASE("a store from a newer dsrun is refused, not damaged", "[store][migration]") {
   dsrun::test::TempDir dir;
   std::string path = dir.file("new.db");
   { Store store(path); }
-  {
-    sqlite3* raw = nullptr;
-    REQUIRE(sqlite3_open(path.c_str(), &raw) == SQLITE_OK);
-    SqliteHandle db(raw);
-    REQUIRE(sqlite3_exec(raw, "PRAGMA user_version = 99", nullptr, nullptr, nullptr) == SQLITE_OK);
-  }
+  open_sqlite_database(path)->execute_script("PRAGMA user_version = 99");
   CHECK_THROWS_WITH(Store(path), Catch::Contains("newer than this dsrun"));
+  test::PostgresServer& pg = test::PostgresServer::get();
+  if (!pg.available()) {
+    WARN(pg.skip_reason());
+    return;
+  }
+  const std::string url = pg.new_database();
+  { Store store(url); }
+  open_postgres_database(url)->execute_script("UPDATE dsrun_schema SET version = 99");
+  CHECK_THROWS_WITH(Store(url), Catch::Contains("newer than this dsrun"));
 }
 
 TEST_CASE("the store stays consistent when its writer is killed at any point", "[store][crash]") {
@@ -180,7 +190,7 @@ TEST_CASE("the store stays consistent when its writer is killed at any point", "
     REQUIRE(WIFSIGNALED(status));
 
     Store store(path);  // opens, recovers the WAL
-    sqlite3* db = store.handle();
+    Database& db = store.database();
     CHECK(count(db, "SELECT count(*) FROM pragma_integrity_check WHERE integrity_check = 'ok'") == 1);
     int64_t losses = count(db, "SELECT count(*) FROM metrics WHERE key = 'loss'");
     int64_t lrs = count(db, "SELECT count(*) FROM metrics WHERE key = 'lr'");
@@ -193,8 +203,11 @@ TEST_CASE("the store stays consistent when its writer is killed at any point", "
 TEST_CASE("any number of processes can create a new store at once", "[store][concurrency]") {
   test::TempDir dir;
   constexpr int kProcesses = 8, kRounds = 15;
-  for (int round = 0; round < kRounds; ++round) {
-    const std::string path = dir.file("new" + std::to_string(round) + ".db");
+  test::PostgresServer& pg = test::PostgresServer::get();
+  if (!pg.available()) WARN(pg.skip_reason());
+  // SQLite rounds, then (with a server) 5 PostgreSQL rounds, each on an empty database.
+  for (int round = 0; round < kRounds + (pg.available() ? 5 : 0); ++round) {
+    const std::string path = round < kRounds ? dir.file("new" + std::to_string(round) + ".db") : pg.new_database();
     std::vector<pid_t> children;
     int go[2];
     REQUIRE(::pipe(go) == 0);
@@ -237,10 +250,7 @@ TEST_CASE("store errors name the store file, never dsrun's source", "[store]") {
   test::TempDir dir;
   const std::string path = dir.file("runs.db");
   { Store store(path); }
-  sqlite3* raw = nullptr;
-  REQUIRE(sqlite3_open(path.c_str(), &raw) == SQLITE_OK);
-  REQUIRE(sqlite3_exec(raw, "DROP TABLE events", nullptr, nullptr, nullptr) == SQLITE_OK);
-  sqlite3_close(raw);
+  open_sqlite_database(path)->execute_script("DROP TABLE events");
   Store store(path);
   std::string id = store.create_run(sample_run("x"));
   ::unsetenv("DSRUN_DEBUG");
@@ -252,6 +262,105 @@ TEST_CASE("store errors name the store file, never dsrun's source", "[store]") {
   ::setenv("DSRUN_DEBUG", "1", 1);  // for a bug report: where, and the statement
   e = test::error_of([&] { store.add_event(id, "note", -1, "text"); });
   ::unsetenv("DSRUN_DEBUG");
-  CHECK(test::contains(e, "(raised at store.cpp:"));
+  CHECK(test::contains(e, "(raised at sqlite_database.cpp:"));
   CHECK(test::contains(e, "INSERT"));
+}
+
+TEST_CASE("PostgreSQL store errors: no server, wrong user, no database, a broken schema, the password never shown", "[store][postgresql]") {
+  test::PostgresServer& pg = test::PostgresServer::get();
+  // No server needed: nothing listens on port 1.
+  std::string e = test::error_of([] { Store("postgresql://dsrun:secret@127.0.0.1:1/runs"); });
+  CHECK(test::contains(e, "cannot connect to the run store"));
+  CHECK(test::contains(e, "postgresql://dsrun:***@127.0.0.1:1/runs"));
+  CHECK_FALSE(test::contains(e, "secret"));
+  CHECK(test::contains(e, "check that the server runs"));
+  if (!pg.available()) {
+    WARN(pg.skip_reason());
+    return;
+  }
+  const std::string url = pg.new_database();
+  const std::string server = url.substr(0, url.rfind('/'));
+  const std::string port = server.substr(server.rfind(':') + 1);
+  e = test::error_of([&] { Store("postgresql://nobody@127.0.0.1:" + port + "/dsrun"); });
+  CHECK(test::contains(e, "role \"nobody\" does not exist"));
+  CHECK(test::contains(e, "check the user and password"));
+  e = test::error_of([&] { Store(server + "/nosuchdb"); });
+  CHECK(test::contains(e, "does not exist"));
+  CHECK(test::contains(e, "createdb"));
+  Store store(url);
+  const std::string id = store.create_run(sample_run("x"));
+  store.database().execute_script("DROP TABLE events");
+  ::unsetenv("DSRUN_DEBUG");
+  e = test::error_of([&] { store.add_event(id, "note", -1, "text"); });
+  CHECK(test::contains(e, url));
+  CHECK(test::contains(e, "PostgreSQL 42P01"));
+  CHECK_FALSE(test::contains(e, "INSERT"));
+  // The connection survives an error: the next statement works.
+  CHECK(store.get_run(id).name == "x");
+}
+
+TEST_CASE("store copy moves every record between backends, and copying again adds nothing", "[store][copy]") {
+  test::TempDir dir;
+  test::PostgresServer& pg = test::PostgresServer::get();
+  Store sqlite(dir.file("a.db"));
+  SweepRecord sweep;
+  sweep.name = "lr";
+  sweep.recipe_path = "r.toml";
+  sweep.recipe_text = sweep.spec_json = "{}";
+  const std::string sweep_id = sqlite.create_sweep(sweep);
+  NewRun parent = sample_run("parent");
+  parent.sweep_id = sweep_id;
+  parent.trial_index = 0;
+  parent.config_json = "{\"optimizer.lr\": 0.001}";
+  const std::string a = sqlite.create_run(parent);
+  sqlite.set_status(a, RunStatus::Running);
+  for (int step = 1; step <= 20; ++step) sqlite.add_metrics(a, step, {{"loss", 3.0 / step}, {"lr", 1e-3 * step}});
+  sqlite.add_event(a, "start", 0, "rank 0 up", "detail");
+  sqlite.add_event(a, "note", -1, "no rank");
+  sqlite.add_checkpoint(a, {10, "/ckpt/10", 99, "cafe", 0});
+  sqlite.report_node(a, {1, "node-b", 42, "finished", 1, ""});
+  sqlite.set_job(a, "1234", "COMPLETED", "node-[a-b]", "");
+  sqlite.set_status(a, RunStatus::Finished);
+  NewRun child = sample_run("child");
+  child.parent_run = a;
+  child.parent_step = 10;
+  const std::string b = sqlite.create_run(child);
+
+  auto same = [&](const Store& x, const Store& y) {
+    CHECK(x.count_runs() == y.count_runs());
+    for (const std::string& id : {a, b}) {
+      const RunRecord rx = x.get_run(id), ry = y.get_run(id);
+      CHECK(rx.name == ry.name);
+      CHECK(rx.status == ry.status);
+      CHECK(rx.created_at == ry.created_at);
+      CHECK(rx.ended_at == ry.ended_at);
+      CHECK(rx.parent_run == ry.parent_run);
+      CHECK(rx.parent_step == ry.parent_step);
+      CHECK(rx.trial_index == ry.trial_index);
+      CHECK(rx.job_id == ry.job_id);
+      CHECK(rx.config_json == ry.config_json);
+      CHECK(x.metric_history(id, "loss").size() == y.metric_history(id, "loss").size());
+      CHECK(x.events(id).size() == y.events(id).size());
+      CHECK(x.checkpoints(id).size() == y.checkpoints(id).size());
+      CHECK(x.nodes(id).size() == y.nodes(id).size());
+    }
+    CHECK(x.latest_metrics(a).at("loss").value == y.latest_metrics(a).at("loss").value);
+    CHECK(x.metric_history(a, "lr").back().value == y.metric_history(a, "lr").back().value);
+    CHECK(x.events(a).at(0).detail == y.events(a).at(0).detail);
+    CHECK(x.events(a).at(1).rank == -1);
+    CHECK(y.events(a).at(1).rank == -1);
+    CHECK(x.get_sweep(sweep_id).name == y.get_sweep(sweep_id).name);
+  };
+  // Through a server when there is one; SQLite to SQLite otherwise.
+  const std::string middle = pg.available() ? pg.new_database() : dir.file("b.db");
+  if (!pg.available()) WARN(pg.skip_reason());
+  Store server(middle);
+  CHECK(copy_store(sqlite, server) == 2);
+  CHECK(copy_store(sqlite, server) == 0);  // idempotent
+  same(sqlite, server);
+  Store back(dir.file("c.db"));
+  CHECK(copy_store(server, back) == 2);
+  CHECK(copy_store(server, back) == 0);
+  same(sqlite, back);
+  CHECK(back.events(a).size() == 2);
 }
