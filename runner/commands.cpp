@@ -17,8 +17,10 @@
 #include "storage/store.hpp"
 
 #include <nlohmann/json.hpp>
+#include <unistd.h>
 
 #include <cstdio>
+#include <cstring>
 #include <cstdlib>
 #include <iostream>
 
@@ -144,6 +146,8 @@ int launch_and_report(const LoadedRecipe& loaded, const Plan& plan, Store& store
   launch.debug_rank = flags.debug_rank;
   launch.progress = loaded.recipe.logging.progress;
   launch.resume_from = resume_from;
+  launch.owns_run = flags.run_id.empty() && flags.node_rank == 0;
+  launch.reports_node = flags.nnodes > 1;
   RunStatus status = launch_run(loaded, plan, store, id, launch);
   auto latest = store.latest_metrics(id);
   std::cout << "run " << id << " " << to_string(status);
@@ -312,6 +316,31 @@ std::vector<std::string> smoke_overrides(const Recipe& r, const Plan& p, std::ve
   return sets;
 }
 
+std::string job_key(const std::string& master_addr, int master_port) {
+  for (const char* name : {"DSRUN_JOB_KEY", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"}) {
+    const char* v = std::getenv(name);
+    if (v && *v && std::string(v) != "none") return v;  // torchrun's default rendezvous id is "none"
+  }
+  return "rendezvous " + master_addr + ":" + std::to_string(master_port);
+}
+
+// Node 0 records the run; the other nodes wait for it (as their ranks would wait for the rendezvous).
+static std::string wait_for_job_run(const Store& store, const std::string& key, double timeout_seconds) {
+  const double since = unix_now() - 24 * 3600, deadline = unix_now() + std::max(30.0, timeout_seconds);
+  while (true) {
+    const std::string id = store.find_job_run(key, since);
+    if (!id.empty()) return id;
+    if (unix_now() > deadline) {
+      ErrorContext c;
+      c.file = store.path();
+      c.key = "--run-id";
+      c.hint = "start node 0 with the same --db (a store every node reaches: postgresql://...) and the same --master-addr/--master-port, or pass --run-id";
+      throw Error("node 0 recorded no planned or running run for \"" + key + "\" within " + format_seconds(std::max(30.0, timeout_seconds)), c);
+    }
+    ::usleep(300000);
+  }
+}
+
 int command_run(const RecipeArgs& given, const RunFlags& flags, const std::string& db_path) {
   HostFacts host = read_host_facts();
   RecipeArgs args = given;
@@ -349,6 +378,13 @@ int command_run(const RecipeArgs& given, const RunFlags& flags, const std::strin
     std::cerr << args.path << ": warning: the [sweep] section is ignored by `dsrun run`, which runs the recipe once; use `dsrun sweep " << args.path << "`\n";
   make_directories(runs_directory(db_path));
   Store store(db_path);
+  if (!flags.run_id.empty() || flags.node_rank > 0) {
+    // Another node's launcher created the run: this one joins it (its ranks, its node's row).
+    const std::string id = flags.run_id.empty() ? wait_for_job_run(store, job_key(flags.master_addr, flags.master_port), plan.startup_timeout_seconds)
+                                                : store.resolve_run(flags.run_id);
+    std::cout << "\nrun " << id << ": node " << flags.node_rank << " of " << flags.nnodes << ", logs in " << path_join(runs_directory(db_path), id + "/logs") << "\n";
+    return launch_and_report(loaded, plan, store, id, flags, db_path, "");
+  }
   NewRun run = run_record(loaded, plan, plan_text, host);
   run.name = loaded.recipe.run.name.empty() ? file_stem(args.path) : loaded.recipe.run.name;
   if (flags.smoke) run.name += " (smoke)";
@@ -362,6 +398,7 @@ int command_run(const RecipeArgs& given, const RunFlags& flags, const std::strin
     run.name += " #" + std::to_string(run.trial_index);
   }
   std::string id = store.create_run(run);
+  if (flags.nnodes > 1) store.set_job(id, job_key(flags.master_addr, flags.master_port), "", "", "");
   if (!rejected.empty()) {
     store.set_status(id, RunStatus::Infeasible, "rejected by on_plan: " + rejected);
     std::cout << "\nrun " << id << " recorded as infeasible: rejected by on_plan (" << loaded.recipe.hooks.script << "): " << rejected << "\n";
@@ -534,7 +571,104 @@ int command_export(const std::string& run, int64_t step, const std::string& to, 
   return kExitOk;
 }
 
-void command_worker(const std::string& config_path) { exec_rank_process(config_path); }
+namespace {
+
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::atoi(v) : fallback;
+}
+
+// srun sets SLURM_*; the rank reads torchrun's names. Mapped here when the outside launcher is
+// Slurm, so `srun dsrun worker CONFIG` needs nothing else (the batch script exports MASTER_ADDR and
+// MASTER_PORT: the first node of the job and a port from the job id).
+void map_slurm_environment() {
+  if (std::getenv("RANK") || !std::getenv("SLURM_PROCID")) return;
+  auto set = [](const char* name, const std::string& value) { ::setenv(name, value.c_str(), 0); };
+  set("RANK", std::getenv("SLURM_PROCID"));
+  set("WORLD_SIZE", std::getenv("SLURM_NTASKS") ? std::getenv("SLURM_NTASKS") : "1");
+  set("LOCAL_RANK", std::getenv("SLURM_LOCALID") ? std::getenv("SLURM_LOCALID") : "0");
+  // SLURM_TASKS_PER_NODE reads "2(x3)" for 2 tasks on each of 3 nodes: the leading count.
+  const char* per_node = std::getenv("SLURM_TASKS_PER_NODE");
+  set("LOCAL_WORLD_SIZE", per_node ? std::to_string(std::max(1, std::atoi(per_node))) : std::string("1"));
+  set("GROUP_RANK", std::getenv("SLURM_NODEID") ? std::getenv("SLURM_NODEID") : "0");
+  const char* job = std::getenv("SLURM_JOB_ID");
+  set("MASTER_PORT", std::to_string(20000 + (job ? std::atoi(job) : 0) % 20000));
+  if (!std::getenv("MASTER_ADDR")) {
+    const char* nodes = std::getenv("SLURM_JOB_NODELIST");
+    if (nodes && !std::strpbrk(nodes, "[,")) set("MASTER_ADDR", nodes);  // one node; a list needs `scontrol show hostnames`
+  }
+}
+
+}  // namespace
+
+int command_worker(const std::string& config_path, const std::string& db_path, bool db_given) {
+  map_slurm_environment();
+  const char* run_env = std::getenv("DSRUN_RUN_ID");
+  if (!db_given && !std::getenv("DSRUN_DB") && !(run_env && *run_env)) exec_rank_process(config_path);  // nothing to record into
+
+  const int rank = env_int("RANK", 0), world = env_int("WORLD_SIZE", 1);
+  const int local_rank = env_int("LOCAL_RANK", 0), local_world = std::max(1, env_int("LOCAL_WORLD_SIZE", 1));
+  const std::string master_addr = std::getenv("MASTER_ADDR") ? std::getenv("MASTER_ADDR") : "127.0.0.1";
+  const int master_port = env_int("MASTER_PORT", 0);
+  if (master_port <= 0) {
+    ErrorContext c;
+    c.key = "MASTER_PORT";
+    c.hint = "the outside launcher sets MASTER_ADDR and MASTER_PORT (torchrun does; under srun, export them in the batch script)";
+    throw Error("dsrun worker needs the rendezvous port", c);
+  }
+  HostFacts host = read_host_facts();
+  LoadedRecipe loaded = load_or_report(RecipeArgs{config_path, {}}, host);
+  note_checkpoint_disk(host, loaded.recipe, db_path);
+  Plan plan = make_plan(loaded.recipe, host);
+  if (plan.world_size != world) {
+    ErrorContext c;
+    c.file = config_path;
+    c.key = "WORLD_SIZE";
+    c.hint = "start as many ranks as the plan has (dsrun plan " + config_path + "), or change the recipe's layout";
+    throw Error("the outside launcher started " + std::to_string(world) + " rank(s) but the plan has " + std::to_string(plan.world_size), c);
+  }
+  make_directories(runs_directory(db_path));
+  Store store(db_path);
+  std::string id = run_env && *run_env ? store.resolve_run(run_env) : "";
+  if (id.empty() && rank == 0) {
+    NewRun run = run_record(loaded, plan, render_plan(plan), host);
+    run.name = loaded.recipe.run.name.empty() ? file_stem(config_path) : loaded.recipe.run.name;
+    run.recipe_path = config_path;
+    run.recipe_text = loaded.text;
+    id = store.create_run(run);
+    store.set_job(id, job_key(master_addr, master_port), "", "", "");
+  } else if (id.empty()) {
+    id = wait_for_job_run(store, job_key(master_addr, master_port), plan.startup_timeout_seconds);
+  }
+
+  LaunchOptions launch;
+  launch.run_dir = path_join(runs_directory(db_path), id);
+  launch.single_rank = rank;
+  launch.local_rank = local_rank;
+  launch.local_world = local_world;
+  launch.nnodes = std::max(1, world / local_world);
+  launch.node_rank = env_int("GROUP_RANK", rank / local_world);
+  launch.master_addr = master_addr;
+  launch.master_port = master_port;
+  launch.progress = false;
+  launch.owns_run = rank == 0;
+  launch.reports_node = local_rank == 0;
+  if (const char* dir = std::getenv("DSRUN_CHECKPOINT_DIR")) launch.checkpoint_root = dir;
+  // A job the scheduler started again (Slurm's requeue) goes on from its newest checkpoint; every
+  // rank finds the same one on the shared file system.
+  if (const char* from = std::getenv("DSRUN_RESUME_FROM")) launch.resume_from = from;
+  else if (env_int("SLURM_RESTART_COUNT", 0) > 0 || env_int("DSRUN_RESUME_LATEST", 0) > 0) {
+    const std::string root = launch.checkpoint_root.empty() ? checkpoint_root_of(loaded.recipe, launch.run_dir, id) : launch.checkpoint_root;
+    if (auto found = find_checkpoint(root, -1, /*fallback=*/true)) {
+      launch.resume_from = found->path;
+      if (rank == 0) store.add_event(id, "requeued", -1, "the scheduler started the job again (restart " + std::to_string(env_int("SLURM_RESTART_COUNT", 0)) +
+                                                           "): resuming from step " + std::to_string(found->step));
+    }
+  }
+  const RunStatus status = launch_run(loaded, plan, store, id, launch);
+  if (status == RunStatus::Finished || status == RunStatus::Pruned) return kExitOk;
+  return status == RunStatus::Killed ? static_cast<int>(kExitInterrupted) : static_cast<int>(kExitError);
+}
 
 int command_show(const std::string& db_path, const std::string& query, bool json) {
   Store store = open_existing_store(db_path);
@@ -551,6 +685,11 @@ int command_show(const std::string& db_path, const std::string& query, bool json
   j["checkpoints"] = nlohmann::json::array();
   for (const auto& c : store.checkpoints(r.id))
     j["checkpoints"].push_back({{"step", c.step}, {"path", c.path}, {"bytes", c.bytes}, {"checksum", c.checksum}, {"created_at", c.created_at}});
+  j["job"] = {{"id", r.job_id}, {"state", r.job_state}, {"nodes", r.job_nodes}, {"reason", r.job_reason}};
+  j["nodes"] = nlohmann::json::array();
+  for (const auto& n : store.nodes(r.id))
+    j["nodes"].push_back({{"node", n.node_rank}, {"host", n.host}, {"pid", n.pid}, {"status", n.status}, {"restarts", n.restarts}, {"heartbeat_at", n.heartbeat_at},
+                          {"error", n.error}});
   j["children"] = nlohmann::json::array();
   for (const auto& c : store.children(r.id)) j["children"].push_back({{"id", c.id}, {"parent_step", c.parent_step}, {"status", to_string(c.status)}});
   std::cout << j.dump(2) << "\n";

@@ -23,6 +23,7 @@ struct RunFlags {
   int master_port = 0;
   bool nccl_debug = false;
   int debug_rank = -1;
+  std::string run_id;          // join this recorded run (another node created it); "" : node 0 creates, others find it
 };
 
 enum { kExitInterrupted = 130 };
@@ -32,7 +33,14 @@ std::string default_store_path();  // $DSRUN_DB, else runs/dsrun.db under the cu
 // layouts: the table of every layout the hardware allows instead (render_layouts).
 int command_plan(const RecipeArgs& args, bool json, bool layouts = false, bool smoke = false);
 int command_run(const RecipeArgs& args, const RunFlags& flags, const std::string& db_path);
-[[noreturn]] void command_worker(const std::string& config_path);
+// One rank under an outside launcher (torchrun, Slurm's srun, Kubernetes). With a store to record
+// into ($DSRUN_DB or --db given, or $DSRUN_RUN_ID), the worker supervises its rank and reports:
+// rank 0 creates (or joins) the run, each node's local rank 0 its node's row. Without, it becomes
+// the rank.
+int command_worker(const std::string& config_path, const std::string& db_path, bool db_given);
+// The key that every node of one job shares to find the run node 0 records: $DSRUN_JOB_KEY, Slurm's
+// job id, torchrun's rendezvous id, else the rendezvous address.
+std::string job_key(const std::string& master_addr, int master_port);
 // `dsrun resume RUN`: the run goes on from its newest complete checkpoint (--fallback: the newest
 // that verifies), with optional --set overrides (another world size or ZeRO stage re-cuts shards).
 struct ResumeArgs {

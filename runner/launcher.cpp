@@ -136,9 +136,11 @@ class Supervisor {
     std::string resume_from = o_.resume_from;
     for (int restarts = 0;; ++restarts) {
       oom_kills_at_start_ = kernel_oom_kills();
+      restarts_ = restarts;
       start_ranks(config_path, resume_from, restarts);
+      node_status("running");
       Ending end = watch();
-      const bool may_restart = end.status == RunStatus::Failed && end.restartable && restarts < r_.run.max_restarts;
+      const bool may_restart = end.status == RunStatus::Failed && end.restartable && restarts < r_.run.max_restarts && o_.single_rank < 0;
       if (!may_restart) {
         if (end.status == RunStatus::Failed && end.restartable && r_.run.max_restarts > 0)
           end.why = "run.max_restarts (" + std::to_string(r_.run.max_restarts) + ") used up; the last attempt: " + end.why;
@@ -168,6 +170,14 @@ class Supervisor {
 
   RunStatus record(const Ending& end) {
     finish_progress();
+    node_status(to_string(end.status), end.why);
+    if (!o_.owns_run) {
+      // Another node owns the run's status; this node's ending is its row and, when it failed, an event.
+      if (end.status != RunStatus::Finished)
+        store_.add_event(run_id_, to_string(end.status), end.culprit, "node " + std::to_string(o_.node_rank) + " (" + hostname_ + "): " + end.why);
+      if (end.status != RunStatus::Finished) std::cerr << "dsrun: node " << o_.node_rank << " of run " << run_id_ << " " << to_string(end.status) << ": " << end.why << "\n";
+      return end.status;
+    }
     if (end.status == RunStatus::Finished) {
       store_.set_status(run_id_, RunStatus::Finished);
       store_.add_event(run_id_, "finished", -1, "all ranks finished");
@@ -181,8 +191,9 @@ class Supervisor {
   void start_ranks(const std::string& config_path, const std::string& resume_from, int restart) {
     ranks_.clear();
     stopped_early_.clear();
-    const int local_world = (plan_.world_size + o_.nnodes - 1) / o_.nnodes;
-    const int first_rank = o_.node_rank * local_world;
+    const bool single = o_.single_rank >= 0;
+    const int local_world = single ? o_.local_world : (plan_.world_size + o_.nnodes - 1) / o_.nnodes;
+    const int first_rank = single ? o_.single_rank - o_.local_rank : o_.node_rank * local_world;
     // A fresh port per attempt: the last one may linger in TIME_WAIT.
     const int port = o_.master_port > 0 ? o_.master_port : free_port();
     const std::string rank_binary = path_join(executable_directory(), "dsrun-rank");
@@ -190,7 +201,7 @@ class Supervisor {
     started_ = now_seconds();
     first_step_ = 1;
 
-    for (int local = 0; local < local_world && first_rank + local < plan_.world_size; ++local) {
+    for (int local = single ? o_.local_rank : 0; local < (single ? o_.local_rank + 1 : local_world) && first_rank + local < plan_.world_size; ++local) {
       RankProcess p;
       p.rank = first_rank + local;
       p.log_path = path_join(o_.run_dir, "logs/rank" + std::to_string(p.rank) + ".log");
@@ -244,9 +255,17 @@ class Supervisor {
       p.last_progress = now_seconds();
       ranks_.push_back(p);
     }
+    if (single && !o_.owns_run) return;  // one launch event per run under an outside launcher, from rank 0's worker
+    const std::string where = o_.nnodes > 1 ? " on node " + std::to_string(o_.node_rank) + " (" + hostname_ + ")" : "";
     store_.add_event(run_id_, "launch", -1,
-                     "started " + std::to_string(ranks_.size()) + " rank(s) on port " + std::to_string(port) + ", logs in " + path_join(o_.run_dir, "logs") +
+                     "started " + (single ? std::string("rank 0 of ") + std::to_string(plan_.world_size) + " under an outside launcher" : std::to_string(ranks_.size()) + " rank(s)") +
+                         where + " on port " + std::to_string(port) + ", logs in " + path_join(o_.run_dir, "logs") +
                          (resume_from.empty() ? "" : ", resuming from " + resume_from));
+  }
+
+  void node_status(const std::string& status, const std::string& error = "") {
+    if (o_.reports_node) report_node(store_, run_id_, o_, status, restarts_, error);
+    node_status_ = status;
   }
 
   // `dsrun watch` and `dsrun delete` on another terminal tell a dead launcher by this.
@@ -254,7 +273,8 @@ class Supervisor {
     const double now = now_seconds();
     if (now - last_heartbeat_ < kHeartbeatSeconds) return;
     last_heartbeat_ = now;
-    store_.run_heartbeat(run_id_, hostname_, ::getpid());
+    if (o_.owns_run) store_.run_heartbeat(run_id_, hostname_, ::getpid());
+    if (o_.reports_node) report_node(store_, run_id_, o_, node_status_, restarts_);
   }
 
   Ending watch() {
@@ -574,6 +594,8 @@ class Supervisor {
     return -1;
   }
   double last_heartbeat_ = 0;
+  int restarts_ = 0;
+  std::string node_status_ = "starting";
 };
 
 void pin(Config& config, const std::string& key, Value value) {
@@ -633,8 +655,11 @@ RunStatus launch_run(const LoadedRecipe& loaded, const Plan& plan, Store& store,
     const std::string config_path = absolute(path_join(options.run_dir, "config.toml"));
     write_file_atomic(config_path, rank_config_toml(loaded, plan));
     write_file_atomic(path_join(options.run_dir, "plan.json"), plan_to_json(plan));
-    store.set_status(run_id, RunStatus::Running);
-    store.run_heartbeat(run_id, read_host_facts().hostname, ::getpid());
+    if (options.owns_run) {
+      store.set_status(run_id, RunStatus::Running);
+      store.run_heartbeat(run_id, read_host_facts().hostname, ::getpid());
+    }
+    if (options.reports_node) report_node(store, run_id, options, "starting", 0);
     LaunchOptions o = options;
     if (o.checkpoint_root.empty()) o.checkpoint_root = checkpoint_root_of(loaded.recipe, options.run_dir, run_id);
     make_directories(o.checkpoint_root);
@@ -644,8 +669,10 @@ RunStatus launch_run(const LoadedRecipe& loaded, const Plan& plan, Store& store,
     const Error* error = dynamic_cast<const Error*>(&e);
     const std::string why = "the launcher failed: " + (error ? error->describe() : std::string(e.what()));
     try {
+      if (options.reports_node) report_node(store, run_id, options, "failed", 0, why);
       const RunStatus now = store.get_run(run_id).status;
-      if (now == RunStatus::Planned || now == RunStatus::Running) {
+      if (!options.owns_run) store.add_event(run_id, "failed", -1, "node " + std::to_string(options.node_rank) + ": " + why);
+      else if (now == RunStatus::Planned || now == RunStatus::Running) {
         store.add_event(run_id, "failed", -1, why);
         store.set_status(run_id, RunStatus::Failed, why);
       }
@@ -654,6 +681,17 @@ RunStatus launch_run(const LoadedRecipe& loaded, const Plan& plan, Store& store,
     }
     throw;
   }
+}
+
+void report_node(Store& store, const std::string& run_id, const LaunchOptions& options, const std::string& status, int restarts, const std::string& error) {
+  NodeReport n;
+  n.node_rank = options.node_rank;
+  n.host = read_host_facts().hostname;
+  n.pid = ::getpid();
+  n.status = status;
+  n.restarts = restarts;
+  n.error = error;
+  store.report_node(run_id, n);
 }
 
 bool process_alive(int64_t pid) {

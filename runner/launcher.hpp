@@ -23,6 +23,15 @@ struct LaunchOptions {
   std::string resume_from;        // a checkpoint directory the ranks start from ("": step 0)
   std::string checkpoint_root;    // "": checkpoint_root_of(recipe, run_dir, run_id)
   bool accept_data_change = false;  // dsrun resume --force: the ranks train on data changed since the checkpoint
+  // Several nodes record one run: the launcher that owns it (node 0, or rank 0's worker) sets its
+  // status and heartbeat; every node's reporter (its launcher, or its local rank 0's worker)
+  // keeps its own row in run_nodes.
+  bool owns_run = true;
+  bool reports_node = false;
+  // Under an outside launcher (dsrun worker): supervise only this rank, which the outside launcher
+  // placed (RANK, LOCAL_RANK, LOCAL_WORLD_SIZE); the outside launcher restarts, not this one.
+  int single_rank = -1;
+  int local_rank = 0, local_world = 1;
 };
 
 // Where a run's step_N/ checkpoint directories go: RUN_DIR/checkpoints, or checkpoint.dir/RUN_ID
@@ -36,6 +45,10 @@ std::string rank_config_toml(const LoadedRecipe& loaded, const Plan& plan);
 // Returns the run's final status (Finished, Failed or Killed), recorded in the store. A rank that
 // dies or hangs restarts all ranks from the newest checkpoint, up to run.max_restarts times.
 RunStatus launch_run(const LoadedRecipe& loaded, const Plan& plan, Store& store, const std::string& run_id, const LaunchOptions& options);
+
+// One node's row in the store as it goes: status starting, running, finished, failed, killed.
+void report_node(Store& store, const std::string& run_id, const LaunchOptions& options, const std::string& status, int restarts,
+                 const std::string& error = "");
 
 // A process that exists and is not a zombie (a killed launcher may linger unreaped as one).
 bool process_alive(int64_t pid);

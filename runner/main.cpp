@@ -62,6 +62,7 @@ int main(int argc, char** argv) {
     cmd->add_option("--node-rank", flags.node_rank, "This node's index (as torchrun)")->check(CLI::Range(0, 100000));
     cmd->add_option("--master-addr", flags.master_addr, "Address of node 0 (as torchrun)");
     cmd->add_option("--master-port", flags.master_port, "Port of the rendezvous store; default: a free one")->check(CLI::Range(0, 65535));
+    cmd->add_option("--run-id", flags.run_id, "Join this recorded run as one of its nodes (default: node 0 records it, the others find it)");
     cmd->add_flag("--nccl-debug", flags.nccl_debug, "NCCL_DEBUG=INFO (and TORCH_DISTRIBUTED_DEBUG=DETAIL) into the rank logs");
     cmd->add_option("--debug-rank", flags.debug_rank, "This rank prints its pid and waits for a debugger")->check(CLI::Range(0, 1000000));
   };
@@ -219,7 +220,7 @@ int main(int argc, char** argv) {
 
   try {
     if (*run) return dsrun::command_run(recipe_args, flags, db);
-    if (*worker) dsrun::command_worker(worker_config);
+    if (*worker) return dsrun::command_worker(worker_config, db, app.get_option("--db")->count() > 0);
     if (*store_copy) return dsrun::command_store_copy(copy_from, copy_to);
     if (*plan) return dsrun::command_plan(recipe_args, json, layouts, plan_smoke);
     if (*history) return dsrun::command_history(hist, db);

@@ -88,6 +88,20 @@ std::string render_run(const Store& store, const RunRecord& r) {
   for (const auto& c : store.children(r.id)) children.push_back(c.id + " from step " + std::to_string(c.parent_step) + " (" + to_string(c.status) + ")");
   field("children", join(children, ", "));
   field("sweep", r.sweep_id.empty() ? "" : r.sweep_id + " trial " + std::to_string(r.trial_index) + ": " + r.trial_params);
+  field("job", r.job_id.empty() ? "" : r.job_id + (r.job_state.empty() ? "" : " " + r.job_state) + (r.job_nodes.empty() ? "" : " on " + r.job_nodes) +
+                                           (r.job_reason.empty() ? "" : " (" + r.job_reason + ")"));
+
+  const auto nodes = store.nodes(r.id);
+  if (!nodes.empty()) {
+    out += "
+nodes
+";
+    TextTable t({"node", "host", "status", "restarts", "last heard", "error"});
+    for (const auto& n : nodes)
+      t.add({std::to_string(n.node_rank), n.host + (n.pid > 0 ? " (pid " + std::to_string(n.pid) + ")" : ""), n.status, std::to_string(n.restarts),
+             n.heartbeat_at > 0 ? format_time(n.heartbeat_at) : "-", n.error});
+    out += t.render("  ");
+  }
 
   auto latest = store.latest_metrics(r.id);
   if (!latest.empty()) {

@@ -653,6 +653,13 @@ void Store::set_job(const std::string& run_id, const std::string& job_id, const 
               run_id});
 }
 
+std::string Store::find_job_run(const std::string& job_id, double since) const {
+  Rows rows = db_->query("SELECT id FROM runs WHERE job_id = ? AND status IN ('planned', 'running') AND created_at >= ? "
+                         "AND deleted_at IS NULL ORDER BY created_at DESC LIMIT 1",
+                         {job_id, since});
+  return rows.empty() ? "" : rows[0].text(0);
+}
+
 void Store::set_sweep_job(const std::string& sweep_id, const std::string& job_id) {
   db_->query("UPDATE sweeps SET job_id = ? WHERE id = ?", {job_id, sweep_id});
 }

@@ -164,6 +164,8 @@ class Store {
   // The batch job behind a run (Slurm's id, state, nodes and reason).
   void set_job(const std::string& run_id, const std::string& job_id, const std::string& job_state, const std::string& job_nodes,
                const std::string& job_reason);
+  // The newest planned or running run of a batch job (or rendezvous), created since `since`; "" for none.
+  std::string find_job_run(const std::string& job_id, double since) const;
   void set_sweep_job(const std::string& sweep_id, const std::string& job_id);
   std::string sweep_job(const std::string& sweep_id) const;
   // Runs `body` in one transaction (retried from the start on a serialization conflict).

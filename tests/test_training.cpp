@@ -393,9 +393,11 @@ TEST_CASE("ranks started from outside (torchrun style, dsrun worker) train witho
   CHECK(dsrun::file_exists(dir.file("ckpt/step_00000003/COMPLETE")));  // without a launcher, checkpoint.dir itself
 }
 
-TEST_CASE("two launchers as two nodes run pipeline 2 x tensor 2 (a stage per node) and follow one process", "[training][pipeline][nodes]") {
+TEST_CASE("two launchers as two nodes run pipeline 2 x tensor 2 (a stage per node), follow one process and record one run", "[training][pipeline][nodes]") {
   // Each `dsrun run --nnodes 2 --node-rank k` starts its node's two ranks; node 0 hosts the
   // rendezvous. Stages are the outermost mesh dimension, so each node holds one stage's tensor pair.
+  // Both launchers write one store: node 0 records the run, node 1 finds it by the rendezvous
+  // address and joins it with its own row.
   dsrun::test::TempDir dir;
   const std::string steps = " --set run.steps=4";
   Run one = train(dir, layout(0, 1) + steps);
@@ -403,22 +405,38 @@ TEST_CASE("two launchers as two nodes run pipeline 2 x tensor 2 (a stage per nod
   const std::string sets = layout(1, 1) + steps + " --set hardware.devices_per_node=2 --set hardware.nodes=2 --set hardware.inter_node_bandwidth_gbs=10" +
                            " --set parallel.tensor=2 --set parallel.pipeline=2 --set checkpoint.at_end=false";
   const int port = 20000 + static_cast<int>(::getpid() % 20000);
-  auto launcher = [&](int node, const std::string& db) {
+  const std::string db = dir.file("nodes.db");
+  auto launcher = [&](int node) {
     return "'" DSRUN_BINARY "' run tests/recipes/tiny_train.toml --nnodes 2 --node-rank " + std::to_string(node) + " --master-port " + std::to_string(port) +
            " --db '" + db + "' " + sets;
   };
-  dsrun::test::CommandOutput out = dsrun::test::run_command("cd '" + dsrun::test::source_dir() + "' && (" + launcher(1, dir.file("node1.db")) + " > '" +
-                                                            dir.file("node1.log") + "' 2>&1 &) && " + launcher(0, dir.file("runs.db")) + "; sleep 1; cat '" + dir.file("node1.log") + "'");
+  dsrun::test::CommandOutput out = dsrun::test::run_command("cd '" + dsrun::test::source_dir() + "' && (" + launcher(1) + " > '" + dir.file("node1.log") +
+                                                            "' 2>&1 &) && " + launcher(0) + "; sleep 2; cat '" + dir.file("node1.log") + "'");
   INFO(out.text);
   size_t at = out.text.find("\nrun ");
   REQUIRE(at != std::string::npos);
   Run two{out.code, out.text, out.text.substr(at + 5, 8), {}, 0};
-  dsrun::Store store(dir.file("runs.db"));
+  dsrun::Store store(db);
   for (const auto& m : store.metric_history(two.id, "loss")) two.losses.push_back(m.value);
   check_same_trajectory(one.losses, two, 1e-5);
-  const std::vector<dsrun::RunRecord> node1 = dsrun::Store(dir.file("node1.db")).list_runs({});
-  REQUIRE(node1.size() == 1);
-  CHECK(node1[0].status == dsrun::RunStatus::Finished);
+  REQUIRE(store.list_runs({}).size() == 1);  // one run for both nodes
+  CHECK(store.get_run(two.id).status == dsrun::RunStatus::Finished);
+  CHECK(contains(out.text, "run " + two.id + ": node 1 of 2"));
+  const std::vector<dsrun::NodeRecord> nodes = store.nodes(two.id);
+  REQUIRE(nodes.size() == 2);
+  for (const auto& n : nodes) {
+    CHECK(n.status == "finished");
+    CHECK(n.heartbeat_at > 0);
+    CHECK(n.pid > 0);
+  }
+  int launches = 0;
+  for (const auto& e : store.events(two.id)) launches += e.kind == "launch";
+  CHECK(launches == 2);
+  // Each node's ranks reported their own memory into the one run.
+  const auto latest = store.latest_metrics(two.id);
+  CHECK(latest.count("memory/rank0/peak_rss_bytes") == 1);
+  CHECK(latest.count("memory/rank3/peak_rss_bytes") == 1);
+  CHECK(store.get_run(two.id).job_id == "rendezvous 127.0.0.1:" + std::to_string(port));
 }
 
 TEST_CASE("a recipe whose layout is \"auto\" runs the layout its plan chose", "[training][search]") {
