@@ -26,6 +26,7 @@ if [ "${1:-}" = "--with-test-tools" ]; then
   packages+=(fortunes-zh)             # Chinese text for the tokenizer tests (adds 3 files to /usr/share/games/fortunes)
   packages+=(sentencepiece)           # spm_train/spm_encode: a real tokenizer.model and its reference ids
   packages+=(postgresql)              # a real server for the store tests (started by the tests, as its own user)
+  packages+=(slurm-wlm munge)         # a real one-node Slurm cluster for the --slurm tests (tests/servers/slurm_cluster.sh)
 fi
 missing=()
 for p in "${packages[@]}"; do

@@ -13,12 +13,14 @@
 #include "engine/recipe/load.hpp"
 #include "engine/recipe/schema.hpp"
 #include "runner/launcher.hpp"
+#include "runner/slurm.hpp"
 #include "runner/terminal.hpp"
 #include "storage/store.hpp"
 
 #include <nlohmann/json.hpp>
 #include <unistd.h>
 
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <cstdlib>
@@ -341,6 +343,8 @@ static std::string wait_for_job_run(const Store& store, const std::string& key, 
   }
 }
 
+static int submit_to_slurm(const LoadedRecipe& loaded, const Plan& plan, Store& store, const std::string& id, const std::string& db_path);
+
 int command_run(const RecipeArgs& given, const RunFlags& flags, const std::string& db_path) {
   HostFacts host = read_host_facts();
   RecipeArgs args = given;
@@ -409,8 +413,79 @@ int command_run(const RecipeArgs& given, const RunFlags& flags, const std::strin
     std::cout << "\nrun " << id << " recorded as infeasible: the plan does not fit (see the suggestions above)\n";
     return kExitDoesNotFit;
   }
+  if (flags.slurm) return submit_to_slurm(loaded, plan, store, id, db_path);
   std::cout << "\nrun " << id << ": " << plan.world_size << " rank(s), logs in " << path_join(runs_directory(db_path), id + "/logs") << "\n";
   return launch_and_report(loaded, plan, store, id, flags, db_path, "");
+}
+
+static SlurmJobSpec slurm_job_for(const LoadedRecipe& loaded, const Plan& plan, const std::string& name, const std::string& db_path) {
+  const Recipe& r = loaded.recipe;
+  SlurmJobSpec job;
+  job.name = "dsrun-" + name;
+  job.nodes = plan.nodes;
+  job.tasks_per_node = plan.ranks_per_node;
+  job.gpus_per_node = r.hardware.device == Device::Cuda ? plan.ranks_per_node : 0;
+  job.time_limit_minutes = r.run.time_limit_minutes;
+  job.options = r.slurm;
+  // Every node reaches the store the same way: a server URL, or a SQLite file on the shared file system.
+  const std::string store = is_postgres_location(db_path) ? db_path : absolute(db_path);
+  job.env = {{"DSRUN_DB", store}, {"DSRUN_RUNS_DIR", absolute(runs_directory(db_path))}};
+  return job;
+}
+
+// `dsrun run --slurm`: the run is recorded (planned), its resolved config and job script written
+// to its directory, and the job submitted; its ranks are `srun dsrun worker` tasks that report
+// into this store under this run's id. A job Slurm starts again resumes from the newest checkpoint.
+static int submit_to_slurm(const LoadedRecipe& loaded, const Plan& plan, Store& store, const std::string& id, const std::string& db_path) {
+  const std::string run_dir = absolute(path_join(runs_directory(db_path), id));
+  try {
+    make_directories(path_join(run_dir, "logs"));
+    const std::string config_path = path_join(run_dir, "config.toml");
+    write_file_atomic(config_path, rank_config_toml(loaded, plan));
+    write_file_atomic(path_join(run_dir, "plan.json"), plan_to_json(plan));
+    SlurmJobSpec job = slurm_job_for(loaded, plan, store.get_run(id).name, db_path);
+    job.output = path_join(run_dir, "logs/slurm-%j.out");
+    job.env.push_back({"DSRUN_RUN_ID", id});
+    job.env.push_back({"DSRUN_CHECKPOINT_DIR", checkpoint_root_of(loaded.recipe, run_dir, id)});
+    job.task_command = shell_quote(path_join(executable_directory(), "dsrun")) + " worker " + shell_quote(config_path);
+    const std::string script = path_join(run_dir, "job.sh");
+    write_file_atomic(script, sbatch_script(job));
+    const std::string job_id = submit_job(script);
+    store.set_job(id, job_id, "PENDING", "", "");
+    store.add_event(id, "submitted", -1, "Slurm job " + job_id + ": " + std::to_string(job.nodes) + " node(s) x " + std::to_string(job.tasks_per_node) + " task(s), script " + script);
+    std::cout << "\nrun " << id << " submitted to Slurm as job " << job_id << " (" << job.nodes << " node(s) x " << job.tasks_per_node << " task(s)); logs in "
+              << path_join(run_dir, "logs") << "\nfollow it: dsrun watch " << id << "   stop it: dsrun cancel " << id << "\n";
+    return kExitOk;
+  } catch (const Error& e) {
+    store.set_status(id, RunStatus::Failed, "not submitted: " + e.describe());
+    throw;
+  }
+}
+
+int command_cancel(const std::string& query, const std::string& db_path) {
+  Store store = open_existing_store(db_path);
+  refresh_slurm_runs(store);
+  const RunRecord r = store.get_run(store.resolve_run(query));
+  if (r.status != RunStatus::Running && r.status != RunStatus::Planned) {
+    std::cout << "run " << r.id << " is " << to_string(r.status) << ": nothing to cancel\n";
+    return kExitOk;
+  }
+  if (!r.job_id.empty() && slurm_missing().empty() && std::isdigit(static_cast<unsigned char>(r.job_id[0]))) {
+    cancel_job(r.job_id);
+    store.add_event(r.id, "cancel", -1, "scancel " + r.job_id + " (dsrun cancel)");
+    std::cout << "cancelled Slurm job " << r.job_id << " of run " << r.id << "\n";
+    return kExitOk;
+  }
+  if (r.pid > 0 && r.host == read_host_facts().hostname && process_alive(r.pid)) {
+    if (::kill(static_cast<pid_t>(r.pid), SIGTERM) != 0) fail_at(__FILE__, __LINE__, std::string("kill: ") + std::strerror(errno));
+    store.add_event(r.id, "cancel", -1, "SIGTERM to the launcher, process " + std::to_string(r.pid) + " (dsrun cancel)");
+    std::cout << "asked run " << r.id << "'s launcher (process " << r.pid << ") to stop; its ranks save and exit\n";
+    return kExitOk;
+  }
+  ErrorContext c;
+  c.key = r.id;
+  c.hint = r.host.empty() ? "" : "its launcher runs on " + r.host + ": run dsrun cancel there";
+  throw Error("run " + r.id + " has no Slurm job and no launcher on this host to stop", c);
 }
 
 // The data files a checkpoint recorded, against the same paths now. A difference is refused
@@ -672,6 +747,7 @@ int command_worker(const std::string& config_path, const std::string& db_path, b
 
 int command_show(const std::string& db_path, const std::string& query, bool json) {
   Store store = open_existing_store(db_path);
+  refresh_slurm_runs(store);
   RunRecord r = store.get_run(store.resolve_run(query));
   if (!json) {
     std::cout << render_run(store, r);

@@ -23,6 +23,7 @@ struct RunFlags {
   int master_port = 0;
   bool nccl_debug = false;
   int debug_rank = -1;
+  bool slurm = false;          // submit as a Slurm batch job instead of starting ranks here
   std::string run_id;          // join this recorded run (another node created it); "" : node 0 creates, others find it
 };
 
@@ -38,6 +39,8 @@ int command_run(const RecipeArgs& args, const RunFlags& flags, const std::string
 // rank 0 creates (or joins) the run, each node's local rank 0 its node's row. Without, it becomes
 // the rank.
 int command_worker(const std::string& config_path, const std::string& db_path, bool db_given);
+// `dsrun cancel RUN`: scancel of its Slurm job, or SIGTERM to its launcher on this host.
+int command_cancel(const std::string& run, const std::string& db_path);
 // The key that every node of one job shares to find the run node 0 records: $DSRUN_JOB_KEY, Slurm's
 // job id, torchrun's rendezvous id, else the rendezvous address.
 std::string job_key(const std::string& master_addr, int master_port);

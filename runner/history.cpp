@@ -6,6 +6,7 @@
 #include "engine/common/text.hpp"
 #include "engine/recipe/schema.hpp"
 #include "runner/launcher.hpp"
+#include "runner/slurm.hpp"
 #include "runner/terminal.hpp"
 #include "storage/store.hpp"
 
@@ -189,6 +190,7 @@ int command_history(const HistoryArgs& a, const std::string& db_path) {
     return 0;
   }
   Store store(db_path);
+  refresh_slurm_runs(store);
   RunQuery q;
   q.limit = a.limit;
   q.status = a.status;
@@ -459,6 +461,7 @@ int command_watch(const std::string& query, double interval_s, const std::string
   const std::string this_host = read_host_facts().hostname;
   int64_t last_step = 0, last_event = 0;
   while (true) {
+    if (!store.get_run(id).job_id.empty()) refresh_slurm_runs(store);
     RunRecord r = store.get_run(id);
     auto losses = store.metric_history(id, "loss");
     for (const auto& m : losses) {

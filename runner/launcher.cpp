@@ -48,20 +48,6 @@ double now_seconds() { return std::chrono::duration<double>(std::chrono::steady_
 // kLauncherSilentSeconds, many times this, so a busy store or a slow shutdown never looks dead.
 constexpr double kHeartbeatSeconds = 10;
 
-std::string executable_directory() {
-  char buf[PATH_MAX];
-  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
-  if (n <= 0) fail_at(__FILE__, __LINE__, "cannot read /proc/self/exe");
-  buf[n] = 0;
-  return parent_directory(buf);
-}
-
-std::string absolute(const std::string& path) {
-  if (path.empty() || path[0] == '/') return path;
-  char cwd[PATH_MAX];
-  if (!::getcwd(cwd, sizeof cwd)) fail_at(__FILE__, __LINE__, "cannot read the working directory");
-  return path_join(cwd, path);
-}
 
 // A port for the rendezvous store that is free now. Chosen at random below the kernel's ephemeral
 // range (32768+), so that outgoing connections made meanwhile cannot take it before rank 0 binds it.
@@ -681,6 +667,21 @@ RunStatus launch_run(const LoadedRecipe& loaded, const Plan& plan, Store& store,
     }
     throw;
   }
+}
+
+std::string absolute(const std::string& path) {
+  if (path.empty() || path[0] == '/') return path;
+  char cwd[PATH_MAX];
+  if (!::getcwd(cwd, sizeof cwd)) fail_at(__FILE__, __LINE__, "cannot read the working directory");
+  return path_join(cwd, path);
+}
+
+std::string executable_directory() {
+  char buf[PATH_MAX];
+  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
+  if (n <= 0) fail_at(__FILE__, __LINE__, "cannot read /proc/self/exe");
+  buf[n] = 0;
+  return parent_directory(buf);
 }
 
 void report_node(Store& store, const std::string& run_id, const LaunchOptions& options, const std::string& status, int restarts, const std::string& error) {

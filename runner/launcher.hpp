@@ -46,6 +46,11 @@ std::string rank_config_toml(const LoadedRecipe& loaded, const Plan& plan);
 // dies or hangs restarts all ranks from the newest checkpoint, up to run.max_restarts times.
 RunStatus launch_run(const LoadedRecipe& loaded, const Plan& plan, Store& store, const std::string& run_id, const LaunchOptions& options);
 
+// `path` from the working directory ("" and absolute paths as they are).
+std::string absolute(const std::string& path);
+// The directory of the running dsrun binary (dsrun-rank sits beside it).
+std::string executable_directory();
+
 // One node's row in the store as it goes: status starting, running, finished, failed, killed.
 void report_node(Store& store, const std::string& run_id, const LaunchOptions& options, const std::string& status, int restarts,
                  const std::string& error = "");

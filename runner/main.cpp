@@ -56,6 +56,7 @@ int main(int argc, char** argv) {
   add_recipe_args(run);
   dsrun::RunFlags flags;
   run->add_flag("--smoke", flags.smoke, "Run the plan's layout with a shrunk model on CPU ranks, in seconds");
+  run->add_flag("--slurm", flags.slurm, "Submit the run as a Slurm batch job (sbatch; [slurm] and run.time_limit in the recipe) and return");
   // Launch flags, shared by every command that starts ranks.
   auto add_launch_flags = [&](CLI::App* cmd) {
     cmd->add_option("--nnodes", flags.nnodes, "Nodes in the job (as torchrun)")->check(CLI::Range(1, 100000));
@@ -174,6 +175,9 @@ int main(int argc, char** argv) {
   std::string worker_config;
   CLI::App* worker = app.add_subcommand("worker", "Be one rank under torchrun, Slurm or Kubernetes (reads RANK, WORLD_SIZE, MASTER_ADDR, ...)");
   worker->add_option("config", worker_config, "Recipe or resolved config")->required();
+  std::string cancel_run;
+  CLI::App* cancel = app.add_subcommand("cancel", "Stop a run: scancel of its Slurm job, or SIGTERM to its launcher on this host");
+  cancel->add_option("run", cancel_run, "Run id, id prefix or run name")->required();
   std::string copy_from, copy_to;
   CLI::App* store_cmd = app.add_subcommand("store", "Work on run stores as a whole");
   store_cmd->require_subcommand(1);
@@ -222,6 +226,7 @@ int main(int argc, char** argv) {
     if (*run) return dsrun::command_run(recipe_args, flags, db);
     if (*worker) return dsrun::command_worker(worker_config, db, app.get_option("--db")->count() > 0);
     if (*store_copy) return dsrun::command_store_copy(copy_from, copy_to);
+    if (*cancel) return dsrun::command_cancel(cancel_run, db);
     if (*plan) return dsrun::command_plan(recipe_args, json, layouts, plan_smoke);
     if (*history) return dsrun::command_history(hist, db);
     if (*del) return dsrun::command_delete(run_list, delete_force, db);

@@ -93,9 +93,7 @@ std::string render_run(const Store& store, const RunRecord& r) {
 
   const auto nodes = store.nodes(r.id);
   if (!nodes.empty()) {
-    out += "
-nodes
-";
+    out += "\nnodes\n";
     TextTable t({"node", "host", "status", "restarts", "last heard", "error"});
     for (const auto& n : nodes)
       t.add({std::to_string(n.node_rank), n.host + (n.pid > 0 ? " (pid " + std::to_string(n.pid) + ")" : ""), n.status, std::to_string(n.restarts),

@@ -391,16 +391,17 @@ const char* to_string(RunStatus s) {
     case RunStatus::Killed: return "killed";
     case RunStatus::Infeasible: return "infeasible";
     case RunStatus::Pruned: return "pruned";
+    case RunStatus::Lost: return "lost";
   }
   return "?";
 }
 
 RunStatus run_status_from_string(const std::string& s) {
   for (RunStatus st : {RunStatus::Planned, RunStatus::Running, RunStatus::Finished, RunStatus::Failed, RunStatus::Killed,
-                       RunStatus::Infeasible, RunStatus::Pruned})
+                       RunStatus::Infeasible, RunStatus::Pruned, RunStatus::Lost})
     if (s == to_string(st)) return st;
   ErrorContext c;
-  c.hint = "use planned, running, finished, failed, killed, infeasible or pruned";
+  c.hint = "use planned, running, finished, failed, killed, infeasible, pruned or lost";
   throw Error("unknown run status \"" + s + "\"", c);
 }
 
@@ -452,7 +453,7 @@ void Store::set_status(const std::string& run_id, RunStatus status, const std::s
     const std::string st = to_string(status);
     db_->query("UPDATE runs SET status = ?1, error = CASE WHEN ?1 = 'running' THEN NULL ELSE COALESCE(?2, error) END, "
                "started_at = CASE WHEN ?1 = 'running' THEN COALESCE(started_at, ?3) ELSE started_at END, "
-               "ended_at = CASE WHEN ?1 IN ('finished','failed','killed','pruned','infeasible') THEN ?3 ELSE NULL END WHERE id = ?4",
+               "ended_at = CASE WHEN ?1 IN ('finished','failed','killed','pruned','infeasible','lost') THEN ?3 ELSE NULL END WHERE id = ?4",
                {st, SqlValue::text_or_null(error), now, run_id});
   });
 }
@@ -651,6 +652,18 @@ void Store::set_job(const std::string& run_id, const std::string& job_id, const 
              "job_reason = ? WHERE id = ?",
              {SqlValue::text_or_null(job_id), SqlValue::text_or_null(job_state), SqlValue::text_or_null(job_nodes), SqlValue::text_or_null(job_reason),
               run_id});
+}
+
+std::vector<RunRecord> Store::runs_with_open_jobs(const std::vector<std::string>& final_states) const {
+  std::string marks;
+  std::vector<SqlValue> params;
+  for (const auto& s : final_states) {
+    marks += marks.empty() ? "?" : ",?";
+    params.emplace_back(s);
+  }
+  return read_runs(db_->query(std::string("SELECT ") + kRunColumns + " FROM runs WHERE job_id IS NOT NULL AND deleted_at IS NULL AND "
+                                  "(status IN ('planned', 'running') OR job_state IS NULL OR job_state NOT IN (" + (marks.empty() ? "''" : marks) + "))",
+                              params));
 }
 
 std::string Store::find_job_run(const std::string& job_id, double since) const {

@@ -15,9 +15,10 @@
 
 namespace dsrun {
 
-// Run lifecycle: planned -> running -> finished | failed | killed | pruned;
+// Run lifecycle: planned -> running -> finished | failed | killed | pruned | lost;
 // planned -> infeasible (the plan does not fit); a stopped run may go back to running (resume).
-enum class RunStatus { Planned, Running, Finished, Failed, Killed, Infeasible, Pruned };
+// Lost: its batch job vanished from the scheduler without the run's own final report.
+enum class RunStatus { Planned, Running, Finished, Failed, Killed, Infeasible, Pruned, Lost };
 const char* to_string(RunStatus s);
 RunStatus run_status_from_string(const std::string& s);  // throws on an unknown name
 
@@ -164,6 +165,9 @@ class Store {
   // The batch job behind a run (Slurm's id, state, nodes and reason).
   void set_job(const std::string& run_id, const std::string& job_id, const std::string& job_state, const std::string& job_nodes,
                const std::string& job_reason);
+  // Runs with a batch job whose end is not yet settled: the run planned or running, or the job in a
+  // state not among `final_states` (a finished run whose job Slurm has not yet closed).
+  std::vector<RunRecord> runs_with_open_jobs(const std::vector<std::string>& final_states) const;
   // The newest planned or running run of a batch job (or rendezvous), created since `since`; "" for none.
   std::string find_job_run(const std::string& job_id, double since) const;
   void set_sweep_job(const std::string& sweep_id, const std::string& job_id);

@@ -93,6 +93,19 @@ void build_run(Builder& c, Recipe& r) {
   r.run.step_timeout_s = c.f("run.step_timeout_s");
   // "auto" (0 here): the plan sizes it to what start-up must do (Plan::startup_timeout_seconds).
   r.run.startup_timeout_s = c.at("run.startup_timeout_s").value.is_auto() ? 0 : c.f("run.startup_timeout_s");
+  r.run.time_limit = c.s("run.time_limit");
+  if (!r.run.time_limit.empty()) {
+    if (auto minutes = parse_time_limit_minutes(r.run.time_limit)) r.run.time_limit_minutes = *minutes;
+    else c.error("run.time_limit", "cannot read \"" + r.run.time_limit + "\" as a time limit", "write minutes (\"90\"), \"H:MM:SS\" (\"2:00:00\") or \"D-HH:MM:SS\" (\"1-12:00:00\"), above zero");
+  }
+  r.slurm.partition = c.s("slurm.partition");
+  r.slurm.account = c.s("slurm.account");
+  r.slurm.qos = c.s("slurm.qos");
+  r.slurm.constraint = c.s("slurm.constraint");
+  r.slurm.sbatch = c.strings("slurm.sbatch");
+  for (const std::string& line : r.slurm.sbatch)
+    if (line.rfind("--", 0) != 0 || line.find('\n') != std::string::npos)
+      c.error("slurm.sbatch", "\"" + line + "\" is not one sbatch option", "write each option as sbatch takes it, starting with --, e.g. \"--exclusive\"");
   if (r.run.startup_timeout_s > 0 && r.run.startup_timeout_s < r.run.step_timeout_s && c.written("run.startup_timeout_s"))
     c.warning("run.startup_timeout_s", "start-up timeout is shorter than the step timeout",
               "start-up includes rendezvous and model build; give it at least run.step_timeout_s");
@@ -525,6 +538,43 @@ std::vector<TensorSplitSize> tensor_split_sizes(const ModelSpec& m) {
 int ParallelOptions::data_parallel_or_auto(const HardwareSpec& h) const { return data_parallel.value_or(std::max(1, h.total_devices() / model_parallel())); }
 
 const char* to_string(Device d) { return d == Device::Cuda ? "cuda" : "cpu"; }
+
+std::optional<int64_t> parse_time_limit_minutes(const std::string& text) {
+  // [D-]fields: without a day part, 1 field is M, 2 are M:S, 3 are H:M:S; after D-, H, H:M, H:M:S.
+  std::string rest = text;
+  int64_t days = -1;
+  const size_t dash = rest.find('-');
+  if (dash != std::string::npos) {
+    const std::string d = rest.substr(0, dash);
+    if (d.empty() || d.find_first_not_of("0123456789") != std::string::npos || d.size() > 5) return std::nullopt;
+    days = std::stoll(d);
+    rest = rest.substr(dash + 1);
+  }
+  std::vector<int64_t> fields;
+  size_t at = 0;
+  while (true) {
+    const size_t colon = rest.find(':', at);
+    const std::string f = rest.substr(at, colon == std::string::npos ? std::string::npos : colon - at);
+    if (f.empty() || f.find_first_not_of("0123456789") != std::string::npos || f.size() > 7) return std::nullopt;
+    fields.push_back(std::stoll(f));
+    if (colon == std::string::npos) break;
+    at = colon + 1;
+  }
+  if (fields.size() > 3) return std::nullopt;
+  int64_t seconds = 0;
+  if (days >= 0) {
+    const int64_t h = fields[0], m = fields.size() > 1 ? fields[1] : 0, s = fields.size() > 2 ? fields[2] : 0;
+    seconds = ((days * 24 + h) * 60 + m) * 60 + s;
+  } else if (fields.size() == 1) {
+    seconds = fields[0] * 60;
+  } else if (fields.size() == 2) {
+    seconds = fields[0] * 60 + fields[1];
+  } else {
+    seconds = (fields[0] * 60 + fields[1]) * 60 + fields[2];
+  }
+  if (seconds <= 0) return std::nullopt;
+  return (seconds + 59) / 60;
+}
 const char* to_string(ModelArch a) { return a == ModelArch::ResNet ? "resnet" : "deepseek"; }
 const char* to_string(Offload o) {
   return o == Offload::Optimizer ? "optimizer" : o == Offload::OptimizerAndParams ? "optimizer+params" : "none";

@@ -22,7 +22,19 @@ struct RunOptions {
   int max_restarts = 0;
   double step_timeout_s = 600;
   double startup_timeout_s = 0;  // 0: "auto", the plan's Plan::startup_timeout_seconds
+  std::string time_limit;        // a batch job's limit as Slurm reads it ("" : the partition's default)
+  int64_t time_limit_minutes = 0;
 };
+
+// `dsrun run --slurm`: what the plan cannot know about the cluster.
+struct SlurmOptions {
+  std::string partition, account, qos, constraint;
+  std::vector<std::string> sbatch;  // further #SBATCH options
+};
+
+// Slurm's --time forms: "M", "M:S", "H:M:S", "D-H", "D-H:M", "D-H:M:S" -> whole minutes (rounded
+// up, as Slurm does); nullopt when the text is none of them or is zero.
+std::optional<int64_t> parse_time_limit_minutes(const std::string& text);
 
 enum class Device { Cpu, Cuda };
 
@@ -250,6 +262,7 @@ struct Recipe {
   CheckpointOptions checkpoint;
   LoggingOptions logging;
   HookOptions hooks;
+  SlurmOptions slurm;
 };
 
 // The model sizes tensor parallelism splits, each of which its degree must divide: the recipe's

@@ -60,6 +60,9 @@ std::vector<KeySpec> build_schema() {
       ranged("run.startup_timeout_s", T::FloatOrAuto, "\"auto\"", 1, 1e7,
              "Time allowed from launch to the first step (rendezvous, model build, data). `auto`: 120 s plus what the plan expects start-up to take "
              "(building or reading the model's fp32 weights at 0.5 GB/s, mapping the data), shown in the plan."),
+      key("run.time_limit", T::String, "\"\"",
+          "Wall-clock limit of a batch job (`dsrun run --slurm`), as Slurm's --time: minutes (\"90\"), \"H:MM:SS\" or \"D-HH:MM:SS\". "
+          "Empty: the partition's default. Checkpoint often enough to lose little when it is reached."),
 
       // ---- hardware
       key("hardware.name", T::String, "\"cpu\"", "Label of the hardware profile."),
@@ -253,6 +256,13 @@ std::vector<KeySpec> build_schema() {
       ranged("hooks.instruction_limit", T::Int, "10000000", 1000, 1e12, "Lua instructions allowed per hook call."),
       ranged("hooks.time_limit_s", T::Float, "10", 0.01, 3600, "Wall-clock seconds allowed per hook call."),
       ranged("hooks.memory_limit_mb", T::Float, "64", 0.1, 1e6, "Memory the Lua state may use."),
+
+      // ---- slurm
+      key("slurm.partition", T::String, "\"\"", "Partition (`sbatch --partition`); empty: the cluster's default."),
+      key("slurm.account", T::String, "\"\"", "Account charged (`sbatch --account`); empty: the user's default."),
+      key("slurm.qos", T::String, "\"\"", "Quality of service (`sbatch --qos`)."),
+      key("slurm.constraint", T::String, "\"\"", "Node features required (`sbatch --constraint`, e.g. \"h100\")."),
+      key("slurm.sbatch", T::StringList, "[]", "Further `#SBATCH` options, one per entry, e.g. [\"--exclusive\", \"--mail-type=END\"]."),
   };
 }
 
@@ -273,6 +283,7 @@ const std::vector<SectionSpec>& recipe_sections() {
       {"checkpoint", "Sharded checkpoints."},
       {"logging", "Metrics and logs."},
       {"hooks", "Optional Lua hooks. Free-form options for the script go in [hooks.options]."},
+      {"slurm", "Batch-job options for `dsrun run --slurm` and `dsrun sweep --slurm` (nodes, tasks and GPUs come from the plan)."},
   };
   return sections;
 }

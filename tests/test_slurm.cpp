@@ -1,0 +1,223 @@
+// dsrun on a real one-node Slurm cluster (slurmctld, slurmd, munge; tests/servers/slurm_cluster.sh)
+// started by the test process: `dsrun run --slurm` to the end, `dsrun cancel`, a requeued job
+// resuming under the same run, Slurm's rejections and a job that vanished. Skipped, saying so,
+// where Slurm is not installed (./setup.sh --with-test-tools installs it).
+#include "storage/store.hpp"
+#include "store_backends.hpp"
+#include "test_util.hpp"
+
+#include <catch2/catch.hpp>
+#include <unistd.h>
+
+#include <functional>
+
+using dsrun::test::CommandOutput;
+using dsrun::test::contains;
+using dsrun::test::run_command;
+using dsrun::test::source_dir;
+using dsrun::test::TempDir;
+
+namespace {
+
+class SlurmCluster {
+ public:
+  static SlurmCluster& get() {
+    static SlurmCluster cluster;
+    return cluster;
+  }
+  bool available() const { return !conf_.empty(); }
+  const std::string& skip_reason() const { return skip_reason_; }
+  // A shell prefix that points Slurm's commands (and the jobs, which inherit it) at this cluster.
+  std::string env() const { return "SLURM_CONF='" + conf_ + "' PATH=\"$PATH:/usr/sbin\" "; }
+
+  ~SlurmCluster() {
+    if (available() && ::getpid() == owner_) run_command(script() + " stop " + dir_.path() + "/slurm");
+  }
+
+ private:
+  SlurmCluster() : owner_(::getpid()) {
+    CommandOutput probe = run_command(script() + " available");
+    if (probe.code != 0) {
+      skip_reason_ = probe.text;
+      return;
+    }
+    // Jobs of other tests' clusters may share the 2 cores: 4 CPUs lets a 2-task job start at once.
+    CommandOutput started = run_command("SLURM_CLUSTER_CPUS=4 " + script() + " start " + dir_.path() + "/slurm");
+    if (started.code != 0) {
+      skip_reason_ = "skipped: the Slurm cluster did not start: " + started.text;
+      return;
+    }
+    conf_ = dir_.path() + "/slurm/slurm.conf";
+  }
+  static std::string script() { return source_dir() + "/tests/servers/slurm_cluster.sh"; }
+
+  TempDir dir_;
+  std::string conf_, skip_reason_;
+  pid_t owner_;
+};
+
+bool skip_without_slurm() {
+  if (SlurmCluster::get().available()) return false;
+  WARN(SlurmCluster::get().skip_reason());
+  return true;
+}
+
+// Run directories go beside a SQLite store; with a server store, under this process's own folder.
+std::string runs_dir_for(const std::string& db) {
+  static TempDir server_runs;
+  return dsrun::is_postgres_location(db) ? server_runs.path() : dsrun::parent_directory(db);
+}
+
+CommandOutput dsrun_cli(const std::string& db, const std::string& args) {
+  return run_command("cd '" + source_dir() + "' && DSRUN_RUNS_DIR='" + runs_dir_for(db) + "' " + SlurmCluster::get().env() + "timeout 300 '" DSRUN_BINARY "' " +
+                     args + " --db '" + db + "'");
+}
+
+// The run id from `dsrun run --slurm`'s "run ID submitted to Slurm as job J".
+std::string submitted_run(const CommandOutput& out) {
+  const size_t at = out.text.find("\nrun ");
+  REQUIRE(at != std::string::npos);
+  return out.text.substr(at + 5, 8);
+}
+
+// Polls the store (as `dsrun show` does, which also asks Slurm) until `done` or `seconds` pass.
+bool wait_for(const std::string& db, const std::string& id, double seconds, const std::function<bool(dsrun::Store&, const dsrun::RunRecord&)>& done) {
+  for (double waited = 0; waited < seconds; waited += 0.5) {
+    dsrun_cli(db, "show " + id);  // brings the job's state from Slurm into the store
+    dsrun::Store store(db);
+    if (done(store, store.get_run(id))) return true;
+    ::usleep(500000);
+  }
+  return false;
+}
+
+int64_t last_step(dsrun::Store& store, const std::string& id) {
+  const auto latest = store.latest_metrics(id);
+  return latest.count("loss") ? latest.at("loss").step : 0;
+}
+
+// The store the jobs report into: the team's PostgreSQL when the test machine has it.
+std::string shared_store(const TempDir& dir) {
+  dsrun::test::PostgresServer& pg = dsrun::test::PostgresServer::get();
+  return pg.available() ? pg.new_database() : dir.file("runs/dsrun.db");
+}
+
+const std::string kQuick = " recipes/quickstart.toml --set run.steps=30 --set checkpoint.every=10 --set eval.every=0 --set logging.tensorboard=false";
+const std::string kLong = " recipes/quickstart.toml --set run.steps=100000 --set checkpoint.every=10 --set checkpoint.keep_last=2 --set eval.every=0"
+                          " --set logging.tensorboard=false --set schedule.name=\\\"constant\\\"";
+
+}  // namespace
+
+TEST_CASE("dsrun run --slurm: the quickstart's 2 tasks finish as one run with its metrics, checkpoints and job id", "[slurm]") {
+  if (skip_without_slurm()) return;
+  TempDir dir;
+  const std::string db = shared_store(dir);
+  CommandOutput out = dsrun_cli(db, "run --slurm" + kQuick);
+  INFO(out.text);
+  REQUIRE(out.code == 0);
+  CHECK(contains(out.text, "submitted to Slurm as job "));
+  const std::string id = submitted_run(out);
+  CHECK(wait_for(db, id, 180, [](dsrun::Store&, const dsrun::RunRecord& r) { return r.status != dsrun::RunStatus::Planned && r.status != dsrun::RunStatus::Running; }));
+  dsrun::Store store(db);
+  const dsrun::RunRecord r = store.get_run(id);
+  INFO(dsrun_cli(db, "show " + id).text);
+  CHECK(r.status == dsrun::RunStatus::Finished);
+  CHECK(store.count_runs() == 1);  // the ranks reported into the run dsrun run recorded
+  CHECK_FALSE(r.job_id.empty());
+  CHECK(store.metric_history(id, "loss").size() == 30);
+  CHECK(store.checkpoints(id).size() >= 3);
+  const auto nodes = store.nodes(id);
+  REQUIRE(nodes.size() == 1);
+  CHECK(nodes[0].status == "finished");
+  CHECK(wait_for(db, id, 60, [](dsrun::Store&, const dsrun::RunRecord& run) { return run.job_state == "COMPLETED"; }));
+  CHECK(contains(dsrun_cli(db, "show " + id).text, "job         " + r.job_id + " COMPLETED"));
+  // The job script holds the plan's shape.
+  const std::string script = dsrun::read_file(dsrun::path_join(runs_dir_for(db), id + "/job.sh"));
+  CHECK(contains(script, "#SBATCH --ntasks-per-node=2"));
+  CHECK(contains(script, "#SBATCH --requeue"));
+}
+
+TEST_CASE("dsrun cancel of a Slurm run mid-run records it killed, and a requeued job resumes from its checkpoint under the same run", "[slurm]") {
+  if (skip_without_slurm()) return;
+  TempDir dir;
+  const std::string db = dir.file("runs/dsrun.db");
+  CommandOutput out = dsrun_cli(db, "run --slurm" + kLong);
+  INFO(out.text);
+  REQUIRE(out.code == 0);
+  const std::string id = submitted_run(out);
+  // A checkpoint first, then Slurm requeues the job (as preemption or a node failure would).
+  REQUIRE(wait_for(db, id, 180, [](dsrun::Store& s, const dsrun::RunRecord& r) { return !s.checkpoints(r.id).empty() && r.status == dsrun::RunStatus::Running; }));
+  const std::string job = dsrun::Store(db).get_run(id).job_id;
+  int64_t saved = 0;
+  {
+    dsrun::Store store(db);
+    saved = store.checkpoints(id).back().step;
+  }
+  CommandOutput requeue = run_command(SlurmCluster::get().env() + "scontrol requeue " + job + " && sleep 2 && " + SlurmCluster::get().env() +
+                                      "scontrol update JobId=" + job + " StartTime=now");
+  INFO(requeue.text);
+  REQUIRE(requeue.code == 0);
+  REQUIRE(wait_for(db, id, 180, [&](dsrun::Store& s, const dsrun::RunRecord& r) {
+    bool resumed = false;
+    for (const auto& e : s.events(r.id)) resumed |= e.kind == "requeued";
+    return resumed && r.status == dsrun::RunStatus::Running && last_step(s, r.id) > saved;
+  }));
+  {
+    dsrun::Store store(db);
+    CHECK(store.count_runs() == 1);  // the same run, not a new one
+    bool from_checkpoint = false;
+    for (const auto& e : store.events(id)) from_checkpoint |= e.kind == "launch" && contains(e.message, "resuming from");
+    CHECK(from_checkpoint);
+  }
+  // dsrun cancel: scancel; the ranks stop and the run is killed.
+  CommandOutput cancel = dsrun_cli(db, "cancel " + id);
+  INFO(cancel.text);
+  CHECK(cancel.code == 0);
+  CHECK(contains(cancel.text, "cancelled Slurm job " + job));
+  CHECK(wait_for(db, id, 120, [](dsrun::Store&, const dsrun::RunRecord& r) { return r.status == dsrun::RunStatus::Killed; }));
+  CHECK(wait_for(db, id, 60, [](dsrun::Store&, const dsrun::RunRecord& r) { return r.job_state == "CANCELLED"; }));
+}
+
+TEST_CASE("Slurm faults: a rejected job says Slurm's reason, a job Slurm forgot is marked lost at its last step, no sbatch is a clear error", "[slurm]") {
+  TempDir dir;
+  const std::string db = dir.file("runs/dsrun.db");
+  // Without Slurm's commands on PATH (no cluster needed).
+  CommandOutput none = run_command("cd '" + source_dir() + "' && PATH=/nonexistent '" DSRUN_BINARY "' run --slurm" + kQuick + " --db '" + db + "'");
+  INFO(none.text);
+  CHECK(none.code == 1);
+  CHECK(contains(none.text, "no sbatch on PATH"));
+  CHECK(contains(none.text, "without --slurm"));
+  if (skip_without_slurm()) return;
+  CommandOutput rejected = dsrun_cli(db, "run --slurm" + kQuick + " --set slurm.partition=\\\"nosuch\\\"");
+  INFO(rejected.text);
+  CHECK(rejected.code == 1);
+  CHECK(contains(rejected.text, "Invalid partition name specified"));
+  CHECK(contains(rejected.text, "[slurm]"));
+  {
+    dsrun::Store store(db);
+    const auto runs = store.list_runs({});
+    REQUIRE(runs.size() >= 1);
+    CHECK(runs[0].status == dsrun::RunStatus::Failed);
+    CHECK(contains(runs[0].error, "not submitted"));
+  }
+  // A running run whose job Slurm no longer knows (it aged out, or the cluster was rebuilt).
+  std::string id;
+  {
+    dsrun::Store store(db);
+    dsrun::NewRun run;
+    run.name = "vanished";
+    run.recipe_text = run.config_toml = "x";
+    id = store.create_run(run);
+    store.set_status(id, dsrun::RunStatus::Running);
+    store.add_metrics(id, 17, {{"loss", 2.5}});
+    store.set_job(id, "987654", "RUNNING", "vm", "");
+  }
+  CommandOutput history = dsrun_cli(db, "history");
+  INFO(history.text);
+  dsrun::Store store(db);
+  const dsrun::RunRecord lost = store.get_run(id);
+  CHECK(lost.status == dsrun::RunStatus::Lost);
+  CHECK(contains(lost.error, "gone from Slurm's queue"));
+  CHECK(contains(lost.error, "at step 17"));
+  CHECK(lost.job_state == "UNKNOWN");
+}
