@@ -401,7 +401,15 @@ int command_run(const RecipeArgs& given, const RunFlags& flags, const std::strin
     run.trial_params = std::getenv("DSRUN_TRIAL_PARAMS") ? std::getenv("DSRUN_TRIAL_PARAMS") : "";
     run.name += " #" + std::to_string(run.trial_index);
   }
-  std::string id = store.create_run(run);
+  // A Slurm sweep's task recorded the trial's run when it claimed it; this fills in the plan.
+  const char* claimed = std::getenv("DSRUN_TRIAL_RUN");
+  std::string id;
+  if (claimed && *claimed) {
+    id = claimed;
+    store.complete_run(id, run);
+  } else {
+    id = store.create_run(run);
+  }
   if (flags.nnodes > 1) store.set_job(id, job_key(flags.master_addr, flags.master_port), "", "", "");
   if (!rejected.empty()) {
     store.set_status(id, RunStatus::Infeasible, "rejected by on_plan: " + rejected);

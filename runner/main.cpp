@@ -131,6 +131,8 @@ int main(int argc, char** argv) {
   sweep->add_option("--show", sweep_args.show, "Print a sweep's leaderboard");
   sweep->add_flag("--json", sweep_args.json, "With --show: JSON");
   sweep->add_flag("--csv", sweep_args.csv, "With --show: CSV");
+  sweep->add_flag("--slurm", sweep_args.slurm, "Submit the trials as a Slurm job array, sweep.concurrency at a time, and return");
+  sweep->add_option("--slurm-task", sweep_args.slurm_task, "(inside the job array) claim and run this sweep's trials")->group("");
 
   std::string run_id;
   CLI::App* show = app.add_subcommand("show", "Show one run whole: recipe, config, plan, metrics, events");

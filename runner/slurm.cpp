@@ -102,6 +102,7 @@ std::string sbatch_script(const SlurmJobSpec& job) {
   directive("--nodes=" + std::to_string(job.nodes));
   directive("--ntasks-per-node=" + std::to_string(job.tasks_per_node));
   if (job.gpus_per_node > 0) directive("--gpus-per-node=" + std::to_string(job.gpus_per_node));
+  if (job.cpus_per_task > 0) directive("--cpus-per-task=" + std::to_string(job.cpus_per_task));
   if (job.time_limit_minutes > 0) directive("--time=" + minutes_text(job.time_limit_minutes));
   if (!job.options.partition.empty()) directive("--partition=" + job.options.partition);
   if (!job.options.account.empty()) directive("--account=" + job.options.account);

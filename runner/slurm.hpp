@@ -17,6 +17,7 @@ namespace dsrun {
 struct SlurmJobSpec {
   std::string name;
   int nodes = 1, tasks_per_node = 1, gpus_per_node = 0;
+  int cpus_per_task = 0;           // 0: Slurm's default (one)
   int64_t time_limit_minutes = 0;  // 0: the partition's default
   SlurmOptions options;
   std::string output;              // the job's log (%j: job id, %a: array task)

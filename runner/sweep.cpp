@@ -7,6 +7,7 @@
 #include "engine/recipe/load.hpp"
 #include "engine/sweep/sweep.hpp"
 #include "runner/launcher.hpp"
+#include "runner/slurm.hpp"
 #include "runner/terminal.hpp"
 #include "storage/store.hpp"
 
@@ -433,9 +434,206 @@ class SweepDriver {
   bool target_reached_ = false;
 };
 
+// `dsrun sweep --slurm`: one job array, a task per trial and at most sweep.concurrency at once;
+// each task claims trials from the store (run_slurm_sweep_task). Every task gets one node with
+// the cores (or GPUs) a trial's ranks need.
+int submit_sweep_to_slurm(const SweepSpec& spec, Store& store, const SweepRecord& sweep, const std::string& db_path, const std::vector<std::string>& sets) {
+  LoadOptions options;
+  options.overrides = sets;
+  const LoadedRecipe base = load_recipe_file(sweep.recipe_path, options);
+  const Plan plan = make_plan(base.recipe, read_host_facts());
+  SlurmJobSpec job;
+  job.name = "dsrun-sweep-" + sweep.name;
+  job.nodes = 1;
+  job.tasks_per_node = 1;
+  job.cpus_per_task = base.recipe.hardware.device == Device::Cuda ? 0 : plan.ranks_per_node;
+  job.gpus_per_node = base.recipe.hardware.device == Device::Cuda ? plan.ranks_per_node : 0;
+  job.time_limit_minutes = base.recipe.run.time_limit_minutes;
+  job.options = base.recipe.slurm;
+  job.array = "0-" + std::to_string(trial_budget(spec) - 1) + "%" + std::to_string(spec.concurrency);
+  const std::string dir = absolute(path_join(runs_directory(db_path), "sweeps/" + sweep.id));
+  make_directories(dir);
+  job.output = path_join(dir, "task-%a.out");
+  job.requeue = false;  // a killed task's trial is taken up by the next task instead
+  job.env = {{"DSRUN_DB", is_postgres_location(db_path) ? db_path : absolute(db_path)}, {"DSRUN_RUNS_DIR", absolute(runs_directory(db_path))}};
+  job.task_command = shell_quote(self_executable()) + " sweep --slurm-task " + sweep.id;
+  const std::string script = path_join(dir, "job.sh");
+  write_file_atomic(script, sbatch_script(job));
+  std::string job_id;
+  try {
+    job_id = submit_job(script);
+  } catch (const Error& e) {
+    store.update_sweep(sweep.id, "failed", "", "not submitted: " + e.describe(), 0);
+    throw;
+  }
+  store.set_sweep_job(sweep.id, job_id);
+  store.update_sweep(sweep.id, "running", "", "", 0);
+  std::cout << "sweep " << sweep.id << " submitted to Slurm as job array " << job_id << " (" << trial_budget(spec) << " task(s), at most " << spec.concurrency
+            << " at a time); task logs in " << dir << "\nfollow it: dsrun sweep --show " << sweep.id << "   dsrun history --sweep " << sweep.id << "\n";
+  return 0;
+}
+
+// A trial of a Slurm sweep is attempted at most this often (a killed array task's trial runs again).
+constexpr int kSlurmTrialAttempts = 2;
+
+// The next trial for an array task, decided and recorded in one transaction: the lowest index no
+// run holds (planned, running, or ended other than killed or lost) with attempts left, its
+// parameters from the trials already in the store (TPE). Two tasks never get the same trial: the
+// second one's transaction sees the first one's run. nullopt: nothing left to run.
+struct ClaimedTrial {
+  int64_t index = 0;
+  TrialParams params;
+  std::string run_id;
+};
+std::optional<ClaimedTrial> claim_trial(Store& store, const SweepSpec& spec, const SweepRecord& sweep, const std::string& job_id) {
+  std::optional<ClaimedTrial> claim;
+  store.transaction([&] {
+    claim.reset();
+    const int64_t budget = trial_budget(spec);
+    std::vector<int> attempts(static_cast<size_t>(budget), 0);
+    std::vector<bool> held(static_cast<size_t>(budget), false);
+    std::vector<TrialOutcome> finished;
+    for (const auto& r : store.sweep_trials(sweep.id)) {
+      if (r.trial_index < 0 || r.trial_index >= budget) continue;
+      const size_t i = static_cast<size_t>(r.trial_index);
+      ++attempts[i];
+      held[i] = held[i] || (r.status != RunStatus::Killed && r.status != RunStatus::Lost);
+      if (r.status == RunStatus::Finished)
+        if (auto o = objective_of(store, spec, r.id)) finished.push_back({params_of(r), *o});
+    }
+    for (int64_t i = 0; i < budget; ++i) {
+      if (held[static_cast<size_t>(i)] || attempts[static_cast<size_t>(i)] >= kSlurmTrialAttempts) continue;
+      ClaimedTrial c;
+      c.index = i;
+      c.params = next_trial(spec, i, finished);
+      nlohmann::json params_json = nlohmann::json::object();
+      for (const auto& [k, v] : c.params) params_json[k] = v;
+      NewRun run;
+      run.name = sweep.name + " #" + std::to_string(i);
+      run.recipe_path = sweep.recipe_path;
+      run.recipe_text = sweep.recipe_text;
+      run.sweep_id = sweep.id;
+      run.trial_index = i;
+      run.trial_params = params_json.dump();
+      run.host = read_host_facts().hostname;
+      c.run_id = store.create_run(run);
+      store.set_job(c.run_id, job_id, "RUNNING", "", "");
+      claim = c;
+      return;
+    }
+  });
+  return claim;
+}
+
+// One task of a sweep's job array: claims trials until none is left, runs each as `dsrun run`
+// (its own launcher, its ranks on this node), prunes it from the store's curves as the local
+// sweep would, and the task that finds the sweep complete records it finished.
+int run_slurm_sweep_task(Store& store, const std::string& sweep_query, const std::string& db_path) {
+  struct sigaction sa {};
+  sa.sa_handler = on_sweep_interrupt;
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  const SweepRecord sweep = store.get_sweep(sweep_query);
+  const nlohmann::json stored = nlohmann::json::parse(sweep.spec_json);
+  const SweepSpec spec = sweep_spec_from_json(stored);
+  const std::vector<std::string> base_sets = stored.contains("base_sets") ? stored["base_sets"].get<std::vector<std::string>>() : std::vector<std::string>{};
+  const char* array_job = std::getenv("SLURM_ARRAY_JOB_ID");
+  const char* array_task = std::getenv("SLURM_ARRAY_TASK_ID");
+  const std::string job_id = array_job && array_task ? std::string(array_job) + "_" + array_task : std::getenv("SLURM_JOB_ID") ? std::getenv("SLURM_JOB_ID") : "";
+  const std::string log_dir = path_join(runs_directory(db_path), "sweeps/" + sweep.id);
+  make_directories(log_dir);
+  int trials = 0;
+  while (!sweep_interrupted) {
+    std::optional<ClaimedTrial> claim = claim_trial(store, spec, sweep, job_id);
+    if (!claim) break;
+    ++trials;
+    nlohmann::json params_json = nlohmann::json::object();
+    for (const auto& [k, v] : claim->params) params_json[k] = v;
+    std::vector<std::string> args = {self_executable(), "run", sweep.recipe_path, "--db", db_path, "--set", "logging.progress=false"};
+    for (const auto& s : base_sets) args.insert(args.end(), {"--set", s});
+    for (const auto& s : trial_overrides(claim->params)) args.insert(args.end(), {"--set", s});
+    std::cout << "task " << job_id << ": trial " << claim->index + 1 << "/" << trial_budget(spec) << " as run " << claim->run_id << " ("
+              << describe_params(claim->params) << ")\n" << std::flush;
+    const pid_t pid = ::fork();
+    if (pid < 0) fail_at(__FILE__, __LINE__, "fork failed");
+    if (pid == 0) {
+      ::setpgid(0, 0);
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      const std::string log = path_join(log_dir, "trial" + std::to_string(claim->index) + ".log");
+      int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+      if (fd >= 0) {
+        ::dup2(fd, 1);
+        ::dup2(fd, 2);
+      }
+      ::setenv("DSRUN_SWEEP_ID", sweep.id.c_str(), 1);
+      ::setenv("DSRUN_TRIAL_INDEX", std::to_string(claim->index).c_str(), 1);
+      ::setenv("DSRUN_TRIAL_PARAMS", params_json.dump().c_str(), 1);
+      ::setenv("DSRUN_TRIAL_RUN", claim->run_id.c_str(), 1);
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      ::execv(argv[0], argv.data());
+      _exit(127);
+    }
+    bool prune_sent = false, stop_sent = false;
+    int exit_status = 0;
+    while (true) {
+      if (::waitpid(pid, &exit_status, WNOHANG) == pid) break;
+      if (sweep_interrupted && !stop_sent) {
+        ::kill(pid, SIGTERM);  // the trial's launcher stops its ranks and records the run killed
+        stop_sent = true;
+      }
+      if (!prune_sent && spec.pruning.method != PruneMethod::None) {
+        std::map<std::string, Curve> curves;
+        for (const auto& r : store.sweep_trials(sweep.id)) {
+          if (r.status == RunStatus::Infeasible) continue;
+          Curve c;
+          for (const auto& m : store.metric_history(r.id, spec.metric)) c.push_back({m.step, m.value});
+          curves[r.id] = c;
+        }
+        std::vector<Curve> others;
+        for (const auto& [id, c] : curves)
+          if (id != claim->run_id) others.push_back(c);
+        if (auto reason = prune_reason(spec.pruning, spec.maximize, curves[claim->run_id], others)) {
+          store.add_event(claim->run_id, "pruned", -1, *reason);
+          ::kill(pid, SIGUSR2);
+          prune_sent = true;
+        }
+      }
+      ::usleep(500000);
+    }
+    RunRecord r = store.get_run(claim->run_id);
+    if (r.status == RunStatus::Planned) {  // its `dsrun run` ended before it started the ranks
+      const int code = WIFEXITED(exit_status) ? WEXITSTATUS(exit_status) : 128 + WTERMSIG(exit_status);
+      store.set_status(r.id, RunStatus::Failed, "dsrun run exited with code " + std::to_string(code) + " before starting; see " +
+                                                    path_join(log_dir, "trial" + std::to_string(claim->index) + ".log"));
+      r = store.get_run(claim->run_id);
+    }
+    std::cout << "task " << job_id << ": trial " << claim->index + 1 << " " << to_string(r.status) << (r.error.empty() ? "" : ": " + r.error) << "\n" << std::flush;
+  }
+  // Nothing left to claim: when no trial is still planned or running, the sweep is complete.
+  store.transaction([&] {
+    std::string best;
+    double best_value = 0;
+    for (const auto& r : store.sweep_trials(sweep.id)) {
+      if (r.status == RunStatus::Planned || r.status == RunStatus::Running) return;
+      if (r.status != RunStatus::Finished) continue;
+      if (auto o = objective_of(store, spec, r.id))
+        if (best.empty() || (spec.maximize ? *o > best_value : *o < best_value)) best = r.id, best_value = *o;
+    }
+    if (!sweep_interrupted && store.get_sweep(sweep.id).status == "running") store.update_sweep(sweep.id, "finished", best, "", 0);
+  });
+  std::cout << "task " << job_id << ": " << trials << " trial(s) run, nothing left to claim\n";
+  return sweep_interrupted ? 130 : 0;
+}
+
 }  // namespace
 
 int command_sweep(const SweepArgs& args, const std::string& db_path) {
+  if (!args.slurm_task.empty()) {
+    Store store(db_path);
+    return run_slurm_sweep_task(store, args.slurm_task, db_path);
+  }
   if (!args.show.empty() || !args.resume.empty()) {
     if (!store_exists(db_path)) throw Error("no run store here", ErrorContext{db_path, 0, 0, "", -1, "pass --db"});
   }
@@ -526,6 +724,7 @@ int command_sweep(const SweepArgs& args, const std::string& db_path) {
   }
   nlohmann::json stored = nlohmann::json::parse(sweep.spec_json);
   if (stored.contains("base_sets") && args.resume.size()) sets = stored["base_sets"].get<std::vector<std::string>>();
+  if (args.slurm) return submit_sweep_to_slurm(spec, store, sweep, db_path, sets);
   SweepDriver driver(spec, store, sweep, db_path, sets);
   return driver.run();
 }

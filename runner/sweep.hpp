@@ -13,6 +13,8 @@ struct SweepArgs {
   std::string resume;             // --resume SWEEP: continue that sweep
   std::string show;               // --show SWEEP: print its leaderboard only
   bool json = false, csv = false; // leaderboard format
+  bool slurm = false;             // submit the trials as a Slurm job array (at most sweep.concurrency at once)
+  std::string slurm_task;         // --slurm-task SWEEP: one array task (claims and runs trials from the store)
 };
 
 int command_sweep(const SweepArgs& args, const std::string& db_path);

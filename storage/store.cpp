@@ -441,6 +441,13 @@ std::string Store::create_run(const NewRun& run) {
   return id;
 }
 
+void Store::complete_run(const std::string& run_id, const NewRun& run) {
+  db_->query("UPDATE runs SET recipe_path = ?, recipe_text = ?, config_toml = ?, plan_json = ?, plan_text = ?, model = ?, hardware = ?, zero_stage = ?, "
+             "world_size = ?, host = ?, git_revision = ?, config_json = ? WHERE id = ?",
+             {run.recipe_path, run.recipe_text, run.config_toml, run.plan_json, run.plan_text, run.model, run.hardware, run.zero_stage, run.world_size, run.host,
+              SqlValue::text_or_null(run.git_revision), SqlValue::text_or_null(run.config_json), run_id});
+}
+
 void Store::set_status(const std::string& run_id, RunStatus status, const std::string& error) {
   db_->transaction([&] {
     RunStatus from = get_run(run_id).status;

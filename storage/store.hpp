@@ -130,6 +130,8 @@ class Store {
 
   std::string create_run(const NewRun& run);  // returns the new run's id
   void set_status(const std::string& run_id, RunStatus status, const std::string& error = "");
+  // A run recorded ahead of its plan (a Slurm sweep's claimed trial): the plan and config now.
+  void complete_run(const std::string& run_id, const NewRun& run);
   void add_metrics(const std::string& run_id, int64_t step, const std::vector<std::pair<std::string, double>>& values);
   // The launcher is alive: records the time, and its host and process (a resume may run elsewhere).
   void run_heartbeat(const std::string& run_id, const std::string& host, int64_t pid);

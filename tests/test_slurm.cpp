@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <functional>
+#include <set>
 
 using dsrun::test::CommandOutput;
 using dsrun::test::contains;
@@ -220,4 +221,44 @@ TEST_CASE("Slurm faults: a rejected job says Slurm's reason, a job Slurm forgot 
   CHECK(contains(lost.error, "gone from Slurm's queue"));
   CHECK(contains(lost.error, "at step 17"));
   CHECK(lost.job_state == "UNKNOWN");
+}
+
+TEST_CASE("dsrun sweep --slurm: a 6-trial job array, 2 at a time, into the shared store runs every trial once and prunes with ASHA", "[slurm][sweep]") {
+  if (skip_without_slurm()) return;
+  TempDir dir;
+  const std::string db = shared_store(dir);
+  const std::string recipe = dir.write("lr.toml", "base = \"" + source_dir() + "/tests/recipes/tiny_train.toml\"\n"
+                                                  "[run]\nsteps = 60\n[checkpoint]\nat_end = false\n[parallel]\ndata_parallel = 1\n"
+                                                  "[hardware]\ndevices_per_node = 1\n[schedule]\nname = \"constant\"\n"
+                                                  "[sweep]\nmethod = \"grid\"\nconcurrency = 2\n[sweep.objective]\nmetric = \"loss\"\n"
+                                                  "[sweep.pruning]\nmethod = \"asha\"\ngrace_steps = 2\nreduction_factor = 2\n"
+                                                  "[sweep.parameters]\n\"optimizer.lr\" = [3e-3, 1e-7, 2e-3, 1e-7, 1e-3, 1e-7]\n");
+  CommandOutput out = dsrun_cli(db, "sweep '" + recipe + "' --slurm");
+  INFO(out.text);
+  REQUIRE(out.code == 0);
+  const size_t at = out.text.find("sweep s");
+  REQUIRE(at != std::string::npos);
+  const std::string sweep_id = out.text.substr(at + 6, 8);
+  CHECK(contains(out.text, "job array"));
+  bool done = false;
+  for (int i = 0; i < 360 && !done; ++i) {
+    dsrun::Store store(db);
+    done = store.get_sweep(sweep_id).status == "finished";
+    if (!done) ::usleep(500000);
+  }
+  INFO(dsrun_cli(db, "sweep --show " + sweep_id).text);
+  REQUIRE(done);
+  dsrun::Store store(db);
+  const auto trials = store.sweep_trials(sweep_id);
+  REQUIRE(trials.size() == 6);  // each trial once: no index run twice, none skipped
+  std::set<int64_t> indices;
+  for (const auto& t : trials) {
+    indices.insert(t.trial_index);
+    CHECK((t.status == dsrun::RunStatus::Finished || t.status == dsrun::RunStatus::Pruned));
+    CHECK(contains(t.job_id, "_"));  // the array task that ran it
+    if (contains(t.trial_params, "1e-07")) CHECK(t.status == dsrun::RunStatus::Pruned);  // hopeless learning rates stop early
+  }
+  CHECK(indices.size() == 6);
+  CHECK(trials[0].status == dsrun::RunStatus::Finished);  // lr 3e-3 leads from the start: never pruned
+  CHECK(store.get_sweep(sweep_id).best_run == trials[0].id);
 }
