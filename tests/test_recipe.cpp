@@ -583,3 +583,27 @@ TEST_CASE("data mixtures the ranks would refuse are refused by the recipe, at th
   REQUIRE(missing.diagnostics.size() == 1);
   CHECK(contains(missing.diagnostics[0].message, "1 of 2 sources do not exist on this machine"));
 }
+
+TEST_CASE("run.time_limit reads Slurm's --time forms, and bad time limits and sbatch lines are errors at their line", "[recipe][slurm]") {
+  CHECK(parse_time_limit_minutes("90") == 90);
+  CHECK(parse_time_limit_minutes("2:00:00") == 120);
+  CHECK(parse_time_limit_minutes("1-12:00:00") == 36 * 60);
+  CHECK(parse_time_limit_minutes("1-2") == 26 * 60);
+  CHECK(parse_time_limit_minutes("0:30") == 1);  // 30 seconds: Slurm rounds up to a minute
+  CHECK_FALSE(parse_time_limit_minutes("0"));
+  CHECK_FALSE(parse_time_limit_minutes("two hours"));
+  CHECK_FALSE(parse_time_limit_minutes("1:2:3:4"));
+  CHECK_FALSE(parse_time_limit_minutes("-5"));
+  LoadedRecipe ok = load_text("[run]\ntime_limit = \"4:00:00\"\n[slurm]\npartition = \"gpu\"\nsbatch = [\"--exclusive\"]\n");
+  CHECK(ok.ok());
+  CHECK(ok.recipe.run.time_limit_minutes == 240);
+  CHECK(ok.recipe.slurm.partition == "gpu");
+  const Diagnostic& bad = only_error(load_text("[run]\nsteps = 3\ntime_limit = \"soon\"\n"));
+  CHECK(bad.key == "run.time_limit");
+  CHECK(bad.source.line == 3);
+  CHECK(contains(bad.fix, "H:MM:SS"));
+  const Diagnostic& line = only_error(load_text("[slurm]\nsbatch = [\"exclusive\"]\n"));
+  CHECK(line.key == "slurm.sbatch");
+  CHECK(contains(line.fix, "starting with --"));
+  CHECK(only_error(load_text("[slurm]\npartiton = \"gpu\"\n")).key == "slurm.partiton");  // a typo is caught like any key's
+}
