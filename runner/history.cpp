@@ -224,7 +224,7 @@ int command_history(const HistoryArgs& a, const std::string& db_path) {
                    {"zero_stage", r.zero_stage}, {"world_size", r.world_size}, {"created_at", r.created_at},
                    {"started_at", r.started_at}, {"ended_at", r.ended_at}, {"latest_metrics", metrics}, {"sweep_id", r.sweep_id},
                    {"trial_index", r.trial_index}, {"trial_params", nlohmann::json::parse(r.trial_params.empty() ? "null" : r.trial_params, nullptr, false)},
-                   {"error", r.error}});
+                   {"error", r.error}, {"parent_run", r.parent_run}, {"job_id", r.job_id}, {"job_state", r.job_state}});
   }
   std::cout << out.dump(2) << "\n";
   return 0;

@@ -211,10 +211,17 @@ void refresh_slurm_runs(Store& store) {
     // Read again: the run may have reported its own ending since the list was made.
     const RunRecord now = store.get_run(r.id);
     if (now.status != RunStatus::Planned && now.status != RunStatus::Running) {
-      // The run said how it ended; Slurm's view of the job is only recorded beside it.
+      // The run said how it ended; Slurm's view of the job is recorded beside it, and when Slurm
+      // ended the job itself (a time limit, memory, a node), its reason is an event of the run.
       auto it = states.find(r.job_id);
-      if (it != states.end()) store.set_job(r.id, "", it->second.state, it->second.nodes, it->second.reason == "None" ? "" : it->second.reason);
-      else store.set_job(r.id, "", "UNKNOWN", "", "gone from the queue");
+      if (it == states.end()) {
+        store.set_job(r.id, "", "UNKNOWN", "", "gone from the queue");
+        continue;
+      }
+      const SlurmJobState& job = it->second;
+      store.set_job(r.id, "", job.state, job.nodes, job.reason == "None" ? "" : job.reason);
+      if (slurm_state_is_final(job.state) && job.state != "COMPLETED" && job.state != "CANCELLED" && job.state != r.job_state)
+        store.add_event(r.id, "job", -1, "Slurm ended job " + r.job_id + ": " + job.state + (job.reason.empty() || job.reason == "None" ? "" : " (" + job.reason + ")"));
       continue;
     }
     const auto metrics = store.latest_metrics(r.id);

@@ -36,9 +36,12 @@ std::string render_history(const Store& store, const std::vector<RunRecord>& run
   if (runs.empty() && filtered) return "no runs match in " + store.path() + " (dsrun history without filters lists every run)\n";
   if (runs.empty()) return "no runs yet in " + store.path() + "\n";
   TextTable t({"id", "name", "status", "model", "hardware", "zero", "ranks", "key metric", "created", "duration"});
-  for (const auto& r : runs)
-    t.add({r.id, r.name, to_string(r.status), r.model, r.hardware, std::to_string(r.zero_stage), std::to_string(r.world_size),
+  for (const auto& r : runs) {
+    // A batch job still in Slurm's hands shows its state: planned (PENDING), running (RUNNING).
+    const bool job_open = !r.job_id.empty() && !r.job_state.empty() && (r.status == RunStatus::Planned || r.status == RunStatus::Running);
+    t.add({r.id, r.name, std::string(to_string(r.status)) + (job_open ? " (" + r.job_state + ")" : ""), r.model, r.hardware, std::to_string(r.zero_stage), std::to_string(r.world_size),
            key_metric(store, r.id), format_time(r.created_at), duration_of(r)});
+  }
   return t.render();
 }
 

@@ -262,3 +262,29 @@ TEST_CASE("dsrun sweep --slurm: a 6-trial job array, 2 at a time, into the share
   CHECK(trials[0].status == dsrun::RunStatus::Finished);  // lr 3e-3 leads from the start: never pruned
   CHECK(store.get_sweep(sweep_id).best_run == trials[0].id);
 }
+
+TEST_CASE("a job Slurm stops at its time limit is never left running: TIMEOUT and Slurm's reason are recorded", "[slurm]") {
+  if (skip_without_slurm()) return;
+  TempDir dir;
+  const std::string db = dir.file("runs/dsrun.db");
+  CommandOutput out = dsrun_cli(db, "run --slurm" + kLong + " --set run.time_limit=\\\"10\\\"");
+  INFO(out.text);
+  REQUIRE(out.code == 0);
+  const std::string id = submitted_run(out);
+  CHECK(contains(dsrun::read_file(dsrun::path_join(runs_dir_for(db), id + "/job.sh")), "#SBATCH --time=0:10:00"));
+  REQUIRE(wait_for(db, id, 180, [](dsrun::Store& s, const dsrun::RunRecord& r) { return r.status == dsrun::RunStatus::Running && last_step(s, r.id) > 0; }));
+  const std::string job = dsrun::Store(db).get_run(id).job_id;
+  // The limit lowered to nothing: Slurm's next check (every 30 s at most) times the job out.
+  REQUIRE(run_command(SlurmCluster::get().env() + "scontrol update JobId=" + job + " TimeLimit=0").code == 0);
+  CHECK(wait_for(db, id, 120, [](dsrun::Store&, const dsrun::RunRecord& r) {
+    return r.status != dsrun::RunStatus::Running && r.status != dsrun::RunStatus::Planned && r.job_state == "TIMEOUT";
+  }));
+  dsrun::Store store(db);
+  const dsrun::RunRecord r = store.get_run(id);
+  CHECK((r.status == dsrun::RunStatus::Killed || r.status == dsrun::RunStatus::Failed));
+  std::string said = r.error;
+  for (const auto& e : store.events(id)) said += "\n" + e.message;
+  INFO(said);
+  CHECK(contains(said, "TIMEOUT (TimeLimit)"));
+  CHECK(contains(dsrun_cli(db, "show " + id).text, job + " TIMEOUT"));
+}

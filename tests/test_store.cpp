@@ -363,4 +363,17 @@ TEST_CASE("store copy moves every record between backends, and copying again add
   CHECK(copy_store(server, back) == 0);
   same(sqlite, back);
   CHECK(back.events(a).size() == 2);
+  // What a user sees is the same: history --json of the original and of the round trip.
+  auto history = [](const std::string& db) { return test::run_command("'" DSRUN_BINARY "' history --json --db '" + db + "'"); };
+  const test::CommandOutput before = history(dir.file("a.db")), after = history(dir.file("c.db"));
+  REQUIRE(before.code == 0);
+  CHECK(before.text == after.text);
+  CHECK(test::contains(after.text, "\"parent_run\": \"" + a + "\""));
+  CHECK(test::contains(after.text, "\"job_state\": \"COMPLETED\""));
+  // The command: copying into a new file, then again (nothing new).
+  test::CommandOutput copy = test::run_command("'" DSRUN_BINARY "' store copy '" + dir.file("a.db") + "' '" + dir.file("d.db") + "'");
+  CHECK(copy.code == 0);
+  CHECK(test::contains(copy.text, "copied 2 new run(s) of 2"));
+  copy = test::run_command("'" DSRUN_BINARY "' store copy '" + dir.file("a.db") + "' '" + dir.file("d.db") + "'");
+  CHECK(test::contains(copy.text, "copied 0 new run(s) of 2"));
 }
