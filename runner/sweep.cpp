@@ -210,6 +210,26 @@ void check_every_trial(const std::string& recipe, const SweepSpec& spec, const L
   throw Error("trials that could not start on their share of this machine:\n  " + join(problems, "\n  "), c);
 }
 
+// Every trial's curve of the sweep's metric, by run (infeasible trials never ran).
+std::map<std::string, Curve> sweep_curves(const Store& store, const SweepSpec& spec, const std::string& sweep_id) {
+  std::map<std::string, Curve> curves;
+  for (const auto& r : store.sweep_trials(sweep_id)) {
+    if (r.status == RunStatus::Infeasible) continue;
+    Curve c;
+    for (const auto& m : store.metric_history(r.id, spec.metric)) c.push_back({m.step, m.value});
+    curves[r.id] = c;
+  }
+  return curves;
+}
+
+// Whether the sweep's pruning stops `run_id` now, judged against every other trial's curve.
+std::optional<std::string> trial_prune_reason(const SweepSpec& spec, const std::map<std::string, Curve>& curves, const std::string& run_id) {
+  std::vector<Curve> others;
+  for (const auto& [id, c] : curves)
+    if (id != run_id) others.push_back(c);
+  return prune_reason(spec.pruning, spec.maximize, curves.at(run_id), others);
+}
+
 class SweepDriver {
  public:
   SweepDriver(const SweepSpec& spec, Store& store, const SweepRecord& sweep, const std::string& db_path, std::vector<std::string> base_sets)
@@ -401,19 +421,10 @@ class SweepDriver {
 
   void prune_poor_trials() {
     if (spec_.pruning.method == PruneMethod::None) return;
-    std::map<std::string, Curve> curves;
-    for (const auto& r : store_.sweep_trials(sweep_.id)) {
-      if (r.status == RunStatus::Infeasible) continue;
-      Curve c;
-      for (const auto& m : store_.metric_history(r.id, spec_.metric)) c.push_back({m.step, m.value});
-      curves[r.id] = c;
-    }
+    const std::map<std::string, Curve> curves = sweep_curves(store_, spec_, sweep_.id);
     for (auto& t : running_) {
       if (t.run_id.empty() || t.prune_sent || !curves.count(t.run_id)) continue;
-      std::vector<Curve> others;
-      for (const auto& [id, c] : curves)
-        if (id != t.run_id) others.push_back(c);
-      if (auto reason = prune_reason(spec_.pruning, spec_.maximize, curves[t.run_id], others)) prune(t, *reason);
+      if (auto reason = trial_prune_reason(spec_, curves, t.run_id)) prune(t, *reason);
     }
   }
 
@@ -584,17 +595,8 @@ int run_slurm_sweep_task(Store& store, const std::string& sweep_query, const std
         stop_sent = true;
       }
       if (!prune_sent && spec.pruning.method != PruneMethod::None) {
-        std::map<std::string, Curve> curves;
-        for (const auto& r : store.sweep_trials(sweep.id)) {
-          if (r.status == RunStatus::Infeasible) continue;
-          Curve c;
-          for (const auto& m : store.metric_history(r.id, spec.metric)) c.push_back({m.step, m.value});
-          curves[r.id] = c;
-        }
-        std::vector<Curve> others;
-        for (const auto& [id, c] : curves)
-          if (id != claim->run_id) others.push_back(c);
-        if (auto reason = prune_reason(spec.pruning, spec.maximize, curves[claim->run_id], others)) {
+        const std::map<std::string, Curve> curves = sweep_curves(store, spec, sweep.id);
+        if (auto reason = curves.count(claim->run_id) ? trial_prune_reason(spec, curves, claim->run_id) : std::nullopt) {
           store.add_event(claim->run_id, "pruned", -1, *reason);
           ::kill(pid, SIGUSR2);
           prune_sent = true;
