@@ -134,6 +134,12 @@ NewRun run_record(const LoadedRecipe& loaded, const Plan& plan, const std::strin
   return run;
 }
 
+// How a run's ending reads as the command's exit status.
+static int exit_code_of(RunStatus status) {
+  if (status == RunStatus::Finished || status == RunStatus::Pruned) return kExitOk;
+  return status == RunStatus::Killed ? static_cast<int>(kExitInterrupted) : static_cast<int>(kExitError);
+}
+
 // Launches a recorded run (from step 0, or from a checkpoint) and prints how it ended.
 int launch_and_report(const LoadedRecipe& loaded, const Plan& plan, Store& store, const std::string& id, const RunFlags& flags,
                       const std::string& db_path, const std::string& resume_from, bool accept_data_change = false) {
@@ -156,8 +162,7 @@ int launch_and_report(const LoadedRecipe& loaded, const Plan& plan, Store& store
   if (latest.count("loss")) std::cout << ": loss " << format_double(latest["loss"].value, 5) << " at step " << latest["loss"].step;
   if (latest.count("val_loss")) std::cout << ", val_loss " << format_double(latest["val_loss"].value, 5);
   std::cout << "\nsee it with: dsrun show " << id << "\n";
-  if (status == RunStatus::Finished || status == RunStatus::Pruned) return kExitOk;
-  return status == RunStatus::Killed ? static_cast<int>(kExitInterrupted) : static_cast<int>(kExitError);
+  return exit_code_of(status);
 }
 
 Store open_existing_store(const std::string& db_path) {
@@ -426,21 +431,6 @@ int command_run(const RecipeArgs& given, const RunFlags& flags, const std::strin
   return launch_and_report(loaded, plan, store, id, flags, db_path, "");
 }
 
-static SlurmJobSpec slurm_job_for(const LoadedRecipe& loaded, const Plan& plan, const std::string& name, const std::string& db_path) {
-  const Recipe& r = loaded.recipe;
-  SlurmJobSpec job;
-  job.name = "dsrun-" + name;
-  job.nodes = plan.nodes;
-  job.tasks_per_node = plan.ranks_per_node;
-  job.gpus_per_node = r.hardware.device == Device::Cuda ? plan.ranks_per_node : 0;
-  job.time_limit_minutes = r.run.time_limit_minutes;
-  job.options = r.slurm;
-  // Every node reaches the store the same way: a server URL, or a SQLite file on the shared file system.
-  const std::string store = is_postgres_location(db_path) ? db_path : absolute(db_path);
-  job.env = {{"DSRUN_DB", store}, {"DSRUN_RUNS_DIR", absolute(runs_directory(db_path))}};
-  return job;
-}
-
 // `dsrun run --slurm`: the run is recorded (planned), its resolved config and job script written
 // to its directory, and the job submitted; its ranks are `srun dsrun worker` tasks that report
 // into this store under this run's id. A job Slurm starts again resumes from the newest checkpoint.
@@ -451,7 +441,7 @@ static int submit_to_slurm(const LoadedRecipe& loaded, const Plan& plan, Store& 
     const std::string config_path = path_join(run_dir, "config.toml");
     write_file_atomic(config_path, rank_config_toml(loaded, plan));
     write_file_atomic(path_join(run_dir, "plan.json"), plan_to_json(plan));
-    SlurmJobSpec job = slurm_job_for(loaded, plan, store.get_run(id).name, db_path);
+    SlurmJobSpec job = slurm_job_from_plan(loaded.recipe, plan, "dsrun-" + store.get_run(id).name, db_path);
     job.output = path_join(run_dir, "logs/slurm-%j.out");
     job.env.push_back({"DSRUN_RUN_ID", id});
     job.env.push_back({"DSRUN_CHECKPOINT_DIR", checkpoint_root_of(loaded.recipe, run_dir, id)});
@@ -478,7 +468,7 @@ int command_cancel(const std::string& query, const std::string& db_path) {
     std::cout << "run " << r.id << " is " << to_string(r.status) << ": nothing to cancel\n";
     return kExitOk;
   }
-  if (!r.job_id.empty() && slurm_missing().empty() && std::isdigit(static_cast<unsigned char>(r.job_id[0]))) {
+  if (is_slurm_job_id(r.job_id) && slurm_missing().empty()) {
     cancel_job(r.job_id);
     store.add_event(r.id, "cancel", -1, "scancel " + r.job_id + " (dsrun cancel)");
     std::cout << "cancelled Slurm job " << r.job_id << " of run " << r.id << "\n";
@@ -748,9 +738,7 @@ int command_worker(const std::string& config_path, const std::string& db_path, b
                                                            "): resuming from step " + std::to_string(found->step));
     }
   }
-  const RunStatus status = launch_run(loaded, plan, store, id, launch);
-  if (status == RunStatus::Finished || status == RunStatus::Pruned) return kExitOk;
-  return status == RunStatus::Killed ? static_cast<int>(kExitInterrupted) : static_cast<int>(kExitError);
+  return exit_code_of(launch_run(loaded, plan, store, id, launch));
 }
 
 int command_show(const std::string& db_path, const std::string& query, bool json) {

@@ -159,9 +159,10 @@ class Supervisor {
     node_status(to_string(end.status), end.why);
     if (!o_.owns_run) {
       // Another node owns the run's status; this node's ending is its row and, when it failed, an event.
-      if (end.status != RunStatus::Finished)
+      if (end.status != RunStatus::Finished) {
         store_.add_event(run_id_, to_string(end.status), end.culprit, "node " + std::to_string(o_.node_rank) + " (" + hostname_ + "): " + end.why);
-      if (end.status != RunStatus::Finished) std::cerr << "dsrun: node " << o_.node_rank << " of run " << run_id_ << " " << to_string(end.status) << ": " << end.why << "\n";
+        std::cerr << "dsrun: node " << o_.node_rank << " of run " << run_id_ << " " << to_string(end.status) << ": " << end.why << "\n";
+      }
       return end.status;
     }
     if (end.status == RunStatus::Finished) {
@@ -177,9 +178,12 @@ class Supervisor {
   void start_ranks(const std::string& config_path, const std::string& resume_from, int restart) {
     ranks_.clear();
     stopped_early_.clear();
+    // This node's ranks are first_rank + [first_local, end_local): all of them, or under an outside
+    // launcher only the one it placed here.
     const bool single = o_.single_rank >= 0;
     const int local_world = single ? o_.local_world : (plan_.world_size + o_.nnodes - 1) / o_.nnodes;
     const int first_rank = single ? o_.single_rank - o_.local_rank : o_.node_rank * local_world;
+    const int first_local = single ? o_.local_rank : 0, end_local = single ? o_.local_rank + 1 : local_world;
     // A fresh port per attempt: the last one may linger in TIME_WAIT.
     const int port = o_.master_port > 0 ? o_.master_port : free_port();
     const std::string rank_binary = path_join(executable_directory(), "dsrun-rank");
@@ -187,7 +191,7 @@ class Supervisor {
     started_ = now_seconds();
     first_step_ = 1;
 
-    for (int local = single ? o_.local_rank : 0; local < (single ? o_.local_rank + 1 : local_world) && first_rank + local < plan_.world_size; ++local) {
+    for (int local = first_local; local < end_local && first_rank + local < plan_.world_size; ++local) {
       RankProcess p;
       p.rank = first_rank + local;
       p.log_path = path_join(o_.run_dir, "logs/rank" + std::to_string(p.rank) + ".log");
@@ -656,9 +660,9 @@ RunStatus launch_run(const LoadedRecipe& loaded, const Plan& plan, Store& store,
     const std::string why = "the launcher failed: " + (error ? error->describe() : std::string(e.what()));
     try {
       if (options.reports_node) report_node(store, run_id, options, "failed", 0, why);
-      const RunStatus now = store.get_run(run_id).status;
-      if (!options.owns_run) store.add_event(run_id, "failed", -1, "node " + std::to_string(options.node_rank) + ": " + why);
-      else if (now == RunStatus::Planned || now == RunStatus::Running) {
+      if (!options.owns_run) {
+        store.add_event(run_id, "failed", -1, "node " + std::to_string(options.node_rank) + ": " + why);
+      } else if (const RunStatus now = store.get_run(run_id).status; now == RunStatus::Planned || now == RunStatus::Running) {
         store.add_event(run_id, "failed", -1, why);
         store.set_status(run_id, RunStatus::Failed, why);
       }
@@ -676,13 +680,15 @@ std::string absolute(const std::string& path) {
   return path_join(cwd, path);
 }
 
-std::string executable_directory() {
+std::string executable_path() {
   char buf[PATH_MAX];
   ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
   if (n <= 0) fail_at(__FILE__, __LINE__, "cannot read /proc/self/exe");
   buf[n] = 0;
-  return parent_directory(buf);
+  return buf;
 }
+
+std::string executable_directory() { return parent_directory(executable_path()); }
 
 void report_node(Store& store, const std::string& run_id, const LaunchOptions& options, const std::string& status, int restarts, const std::string& error) {
   NodeReport n;

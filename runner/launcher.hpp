@@ -48,7 +48,8 @@ RunStatus launch_run(const LoadedRecipe& loaded, const Plan& plan, Store& store,
 
 // `path` from the working directory ("" and absolute paths as they are).
 std::string absolute(const std::string& path);
-// The directory of the running dsrun binary (dsrun-rank sits beside it).
+// The running dsrun binary, and its directory (dsrun-rank sits beside it).
+std::string executable_path();
 std::string executable_directory();
 
 // One node's row in the store as it goes: status starting, running, finished, failed, killed.

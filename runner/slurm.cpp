@@ -2,6 +2,7 @@
 
 #include "engine/common/error.hpp"
 #include "engine/common/text.hpp"
+#include "runner/launcher.hpp"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -75,12 +76,6 @@ bool on_path(const std::string& program) {
   return false;
 }
 
-// Slurm's job ids are numbers ("123"), array tasks "123_4": anything else (a rendezvous key) is not Slurm's.
-bool is_slurm_job_id(const std::string& id) {
-  if (id.empty() || !std::isdigit(static_cast<unsigned char>(id[0]))) return false;
-  return id.find_first_not_of("0123456789_") == std::string::npos;
-}
-
 std::string minutes_text(int64_t minutes) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%lld:%02lld:00", static_cast<long long>(minutes / 60), static_cast<long long>(minutes % 60));
@@ -88,6 +83,24 @@ std::string minutes_text(int64_t minutes) {
 }
 
 }  // namespace
+
+bool is_slurm_job_id(const std::string& id) {
+  if (id.empty() || !std::isdigit(static_cast<unsigned char>(id[0]))) return false;
+  return id.find_first_not_of("0123456789_") == std::string::npos;
+}
+
+SlurmJobSpec slurm_job_from_plan(const Recipe& r, const Plan& plan, const std::string& name, const std::string& db_path) {
+  SlurmJobSpec job;
+  job.name = name;
+  job.nodes = plan.nodes;
+  job.tasks_per_node = plan.ranks_per_node;
+  job.gpus_per_node = r.hardware.device == Device::Cuda ? plan.ranks_per_node : 0;
+  job.time_limit_minutes = r.run.time_limit_minutes;
+  job.options = r.slurm;
+  // Every node reaches the store the same way: a server URL, or a SQLite file on the shared file system.
+  job.env = {{"DSRUN_DB", is_postgres_location(db_path) ? db_path : absolute(db_path)}, {"DSRUN_RUNS_DIR", absolute(runs_directory(db_path))}};
+  return job;
+}
 
 std::string shell_quote(const std::string& s) {
   std::string q = "'";
@@ -178,7 +191,8 @@ std::map<std::string, SlurmJobState> query_jobs(const std::vector<std::string>& 
     while (std::getline(lines, line)) {
       const auto f = split(line, '|');
       if (f.size() < 4) continue;
-      out[trim(f[0])] = {trim(f[1]), trim(f[2]), trim(f[3])};
+      const std::string reason = trim(f[3]);
+      out[trim(f[0])] = {trim(f[1]), trim(f[2]), reason == "None" ? "" : reason};  // squeue says "None" for no reason
     }
   };
   if (ids.size() == 1) ask(ids[0]);
@@ -199,6 +213,12 @@ bool slurm_state_is_final(const std::string& state) {
   return std::find(f.begin(), f.end(), state) != f.end();
 }
 
+// " at step N" (the newest loss), or " before its first step".
+static std::string last_step_text(const Store& store, const std::string& run_id) {
+  const auto metrics = store.latest_metrics(run_id);
+  return metrics.count("loss") ? " at step " + std::to_string(metrics.at("loss").step) : " before its first step";
+}
+
 void refresh_slurm_runs(Store& store) {
   std::vector<RunRecord> open;
   for (auto& r : store.runs_with_open_jobs(final_slurm_states()))
@@ -210,38 +230,31 @@ void refresh_slurm_runs(Store& store) {
   for (const auto& r : open) {
     // Read again: the run may have reported its own ending since the list was made.
     const RunRecord now = store.get_run(r.id);
-    if (now.status != RunStatus::Planned && now.status != RunStatus::Running) {
-      // The run said how it ended; Slurm's view of the job is recorded beside it, and when Slurm
-      // ended the job itself (a time limit, memory, a node), its reason is an event of the run.
-      auto it = states.find(r.job_id);
-      if (it == states.end()) {
-        store.set_job(r.id, "", "UNKNOWN", "", "gone from the queue");
-        continue;
-      }
-      const SlurmJobState& job = it->second;
-      store.set_job(r.id, "", job.state, job.nodes, job.reason == "None" ? "" : job.reason);
-      if (slurm_state_is_final(job.state) && job.state != "COMPLETED" && job.state != "CANCELLED" && job.state != r.job_state)
-        store.add_event(r.id, "job", -1, "Slurm ended job " + r.job_id + ": " + job.state + (job.reason.empty() || job.reason == "None" ? "" : " (" + job.reason + ")"));
-      continue;
-    }
-    const auto metrics = store.latest_metrics(r.id);
-    const std::string at_step = metrics.count("loss") ? " at step " + std::to_string(metrics.at("loss").step) : " before its first step";
+    const bool reported = now.status != RunStatus::Planned && now.status != RunStatus::Running;
     auto it = states.find(r.job_id);
     if (it == states.end()) {
-      const std::string why = "Slurm job " + r.job_id + " is gone from Slurm's queue with no final report from the run (last known" + at_step + ")";
       store.set_job(r.id, "", "UNKNOWN", "", "gone from the queue");
+      if (reported) continue;
+      const std::string why = "Slurm job " + r.job_id + " is gone from Slurm's queue with no final report from the run (last known" + last_step_text(store, r.id) + ")";
       store.add_event(r.id, "lost", -1, why);
       store.set_status(r.id, RunStatus::Lost, why);
       continue;
     }
     const SlurmJobState& job = it->second;
-    store.set_job(r.id, "", job.state, job.nodes, job.reason == "None" ? "" : job.reason);
+    store.set_job(r.id, "", job.state, job.nodes, job.reason);
     if (!slurm_state_is_final(job.state)) continue;
+    const std::string verdict = "Slurm ended job " + r.job_id + ": " + job.state + (job.reason.empty() ? "" : " (" + job.reason + ")");
+    if (reported) {
+      // The run said how it ended; when Slurm ended the job itself (a time limit, memory, a
+      // node), its reason becomes an event of the run, once.
+      if (job.state != "COMPLETED" && job.state != "CANCELLED" && job.state != r.job_state) store.add_event(r.id, "job", -1, verdict);
+      continue;
+    }
     // Slurm ended the job but the run never said how it ended: Slurm's verdict stands.
-    const std::string why = "Slurm ended job " + r.job_id + ": " + job.state + (job.reason.empty() || job.reason == "None" ? "" : " (" + job.reason + ")") + at_step;
-    const RunStatus status = job.state == "COMPLETED" ? RunStatus::Failed : job.state == "CANCELLED" ? RunStatus::Killed : RunStatus::Failed;
+    const std::string why = verdict + last_step_text(store, r.id);
     store.add_event(r.id, job.state == "CANCELLED" ? "killed" : "failed", -1, why);
-    store.set_status(r.id, status, job.state == "COMPLETED" ? why + ", but the run never reported finishing" : why);
+    store.set_status(r.id, job.state == "CANCELLED" ? RunStatus::Killed : RunStatus::Failed,
+                     job.state == "COMPLETED" ? why + ", but the run never reported finishing" : why);
   }
 }
 

@@ -2,6 +2,7 @@
 // processes, and the store kept in step with what Slurm says of each run's job.
 #pragma once
 
+#include "engine/plan/plan.hpp"
 #include "engine/recipe/recipe.hpp"
 #include "storage/store.hpp"
 
@@ -30,6 +31,11 @@ struct SlurmJobSpec {
 // The sbatch script: #SBATCH lines, the rendezvous (the job's first node, a port from the job id),
 // then `srun` of the task command.
 std::string sbatch_script(const SlurmJobSpec& job);
+// A job of the plan's shape (nodes, tasks and GPUs per node), the recipe's time limit and [slurm]
+// options, and the store every task reports into (DSRUN_DB, DSRUN_RUNS_DIR).
+SlurmJobSpec slurm_job_from_plan(const Recipe& recipe, const Plan& plan, const std::string& name, const std::string& db_path);
+// Slurm's job ids are numbers ("123"), array tasks "123_4"; anything else (a rendezvous key) is not Slurm's.
+bool is_slurm_job_id(const std::string& id);
 std::string shell_quote(const std::string& s);
 
 // "" when sbatch, squeue and scancel are on PATH; otherwise what is missing.
@@ -41,7 +47,7 @@ void cancel_job(const std::string& job_id);
 struct SlurmJobState {
   std::string state;   // PENDING, RUNNING, COMPLETED, CANCELLED, TIMEOUT, OUT_OF_MEMORY, NODE_FAIL, ...
   std::string nodes;   // the node list
-  std::string reason;  // Slurm's reason (None, Resources, TimeLimit, ...)
+  std::string reason;  // Slurm's reason (Resources, TimeLimit, ...); "" for none
 };
 // What Slurm says of each job now (finished ones while it remembers them); a job id missing from
 // the answer is unknown to Slurm (never submitted, or aged out of its memory).

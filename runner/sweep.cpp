@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <functional>
 #include <map>
 #include <optional>
 #include <set>
@@ -38,12 +39,46 @@ void on_sweep_interrupt(int) { sweep_interrupted = 1; }
 
 double now_seconds() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
-std::string self_executable() {
-  char buf[4096];
-  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
-  if (n <= 0) fail_at(__FILE__, __LINE__, "cannot find the dsrun executable");
-  buf[n] = 0;
-  return buf;
+// What a trial is: `dsrun run` of the sweep's recipe with the trial's values, its log in `log`,
+// told which sweep, trial and values it is (and, for a Slurm task's claimed trial, which run).
+// `in_child` narrows what the trial sees (cores, GPUs) before it starts.
+struct TrialLaunch {
+  std::string recipe, db;
+  std::vector<std::string> base_sets;
+  std::string sweep_id;
+  int64_t index = 0;
+  TrialParams params;
+  std::string claimed_run;  // "" : the trial's dsrun run records its own
+  std::string log;
+};
+
+pid_t start_trial(const TrialLaunch& t, const std::function<void()>& in_child) {
+  std::vector<std::string> args = {executable_path(), "run", t.recipe, "--db", t.db, "--set", "logging.progress=false"};
+  for (const auto& s : t.base_sets) args.insert(args.end(), {"--set", s});
+  for (const auto& s : trial_overrides(t.params)) args.insert(args.end(), {"--set", s});
+  nlohmann::json params_json = nlohmann::json::object();
+  for (const auto& [k, v] : t.params) params_json[k] = v;
+  const std::string params_text = params_json.dump();
+  pid_t pid = ::fork();
+  if (pid < 0) fail_at(__FILE__, __LINE__, "fork failed");
+  if (pid > 0) return pid;
+  ::setpgid(0, 0);                       // Ctrl-C reaches the sweep, which stops its trials
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);    // a sweep killed outright takes its trials with it
+  int fd = ::open(t.log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+  if (fd >= 0) {
+    ::dup2(fd, 1);
+    ::dup2(fd, 2);
+  }
+  in_child();
+  ::setenv("DSRUN_SWEEP_ID", t.sweep_id.c_str(), 1);
+  ::setenv("DSRUN_TRIAL_INDEX", std::to_string(t.index).c_str(), 1);
+  ::setenv("DSRUN_TRIAL_PARAMS", params_text.c_str(), 1);
+  if (!t.claimed_run.empty()) ::setenv("DSRUN_TRIAL_RUN", t.claimed_run.c_str(), 1);
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  ::execv(argv[0], argv.data());
+  _exit(127);
 }
 
 // A finished trial's objective: its metric's curve summarised as the sweep says.
@@ -312,37 +347,13 @@ class SweepDriver {
     t.slot = static_cast<size_t>(std::find(busy_.begin(), busy_.end(), false) - busy_.begin());
     busy_[t.slot] = true;
     const Slot& slot = slots_[t.slot];
-    std::vector<std::string> args = {self_executable(), "run", spec_.path, "--db", db_path_, "--set", "logging.progress=false"};
-    for (const auto& s : base_sets_) args.insert(args.end(), {"--set", s});
-    for (const auto& s : trial_overrides(t.params)) args.insert(args.end(), {"--set", s});
-    nlohmann::json params_json = nlohmann::json::object();
-    for (const auto& [k, v] : t.params) params_json[k] = v;
-    const std::string log = path_join(log_dir_, "trial" + std::to_string(index) + ".log");
-    pid_t pid = ::fork();
-    if (pid < 0) fail_at(__FILE__, __LINE__, "fork failed");
-    if (pid == 0) {
-      ::setpgid(0, 0);                       // Ctrl-C reaches the sweep, which stops its trials
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);    // a sweep killed outright takes its trials with it
-      int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-      if (fd >= 0) {
-        ::dup2(fd, 1);
-        ::dup2(fd, 2);
-      }
+    t.pid = start_trial({spec_.path, db_path_, base_sets_, sweep_.id, index, t.params, "", path_join(log_dir_, "trial" + std::to_string(index) + ".log")}, [&] {
       cpu_set_t mask;
       CPU_ZERO(&mask);
       for (int c : slot.cpus) CPU_SET(c, &mask);
       sched_setaffinity(0, sizeof mask, &mask);  // the trial's ranks see only its cores
       if (!slot.gpus.empty()) ::setenv("CUDA_VISIBLE_DEVICES", list_text(slot.gpus).c_str(), 1);
-      ::setenv("DSRUN_SWEEP_ID", sweep_.id.c_str(), 1);
-      ::setenv("DSRUN_TRIAL_INDEX", std::to_string(index).c_str(), 1);
-      ::setenv("DSRUN_TRIAL_PARAMS", params_json.dump().c_str(), 1);
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      ::execv(argv[0], argv.data());
-      _exit(127);
-    }
-    t.pid = pid;
+    });
     std::cout << "trial " << index + 1 << "/" << trial_budget(spec_) << " started: " << describe_params(t.params) << " (cores " << list_text(slot.cpus)
               << (slot.gpus.empty() ? "" : ", GPUs " + list_text(slot.gpus)) << ")\n" << std::flush;
     running_.push_back(t);
@@ -453,21 +464,17 @@ int submit_sweep_to_slurm(const SweepSpec& spec, Store& store, const SweepRecord
   options.overrides = sets;
   const LoadedRecipe base = load_recipe_file(sweep.recipe_path, options);
   const Plan plan = make_plan(base.recipe, read_host_facts());
-  SlurmJobSpec job;
-  job.name = "dsrun-sweep-" + sweep.name;
+  // One task per array element, on one node: its launcher starts the trial's ranks there.
+  SlurmJobSpec job = slurm_job_from_plan(base.recipe, plan, "dsrun-sweep-" + sweep.name, db_path);
   job.nodes = 1;
   job.tasks_per_node = 1;
-  job.cpus_per_task = base.recipe.hardware.device == Device::Cuda ? 0 : plan.ranks_per_node;
-  job.gpus_per_node = base.recipe.hardware.device == Device::Cuda ? plan.ranks_per_node : 0;
-  job.time_limit_minutes = base.recipe.run.time_limit_minutes;
-  job.options = base.recipe.slurm;
+  job.cpus_per_task = job.gpus_per_node > 0 ? 0 : plan.ranks_per_node;
   job.array = "0-" + std::to_string(trial_budget(spec) - 1) + "%" + std::to_string(spec.concurrency);
   const std::string dir = absolute(path_join(runs_directory(db_path), "sweeps/" + sweep.id));
   make_directories(dir);
   job.output = path_join(dir, "task-%a.out");
   job.requeue = false;  // a killed task's trial is taken up by the next task instead
-  job.env = {{"DSRUN_DB", is_postgres_location(db_path) ? db_path : absolute(db_path)}, {"DSRUN_RUNS_DIR", absolute(runs_directory(db_path))}};
-  job.task_command = shell_quote(self_executable()) + " sweep --slurm-task " + sweep.id;
+  job.task_command = shell_quote(executable_path()) + " sweep --slurm-task " + sweep.id;
   const std::string script = path_join(dir, "job.sh");
   write_file_atomic(script, sbatch_script(job));
   std::string job_id;
@@ -558,34 +565,10 @@ int run_slurm_sweep_task(Store& store, const std::string& sweep_query, const std
     std::optional<ClaimedTrial> claim = claim_trial(store, spec, sweep, job_id);
     if (!claim) break;
     ++trials;
-    nlohmann::json params_json = nlohmann::json::object();
-    for (const auto& [k, v] : claim->params) params_json[k] = v;
-    std::vector<std::string> args = {self_executable(), "run", sweep.recipe_path, "--db", db_path, "--set", "logging.progress=false"};
-    for (const auto& s : base_sets) args.insert(args.end(), {"--set", s});
-    for (const auto& s : trial_overrides(claim->params)) args.insert(args.end(), {"--set", s});
+    const std::string log = path_join(log_dir, "trial" + std::to_string(claim->index) + ".log");
     std::cout << "task " << job_id << ": trial " << claim->index + 1 << "/" << trial_budget(spec) << " as run " << claim->run_id << " ("
               << describe_params(claim->params) << ")\n" << std::flush;
-    const pid_t pid = ::fork();
-    if (pid < 0) fail_at(__FILE__, __LINE__, "fork failed");
-    if (pid == 0) {
-      ::setpgid(0, 0);
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      const std::string log = path_join(log_dir, "trial" + std::to_string(claim->index) + ".log");
-      int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-      if (fd >= 0) {
-        ::dup2(fd, 1);
-        ::dup2(fd, 2);
-      }
-      ::setenv("DSRUN_SWEEP_ID", sweep.id.c_str(), 1);
-      ::setenv("DSRUN_TRIAL_INDEX", std::to_string(claim->index).c_str(), 1);
-      ::setenv("DSRUN_TRIAL_PARAMS", params_json.dump().c_str(), 1);
-      ::setenv("DSRUN_TRIAL_RUN", claim->run_id.c_str(), 1);
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      ::execv(argv[0], argv.data());
-      _exit(127);
-    }
+    const pid_t pid = start_trial({sweep.recipe_path, db_path, base_sets, sweep.id, claim->index, claim->params, claim->run_id, log}, [] {});
     bool prune_sent = false, stop_sent = false;
     int exit_status = 0;
     while (true) {
@@ -607,23 +590,18 @@ int run_slurm_sweep_task(Store& store, const std::string& sweep_query, const std
     RunRecord r = store.get_run(claim->run_id);
     if (r.status == RunStatus::Planned) {  // its `dsrun run` ended before it started the ranks
       const int code = WIFEXITED(exit_status) ? WEXITSTATUS(exit_status) : 128 + WTERMSIG(exit_status);
-      store.set_status(r.id, RunStatus::Failed, "dsrun run exited with code " + std::to_string(code) + " before starting; see " +
-                                                    path_join(log_dir, "trial" + std::to_string(claim->index) + ".log"));
+      store.set_status(r.id, RunStatus::Failed, "dsrun run exited with code " + std::to_string(code) + " before starting; see " + log);
       r = store.get_run(claim->run_id);
     }
     std::cout << "task " << job_id << ": trial " << claim->index + 1 << " " << to_string(r.status) << (r.error.empty() ? "" : ": " + r.error) << "\n" << std::flush;
   }
   // Nothing left to claim: when no trial is still planned or running, the sweep is complete.
   store.transaction([&] {
-    std::string best;
-    double best_value = 0;
-    for (const auto& r : store.sweep_trials(sweep.id)) {
-      if (r.status == RunStatus::Planned || r.status == RunStatus::Running) return;
-      if (r.status != RunStatus::Finished) continue;
-      if (auto o = objective_of(store, spec, r.id))
-        if (best.empty() || (spec.maximize ? *o > best_value : *o < best_value)) best = r.id, best_value = *o;
-    }
-    if (!sweep_interrupted && store.get_sweep(sweep.id).status == "running") store.update_sweep(sweep.id, "finished", best, "", 0);
+    const std::vector<Row> rows = leaderboard(store, spec, sweep.id);
+    for (const auto& row : rows)
+      if (row.run.status == RunStatus::Planned || row.run.status == RunStatus::Running) return;
+    const bool has_best = !rows.empty() && rows[0].run.status == RunStatus::Finished && rows[0].objective;
+    if (!sweep_interrupted && store.get_sweep(sweep.id).status == "running") store.update_sweep(sweep.id, "finished", has_best ? rows[0].run.id : "", "", 0);
   });
   std::cout << "task " << job_id << ": " << trials << " trial(s) run, nothing left to claim\n";
   return sweep_interrupted ? 130 : 0;

@@ -101,7 +101,7 @@ class PostgresDatabase final : public Database {
       try {
         return run(sql, params);
       } catch (const RetryableConflict& conflict) {
-        if (attempt >= kRetries) fail_conflict(conflict);
+        if (attempt >= kRetries) fail_conflict(conflict, kRetries);
         back_off(attempt);
       }
     }
@@ -125,7 +125,7 @@ class PostgresDatabase final : public Database {
       } catch (const RetryableConflict& conflict) {
         if (depth_ > 0) --depth_;
         Result(PQexec(conn_.get(), "ROLLBACK"));
-        if (attempt >= kRetries) fail_conflict(conflict);
+        if (attempt >= kRetries) fail_conflict(conflict, kRetries);
         back_off(attempt);
       } catch (...) {
         if (depth_ > 0) --depth_;
@@ -160,6 +160,10 @@ class PostgresDatabase final : public Database {
       query("INSERT INTO dsrun_schema(version) VALUES(?)", {target});
       --depth_;
       execute_script("COMMIT");
+    } catch (const RetryableConflict& conflict) {  // a deadlock with another migrating process: reported, never retried half-done
+      if (depth_ > 0) --depth_;
+      Result(PQexec(conn_.get(), "ROLLBACK"));
+      fail_conflict(conflict, 0);
     } catch (...) {
       if (depth_ > 0) --depth_;
       Result(PQexec(conn_.get(), "ROLLBACK"));
@@ -241,11 +245,11 @@ class PostgresDatabase final : public Database {
     throw Error("cannot connect to the run store: " + reason, c);
   }
 
-  [[noreturn]] void fail_conflict(const RetryableConflict& conflict) const {
+  [[noreturn]] void fail_conflict(const RetryableConflict& conflict, int retries) const {
     ErrorContext c;
     c.file = location_;
     c.hint = "other writers kept conflicting with this one; run the command again";
-    throw Error("run store: " + conflict.message + " (after " + std::to_string(kRetries) + " retries)", c);
+    throw Error("run store: " + conflict.message + " (after " + std::to_string(retries) + " retries)", c);
   }
 
   void back_off(int attempt) {

@@ -9,11 +9,52 @@
 #include <catch2/catch.hpp>
 #include <unistd.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
 namespace dsrun::test {
 
+// A server that a test process starts once through one of tests/servers/*.sh (`available`,
+// `start DIR`, `stop DIR`) and stops when the process ends; forked children leave it alone.
+class ScriptServer {
+ public:
+  // `start_env`: variable assignments put before the start command ("SLURM_CLUSTER_CPUS=4 ").
+  explicit ScriptServer(const std::string& script, const std::string& start_env = "") : script_(script), owner_(::getpid()) {
+    CommandOutput probe = run_command(path() + " available");
+    if (probe.code != 0) {
+      skip_reason_ = probe.text;
+      return;
+    }
+    CommandOutput started = run_command(start_env + path() + " start " + dir());
+    if (started.code != 0) {
+      skip_reason_ = "skipped: " + script + " did not start: " + started.text;
+      return;
+    }
+    output_ = started.text;
+    running_ = true;
+  }
+  ~ScriptServer() {
+    if (running_ && ::getpid() == owner_) run_command(path() + " stop " + dir());
+  }
+  ScriptServer(const ScriptServer&) = delete;
+  ScriptServer& operator=(const ScriptServer&) = delete;
+
+  bool running() const { return running_; }
+  const std::string& skip_reason() const { return skip_reason_; }
+  const std::string& output() const { return output_; }  // what `start` printed
+  std::string dir() const { return dir_.path() + "/server"; }
+
+ private:
+  std::string path() const { return source_dir() + "/tests/servers/" + script_; }
+
+  TempDir dir_;
+  std::string script_, skip_reason_, output_;
+  bool running_ = false;
+  pid_t owner_;
+};
+
+// A throwaway PostgreSQL server (tests/servers/postgres_server.sh); DSRUN_TEST_NO_POSTGRES skips it.
 class PostgresServer {
  public:
   static PostgresServer& get() {
@@ -28,38 +69,27 @@ class PostgresServer {
     open_postgres_database(url_)->execute_script("CREATE DATABASE " + name);
     return url_.substr(0, url_.rfind('/') + 1) + name;
   }
-  std::string server_url() const { return url_; }
-
-  ~PostgresServer() {
-    if (available() && ::getpid() == owner_) run_command(script() + " stop " + dir_.path());  // forked children leave it alone
-  }
 
  private:
-  PostgresServer() : owner_(::getpid()) {
+  PostgresServer() {
     if (const char* off = std::getenv("DSRUN_TEST_NO_POSTGRES")) {
       skip_reason_ = std::string("skipped: DSRUN_TEST_NO_POSTGRES=") + off;
       return;
     }
-    CommandOutput probe = run_command(script() + " available");
-    if (probe.code != 0) {
-      skip_reason_ = probe.text;
+    server_ = std::make_unique<ScriptServer>("postgres_server.sh");
+    if (!server_->running()) {
+      skip_reason_ = server_->skip_reason();
       return;
     }
-    CommandOutput started = run_command(script() + " start " + dir_.path() + "/pg");
-    if (started.code != 0) {
-      skip_reason_ = "skipped: the PostgreSQL server did not start: " + started.text;
-      return;
-    }
-    std::string url = started.text;
+    // The URL is the last line `start` printed.
+    std::string url = server_->output();
     while (!url.empty() && (url.back() == '\n' || url.back() == ' ')) url.pop_back();
     url_ = url.substr(url.rfind('\n') == std::string::npos ? 0 : url.rfind('\n') + 1);
   }
-  static std::string script() { return source_dir() + "/tests/servers/postgres_server.sh"; }
 
-  TempDir dir_;
+  std::unique_ptr<ScriptServer> server_;
   std::string url_, skip_reason_;
   int databases_ = 0;
-  pid_t owner_;
 };
 
 struct StoreBackend {

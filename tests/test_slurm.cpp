@@ -20,41 +20,22 @@ using dsrun::test::TempDir;
 
 namespace {
 
+// The one-node Slurm cluster of this test process (tests/servers/slurm_cluster.sh).
 class SlurmCluster {
  public:
   static SlurmCluster& get() {
     static SlurmCluster cluster;
     return cluster;
   }
-  bool available() const { return !conf_.empty(); }
-  const std::string& skip_reason() const { return skip_reason_; }
+  bool available() const { return server_.running(); }
+  const std::string& skip_reason() const { return server_.skip_reason(); }
   // A shell prefix that points Slurm's commands (and the jobs, which inherit it) at this cluster.
-  std::string env() const { return "SLURM_CONF='" + conf_ + "' PATH=\"$PATH:/usr/sbin\" "; }
-
-  ~SlurmCluster() {
-    if (available() && ::getpid() == owner_) run_command(script() + " stop " + dir_.path() + "/slurm");
-  }
+  std::string env() const { return "SLURM_CONF='" + server_.dir() + "/slurm.conf' PATH=\"$PATH:/usr/sbin\" "; }
 
  private:
-  SlurmCluster() : owner_(::getpid()) {
-    CommandOutput probe = run_command(script() + " available");
-    if (probe.code != 0) {
-      skip_reason_ = probe.text;
-      return;
-    }
-    // Jobs of other tests' clusters may share the 2 cores: 4 CPUs lets a 2-task job start at once.
-    CommandOutput started = run_command("SLURM_CLUSTER_CPUS=4 " + script() + " start " + dir_.path() + "/slurm");
-    if (started.code != 0) {
-      skip_reason_ = "skipped: the Slurm cluster did not start: " + started.text;
-      return;
-    }
-    conf_ = dir_.path() + "/slurm/slurm.conf";
-  }
-  static std::string script() { return source_dir() + "/tests/servers/slurm_cluster.sh"; }
-
-  TempDir dir_;
-  std::string conf_, skip_reason_;
-  pid_t owner_;
+  // Jobs of other tests' clusters may share the 2 cores: 4 CPUs lets a 2-task job start at once.
+  SlurmCluster() : server_("slurm_cluster.sh", "SLURM_CLUSTER_CPUS=4 ") {}
+  dsrun::test::ScriptServer server_;
 };
 
 bool skip_without_slurm() {
