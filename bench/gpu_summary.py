@@ -47,7 +47,8 @@ for run_id, name, status, plan_json in runs:
         dt = sum(steps[5:]) / len(steps[5:])
         tps = plan["batch"]["tokens_per_step"] / dt
         mfu = plan["speed"]["model_flops_per_step"] / (dt * plan["speed"]["peak_flops"] * plan["topology"]["world_size"])
-        line += f" | {dt:.4f} s/step, {tps:.0f} tokens/s, MFU {100 * mfu:.1f}% (plan {plan['speed']['step_seconds']:.4f} s/step)"
+        plan_step = plan["speed"]["step_seconds"]
+        line += f" | {dt:.4f} s/step, {tps:.0f} tokens/s, MFU {100 * mfu:.1f}% (plan {plan_step:.4f} s/step, {100 * (plan_step / dt - 1):+.1f}%)"
         if name.startswith("offload-"):
             reference.setdefault("offload", dt)
             plan_s = plan["speed"]["step_seconds"]

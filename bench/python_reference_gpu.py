@@ -4,6 +4,9 @@ fp32 master weights in AdamW as DeepSpeed's bf16 mode keeps them, DDP over NCCL.
 
     torchrun --nproc-per-node N bench/python_reference_gpu.py --steps 30 --micro 8
 Prints tokens/s and MFU from rank 0 (mean over the steps after warm-up).
+--compile wraps the model in torch.compile (default mode); --hf trains Hugging Face transformers'
+LlamaForCausalLM of the same shape instead (SDPA attention, its own loss), where transformers is
+installed: the "four lines of Python" a user would otherwise write.
 """
 import argparse
 import math
@@ -72,6 +75,22 @@ class Decoder(nn.Module):
         return F.cross_entropy(logits.float().view(-1, VOCAB), targets.view(-1))
 
 
+class HFDecoder(nn.Module):
+    """transformers' Llama of the same shape, called as Decoder is (tokens, targets) -> loss."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+        config = LlamaConfig(vocab_size=VOCAB, hidden_size=H, intermediate_size=INTER, num_hidden_layers=L,
+                             num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=SEQ,
+                             rms_norm_eps=1e-6, tie_word_embeddings=False, attn_implementation="sdpa")
+        self.llama = LlamaForCausalLM(config)
+
+    def forward(self, tokens, targets):
+        logits = self.llama(input_ids=tokens).logits
+        return F.cross_entropy(logits.float().view(-1, VOCAB), targets.view(-1))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
@@ -79,6 +98,8 @@ def main():
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--profile", default="", help="write a torch.profiler kernel table here (rank 0)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model")
+    ap.add_argument("--hf", action="store_true", help="Hugging Face transformers' LlamaForCausalLM")
     args = ap.parse_args()
     global SEQ
     SEQ = args.seq
@@ -89,8 +110,10 @@ def main():
     if world > 1:
         dist.init_process_group("nccl")
     torch.manual_seed(1)
-    model = Decoder().cuda().to(torch.bfloat16)
+    model = (HFDecoder() if args.hf else Decoder()).cuda().to(torch.bfloat16)
     params = list(model.parameters())
+    if args.compile:
+        model = torch.compile(model)
     master = [p.detach().float().clone().requires_grad_(True) for p in params]
     opt = torch.optim.AdamW(master, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     if world > 1:
@@ -133,7 +156,8 @@ def main():
         dt = sum(times[args.warmup:]) / len(times[args.warmup:])
         tokens_per_s = args.micro * SEQ * world / dt
         mfu = tokens_per_s * flops_per_token / (989.4e12 * world)
-        print(f"pytorch eager ranks={world}: {dt:.4f} s/step, {tokens_per_s:.0f} tokens/s, MFU {100 * mfu:.1f}%, "
+        name = ("transformers llama" if args.hf else "pytorch") + (" + torch.compile" if args.compile else " eager")
+        print(f"{name} ranks={world} micro={args.micro} seq={SEQ}: {dt:.4f} s/step, {tokens_per_s:.0f} tokens/s, MFU {100 * mfu:.1f}%, "
               f"peak allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB", flush=True)
     if world > 1:
         dist.destroy_process_group()

@@ -4,15 +4,18 @@
 #include "engine/common/error.hpp"
 #include "storage/database.hpp"
 
+#ifdef DSRUN_WITH_POSTGRES
 #include <libpq-fe.h>
 #include <unistd.h>
 
 #include <cmath>
 #include <cstring>
 #include <random>
+#endif
 
 namespace dsrun {
 
+#ifdef DSRUN_WITH_POSTGRES
 namespace {
 
 struct ConnectionCloser {
@@ -266,6 +269,15 @@ class PostgresDatabase final : public Database {
 }  // namespace
 
 std::unique_ptr<Database> open_postgres_database(const std::string& url) { return std::make_unique<PostgresDatabase>(url); }
+#else
+// Built without libpq (GPU builds against PyTorch's libtorch: scripts/gpu_build.sh carries no libpq).
+std::unique_ptr<Database> open_postgres_database(const std::string& url) {
+  ErrorContext c;
+  c.key = "--db";
+  c.hint = "use a SQLite store (a file path) with this build, or build dsrun where libpq-dev is installed (./setup.sh)";
+  throw Error("this dsrun was built without PostgreSQL support (libpq): cannot open " + redact_location(url), c);
+}
+#endif
 
 std::string redact_location(const std::string& location) {
   if (!is_postgres_location(location)) return location;

@@ -91,7 +91,9 @@ Reference one_process(const ModelSpec& m, const Batch& batch) {
 
 // The same batch on `shape` (tensor-parallel, ZeRO `stage` over data ranks that all see it):
 // every rank's loss, gradient slices and global norm within 1e-5 of one process's.
-bool tensor_parallel_matches(const ModelSpec& m, const MeshShape& shape, int stage, bool sequence_parallel = false) {
+// loss_chunk > 0: the parallel model fuses its head with the vocabulary-parallel loss, that many
+// tokens at a time (the reference keeps whole logits).
+bool tensor_parallel_matches(const ModelSpec& m, const MeshShape& shape, int stage, bool sequence_parallel = false, int64_t loss_chunk = 0) {
   return in_mesh(shape, [&](DeviceMesh& mesh) {
     // The reference is computed in each rank's process: autograd must not run before a fork.
     const Batch batch = token_batch(2, 16, m.vocab, 3);
@@ -99,6 +101,7 @@ bool tensor_parallel_matches(const ModelSpec& m, const MeshShape& shape, int sta
     ModelBuild build;
     build.seed = 7;
     build.deferred = true;
+    build.loss_chunk_tokens = loss_chunk;
     auto model = build_model(m, 16, build);
     ParallelizeOptions options;
     options.zero.stage = stage;
@@ -128,6 +131,11 @@ TEST_CASE("tensor parallelism with MoE layers: router replicated, experts split"
 TEST_CASE("data × tensor parallelism: ZeRO-1 and ZeRO-3 over the data dimension, the norm over the mesh", "[engine][tensor][zero]") {
   CHECK(tensor_parallel_matches(dsrun::test::tiny_decoder(), {1, 2, 2}, 1));
   CHECK(tensor_parallel_matches(dsrun::test::tiny_decoder(), {1, 2, 2}, 3));
+}
+
+TEST_CASE("tensor parallelism with the fused projection and loss: one process's loss, gradients and norm", "[engine][tensor][loss]") {
+  CHECK(tensor_parallel_matches(dsrun::test::tiny_decoder(), {1, 1, 2}, 0, false, 5));
+  CHECK(tensor_parallel_matches(dsrun::test::tiny_decoder(), {1, 2, 2}, 3, true, 7));  // ZeRO-3 gathers the head; sequence parallel
 }
 
 TEST_CASE("sequence parallelism: norms on a part of the sequence, the same loss, gradients and norm", "[engine][tensor][sequence]") {

@@ -70,7 +70,7 @@ TEST_CASE("activation bytes follow what autograd keeps in a DeepSeek block", "[p
   CHECK(flash.attention_backward_bytes_per_sample == 0);
   // The fused RMSNorm/SwiGLU kernels (CUDA builds) keep gate|up and the product, not silu(gate),
   // and the norms' input and scale only.
-  ModelCost fused = model_cost(m, 4096, DType::Bf16, AttentionKernel::Flash, /*fused_elementwise=*/true);
+  ModelCost fused = model_cost(m, 4096, DType::Bf16, AttentionKernel::Flash, ModelCostOptions{/*fused_elementwise=*/true});
   CHECK(flash.activation_bytes_per_sample - fused.activation_bytes_per_sample == Approx(e * s * L * (f + 2 * h) + e * s * h));
   // The math kernel also keeps the s x s probabilities of every head and, with as many KV heads as
   // query heads, the projection's output and the rotated q|k that its views hold: 6h, not 3h.
@@ -352,4 +352,52 @@ TEST_CASE("the plan counts asynchronous checkpoints' staging memory and says eac
   const Plan asked = make_plan(load_text(tight + "async = true\n").recipe, dsrun::test::small_host());
   CHECK_FALSE(asked.fits);  // written by the user: kept, and the plan says it does not fit
   CHECK(asked.binds == "host memory");
+}
+
+TEST_CASE("the fused projection and loss: the plan counts one chunk's transient, not the whole logits'", "[plan][loss]") {
+  const std::string one_gpu = "base = [\"hardware/h100-80gb-x8\", \"models/deepseek-llm-7b\"]\n[hardware]\ndevices_per_node = 1\n"
+                              "[precision]\ndtype = \"bf16\"\n[parallel]\nzero_stage = 3\nactivation_checkpointing = \"full\"\n[batch]\nseq_len = 4096\nglobal = 8\n";
+  const Plan whole = plan_of(one_gpu + "micro = 2\nloss_chunk_tokens = 0\n");
+  const Plan fused = plan_of(one_gpu + "micro = 2\n");
+  const Plan fused4 = plan_of(one_gpu + "micro = 4\n");
+  const double V = 102400, h = 4096, s = 4096;
+  CHECK(whole.loss_chunk_tokens == 0);
+  CHECK(fused.loss_chunk_tokens == static_cast<int64_t>(kAutoLossChunkBytes / (4 * V)));  // 655 tokens: 256 MiB of fp32 logits
+  CHECK(whole.memory.backward_peak == Approx(2 * s * 8 * V));                                  // fp32 softmax gradients of every token
+  CHECK(fused.memory.backward_peak == Approx((4 + 2) * 655 * V + (4 + 2) * V * h));             // a chunk, and the head's weight gradient
+  CHECK(fused4.memory.backward_peak == Approx(fused.memory.backward_peak));                     // whatever the micro-batch
+  CHECK(fused.memory.total() < whole.memory.total());
+  CHECK(fused.step_seconds < whole.step_seconds);  // fewer bytes through memory
+  CHECK_THAT(render_plan(fused), Catch::Contains("output projection and loss fused, 655 tokens' logits at a time"));
+  // Under tensor parallelism each rank's chunk spans its slice of the vocabulary.
+  const Plan split = plan_of(one_gpu + "micro = 2\n", {"hardware.devices_per_node=2", "parallel.tensor=2"});
+  CHECK(split.loss_chunk_tokens == static_cast<int64_t>(kAutoLossChunkBytes / (4 * V / 2)));
+}
+
+TEST_CASE("separate documents on a GPU: the plan measures the corpus's documents and prices attention within them", "[plan][documents]") {
+  dsrun::test::TempDir dir;
+  // A nanoGPT-layout corpus (raw uint16) whose documents are 64 tokens long (token 0 closes each).
+  std::vector<uint16_t> tokens(1 << 18);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = (i % 64 == 63) ? 0 : static_cast<uint16_t>(1 + i % 30000);
+  const std::string path = dir.file("docs.bin");
+  std::string bytes(reinterpret_cast<const char*>(tokens.data()), tokens.size() * sizeof(uint16_t));
+  dir.write("docs.bin", bytes);
+  const std::string recipe = "base = [\"hardware/h100-80gb-x8\"]\n[hardware]\ndevices_per_node = 1\n[model]\nhidden = 1024\nlayers = 4\nheads = 8\n"
+                             "intermediate = 2816\nvocab = 32000\nmax_seq_len = 4096\n[precision]\ndtype = \"bf16\"\n[batch]\nseq_len = 4096\nglobal = 4\nmicro = 4\n"
+                             "[data]\nkind = \"tokens\"\npath = \"" + path + "\"\nformat = \"nanogpt\"\ntoken_width = 2\ndocument_token = 0\n";
+  const Plan across = plan_of(recipe);
+  const Plan separate = plan_of(recipe, {"data.separate_documents=true"});
+  CHECK(across.attention_fraction == 1);
+  CHECK(across.document_attention.empty());
+  CHECK(separate.document_attention == "variable-length");
+  CHECK(separate.attention_fraction == Approx(64.0 * 64 / (4096.0 * 4096) * 64).epsilon(0.05));  // 64 documents a row: 1/64
+  // Attention (half its counted FLOPs, causal, at attention_efficiency) is about 1/6 of this model's compute at 4096: nearly all of it goes.
+  CHECK(separate.compute_seconds < 0.87 * across.compute_seconds);
+  CHECK(separate.compute_seconds > 0.75 * across.compute_seconds);
+  CHECK(separate.memory.activations == Approx(across.memory.activations + 4 * 4096 * 8));  // positions, no s x s mask
+  CHECK_THAT(render_plan(separate), Catch::Contains("attention within documents (variable-length)"));
+  // In fp32 the flash kernel does not run: the mask path, its s x s bias and the whole square.
+  const Plan masked = plan_of(recipe, {"data.separate_documents=true", "precision.dtype=\"fp32\""});
+  CHECK(masked.document_attention == "masked");
+  CHECK(masked.memory.activations > across.memory.activations * 1.5 + 4 * 4096.0 * 4096 * 4);
 }

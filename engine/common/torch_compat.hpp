@@ -2,6 +2,8 @@
 // Everything else includes this instead of testing TORCH_VERSION itself.
 #pragma once
 
+#include "engine/common/error.hpp"
+
 #include <torch/torch.h>
 #include <torch/version.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
@@ -65,6 +67,54 @@ inline torch::Tensor masked_attention(const torch::Tensor& q, const torch::Tenso
   scores.add_(bias);
   return torch::matmul(torch::softmax(scores.to(torch::kFloat32), -1).to(q.scalar_type()), v);
 #endif
+}
+
+// Causal attention within documents packed one after another: q [tokens, heads, head_dim], k and v
+// [tokens, kv_heads, head_dim] (heads a multiple of kv_heads), document d holding tokens
+// cu_seqlens[d] .. cu_seqlens[d+1] ([documents + 1] int32 on q's device), none longer than
+// `longest`. PyTorch >= 2.2 has FlashAttention-2's variable-length kernel (with autograd) for fp16
+// and bf16 on CUDA; it computes only each document's own causal triangle. Where it does not apply
+// (1.13, CPUs, fp32) callers take the masked path (engine/model/document_attention.cpp).
+inline bool varlen_attention_applies(const torch::Tensor& q) {
+#if DSRUN_TORCH_AT_LEAST(2, 2)
+  const auto dtype = q.scalar_type();
+  return q.is_cuda() && (dtype == torch::kBFloat16 || dtype == torch::kFloat16) && q.size(-1) % 8 == 0 && q.size(-1) <= 256;
+#else
+  (void)q;
+  return false;
+#endif
+}
+inline torch::Tensor varlen_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& cu_seqlens, int64_t longest) {
+#if DSRUN_TORCH_AT_LEAST(2, 2)
+  return std::get<0>(at::_flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, longest, longest, /*dropout_p=*/0.0, /*is_causal=*/true,
+                                                  /*return_debug_mask=*/false));
+#else
+  (void)k, (void)v, (void)cu_seqlens, (void)longest;
+  DSRUN_ASSERT(false, "this libtorch has no variable-length attention kernel");
+  return q;
+#endif
+}
+
+// acc += a · b with acc fp32 and a, b in a lower precision, products summed in fp32 and rounded
+// once (cuBLAS's bf16 x bf16 -> fp32 on CUDA with PyTorch >= 2.9); elsewhere the product in a's
+// dtype, then added. Scaled by alpha.
+inline void addmm_fp32(torch::Tensor& acc, const torch::Tensor& a, const torch::Tensor& b, double alpha) {
+#if DSRUN_TORCH_AT_LEAST(2, 9)
+  if (a.is_cuda() && a.scalar_type() != torch::kFloat32) {
+    at::addmm_out(acc, acc, a, b, torch::kFloat32, /*beta=*/1, alpha);
+    return;
+  }
+#endif
+  if (a.scalar_type() == torch::kFloat32) acc.addmm_(a, b, /*beta=*/1, alpha);
+  else acc.add_(torch::mm(a, b).to(torch::kFloat32), alpha);
+}
+
+// a · b in fp32 from lower-precision a and b (the same rounding as addmm_fp32).
+inline torch::Tensor mm_fp32(const torch::Tensor& a, const torch::Tensor& b) {
+#if DSRUN_TORCH_AT_LEAST(2, 9)
+  if (a.is_cuda() && a.scalar_type() != torch::kFloat32) return at::mm(a, b, torch::kFloat32);
+#endif
+  return torch::mm(a, b).to(torch::kFloat32);
 }
 
 // One fused Adam (L2) or AdamW (decoupled) update over lists of fp32 tensors, every list on one

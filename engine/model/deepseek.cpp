@@ -3,6 +3,7 @@
 // shared experts, top-k softmax gating, expert-level load-balance loss, first layers dense).
 #include "engine/common/text.hpp"
 #include "engine/common/torch_compat.hpp"
+#include "engine/model/document_attention.hpp"
 #include "engine/model/fused_ops.hpp"
 #include "engine/model/grouped_experts.hpp"
 #include "engine/model/model.hpp"
@@ -64,48 +65,21 @@ struct Rotary {
       sin_on_device = sin.to(device);
     }
   }
-  // q and k heads side by side, [b, s, heads · head_dim] -> rotated, contiguous.
-  Tensor apply(const Tensor& qk, int64_t head_dim) const {
-    move_to(qk.device());
-    return fused::rotary(qk, head_dim, cos_on_device, sin_on_device);
-  }
 };
 
 // Where the tokens of a batch sit. With separate documents (data.separate_documents) each token
-// has its own rows of the rotary tables and a mask keeps attention inside its document; else
-// rows 0..s-1 and plain causal attention (the fused kernels).
+// takes the rotary rows of its position within its document and attention stays inside the
+// document (document_attention.hpp); else rows 0..s-1 and plain causal attention.
 struct TokenPositions {
   const Rotary* rope = nullptr;
-  Tensor cos, sin;  // [b, s, 1, head_dim], rows by position within the document
-  Tensor mask;      // [b, 1, s, s] bool: true where a query may attend to a key
-  // The mask as an additive bias (0 or -inf) in the compute dtype, made once per batch and shared
-  // by every layer (and by the copies the blocks capture): handed a bool mask, the fused kernel
-  // would convert it again in every layer and keep each copy for backward.
-  std::shared_ptr<std::map<c10::ScalarType, Tensor>> bias = std::make_shared<std::map<c10::ScalarType, Tensor>>();
+  std::shared_ptr<const PackedDocuments> documents;  // null: one sequence per row
 
-  TokenPositions(const Rotary& r, const Batch& batch, int64_t head_dim) : rope(&r) {
-    if (!batch.positions.defined()) return;
-    const int64_t b = batch.positions.size(0), s = batch.positions.size(1);
-    const Tensor positions = batch.positions.to(batch.inputs.device()).reshape({-1});
-    r.move_to(batch.inputs.device());
-    cos = r.cos_on_device.index_select(0, positions).view({b, s, 1, head_dim});
-    sin = r.sin_on_device.index_select(0, positions).view({b, s, 1, head_dim});
-    const Tensor documents = batch.documents.to(batch.inputs.device());
-    const Tensor causal = torch::ones({s, s}, torch::TensorOptions().dtype(torch::kBool).device(batch.inputs.device())).tril();
-    mask = (documents.unsqueeze(2) == documents.unsqueeze(1)).logical_and(causal).unsqueeze(1);
+  TokenPositions(const Rotary& r, const Batch& batch) : rope(&r) {
+    if (batch.positions.defined()) documents = std::make_shared<const PackedDocuments>(batch.documents, batch.positions, batch.inputs.device());
   }
   Tensor rotate(const Tensor& qk, int64_t head_dim) const {
-    if (!cos.defined()) return rope->apply(qk, head_dim);
-    const int64_t b = qk.size(0), s = qk.size(1), half = head_dim / 2;
-    Tensor x = qk.reshape({b, s, -1, head_dim});
-    Tensor rotated = torch::cat({-x.narrow(3, half, half), x.narrow(3, 0, half)}, -1);
-    return (x * cos.to(qk.scalar_type()) + rotated * sin.to(qk.scalar_type())).reshape(qk.sizes());
-  }
-  Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v) const {
-    if (!mask.defined()) return compat::causal_attention(q, k, v);
-    Tensor& b = (*bias)[q.scalar_type()];
-    if (!b.defined()) b = torch::zeros(mask.sizes(), q.options()).masked_fill_(mask.logical_not(), -std::numeric_limits<float>::infinity());
-    return compat::masked_attention(q, k, v, b);
+    rope->move_to(qk.device());
+    return fused::rotary(qk, head_dim, rope->cos_on_device, rope->sin_on_device, documents ? documents->positions() : Tensor());
   }
 };
 
@@ -123,6 +97,12 @@ struct AttentionImpl : nn::Module {
     // q and k rotate together (one kernel); v passes through. [b, s, heads, d] viewed as [b, heads, s, d].
     std::vector<Tensor> qk_v = wqkv(x).split_with_sizes({(heads + kv_heads) * head_dim, kv_heads * head_dim}, -1);
     Tensor qk = where.rotate(qk_v[0], head_dim);
+    if (where.documents) {  // [b, s, heads, d] as they lie; grouped-query heads shared by the kernel or the mask path
+      Tensor out = where.documents->attend(qk.narrow(-1, 0, heads * head_dim).view({b, s, heads, head_dim}),
+                                           qk.narrow(-1, heads * head_dim, kv_heads * head_dim).view({b, s, kv_heads, head_dim}),
+                                           qk_v[1].view({b, s, kv_heads, head_dim}));
+      return wo(out.reshape({b, s, heads * head_dim}));
+    }
     Tensor q = qk.narrow(-1, 0, heads * head_dim).view({b, s, heads, head_dim}).transpose(1, 2);
     Tensor k = qk.narrow(-1, heads * head_dim, kv_heads * head_dim).view({b, s, kv_heads, head_dim}).transpose(1, 2);
     Tensor v = qk_v[1].view({b, s, kv_heads, head_dim}).transpose(1, 2);
@@ -130,7 +110,7 @@ struct AttentionImpl : nn::Module {
       k = k.repeat_interleave(group, 1);
       v = v.repeat_interleave(group, 1);
     }
-    Tensor out = where.attend(q, k, v);
+    Tensor out = compat::causal_attention(q, k, v);
     return wo(out.transpose(1, 2).reshape({b, s, heads * head_dim}));
   }
   int64_t group, head_dim;  // query heads per KV head; the same on every tensor-parallel rank
@@ -396,8 +376,8 @@ Named with_experts_stacked(const Named& n) {
 
 class DeepSeekModel final : public Model {
  public:
-  DeepSeekModel(const ModelSpec& spec, int64_t seq_len, bool deferred, uint64_t seed)
-      : spec_(spec), seed_(seed),
+  DeepSeekModel(const ModelSpec& spec, int64_t seq_len, bool deferred, uint64_t seed, int64_t loss_chunk_tokens)
+      : spec_(spec), seed_(seed), loss_chunk_tokens_(loss_chunk_tokens),
         net_(std::make_shared<DecoderModule>(spec, torch::TensorOptions().dtype(torch::kFloat32))), rope_(spec.head_dim(), std::max(seq_len, spec.max_seq_len), spec.rope_theta),
         deferred_(deferred) {
     if (deferred) return;
@@ -462,13 +442,13 @@ class DeepSeekModel final : public Model {
       // the shared weight once for the lookup and the output projection.
       state = runner.run(0, [&](const Tensors& in) {
         Tensors s = run_units({1, blocks() + 1}, 1, batch, {runner.embedding(net_->embedding->weight, in[0]), zero_aux(batch)}, runner);
-        return Tensors{torch::linear(runner.enter_split(net_->norm(s[0])), net_->embedding->weight), s[1]};
+        return Tensors{head(runner.enter_split(net_->norm(s[0])), net_->embedding->weight, batch, runner), s[1]};
       }, {batch.inputs});
     } else {
       state = run_units({0, pipeline_unit_count()}, 0, batch, {}, runner);
     }
     ModelOutput out;
-    out.logits = state[0];
+    (computes_loss() ? out.loss : out.logits) = state[0];
     if (spec_.moe.enabled()) out.aux_loss = state[1];
     return out;
   }
@@ -509,11 +489,20 @@ class DeepSeekModel final : public Model {
     moe->balance(loads, rate);
   }
 
+  bool computes_loss() const override { return loss_chunk_tokens_ > 0; }
+
   nn::Module& module() override { return *net_; }
   bool deferred() const override { return deferred_; }
 
  private:
   int blocks() const { return static_cast<int>(net_->blocks.size()); }
+
+  // The output projection of the normed hidden states x [b, s, h]: the logits, or with a loss chunk
+  // the mean cross-entropy against the batch's targets, projected chunk by chunk.
+  Tensor head(const Tensor& x, const Tensor& w, const Batch& batch, UnitRunner& runner) const {
+    if (!computes_loss()) return torch::linear(x, w);
+    return runner.projected_loss(x.reshape({-1, x.size(-1)}), w, batch.targets.reshape({-1}), loss_chunk_tokens_);
+  }
   Tensor zero_aux(const Batch& batch) const { return torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat32).device(batch.inputs.device())); }
 
   // The model's units. Whole (pipeline_numbering false): tied embeddings share one outer unit with
@@ -550,7 +539,7 @@ class DeepSeekModel final : public Model {
   // with the activations, so that a recomputed (checkpointed) block contributes it as well; each
   // block's computation captures what it reads by value, since recomputation runs it again in backward.
   Tensors run_units(UnitRange range, int first_local, const Batch& batch, Tensors state, UnitRunner& runner) {
-    const TokenPositions where(rope_, batch, spec_.head_dim());
+    const TokenPositions where(rope_, batch);
     for (int u = range.begin; u < range.end; ++u) {
       const int local = first_local + (u - range.begin);
       if (u == 0) {
@@ -566,8 +555,8 @@ class DeepSeekModel final : public Model {
         }, state);
       } else {
         const Tensor& w = !spec_.tie_embeddings ? net_->head->weight : head_copy_.defined() ? head_copy_ : net_->embedding->weight;
-        Tensors logits = runner.run(local, [&](const Tensors& in) { return Tensors{torch::linear(runner.enter_split(net_->norm(in[0])), w)}; }, {state[0]});
-        state = {logits[0], state[1]};
+        Tensors out = runner.run(local, [&](const Tensors& in) { return Tensors{head(runner.enter_split(net_->norm(in[0])), w, batch, runner)}; }, {state[0]});
+        state = {out[0], state[1]};
       }
     }
     return state;
@@ -575,6 +564,7 @@ class DeepSeekModel final : public Model {
 
   ModelSpec spec_;
   uint64_t seed_;
+  int64_t loss_chunk_tokens_;  // > 0: the head computes the loss (ModelBuild::loss_chunk_tokens)
   std::shared_ptr<DecoderModule> net_;
   Rotary rope_;
   bool deferred_;
@@ -592,7 +582,7 @@ std::unique_ptr<Model> build_model(const ModelSpec& spec, int64_t seq_len, const
     torch::manual_seed(build.seed);
     return build_resnet(spec.resnet);
   }
-  return std::make_unique<DeepSeekModel>(spec, seq_len, build.deferred, build.seed);
+  return std::make_unique<DeepSeekModel>(spec, seq_len, build.deferred, build.seed, build.loss_chunk_tokens);
 }
 
 }  // namespace dsrun

@@ -28,15 +28,22 @@ void dsrun_rms_norm_backward(const void* dy, const void* x, const void* w, const
 // out1 = x1·cos - x2·sin, out2 = x2·cos + x1·sin. in: [tokens, heads·head_dim] with row stride
 // in_stride (elements); out: contiguous [tokens, heads·head_dim]; cos/sin: [>= seq, head_dim] fp32
 // with equal halves (the first half is read);
-// token t sits at position t % seq. inverse = 1 rotates by -angle (the backward).
-void dsrun_rotary(const void* in, int64_t in_stride, void* out, const float* cos, const float* sin, int64_t tokens,
-                  int64_t heads, int64_t head_dim, int64_t seq, int inverse, int dtype, cudaStream_t stream);
+// token t sits at position positions[t] ([tokens] int64; documents packed in a row), or where
+// positions is null at t % seq. inverse = 1 rotates by -angle (the backward).
+void dsrun_rotary(const void* in, int64_t in_stride, void* out, const float* cos, const float* sin, const int64_t* positions,
+                  int64_t tokens, int64_t heads, int64_t head_dim, int64_t seq, int inverse, int dtype, cudaStream_t stream);
 
 // out[r, j] = silu(g) · u with g = gate_up[r, j], u = gate_up[r, inner + j]; gate_up [rows, 2·inner].
 void dsrun_swiglu_forward(const void* gate_up, void* out, int64_t rows, int64_t inner, int dtype, cudaStream_t stream);
 // d_gate_up [rows, 2·inner] from d_out [rows, inner] and gate_up.
 void dsrun_swiglu_backward(const void* d_out, const void* gate_up, void* d_gate_up, int64_t rows, int64_t inner, int dtype,
                            cudaStream_t stream);
+
+// The token cross-entropy's gradient with respect to a chunk of fp32 logits z [rows, cols]:
+// out = (exp(z - lse[r]) - one_hot(target[r]) where here[r]) · scale · (*scale_ptr unless null),
+// in the element type `dtype`; lse, the log-sum-exp of each row over the whole vocabulary.
+void dsrun_softmax_gradient(const float* z, const float* lse, const int64_t* target, const bool* here, const float* scale_ptr, float scale,
+                            void* out, int64_t rows, int64_t cols, int dtype, cudaStream_t stream);
 
 // The last launch error as text, or nullptr: callers turn it into an exception with file:line.
 const char* dsrun_fused_last_error(void);

@@ -22,11 +22,18 @@ Tensor rms_norm_reference(const Tensor& x, const Tensor& weight, double eps) {
   return (xf * torch::rsqrt(xf.pow(2).mean(-1, true) + eps)).to(x.scalar_type()) * weight;
 }
 
-Tensor rotary_reference(const Tensor& qk, int64_t head_dim, const Tensor& cos, const Tensor& sin) {
+Tensor rotary_reference(const Tensor& qk, int64_t head_dim, const Tensor& cos, const Tensor& sin, const Tensor& positions) {
   const int64_t b = qk.size(0), s = qk.size(1), heads = qk.size(2) / head_dim, half = head_dim / 2;
   Tensor x = qk.reshape({b, s, heads, head_dim});
-  Tensor c = cos.narrow(0, 0, s).to(qk.scalar_type()).view({1, s, 1, head_dim});
-  Tensor sn = sin.narrow(0, 0, s).to(qk.scalar_type()).view({1, s, 1, head_dim});
+  Tensor c, sn;  // each token's row of the tables, [b or 1, s, 1, head_dim]
+  if (positions.defined()) {
+    const Tensor rows = positions.to(cos.device()).reshape({-1});
+    c = cos.index_select(0, rows).to(qk.scalar_type()).view({b, s, 1, head_dim});
+    sn = sin.index_select(0, rows).to(qk.scalar_type()).view({b, s, 1, head_dim});
+  } else {
+    c = cos.narrow(0, 0, s).to(qk.scalar_type()).view({1, s, 1, head_dim});
+    sn = sin.narrow(0, 0, s).to(qk.scalar_type()).view({1, s, 1, head_dim});
+  }
   Tensor rotated = torch::cat({-x.narrow(3, half, half), x.narrow(3, 0, half)}, -1);
   return (x * c + rotated * sn).reshape({b, s, heads * head_dim});
 }
@@ -86,17 +93,20 @@ struct RmsNormFunction : torch::autograd::Function<RmsNormFunction> {
 
 struct RotaryFunction : torch::autograd::Function<RotaryFunction> {
   // qk: [b, s, n] with unit stride in its last dimension; the result is contiguous.
-  static Tensor forward(AutogradContext* ctx, const Tensor& qk, int64_t head_dim, const Tensor& cos, const Tensor& sin) {
+  // positions: [b · s] int64 on the device, or undefined (position = index in the row).
+  static Tensor forward(AutogradContext* ctx, const Tensor& qk, int64_t head_dim, const Tensor& cos, const Tensor& sin, const Tensor& positions) {
     const int64_t b = qk.size(0), s = qk.size(1), n = qk.size(2);
     Tensor in = qk.stride(2) == 1 && qk.stride(0) == s * qk.stride(1) ? qk : qk.contiguous();
     Tensor out = torch::empty({b, s, n}, qk.options());
-    dsrun_rotary(in.data_ptr(), in.stride(1), out.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), b * s, n / head_dim,
-                 head_dim, s, /*inverse=*/0, kernel_dtype(qk), stream());
+    dsrun_rotary(in.data_ptr(), in.stride(1), out.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), position_rows(positions), b * s,
+                 n / head_dim, head_dim, s, /*inverse=*/0, kernel_dtype(qk), stream());
     DSRUN_CHECK_LAUNCH();
     ctx->saved_data["head_dim"] = head_dim;
-    ctx->save_for_backward({cos, sin});
+    ctx->save_for_backward({cos, sin, positions});
     return out;
   }
+  // (autograd takes no undefined tensor argument: no positions is an empty one)
+  static const int64_t* position_rows(const Tensor& positions) { return positions.numel() > 0 ? positions.data_ptr<int64_t>() : nullptr; }
   // The rotation is orthogonal: its gradient is the rotation by the opposite angle.
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     variable_list saved = ctx->get_saved_variables();
@@ -104,10 +114,10 @@ struct RotaryFunction : torch::autograd::Function<RotaryFunction> {
     Tensor g = grads[0].contiguous();
     const int64_t b = g.size(0), s = g.size(1), n = g.size(2);
     Tensor dx = torch::empty_like(g);
-    dsrun_rotary(g.data_ptr(), n, dx.data_ptr(), saved[0].data_ptr<float>(), saved[1].data_ptr<float>(), b * s, n / head_dim,
-                 head_dim, s, /*inverse=*/1, kernel_dtype(g), stream());
+    dsrun_rotary(g.data_ptr(), n, dx.data_ptr(), saved[0].data_ptr<float>(), saved[1].data_ptr<float>(), position_rows(saved[2]), b * s,
+                 n / head_dim, head_dim, s, /*inverse=*/1, kernel_dtype(g), stream());
     DSRUN_CHECK_LAUNCH();
-    return {dx, Tensor(), Tensor(), Tensor()};
+    return {dx, Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -157,15 +167,18 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   return rms_norm_reference(x, weight, eps);
 }
 
-torch::Tensor rotary(const torch::Tensor& qk, int64_t head_dim, const torch::Tensor& cos, const torch::Tensor& sin) {
+torch::Tensor rotary(const torch::Tensor& qk, int64_t head_dim, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& positions) {
   DSRUN_ASSERT(qk.dim() == 3 && qk.size(2) % head_dim == 0 && head_dim % 2 == 0, "rotary takes [b, s, heads · head_dim]");
+  DSRUN_ASSERT(!positions.defined() || positions.numel() == qk.size(0) * qk.size(1), "rotary: one position per token");
 #ifdef DSRUN_WITH_FUSED_KERNELS
   if (fused_kernels_active(qk) && qk.stride(2) == 1 && cos.is_cuda() && cos.scalar_type() == torch::kFloat32) {
     // The kernel reads the tables' rows by position and the first half of each row.
-    return RotaryFunction::apply(qk, head_dim, cos.contiguous(), sin.contiguous());
+    const Tensor rows = positions.defined() ? positions.to(qk.device(), torch::kInt64).contiguous().view({-1})
+                                            : torch::empty({0}, qk.options().dtype(torch::kInt64));
+    return RotaryFunction::apply(qk, head_dim, cos.contiguous(), sin.contiguous(), rows);
   }
 #endif
-  return rotary_reference(qk, head_dim, cos, sin);
+  return rotary_reference(qk, head_dim, cos, sin, positions);
 }
 
 torch::Tensor swiglu(const torch::Tensor& gate_up) {
@@ -173,6 +186,27 @@ torch::Tensor swiglu(const torch::Tensor& gate_up) {
   if (fused_kernels_active(gate_up)) return SwigluFunction::apply(gate_up);
 #endif
   return swiglu_reference(gate_up);
+}
+
+torch::Tensor softmax_gradient(torch::Tensor& z, const torch::Tensor& lse, const torch::Tensor& column, const torch::Tensor& here,
+                               double scale, const torch::Tensor& factor, torch::ScalarType dtype) {
+#ifdef DSRUN_WITH_FUSED_KERNELS
+  if (z.is_cuda() && z.is_contiguous()) {
+    Tensor out = torch::empty(z.sizes(), z.options().dtype(dtype));
+    const Tensor l = lse.contiguous(), c = column.to(torch::kInt64).contiguous(), h = here.to(torch::kBool).contiguous();
+    const Tensor f = factor.defined() ? factor.to(z.device(), torch::kFloat32).contiguous() : Tensor();
+    dsrun_softmax_gradient(z.data_ptr<float>(), l.data_ptr<float>(), c.data_ptr<int64_t>(), h.data_ptr<bool>(),
+                           f.defined() ? f.data_ptr<float>() : nullptr, static_cast<float>(scale), out.data_ptr(), z.size(0), z.size(1),
+                           kernel_dtype(out), stream());
+    DSRUN_CHECK_LAUNCH();
+    return out;
+  }
+#endif
+  z.sub_(lse.unsqueeze(1)).exp_();
+  z.scatter_add_(1, column.unsqueeze(1), here.to(z.scalar_type()).neg().unsqueeze(1));
+  z.mul_(scale);
+  if (factor.defined()) z.mul_(factor.to(z.device(), torch::kFloat32));
+  return z.to(dtype);
 }
 
 torch::Tensor swiglu_backward(const torch::Tensor& gate_up, const torch::Tensor& d_out) {

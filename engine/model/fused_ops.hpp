@@ -12,13 +12,23 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 // Rotary position embedding of q and k heads in one call, Llama layout (each head's first half
 // rotates against its second half). qk: [b, s, heads · head_dim], any row stride; cos and sin:
 // [>= s, head_dim] fp32 with both halves equal. Returns a contiguous [b, s, heads · head_dim].
-torch::Tensor rotary(const torch::Tensor& qk, int64_t head_dim, const torch::Tensor& cos, const torch::Tensor& sin);
+// positions ([b, s] int64, any device), if defined, says which row of the tables each token takes
+// (documents packed in a row restart at 0); undefined, token j of a row takes row j.
+torch::Tensor rotary(const torch::Tensor& qk, int64_t head_dim, const torch::Tensor& cos, const torch::Tensor& sin,
+                     const torch::Tensor& positions = {});
 
 // silu(gate) · up where gate_up = [gate | up] along the last dimension.
 torch::Tensor swiglu(const torch::Tensor& gate_up);
 // The gradient of swiglu at gate_up for the output's gradient d_out (outside autograd: for
 // functions that write their own backward, engine/model/grouped_experts.cpp).
 torch::Tensor swiglu_backward(const torch::Tensor& gate_up, const torch::Tensor& d_out);
+
+// The token cross-entropy's gradient on a chunk of fp32 logits z [rows, V] in `dtype`:
+// (softmax(z) - one_hot(column where here)) · scale · factor, with softmax from each row's
+// log-sum-exp lse [rows] (over the whole vocabulary) and `factor` a scalar fp32 tensor on z's device
+// or undefined. One pass on CUDA; elsewhere z is overwritten on the way.
+torch::Tensor softmax_gradient(torch::Tensor& z, const torch::Tensor& lse, const torch::Tensor& column, const torch::Tensor& here,
+                               double scale, const torch::Tensor& factor, torch::ScalarType dtype);
 
 // True where the fused CUDA kernels run for x (a CUDA tensor in a CUDA build); for tests.
 bool fused_kernels_active(const torch::Tensor& x);

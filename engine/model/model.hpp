@@ -4,6 +4,7 @@
 #pragma once
 
 #include "engine/common/error.hpp"
+#include "engine/model/linear_cross_entropy.hpp"
 #include "engine/recipe/recipe.hpp"
 
 #include <torch/torch.h>
@@ -37,6 +38,14 @@ class UnitRunner {
   virtual torch::Tensor leave_split(const torch::Tensor& partial) { return partial; }
   // A lookup in an embedding whose rows (the vocabulary) may be split.
   virtual torch::Tensor embedding(const torch::Tensor& weight, const torch::Tensor& ids) { return torch::embedding(weight, ids); }
+  // The output projection and the mean token cross-entropy in one, chunk_tokens tokens at a time
+  // (linear_cross_entropy.hpp): hidden [N, H] as it enters the split region, weight [V, H] (this
+  // rank's rows of the vocabulary under tensor parallelism), targets [N]. An fp32 scalar.
+  virtual torch::Tensor projected_loss(const torch::Tensor& hidden, const torch::Tensor& weight, const torch::Tensor& targets, int64_t chunk_tokens) {
+    LinearCrossEntropyOptions o;
+    o.chunk_tokens = chunk_tokens;
+    return linear_cross_entropy(hidden, weight, targets, o);
+  }
   // Routed experts: `rows` are the inputs of every (token, choice) pair of a MoE layer, grouped by
   // expert, counts[e] for expert e of all the layer's ([experts] int64 on the device: here they
   // stay there); returns their outputs in the same order. `local` runs the experts this rank keeps
@@ -85,11 +94,13 @@ struct Batch {
   torch::Tensor sample_ids;
 };
 
-// What a model computes; the loss is the trainer's (engine/train/loss.hpp).
+// What a model computes; the loss is the trainer's (engine/train/loss.hpp), except where the model
+// fuses its output projection with the token cross-entropy (ModelBuild::loss_chunk_tokens).
 struct ModelOutput {
   // Decoders: [b, s, vocab] (with tensor parallelism, this rank's slice of the vocabulary);
-  // images: [b, classes]. In the compute dtype.
+  // images: [b, classes]. In the compute dtype. Undefined where `loss` is given instead.
   torch::Tensor logits;
+  torch::Tensor loss;       // the mean token cross-entropy (fp32 scalar), computed without whole logits
   torch::Tensor aux_loss;   // MoE load balance, an fp32 scalar added to the loss; undefined for dense models
 };
 
@@ -122,12 +133,14 @@ class Model {
   virtual void keep_only(const std::vector<UnitRange>& chunks) { DSRUN_ASSERT(false, "this model cannot be pipelined"); }
   // Runs kept chunk `chunk` on the state the unit before it produced ({} before the embedding).
   // Returns {x, aux loss} after a block (the state the next chunk takes), {logits, aux loss} after
-  // the head; the aux loss is an fp32 scalar (0 for dense models).
+  // the head ({loss, aux loss} where computes_loss()); the aux loss is an fp32 scalar (0 for dense models).
   virtual Tensors forward_chunk(int chunk, const Batch& batch, const Tensors& state, UnitRunner& runner) {
     DSRUN_ASSERT(false, "this model cannot be pipelined");
     return {};
   }
   virtual TiedEmbedding tied_embedding() { return {}; }
+  // Whether forward gives the token cross-entropy (ModelOutput::loss) rather than logits.
+  virtual bool computes_loss() const { return false; }
   // Expert parallelism: keep shard `shard` of `shards` of every MoE layer's routed experts (the
   // others' parameters are dropped). parameter_units() then lists each layer's kept experts as a
   // unit of its own (experts_of), after all the others.
@@ -149,6 +162,9 @@ class Model {
 struct ModelBuild {
   uint64_t seed = 0;      // the run's seed: the initial weights are a function of it alone
   bool deferred = false;  // parameters without values, materialised unit by unit by ZeRO
+  // Decoders: > 0 fuses the output projection with the cross-entropy, this many tokens' logits at
+  // a time (batch.loss_chunk_tokens); 0 returns the whole logits for the trainer's loss.
+  int64_t loss_chunk_tokens = 0;
 };
 
 // Builds the recipe's model in fp32 on the CPU (DeepSeek deferred: no memory until ZeRO builds

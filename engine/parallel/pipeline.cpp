@@ -152,7 +152,7 @@ PipelineTotals PipelineStage::run(const PipelineSchedule& s, const BatchFn& batc
         continue;
       }
       ModelOutput o;
-      o.logits = out[0];
+      (model_.computes_loss() ? o.loss : o.logits) = out[0];
       if (options_.carries_aux_loss) o.aux_loss = out[1];
       MicroBatchLoss m = loss_of(o, it->second);
       totals.loss_sum += m.task_loss;

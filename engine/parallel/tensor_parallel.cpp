@@ -136,6 +136,13 @@ Tensor TensorParallel::cross_entropy(const Tensor& local_logits, const Tensor& t
   return VocabParallelCrossEntropy::apply(local_logits, targets, reinterpret_cast<int64_t>(&group_));
 }
 
+Tensor TensorParallel::projected_loss(const Tensor& hidden, const Tensor& local_weight, const Tensor& targets, int64_t chunk_tokens) {
+  LinearCrossEntropyOptions o;
+  o.chunk_tokens = chunk_tokens;
+  o.group = size() > 1 ? &group_ : nullptr;
+  return linear_cross_entropy(hidden, local_weight, targets, o);
+}
+
 namespace {
 // The row counts of a Rows split's parts in a tensor of `rows` rows (a full tensor or a slice).
 std::vector<int64_t> row_parts(const TensorSplit& split, int64_t rows) {

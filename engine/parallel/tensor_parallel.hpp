@@ -39,6 +39,9 @@ class TensorParallel {
   // Mean cross-entropy over tokens from this rank's vocabulary slice of the logits [N, V/t], fp32;
   // the full logits are never gathered (two all-reduces of N numbers and one of N maxima).
   torch::Tensor cross_entropy(const torch::Tensor& local_logits, const torch::Tensor& targets);
+  // The same from the hidden states and this rank's rows of the output projection, chunk by chunk
+  // (linear_cross_entropy.hpp): no rank ever holds its whole slice of the logits.
+  torch::Tensor projected_loss(const torch::Tensor& hidden, const torch::Tensor& local_weight, const torch::Tensor& targets, int64_t chunk_tokens);
 
  private:
   Communicator& group_;

@@ -8,7 +8,9 @@ namespace dsrun {
 namespace {
 
 // DeepSeek/Llama decoder. e = bytes per element of the compute dtype, s = sequence length.
-ModelCost decoder_cost(const ModelSpec& m, double s, double e, AttentionKernel kernel, bool fused) {
+ModelCost decoder_cost(const ModelSpec& m, double s, double e, AttentionKernel kernel, const ModelCostOptions& options) {
+  const bool fused = options.fused_elementwise;
+  const bool fused_loss = options.loss_chunk_tokens > 0;
   ModelCost c;
   const double h = static_cast<double>(m.hidden);
   const double kv = static_cast<double>(m.kv_heads) * static_cast<double>(m.head_dim());
@@ -39,6 +41,7 @@ ModelCost decoder_cost(const ModelSpec& m, double s, double e, AttentionKernel k
   // scores and their weighted sum. The embedding lookup is not a matmul; a tied head still is one.
   const double matmul_params = c.active_params - c.embedding_params + (m.tie_embeddings ? V * h : 0);
   c.model_flops_per_sample = s * (6 * matmul_params + 12.0 * m.layers * h * s);
+  c.attention_flops_per_sample = s * 12.0 * m.layers * h * s;
   // Full checkpointing recomputes every block's forward (not the head): 2 FLOPs per block parameter.
   const double block_params = c.active_params - c.embedding_params - head - h;
   c.recompute_flops_per_sample = s * (2 * block_params + 4.0 * m.layers * h * s);
@@ -67,14 +70,24 @@ ModelCost decoder_cost(const ModelSpec& m, double s, double e, AttentionKernel k
   const double per_token_layers = dense_layers * per_token_dense + moe_layers * per_token_moe;
   // Outside the blocks: final norm input and output, and the fp32 log-softmax the cross-entropy
   // keeps. The logits themselves (compute dtype, then fp32) are freed once converted: forward's
-  // transient e·V + 4·V stays below backward's 8·V.
-  const double head_bytes_per_token = e * (fused ? 2 : 3) * h + 4 * V;
+  // transient e·V + 4·V stays below backward's 8·V. Fused with the loss, the head keeps the
+  // hidden states' gradient (computed in forward, h per token) instead of any logits.
+  const double head_bytes_per_token = e * (fused ? 2 : 3) * h + (fused_loss ? e * h : 4 * V);
 
   c.terms.push_back({"blocks (" + std::to_string(m.layers) + " layers)", e * s * per_token_layers});
   if (kernel == AttentionKernel::Math) c.terms.push_back({"  of which attention probabilities (math kernel)", e * s * m.layers * attention_probs});
-  c.terms.push_back({"final norm, logits, fp32 log-softmax", s * head_bytes_per_token});
+  c.terms.push_back({fused_loss ? "final norm, the loss's gradient to the hidden states" : "final norm, logits, fp32 log-softmax", s * head_bytes_per_token});
   c.activation_bytes_per_sample = e * s * per_token_layers + s * head_bytes_per_token;
-  c.head_backward_bytes_per_sample = s * (4 + 4) * V;
+  if (fused_loss) {
+    // One chunk's fp32 logits and their gradient in the compute dtype, and the projection's weight
+    // gradient: summed in fp32, then kept in the compute dtype until backward.
+    const double local_vocab = static_cast<double>(options.local_vocab > 0 ? options.local_vocab : m.vocab);
+    c.loss_chunk_tokens = options.loss_chunk_tokens;
+    c.loss_chunk_bytes_per_token = (4 + e) * local_vocab;
+    c.loss_weight_gradient_bytes = (4 + e) * local_vocab * h;
+  } else {
+    c.head_backward_bytes_per_sample = s * (4 + 4) * V;
+  }
   if (kernel == AttentionKernel::Math) c.attention_backward_bytes_per_sample = (4.0 + 4.0) * m.heads * s * s;
 
   // Full checkpointing keeps each block's input (h per token) and, during backward, one block's
@@ -90,6 +103,7 @@ ModelCost decoder_cost(const ModelSpec& m, double s, double e, AttentionKernel k
     u.params = attention + norms + (moe ? moe_mlp : dense_mlp);
     u.tensor_replicated_params = norms + (moe ? h * E : 0);
     u.flops_per_sample = s * (6 * (attention + (moe ? moe_active : dense_mlp)) + 12.0 * h * s);
+    u.attention_flops_per_sample = s * 12.0 * h * s;
     u.activation_bytes_per_sample = e * s * (moe ? per_token_moe : per_token_dense);
     u.checkpointed_activation_bytes_per_sample = e * s * h;
     if (moe) {
@@ -99,7 +113,12 @@ ModelCost decoder_cost(const ModelSpec& m, double s, double e, AttentionKernel k
     }
     c.units.push_back(u);
   }
-  c.units.push_back({h + head, h, s * 6 * V * h, s * head_bytes_per_token, s * head_bytes_per_token, 0, 0, 0});
+  ModelCost::Unit head_unit;
+  head_unit.params = h + head;
+  head_unit.tensor_replicated_params = h;
+  head_unit.flops_per_sample = s * 6 * V * h;
+  head_unit.activation_bytes_per_sample = head_unit.checkpointed_activation_bytes_per_sample = s * head_bytes_per_token;
+  c.units.push_back(head_unit);
   return c;
 }
 
@@ -176,10 +195,10 @@ ModelCost resnet_cost(const ResNetSpec& r, double e) {
 
 }  // namespace
 
-ModelCost model_cost(const ModelSpec& model, int64_t seq_len, DType dtype, AttentionKernel kernel, bool fused_elementwise) {
+ModelCost model_cost(const ModelSpec& model, int64_t seq_len, DType dtype, AttentionKernel kernel, const ModelCostOptions& options) {
   const double e = bytes_per_element(dtype);
   if (model.arch == ModelArch::ResNet) return resnet_cost(model.resnet, e);
-  return decoder_cost(model, static_cast<double>(seq_len), e, kernel, fused_elementwise);
+  return decoder_cost(model, static_cast<double>(seq_len), e, kernel, options);
 }
 
 }  // namespace dsrun

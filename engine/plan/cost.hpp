@@ -4,6 +4,7 @@
 
 #include "engine/recipe/recipe.hpp"
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -26,12 +27,21 @@ struct ModelCost {
   double largest_unit_params = 0;  // biggest block ZeRO-3 gathers at once (a layer or the embedding)
   double tokens_per_sample = 1;    // seq_len for decoders, 1 for images
   double model_flops_per_sample = 0;        // forward + backward, the MFU numerator
+  double attention_flops_per_sample = 0;    // of which attention's scores and weighted sums (12·L·h·s² for decoders)
   double recompute_flops_per_sample = 0;    // extra forward when activations are checkpointed
   double activation_bytes_per_sample = 0;               // without checkpointing: what forward leaves for backward
   double checkpointed_activation_bytes_per_sample = 0;  // full checkpointing: block inputs and the head
   // Live only at the start of backward, on top of the activations: the fp32 gradients of the
   // log-softmax's output and input while its backward runs. Measured on H200: docs/benchmarks.md.
+  // 0 with the fused projection and loss (ModelCostOptions::loss_chunk_tokens): its transient is
+  // one chunk's logits (loss_chunk_bytes_per_token × the chunk's tokens, at most a micro-batch's)
+  // and the head's weight gradient (loss_weight_gradient_bytes).
   double head_backward_bytes_per_sample = 0;
+  int64_t loss_chunk_tokens = 0;
+  double loss_chunk_bytes_per_token = 0, loss_weight_gradient_bytes = 0;
+  double loss_chunk_bytes(double micro_batch_tokens) const {
+    return loss_chunk_tokens > 0 ? loss_chunk_bytes_per_token * std::min<double>(static_cast<double>(loss_chunk_tokens), micro_batch_tokens) + loss_weight_gradient_bytes : 0;
+  }
   // Full checkpointing: one block's activations, recomputed during its backward (after the head's).
   double recomputed_layer_bytes_per_sample = 0;
   // Math attention kernel: one layer's gradients of its probabilities and of its scores (fp32,
@@ -44,7 +54,7 @@ struct ModelCost {
   struct Unit {
     double params = 0;
     double tensor_replicated_params = 0;  // kept whole by tensor parallelism (norms, the MoE router)
-    double flops_per_sample = 0;
+    double flops_per_sample = 0, attention_flops_per_sample = 0;
     double activation_bytes_per_sample = 0, checkpointed_activation_bytes_per_sample = 0;
     // MoE blocks: what of the above the routed experts hold, compute and keep (expert parallelism
     // shards the parameters and sends the tokens; imbalance weighs on the activations and FLOPs).
@@ -53,8 +63,15 @@ struct ModelCost {
   std::vector<Unit> units;
 };
 
-// fused_elementwise: RMSNorm and SwiGLU run as single kernels that keep only their inputs (CUDA
-// builds, engine/model/fused_ops); otherwise libtorch's separate ops keep their intermediates too.
-ModelCost model_cost(const ModelSpec& model, int64_t seq_len, DType dtype, AttentionKernel kernel, bool fused_elementwise = false);
+struct ModelCostOptions {
+  // RMSNorm and SwiGLU run as single kernels that keep only their inputs (CUDA builds,
+  // engine/model/fused_ops); otherwise libtorch's separate ops keep their intermediates too.
+  bool fused_elementwise = false;
+  // The output projection and the loss fused, this many tokens' logits at a time (0: whole
+  // logits), over `local_vocab` of the vocabulary per rank (tensor parallelism).
+  int64_t loss_chunk_tokens = 0;
+  int64_t local_vocab = 0;
+};
+ModelCost model_cost(const ModelSpec& model, int64_t seq_len, DType dtype, AttentionKernel kernel, const ModelCostOptions& options = {});
 
 }  // namespace dsrun

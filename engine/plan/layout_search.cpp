@@ -43,7 +43,7 @@ LayoutSearch search_layouts(const Recipe& recipe, const HostFacts& host, bool ev
   ParallelOptions::Searched searched = fixed.search;
   if (every_key) searched = {true, true, true, true, true, recipe.model.moe.enabled()};
   const int devices = recipe.hardware.total_devices();
-  const double data_bytes = planned_data_bytes(recipe);
+  const PlannedData measured = planned_data(recipe);
   // Tensor groups stay inside a node (their traffic is every layer's) unless the recipe means otherwise.
   const int tensor_limit = fixed.tensor_across_nodes ? devices : std::min(devices, recipe.hardware.devices_per_node);
   const std::vector<int> tensors = searched.tensor ? divisors(tensor_limit) : std::vector<int>{fixed.tensor};
@@ -95,7 +95,7 @@ LayoutSearch search_layouts(const Recipe& recipe, const HostFacts& host, bool ev
           l.sequence_parallel = searched.sequence_parallel ? t > 1 && recipe.batch.seq_len % t == 0 && !recipe.model.moe.enabled() : fixed.sequence_parallel && t > 1;
           row.problem = layout_problem(recipe, l);
           if (row.problem.empty()) {
-            const Plan p = plan_candidate(with_degrees(recipe, l), host, data_bytes);
+            const Plan p = plan_candidate(with_degrees(recipe, l), host, measured);
             row.layout = p.layout;
             row.fits = p.fits;
             row.binds = p.binds;

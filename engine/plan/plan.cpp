@@ -3,6 +3,7 @@
 #include "engine/common/error.hpp"
 #include "engine/common/files.hpp"
 #include "engine/common/text.hpp"
+#include "engine/data/token_source.hpp"
 
 #include <algorithm>
 #include <numeric>
@@ -85,6 +86,37 @@ double data_bytes(const Recipe& r, int64_t seq_len) {
   return tokens * 16;
 }
 
+// With data.separate_documents, the share of a whole row's causal attention that attention within
+// documents computes: the mean over rows of Σ document² / seq_len², measured on up to 256 rows
+// spread over the corpus (the variable-length kernel skips the rest). 1 without separate documents,
+// and where the corpus cannot be read yet (planning before `dsrun prepare`): an upper bound.
+double document_attention_fraction(const Recipe& r) {
+  const DataOptions& d = r.data;
+  if (!d.separate_documents || d.kind != DataKind::Tokens || r.model.arch != ModelArch::DeepSeek) return 1;
+  std::vector<std::string> paths{d.path};
+  paths.insert(paths.end(), d.blend.begin(), d.blend.end());
+  for (const std::string& path : paths)
+    if (!path.empty() && !file_exists(path) && !is_directory(path)) return 1;
+  const TokenCorpus corpus(token_corpus_options(d, r.model.vocab, r.batch.seq_len, static_cast<uint64_t>(r.run.seed)));
+  const int64_t windows = corpus.train_windows(), samples = std::min<int64_t>(256, windows);
+  if (samples <= 0) return 1;
+  const double s = static_cast<double>(r.batch.seq_len);
+  double sum = 0;
+  Window w;
+  for (int64_t i = 0; i < samples; ++i) {
+    corpus.train_window(i * windows / samples, w);
+    double squares = 0, start = 0;
+    for (int32_t next : w.document_starts) {
+      const double end = std::min<double>(next, s);
+      squares += (end - start) * (end - start);
+      start = end;
+    }
+    squares += (s - start) * (s - start);
+    sum += squares / (s * s);
+  }
+  return sum / static_cast<double>(samples);
+}
+
 // What each pipeline stage holds and computes (one stage, the whole model, without a pipeline).
 struct StageCost {
   double rank_params = 0;         // after tensor parallelism's split, without the routed experts
@@ -94,13 +126,15 @@ struct StageCost {
   int moe_layers = 0;
   bool has_head = false, has_blocks = false;
   bool tied_head_copy = false;  // tied embeddings: the head's copy of the embedding (not in ZeRO)
+  double attention_flops_per_sample = 0;  // of flops_per_sample
 };
 
 // A candidate of the layout search is planned without its schedule's simulation or suggestions
 // (the chosen layout gets both), on the data size measured once.
 struct PlanningOptions {
   bool full = true;
-  double data_bytes = -1;  // < 0: measure
+  double data_bytes = -1;          // < 0: measure
+  double attention_fraction = -1;  // < 0: measure (document_attention_fraction)
 };
 
 class Planner {
@@ -116,7 +150,12 @@ class Planner {
     placement_ = placement_of(hw, layout_with({}));
     ranks_per_node_ = placement_.ranks_per_node;
     kernel_ = hw.device == Device::Cuda ? AttentionKernel::Flash : AttentionKernel::Math;
-    cost_ = model_cost(r.model, r.batch.seq_len, r.precision.dtype, kernel_, /*fused_elementwise=*/hw.device == Device::Cuda);
+    ModelCostOptions cost;
+    cost.fused_elementwise = hw.device == Device::Cuda;
+    cost.local_vocab = r.model.vocab / std::max(1, tp_);
+    cost.loss_chunk_tokens = r.model.arch == ModelArch::DeepSeek ? loss_chunk_tokens(r.batch, cost.local_vocab) : 0;
+    cost_ = model_cost(r.model, r.batch.seq_len, r.precision.dtype, kernel_, cost);
+    attention_fraction_ = options.attention_fraction >= 0 ? options.attention_fraction : document_attention_fraction(r);
     capacity_ = hw.ranks_share_memory() ? hw.memory_bytes / ranks_per_node_ : hw.memory_bytes;
     data_bytes_ = options.data_bytes >= 0 ? options.data_bytes : data_bytes(r, r.batch.seq_len);
     split_into_stages();
@@ -133,6 +172,7 @@ class Planner {
       replicated += tp_ > 1 ? unit.tensor_replicated_params : 0;
       routed += ep_ > 1 ? unit.routed_expert_params : 0;  // (without expert parallelism they are the blocks' like any weight)
       st.flops_per_sample += unit.flops_per_sample;
+      st.attention_flops_per_sample += unit.attention_flops_per_sample;
       st.routed_flops_per_sample += unit.routed_flops_per_sample;
       st.activation_bytes_per_sample += unit.activation_bytes_per_sample;
       st.routed_activation_bytes_per_sample += unit.routed_activation_bytes_per_sample;
@@ -241,18 +281,24 @@ class Planner {
     // residuals, the region inputs) stay whole. Applied to the total until the terms are split one by one.
     // With sequence parallelism the 10·sbh are split too (eq. 4): everything is 1/t.
     if (tp_ > 1 && !l.checkpointing) m.activations *= r_.parallel.sequence_parallel ? 1.0 / tp_ : (10.0 + 24.0 / tp_) / 34.0;
-    if (r_.data.separate_documents) {  // the document mask (bool, then a bias in the compute dtype, s x s) and each token's rotary rows (fp32 cos and sin)
+    if (r_.data.separate_documents) {
       const double s = static_cast<double>(r_.batch.seq_len);
-      m.activations += live * l.micro * (s * s * (1 + bytes_per_element(r_.precision.dtype)) + s * r_.model.head_dim() * 8);
+      if (varlen_attention())  // each token's position (int64); the documents' starts are a few bytes
+        m.activations += live * l.micro * s * 8;
+      else  // the document mask (bool, then a bias in the compute dtype, s x s) and each token's rotary rows (fp32 cos and sin)
+        m.activations += live * l.micro * (s * s * (1 + bytes_per_element(r_.precision.dtype)) + s * r_.model.head_dim() * 8);
     }
     // Backward's transient on top: the loss gradient at its start, or with recomputation whichever
     // is larger of that and one block's recomputed activations (they are never live together).
     // The math attention kernel's softmax backward (heads split over tensor ranks) adds its own
     // transient in each layer; with recomputation it comes on top of that layer's activations.
-    const double head_backward = st.has_head ? cost_.head_backward_bytes_per_sample : 0;
-    const double attention_backward = st.has_blocks ? cost_.attention_backward_bytes_per_sample / tp_ : 0;
-    m.backward_peak = l.micro * (l.checkpointing && st.has_blocks ? std::max(head_backward, cost_.recomputed_layer_bytes_per_sample + attention_backward)
-                                                                  : std::max(head_backward, attention_backward));
+    // The fused projection and loss has one chunk's transient whatever the micro-batch.
+    const double head_backward = !st.has_head                     ? 0
+                                 : cost_.loss_chunk_tokens > 0 ? cost_.loss_chunk_bytes(static_cast<double>(l.micro * r_.batch.seq_len))
+                                                               : l.micro * cost_.head_backward_bytes_per_sample;
+    const double attention_backward = st.has_blocks ? l.micro * cost_.attention_backward_bytes_per_sample / tp_ : 0;
+    m.backward_peak = l.checkpointing && st.has_blocks ? std::max(head_backward, l.micro * cost_.recomputed_layer_bytes_per_sample + attention_backward)
+                                                       : std::max(head_backward, attention_backward);
     const double e = bytes_per_element(r_.precision.dtype);
     if (l.stage == 3 && dp_ > 1) {
       // The layer being computed, the prefetched next one, and one layer's full gradient before reduce-scatter.
@@ -332,6 +378,9 @@ class Planner {
     p.seq_len = r_.model.arch == ModelArch::DeepSeek ? r_.batch.seq_len : 0;
     p.dtype = r_.precision.dtype;
     p.attention = kernel_;
+    if (r_.data.separate_documents) p.document_attention = varlen_attention() ? "variable-length" : "masked";
+    p.attention_fraction = attention_fraction_;
+    p.loss_chunk_tokens = r_.model.arch == ModelArch::DeepSeek ? loss_chunk_tokens(r_.batch, r_.model.vocab / tp_) : 0;
     p.cost = cost_;
     p.memory_capacity = capacity_;
     p.host_memory_capacity = hw.host_memory_bytes;
@@ -824,7 +873,9 @@ class Planner {
   double compute_seconds(Plan& p) const {
     double per_sample = cost_.model_flops_per_sample + (p.layout.recomputation ? cost_.recompute_flops_per_sample : 0);
     p.hardware_flops_per_step = per_sample * static_cast<double>(r_.batch.global);
-    p.model_flops_per_step = cost_.model_flops_per_sample * static_cast<double>(r_.batch.global);
+    // Within documents the model needs only each document's attention: MFU counts that.
+    const double skipped_attention = r_.data.separate_documents ? (1 - attention_fraction_) * cost_.attention_flops_per_sample : 0;
+    p.model_flops_per_step = (cost_.model_flops_per_sample - skipped_attention) * static_cast<double>(r_.batch.global);
     p.peak_flops = peak_flops();
     // A pipeline step lasts as long as its busiest stage's share of the work, stretched by the
     // bubble; under expert parallelism the busiest rank's routed experts compute `imbalance` times the mean.
@@ -832,10 +883,20 @@ class Planner {
     // (hardware.grouped_matmul_efficiency); on CPUs as one product per expert, like the rest.
     const double per_flop = p.hardware_flops_per_step / cost_.model_flops_per_sample / (dp_ * tp_);
     const double grouped_efficiency = r_.hardware.device == Device::Cuda ? r_.hardware.grouped_matmul_efficiency : r_.hardware.matmul_efficiency;
+    // On GPUs with hardware.attention_efficiency given, attention is priced apart: the causal
+    // flash kernels compute half of the 12·L·h·s FLOPs counted per token, at that efficiency;
+    // otherwise the counted FLOPs at matmul_efficiency, like the rest. Within documents the
+    // variable-length kernel computes attention_fraction_ of a whole row's.
+    const bool gpu = r_.hardware.device == Device::Cuda;
+    const bool apart = gpu && r_.hardware.attention_efficiency > 0;
+    const double attention_efficiency = apart ? r_.hardware.attention_efficiency : r_.hardware.matmul_efficiency;
+    const double attention_share = (varlen_attention() ? attention_fraction_ : 1.0) * (apart ? 0.5 : 1.0);
     double busiest = 0;
     for (const StageCost& st : stages_) {
-      const double dense = per_flop * (st.flops_per_sample - st.routed_flops_per_sample), routed = per_flop * imbalance_ * st.routed_flops_per_sample;
-      busiest = std::max(busiest, dense / (p.peak_flops * r_.hardware.matmul_efficiency) + routed / (p.peak_flops * grouped_efficiency));
+      const double attention = per_flop * st.attention_flops_per_sample;
+      const double dense = per_flop * (st.flops_per_sample - st.routed_flops_per_sample) - attention, routed = per_flop * imbalance_ * st.routed_flops_per_sample;
+      busiest = std::max(busiest, dense / (p.peak_flops * r_.hardware.matmul_efficiency) + routed / (p.peak_flops * grouped_efficiency) +
+                                      attention * attention_share / (p.peak_flops * attention_efficiency));
     }
     return busiest / (1 - bubble_fraction(p.accumulation));
   }
@@ -883,9 +944,15 @@ class Planner {
     const double e = bytes_per_element(r_.precision.dtype);
     const double tokens = static_cast<double>(r_.batch.global) * static_cast<double>(r_.batch.seq_len) / dp_;
     const int moe_layers = busiest_stage_moe_layers();
-    const double loss = (24 + 2 * e) * static_cast<double>(r_.model.vocab) / tp_;
+    // Fused with the projection (cost_.loss_chunk_tokens > 0): the products write fp32 logits, the
+    // log-sum-exp reads them, one kernel reads them again and writes the gradient: 12 + e bytes.
+    // Under tensor parallelism backward recomputes the logits: that again, and a third product.
+    const bool fused_loss = cost_.loss_chunk_tokens > 0;
+    const double loss_bytes = !fused_loss ? 24 + 2 * e : tp_ > 1 ? 2 * (12 + e) : 12 + e;
+    const double loss = loss_bytes * static_cast<double>(r_.model.vocab) / tp_;
+    const double recomputed_logits = fused_loss && tp_ > 1 ? tokens * 2.0 * r_.model.hidden * r_.model.vocab / tp_ / (peak_flops() * r_.hardware.matmul_efficiency) : 0;
     const double permutation = 14.0 * r_.model.moe.top_k * r_.model.hidden * e * moe_layers;
-    return tokens * (loss + permutation) / r_.hardware.memory_bandwidth;
+    return tokens * (loss + permutation) / r_.hardware.memory_bandwidth + recomputed_logits;
   }
 
   void predict_time(Plan& p) {
@@ -972,20 +1039,27 @@ class Planner {
   int ranks_per_node_ = 1;
   Placement placement_;
   AttentionKernel kernel_ = AttentionKernel::Flash;
+  double attention_fraction_ = 1;  // document_attention_fraction
+
+  // Attention within documents by the variable-length flash kernel (CUDA, fp16/bf16), not a mask.
+  bool varlen_attention() const {
+    return r_.data.separate_documents && r_.hardware.device == Device::Cuda && r_.precision.dtype != DType::Fp32;
+  }
   ModelCost cost_;
   double capacity_ = 0;
 };
 
 }  // namespace
 
-Plan plan_candidate(const Recipe& recipe, const HostFacts& host, double data_bytes) {
+Plan plan_candidate(const Recipe& recipe, const HostFacts& host, const PlannedData& data) {
   PlanningOptions o;
   o.full = false;
-  o.data_bytes = data_bytes;
+  o.data_bytes = data.bytes;
+  o.attention_fraction = data.attention_fraction;
   return Planner(recipe, host, o).plan();
 }
 
-double planned_data_bytes(const Recipe& recipe) { return data_bytes(recipe, recipe.batch.seq_len); }
+PlannedData planned_data(const Recipe& recipe) { return {data_bytes(recipe, recipe.batch.seq_len), document_attention_fraction(recipe)}; }
 
 Plan plan_fixed_layout(const Recipe& recipe, const HostFacts& host) {
   DSRUN_ASSERT(!recipe.parallel.search.any(), "the search fixes every degree before planning");

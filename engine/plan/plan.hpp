@@ -127,6 +127,11 @@ struct Plan {
 
   DType dtype = DType::Fp32;
   AttentionKernel attention = AttentionKernel::Flash;
+  // data.separate_documents: attention within documents, by the variable-length kernel (GPUs in
+  // fp16/bf16) or a mask; what share of whole rows' attention the documents leave (measured).
+  std::string document_attention;  // "" without separate documents, else "variable-length" or "masked"
+  double attention_fraction = 1;
+  int64_t loss_chunk_tokens = 0;   // the fused projection and loss's chunk (0: whole logits)
 
   ModelCost cost;
   MemoryBreakdown memory;       // per rank, on the device
@@ -174,9 +179,13 @@ Plan make_plan(const Recipe& recipe, const HostFacts& host);
 // and recomputation left "auto", simulates the pipeline schedule and suggests what would fit.
 Plan plan_fixed_layout(const Recipe& recipe, const HostFacts& host);
 // For the layout search: one candidate's plan without the schedule simulation or suggestions,
-// with the data's size already measured (data_bytes, see plan.cpp).
-Plan plan_candidate(const Recipe& recipe, const HostFacts& host, double data_bytes);
-double planned_data_bytes(const Recipe& recipe);
+// with what it reads of the data already measured (planned_data).
+struct PlannedData {
+  double bytes = -1;               // the data set as the ranks load it
+  double attention_fraction = -1;  // separate documents: the share of whole rows' attention computed
+};
+PlannedData planned_data(const Recipe& recipe);
+Plan plan_candidate(const Recipe& recipe, const HostFacts& host, const PlannedData& data);
 
 // Every layout of the recipe's hardware for the keys it leaves "auto" (all five with
 // every_key), each planned once; the fastest that fits first, then the slower, then those that

@@ -103,6 +103,9 @@ std::string render_plan(const Plan& p) {
   section("parallelism and precision");
   line("ZeRO stage " + std::to_string(p.layout.zero_stage) + ", offload " + to_string(p.layout.offload) + ", activation checkpointing " +
        (p.layout.recomputation ? "full" : "none") + ", " + to_string(p.dtype) + (images ? "" : std::string(", attention ") + kernel_name(p.attention)));
+  if (!p.document_attention.empty())
+    line("attention within documents (" + p.document_attention + "): " + format_double(100 * p.attention_fraction, 3) + "% of whole rows' attention FLOPs");
+  if (p.loss_chunk_tokens > 0) line("output projection and loss fused, " + std::to_string(p.loss_chunk_tokens) + " tokens' logits at a time");
 
   section(p.layout.pipeline > 1 ? "memory per rank (pipeline stage " + std::to_string(p.memory_stage) + ", the fullest)" : std::string("memory per rank"));
   const MemoryBreakdown& m = p.memory;
@@ -117,7 +120,10 @@ std::string render_plan(const Plan& p) {
   t.add({"activations", format_bytes(m.activations), "micro batch " + std::to_string(p.layout.micro) +
                                                          (p.layout.pipeline > 1 ? " × " + format_double(p.live_micro_batches, 3) + " live (" + to_string(p.layout.schedule) + ")" : "") +
                                                          (p.layout.recomputation ? ", checkpointed" : ", no recomputation")});
-  if (m.backward_peak > 0) t.add({"backward peak", format_bytes(m.backward_peak), "backward's largest transient: logits or softmax gradients"});
+  if (m.backward_peak > 0)
+    t.add({"backward peak", format_bytes(m.backward_peak),
+           p.loss_chunk_tokens > 0 ? "the largest transient: a loss chunk's logits and the head's weight gradient, or a recomputed block"
+                                   : "backward's largest transient: logits or softmax gradients"});
   t.add({"communication buffers", format_bytes(m.comm_buffers), p.layout.zero_stage == 3 ? "gathered layers" : "gradient buckets"});
   t.add({"runtime", format_bytes(m.runtime), "context, libraries"});
   t.add({"allocator slack", format_bytes(m.fragmentation), "fragmentation"});
@@ -225,7 +231,8 @@ std::string plan_to_json(const Plan& p) {
                 {"seq_len", p.seq_len}, {"tokens_per_step", p.tokens_per_step}};
   j["parallel"] = {{"zero_stage", p.layout.zero_stage}, {"offload", to_string(p.layout.offload)},
                    {"activation_checkpointing", p.layout.recomputation}, {"dtype", to_string(p.dtype)},
-                   {"attention", kernel_name(p.attention)}};
+                   {"attention", kernel_name(p.attention)}, {"document_attention", p.document_attention},
+                   {"attention_fraction", p.attention_fraction}, {"loss_chunk_tokens", p.loss_chunk_tokens}};
   j["memory_per_rank"] = {{"params", m.states.params}, {"grads", m.states.grads}, {"master", m.states.master},
                           {"optimizer", m.states.optimizer}, {"activations", m.activations}, {"backward_peak", m.backward_peak}, {"comm_buffers", m.comm_buffers},
                           {"routed_expert_states", m.routed_expert_states}, {"runtime", m.runtime}, {"fragmentation", m.fragmentation}, {"offloaded_to_host", m.states.host},

@@ -148,6 +148,7 @@ void build_hardware(Builder& c, Recipe& r, const HostFacts& host) {
   h.disk_write_bandwidth = c.f("hardware.disk_write_gbs") * GB;
   h.matmul_efficiency = c.f("hardware.matmul_efficiency");
   h.grouped_matmul_efficiency = c.f("hardware.grouped_matmul_efficiency");
+  h.attention_efficiency = c.f("hardware.attention_efficiency");
   h.comm_efficiency = c.f("hardware.comm_efficiency");
   h.runtime_memory_bytes = c.f("hardware.runtime_memory_gib") * GiB;
   h.host_runtime_memory_bytes = c.f("hardware.host_runtime_memory_gib") * GiB;
@@ -277,6 +278,7 @@ void build_batch(Builder& c, Recipe& r) {
   b.global = c.i("batch.global");
   b.micro = c.int_or_auto("batch.micro");
   b.seq_len = c.i("batch.seq_len");
+  b.loss_chunk_tokens = c.int_or_auto("batch.loss_chunk_tokens");
   if (r.model.arch == ModelArch::DeepSeek && b.seq_len > r.model.max_seq_len)
     c.error("batch.seq_len", "sequence length " + std::to_string(b.seq_len) + " exceeds model.max_seq_len = " + std::to_string(r.model.max_seq_len),
             "use seq_len <= " + std::to_string(r.model.max_seq_len) + " or raise model.max_seq_len", {"model.max_seq_len"});
@@ -597,5 +599,14 @@ const char* to_string(DataKind k) {
   return k == DataKind::Text ? "text" : k == DataKind::Tokens ? "tokens" : k == DataKind::Cifar10 ? "cifar10" : "synthetic";
 }
 int bytes_per_element(DType d) { return d == DType::Fp32 ? 4 : 2; }
+
+}  // namespace dsrun
+
+namespace dsrun {
+
+int64_t loss_chunk_tokens(const BatchOptions& batch, int64_t local_vocab) {
+  if (batch.loss_chunk_tokens) return *batch.loss_chunk_tokens;
+  return std::max<int64_t>(1, static_cast<int64_t>(kAutoLossChunkBytes / (4.0 * static_cast<double>(std::max<int64_t>(local_vocab, 1)))));
+}
 
 }  // namespace dsrun

@@ -58,6 +58,7 @@ struct HardwareSpec {
   double host_memory_bandwidth = 0;
   double matmul_efficiency = 0.5;
   double grouped_matmul_efficiency = 0.6;  // GPUs: the routed experts' grouped products, fraction of peak
+  double attention_efficiency = 0;         // GPUs: the attention kernels, fraction of peak; 0: matmul_efficiency
   double comm_efficiency = 0.8;
   double runtime_memory_bytes = 0;
   double host_runtime_memory_bytes = 0;  // a GPU rank process's own host memory
@@ -166,7 +167,16 @@ struct BatchOptions {
   int64_t global = 8;
   std::optional<int64_t> micro;  // nullopt: auto
   int64_t seq_len = 128;
+  // Decoders: tokens whose logits exist at once in the fused output projection + cross-entropy;
+  // 0: whole logits (the projection, then the loss); nullopt: auto (loss_chunk_tokens()).
+  std::optional<int64_t> loss_chunk_tokens;
 };
+
+// A chunk's fp32 logits under batch.loss_chunk_tokens = "auto": small beside a model's activations,
+// large enough that each chunk's products run at full speed.
+constexpr double kAutoLossChunkBytes = 256.0 * 1024 * 1024;
+// Tokens per loss chunk for a rank holding `local_vocab` of the vocabulary (0: not fused).
+int64_t loss_chunk_tokens(const BatchOptions& batch, int64_t local_vocab);
 
 enum class OptimizerKind { AdamW, Adam, Sgd };
 

@@ -92,6 +92,9 @@ std::vector<KeySpec> build_schema() {
              "0.61 measured on one H100 with DeepSeek-MoE 16B's experts in bf16 (docs/benchmarks.md)."),
       ranged("hardware.matmul_efficiency", T::Float, "0.5", 0.001, 1,
              "Fraction of peak FLOP/s that training reaches; calibrated by bench/ (docs/benchmarks.md)."),
+      ranged("hardware.attention_efficiency", T::Float, "0", 0, 1,
+             "GPUs: fraction of peak FLOP/s that the attention kernels (flash, forward and backward) reach, which prices attention's "
+             "12·layers·hidden·seq FLOPs per token apart from the matrix products (it dominates long sequences). 0: as matmul_efficiency."),
       ranged("hardware.comm_efficiency", T::Float, "0.8", 0.001, 1, "Fraction of link bandwidth that collectives reach."),
       ranged("hardware.runtime_memory_gib", T::Float, "0.3", 0, 1e6, "Memory per rank in GiB taken before training starts (CUDA context, NCCL, libraries)."),
       ranged("hardware.host_runtime_memory_gib", T::Float, "1", 0, 1e6, "Host memory per GPU rank process in GiB (libraries, the CUDA context's host side); CPU ranks count runtime_memory_gib."),
@@ -188,6 +191,10 @@ std::vector<KeySpec> build_schema() {
       ranged("batch.micro", T::IntOrAuto, "\"auto\"", 1, 1e12,
              "Sequences per rank per forward/backward. `auto`: the largest that fits. Accumulation = global / (micro × data_parallel)."),
       ranged("batch.seq_len", T::Int, "128", 1, 16777216, "Tokens per sequence (decoders)."),
+      ranged("batch.loss_chunk_tokens", T::IntOrAuto, "\"auto\"", 0, 1e12,
+             "Decoders: the output projection and the cross-entropy run as one, this many tokens at a time, so the whole fp32 logits "
+             "and their gradient never exist at once. `auto`: chunks of about 256 MiB of fp32 logits per rank. 0: whole logits "
+             "(the projection, then the loss)."),
 
       // ---- optimizer
       choice("optimizer.name", "adamw", {"adamw", "adam", "sgd"}, "AdamW (decoupled weight decay), Adam (L2 in the gradient), or SGD with momentum."),

@@ -5,8 +5,11 @@ namespace dsrun {
 MicroBatchLoss micro_batch_loss(const ModelOutput& out, const Batch& batch, TensorParallel& tensor, bool read_now) {
   MicroBatchLoss l;
   const bool classification = batch.targets.dim() == 1;
-  const torch::Tensor logits = out.logits.to(torch::kFloat32);
-  torch::Tensor task = tensor.cross_entropy(logits.reshape({-1, logits.size(-1)}), batch.targets.reshape({-1}));
+  torch::Tensor task = out.loss;  // the model's fused projection and loss, or from the logits here
+  if (!task.defined()) {
+    const torch::Tensor logits = out.logits.to(torch::kFloat32);
+    task = tensor.cross_entropy(logits.reshape({-1, logits.size(-1)}), batch.targets.reshape({-1}));
+  }
   l.loss = task;
   l.task_value = task.detach();
   if (out.aux_loss.defined()) {
