@@ -11,6 +11,7 @@
 #include "engine_util.hpp"
 #include <catch2/catch.hpp>
 
+#include <limits>
 #include <vector>
 
 using namespace dsrun;
@@ -211,6 +212,11 @@ TEST_CASE("CUDA: the variable-length flash kernel matches the masked path, and t
     const torch::Tensor a = varlen[i].to(torch::kFloat32), b = masked[i].to(torch::kFloat32);
     CHECK(((a - b).abs().max().item<double>()) <= 0.02 * std::max(1.0, b.abs().max().item<double>()));
   }
+  // The one-pass log-sum-exp against libtorch's, rows of mixed scale (and one of -inf but one entry).
+  torch::Tensor z = torch::randn({37, 5000}, torch::TensorOptions().device(gpu)) * torch::linspace(0.1, 30, 37, torch::TensorOptions().device(gpu)).unsqueeze(1);
+  z[3].fill_(-std::numeric_limits<float>::infinity());
+  z[3][17] = 2.5;
+  CHECK(torch::allclose(fused::row_logsumexp(z), z.logsumexp(1), 1e-5, 1e-5));
   // The fused projection and loss on the GPU (the one-pass gradient kernel, fp32 products) against
   // the plain expression in fp32, and in bf16 within bf16's tolerance.
   const int64_t n = 300, h = 64, vocab = 1000;

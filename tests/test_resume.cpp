@@ -525,7 +525,9 @@ TEST_CASE("checkpoints in the two older formats (ZeRO shards, whole parameters) 
   // tests/checkpoints/ holds step 2 of these runs as dsrun wrote them before format 3: flat ZeRO
   // units from 2 data-parallel ranks (version 1), whole parameters from tensor parallelism (version 2).
   TempDir dir;
-  const std::string small = " --set model.hidden=16 --set model.layers=2 --set model.heads=2 --set model.kv_heads=2 --set model.intermediate=32 --set model.vocab=64 --set run.steps=4 --set checkpoint.every=2";
+  // Whole logits (batch.loss_chunk_tokens = 0): the loss as those runs computed it, so that their
+  // step 2 is this run's bit for bit.
+  const std::string small = " --set model.hidden=16 --set model.layers=2 --set model.heads=2 --set model.kv_heads=2 --set model.intermediate=32 --set model.vocab=64 --set run.steps=4 --set checkpoint.every=2 --set batch.loss_chunk_tokens=0";
   Run reference = train(dir, layout(1, 2) + small);
   INFO(reference.text);
   REQUIRE(reference.code == 0);

@@ -121,11 +121,12 @@ void check_model_parallel(const std::string& model, const std::string& parallel,
     REQUIRE(b.count(name));
     REQUIRE(b.at(name).size() == values.size());
     // Adam turns last-bit gradient differences into weight differences of a fraction of lr (3e-3)
-    // where a gradient is near zero (up to 1.03e-4 seen); a misplaced slice would differ by the
-    // weights' size (~0.02).
+    // where a gradient is near zero (up to 1.03e-4 seen with whole logits; 3.9e-4 in the embedding
+    // with the fused projection and loss, whose one-rank and vocabulary-parallel forms sum in other
+    // orders); a misplaced slice would differ by the weights' size (~0.02).
     double worst = 0;
     for (size_t i = 0; i < values.size(); ++i) worst = std::max(worst, std::fabs(double(values[i]) - b.at(name)[i]));
-    CHECK(worst < 3e-4);
+    CHECK(worst < 6e-4);
   }
 }
 

@@ -96,15 +96,16 @@ struct AttentionImpl : nn::Module {
     const int64_t kv_heads = wqkv->weight.size(0) / (head_dim * (group + 2)), heads = group * kv_heads;
     // q and k rotate together (one kernel); v passes through. [b, s, heads, d] viewed as [b, heads, s, d].
     std::vector<Tensor> qk_v = wqkv(x).split_with_sizes({(heads + kv_heads) * head_dim, kv_heads * head_dim}, -1);
-    Tensor qk = where.rotate(qk_v[0], head_dim);
+    // q and k by one split, not two narrows: backward joins their gradients with one copy, where
+    // each narrow's would fill a zero tensor of the whole width and add it (an H100 profile: 2% of a step).
+    std::vector<Tensor> q_k = where.rotate(qk_v[0], head_dim).split_with_sizes({heads * head_dim, kv_heads * head_dim}, -1);
     if (where.documents) {  // [b, s, heads, d] as they lie; grouped-query heads shared by the kernel or the mask path
-      Tensor out = where.documents->attend(qk.narrow(-1, 0, heads * head_dim).view({b, s, heads, head_dim}),
-                                           qk.narrow(-1, heads * head_dim, kv_heads * head_dim).view({b, s, kv_heads, head_dim}),
+      Tensor out = where.documents->attend(q_k[0].view({b, s, heads, head_dim}), q_k[1].view({b, s, kv_heads, head_dim}),
                                            qk_v[1].view({b, s, kv_heads, head_dim}));
       return wo(out.reshape({b, s, heads * head_dim}));
     }
-    Tensor q = qk.narrow(-1, 0, heads * head_dim).view({b, s, heads, head_dim}).transpose(1, 2);
-    Tensor k = qk.narrow(-1, heads * head_dim, kv_heads * head_dim).view({b, s, kv_heads, head_dim}).transpose(1, 2);
+    Tensor q = q_k[0].view({b, s, heads, head_dim}).transpose(1, 2);
+    Tensor k = q_k[1].view({b, s, kv_heads, head_dim}).transpose(1, 2);
     Tensor v = qk_v[1].view({b, s, kv_heads, head_dim}).transpose(1, 2);
     if (group > 1) {  // grouped-query attention: each KV head serves `group` query heads
       k = k.repeat_interleave(group, 1);

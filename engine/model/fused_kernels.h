@@ -45,6 +45,9 @@ void dsrun_swiglu_backward(const void* d_out, const void* gate_up, void* d_gate_
 void dsrun_softmax_gradient(const float* z, const float* lse, const int64_t* target, const bool* here, const float* scale_ptr, float scale,
                             void* out, int64_t rows, int64_t cols, int dtype, cudaStream_t stream);
 
+// lse[r] = log Σ_c exp(z[r, c]) over each row of fp32 z [rows, cols], in one pass over z.
+void dsrun_row_logsumexp(const float* z, float* lse, int64_t rows, int64_t cols, cudaStream_t stream);
+
 // The last launch error as text, or nullptr: callers turn it into an exception with file:line.
 const char* dsrun_fused_last_error(void);
 }

@@ -209,6 +209,18 @@ torch::Tensor softmax_gradient(torch::Tensor& z, const torch::Tensor& lse, const
   return z.to(dtype);
 }
 
+torch::Tensor row_logsumexp(const torch::Tensor& z) {
+#ifdef DSRUN_WITH_FUSED_KERNELS
+  if (z.is_cuda() && z.is_contiguous() && z.dim() == 2 && z.scalar_type() == torch::kFloat32) {
+    Tensor lse = torch::empty({z.size(0)}, z.options());
+    dsrun_row_logsumexp(z.data_ptr<float>(), lse.data_ptr<float>(), z.size(0), z.size(1), stream());
+    DSRUN_CHECK_LAUNCH();
+    return lse;
+  }
+#endif
+  return z.logsumexp(1);
+}
+
 torch::Tensor swiglu_backward(const torch::Tensor& gate_up, const torch::Tensor& d_out) {
 #ifdef DSRUN_WITH_FUSED_KERNELS
   if (fused_kernels_active(gate_up) && gate_up.is_contiguous()) return SwigluFunction::kernel_backward(gate_up, d_out);

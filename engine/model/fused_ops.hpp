@@ -30,6 +30,9 @@ torch::Tensor swiglu_backward(const torch::Tensor& gate_up, const torch::Tensor&
 torch::Tensor softmax_gradient(torch::Tensor& z, const torch::Tensor& lse, const torch::Tensor& column, const torch::Tensor& here,
                                double scale, const torch::Tensor& factor, torch::ScalarType dtype);
 
+// log Σ exp over each row of fp32 z [rows, V] -> [rows] fp32 (one pass on CUDA).
+torch::Tensor row_logsumexp(const torch::Tensor& z);
+
 // True where the fused CUDA kernels run for x (a CUDA tensor in a CUDA build); for tests.
 bool fused_kernels_active(const torch::Tensor& x);
 

@@ -66,7 +66,7 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
         return;
       }
       Tensor row_lse = lse.narrow(0, begin, rows);
-      row_lse.copy_(z.logsumexp(1));
+      row_lse.copy_(fused::row_logsumexp(z));
       if (!eager) return;
       const Tensor g = fused::softmax_gradient(z, row_lse, column, here, 1.0 / static_cast<double>(n), Tensor(), hidden.scalar_type());
       Tensor dh = d_hidden.narrow(0, begin, rows);

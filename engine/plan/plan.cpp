@@ -292,10 +292,17 @@ class Planner {
     // is larger of that and one block's recomputed activations (they are never live together).
     // The math attention kernel's softmax backward (heads split over tensor ranks) adds its own
     // transient in each layer; with recomputation it comes on top of that layer's activations.
-    // The fused projection and loss has one chunk's transient whatever the micro-batch.
-    const double head_backward = !st.has_head                     ? 0
-                                 : cost_.loss_chunk_tokens > 0 ? cost_.loss_chunk_bytes(static_cast<double>(l.micro * r_.batch.seq_len))
-                                                               : l.micro * cost_.head_backward_bytes_per_sample;
+    // The fused projection and loss has one chunk's transient whatever the micro-batch. Where it
+    // computes the gradients during forward (one tensor rank, not fp16), each micro-batch whose
+    // backward is still to come keeps its weight gradient (a pipeline's last stage under GPipe).
+    double head_backward = 0;
+    if (st.has_head && cost_.loss_chunk_tokens > 0) {
+      const bool in_forward = tp_ == 1 && r_.precision.dtype != DType::Fp16;
+      const double weight_gradient = bytes_per_element(r_.precision.dtype) * static_cast<double>(r_.model.vocab / tp_) * static_cast<double>(r_.model.hidden);
+      head_backward = cost_.loss_chunk_bytes(static_cast<double>(l.micro * r_.batch.seq_len)) + (in_forward ? (live - 1) * weight_gradient : 0);
+    } else if (st.has_head) {
+      head_backward = l.micro * cost_.head_backward_bytes_per_sample;
+    }
     const double attention_backward = st.has_blocks ? l.micro * cost_.attention_backward_bytes_per_sample / tp_ : 0;
     m.backward_peak = l.checkpointing && st.has_blocks ? std::max(head_backward, l.micro * cost_.recomputed_layer_bytes_per_sample + attention_backward)
                                                        : std::max(head_backward, attention_backward);

@@ -485,6 +485,7 @@ void warn_inapplicable(Builder& c, const Recipe& r) {
       {"parallel.expert_imbalance", [](const Recipe& x) { return x.parallel.expert > 1 || x.parallel.search.expert; }, "parallel.expert > 1"},
       {"model.resnet.", [](const Recipe& x) { return x.model.arch == ModelArch::ResNet; }, "model.arch = \"resnet\""},
       {"batch.seq_len", [](const Recipe& x) { return x.model.arch == ModelArch::DeepSeek; }, "model.arch = \"deepseek\""},
+      {"batch.loss_chunk_tokens", [](const Recipe& x) { return x.model.arch == ModelArch::DeepSeek; }, "model.arch = \"deepseek\""},
       {"data.tokenizer", [](const Recipe& x) { return x.data.kind == DataKind::Text; }, "data.kind = \"text\""},
       {"data.path", [](const Recipe& x) { return x.data.kind != DataKind::Synthetic; }, "data.kind is not synthetic"},
       {"data.format", [](const Recipe& x) { return x.data.kind == DataKind::Tokens; }, "data.kind = \"tokens\""},
