@@ -540,7 +540,10 @@ TEST_CASE("checkpoints in the two older formats (ZeRO shards, whole parameters) 
     int version;
     double tolerance;  // the tensor-parallel run's sums are ordered otherwise
   };
-  for (const Old& old : {Old{"v1_zero1_dp2", layout(1, 2), 1, 0.0}, Old{"v2_tensor2", layout(1, 1) + " --set parallel.tensor=2", 2, 1e-5}}) {
+  // v1 was bit for bit on the CPU that wrote the fixtures; OpenBLAS's kernels for another CPU model
+  // round the last bits otherwise (2e-8 relative in the losses on an AMD EPYC), where a misread
+  // shard would differ by the weights' size.
+  for (const Old& old : {Old{"v1_zero1_dp2", layout(1, 2), 1, 1e-6}, Old{"v2_tensor2", layout(1, 1) + " --set parallel.tensor=2", 2, 1e-5}}) {
     INFO(old.fixture);
     Run crashed = train(dir, old.sets + small, "DSRUN_TEST_CRASH_AT=0:3");
     REQUIRE(crashed.code == 1);
