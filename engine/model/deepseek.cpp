@@ -9,8 +9,6 @@
 #include "engine/model/model.hpp"
 
 #include <cmath>
-#include <limits>
-#include <map>
 #include <memory>
 
 namespace dsrun {

@@ -22,15 +22,26 @@ void for_each_chunk(int64_t n, int64_t chunk, Each&& each) {
   for (int64_t begin = 0; begin < n; begin += chunk) each(begin, std::min(chunk, n - begin));
 }
 
-// Where each token's target lies in this rank's vocabulary slice: its column (clamped) and whether it is here.
+// Where each token's target lies in this rank's vocabulary slice (rows rank · V/t of the whole,
+// `group` null or of one rank: all of it): its column (clamped) and whether it is here.
 struct LocalTargets {
   Tensor column, here;
-  LocalTargets(const Tensor& targets, int64_t first, int64_t local_vocab) {
-    const Tensor local = targets - first;
+  LocalTargets(const Tensor& targets, const Communicator* group, int64_t local_vocab) {
+    const Tensor local = group && group->world_size() > 1 ? targets - group->rank() * local_vocab : targets;
     here = local.ge(0).logical_and(local.lt(local_vocab));
     column = local.clamp(0, local_vocab - 1);
   }
 };
+
+// One chunk's share of the gradients from its fp32 logits z (overwritten): the hidden states' rows
+// `dh` written, the weight's summed into the fp32 `d_weight`. Each token's gradient is
+// (softmax - one_hot) / n, times `factor` (a scalar tensor, or undefined for 1).
+void add_chunk_gradients(Tensor& z, const Tensor& lse, const Tensor& column, const Tensor& here, int64_t n, const Tensor& factor,
+                         const Tensor& h, const Tensor& weight, Tensor dh, Tensor& d_weight) {
+  const Tensor g = fused::softmax_gradient(z, lse, column, here, 1.0 / static_cast<double>(n), factor, h.scalar_type());
+  at::mm_out(dh, g, weight);
+  compat::addmm_fp32(d_weight, g.t(), h, 1.0);
+}
 
 struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropyFunction> {
   static Tensor forward(AutogradContext* ctx, const Tensor& hidden, const Tensor& weight, const Tensor& targets, int64_t chunk,
@@ -38,7 +49,8 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
     Communicator* group = reinterpret_cast<Communicator*>(group_address);
     const int64_t n = hidden.size(0), local_vocab = weight.size(0);
     const int ranks = group ? group->world_size() : 1;
-    const LocalTargets t(targets, ranks > 1 ? group->rank() * local_vocab : 0, local_vocab);
+    const LocalTargets t(targets, group, local_vocab);
+    // (The plan's rule is the same: Planner::loss_gradients_in_forward, engine/plan/plan.cpp.)
     const bool eager = wants_grad && gradient_in_forward && ranks == 1 && hidden.scalar_type() != torch::kFloat16;
     const Tensor w_t = weight.t();
     const auto fp32 = hidden.options().dtype(torch::kFloat32);
@@ -68,10 +80,7 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
       Tensor row_lse = lse.narrow(0, begin, rows);
       row_lse.copy_(fused::row_logsumexp(z));
       if (!eager) return;
-      const Tensor g = fused::softmax_gradient(z, row_lse, column, here, 1.0 / static_cast<double>(n), Tensor(), hidden.scalar_type());
-      Tensor dh = d_hidden.narrow(0, begin, rows);
-      at::mm_out(dh, g, weight);
-      compat::addmm_fp32(d_weight, g.t(), h, 1.0);
+      add_chunk_gradients(z, row_lse, column, here, n, Tensor(), h, weight, d_hidden.narrow(0, begin, rows), d_weight);
     });
     if (ranks > 1) {  // log Σ exp over the whole vocabulary, and the target's logit from the rank that has it
       Tensor maxima = torch::empty({ranks * n}, fp32);
@@ -97,18 +106,15 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
     const Tensor &hidden = saved[0], &weight = saved[1], &targets = saved[2], &lse = saved[3];
     Communicator* group = reinterpret_cast<Communicator*>(ctx->saved_data["group"].toInt());
     const int64_t n = hidden.size(0), local_vocab = weight.size(0);
-    const LocalTargets t(targets, group && group->world_size() > 1 ? group->rank() * local_vocab : 0, local_vocab);
+    const LocalTargets t(targets, group, local_vocab);
     Tensor d_hidden = torch::empty_like(hidden);
     Tensor d_weight = torch::zeros(weight.sizes(), hidden.options().dtype(torch::kFloat32));
     // The loss scale multiplies each chunk's gradient in fp32, before it is rounded to the compute dtype.
     for_each_chunk(n, ctx->saved_data["chunk"].toInt(), [&](int64_t begin, int64_t rows) {
       const Tensor h = hidden.narrow(0, begin, rows);
       Tensor z = compat::mm_fp32(h, weight.t());
-      const Tensor g = fused::softmax_gradient(z, lse.narrow(0, begin, rows), t.column.narrow(0, begin, rows), t.here.narrow(0, begin, rows),
-                                               1.0 / static_cast<double>(n), scale, hidden.scalar_type());
-      Tensor dh = d_hidden.narrow(0, begin, rows);
-      at::mm_out(dh, g, weight);
-      compat::addmm_fp32(d_weight, g.t(), h, 1.0);
+      add_chunk_gradients(z, lse.narrow(0, begin, rows), t.column.narrow(0, begin, rows), t.here.narrow(0, begin, rows), n, scale, h, weight,
+                          d_hidden.narrow(0, begin, rows), d_weight);
     });
     return {d_hidden, d_weight.to(weight.scalar_type()), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }

@@ -297,9 +297,8 @@ class Planner {
     // backward is still to come keeps its weight gradient (a pipeline's last stage under GPipe).
     double head_backward = 0;
     if (st.has_head && cost_.loss_chunk_tokens > 0) {
-      const bool in_forward = tp_ == 1 && r_.precision.dtype != DType::Fp16;
       const double weight_gradient = bytes_per_element(r_.precision.dtype) * static_cast<double>(r_.model.vocab / tp_) * static_cast<double>(r_.model.hidden);
-      head_backward = cost_.loss_chunk_bytes(static_cast<double>(l.micro * r_.batch.seq_len)) + (in_forward ? (live - 1) * weight_gradient : 0);
+      head_backward = cost_.loss_chunk_bytes(static_cast<double>(l.micro * r_.batch.seq_len)) + (loss_gradients_in_forward() ? (live - 1) * weight_gradient : 0);
     } else if (st.has_head) {
       head_backward = l.micro * cost_.head_backward_bytes_per_sample;
     }
@@ -387,7 +386,7 @@ class Planner {
     p.attention = kernel_;
     if (r_.data.separate_documents) p.document_attention = varlen_attention() ? "variable-length" : "masked";
     p.attention_fraction = attention_fraction_;
-    p.loss_chunk_tokens = r_.model.arch == ModelArch::DeepSeek ? loss_chunk_tokens(r_.batch, r_.model.vocab / tp_) : 0;
+    p.loss_chunk_tokens = cost_.loss_chunk_tokens;
     p.cost = cost_;
     p.memory_capacity = capacity_;
     p.host_memory_capacity = hw.host_memory_bytes;
@@ -953,11 +952,11 @@ class Planner {
     const int moe_layers = busiest_stage_moe_layers();
     // Fused with the projection (cost_.loss_chunk_tokens > 0): the products write fp32 logits, the
     // log-sum-exp reads them, one kernel reads them again and writes the gradient: 12 + e bytes.
-    // Under tensor parallelism backward recomputes the logits: that again, and a third product.
-    const bool fused_loss = cost_.loss_chunk_tokens > 0;
-    const double loss_bytes = !fused_loss ? 24 + 2 * e : tp_ > 1 ? 2 * (12 + e) : 12 + e;
+    // Where backward recomputes the logits (loss_gradients_in_forward): that again, and a third product.
+    const bool fused_loss = cost_.loss_chunk_tokens > 0, recomputed = fused_loss && !loss_gradients_in_forward();
+    const double loss_bytes = !fused_loss ? 24 + 2 * e : recomputed ? 2 * (12 + e) : 12 + e;
     const double loss = loss_bytes * static_cast<double>(r_.model.vocab) / tp_;
-    const double recomputed_logits = fused_loss && tp_ > 1 ? tokens * 2.0 * r_.model.hidden * r_.model.vocab / tp_ / (peak_flops() * r_.hardware.matmul_efficiency) : 0;
+    const double recomputed_logits = recomputed ? tokens * 2.0 * r_.model.hidden * r_.model.vocab / tp_ / (peak_flops() * r_.hardware.matmul_efficiency) : 0;
     const double permutation = 14.0 * r_.model.moe.top_k * r_.model.hidden * e * moe_layers;
     return tokens * (loss + permutation) / r_.hardware.memory_bandwidth + recomputed_logits;
   }
@@ -1047,6 +1046,11 @@ class Planner {
   Placement placement_;
   AttentionKernel kernel_ = AttentionKernel::Flash;
   double attention_fraction_ = 1;  // document_attention_fraction
+
+  // The fused projection and loss computes its gradients during forward on one tensor rank, unless
+  // in fp16 (the loss scale must multiply them before they are rounded); otherwise backward
+  // recomputes each chunk's logits. The engine's rule: engine/model/linear_cross_entropy.cpp.
+  bool loss_gradients_in_forward() const { return tp_ == 1 && r_.precision.dtype != DType::Fp16; }
 
   // Attention within documents by the variable-length flash kernel (CUDA, fp16/bf16), not a mask.
   bool varlen_attention() const {

@@ -601,10 +601,6 @@ const char* to_string(DataKind k) {
 }
 int bytes_per_element(DType d) { return d == DType::Fp32 ? 4 : 2; }
 
-}  // namespace dsrun
-
-namespace dsrun {
-
 int64_t loss_chunk_tokens(const BatchOptions& batch, int64_t local_vocab) {
   if (batch.loss_chunk_tokens) return *batch.loss_chunk_tokens;
   return std::max<int64_t>(1, static_cast<int64_t>(kAutoLossChunkBytes / (4.0 * static_cast<double>(std::max<int64_t>(local_vocab, 1)))));
