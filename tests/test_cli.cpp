@@ -1,6 +1,8 @@
 // The dsrun binary end to end: real processes, a real SQLite file in a temporary directory.
 #include "test_util.hpp"
 
+#include "engine/common/text.hpp"
+
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 #include <sys/wait.h>
@@ -153,4 +155,74 @@ TEST_CASE("dsrun plan opens token data as the ranks will: bad data is refused be
   CHECK(plan.code == 0);
   CHECK(contains(plan.text, "dsrun: warning: data: "));  // the terminal wraps the rest
   CHECK(contains(plan.text, "validation is 99.3%"));
+}
+
+TEST_CASE("dsrun probe --quick writes a template of positive measured figures, and a recipe based on it plans with them", "[cli][probe]") {
+  dsrun::test::TempDir dir;
+  const std::string out_path = dir.file("cpu-probed.toml");
+  Output out = dsrun_cli("probe recipes/quickstart.toml --quick -o '" + out_path + "' --disk '" + dir.path() + "'", dir);
+  INFO(out.text);
+  REQUIRE(out.code == 0);
+  CHECK(contains(out.text, "wrote " + out_path));
+  CHECK(contains(out.text, "probe ["));  // progress, phase by phase
+  const std::string text = dsrun::read_file(out_path);
+  INFO(text);
+  // Every key the probe measures on CPU ranks, each with how it was measured, each positive.
+  std::map<std::string, double> probed;
+  for (const std::string& line : dsrun::split(text, '\n')) {
+    const size_t mark = line.find("  # probed: ");
+    if (mark == std::string::npos) continue;
+    const std::string key = dsrun::trim(line.substr(0, line.find('=')));
+    probed[key] = std::stod(line.substr(line.find('=') + 1, mark));
+    CHECK(line.size() > mark + 30);  // the how, not an empty note
+  }
+  for (const char* key : {"matmul_efficiency", "comm_efficiency", "host_optimizer_gbs", "host_memory_bandwidth_gbs", "disk_write_gbs", "disk_read_gbs"}) {
+    INFO(key);
+    REQUIRE(probed.count(key));
+    CHECK(probed[key] > 0);
+  }
+  CHECK(probed["matmul_efficiency"] <= 1);
+  CHECK(probed["comm_efficiency"] <= 1);
+  CHECK(contains(text, "bus bandwidth: all-reduce of"));  // per collective and size, recorded
+  CHECK(contains(text, "name = \"cpu-probed\""));
+  // The round trip: a recipe whose base names the template plans with its figures.
+  const std::string recipe = dir.write("probed.toml", "base = [\"" + dsrun::test::source_dir() + "/recipes/quickstart.toml\", \"" + out_path + "\"]\n");
+  const dsrun::LoadedRecipe loaded = dsrun::test::load_file("recipes/quickstart.toml", {});
+  dsrun::LoadOptions o;
+  o.host = dsrun::test::small_host();
+  const dsrun::LoadedRecipe based = dsrun::load_recipe_file(recipe, o);
+  INFO(based.report());
+  REQUIRE(based.ok());
+  const dsrun::HardwareSpec& hw = based.recipe.hardware;
+  CHECK(hw.name == "cpu-probed");
+  CHECK(hw.matmul_efficiency == Approx(probed["matmul_efficiency"]));
+  CHECK(hw.host_optimizer_bandwidth == Approx(probed["host_optimizer_gbs"] * 1e9));
+  CHECK(hw.disk_read_bandwidth == Approx(probed["disk_read_gbs"] * 1e9));
+  CHECK(hw.peak_flops_fp32 == Approx(loaded.recipe.hardware.peak_flops_fp32));  // unmeasured keys as the recipe had them
+  Output plan = dsrun_cli("plan '" + recipe + "'", dir);
+  INFO(plan.text);
+  CHECK(plan.code == 0);
+  CHECK(contains(plan.text, "hardware.disk_read_gbs"));
+}
+
+TEST_CASE("dsrun probe: a template path that cannot be written, a disk path that does not exist and a GPU recipe without GPUs are clear errors", "[cli][probe]") {
+  dsrun::test::TempDir dir;
+  Output nowhere = dsrun_cli("probe recipes/quickstart.toml --quick -o /nonexistent/dir/cpu.toml", dir);
+  INFO(nowhere.text);
+  CHECK(nowhere.code == 1);
+  CHECK(contains(nowhere.text, "/nonexistent/dir/cpu.toml"));
+  CHECK(contains(nowhere.text, "no directory /nonexistent/dir"));
+  CHECK(contains(nowhere.text, "--print"));
+  CHECK_FALSE(contains(nowhere.text, "probe ["));  // refused before any measuring
+  Output no_disk = dsrun_cli("probe recipes/quickstart.toml --quick --print --disk '" + dir.file("missing") + "'", dir);
+  INFO(no_disk.text);
+  CHECK(no_disk.code == 1);
+  CHECK(contains(no_disk.text, dir.file("missing")));
+  CHECK(contains(no_disk.text, "checkpoint.dir"));
+  CHECK(contains(no_disk.text, "No such file or directory"));
+  Output gpu = dsrun_cli("probe recipes/deepseek7b_zero2.toml --quick --print", dir);
+  INFO(gpu.text);
+  CHECK(gpu.code == 1);
+  CHECK(contains(gpu.text, "hardware.device"));
+  CHECK(contains(gpu.text, "has none"));
 }

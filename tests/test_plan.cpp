@@ -330,6 +330,7 @@ TEST_CASE("the plan counts asynchronous checkpoints' staging memory and says eac
   const Plan offload_sync = make_plan(load_text(kSevenB + "[parallel]\nzero_stage = 2\noffload = \"optimizer\"\n[run]\nsteps = 100\n[checkpoint]\nevery = 50\nasync = false\n").recipe,
                                       dsrun::test::small_host());
   CHECK(offload_sync.checkpoint_disk.pause_seconds == Approx(offload_sync.checkpoint_disk.write_seconds));  // host shards are written as they stand
+  CHECK(d.read_seconds == Approx(d.staging_per_rank * gpu.ranks_per_node / 2e9));  // hardware.disk_read_gbs = 2
   // Synchronous: no staging kept, and the pause includes the write.
   const Plan sync = make_plan(load_text(kSevenB + "[run]\nsteps = 100\n[checkpoint]\nevery = 50\nasync = false\n").recipe, dsrun::test::small_host());
   CHECK_FALSE(sync.checkpoint_disk.async);
@@ -400,4 +401,16 @@ TEST_CASE("separate documents on a GPU: the plan measures the corpus's documents
   const Plan masked = plan_of(recipe, {"data.separate_documents=true", "precision.dtype=\"fp32\""});
   CHECK(masked.document_attention == "masked");
   CHECK(masked.memory.activations > across.memory.activations * 1.5 + 4 * 4096.0 * 4096 * 4);
+}
+
+TEST_CASE("an offloaded step runs at the probed host step's throughput where hardware.host_optimizer_gbs is given", "[plan][offload][probe]") {
+  const std::string offload = kSevenB + "[parallel]\nzero_stage = 2\noffload = \"optimizer\"\n";
+  const Plan memory_bound = make_plan(load_text(offload).recipe, dsrun::test::small_host());
+  const Plan probed = make_plan(load_text(offload + "[hardware]\nhost_optimizer_gbs = 20\n").recipe, dsrun::test::small_host());
+  const Plan faster = make_plan(load_text(offload + "[hardware]\nhost_optimizer_gbs = 40\n").recipe, dsrun::test::small_host());
+  const double host_memory = load_text(offload).recipe.hardware.host_memory_bandwidth;  // what binds when the key is unset
+  REQUIRE(memory_bound.optimizer_seconds > 0);
+  CHECK(probed.optimizer_seconds == Approx(memory_bound.optimizer_seconds * host_memory / 20e9));
+  CHECK(faster.optimizer_seconds == Approx(probed.optimizer_seconds / 2));
+  CHECK(probed.step_seconds > faster.step_seconds);
 }

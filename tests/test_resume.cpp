@@ -476,7 +476,7 @@ std::string run_id_in(const std::string& text) {
 
 }  // namespace
 
-TEST_CASE("one checkpoint format: every layout saves it and every other layout resumes from it", "[resume][reshard][format]") {
+TEST_CASE("one checkpoint format: every layout saves it and three other layouts resume from it", "[resume][reshard][format]") {
   TempDir dir;
   // A mixture-of-experts decoder, so that expert parallelism has experts to place.
   const std::string moe = " --set model.moe.routed_experts=4 --set model.moe.top_k=2 --set model.moe.intermediate=64 --set model.moe.shared_experts=1 --set hardware.devices_per_node=4 --set schedule.warmup_steps=1";
@@ -508,9 +508,11 @@ TEST_CASE("one checkpoint format: every layout saves it and every other layout r
     if (name != "dp2 ZeRO-0") CHECK(sliced > 0);
     writers.push_back(w.id);
   }
+  // Each writer is read by the layouts 1, 2 and 4 places on (of 7, cyclically), so every layout
+  // also reads three writers: 21 of the 42 pairs, for CI's time.
   for (size_t from = 0; from < layouts.size(); ++from)
-    for (size_t to = 0; to < layouts.size(); ++to) {
-      if (from == to) continue;
+    for (size_t offset : {1, 2, 4}) {
+      const size_t to = (from + offset) % layouts.size();
       INFO(layouts[from].first << " -> " << layouts[to].first);
       auto out = dsrun_command(dir, "rollback " + writers[from] + " --to-step 2 --set run.steps=3 --set checkpoint.at_end=false " + layouts[to].second);
       INFO(out.text);

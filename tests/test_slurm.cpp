@@ -31,6 +31,7 @@ class SlurmCluster {
   const std::string& skip_reason() const { return server_.skip_reason(); }
   // A shell prefix that points Slurm's commands (and the jobs, which inherit it) at this cluster.
   std::string env() const { return "SLURM_CONF='" + server_.dir() + "/slurm.conf' PATH=\"$PATH:/usr/sbin\" "; }
+  std::string dir() const { return server_.dir(); }
 
  private:
   // Jobs of other tests' clusters may share the 2 cores: 4 CPUs lets a 2-task job start at once.
@@ -62,6 +63,17 @@ std::string submitted_run(const CommandOutput& out) {
   return out.text.substr(at + 5, 8);
 }
 
+// What a failed wait reports: the run as dsrun shows it, the job as Slurm knows it, the tails
+// of the ranks' logs and of the daemons' logs.
+std::string job_story(const std::string& db, const std::string& id) {
+  const std::string logs = dsrun::path_join(runs_dir_for(db), id + "/logs");
+  const std::string daemons = SlurmCluster::get().dir();
+  return dsrun_cli(db, "show " + id).text + "\n" +
+         run_command(SlurmCluster::get().env() + "squeue -t all -o '%A %j %T %r %M'; " + SlurmCluster::get().env() + "scontrol show job 2>&1 | head -n 60; " +
+                     "for f in '" + logs + "'/* '" + daemons + "/slurmctld.log' '" + daemons + "/slurmd.log'; do echo \"---- $f\"; tail -n 25 \"$f\"; done")
+             .text;
+}
+
 // Polls the store (as `dsrun show` does, which also asks Slurm) until `done` or `seconds` pass.
 bool wait_for(const std::string& db, const std::string& id, double seconds, const std::function<bool(dsrun::Store&, const dsrun::RunRecord&)>& done) {
   for (double waited = 0; waited < seconds; waited += 0.5) {
@@ -70,6 +82,7 @@ bool wait_for(const std::string& db, const std::string& id, double seconds, cons
     if (done(store, store.get_run(id))) return true;
     ::usleep(500000);
   }
+  UNSCOPED_INFO("waited " << seconds << " s in vain:\n" << job_story(db, id));  // reported with the failed check
   return false;
 }
 
