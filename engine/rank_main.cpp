@@ -1,5 +1,11 @@
-// The dsrun-rank binary: one training process. Kept apart from `dsrun` so that planning,
-// history and the launcher never load libtorch.
+// The dsrun-rank binary: one training process, or one process of `dsrun probe` (--probe). Kept
+// apart from `dsrun` so that planning, history and the launcher never load libtorch.
+#include "engine/probe/device_probe.hpp"
 #include "engine/train/trainer.hpp"
 
-int main(int argc, char** argv) { return dsrun::rank_main(argc, argv); }
+#include <string>
+
+int main(int argc, char** argv) {
+  if (argc >= 4 && std::string(argv[1]) == "--probe") return dsrun::probe_rank_main(argv[2], argv[3], argc >= 5 && std::string(argv[4]) == "--quick");
+  return dsrun::rank_main(argc, argv);
+}

@@ -50,6 +50,8 @@ void note_checkpoint_disk(HostFacts& host, const Recipe& r, const std::string& d
   host.checkpoint_free_bytes = free_disk_bytes(r.checkpoint.dir.empty() ? runs_directory(db_path) : r.checkpoint.dir);
 }
 
+}  // namespace
+
 // Loads and validates; prints every diagnostic (warnings too) to stderr. Throws when invalid.
 LoadedRecipe load_or_report(const RecipeArgs& args, const HostFacts& host) {
   LoadOptions options;
@@ -68,6 +70,8 @@ LoadedRecipe load_or_report(const RecipeArgs& args, const HostFacts& host) {
   check_token_data(loaded.recipe);
   return loaded;
 }
+
+namespace {
 
 // The commit of the recipe's directory, "+dirty" when the recipe has uncommitted changes; "" outside git.
 std::string git_revision_of(const std::string& recipe_path) {

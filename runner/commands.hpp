@@ -2,6 +2,9 @@
 // Each returns the process exit code (docs/cli.md lists them); errors travel up as dsrun::Error.
 #pragma once
 
+#include "engine/common/host.hpp"
+#include "engine/recipe/load.hpp"
+
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -30,6 +33,8 @@ struct RunFlags {
 enum { kExitInterrupted = 130 };
 
 std::string default_store_path();  // $DSRUN_DB, else runs/dsrun.db under the current directory
+// Loads and validates; prints every diagnostic (warnings too) to stderr. Throws when invalid.
+LoadedRecipe load_or_report(const RecipeArgs& args, const HostFacts& host);
 
 // layouts: the table of every layout the hardware allows instead (render_layouts).
 int command_plan(const RecipeArgs& args, bool json, bool layouts = false, bool smoke = false);

@@ -49,32 +49,6 @@ double now_seconds() { return std::chrono::duration<double>(std::chrono::steady_
 constexpr double kHeartbeatSeconds = 10;
 
 
-// A port for the rendezvous store that is free now. Chosen at random below the kernel's ephemeral
-// range (32768+), so that outgoing connections made meanwhile cannot take it before rank 0 binds it.
-int free_port() {
-  std::random_device random;
-  for (int attempt = 0; attempt < 100; ++attempt) {
-    const int port = 20000 + static_cast<int>(random() % 12000);
-    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    if (fd < 0) break;
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_ANY);
-    addr.sin_port = htons(static_cast<uint16_t>(port));
-    const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
-    ::close(fd);
-    if (ok) return port;
-  }
-  fail_at(__FILE__, __LINE__, std::string("cannot find a free port: ") + std::strerror(errno));
-}
-
-std::string tail_of_file(const std::string& path, int lines) {
-  if (!file_exists(path)) return "";
-  std::vector<std::string> all = split(read_file(path), '\n');
-  while (!all.empty() && all.back().empty()) all.pop_back();
-  size_t from = all.size() > static_cast<size_t>(lines) ? all.size() - lines : 0;
-  return join(std::vector<std::string>(all.begin() + static_cast<long>(from), all.end()), "\n");
-}
 
 // The kernel's state letter for a process ('R', 'S', 'T' stopped, 't' traced, 'Z' zombie, ...),
 // or 0 when /proc does not show it.
@@ -593,6 +567,31 @@ void pin(Config& config, const std::string& key, Value value) {
 }
 
 }  // namespace
+
+int free_port() {
+  std::random_device random;
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    const int port = 20000 + static_cast<int>(random() % 12000);
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) break;
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_ANY);
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+    ::close(fd);
+    if (ok) return port;
+  }
+  fail_at(__FILE__, __LINE__, std::string("cannot find a free port: ") + std::strerror(errno));
+}
+
+std::string tail_of_file(const std::string& path, int lines) {
+  if (!file_exists(path)) return "";
+  std::vector<std::string> all = split(read_file(path), '\n');
+  while (!all.empty() && all.back().empty()) all.pop_back();
+  size_t from = all.size() > static_cast<size_t>(lines) ? all.size() - lines : 0;
+  return join(std::vector<std::string>(all.begin() + static_cast<long>(from), all.end()), "\n");
+}
 
 std::string rank_config_toml(const LoadedRecipe& loaded, const Plan& plan) {
   Config c = loaded.config;

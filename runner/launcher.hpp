@@ -46,6 +46,12 @@ std::string rank_config_toml(const LoadedRecipe& loaded, const Plan& plan);
 // dies or hangs restarts all ranks from the newest checkpoint, up to run.max_restarts times.
 RunStatus launch_run(const LoadedRecipe& loaded, const Plan& plan, Store& store, const std::string& run_id, const LaunchOptions& options);
 
+// A port for the rendezvous store that is free now. Chosen at random below the kernel's ephemeral
+// range (32768+), so that outgoing connections made meanwhile cannot take it before rank 0 binds it.
+int free_port();
+// The last `lines` lines of a file ("" when it does not exist).
+std::string tail_of_file(const std::string& path, int lines);
+
 // `path` from the working directory ("" and absolute paths as they are).
 std::string absolute(const std::string& path);
 // The running dsrun binary, and its directory (dsrun-rank sits beside it).

@@ -4,6 +4,7 @@
 #include "engine/data/prepare.hpp"
 #include "runner/data_commands.hpp"
 #include "runner/history.hpp"
+#include "runner/probe.hpp"
 #include "runner/report.hpp"
 #include "runner/sweep.hpp"
 
@@ -17,7 +18,7 @@
 
 namespace {
 
-const char* const kCommands[] = {"run", "plan", "history", "show", "resume", "rollback", "export", "sweep", "compare", "watch", "delete", "restore", "gc", "report", "init", "templates", "docs", "worker", "tokenize", "prepare", "store", "cancel"};
+const char* const kCommands[] = {"run", "plan", "history", "show", "resume", "rollback", "export", "sweep", "compare", "watch", "delete", "restore", "gc", "report", "init", "templates", "docs", "worker", "tokenize", "prepare", "store", "cancel", "probe"};
 
 // `dsrun recipes/x.toml ...` means `dsrun run recipes/x.toml ...`.
 std::vector<std::string> with_default_command(int argc, char** argv) {
@@ -76,6 +77,16 @@ int main(int argc, char** argv) {
   plan->add_flag("--layouts", layouts, "Every layout of the hardware (tensor, pipeline, schedule, data), planned and ranked, with why each loses");
   bool plan_smoke = false;
   plan->add_flag("--smoke", plan_smoke, "The plan `dsrun run --smoke` would run: the same layout, a shrunk model, CPU ranks on this machine");
+
+  dsrun::ProbeArgs probe_args;
+  CLI::App* probe = app.add_subcommand("probe", "Measure this machine (matrix products at the recipe's shapes, attention, host step, copies, collectives, disk) into a hardware template");
+  probe->add_option("recipe", probe_args.recipe.path, "Recipe TOML file: the model's shapes, the dtype and the hardware table to start from")->required();
+  probe->add_option("--set", probe_args.recipe.sets, "Override a key: --set section.key=value (repeatable)");
+  probe->add_option("--name", probe_args.name, "The template's hardware.name and file name (default: the recipe's hardware name, -probed)");
+  probe->add_option("--out,-o", probe_args.output, "Write the template here (default: templates/hardware/NAME.toml)");
+  probe->add_flag("--print", probe_args.print, "Print the template instead of writing it");
+  probe->add_flag("--quick", probe_args.quick, "Seconds, not minutes: small sizes, rough figures (CI)");
+  probe->add_option("--disk", probe_args.disk, "Measure the disk under this directory (default: checkpoint.dir, else the run store's directory)");
 
   dsrun::HistoryArgs hist;
   CLI::App* history = app.add_subcommand("history", "List runs, newest first; filter, query, sort");
@@ -230,6 +241,7 @@ int main(int argc, char** argv) {
     if (*store_copy) return dsrun::command_store_copy(copy_from, copy_to);
     if (*cancel) return dsrun::command_cancel(cancel_run, db);
     if (*plan) return dsrun::command_plan(recipe_args, json, layouts, plan_smoke);
+    if (*probe) return dsrun::command_probe(probe_args);
     if (*history) return dsrun::command_history(hist, db);
     if (*del) return dsrun::command_delete(run_list, delete_force, db);
     if (*restore) return dsrun::command_restore(run_list, db);

@@ -617,6 +617,7 @@ class Planner {
     d.staging_pinned = hw.device == Device::Cuda && p.layout.offload == Offload::None;
     d.copy_seconds = d.staging_per_rank / (d.staging_pinned ? hw.host_link_bandwidth * r_.hardware.comm_efficiency : hw.host_memory_bandwidth / 2);
     d.write_seconds = d.staging_per_rank * ranks_per_node_ / hw.disk_write_bandwidth;
+    d.read_seconds = d.staging_per_rank * ranks_per_node_ / hw.disk_read_bandwidth;
     // Synchronous saves copy nothing from host memory (they write the shards as they stand);
     // from a GPU each slice comes down as it is written.
     d.pause_seconds = ck.async ? d.copy_seconds : (d.staging_pinned ? d.copy_seconds : 0) + d.write_seconds;
@@ -977,7 +978,10 @@ class Planner {
     // (3e), and with mixed precision it becomes fp32 (e + 4, then 4 read by the step rather than e)
     // and the step's fp32 weights become the working copy (4 + e, besides the e written).
     if (r_.hardware.device == Device::Cuda && !host_step) touched += 3 * e + (mixed ? (e + 4) + (4 - e) + 4 : 0);
-    const double bandwidth = host_step ? r_.hardware.host_memory_bandwidth / ranks_per_node_ : r_.hardware.memory_bandwidth;
+    // Offloaded, the fused host step's own measured throughput (hardware.host_optimizer_gbs, `dsrun
+    // probe`) where given: it runs below the memory's bandwidth where the cores, not the memory, bind.
+    const double host_bandwidth = r_.hardware.host_optimizer_bandwidth > 0 ? r_.hardware.host_optimizer_bandwidth : r_.hardware.host_memory_bandwidth;
+    const double bandwidth = host_step ? host_bandwidth / ranks_per_node_ : r_.hardware.memory_bandwidth;
     p.optimizer_seconds = shard * touched / bandwidth;
     p.offload_hidden_seconds = host_step ? hidden_offload_seconds(p, shard, e) : 0;
     p.elementwise_seconds = elementwise_seconds();

@@ -87,6 +87,7 @@ struct CheckpointDisk {
   bool staging_pinned = false;  // copied from GPU memory (pinned staging); else from host memory (CPU ranks, offload)
   double copy_seconds = 0;      // that copy (device to host, or host to host)
   double write_seconds = 0;     // a node's share written at hardware.disk_write_gbs
+  double read_seconds = 0;      // a resume reading a node's share back at hardware.disk_read_gbs
   double pause_seconds = 0;     // training stands still per save: the copy (async), or copy and write
 };
 

@@ -179,6 +179,7 @@ std::string render_plan(const Plan& p) {
     line(disk.async ? "asynchronous (checkpoint.async): training pauses " + format_seconds(disk.pause_seconds) + " per save while " + copy + "; then " + write + " beside training"
                     : "synchronous: training pauses " + format_seconds(disk.pause_seconds) + " per save: " + (disk.staging_pinned ? copy + ", then " : std::string()) + write +
                           "; checkpoint.async = true pauses for a copy to host memory alone (" + format_seconds(disk.copy_seconds) + ")");
+    line("a resume reads it back in " + format_seconds(disk.read_seconds) + " per node (hardware.disk_read_gbs)");
   }
 
   if (!p.choices.empty()) {
@@ -256,7 +257,7 @@ std::string plan_to_json(const Plan& p) {
   j["checkpoint_disk"] = {{"bytes", p.checkpoint_disk.bytes}, {"saves", p.checkpoint_disk.saves}, {"kept", p.checkpoint_disk.kept},
                           {"needed", p.checkpoint_disk.needed}, {"free", p.checkpoint_disk.free}, {"async", p.checkpoint_disk.async},
                           {"staging_per_rank", p.checkpoint_disk.staging_per_rank}, {"staging_pinned", p.checkpoint_disk.staging_pinned}, {"copy_seconds", p.checkpoint_disk.copy_seconds},
-                          {"write_seconds", p.checkpoint_disk.write_seconds}, {"pause_seconds", p.checkpoint_disk.pause_seconds}};
+                          {"write_seconds", p.checkpoint_disk.write_seconds}, {"read_seconds", p.checkpoint_disk.read_seconds}, {"pause_seconds", p.checkpoint_disk.pause_seconds}};
   j["auto_choices"] = choices;
   j["notes"] = p.notes;
   j["hardware_present"] = p.hardware_present;

@@ -145,7 +145,9 @@ void build_hardware(Builder& c, Recipe& r, const HostFacts& host) {
   h.inter_node_bandwidth = c.f("hardware.inter_node_bandwidth_gbs") * GB;
   h.host_link_bandwidth = c.f("hardware.host_link_bandwidth_gbs") * GB;
   h.host_memory_bandwidth = c.f("hardware.host_memory_bandwidth_gbs") * GB;
+  h.host_optimizer_bandwidth = c.f("hardware.host_optimizer_gbs") * GB;
   h.disk_write_bandwidth = c.f("hardware.disk_write_gbs") * GB;
+  h.disk_read_bandwidth = c.f("hardware.disk_read_gbs") * GB;
   h.matmul_efficiency = c.f("hardware.matmul_efficiency");
   h.grouped_matmul_efficiency = c.f("hardware.grouped_matmul_efficiency");
   h.attention_efficiency = c.f("hardware.attention_efficiency");

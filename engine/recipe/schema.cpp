@@ -85,8 +85,13 @@ std::vector<KeySpec> build_schema() {
       ranged("hardware.inter_node_bandwidth_gbs", T::Float, "0", 0, 1e7, "Per-node network bandwidth in GB/s; required when nodes > 1."),
       ranged("hardware.host_link_bandwidth_gbs", T::Float, "25", 1e-3, 1e7, "Device-to-host bandwidth in GB/s (PCIe), used by offload."),
       ranged("hardware.host_memory_bandwidth_gbs", T::Float, "50", 1e-3, 1e7, "Host memory bandwidth in GB/s; an offloaded optimizer step is bound by it."),
+      ranged("hardware.host_optimizer_gbs", T::Float, "0", 0, 1e7,
+             "The offloaded optimizer step's own throughput on a node, in GB/s of the bytes it reads and writes (24 + 2 bytes per parameter with bf16), "
+             "all cores together; measured by `dsrun probe`. 0: bound by host_memory_bandwidth_gbs."),
       ranged("hardware.disk_write_gbs", T::Float, "1", 1e-4, 1e6,
              "Write bandwidth of the disk under checkpoint.dir in GB/s per node: a synchronous checkpoint's pause. Each save records the measured checkpoint_write_MBps."),
+      ranged("hardware.disk_read_gbs", T::Float, "2", 1e-4, 1e6,
+             "Read bandwidth of the disk under checkpoint.dir in GB/s per node, from disk rather than the page cache: what a resume waits for to read its checkpoint."),
       ranged("hardware.grouped_matmul_efficiency", T::Float, "0.6", 0.001, 1,
              "GPUs: fraction of peak FLOP/s that a MoE layer's routed experts reach, run as grouped matrix products (forward and backward); "
              "0.61 measured on one H100 with DeepSeek-MoE 16B's experts in bf16 (docs/benchmarks.md)."),

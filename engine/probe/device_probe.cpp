@@ -1,0 +1,295 @@
+#include "engine/probe/device_probe.hpp"
+
+#include "engine/common/error.hpp"
+#include "engine/common/files.hpp"
+#include "engine/common/host.hpp"
+#include "engine/common/torch_compat.hpp"
+#include "engine/dist/communicator.hpp"
+#include "engine/model/model.hpp"
+#include "engine/parallel/copy_stream.hpp"
+#include "engine/plan/cost.hpp"
+#include "engine/plan/plan.hpp"
+#include "engine/probe/host_probe.hpp"
+#include "engine/recipe/load.hpp"
+
+#include <nlohmann/json.hpp>
+#include <torch/cuda.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <functional>
+#include <iostream>
+#include <sstream>
+
+namespace dsrun {
+namespace {
+
+double now_seconds() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+int env_number(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::atoi(v) : fallback;
+}
+
+std::string env_text(const char* name, const std::string& fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? v : fallback;
+}
+
+std::string fixed(double v, int digits) {
+  std::ostringstream s;
+  s.precision(digits);
+  s << std::fixed << v;
+  return s.str();
+}
+
+std::string mib(double bytes) { return fixed(bytes / (1 << 20), 0) + " MiB"; }
+
+// How many times each measurement runs: untimed warm-up, then timed repeats averaged.
+struct Repeats {
+  int warmup = 2, timed = 5;
+};
+
+// Seconds per call of `work`, the device drained before and after.
+double time_per_call(const torch::Device& device, const Repeats& n, const std::function<void()>& work) {
+  auto drain = [&] {
+    if (device.is_cuda()) torch::cuda::synchronize(device.index());
+  };
+  for (int i = 0; i < n.warmup; ++i) work();
+  drain();
+  const double start = now_seconds();
+  for (int i = 0; i < n.timed; ++i) work();
+  drain();
+  return (now_seconds() - start) / n.timed;
+}
+
+torch::ScalarType torch_dtype(DType d) { return d == DType::Bf16 ? torch::kBFloat16 : d == DType::Fp16 ? torch::kFloat16 : torch::kFloat32; }
+
+const char* dtype_name(DType d) { return d == DType::Bf16 ? "bf16" : d == DType::Fp16 ? "fp16" : "fp32"; }
+
+double peak_for(const HardwareSpec& hw, DType d) { return d == DType::Bf16 ? hw.peak_flops_bf16 : d == DType::Fp16 ? hw.peak_flops_fp16 : hw.peak_flops_fp32; }
+
+// Collectives across this node's ranks, as nccl-tests reports them: bus bandwidth (an all-reduce
+// moves 2(n-1)/n of the buffer per rank, an all-gather or reduce-scatter (n-1)/n). Every rank runs
+// it; rank 0 keeps the figures. comm_efficiency: the largest all-reduce against link_bandwidth_gbs.
+void probe_collectives(const Recipe& r, Communicator& comm, const torch::Device& device, torch::ScalarType dtype, bool quick, std::vector<ProbeFigure>& figures) {
+  const int n = comm.world_size();
+  std::vector<double> sizes = quick ? std::vector<double>{1 << 20, 8 << 20} : device.is_cuda() ? std::vector<double>{1 << 20, 16 << 20, 256 << 20} : std::vector<double>{1 << 20, 16 << 20, 64 << 20};
+  const Repeats repeats = quick ? Repeats{1, 3} : Repeats{3, 10};
+  const std::string backend = device.is_cuda() ? "NCCL" : "Gloo";
+  double largest_all_reduce = 0;
+  for (double bytes : sizes) {
+    const int64_t element = torch::elementSize(dtype);
+    const int64_t numel = static_cast<int64_t>(bytes) / element / n * n;
+    torch::Tensor full = torch::ones({numel}, torch::TensorOptions().dtype(dtype).device(device));
+    torch::Tensor shard = torch::empty({numel / n}, full.options());
+    struct Op {
+      const char* name;
+      double traffic;  // bus bytes per buffer byte
+      std::function<void()> run;
+    };
+    const std::vector<Op> ops = {
+        {"all-reduce", 2.0 * (n - 1) / n, [&] { comm.all_reduce_sum(full); }},
+        {"all-gather", 1.0 * (n - 1) / n, [&] { comm.all_gather(shard, full); }},
+        {"reduce-scatter", 1.0 * (n - 1) / n, [&] { comm.reduce_scatter_sum(full, shard); }},
+    };
+    for (const Op& op : ops) {
+      comm.barrier();
+      const double seconds = time_per_call(device, repeats, op.run);
+      const double bus = op.traffic * static_cast<double>(numel * element) / seconds;
+      if (std::string(op.name) == "all-reduce") largest_all_reduce = bus;
+      figures.push_back({"", bus / 1e9,
+                         std::string("GB/s bus bandwidth: ") + op.name + " of " + mib(static_cast<double>(numel * element)) + " " + std::string(c10::toString(dtype)) + " over " +
+                             std::to_string(n) + " ranks (" + backend + "), " + fixed(seconds * 1e3, 3) + " ms"});
+    }
+  }
+  figures.push_back({"hardware.comm_efficiency", std::min(1.0, largest_all_reduce / r.hardware.link_bandwidth),
+                     "the largest all-reduce's bus bandwidth (" + fixed(largest_all_reduce / 1e9, 2) + " GB/s, " + backend + ") over hardware.link_bandwidth_gbs (" +
+                         fixed(r.hardware.link_bandwidth / 1e9, 2) + ")"});
+}
+
+// The model's own matrix products, forward and both backward products, outside the model: what
+// cuBLAS (or the CPU's BLAS) gives at these shapes. Recorded, not a key: training adds the rest.
+ProbeFigure probe_matrix_products(const Recipe& r, const torch::Device& device, torch::ScalarType dtype, int64_t tokens, const Repeats& repeats) {
+  const ModelSpec& m = r.model;
+  const int64_t h = m.hidden, d = m.head_dim();
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {
+      {h, (m.heads + 2 * m.kv_heads) * d}, {m.heads * d, h}, {h, 2 * m.intermediate}, {m.intermediate, h}, {h, m.vocab}};
+  struct Product {
+    torch::Tensor x, w, gy;
+  };
+  std::vector<Product> products;
+  double flops = 0;
+  const auto o = torch::TensorOptions().dtype(dtype).device(device);
+  for (const auto& [k, n] : shapes) {
+    products.push_back({torch::randn({tokens, k}, o), torch::randn({n, k}, o), torch::randn({tokens, n}, o)});
+    flops += 3 * 2.0 * static_cast<double>(tokens * k * n);
+  }
+  const double seconds = time_per_call(device, repeats, [&] {
+    for (const Product& p : products) {
+      torch::mm(p.x, p.w.t());
+      torch::mm(p.gy, p.w);
+      torch::mm(p.gy.t(), p.x);
+    }
+  });
+  const double peak = peak_for(r.hardware, r.precision.dtype);
+  return {"", flops / seconds / peak,
+          "of peak: the model's 5 matrix products (q/k/v, output, gate/up, down, head) at " + std::to_string(tokens) + " tokens, forward and both backward products alone, " +
+              fixed(flops / seconds / 1e12, 2) + " TFLOP/s"};
+}
+
+// Seconds for one forward and backward of the recipe's decoder cut to `layers` dense layers, on
+// `samples` rows of `seq` tokens: the layers, the head and the loss as the engine runs them.
+double time_decoder(ModelSpec spec, int layers, const Recipe& r, const torch::Device& device, torch::ScalarType dtype, int64_t samples, int64_t seq, const Repeats& repeats) {
+  spec.layers = layers;
+  spec.moe = MoeSpec{};  // dense: the grouped experts have their own efficiency
+  spec.init_from.clear();
+  ModelBuild build;
+  build.seed = 1;
+  build.loss_chunk_tokens = loss_chunk_tokens(r.batch, spec.vocab);
+  std::unique_ptr<Model> model = build_model(spec, seq, build);
+  model->module().to(device, dtype);
+  UnitRunner runner;
+  Batch batch;
+  const auto ids = torch::TensorOptions().dtype(torch::kInt64).device(device);
+  batch.inputs = torch::randint(0, spec.vocab, {samples, seq}, ids);
+  batch.targets = torch::randint(0, spec.vocab, {samples, seq}, ids);
+  batch.items = samples * seq;
+  return time_per_call(device, repeats, [&] {
+    for (auto& p : model->module().parameters()) p.mutable_grad() = torch::Tensor();
+    ModelOutput out = model->forward(batch, runner);
+    torch::Tensor loss = out.loss.defined() ? out.loss : torch::nll_loss(torch::log_softmax(out.logits.reshape({-1, spec.vocab}).to(torch::kFloat32), -1), batch.targets.reshape({-1}));
+    loss.backward();
+  });
+}
+
+// Copies between host and GPU, each way, from pinned and from pageable host memory.
+void probe_copies(const torch::Device& device, bool quick, std::vector<ProbeFigure>& figures) {
+  const int64_t bytes = quick ? int64_t{32} << 20 : int64_t{256} << 20;
+  const Repeats repeats = quick ? Repeats{1, 3} : Repeats{2, 10};
+  torch::Tensor on_device = torch::empty({bytes}, torch::TensorOptions().dtype(torch::kUInt8).device(device));
+  torch::Tensor pinned = pinned_host_tensor(bytes, torch::kUInt8);
+  torch::Tensor pageable = torch::empty({bytes}, torch::TensorOptions().dtype(torch::kUInt8));
+  pageable.fill_(1);
+  double pinned_up = 0, pinned_down = 0;
+  for (bool is_pinned : {true, false}) {
+    torch::Tensor& host = is_pinned ? pinned : pageable;
+    const double up = bytes / time_per_call(device, repeats, [&] { on_device.copy_(host, /*non_blocking=*/is_pinned); });
+    const double down = bytes / time_per_call(device, repeats, [&] { host.copy_(on_device, /*non_blocking=*/is_pinned); });
+    const std::string kind = is_pinned ? "pinned" : "pageable";
+    figures.push_back({"", up / 1e9, "GB/s: host to GPU, " + mib(static_cast<double>(bytes)) + " from " + kind + " memory"});
+    figures.push_back({"", down / 1e9, "GB/s: GPU to host, " + mib(static_cast<double>(bytes)) + " into " + kind + " memory"});
+    if (is_pinned) pinned_up = up, pinned_down = down;
+  }
+  // Offload moves as many bytes each way (gradients down, parameters up): the harmonic mean.
+  figures.push_back({"hardware.host_link_bandwidth_gbs", 2 / (1 / pinned_up + 1 / pinned_down) / 1e9,
+                     "pinned copies of " + mib(static_cast<double>(bytes)) + ", the harmonic mean of host to GPU (" + fixed(pinned_up / 1e9, 1) + " GB/s) and back (" +
+                         fixed(pinned_down / 1e9, 1) + ")"});
+}
+
+// Compute on rank 0 alone: the decoder cut to 2 and to 4 dense layers, whose difference is two
+// layers without the embedding, head or loss; attention alone on GPUs, priced apart there.
+void probe_compute(const Recipe& r, const Plan& plan, const torch::Device& device, bool quick, std::vector<ProbeFigure>& figures) {
+  const DType dt = r.precision.dtype;
+  const torch::ScalarType dtype = torch_dtype(dt);
+  const bool gpu = device.is_cuda();
+  const Repeats repeats = quick ? Repeats{1, 2} : Repeats{2, 5};
+  const int64_t cap = gpu ? (quick ? 2048 : 16384) : (quick ? 128 : 1024);
+  const int64_t seq = std::min<int64_t>(r.batch.seq_len, cap);
+  const int64_t samples = std::max<int64_t>(1, std::min<int64_t>(plan.layout.micro, cap / seq));
+  const double peak = peak_for(r.hardware, dt);
+  figures.push_back(probe_matrix_products(r, device, dtype, samples * seq, repeats));
+  if (r.model.arch != ModelArch::DeepSeek) return;
+
+  ModelSpec dense = r.model;
+  dense.moe = MoeSpec{};
+  const AttentionKernel kernel = gpu ? AttentionKernel::Flash : AttentionKernel::Math;
+  ModelCostOptions cost_options;
+  cost_options.loss_chunk_tokens = loss_chunk_tokens(r.batch, dense.vocab);
+  cost_options.local_vocab = dense.vocab;
+  auto cost = [&](int layers) {
+    ModelSpec s = dense;
+    s.layers = layers;
+    return model_cost(s, seq, dt, kernel, cost_options);
+  };
+  const ModelCost two = cost(2), four = cost(4);
+  const double t2 = time_decoder(dense, 2, r, device, dtype, samples, seq, repeats);
+  const double t4 = time_decoder(dense, 4, r, device, dtype, samples, seq, repeats);
+  const double layer_flops = (four.model_flops_per_sample - two.model_flops_per_sample) * samples;
+  const double attention_flops = (four.attention_flops_per_sample - two.attention_flops_per_sample) * samples;
+  const std::string shape = std::to_string(samples) + " x " + std::to_string(seq) + " tokens";
+  double attention_seconds = 0;  // both layers' attention kernels, forward and backward
+  if (gpu && dt != DType::Fp32) {
+    const auto o = torch::TensorOptions().dtype(dtype).device(device);
+    const int64_t d = dense.head_dim();
+    torch::Tensor q = torch::randn({samples, dense.heads, seq, d}, o).requires_grad_(), k = torch::randn({samples, dense.heads, seq, d}, o).requires_grad_(),
+                  v = torch::randn({samples, dense.heads, seq, d}, o).requires_grad_();
+    torch::Tensor grad = torch::randn({samples, dense.heads, seq, d}, o);
+    attention_seconds = 2 * time_per_call(device, repeats, [&] { compat::causal_attention(q, k, v).backward(grad); });
+    // The causal kernels compute half of the 12·h·s FLOPs per token the plan counts.
+    figures.push_back({"hardware.attention_efficiency", 0.5 * attention_flops / attention_seconds / peak,
+                       "causal flash attention forward and backward at " + shape + ", " + std::to_string(dense.heads) + " heads of " + std::to_string(d) +
+                           ", half of the 12·h·s FLOPs per token counted (the causal half)"});
+  }
+  const double dense_seconds = t4 - t2 - attention_seconds;
+  if (dense_seconds <= 0) throw Error("probe: the decoder with 4 layers took no longer than with 2 (" + fixed(t4, 4) + " s vs " + fixed(t2, 4) + " s): too few repeats to tell");
+  const double flops = attention_seconds > 0 ? layer_flops - attention_flops : layer_flops;
+  figures.push_back({"hardware.matmul_efficiency", flops / dense_seconds / peak,
+                     "the recipe's decoder cut to 4 and to 2 dense layers, forward and backward in " + std::string(dtype_name(dt)) + " at " + shape +
+                         ": the 2 layers' difference (" + fixed(t4 - t2, 4) + " s)" + (attention_seconds > 0 ? ", less their attention (priced apart)" : ", attention included") +
+                         ", " + fixed(flops / dense_seconds / 1e12, 3) + " TFLOP/s"});
+}
+
+}  // namespace
+
+int probe_rank_main(const std::string& config_path, const std::string& out_path, bool quick) {
+  const int rank = env_number("RANK", 0), world = env_number("WORLD_SIZE", 1), local_rank = env_number("LOCAL_RANK", rank);
+  try {
+    HostFacts host = read_host_facts();
+    LoadOptions options;
+    options.host = host;
+    LoadedRecipe loaded = load_recipe_file(config_path, options);
+    require_valid(loaded);
+    const Recipe& r = loaded.recipe;
+    const Plan plan = make_plan(r, host);
+    const bool gpu = r.hardware.device == Device::Cuda;
+    torch::Device device(torch::kCPU);
+    if (gpu) {
+      if (!torch::cuda::is_available()) throw Error("probe: hardware.device is \"cuda\" but this libtorch sees no GPU", ErrorContext{config_path, 0, 0, "hardware.device", rank, "probe with a recipe for this machine's devices"});
+      device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(local_rank));
+    } else {
+      // The cores a CPU rank gets when the node's ranks train together.
+      torch::set_num_threads(std::max(1, host.cpu_cores / std::max(1, world)));
+    }
+    std::vector<ProbeFigure> figures;
+    if (world > 1) {
+      RendezvousOptions rv;
+      rv.use_nccl = gpu;
+      rv.cuda_device = local_rank;
+      rv.master_addr = env_text("MASTER_ADDR", "127.0.0.1");
+      rv.master_port = env_number("MASTER_PORT", 29500);
+      rv.rank = rank;
+      rv.world_size = world;
+      rv.timeout_s = 300;
+      std::unique_ptr<Communicator> comm = connect_communicator(rv);
+      probe_collectives(r, *comm, device, gpu ? torch_dtype(r.precision.dtype) : torch::kFloat32, quick, figures);
+      comm->barrier();
+      if (rank != 0) return 0;
+    }
+    torch::set_num_threads(gpu ? torch::get_num_threads() : std::max(1, host.cpu_cores / std::max(1, world)));
+    probe_compute(r, plan, device, quick, figures);
+    if (gpu) probe_copies(device, quick, figures);
+    nlohmann::json out = nlohmann::json::array();
+    for (const auto& f : figures) out.push_back({{"key", f.key}, {"value", f.value}, {"how", f.how}});
+    write_file_atomic(out_path, nlohmann::json{{"figures", out}}.dump(1) + "\n");
+    return 0;
+  } catch (const Error& e) {
+    std::cerr << "dsrun-rank --probe: rank " << rank << ": " << e.describe() << std::endl;
+  } catch (const std::exception& e) {
+    std::cerr << "dsrun-rank --probe: rank " << rank << ": " << e.what() << std::endl;
+  }
+  return 1;
+}
+
+}  // namespace dsrun

@@ -1,0 +1,216 @@
+#include "engine/probe/host_probe.hpp"
+
+#include "engine/common/error.hpp"
+#include "engine/common/files.hpp"
+#include "engine/train/host_optimizer.hpp"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <sstream>
+
+namespace dsrun {
+namespace {
+
+double now_seconds() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+std::string fixed(double v, int digits) {
+  std::ostringstream s;
+  s.precision(digits);
+  s << std::fixed << v;
+  return s.str();
+}
+
+// The host step's bytes per element, as the plan counts them (plan.cpp, predict_time): fp32
+// weights and Adam's two states read and written, the gradient read, the working copy written.
+int host_step_bytes(DType dtype) {
+  const int e = bytes_per_element(dtype);
+  return 8 + 16 + e + (dtype == DType::Fp32 ? 0 : e);
+}
+
+// One AdamW step over `n` elements in 64K-element chunks on `pool`: the fused host step that
+// offloaded ranks run (engine/train/host_optimizer.hpp). Returns the best time of `repeats`.
+double time_host_step(int64_t n, DType dtype, HostThreadPool& pool, int repeats) {
+  const bool mixed = dtype != DType::Fp32;
+  std::vector<float> master(static_cast<size_t>(n), 0.5f), m(static_cast<size_t>(n), 0.f), v(static_cast<size_t>(n), 0.f);
+  std::vector<uint16_t> grad16, param16;
+  std::vector<float> grad32;
+  if (mixed) {
+    grad16.assign(static_cast<size_t>(n), dtype == DType::Bf16 ? host_to_bf16(1e-3f) : host_to_f16(1e-3f));
+    param16.assign(static_cast<size_t>(n), 0);
+  } else {
+    grad32.assign(static_cast<size_t>(n), 1e-3f);
+  }
+  const int64_t chunk = int64_t{1} << 16;
+  std::vector<HostChunk> chunks;
+  for (int64_t at = 0; at < n; at += chunk) {
+    HostChunk c;
+    c.n = std::min(chunk, n - at);
+    c.master = master.data() + at;
+    c.m = m.data() + at;
+    c.v = v.data() + at;
+    c.decay = true;
+    if (mixed) {
+      c.grad = grad16.data() + at;
+      c.grad_dtype = c.param_dtype = dtype == DType::Bf16 ? HostDType::BF16 : HostDType::F16;
+      c.param_out = param16.data() + at;
+    } else {
+      c.grad = grad32.data() + at;
+    }
+    chunks.push_back(c);
+  }
+  HostStep step;
+  step.lr = 1e-4;
+  step.weight_decay = 0.1;
+  double best = 1e30;
+  for (int r = 0; r < repeats + 1; ++r) {  // the first pass faults the pages in: not timed
+    step.t = r + 1;
+    const double start = now_seconds();
+    pool.run(static_cast<int64_t>(chunks.size()), [&](int64_t i) { host_optimizer_step(chunks[static_cast<size_t>(i)], step); });
+    if (r > 0) best = std::min(best, now_seconds() - start);
+  }
+  return best;
+}
+
+// STREAM's triad, a = b + s·c, over `n` floats per array on the pool: 12 bytes per element moved.
+double time_triad(int64_t n, HostThreadPool& pool, int repeats) {
+  std::vector<float> a(static_cast<size_t>(n)), b(static_cast<size_t>(n), 1.f), c(static_cast<size_t>(n), 2.f);
+  const int64_t block = int64_t{1} << 18;
+  const int64_t tasks = (n + block - 1) / block;
+  double best = 1e30;
+  for (int r = 0; r < repeats + 1; ++r) {
+    const double start = now_seconds();
+    pool.run(tasks, [&](int64_t t) {
+      const int64_t begin = t * block, end = std::min(n, begin + block);
+      float* pa = a.data();
+      const float *pb = b.data(), *pc = c.data();
+      for (int64_t i = begin; i < end; ++i) pa[i] = pb[i] + 3.f * pc[i];
+    });
+    if (r > 0) best = std::min(best, now_seconds() - start);
+  }
+  return best;
+}
+
+// An open file descriptor, closed when it goes.
+class FileDescriptor {
+ public:
+  explicit FileDescriptor(int fd) : fd_(fd) {}
+  ~FileDescriptor() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  FileDescriptor(const FileDescriptor&) = delete;
+  FileDescriptor& operator=(const FileDescriptor&) = delete;
+  int get() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
+// A failed system call on the probe's disk file: the directory, checkpoint.dir and errno.
+[[noreturn]] void disk_failure(const std::string& what, const std::string& path, int err) {
+  ErrorContext c;
+  c.file = path;
+  c.key = "checkpoint.dir";
+  c.system_errno = err;
+  c.hint = "give `dsrun probe --disk DIR` a directory this user can write, on the disk that will hold checkpoints";
+  throw Error("probe: " + what + " " + path + ": " + std::strerror(err), c);
+}
+
+#define DSRUN_PROBE_SYSCALL(call, what, path) \
+  do {                                        \
+    if ((call) < 0) disk_failure(what, path, errno); \
+  } while (0)
+
+}  // namespace
+
+void require_probe_directory(const std::string& directory) {
+  struct stat st {};
+  if (::stat(directory.c_str(), &st) != 0) disk_failure("no directory", directory, errno);
+  if (!S_ISDIR(st.st_mode)) disk_failure("not a directory:", directory, ENOTDIR);
+}
+
+std::vector<ProbeFigure> probe_disk(const std::string& directory, int64_t bytes) {
+  require_probe_directory(directory);
+  std::string name = path_join(directory, ".dsrun-probe-XXXXXX");
+  std::vector<char> path(name.begin(), name.end());
+  path.push_back('\0');
+  FileDescriptor fd(::mkstemp(path.data()));
+  name = path.data();
+  if (fd.get() < 0) disk_failure("cannot create a file in", directory, errno);
+  // The file goes whatever happens; its name is gone at once, its blocks when it is closed.
+  ::unlink(name.c_str());
+  const int64_t block = int64_t{8} << 20;
+  std::vector<char> buffer(static_cast<size_t>(block));
+  for (size_t i = 0; i < buffer.size(); ++i) buffer[i] = static_cast<char>(i * 2654435761u >> 13);  // not compressible to nothing
+  const double write_start = now_seconds();
+  for (int64_t done = 0; done < bytes;) {
+    const ssize_t n = ::write(fd.get(), buffer.data(), static_cast<size_t>(std::min(block, bytes - done)));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      disk_failure("cannot write", directory, errno);
+    }
+    done += n;
+  }
+  DSRUN_PROBE_SYSCALL(::fsync(fd.get()), "cannot fsync a file in", directory);
+  const double write_seconds = now_seconds() - write_start;
+  // Reads from the disk, not from the page cache the writes filled.
+  ::posix_fadvise(fd.get(), 0, 0, POSIX_FADV_DONTNEED);
+  DSRUN_PROBE_SYSCALL(::lseek(fd.get(), 0, SEEK_SET), "cannot seek in a file in", directory);
+  const double read_start = now_seconds();
+  for (int64_t done = 0; done < bytes;) {
+    const ssize_t n = ::read(fd.get(), buffer.data(), static_cast<size_t>(std::min(block, bytes - done)));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) disk_failure("cannot read back", directory, n < 0 ? errno : EIO);
+    done += n;
+  }
+  const double read_seconds = now_seconds() - read_start;
+  const std::string size = fixed(static_cast<double>(bytes) / (1 << 20), 0) + " MiB";
+  return {
+      {"hardware.disk_write_gbs", bytes / write_seconds / 1e9, size + " in 8 MiB writes and one fsync under " + directory},
+      {"hardware.disk_read_gbs", bytes / read_seconds / 1e9, "the same " + size + " read back after dropping its cached pages (POSIX_FADV_DONTNEED)"},
+  };
+}
+
+std::vector<ProbeFigure> probe_host(const HostProbeOptions& o, const ProbeProgress& progress) {
+  std::vector<ProbeFigure> figures;
+  const int per_element = host_step_bytes(o.dtype);
+  const std::string dtype = o.dtype == DType::Bf16 ? "bf16" : o.dtype == DType::Fp16 ? "fp16" : "fp32";
+  const std::string elements = fixed(static_cast<double>(o.optimizer_elements) / 1e6, 1) + " M";
+  {
+    progress("host optimizer step: AdamW over " + elements + " parameters on " + std::to_string(o.threads) + " thread(s)");
+    HostThreadPool pool(o.threads);
+    const double seconds = time_host_step(o.optimizer_elements, o.dtype, pool, o.repeats);
+    figures.push_back({"hardware.host_optimizer_gbs", static_cast<double>(o.optimizer_elements) * per_element / seconds / 1e9,
+                       "the fused host AdamW step (" + dtype + " gradients, " + std::to_string(per_element) + " bytes per parameter) over " + elements +
+                           " parameters on " + std::to_string(o.threads) + " thread(s), best of " + std::to_string(o.repeats)});
+  }
+  if (o.rank_threads != o.threads) {
+    progress("host optimizer step: the same on one rank's " + std::to_string(o.rank_threads) + " thread(s)");
+    HostThreadPool pool(o.rank_threads);
+    const double seconds = time_host_step(o.optimizer_elements, o.dtype, pool, o.repeats);
+    figures.push_back({"", static_cast<double>(o.optimizer_elements) * per_element / seconds / 1e9,
+                       "GB/s: the same step on one rank's " + std::to_string(o.rank_threads) + " thread(s) (" + o.rank_threads_why + ")"});
+  }
+  {
+    const int64_t n = o.memory_bytes / 4;
+    progress("host memory: STREAM triad over 3 x " + fixed(static_cast<double>(o.memory_bytes) / (1 << 20), 0) + " MiB");
+    HostThreadPool pool(o.threads);
+    const double seconds = time_triad(n, pool, o.repeats);
+    figures.push_back({"hardware.host_memory_bandwidth_gbs", static_cast<double>(n) * 12 / seconds / 1e9,
+                       "STREAM's triad (a = b + s*c, fp32, 12 bytes per element) over 3 x " + fixed(static_cast<double>(o.memory_bytes) / (1 << 20), 0) +
+                           " MiB on " + std::to_string(o.threads) + " thread(s), best of " + std::to_string(o.repeats)});
+  }
+  if (!o.disk_directory.empty()) {
+    progress("disk: " + fixed(static_cast<double>(o.disk_bytes) / (1 << 20), 0) + " MiB written and read under " + o.disk_directory);
+    for (auto& f : probe_disk(o.disk_directory, o.disk_bytes)) figures.push_back(f);
+  }
+  return figures;
+}
+
+}  // namespace dsrun

@@ -1,0 +1,47 @@
+// What `dsrun probe` measures on the host without libtorch: the offloaded optimizer step's own
+// throughput (the fused host step ranks run), host memory bandwidth, and the disk under checkpoint.dir.
+#pragma once
+
+#include "engine/recipe/recipe.hpp"
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace dsrun {
+
+// One measured fact: the hardware.* key it sets (empty: recorded in the template's comments
+// only), its value in that key's unit, and one line on how it was measured.
+struct ProbeFigure {
+  std::string key;
+  double value = 0;
+  std::string how;
+};
+
+struct HostProbeOptions {
+  int threads = 1;                // every usable core
+  int rank_threads = 1;           // the host step's threads in one rank (the trainer's rule)
+  std::string rank_threads_why;   // how a rank comes to that many, for the figure's note
+  DType dtype = DType::Fp32;      // gradients and working parameters of the host step
+  int64_t optimizer_elements = int64_t{48} << 20;  // per timed step
+  int64_t memory_bytes = int64_t{1} << 30;         // per array of the triad
+  std::string disk_directory;     // empty: no disk figures
+  int64_t disk_bytes = int64_t{1} << 30;
+  int repeats = 3;                // the best of these is kept
+};
+
+using ProbeProgress = std::function<void(const std::string& line)>;
+
+// hardware.host_optimizer_gbs (every core; one rank's cores recorded beside it),
+// hardware.host_memory_bandwidth_gbs, hardware.disk_write_gbs and disk_read_gbs.
+std::vector<ProbeFigure> probe_host(const HostProbeOptions& options, const ProbeProgress& progress);
+
+// Throws the probe's error (naming the directory and checkpoint.dir) unless `directory` exists.
+void require_probe_directory(const std::string& directory);
+
+// The disk alone: writes `bytes` under `directory` in 8 MiB blocks with one fsync, drops the
+// file's pages from the cache, reads it back. Errors name the directory and checkpoint.dir.
+std::vector<ProbeFigure> probe_disk(const std::string& directory, int64_t bytes);
+
+}  // namespace dsrun
