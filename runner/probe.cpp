@@ -218,7 +218,7 @@ int command_probe(const ProbeArgs& args) {
   std::vector<ProbeFigure> figures = probe_host(o, progress);
   ScratchDirectory scratch;
   progress(std::string(gpu ? "GPU" : "CPU") + " ranks: " + (world > 1 ? "collectives over " + std::to_string(world) + " ranks, then " : std::string()) +
-           "the decoder's layers, attention" + (gpu ? ", host-GPU copies" : "") + " on rank 0");
+           "the decoder's layers, attention" + (gpu ? ", host-GPU copies" : "") + " on every rank at once");
   for (auto& f : probe_devices(loaded, plan, world, args.quick, scratch)) figures.push_back(f);
   for (auto& f : figures) {
     if (!(f.value > 0) || !std::isfinite(f.value)) throw Error("dsrun probe: a measurement came out as " + std::to_string(f.value) + ": " + f.how);

@@ -188,7 +188,7 @@ void probe_copies(const torch::Device& device, bool quick, std::vector<ProbeFigu
                          fixed(pinned_down / 1e9, 1) + ")"});
 }
 
-// Compute on rank 0 alone: the decoder cut to 2 and to 4 dense layers, whose difference is two
+// Compute (on every rank at once): the decoder cut to 2 and to 4 dense layers, whose difference is two
 // layers without the embedding, head or loss; attention alone on GPUs, priced apart there.
 void probe_compute(const Recipe& r, const Plan& plan, const torch::Device& device, bool quick, std::vector<ProbeFigure>& figures) {
   const DType dt = r.precision.dtype;
@@ -275,11 +275,12 @@ int probe_rank_main(const std::string& config_path, const std::string& out_path,
       std::unique_ptr<Communicator> comm = connect_communicator(rv);
       probe_collectives(r, *comm, device, gpu ? torch_dtype(r.precision.dtype) : torch::kFloat32, quick, figures);
       comm->barrier();
-      if (rank != 0) return 0;
     }
-    torch::set_num_threads(gpu ? torch::get_num_threads() : std::max(1, host.cpu_cores / std::max(1, world)));
+    // Every rank computes and copies at once, as they train: the cores' caches and memory, the
+    // host's PCIe and the launch threads are shared then. Rank 0's figures are kept.
     probe_compute(r, plan, device, quick, figures);
     if (gpu) probe_copies(device, quick, figures);
+    if (rank != 0) return 0;
     nlohmann::json out = nlohmann::json::array();
     for (const auto& f : figures) out.push_back({{"key", f.key}, {"value", f.value}, {"how", f.how}});
     write_file_atomic(out_path, nlohmann::json{{"figures", out}}.dump(1) + "\n");

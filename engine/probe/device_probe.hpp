@@ -7,8 +7,8 @@
 namespace dsrun {
 
 // `dsrun-rank --probe CONFIG.toml OUT.json [--quick]`: every rank (RANK, WORLD_SIZE, LOCAL_RANK,
-// MASTER_ADDR, MASTER_PORT as for training) times the collectives together; then rank 0 alone
-// times compute and copies and writes OUT.json: {"figures": [{"key", "value", "how"}, ...]}.
+// MASTER_ADDR, MASTER_PORT as for training) times the collectives together, then compute and
+// copies all at once as in training; rank 0 writes OUT.json: {"figures": [{"key", "value", "how"}, ...]}.
 // Returns the process's exit code; errors are printed and give 1.
 int probe_rank_main(const std::string& config_path, const std::string& out_path, bool quick);
 
