@@ -2,6 +2,7 @@
 
 #include "engine/checkpoint/checkpoint.hpp"
 #include "engine/checkpoint/export.hpp"
+#include "engine/common/environment.hpp"
 #include "engine/common/error.hpp"
 #include "engine/common/files.hpp"
 #include "engine/common/host.hpp"
@@ -649,11 +650,6 @@ int command_export(const std::string& run, int64_t step, const std::string& to, 
 }
 
 namespace {
-
-int env_int(const char* name, int fallback) {
-  const char* v = std::getenv(name);
-  return v && *v ? std::atoi(v) : fallback;
-}
 
 // srun sets SLURM_*; the rank reads torchrun's names. Mapped here when the outside launcher is
 // Slurm, so `srun dsrun worker CONFIG` needs nothing else (the batch script exports MASTER_ADDR and

@@ -1,5 +1,6 @@
 #include "engine/probe/device_probe.hpp"
 
+#include "engine/common/environment.hpp"
 #include "engine/common/error.hpp"
 #include "engine/common/files.hpp"
 #include "engine/common/host.hpp"
@@ -26,16 +27,6 @@ namespace dsrun {
 namespace {
 
 double now_seconds() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
-
-int env_number(const char* name, int fallback) {
-  const char* v = std::getenv(name);
-  return v && *v ? std::atoi(v) : fallback;
-}
-
-std::string env_text(const char* name, const std::string& fallback) {
-  const char* v = std::getenv(name);
-  return v && *v ? v : fallback;
-}
 
 std::string fixed(double v, int digits) {
   std::ostringstream s;
@@ -244,7 +235,7 @@ void probe_compute(const Recipe& r, const Plan& plan, const torch::Device& devic
 }  // namespace
 
 int probe_rank_main(const std::string& config_path, const std::string& out_path, bool quick) {
-  const int rank = env_number("RANK", 0), world = env_number("WORLD_SIZE", 1), local_rank = env_number("LOCAL_RANK", rank);
+  const int rank = env_int("RANK", 0), world = env_int("WORLD_SIZE", 1), local_rank = env_int("LOCAL_RANK", rank);
   try {
     HostFacts host = read_host_facts();
     LoadOptions options;
@@ -267,8 +258,8 @@ int probe_rank_main(const std::string& config_path, const std::string& out_path,
       RendezvousOptions rv;
       rv.use_nccl = gpu;
       rv.cuda_device = local_rank;
-      rv.master_addr = env_text("MASTER_ADDR", "127.0.0.1");
-      rv.master_port = env_number("MASTER_PORT", 29500);
+      rv.master_addr = env_string("MASTER_ADDR", "127.0.0.1");
+      rv.master_port = env_int("MASTER_PORT", 29500);
       rv.rank = rank;
       rv.world_size = world;
       rv.timeout_s = 300;
