@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs every dsrun command of the README as written, on this machine (CI's has 2 cores), in a
-# scratch directory with its own run store and a copy of recipes/ (the quickstart shortened). The
+# scratch directory with its own run store and a copy of recipes/ (its runs shortened). The
 # README's example run ids are placeholders: 3fa9 and 7c1e stand for runs made here (a `resume`
 # gets a run stopped with Ctrl-C, as the README says it is for). Fails on the first command that
 # fails. Usage: tests/readme_commands.sh [README]
@@ -11,11 +11,18 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 cd "$work"
 ln -s "$root/build" build
-# The recipes as shipped, but the quickstart (which six of the commands train, resume or base on)
-# shortened from 200 steps to 60: the commands are what is tested, and CI has 2 cores.
+# The recipes as shipped, but the runs shortened: the commands are what is tested here (the hook,
+# sweep and autotuner recipes have tests of their own), and CI has 2 cores. The quickstart (which
+# most commands train, resume or base on) 200 -> 60 steps, the early-stop example 400 -> 100, the
+# autotuner's 18 trials 12 -> 6 steps each.
 cp -r "$root/recipes" recipes
-sed -i 's/^steps = 200$/steps = 60/' recipes/quickstart.toml
-grep -q '^steps = 60$' recipes/quickstart.toml || { echo "readme_commands: recipes/quickstart.toml has no 'steps = 200' line to shorten" >&2; exit 1; }
+shorten() {  # shorten FILE FROM TO
+  sed -i "s/^steps = $2\$/steps = $3/" "$1"
+  grep -q "^steps = $3\$" "$1" || { echo "readme_commands: $1 has no 'steps = $2' line to shorten" >&2; exit 1; }
+}
+shorten recipes/quickstart.toml 200 60
+shorten recipes/hooks/early_stop.toml 400 100
+shorten recipes/sweeps/autotune.toml 12 6
 export DSRUN_DB="$work/runs/dsrun.db"
 
 # The README's commands: lines of its shell blocks that call ./build/dsrun, comments dropped.

@@ -30,6 +30,21 @@ struct CopyEvent::Impl {};
 struct CopyStream::Impl {};
 #endif
 
+std::string cuda_pci_bus_id(torch::Device device) {
+#ifdef DSRUN_WITH_CUDA
+  if (!device.is_cuda()) return "";
+  char id[32] = {0};
+  if (::cudaDeviceGetPCIBusId(id, sizeof id, device.index() < 0 ? 0 : device.index()) != cudaSuccess) {
+    (void)::cudaGetLastError();  // unknown placement is not an error: the host step then runs on any core
+    return "";
+  }
+  return id;
+#else
+  (void)device;
+  return "";
+#endif
+}
+
 torch::Tensor pinned_host_tensor(int64_t numel, torch::ScalarType dtype) {
 #ifdef DSRUN_WITH_CUDA
   const size_t bytes = std::max<size_t>(1, static_cast<size_t>(numel) * c10::elementSize(dtype));

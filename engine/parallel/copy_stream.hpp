@@ -32,6 +32,9 @@ class CopyEvent {
 // 32 GB). Without CUDA, ordinary host memory. Throws (naming the bytes) when it cannot be pinned.
 torch::Tensor pinned_host_tensor(int64_t numel, torch::ScalarType dtype);
 
+// A CUDA device's PCI address ("0000:1b:00.0"), for the cores near it; "" on the CPU or when unknown.
+std::string cuda_pci_bus_id(torch::Device device);
+
 class CopyStream {
  public:
   explicit CopyStream(torch::Device device);  // a CUDA device gets a stream of its own; others are inert

@@ -1,5 +1,11 @@
 #include "engine/train/host_optimizer.hpp"
 
+#include "engine/common/error.hpp"
+#include "engine/common/host_cores.hpp"
+
+#include <pthread.h>
+#include <sched.h>
+
 #include <cmath>
 #include <cstring>
 
@@ -142,8 +148,16 @@ void host_optimizer_step(const HostChunk& c, const HostStep& st) {
   }
 }
 
-HostThreadPool::HostThreadPool(int threads) {
-  for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { work(); });
+HostThreadPool::HostThreadPool(int threads, const std::vector<int>& cpus) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  for (int c : cpus) CPU_SET(c, &set);
+  for (int i = 1; i < threads; ++i) {
+    workers_.emplace_back([this] { work(); });
+    if (cpus.empty()) continue;
+    const int err = ::pthread_setaffinity_np(workers_.back().native_handle(), sizeof set, &set);
+    if (err != 0) fail_at(__FILE__, __LINE__, "pthread_setaffinity_np to cores " + format_cpu_list(cpus) + ": " + std::strerror(err));
+  }
 }
 
 HostThreadPool::~HostThreadPool() {

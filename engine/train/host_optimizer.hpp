@@ -54,9 +54,11 @@ uint16_t host_to_f16(float f);
 float host_from_f16(uint16_t h);
 
 // A fixed set of worker threads for the host step. With one thread the caller does the work.
+// `cpus` (non-empty): the workers run only there (the cores near the rank's GPU); the caller's
+// thread is left where it is.
 class HostThreadPool {
  public:
-  explicit HostThreadPool(int threads);
+  explicit HostThreadPool(int threads, const std::vector<int>& cpus = {});
   ~HostThreadPool();
   HostThreadPool(const HostThreadPool&) = delete;
   HostThreadPool& operator=(const HostThreadPool&) = delete;

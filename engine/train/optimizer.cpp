@@ -19,8 +19,8 @@ HostDType host_dtype(const torch::Tensor& t) {
 }
 }  // namespace
 
-ShardOptimizer::ShardOptimizer(const OptimizerOptions& options, std::vector<MasterShard>& shards, int host_threads)
-    : o_(options), shards_(shards), pool_(std::max(1, host_threads)) {
+ShardOptimizer::ShardOptimizer(const OptimizerOptions& options, std::vector<MasterShard>& shards, int host_threads, const std::vector<int>& host_cpus)
+    : o_(options), shards_(shards), pool_(std::max(1, host_threads), host_cpus) {
   // States live beside their master weights (in pinned host memory when offloaded), each state in
   // one block sliced per shard (the pinned allocator would round per-shard blocks up to powers of two).
   const bool sgd = o_.kind == OptimizerKind::Sgd;

@@ -16,8 +16,9 @@ namespace dsrun {
 
 class ShardOptimizer {
  public:
-  // host_threads: threads of the fused host step (1 on CPU ranks, whose cores compute).
-  ShardOptimizer(const OptimizerOptions& options, std::vector<MasterShard>& shards, int host_threads = 1);
+  // host_threads: threads of the fused host step (1 on CPU ranks, whose cores compute); host_cpus:
+  // the cores its workers run on (empty: anywhere).
+  ShardOptimizer(const OptimizerOptions& options, std::vector<MasterShard>& shards, int host_threads = 1, const std::vector<int>& host_cpus = {});
   void step(double lr);  // uses each shard's grad; updates master in place
   // Host masters: the same step as step(lr), returned as one task per shard to run later (on
   // ZeroDataParallel's worker, shard by shard, while the next forward starts). It reads each

@@ -1,6 +1,8 @@
 #include "engine/train/trainer.hpp"
 
 #include "engine/common/environment.hpp"
+#include "engine/common/host_cores.hpp"
+#include "engine/parallel/copy_stream.hpp"
 #include "engine/common/error.hpp"
 #include "engine/common/files.hpp"
 #include "engine/common/host.hpp"
@@ -268,8 +270,19 @@ class Trainer {
   void create_optimizer() {
     // The host step of offloaded GPU ranks gets this rank's share of the node's cores, less one
     // that stays with the thread launching the GPU's work; CPU ranks compute on theirs, one thread each.
-    const int host_threads = device_.is_cuda() && plan_.layout.offload != Offload::None ? std::max(1, read_host_facts().cpu_cores / std::max(1, ctx_.local_world) - 1) : 1;
-    optimizer_ = std::make_unique<ShardOptimizer>(r_.optimizer, zero_->shards(), host_threads);
+    // Its workers run on the cores near the rank's GPU (its NUMA node), so the host memory they
+    // stream through is the node's own and the pinned copies cross one socket.
+    int host_threads = 1;
+    std::vector<int> host_cores;
+    if (device_.is_cuda() && plan_.layout.offload != Offload::None) {
+      const std::string pci = cuda_pci_bus_id(device_);
+      const RankCores share = rank_host_cores(usable_cpus(), pci_local_cpus(pci), ctx_.local_rank, ctx_.local_world);
+      host_threads = std::max(1, static_cast<int>(share.cores.size()) - 1);
+      if (share.cores.size() > 1) host_cores.assign(share.cores.begin() + 1, share.cores.end());
+      report_.send(EventReport{"host_step", "rank " + std::to_string(ctx_.rank) + ": the host step's " + std::to_string(host_threads) + " thread(s) on cores " +
+                                                 (host_cores.empty() ? std::string("any") : format_cpu_list(host_cores)) + ": " + share.why + (pci.empty() ? "" : " (GPU " + pci + ")")});
+    }
+    optimizer_ = std::make_unique<ShardOptimizer>(r_.optimizer, zero_->shards(), host_threads, host_cores);
     if (plan_.dtype == DType::Fp16) scaler_ = std::make_unique<DynamicLossScaler>(r_.precision.loss_scale);
   }
 
