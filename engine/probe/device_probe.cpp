@@ -29,16 +29,7 @@
 namespace dsrun {
 namespace {
 
-double now_seconds() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
-
-std::string fixed(double v, int digits) {
-  std::ostringstream s;
-  s.precision(digits);
-  s << std::fixed << v;
-  return s.str();
-}
-
-std::string mib(double bytes) { return fixed(bytes / (1 << 20), 0) + " MiB"; }
+std::string mib(double bytes) { return probe_number(bytes / (1 << 20), 0) + " MiB"; }
 
 // How many times each measurement runs: untimed warm-up calls, then timed calls of which the
 // fastest counts (a machine busy with something else slows some calls, never speeds one up).
@@ -55,10 +46,10 @@ double time_per_call(const torch::Device& device, const Repeats& n, const std::f
   drain();
   double best = 1e30;
   for (int i = 0; i < n.timed; ++i) {
-    const double start = now_seconds();
+    const double start = probe_clock();
     work();
     drain();
-    best = std::min(best, now_seconds() - start);
+    best = std::min(best, probe_clock() - start);
   }
   return best;
 }
@@ -100,12 +91,12 @@ void probe_collectives(const Recipe& r, Communicator& comm, const torch::Device&
       if (std::string(op.name) == "all-reduce") largest_all_reduce = bus;
       figures.push_back({"", bus / 1e9,
                          std::string("GB/s bus bandwidth: ") + op.name + " of " + mib(static_cast<double>(numel * element)) + " " + std::string(c10::toString(dtype)) + " over " +
-                             std::to_string(n) + " ranks (" + backend + "), " + fixed(seconds * 1e3, 3) + " ms"});
+                             std::to_string(n) + " ranks (" + backend + "), " + probe_number(seconds * 1e3, 3) + " ms"});
     }
   }
   figures.push_back({"hardware.comm_efficiency", std::min(1.0, largest_all_reduce / r.hardware.link_bandwidth),
-                     "the largest all-reduce's bus bandwidth (" + fixed(largest_all_reduce / 1e9, 2) + " GB/s, " + backend + ") over hardware.link_bandwidth_gbs (" +
-                         fixed(r.hardware.link_bandwidth / 1e9, 2) + ")"});
+                     "the largest all-reduce's bus bandwidth (" + probe_number(largest_all_reduce / 1e9, 2) + " GB/s, " + backend + ") over hardware.link_bandwidth_gbs (" +
+                         probe_number(r.hardware.link_bandwidth / 1e9, 2) + ")"});
 }
 
 // The model's own matrix products, forward and both backward products, outside the model: what
@@ -135,7 +126,7 @@ ProbeFigure probe_matrix_products(const Recipe& r, const torch::Device& device, 
   const double peak = peak_for(r.hardware, r.precision.dtype);
   return {"", flops / seconds / peak,
           "of peak: the model's 5 matrix products (q/k/v, output, gate/up, down, head) at " + std::to_string(tokens) + " tokens, forward and both backward products alone, " +
-              fixed(flops / seconds / 1e12, 2) + " TFLOP/s"};
+              probe_number(flops / seconds / 1e12, 2) + " TFLOP/s"};
 }
 
 // The recipe's decoder cut to `layers` dense layers, on `samples` rows of `seq` tokens, ready to
@@ -190,8 +181,8 @@ void probe_copies(const torch::Device& device, bool quick, std::vector<ProbeFigu
   }
   // Offload moves as many bytes each way (gradients down, parameters up): the harmonic mean.
   figures.push_back({"hardware.host_link_bandwidth_gbs", 2 / (1 / pinned_up + 1 / pinned_down) / 1e9,
-                     "pinned copies of " + mib(static_cast<double>(bytes)) + ", the harmonic mean of host to GPU (" + fixed(pinned_up / 1e9, 1) + " GB/s) and back (" +
-                         fixed(pinned_down / 1e9, 1) + ")"});
+                     "pinned copies of " + mib(static_cast<double>(bytes)) + ", the harmonic mean of host to GPU (" + probe_number(pinned_up / 1e9, 1) + " GB/s) and back (" +
+                         probe_number(pinned_down / 1e9, 1) + ")"});
 }
 
 // Compute (on every rank at once): the decoder cut to 2 and to 4 dense layers, whose difference is two
@@ -245,12 +236,12 @@ void probe_compute(const Recipe& r, const Plan& plan, const torch::Device& devic
                            ", half of the 12·h·s FLOPs per token counted (the causal half)"});
   }
   const double dense_seconds = t4 - t2 - attention_seconds;
-  if (dense_seconds <= 0) throw Error("probe: the decoder with 4 layers took no longer than with 2 (" + fixed(t4, 4) + " s vs " + fixed(t2, 4) + " s): too few repeats to tell");
+  if (dense_seconds <= 0) throw Error("probe: the decoder with 4 layers took no longer than with 2 (" + probe_number(t4, 4) + " s vs " + probe_number(t2, 4) + " s): too few repeats to tell");
   const double flops = attention_seconds > 0 ? layer_flops - attention_flops : layer_flops;
   figures.push_back({"hardware.matmul_efficiency", flops / dense_seconds / peak,
                      "the recipe's decoder cut to 4 and to 2 dense layers, forward and backward in " + std::string(dtype_name(dt)) + " at " + shape +
-                         ": the 2 layers' difference (" + fixed(t4 - t2, 4) + " s)" + (attention_seconds > 0 ? ", less their attention (priced apart)" : ", attention included") +
-                         ", " + fixed(flops / dense_seconds / 1e12, 3) + " TFLOP/s"});
+                         ": the 2 layers' difference (" + probe_number(t4 - t2, 4) + " s)" + (attention_seconds > 0 ? ", less their attention (priced apart)" : ", attention included") +
+                         ", " + probe_number(flops / dense_seconds / 1e12, 3) + " TFLOP/s"});
 }
 
 }  // namespace

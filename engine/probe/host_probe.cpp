@@ -18,15 +18,6 @@
 namespace dsrun {
 namespace {
 
-double now_seconds() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
-
-std::string fixed(double v, int digits) {
-  std::ostringstream s;
-  s.precision(digits);
-  s << std::fixed << v;
-  return s.str();
-}
-
 // The host step's bytes per element, as the plan counts them (plan.cpp, predict_time): fp32
 // weights and Adam's two states read and written, the gradient read, the working copy written.
 int host_step_bytes(DType dtype) {
@@ -71,9 +62,9 @@ double time_host_step(int64_t n, DType dtype, HostThreadPool& pool, int repeats)
   double best = 1e30;
   for (int r = 0; r < repeats + 1; ++r) {  // the first pass faults the pages in: not timed
     step.t = r + 1;
-    const double start = now_seconds();
+    const double start = probe_clock();
     pool.run(static_cast<int64_t>(chunks.size()), [&](int64_t i) { host_optimizer_step(chunks[static_cast<size_t>(i)], step); });
-    if (r > 0) best = std::min(best, now_seconds() - start);
+    if (r > 0) best = std::min(best, probe_clock() - start);
   }
   return best;
 }
@@ -85,14 +76,14 @@ double time_triad(int64_t n, HostThreadPool& pool, int repeats) {
   const int64_t tasks = (n + block - 1) / block;
   double best = 1e30;
   for (int r = 0; r < repeats + 1; ++r) {
-    const double start = now_seconds();
+    const double start = probe_clock();
     pool.run(tasks, [&](int64_t t) {
       const int64_t begin = t * block, end = std::min(n, begin + block);
       float* pa = a.data();
       const float *pb = b.data(), *pc = c.data();
       for (int64_t i = begin; i < end; ++i) pa[i] = pb[i] + 3.f * pc[i];
     });
-    if (r > 0) best = std::min(best, now_seconds() - start);
+    if (r > 0) best = std::min(best, probe_clock() - start);
   }
   return best;
 }
@@ -135,6 +126,15 @@ void require_probe_directory(const std::string& directory) {
   if (!S_ISDIR(st.st_mode)) disk_failure("not a directory:", directory, ENOTDIR);
 }
 
+double probe_clock() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+std::string probe_number(double v, int digits) {
+  std::ostringstream s;
+  s.precision(digits);
+  s << std::fixed << v;
+  return s.str();
+}
+
 std::vector<ProbeFigure> probe_disk(const std::string& directory, int64_t bytes) {
   require_probe_directory(directory);
   std::string name = path_join(directory, ".dsrun-probe-XXXXXX");
@@ -148,7 +148,7 @@ std::vector<ProbeFigure> probe_disk(const std::string& directory, int64_t bytes)
   const int64_t block = int64_t{8} << 20;
   std::vector<char> buffer(static_cast<size_t>(block));
   for (size_t i = 0; i < buffer.size(); ++i) buffer[i] = static_cast<char>(i * 2654435761u >> 13);  // not compressible to nothing
-  const double write_start = now_seconds();
+  const double write_start = probe_clock();
   for (int64_t done = 0; done < bytes;) {
     const ssize_t n = ::write(fd.get(), buffer.data(), static_cast<size_t>(std::min(block, bytes - done)));
     if (n < 0) {
@@ -158,19 +158,19 @@ std::vector<ProbeFigure> probe_disk(const std::string& directory, int64_t bytes)
     done += n;
   }
   DSRUN_PROBE_SYSCALL(::fsync(fd.get()), "cannot fsync a file in", directory);
-  const double write_seconds = now_seconds() - write_start;
+  const double write_seconds = probe_clock() - write_start;
   // Reads from the disk, not from the page cache the writes filled.
   ::posix_fadvise(fd.get(), 0, 0, POSIX_FADV_DONTNEED);
   DSRUN_PROBE_SYSCALL(::lseek(fd.get(), 0, SEEK_SET), "cannot seek in a file in", directory);
-  const double read_start = now_seconds();
+  const double read_start = probe_clock();
   for (int64_t done = 0; done < bytes;) {
     const ssize_t n = ::read(fd.get(), buffer.data(), static_cast<size_t>(std::min(block, bytes - done)));
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) disk_failure("cannot read back", directory, n < 0 ? errno : EIO);
     done += n;
   }
-  const double read_seconds = now_seconds() - read_start;
-  const std::string size = fixed(static_cast<double>(bytes) / (1 << 20), 0) + " MiB";
+  const double read_seconds = probe_clock() - read_start;
+  const std::string size = probe_number(static_cast<double>(bytes) / (1 << 20), 0) + " MiB";
   return {
       {"hardware.disk_write_gbs", bytes / write_seconds / 1e9, size + " in 8 MiB writes and one fsync under " + directory},
       {"hardware.disk_read_gbs", bytes / read_seconds / 1e9, "the same " + size + " read back after dropping its cached pages (POSIX_FADV_DONTNEED)"},
@@ -181,7 +181,7 @@ std::vector<ProbeFigure> probe_host(const HostProbeOptions& o, const ProbeProgre
   std::vector<ProbeFigure> figures;
   const int per_element = host_step_bytes(o.dtype);
   const std::string dtype = o.dtype == DType::Bf16 ? "bf16" : o.dtype == DType::Fp16 ? "fp16" : "fp32";
-  const std::string elements = fixed(static_cast<double>(o.optimizer_elements) / 1e6, 1) + " M";
+  const std::string elements = probe_number(static_cast<double>(o.optimizer_elements) / 1e6, 1) + " M";
   {
     progress("host optimizer step: AdamW over " + elements + " parameters on " + std::to_string(o.threads) + " thread(s)");
     HostThreadPool pool(o.threads);
@@ -199,15 +199,15 @@ std::vector<ProbeFigure> probe_host(const HostProbeOptions& o, const ProbeProgre
   }
   {
     const int64_t n = o.memory_bytes / 4;
-    progress("host memory: STREAM triad over 3 x " + fixed(static_cast<double>(o.memory_bytes) / (1 << 20), 0) + " MiB");
+    progress("host memory: STREAM triad over 3 x " + probe_number(static_cast<double>(o.memory_bytes) / (1 << 20), 0) + " MiB");
     HostThreadPool pool(o.threads);
     const double seconds = time_triad(n, pool, o.repeats);
     figures.push_back({"hardware.host_memory_bandwidth_gbs", static_cast<double>(n) * 12 / seconds / 1e9,
-                       "STREAM's triad (a = b + s*c, fp32, 12 bytes per element) over 3 x " + fixed(static_cast<double>(o.memory_bytes) / (1 << 20), 0) +
+                       "STREAM's triad (a = b + s*c, fp32, 12 bytes per element) over 3 x " + probe_number(static_cast<double>(o.memory_bytes) / (1 << 20), 0) +
                            " MiB on " + std::to_string(o.threads) + " thread(s), best of " + std::to_string(o.repeats)});
   }
   if (!o.disk_directory.empty()) {
-    progress("disk: " + fixed(static_cast<double>(o.disk_bytes) / (1 << 20), 0) + " MiB written and read under " + o.disk_directory);
+    progress("disk: " + probe_number(static_cast<double>(o.disk_bytes) / (1 << 20), 0) + " MiB written and read under " + o.disk_directory);
     for (auto& f : probe_disk(o.disk_directory, o.disk_bytes)) figures.push_back(f);
   }
   return figures;

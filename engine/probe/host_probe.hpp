@@ -33,6 +33,10 @@ struct HostProbeOptions {
 
 using ProbeProgress = std::function<void(const std::string& line)>;
 
+// Both halves of the probe time with this clock (seconds) and print numbers with fixed digits.
+double probe_clock();
+std::string probe_number(double v, int digits);
+
 // hardware.host_optimizer_gbs (every core; one rank's cores recorded beside it),
 // hardware.host_memory_bandwidth_gbs, hardware.disk_write_gbs and disk_read_gbs.
 std::vector<ProbeFigure> probe_host(const HostProbeOptions& options, const ProbeProgress& progress);
