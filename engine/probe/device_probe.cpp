@@ -20,6 +20,7 @@
 #endif
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <functional>
@@ -31,28 +32,36 @@ namespace {
 
 std::string mib(double bytes) { return probe_number(bytes / (1 << 20), 0) + " MiB"; }
 
-// How many times each measurement runs: untimed warm-up calls, then timed calls of which the
-// fastest counts (a machine busy with something else slows some calls, never speeds one up).
+// How many times each measurement runs: untimed warm-up calls, then timed calls.
 struct Repeats {
   int warmup = 2, timed = 5;
 };
 
-// Seconds of the fastest timed call of `work`, the device drained around each.
-double time_per_call(const torch::Device& device, const Repeats& n, const std::function<void()>& work) {
+// Seconds of each timed call of `work`, the device drained around each.
+std::vector<double> call_seconds(const torch::Device& device, const Repeats& n, const std::function<void()>& work) {
   auto drain = [&] {
     if (device.is_cuda()) torch::cuda::synchronize(device.index());
   };
   for (int i = 0; i < n.warmup; ++i) work();
   drain();
-  double best = 1e30;
+  std::vector<double> seconds;
   for (int i = 0; i < n.timed; ++i) {
     const double start = probe_clock();
     work();
     drain();
-    best = std::min(best, probe_clock() - start);
+    seconds.push_back(probe_clock() - start);
   }
-  return best;
+  return seconds;
 }
+
+// The median call: what training sustains, where the fastest call flatters (measured on CPU ranks:
+// the fastest made plans 25-35% optimistic) and a mean takes in a burst of load from elsewhere.
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+}
+
+double time_per_call(const torch::Device& device, const Repeats& n, const std::function<void()>& work) { return median(call_seconds(device, n, work)); }
 
 torch::ScalarType torch_dtype(DType d) { return d == DType::Bf16 ? torch::kBFloat16 : d == DType::Fp16 ? torch::kFloat16 : torch::kFloat32; }
 
@@ -211,14 +220,15 @@ void probe_compute(const Recipe& r, const Plan& plan, const torch::Device& devic
     return model_cost(s, seq, dt, kernel, cost_options);
   };
   const ModelCost two = cost(2), four = cost(4);
-  // Both cuts measured in turns, the fastest call of each kept: a burst of load elsewhere on the
+  // Both cuts measured in turns, the median call of each kept: a burst of load elsewhere on the
   // machine cannot land on one of them alone.
   CutDecoder cut2(dense, 2, r, device, dtype, samples, seq), cut4(dense, 4, r, device, dtype, samples, seq);
-  double t2 = 1e30, t4 = 1e30;
+  std::vector<double> calls2, calls4;
   for (int round = 0; round < 3; ++round) {
-    t2 = std::min(t2, time_per_call(device, repeats, [&] { cut2.forward_backward(); }));
-    t4 = std::min(t4, time_per_call(device, repeats, [&] { cut4.forward_backward(); }));
+    for (double t : call_seconds(device, repeats, [&] { cut2.forward_backward(); })) calls2.push_back(t);
+    for (double t : call_seconds(device, repeats, [&] { cut4.forward_backward(); })) calls4.push_back(t);
   }
+  const double t2 = median(calls2), t4 = median(calls4);
   const double layer_flops = (four.model_flops_per_sample - two.model_flops_per_sample) * samples;
   const double attention_flops = (four.attention_flops_per_sample - two.attention_flops_per_sample) * samples;
   const std::string shape = std::to_string(samples) + " x " + std::to_string(seq) + " tokens";
