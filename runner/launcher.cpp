@@ -48,8 +48,6 @@ double now_seconds() { return std::chrono::duration<double>(std::chrono::steady_
 // kLauncherSilentSeconds, many times this, so a busy store or a slow shutdown never looks dead.
 constexpr double kHeartbeatSeconds = 10;
 
-
-
 // The kernel's state letter for a process ('R', 'S', 'T' stopped, 't' traced, 'Z' zombie, ...),
 // or 0 when /proc does not show it.
 char process_state(int64_t pid) {
@@ -184,12 +182,7 @@ class Supervisor {
         }
         ::dup2(pipe_fds[1], 3);  // the report pipe is fd 3 in every rank
         const int threads = std::max(1, host.cpu_cores / local_world);
-        ::setenv("RANK", std::to_string(p.rank).c_str(), 1);
-        ::setenv("WORLD_SIZE", std::to_string(plan_.world_size).c_str(), 1);
-        ::setenv("LOCAL_RANK", std::to_string(local).c_str(), 1);
-        ::setenv("LOCAL_WORLD_SIZE", std::to_string(local_world).c_str(), 1);
-        ::setenv("MASTER_ADDR", o_.master_addr.c_str(), 1);
-        ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+        set_rank_environment(RankPlace{p.rank, plan_.world_size, local, local_world, o_.master_addr, port});
         ::setenv("DSRUN_REPORT_FD", "3", 1);
         ::setenv("DSRUN_RUN_ID", run_id_.c_str(), 1);
         ::setenv("DSRUN_RESTART", std::to_string(restart).c_str(), 1);
@@ -567,6 +560,15 @@ void pin(Config& config, const std::string& key, Value value) {
 }
 
 }  // namespace
+
+void set_rank_environment(const RankPlace& place) {
+  ::setenv("RANK", std::to_string(place.rank).c_str(), 1);
+  ::setenv("WORLD_SIZE", std::to_string(place.world).c_str(), 1);
+  ::setenv("LOCAL_RANK", std::to_string(place.local_rank).c_str(), 1);
+  ::setenv("LOCAL_WORLD_SIZE", std::to_string(place.local_world).c_str(), 1);
+  ::setenv("MASTER_ADDR", place.master_addr.c_str(), 1);
+  ::setenv("MASTER_PORT", std::to_string(place.master_port).c_str(), 1);
+}
 
 int free_port() {
   std::random_device random;

@@ -46,6 +46,15 @@ std::string rank_config_toml(const LoadedRecipe& loaded, const Plan& plan);
 // dies or hangs restarts all ranks from the newest checkpoint, up to run.max_restarts times.
 RunStatus launch_run(const LoadedRecipe& loaded, const Plan& plan, Store& store, const std::string& run_id, const LaunchOptions& options);
 
+// Where a rank sits, in torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+// MASTER_ADDR, MASTER_PORT), which dsrun-rank reads: set in a child before it execs the rank.
+struct RankPlace {
+  int rank = 0, world = 1, local_rank = 0, local_world = 1;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;
+};
+void set_rank_environment(const RankPlace& place);
+
 // A port for the rendezvous store that is free now. Chosen at random below the kernel's ephemeral
 // range (32768+), so that outgoing connections made meanwhile cannot take it before rank 0 binds it.
 int free_port();

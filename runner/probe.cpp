@@ -2,6 +2,7 @@
 
 #include "engine/common/error.hpp"
 #include "engine/common/files.hpp"
+#include "engine/common/host_cores.hpp"
 #include "engine/common/host.hpp"
 #include "engine/common/text.hpp"
 #include "engine/plan/plan.hpp"
@@ -17,7 +18,6 @@
 #include <unistd.h>
 
 #include <cctype>
-#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <ctime>
@@ -27,8 +27,6 @@
 
 namespace dsrun {
 namespace {
-
-double now_seconds() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 // "8x H100 80GB SXM" -> "8x-h100-80gb-sxm"
 std::string slug(const std::string& name) {
@@ -100,12 +98,7 @@ std::vector<ProbeFigure> probe_devices(const LoadedRecipe& loaded, const Plan& p
         ::dup2(fd, 1);
         ::dup2(fd, 2);
       }
-      ::setenv("RANK", std::to_string(rank).c_str(), 1);
-      ::setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
-      ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
-      ::setenv("LOCAL_WORLD_SIZE", std::to_string(world).c_str(), 1);
-      ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-      ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      set_rank_environment(RankPlace{rank, world, rank, world, "127.0.0.1", port});
       if (quick) execl(rank_binary.c_str(), rank_binary.c_str(), "--probe", config.c_str(), out.c_str(), "--quick", static_cast<char*>(nullptr));
       else execl(rank_binary.c_str(), rank_binary.c_str(), "--probe", config.c_str(), out.c_str(), static_cast<char*>(nullptr));
       std::fprintf(stderr, "cannot start %s: %s\n", rank_binary.c_str(), std::strerror(errno));
@@ -179,8 +172,8 @@ std::string template_text(const LoadedRecipe& loaded, const std::string& name, c
 }  // namespace
 
 int command_probe(const ProbeArgs& args) {
-  const double start = now_seconds();
-  auto progress = [&](const std::string& line) { std::cerr << "probe [" << format_seconds(now_seconds() - start) << "] " << line << std::endl; };
+  const double start = probe_clock();
+  auto progress = [&](const std::string& line) { std::cerr << "probe [" << format_seconds(probe_clock() - start) << "] " << line << std::endl; };
   HostFacts host = read_host_facts();
   LoadedRecipe loaded = load_or_report(args.recipe, host);
   const Recipe& r = loaded.recipe;
@@ -204,8 +197,9 @@ int command_probe(const ProbeArgs& args) {
 
   HostProbeOptions o;
   o.threads = host.cpu_cores;
-  // An offloaded GPU rank's host step: its share of the cores less one (the trainer's rule).
-  o.rank_threads = gpu ? std::max(1, host.cpu_cores / std::max(1, world) - 1) : std::max(1, host.cpu_cores / std::max(1, world));
+  // An offloaded GPU rank's host step: its share of the cores less one, by the trainer's rule
+  // (create_optimizer; which cores are near which GPU takes the GPU's PCI id, which dsrun has not).
+  o.rank_threads = gpu ? std::max(1, static_cast<int>(rank_host_cores(usable_cpus(), {}, 0, world).cores.size()) - 1) : std::max(1, host.cpu_cores / std::max(1, world));
   o.rank_threads_why = gpu ? "the cores per GPU less one, as an offloaded rank runs it" : "the cores per CPU rank";
   o.dtype = r.precision.dtype;
   o.disk_directory = disk;
@@ -235,7 +229,7 @@ int command_probe(const ProbeArgs& args) {
     std::cout << text;
   } else {
     write_file_atomic(output, text);
-    std::cout << "wrote " << output << " (" << figures.size() << " figures in " << format_seconds(now_seconds() - start) << ")\n";
+    std::cout << "wrote " << output << " (" << figures.size() << " figures in " << format_seconds(probe_clock() - start) << ")\n";
     if (starts_with(output, templates_directory() + "/hardware/")) std::cout << "use it: base = [\"hardware/" << file_stem(output) << "\", ...] in a recipe\n";
   }
   return 0;

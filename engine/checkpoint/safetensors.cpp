@@ -1,6 +1,7 @@
 #include "engine/checkpoint/safetensors.hpp"
 
 #include "engine/common/error.hpp"
+#include "engine/common/file_descriptor.hpp"
 #include "engine/common/files.hpp"
 
 #include <fcntl.h>
@@ -33,17 +34,6 @@ namespace {
   const int e = errno;
   bad_file(path, what + ": " + std::strerror(e), "check free space and permissions", e);
 }
-
-// An owned file descriptor.
-struct Fd {
-  int fd = -1;
-  explicit Fd(int f) : fd(f) {}
-  ~Fd() {
-    if (fd >= 0) ::close(fd);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-};
 
 void write_all(int fd, const void* data, size_t bytes, const std::string& path, XXH3_state_t* hash) {
   const char* p = static_cast<const char*>(data);
@@ -117,15 +107,15 @@ WrittenFile SafetensorsWriter::write_atomic(const std::string& path) const {
   for (int i = 0; i < 8; ++i) length[i] = static_cast<unsigned char>((static_cast<uint64_t>(text.size()) >> (8 * i)) & 0xff);
 
   const std::string tmp = path + ".tmp";
-  Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-  if (fd.fd < 0) bad_file(tmp, std::string("cannot create: ") + std::strerror(errno), "check that the directory exists and is writable", errno);
+  FileDescriptor fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  if (fd.get() < 0) bad_file(tmp, std::string("cannot create: ") + std::strerror(errno), "check that the directory exists and is writable", errno);
   XXH3_state_t* state = XXH3_createState();
   DSRUN_ASSERT(state != nullptr, "xxhash state");
   XXH3_64bits_reset(state);
   // Whatever fails from here leaves no PATH.tmp behind (a full disk stays as full as it was).
   try {
-    write_all(fd.fd, length, 8, tmp, state);
-    write_all(fd.fd, text.data(), text.size(), tmp, state);
+    write_all(fd.get(), length, 8, tmp, state);
+    write_all(fd.get(), text.data(), text.size(), tmp, state);
     std::vector<char> buffer;
     for (const auto& t : tensors_) {
       const void* data = t.data;
@@ -134,7 +124,7 @@ WrittenFile SafetensorsWriter::write_atomic(const std::string& path) const {
         t.fill(buffer.data());
         data = buffer.data();
       }
-      write_all(fd.fd, data, t.entry.end - t.entry.begin, tmp, state);
+      write_all(fd.get(), data, t.entry.end - t.entry.begin, tmp, state);
     }
   } catch (...) {
     XXH3_freeState(state);
@@ -143,34 +133,33 @@ WrittenFile SafetensorsWriter::write_atomic(const std::string& path) const {
   }
   WrittenFile written{8 + text.size() + data_bytes_, hex64(XXH3_64bits_digest(state))};
   XXH3_freeState(state);
-  if (::fsync(fd.fd) != 0) {  // NFS and delayed allocation report a full disk here
+  if (::fsync(fd.get()) != 0) {  // NFS and delayed allocation report a full disk here
     const int e = errno;
     ::unlink(tmp.c_str());
     errno = e;
     write_failed(tmp, "fsync failed");
   }
-  ::close(fd.fd);
-  fd.fd = -1;
+  fd.close();
   if (::rename(tmp.c_str(), path.c_str()) != 0) bad_file(path, std::string("cannot rename into place: ") + std::strerror(errno), "check permissions", errno);
   sync_directory(parent_directory(path));
   return written;
 }
 
 SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.fd < 0) bad_file(path, std::string("cannot open: ") + std::strerror(errno), "check the path; a checkpoint lists its files in manifest.json");
+  FileDescriptor fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) bad_file(path, std::string("cannot open: ") + std::strerror(errno), "check the path; a checkpoint lists its files in manifest.json");
   struct stat st {};
-  ::fstat(fd.fd, &st);
+  ::fstat(fd.get(), &st);
   const uint64_t size = static_cast<uint64_t>(st.st_size);
   if (size < 8) bad_file(path, "shorter than the 8-byte header length (" + std::to_string(size) + " bytes)");
   unsigned char length[8];
-  read_at(fd.fd, 0, length, 8, path);
+  read_at(fd.get(), 0, length, 8, path);
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | length[i];
   if (n > size - 8 || n > (uint64_t{100} << 20))
     bad_file(path, "header length " + std::to_string(n) + " does not fit in the file's " + std::to_string(size) + " bytes");
   std::string text(n, '\0');
-  read_at(fd.fd, 8, text.data(), n, path);
+  read_at(fd.get(), 8, text.data(), n, path);
   if (text.empty() || text[0] != '{') bad_file(path, "header does not start with '{'");
   nlohmann::json header = nlohmann::json::parse(text, nullptr, false);
   if (header.is_discarded() || !header.is_object()) bad_file(path, "header is not a JSON object");
@@ -233,9 +222,9 @@ const SafetensorsEntry& SafetensorsFile::at(const std::string& name) const {
 void SafetensorsFile::read(const SafetensorsEntry& e, uint64_t offset, uint64_t bytes, void* out) const {
   DSRUN_ASSERT(offset + bytes <= e.end - e.begin, "read inside the tensor");
   if (bytes == 0) return;
-  Fd fd(::open(path_.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.fd < 0) bad_file(path_, std::string("cannot open: ") + std::strerror(errno));
-  read_at(fd.fd, data_start_ + e.begin + offset, out, bytes, path_);
+  FileDescriptor fd(::open(path_.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) bad_file(path_, std::string("cannot open: ") + std::strerror(errno));
+  read_at(fd.get(), data_start_ + e.begin + offset, out, bytes, path_);
 }
 
 std::vector<float> SafetensorsFile::read_f32(const SafetensorsEntry& e, int64_t first, int64_t count) const {
@@ -302,13 +291,13 @@ float f16_to_float(uint16_t h) {
 std::string checksum_bytes(const void* data, size_t bytes) { return hex64(XXH3_64bits(data, bytes)); }
 
 std::string checksum_file(const std::string& path) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.fd < 0) bad_file(path, std::string("cannot open: ") + std::strerror(errno), "the checkpoint is missing a file; use an earlier one (dsrun resume --fallback)");
+  FileDescriptor fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) bad_file(path, std::string("cannot open: ") + std::strerror(errno), "the checkpoint is missing a file; use an earlier one (dsrun resume --fallback)");
   XXH3_state_t* state = XXH3_createState();
   XXH3_64bits_reset(state);
   std::vector<char> buf(size_t{4} << 20);
   while (true) {
-    ssize_t n = ::read(fd.fd, buf.data(), buf.size());
+    ssize_t n = ::read(fd.get(), buf.data(), buf.size());
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) {
       XXH3_freeState(state);

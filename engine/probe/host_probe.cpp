@@ -1,6 +1,7 @@
 #include "engine/probe/host_probe.hpp"
 
 #include "engine/common/error.hpp"
+#include "engine/common/file_descriptor.hpp"
 #include "engine/common/files.hpp"
 #include "engine/train/host_optimizer.hpp"
 
@@ -87,21 +88,6 @@ double time_triad(int64_t n, HostThreadPool& pool, int repeats) {
   }
   return best;
 }
-
-// An open file descriptor, closed when it goes.
-class FileDescriptor {
- public:
-  explicit FileDescriptor(int fd) : fd_(fd) {}
-  ~FileDescriptor() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  FileDescriptor(const FileDescriptor&) = delete;
-  FileDescriptor& operator=(const FileDescriptor&) = delete;
-  int get() const { return fd_; }
-
- private:
-  int fd_;
-};
 
 // A failed system call on the probe's disk file: the directory, checkpoint.dir and errno.
 [[noreturn]] void disk_failure(const std::string& what, const std::string& path, int err) {
