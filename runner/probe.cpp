@@ -158,7 +158,11 @@ std::string template_text(const LoadedRecipe& loaded, const std::string& name, c
     if (key == "hardware.name") {
       t += "name = " + Value::of_string(name).toml() + "\n";
     } else if (keyed.count(key)) {
-      t += short_key + " = " + three_figures(keyed[key]->value) + "  # probed: " + keyed[key]->how + "\n";
+      const ProbeFigure& f = *keyed[key];
+      const bool count = key == "hardware.devices_per_node";
+      const bool read = starts_with(f.how, "read: ");  // a fact read from the system rather than measured
+      t += short_key + " = " + (count ? std::to_string(static_cast<int>(f.value)) : three_figures(f.value)) + "  # " +
+           (read ? f.how : "probed: " + f.how) + "\n";
     } else {
       t += short_key + " = " + setting.value.toml() + "\n";
     }
@@ -210,6 +214,9 @@ int command_probe(const ProbeArgs& args) {
     o.repeats = 1;
   }
   std::vector<ProbeFigure> figures = probe_host(o, progress);
+  // What the machine is, read rather than measured: a template for it must not keep the recipe's.
+  figures.push_back({"hardware.host_memory_gib", static_cast<double>(host.memory_bytes) / double(1 << 30), "read: this machine's memory (/proc/meminfo)"});
+  if (gpu) figures.push_back({"hardware.devices_per_node", static_cast<double>(host.cuda_devices), "read: the GPUs this machine shows (/proc/driver/nvidia/gpus)"});
   ScratchDirectory scratch;
   progress(std::string(gpu ? "GPU" : "CPU") + " ranks: " + (world > 1 ? "collectives over " + std::to_string(world) + " ranks, then " : std::string()) +
            "the decoder's layers, attention" + (gpu ? ", host-GPU copies" : "") + " on every rank at once");

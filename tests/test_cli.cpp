@@ -1,6 +1,7 @@
 // The dsrun binary end to end: real processes, a real SQLite file in a temporary directory.
 #include "test_util.hpp"
 
+#include "engine/common/host.hpp"
 #include "engine/common/text.hpp"
 
 #include <catch2/catch.hpp>
@@ -199,6 +200,10 @@ TEST_CASE("dsrun probe --quick writes a template of positive measured figures, a
   CHECK(hw.host_optimizer_bandwidth == Approx(probed["host_optimizer_gbs"] * 1e9));
   CHECK(hw.disk_read_bandwidth == Approx(probed["disk_read_gbs"] * 1e9));
   CHECK(hw.peak_flops_fp32 == Approx(loaded.recipe.hardware.peak_flops_fp32));  // unmeasured keys as the recipe had them
+  // The machine's memory is read, not the recipe's kept (a GPU recipe's template said 1 TiB on a 126 GiB host).
+  CHECK(contains(text, "host_memory_gib = "));
+  CHECK(contains(text, "# read: this machine's memory"));
+  CHECK(hw.host_memory_bytes == Approx(static_cast<double>(dsrun::read_host_facts().memory_bytes)).epsilon(0.01));
   Output plan = dsrun_cli("plan '" + recipe + "'", dir);
   INFO(plan.text);
   CHECK(plan.code == 0);
@@ -220,6 +225,8 @@ TEST_CASE("dsrun probe: a template path that cannot be written, a disk path that
   CHECK(contains(no_disk.text, dir.file("missing")));
   CHECK(contains(no_disk.text, "checkpoint.dir"));
   CHECK(contains(no_disk.text, "No such file or directory"));
+  // On a machine with GPUs (the device machine runs this suite too) the GPU recipe would probe.
+  if (dsrun::read_host_facts().cuda_devices > 0) return;
   Output gpu = dsrun_cli("probe recipes/deepseek7b_zero2.toml --quick --print", dir);
   INFO(gpu.text);
   CHECK(gpu.code == 1);

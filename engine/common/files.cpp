@@ -5,7 +5,9 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -49,7 +51,7 @@ std::string file_kind(mode_t mode) {
 
 // Regular files only, opened without blocking (a FIFO would wait for a writer) and read up to the
 // size stat reports, so /dev/zero or a pipe cannot make dsrun read forever. Files that report size
-// 0 (those under /proc) are read to their end, up to 64 MiB.
+// 0 (those under /proc) and sysfs attributes are read to their end, up to 64 MiB.
 std::string read_file(const std::string& path) {
   FdOwner f{::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK)};
   if (f.fd < 0) throw file_error("cannot open file", path);
@@ -61,6 +63,10 @@ std::string read_file(const std::string& path) {
     c.hint = "give a regular file";
     throw Error("is " + file_kind(st.st_mode) + ", not a regular file", c);
   }
+  // sysfs reports every attribute as one page (4096 bytes) whatever it holds: read it to its end.
+  struct statfs fs {};
+  if (::fstatfs(f.fd, &fs) != 0) throw file_error("cannot stat the file system of", path);
+  if (fs.f_type == SYSFS_MAGIC) st.st_size = 0;
   const size_t limit = st.st_size > 0 ? static_cast<size_t>(st.st_size) : size_t{64} << 20;
   std::string out(st.st_size > 0 ? limit : 0, '\0');
   size_t have = 0;

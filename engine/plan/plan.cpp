@@ -908,15 +908,17 @@ class Planner {
     return busiest / (1 - bubble_fraction(p.accumulation));
   }
 
-  // The offload pipeline (docs/plan.md): gradients come down unit by unit during backward; the
-  // host step starts once their norm is known and runs unit by unit in forward order, each unit's
-  // parameters going up as soon as they are written, and the next forward waits for each unit
-  // (so it overlaps the host step's tail). The delayed update runs the whole host step beside the
-  // next step's compute instead. ZeRO-3 parameter fetches from the host are prefetched a unit
-  // ahead: hidden behind compute where they take less time than it.
+  // The offload pipeline (docs/plan.md): gradients come down unit by unit during the last
+  // micro-batch's backward; the host step starts once their norm is known and runs unit by unit in
+  // forward order, each unit's parameters going up as soon as they are written, and the next
+  // step's first micro-batch waits for each unit in its forward (so that forward, and no more,
+  // overlaps the host step's tail). The delayed update runs the whole host step beside the next
+  // step's compute instead. ZeRO-3 parameter fetches from the host are prefetched a unit ahead:
+  // hidden behind compute where they take less time than it.
   double hidden_offload_seconds(const Plan& p, double shard, double e) const {
     const double link = r_.hardware.host_link_bandwidth;
-    const double forward = p.compute_seconds / 3, backward = p.compute_seconds - forward;
+    const double micro_batches = static_cast<double>(std::max<int64_t>(1, p.accumulation));
+    const double forward = p.compute_seconds / 3 / micro_batches, backward = 2 * p.compute_seconds / 3 / micro_batches;
     const double down = shard * e / link;
     const double up = p.layout.offload == Offload::OptimizerAndParams ? 0 : shard * e / link;
     const double fetch = std::max(0.0, p.offload_seconds - down - up - p.compute_seconds);
@@ -926,7 +928,7 @@ class Planner {
     if (r_.parallel.delayed_update) {
       // Beside compute the host step shares host memory with the copies the GPU makes meanwhile.
       const double host_beside = host + p.offload_seconds * link / (r_.hardware.host_memory_bandwidth / ranks_per_node_);
-      const double device_side = p.compute_seconds + p.exposed_comm_seconds + exposed_down + std::max(0.0, up - forward) + fetch;
+      const double device_side = p.compute_seconds + p.exposed_comm_seconds + exposed_down + std::max(0.0, up - p.compute_seconds / 3) + fetch;
       exposed = std::max(device_side, host_beside) - p.compute_seconds - p.exposed_comm_seconds;
     } else {
       exposed = exposed_down + std::max(0.0, std::max(host, up) - forward) + fetch;

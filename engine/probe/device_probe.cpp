@@ -17,6 +17,7 @@
 #include <torch/cuda.h>
 #ifdef DSRUN_WITH_CUDA
 #include <c10/cuda/CUDAFunctions.h>
+#include <cuda_runtime_api.h>
 #endif
 #include <torch/torch.h>
 
@@ -110,7 +111,8 @@ void probe_collectives(const Recipe& r, Communicator& comm, const torch::Device&
 
 // The model's own matrix products, forward and both backward products, outside the model: what
 // cuBLAS (or the CPU's BLAS) gives at these shapes. Recorded, not a key: training adds the rest.
-ProbeFigure probe_matrix_products(const Recipe& r, const torch::Device& device, torch::ScalarType dtype, int64_t tokens, const Repeats& repeats) {
+ProbeFigure probe_matrix_products(const Recipe& r, const torch::Device& device, DType dt, int64_t tokens, const Repeats& repeats) {
+  const torch::ScalarType dtype = torch_dtype(dt);
   const ModelSpec& m = r.model;
   const int64_t h = m.hidden, d = m.head_dim();
   const std::vector<std::pair<int64_t, int64_t>> shapes = {
@@ -132,9 +134,34 @@ ProbeFigure probe_matrix_products(const Recipe& r, const torch::Device& device, 
       torch::mm(p.gy.t(), p.x);
     }
   });
-  const double peak = peak_for(r.hardware, r.precision.dtype);
+  const double peak = peak_for(r.hardware, dt);
   return {"", flops / seconds / peak,
-          "of peak: the model's 5 matrix products (q/k/v, output, gate/up, down, head) at " + std::to_string(tokens) + " tokens, forward and both backward products alone, " +
+          std::string("of the ") + dtype_name(dt) + " peak: the model's 5 matrix products (q/k/v, output, gate/up, down, head) in " + dtype_name(dt) + " at " +
+              std::to_string(tokens) + " tokens, forward and both backward products alone, " + probe_number(flops / seconds / 1e12, 2) + " TFLOP/s"};
+}
+
+// The routed experts as training runs them on GPUs: each MoE layer's two grouped products
+// (gate/up, down) over the tokens' top_k rows spread evenly over the experts, forward and
+// backward (autograd's four products) -> hardware.grouped_matmul_efficiency.
+ProbeFigure probe_grouped_products(const Recipe& r, const torch::Device& device, DType dt, int64_t tokens, const Repeats& repeats) {
+  const MoeSpec& moe = r.model.moe;
+  const int64_t h = r.model.hidden, inner = moe.intermediate, experts = moe.routed_experts;
+  const int64_t per_expert = std::max<int64_t>(1, tokens * moe.top_k / experts), rows = per_expert * experts;
+  const auto o = torch::TensorOptions().dtype(torch_dtype(dt)).device(device);
+  torch::Tensor x = torch::randn({rows, h}, o).requires_grad_();
+  torch::Tensor gate_up = (torch::randn({experts, h, 2 * inner}, o) * 0.02).requires_grad_(), down = (torch::randn({experts, inner, h}, o) * 0.02).requires_grad_();
+  torch::Tensor middle_grad = torch::randn({rows, inner}, o), out_grad = torch::randn({rows, h}, o);
+  const torch::Tensor offs = torch::arange(1, experts + 1, torch::TensorOptions().dtype(torch::kInt32).device(device)) * static_cast<int32_t>(per_expert);
+  const double seconds = time_per_call(device, repeats, [&] {
+    torch::Tensor middle = compat::grouped_mm(x, gate_up, offs).narrow(1, 0, inner);
+    torch::Tensor y = compat::grouped_mm(middle.detach().requires_grad_(), down, offs);
+    torch::autograd::backward({y, middle}, {out_grad, middle_grad});
+  });
+  const double flops = 3 * 2.0 * static_cast<double>(rows) * static_cast<double>(h * 2 * inner + inner * h);
+  const double peak = peak_for(r.hardware, dt);
+  return {"hardware.grouped_matmul_efficiency", flops / seconds / peak,
+          "the routed experts' grouped products (gate/up " + std::to_string(h) + " x " + std::to_string(2 * inner) + ", down " + std::to_string(inner) + " x " + std::to_string(h) +
+              ") over " + std::to_string(experts) + " experts of " + std::to_string(per_expert) + " rows each, forward and backward in " + dtype_name(dt) + ", " +
               probe_number(flops / seconds / 1e12, 2) + " TFLOP/s"};
 }
 
@@ -194,6 +221,22 @@ void probe_copies(const torch::Device& device, bool quick, std::vector<ProbeFigu
                          probe_number(pinned_down / 1e9, 1) + ")"});
 }
 
+// The GPU's memory: its size as the driver reports it, and what a large device-to-device copy
+// moves per second (read + write), the rate the plan's memory-bound terms run at.
+void probe_device_memory(const torch::Device& device, bool quick, std::vector<ProbeFigure>& figures) {
+#ifdef DSRUN_WITH_CUDA
+  size_t free_bytes = 0, total_bytes = 0;
+  const cudaError_t status = ::cudaMemGetInfo(&free_bytes, &total_bytes);
+  if (status != cudaSuccess) fail_at(__FILE__, __LINE__, std::string("cudaMemGetInfo: ") + ::cudaGetErrorString(status));
+  figures.push_back({"hardware.memory_gib", static_cast<double>(total_bytes) / double(1 << 30), "read: the GPU's memory as cudaMemGetInfo reports it"});
+#endif
+  const int64_t bytes = quick ? int64_t{64} << 20 : int64_t{1} << 30;
+  torch::Tensor from = torch::ones({bytes / 4}, torch::TensorOptions().dtype(torch::kFloat32).device(device)), to = torch::empty_like(from);
+  const double seconds = time_per_call(device, quick ? Repeats{1, 3} : Repeats{2, 10}, [&] { to.copy_(from); });
+  figures.push_back({"hardware.memory_bandwidth_gbs", 2.0 * static_cast<double>(bytes) / seconds / 1e9,
+                     "a copy of " + mib(static_cast<double>(bytes)) + " on the GPU, bytes read and written per second"});
+}
+
 // Compute (on every rank at once): the decoder cut to 2 and to 4 dense layers, whose difference is two
 // layers without the embedding, head or loss; attention alone on GPUs, priced apart there.
 void probe_compute(const Recipe& r, const Plan& plan, const torch::Device& device, bool quick, std::vector<ProbeFigure>& figures) {
@@ -205,7 +248,10 @@ void probe_compute(const Recipe& r, const Plan& plan, const torch::Device& devic
   const int64_t seq = std::min<int64_t>(r.batch.seq_len, cap);
   const int64_t samples = std::max<int64_t>(1, std::min<int64_t>(plan.layout.micro, cap / seq));
   const double peak = peak_for(r.hardware, dt);
-  figures.push_back(probe_matrix_products(r, device, dtype, samples * seq, repeats));
+  // The products alone in each dtype a recipe could train in (recorded: the key is the layers').
+  for (DType each : gpu ? std::vector<DType>{DType::Bf16, DType::Fp16, DType::Fp32} : std::vector<DType>{DType::Fp32})
+    figures.push_back(probe_matrix_products(r, device, each, samples * seq, repeats));
+  if (gpu && r.model.moe.enabled() && dt != DType::Fp32) figures.push_back(probe_grouped_products(r, device, dt, samples * seq, repeats));
   if (r.model.arch != ModelArch::DeepSeek) return;
 
   ModelSpec dense = r.model;
@@ -295,7 +341,10 @@ int probe_rank_main(const std::string& config_path, const std::string& out_path,
     // Every rank computes and copies at once, as they train: the cores' caches and memory, the
     // host's PCIe and the launch threads are shared then. Rank 0's figures are kept.
     probe_compute(r, plan, device, quick, figures);
-    if (gpu) probe_copies(device, quick, figures);
+    if (gpu) {
+      probe_copies(device, quick, figures);
+      probe_device_memory(device, quick, figures);
+    }
     if (rank != 0) return 0;
     nlohmann::json out = nlohmann::json::array();
     for (const auto& f : figures) out.push_back({{"key", f.key}, {"value", f.value}, {"how", f.how}});

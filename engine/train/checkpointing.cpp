@@ -5,6 +5,7 @@
 #include "engine/common/files.hpp"
 #include "engine/common/host.hpp"
 #include "engine/common/text.hpp"
+#include "engine/parallel/copy_stream.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -280,7 +281,9 @@ void ensure_staging(torch::Tensor& staging, RankTrainingState& s, const std::vec
       from_device |= shard.is_cuda();
     }
   if (staging.defined() && staging.numel() >= total) return;
-  staging = torch::empty({std::max<int64_t>(total, 1)}, torch::TensorOptions().dtype(torch::kFloat32).pinned_memory(from_device));
+  // Pinned exactly (cudaHostRegister): the caching pinned allocator rounds a block up to a power
+  // of two, 10.5 GiB to 16 (measured on the 1B's end-of-run save, 17.0 GiB RSS against 11.8 planned).
+  staging = from_device ? pinned_host_tensor(std::max<int64_t>(total, 1), torch::kFloat32) : torch::empty({std::max<int64_t>(total, 1)}, torch::kFloat32);
   // Kept between saves: touched now, so that the first save does not pay its page faults.
   if (!staging.is_pinned()) staging.zero_();
 }
