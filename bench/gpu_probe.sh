@@ -53,6 +53,10 @@ if [ "$mode" = 1b ]; then
   run offload-none /tmp/probed_1b.toml /tmp/shipped_1b.toml "${sets[@]}"
   run offload-optimizer /tmp/probed_1b.toml /tmp/shipped_1b.toml "${sets[@]}" --set parallel.offload=optimizer
   run offload-delayed /tmp/probed_1b.toml /tmp/shipped_1b.toml "${sets[@]}" --set parallel.offload=optimizer --set parallel.delayed_update=true
+  # THREADS="13 10": the delayed update again with the host step on that many threads (DSRUN_HOST_STEP_THREADS)
+  for n in ${THREADS:-}; do
+    DSRUN_HOST_STEP_THREADS=$n run offload-delayed-t$n /tmp/probed_1b.toml /tmp/shipped_1b.toml "${sets[@]}" --set parallel.offload=optimizer --set parallel.delayed_update=true
+  done
 else
   seven=recipes/gpu/deepseek7b_offload_h100.toml
   printf 'base = ["%s/%s", "/tmp/probed.toml"]\n' "$PWD" "$seven" > /tmp/probed_7b.toml

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -99,3 +100,24 @@ TEST_CASE("the host step's workers run only on the cores given, and anywhere wit
   dsrun::HostThreadPool anywhere(3);
   for (const auto& cpus : worker_affinities(anywhere)) CHECK(cpus == usable);
 }
+
+TEST_CASE("an offloaded rank's host step keeps its share's first core for the GPU's launches, unless DSRUN_HOST_STEP_THREADS says", "[host][cores]") {
+  ::unsetenv("DSRUN_HOST_STEP_THREADS");
+  dsrun::RankCores share;
+  share.cores = {4, 5, 6, 7, 8, 9, 10, 11};
+  dsrun::HostStepThreads t = dsrun::host_step_threads(share);
+  CHECK(t.threads == 7);
+  CHECK(t.cores == std::vector<int>{5, 6, 7, 8, 9, 10, 11});
+  share.cores = {3};  // one core: the step shares it
+  t = dsrun::host_step_threads(share);
+  CHECK(t.threads == 1);
+  CHECK(t.cores.empty());
+  share.cores = {4, 5, 6, 7, 8, 9, 10, 11};
+  ::setenv("DSRUN_HOST_STEP_THREADS", "5", 1);
+  t = dsrun::host_step_threads(share);
+  ::unsetenv("DSRUN_HOST_STEP_THREADS");
+  CHECK(t.threads == 5);
+  CHECK(t.cores == std::vector<int>{7, 8, 9, 10, 11});
+  CHECK(t.why.find("DSRUN_HOST_STEP_THREADS=5") != std::string::npos);
+}
+

@@ -1,5 +1,7 @@
 #include "engine/common/host_cores.hpp"
 
+#include "engine/common/environment.hpp"
+
 #include "engine/common/error.hpp"
 #include "engine/common/files.hpp"
 #include "engine/common/text.hpp"
@@ -91,6 +93,17 @@ RankCores rank_host_cores(const std::vector<int>& usable, const std::vector<int>
   r.cores.assign(candidates.begin() + static_cast<long>(slice * share), candidates.begin() + static_cast<long>((slice + 1) * share));
   r.why += ", slice " + std::to_string(slice + 1) + " of " + std::to_string(sharing);
   return r;
+}
+
+HostStepThreads host_step_threads(const RankCores& share) {
+  HostStepThreads t;
+  const int cores = static_cast<int>(share.cores.size());
+  const int asked = env_int("DSRUN_HOST_STEP_THREADS", 0);
+  const int kept = asked > 0 ? std::max(0, cores - asked) : std::min(1, cores - 1);
+  t.threads = std::max(1, asked > 0 ? asked : cores - kept);
+  if (cores > 1 || asked > 0) t.cores.assign(share.cores.begin() + std::min(kept, cores), share.cores.end());
+  t.why = asked > 0 ? "DSRUN_HOST_STEP_THREADS=" + std::to_string(asked) : "the share less " + std::to_string(kept) + " core(s) for the thread launching the GPU's work";
+  return t;
 }
 
 }  // namespace dsrun

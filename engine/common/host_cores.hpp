@@ -26,4 +26,14 @@ struct RankCores {
 // local_rank mod that (GPUs are numbered socket by socket on the machines we know).
 RankCores rank_host_cores(const std::vector<int>& usable, const std::vector<int>& near_gpu, int local_rank, int local_world);
 
+struct HostStepThreads {
+  int threads = 1;         // the host step's threads, the calling one included
+  std::vector<int> cores;  // where its workers run; empty: anywhere
+  std::string why;
+};
+// An offloaded GPU rank's host step, from the rank's share of the cores: all but the first,
+// which stays with the thread launching the GPU's work. DSRUN_HOST_STEP_THREADS=N takes N (the
+// share's last N cores) instead. The trainer and `dsrun probe` both count threads by this rule.
+HostStepThreads host_step_threads(const RankCores& share);
+
 }  // namespace dsrun

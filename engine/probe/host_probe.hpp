@@ -22,13 +22,14 @@ struct ProbeFigure {
 struct HostProbeOptions {
   int threads = 1;                // every usable core
   int rank_threads = 1;           // the host step's threads in one rank (the trainer's rule)
+  int offloading_ranks = 0;       // GPU ranks per node whose host steps run at once; 0: CPU ranks (the key is every core's figure)
   std::string rank_threads_why;   // how a rank comes to that many, for the figure's note
   DType dtype = DType::Fp32;      // gradients and working parameters of the host step
   int64_t optimizer_elements = int64_t{48} << 20;  // per timed step
   int64_t memory_bytes = int64_t{1} << 30;         // per array of the triad
   std::string disk_directory;     // empty: no disk figures
   int64_t disk_bytes = int64_t{1} << 30;
-  int repeats = 3;                // the best of these is kept
+  int repeats = 3;                // the median of these is kept
 };
 
 using ProbeProgress = std::function<void(const std::string& line)>;
@@ -37,7 +38,8 @@ using ProbeProgress = std::function<void(const std::string& line)>;
 double probe_clock();
 std::string probe_number(double v, int digits);
 
-// hardware.host_optimizer_gbs (every core; one rank's cores recorded beside it),
+// hardware.host_optimizer_gbs (GPU ranks: one rank's threads times the ranks, at most every
+// core's figure; CPU ranks: every core's), the other figure recorded beside it,
 // hardware.host_memory_bandwidth_gbs, hardware.disk_write_gbs and disk_read_gbs.
 std::vector<ProbeFigure> probe_host(const HostProbeOptions& options, const ProbeProgress& progress);
 

@@ -277,10 +277,12 @@ class Trainer {
     if (device_.is_cuda() && plan_.layout.offload != Offload::None) {
       const std::string pci = cuda_pci_bus_id(device_);
       const RankCores share = rank_host_cores(usable_cpus(), pci_local_cpus(pci), ctx_.local_rank, ctx_.local_world);
-      host_threads = std::max(1, static_cast<int>(share.cores.size()) - 1);
-      if (share.cores.size() > 1) host_cores.assign(share.cores.begin() + 1, share.cores.end());
+      const HostStepThreads step = host_step_threads(share);
+      host_threads = step.threads;
+      host_cores = step.cores;
       report_.send(EventReport{"host_step", "rank " + std::to_string(ctx_.rank) + ": the host step's " + std::to_string(host_threads) + " thread(s) on cores " +
-                                                 (host_cores.empty() ? std::string("any") : format_cpu_list(host_cores)) + ": " + share.why + (pci.empty() ? "" : " (GPU " + pci + ")")});
+                                                 (host_cores.empty() ? std::string("any") : format_cpu_list(host_cores)) + ": " + share.why + (pci.empty() ? "" : " (GPU " + pci + ")") +
+                                                 "; " + step.why});
     }
     optimizer_ = std::make_unique<ShardOptimizer>(r_.optimizer, zero_->shards(), host_threads, host_cores);
     if (plan_.dtype == DType::Fp16) scaler_ = std::make_unique<DynamicLossScaler>(r_.precision.loss_scale);
