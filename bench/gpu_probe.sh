@@ -18,7 +18,7 @@ big=recipes/gpu/deepseek_1b_h200.toml
 gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 case "$gpu_name" in
   *H200*) shipped_hw=hardware/h200-x1 ;;
-  *H100*) shipped_hw=hardware/h100-80gb-x8 ;;
+  *H100*) shipped_hw=hardware/h100-80gb-x1 ;;
   *) shipped_hw=hardware/h100-80gb-x8 ;;
 esac
 host_gib=$(awk '/MemTotal/ {printf "%.0f", $2 / 1048576}' /proc/meminfo)

@@ -414,3 +414,26 @@ TEST_CASE("an offloaded step runs at the probed host step's throughput where har
   CHECK(faster.optimizer_seconds == Approx(probed.optimizer_seconds / 2));
   CHECK(probed.step_seconds > faster.step_seconds);
 }
+
+TEST_CASE("without the delayed update only the next step's first micro-batch forward hides the host step; with it the host step runs slower beside compute", "[plan][offload]") {
+  const std::string offload = "base = [\"hardware/h100-80gb-x1\", \"models/deepseek-llm-7b\"]\n[precision]\ndtype = \"bf16\"\n"
+                              "[parallel]\nzero_stage = 1\noffload = \"optimizer\"\nactivation_checkpointing = \"none\"\n[batch]\nseq_len = 2048\nmicro = 4\n";
+  // The next step's forward waits for each unit's update, and its backward for the whole forward:
+  // one micro-batch's forward hides the same host step whether a step holds one or eight of them.
+  const Plan one = make_plan(load_text(offload + "global = 4\n").recipe, dsrun::test::small_host());
+  const Plan eight = make_plan(load_text(offload + "global = 32\n").recipe, dsrun::test::small_host());
+  REQUIRE(one.accumulation == 1);
+  REQUIRE(eight.accumulation == 8);
+  CHECK(eight.compute_seconds == Approx(8 * one.compute_seconds));
+  CHECK(eight.optimizer_seconds == Approx(one.optimizer_seconds));
+  CHECK(eight.offload_hidden_seconds == Approx(one.offload_hidden_seconds));
+  CHECK(eight.offload_hidden_seconds < eight.compute_seconds / 3 / 8 + eight.offload_seconds);
+  // The delayed update of a step whose host step outlasts its compute (7B: 1.9 s of host step
+  // beside 0.6 s of compute) lasts the host step beside compute, hardware.host_step_beside_compute times its time alone.
+  std::string delayed = offload + "global = 4\n";
+  delayed.replace(delayed.find("offload = "), 0, "delayed_update = true\n");
+  const Plan twice = make_plan(load_text(delayed + "[hardware]\nhost_step_beside_compute = 2\n").recipe, dsrun::test::small_host());
+  const Plan thrice = make_plan(load_text(delayed + "[hardware]\nhost_step_beside_compute = 3\n").recipe, dsrun::test::small_host());
+  REQUIRE(twice.optimizer_seconds > 2 * twice.compute_seconds);
+  CHECK(thrice.step_seconds - twice.step_seconds == Approx(twice.optimizer_seconds));
+}

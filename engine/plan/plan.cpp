@@ -926,14 +926,17 @@ class Planner {
     const double exposed_down = std::max(0.0, down - backward);
     double exposed = 0;
     if (r_.parallel.delayed_update) {
-      // Beside compute the host step shares host memory with the copies the GPU makes meanwhile.
-      const double host_beside = host + p.offload_seconds * link / (r_.hardware.host_memory_bandwidth / ranks_per_node_);
+      // Beside compute the host step runs slower than alone (hardware.host_step_beside_compute, measured)
+      // and shares host memory with the copies the GPU makes meanwhile.
+      const double host_beside = host * r_.hardware.host_step_beside_compute + p.offload_seconds * link / (r_.hardware.host_memory_bandwidth / ranks_per_node_);
       const double device_side = p.compute_seconds + p.exposed_comm_seconds + exposed_down + std::max(0.0, up - p.compute_seconds / 3) + fetch;
       exposed = std::max(device_side, host_beside) - p.compute_seconds - p.exposed_comm_seconds;
     } else {
       exposed = exposed_down + std::max(0.0, std::max(host, up) - forward) + fetch;
     }
-    return std::max(0.0, host + p.offload_seconds - exposed);
+    // Negative where the delayed update's host step, slowed beside compute, outlasts the compute by
+    // more than the host step and the copies take alone: the step grows by the difference.
+    return r_.parallel.delayed_update ? host + p.offload_seconds - exposed : std::max(0.0, host + p.offload_seconds - exposed);
   }
 
   // The most MoE layers a pipeline stage holds (every layer without pipelining).

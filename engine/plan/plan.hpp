@@ -153,7 +153,7 @@ struct Plan {
   // GPUs: memory-bound work beside the matrix products (the cross-entropy over the vocabulary,
   // MoE layers' token permutation), at hardware.memory_bandwidth.
   double elementwise_seconds = 0;
-  double offload_hidden_seconds = 0;     // of optimizer + offload: what runs beside the device's compute
+  double offload_hidden_seconds = 0;     // of optimizer + offload: what runs beside the device's compute (negative: the delayed update's host step, slowed beside compute, adds that much)
   double step_seconds = 0, tokens_per_second = 0, mfu = 0, total_seconds = 0;
   // Launch to the first step: run.startup_timeout_s, or for "auto" 120 s plus the model's build
   // (or weights read) and the data at 0.5 GB/s. The launcher and the ranks' rendezvous use it.

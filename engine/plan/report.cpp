@@ -162,7 +162,8 @@ std::string render_plan(const Plan& p) {
        std::string(p.layout.recomputation ? "; hardware " + format_count(p.hardware_flops_per_step) + " with recomputation" : "") + ")");
   line("per step: compute " + format_seconds(p.compute_seconds) + (p.elementwise_seconds > 0 ? " + memory-bound " + format_seconds(p.elementwise_seconds) : "") + " + communication " + format_seconds(p.exposed_comm_seconds) +
        " + optimizer " + format_seconds(p.optimizer_seconds) + (p.offload_seconds > 0 ? " + offload " + format_seconds(p.offload_seconds) : "") +
-       (p.offload_hidden_seconds > 0 ? " - beside compute " + format_seconds(p.offload_hidden_seconds) : "") +
+       (p.offload_hidden_seconds > 0 ? " - beside compute " + format_seconds(p.offload_hidden_seconds)
+        : p.offload_hidden_seconds < 0 ? " + host step slowed beside compute " + format_seconds(-p.offload_hidden_seconds) : "") +
        " = " + format_seconds(p.step_seconds));
   line((images ? format_count(p.tokens_per_second) + " images/s" : format_count(p.tokens_per_second) + " tokens/s") + ", MFU " +
        format_double(100 * p.mfu, 3) + "% of " + format_count(p.peak_flops) + "FLOP/s peak per device");

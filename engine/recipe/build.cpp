@@ -146,6 +146,7 @@ void build_hardware(Builder& c, Recipe& r, const HostFacts& host) {
   h.host_link_bandwidth = c.f("hardware.host_link_bandwidth_gbs") * GB;
   h.host_memory_bandwidth = c.f("hardware.host_memory_bandwidth_gbs") * GB;
   h.host_optimizer_bandwidth = c.f("hardware.host_optimizer_gbs") * GB;
+  h.host_step_beside_compute = c.f("hardware.host_step_beside_compute");
   h.disk_write_bandwidth = c.f("hardware.disk_write_gbs") * GB;
   h.disk_read_bandwidth = c.f("hardware.disk_read_gbs") * GB;
   h.matmul_efficiency = c.f("hardware.matmul_efficiency");

@@ -57,6 +57,7 @@ struct HardwareSpec {
   double disk_write_bandwidth = 0;  // under checkpoint.dir, per node (bytes/s)
   double disk_read_bandwidth = 0;   // the same, read from disk (bytes/s)
   double host_optimizer_bandwidth = 0;  // the offloaded step's bytes touched per second, per node; 0: host_memory_bandwidth
+  double host_step_beside_compute = 1.7;  // the delayed update's host step beside the GPU's compute, over its time alone
   double host_memory_bandwidth = 0;
   double matmul_efficiency = 0.5;
   double grouped_matmul_efficiency = 0.6;  // GPUs: the routed experts' grouped products, fraction of peak

@@ -88,6 +88,9 @@ std::vector<KeySpec> build_schema() {
       ranged("hardware.host_optimizer_gbs", T::Float, "0", 0, 1e7,
              "The offloaded optimizer step's own throughput on a node, in GB/s of the bytes it reads and writes (24 + 2 bytes per parameter with bf16), "
              "all cores together; measured by `dsrun probe`. 0: bound by host_memory_bandwidth_gbs."),
+      ranged("hardware.host_step_beside_compute", T::Float, "1.7", 1, 100,
+             "How many times longer the offloaded optimizer step takes while the GPU computes beside it (parallel.delayed_update) than alone. "
+             "1.7 measured on one H100 with 16 host cores (the ~1B decoder: 0.42 s beside compute, 0.246 s alone; docs/benchmarks.md)."),
       ranged("hardware.disk_write_gbs", T::Float, "1", 1e-4, 1e6,
              "Write bandwidth of the disk under checkpoint.dir in GB/s per node: a synchronous checkpoint's pause. Each save records the measured checkpoint_write_MBps."),
       ranged("hardware.disk_read_gbs", T::Float, "2", 1e-4, 1e6,
