@@ -185,6 +185,7 @@ TEST_CASE("dsrun probe --quick writes a template of positive measured figures, a
   CHECK(probed["matmul_efficiency"] <= 1);
   CHECK(probed["comm_efficiency"] <= 1);
   CHECK(contains(text, "bus bandwidth: all-reduce of"));  // per collective and size, recorded
+  CHECK(contains(text, "while the cut decoder's forward and backward run on the CPU"));  // the host step beside compute, recorded on CPU ranks
   CHECK(contains(text, "name = \"cpu-probed\""));
   // The round trip: a recipe whose base names the template plans with its figures.
   const std::string recipe = dir.write("probed.toml", "base = [\"" + dsrun::test::source_dir() + "/recipes/quickstart.toml\", \"" + out_path + "\"]\n");

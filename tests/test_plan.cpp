@@ -415,7 +415,7 @@ TEST_CASE("an offloaded step runs at the probed host step's throughput where har
   CHECK(probed.step_seconds > faster.step_seconds);
 }
 
-TEST_CASE("without the delayed update only the next step's first micro-batch forward hides the host step; with it the host step runs slower beside compute", "[plan][offload]") {
+TEST_CASE("without the delayed update only the next step's first micro-batch forward hides the host step, and with it the host step runs slower beside compute", "[plan][offload]") {
   const std::string offload = "base = [\"hardware/h100-80gb-x1\", \"models/deepseek-llm-7b\"]\n[precision]\ndtype = \"bf16\"\n"
                               "[parallel]\nzero_stage = 1\noffload = \"optimizer\"\nactivation_checkpointing = \"none\"\n[batch]\nseq_len = 2048\nmicro = 4\n";
   // The next step's forward waits for each unit's update, and its backward for the whole forward:
@@ -436,4 +436,45 @@ TEST_CASE("without the delayed update only the next step's first micro-batch for
   const Plan thrice = make_plan(load_text(delayed + "[hardware]\nhost_step_beside_compute = 3\n").recipe, dsrun::test::small_host());
   REQUIRE(twice.optimizer_seconds > 2 * twice.compute_seconds);
   CHECK(thrice.step_seconds - twice.step_seconds == Approx(twice.optimizer_seconds));
+  CHECK(thrice.offload_hidden_seconds < 0);
+  CHECK_THAT(render_plan(thrice), Catch::Contains("+ host step slowed beside compute") && Catch::Contains("more sequences per step (batch.global) hide it"));
+}
+
+TEST_CASE("offload = \"auto\" takes the least offload that fits, says why, and pins it for the ranks", "[plan][auto][offload]") {
+  auto reason_of = [](const Plan& p, const std::string& key) {
+    for (const auto& c : p.choices)
+      if (c.key == key) return c.reason;
+    return std::string("(no choice for ") + key + ")";
+  };
+  auto pinned = [](const Plan& p) {
+    for (const auto& [key, value] : p.layout.to_config_keys())
+      if (key == "parallel.offload") return value.toml();
+    return std::string();
+  };
+  // The 7B on one 80 GB H100 with 125 GiB of host: 110 GB of model states need the host.
+  const std::string seven = "base = [\"hardware/h100-80gb-x1\", \"models/deepseek-llm-7b\"]\n[precision]\ndtype = \"bf16\"\n"
+                            "[parallel]\noffload = \"auto\"\ndelayed_update = true\nactivation_checkpointing = \"auto\"\n[batch]\nseq_len = 2048\nglobal = 32\n";
+  const Plan big = make_plan(load_text(seven).recipe, dsrun::test::small_host());
+  REQUIRE(big.fits);
+  CHECK(big.layout.offload == Offload::Optimizer);
+  CHECK(big.layout.delayed_update);
+  INFO(reason_of(big, "parallel.offload"));
+  CHECK(reason_of(big, "parallel.offload").find("none would need") != std::string::npos);
+  CHECK(reason_of(big, "parallel.offload").find("optimizer is the least that fits") != std::string::npos);
+  CHECK(pinned(big) == "\"optimizer\"");
+  // What fits on the device offloads nothing, and the delayed update asked for goes with it.
+  const std::string small = "base = [\"hardware/h100-80gb-x1\", \"models/deepseek-tiny\"]\n[parallel]\noffload = \"auto\"\ndelayed_update = true\n";
+  const LoadedRecipe loaded = load_text(small);
+  INFO(loaded.report());
+  REQUIRE(loaded.ok());  // the delayed update with offload "auto" is not an error at load
+  const Plan tiny = make_plan(loaded.recipe, dsrun::test::small_host());
+  CHECK(tiny.fits);
+  CHECK(tiny.layout.offload == Offload::None);
+  CHECK_FALSE(tiny.layout.delayed_update);
+  CHECK(reason_of(tiny, "parallel.offload").find("nothing needs offloading") != std::string::npos);
+  // Nothing fits: the most offloaded is shown, and why each is refused.
+  const Plan huge = make_plan(load_text(seven + "[hardware]\nhost_memory_gib = 16\n").recipe, dsrun::test::small_host());
+  CHECK_FALSE(huge.fits);
+  CHECK(huge.layout.offload == Offload::OptimizerAndParams);
+  CHECK(reason_of(huge, "parallel.offload").find("nothing fits: none would need") != std::string::npos);
 }

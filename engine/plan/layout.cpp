@@ -75,6 +75,7 @@ Layout layout_of_recipe(const Recipe& r, LayoutDecided* decided) {
     d.sequence_parallel = !p.search.sequence_parallel;
     d.zero_stage = p.zero_stage.has_value();
     d.micro = r.batch.micro.has_value();
+    d.offload = !p.offload_auto;
   }
   return l;
 }
@@ -99,6 +100,7 @@ Recipe with_layout(const Recipe& recipe, const Layout& l) {
   p.zero_stage = l.zero_stage;
   p.activation_checkpointing = l.recomputation ? Checkpointing::Full : Checkpointing::None;
   p.offload = l.offload;
+  p.offload_auto = false;
   p.delayed_update = l.delayed_update;
   r.batch.micro = l.micro;
   return r;
@@ -303,6 +305,7 @@ struct Rules {
   }
 
   void offload() {
+    if (!d.offload) return;  // "auto": make_plan tries only what these rules allow
     if (d.zero_stage && l.offload == Offload::OptimizerAndParams && l.zero_stage != 3)
       add("parallel.offload", "offloading parameters needs ZeRO stage 3 (only stage 3 shards parameters)", "set parallel.zero_stage = 3, or offload = \"optimizer\"",
           {"parallel.zero_stage"});

@@ -40,7 +40,7 @@ struct Layout {
 // search decides the degrees; the planner decides ZeRO stage, micro batch and recomputation.
 struct LayoutDecided {
   bool tensor = true, pipeline = true, data = true, expert = true, schedule = true, virtual_stages = true, sequence_parallel = true;
-  bool zero_stage = true, micro = true;
+  bool zero_stage = true, micro = true, offload = true;
 };
 
 // A rule the layout breaks, on the key to change, with a fix (the recipe's errors print these

@@ -6,6 +6,7 @@
 #include "engine/plan/plan.hpp"
 
 #include <algorithm>
+#include <optional>
 
 namespace dsrun {
 
@@ -179,7 +180,9 @@ Plan plan_with_layout_search(const Recipe& recipe, const HostFacts& host) {
 
 }  // namespace
 
-Plan make_plan(const Recipe& recipe, const HostFacts& host) {
+namespace {
+
+Plan plan_choosing_checkpoint_mode(const Recipe& recipe, const HostFacts& host) {
   Plan p = plan_with_layout_search(recipe, host);
   // checkpoint.async left unset on GPUs: asynchronous, unless its staging copy is what host memory lacks.
   const CheckpointOptions& ck = recipe.checkpoint;
@@ -192,6 +195,42 @@ Plan make_plan(const Recipe& recipe, const HostFacts& host) {
                        "asynchronous saves would keep a staging copy of " + format_bytes(p.checkpoint_disk.staging_per_rank * p.ranks_per_node) +
                            " per node, which host memory lacks; each save pauses " + format_seconds(q.checkpoint_disk.pause_seconds) + " for the write instead"});
   return q;
+}
+
+std::string usage_of(const Plan& p) {
+  return p.binds == "host memory" ? format_bytes(p.host_memory_needed) + " of host memory, " + format_bytes(p.host_memory_capacity) + " per node"
+                                  : format_bytes(p.memory.total()) + " of " + format_bytes(p.memory_capacity) + " per rank";
+}
+
+}  // namespace
+
+// parallel.offload = "auto": the least offload that fits, in the order it costs time: none, the
+// optimizer, then (ZeRO-3) the parameters too. Each is planned whole (layout search, ZeRO stage,
+// micro batch, recomputation); the delayed update, where asked for, only with something offloaded.
+Plan make_plan(const Recipe& recipe, const HostFacts& host) {
+  if (!recipe.parallel.offload_auto) return plan_choosing_checkpoint_mode(recipe, host);
+  std::optional<Plan> shown;
+  std::string refused;
+  for (Offload offload : {Offload::None, Offload::Optimizer, Offload::OptimizerAndParams}) {
+    Recipe alt = recipe;
+    alt.parallel.offload = offload;
+    alt.parallel.offload_auto = false;
+    if (offload == Offload::None) alt.parallel.delayed_update = false;
+    LayoutDecided decided;
+    if (!layout_problems(alt, layout_of_recipe(alt, &decided), decided).empty()) continue;  // e.g. parameters with a pipeline or a stage below 3
+    Plan p = plan_choosing_checkpoint_mode(alt, host);
+    if (p.fits) {
+      p.choices.insert(p.choices.begin(), {"parallel.offload", to_string(offload),
+                                           shown ? refused + "; " + to_string(offload) + " is the least that fits (" + format_bytes(p.memory.total()) + " of " + format_bytes(p.memory_capacity) + " per rank)"
+                                                 : "nothing needs offloading: it fits on the devices (" + format_bytes(p.memory.total()) + " of " + format_bytes(p.memory_capacity) + " per rank)"});
+      return p;
+    }
+    refused += std::string(refused.empty() ? "" : "; ") + to_string(offload) + " would need " + usage_of(p);
+    shown = std::move(p);
+  }
+  DSRUN_ASSERT(shown.has_value(), "offload none is always a candidate");
+  shown->choices.insert(shown->choices.begin(), {"parallel.offload", to_string(shown->layout.offload), "nothing fits: " + refused + "; the most offloaded is shown"});
+  return *shown;
 }
 
 }  // namespace dsrun

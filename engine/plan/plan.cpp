@@ -1027,6 +1027,10 @@ class Planner {
     if (hw.device == Device::Cpu && p.layout.offload != Offload::None)
       p.notes.push_back("offload on CPU ranks moves nothing (host and device memory are the same); the same code path runs, with separate host copies");
     if (p.layout.zero_stage > 0 && dp_ == 1) p.notes.push_back("ZeRO stage " + std::to_string(p.layout.zero_stage) + " with one rank shards nothing");
+    if (p.offload_hidden_seconds < 0)
+      p.notes.push_back("the delayed update's host step, " + format_double(hw.host_step_beside_compute, 3) + " times slower beside compute (hardware.host_step_beside_compute), outlasts the step's compute by " +
+                        format_seconds(-p.offload_hidden_seconds) + " more than it takes alone: more sequences per step (batch.global) hide it, and without parallel.delayed_update "
+                        "the step may be shorter");
     if (hw.device == Device::Cuda && pp_ > 1)
       p.notes.push_back("pipeline on GPUs: each run of a stage's sends and receives goes out as one NCCL group (Megatron-LM's send_forward_recv_backward); "
                         "the schedule was simulated under NCCL's semantics (in-order rendezvous per pair) before launch (docs/parallelism.md, \"On GPUs\")");

@@ -3,6 +3,7 @@
 #include "engine/common/environment.hpp"
 #include "engine/common/error.hpp"
 #include "engine/common/files.hpp"
+#include "engine/common/host_cores.hpp"
 #include "engine/common/host.hpp"
 #include "engine/common/torch_compat.hpp"
 #include "engine/dist/communicator.hpp"
@@ -19,14 +20,17 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <cuda_runtime_api.h>
 #endif
+#include <c10/core/DeviceGuard.h>
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <functional>
 #include <iostream>
 #include <sstream>
+#include <thread>
 
 namespace dsrun {
 namespace {
@@ -237,9 +241,45 @@ void probe_device_memory(const torch::Device& device, bool quick, std::vector<Pr
                      "a copy of " + mib(static_cast<double>(bytes)) + " on the GPU, bytes read and written per second"});
 }
 
-// Compute (on every rank at once): the decoder cut to 2 and to 4 dense layers, whose difference is two
-// layers without the embedding, head or loss; attention alone on GPUs, priced apart there.
-void probe_compute(const Recipe& r, const Plan& plan, const torch::Device& device, bool quick, std::vector<ProbeFigure>& figures) {
+// The delayed update's condition: the host step while the device runs the cut decoder forward and
+// backward beside it, over its time alone -> hardware.host_step_beside_compute on GPUs (measured
+// in training on one H100: 1.7 beside the 1B's compute, about 1 beside the 7B's). On CPU ranks,
+// where the same cores do both, it is recorded only.
+void probe_host_step_beside_compute(CutDecoder& model, const torch::Device& device, DType dt, int threads, bool quick, std::vector<ProbeFigure>& figures) {
+  HostStepBench bench(quick ? int64_t{4} << 20 : int64_t{128} << 20, dt, threads);
+  const int repeats = quick ? 3 : 7;
+  const double alone = bench.median_seconds(repeats);
+  std::atomic<bool> stop{false}, running{false}, errored{false};
+  std::exception_ptr failed;  // read once the thread is joined
+  std::thread compute([&] {
+    try {
+      c10::DeviceGuard guard(device);
+      while (!stop.load()) {
+        model.forward_backward();
+        running = true;
+      }
+      if (device.is_cuda()) torch::cuda::synchronize(device.index());
+    } catch (...) {  // rethrown below, once the thread is joined
+      failed = std::current_exception();
+      errored = true;
+      running = true;
+    }
+  });
+  while (!running.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));  // compute in flight first
+  const double beside = errored.load() ? 0 : bench.median_seconds(repeats);
+  stop = true;
+  compute.join();
+  if (failed) std::rethrow_exception(failed);
+  const double ratio = beside / alone;
+  const std::string how = "the fused host AdamW step on " + std::to_string(threads) + " thread(s) while the cut decoder's forward and backward run on " +
+                          (device.is_cuda() ? "the GPU" : "the CPU") + ": " + probe_number(beside * 1e3, 1) + " ms against " + probe_number(alone * 1e3, 1) + " ms alone";
+  if (device.is_cuda()) figures.push_back({"hardware.host_step_beside_compute", std::max(1.0, ratio), how + (ratio < 1 ? " (faster beside: written as 1)" : "")});
+  else figures.push_back({"", ratio, "times: " + how});
+}
+
+// Compute (on every rank at once): the decoder cut to 2 and to 4 (CPU ranks: 6) dense layers, whose
+// difference is those layers without the embedding, head or loss; attention alone on GPUs, priced apart there.
+void probe_compute(const Recipe& r, const Plan& plan, const torch::Device& device, bool quick, int host_threads, std::vector<ProbeFigure>& figures) {
   const DType dt = r.precision.dtype;
   const torch::ScalarType dtype = torch_dtype(dt);
   const bool gpu = device.is_cuda();
@@ -265,38 +305,46 @@ void probe_compute(const Recipe& r, const Plan& plan, const torch::Device& devic
     s.layers = layers;
     return model_cost(s, seq, dt, kernel, cost_options);
   };
-  const ModelCost two = cost(2), four = cost(4);
+  // The deeper cut has 4 layers on GPUs, 6 on CPU ranks, where a small model's embedding, head and
+  // loss take most of a call and two layers' difference drowned in a loaded machine's noise.
+  const int deep = gpu ? 4 : 6, extra = deep - 2;
+  const ModelCost two = cost(2), deeper = cost(deep);
   // Both cuts measured in turns, the median call of each kept: a burst of load elsewhere on the
-  // machine cannot land on one of them alone.
-  CutDecoder cut2(dense, 2, r, device, dtype, samples, seq), cut4(dense, 4, r, device, dtype, samples, seq);
-  std::vector<double> calls2, calls4;
-  for (int round = 0; round < 3; ++round) {
+  // machine cannot land on one of them alone. While the deeper cut is not measurably slower, more
+  // rounds (up to 8).
+  CutDecoder cut2(dense, 2, r, device, dtype, samples, seq), cut_deep(dense, deep, r, device, dtype, samples, seq);
+  std::vector<double> calls2, calls_deep;
+  for (int round = 0; round < 8; ++round) {
     for (double t : call_seconds(device, repeats, [&] { cut2.forward_backward(); })) calls2.push_back(t);
-    for (double t : call_seconds(device, repeats, [&] { cut4.forward_backward(); })) calls4.push_back(t);
+    for (double t : call_seconds(device, repeats, [&] { cut_deep.forward_backward(); })) calls_deep.push_back(t);
+    if (round >= 2 && median(calls_deep) > 1.05 * median(calls2)) break;
   }
-  const double t2 = median(calls2), t4 = median(calls4);
-  const double layer_flops = (four.model_flops_per_sample - two.model_flops_per_sample) * samples;
-  const double attention_flops = (four.attention_flops_per_sample - two.attention_flops_per_sample) * samples;
+  const double t2 = median(calls2), t_deep = median(calls_deep);
+  probe_host_step_beside_compute(cut_deep, device, dt, host_threads, quick, figures);
+  const double layer_flops = (deeper.model_flops_per_sample - two.model_flops_per_sample) * samples;
+  const double attention_flops = (deeper.attention_flops_per_sample - two.attention_flops_per_sample) * samples;
   const std::string shape = std::to_string(samples) + " x " + std::to_string(seq) + " tokens";
-  double attention_seconds = 0;  // both layers' attention kernels, forward and backward
+  double attention_seconds = 0;  // the extra layers' attention kernels, forward and backward
   if (gpu && dt != DType::Fp32) {
     const auto o = torch::TensorOptions().dtype(dtype).device(device);
     const int64_t d = dense.head_dim();
     torch::Tensor q = torch::randn({samples, dense.heads, seq, d}, o).requires_grad_(), k = torch::randn({samples, dense.heads, seq, d}, o).requires_grad_(),
                   v = torch::randn({samples, dense.heads, seq, d}, o).requires_grad_();
     torch::Tensor grad = torch::randn({samples, dense.heads, seq, d}, o);
-    attention_seconds = 2 * time_per_call(device, repeats, [&] { compat::causal_attention(q, k, v).backward(grad); });
+    attention_seconds = extra * time_per_call(device, repeats, [&] { compat::causal_attention(q, k, v).backward(grad); });
     // The causal kernels compute half of the 12·h·s FLOPs per token the plan counts.
     figures.push_back({"hardware.attention_efficiency", 0.5 * attention_flops / attention_seconds / peak,
                        "causal flash attention forward and backward at " + shape + ", " + std::to_string(dense.heads) + " heads of " + std::to_string(d) +
                            ", half of the 12·h·s FLOPs per token counted (the causal half)"});
   }
-  const double dense_seconds = t4 - t2 - attention_seconds;
-  if (dense_seconds <= 0) throw Error("probe: the decoder with 4 layers took no longer than with 2 (" + probe_number(t4, 4) + " s vs " + probe_number(t2, 4) + " s): too few repeats to tell");
+  const double dense_seconds = t_deep - t2 - attention_seconds;
+  if (dense_seconds <= 0)
+    throw Error("probe: the decoder with " + std::to_string(deep) + " layers took no longer than with 2 (" + probe_number(t_deep, 4) + " s vs " + probe_number(t2, 4) +
+                " s) over 8 rounds: the machine is too busy to tell");
   const double flops = attention_seconds > 0 ? layer_flops - attention_flops : layer_flops;
   figures.push_back({"hardware.matmul_efficiency", flops / dense_seconds / peak,
-                     "the recipe's decoder cut to 4 and to 2 dense layers, forward and backward in " + std::string(dtype_name(dt)) + " at " + shape +
-                         ": the 2 layers' difference (" + probe_number(t4 - t2, 4) + " s)" + (attention_seconds > 0 ? ", less their attention (priced apart)" : ", attention included") +
+                     "the recipe's decoder cut to " + std::to_string(deep) + " and to 2 dense layers, forward and backward in " + std::string(dtype_name(dt)) + " at " + shape +
+                         ": the " + std::to_string(extra) + " layers' difference (" + probe_number(t_deep - t2, 4) + " s)" + (attention_seconds > 0 ? ", less their attention (priced apart)" : ", attention included") +
                          ", " + probe_number(flops / dense_seconds / 1e12, 3) + " TFLOP/s"});
 }
 
@@ -340,7 +388,10 @@ int probe_rank_main(const std::string& config_path, const std::string& out_path,
     }
     // Every rank computes and copies at once, as they train: the cores' caches and memory, the
     // host's PCIe and the launch threads are shared then. Rank 0's figures are kept.
-    probe_compute(r, plan, device, quick, figures);
+    // The host step's threads as an offloaded rank runs it (the trainer's rule), or a CPU rank's cores.
+    const int host_threads = gpu ? host_step_threads(rank_host_cores(usable_cpus(), pci_local_cpus(cuda_pci_bus_id(device)), local_rank, world)).threads
+                                 : std::max(1, host.cpu_cores / std::max(1, world));
+    probe_compute(r, plan, device, quick, host_threads, figures);
     if (gpu) {
       probe_copies(device, quick, figures);
       probe_device_memory(device, quick, figures);

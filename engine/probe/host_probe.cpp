@@ -26,52 +26,6 @@ int host_step_bytes(DType dtype) {
   return 8 + 16 + e + (dtype == DType::Fp32 ? 0 : e);
 }
 
-// One AdamW step over `n` elements in 64K-element chunks on `pool`: the fused host step that
-// offloaded ranks run (engine/train/host_optimizer.hpp). Returns the median time of `repeats`
-// (the best flattered it: a GPU rank's step ran 15-25% below the best of three).
-double time_host_step(int64_t n, DType dtype, HostThreadPool& pool, int repeats) {
-  const bool mixed = dtype != DType::Fp32;
-  std::vector<float> master(static_cast<size_t>(n), 0.5f), m(static_cast<size_t>(n), 0.f), v(static_cast<size_t>(n), 0.f);
-  std::vector<uint16_t> grad16, param16;
-  std::vector<float> grad32;
-  if (mixed) {
-    grad16.assign(static_cast<size_t>(n), dtype == DType::Bf16 ? host_to_bf16(1e-3f) : host_to_f16(1e-3f));
-    param16.assign(static_cast<size_t>(n), 0);
-  } else {
-    grad32.assign(static_cast<size_t>(n), 1e-3f);
-  }
-  const int64_t chunk = int64_t{1} << 16;
-  std::vector<HostChunk> chunks;
-  for (int64_t at = 0; at < n; at += chunk) {
-    HostChunk c;
-    c.n = std::min(chunk, n - at);
-    c.master = master.data() + at;
-    c.m = m.data() + at;
-    c.v = v.data() + at;
-    c.decay = true;
-    if (mixed) {
-      c.grad = grad16.data() + at;
-      c.grad_dtype = c.param_dtype = dtype == DType::Bf16 ? HostDType::BF16 : HostDType::F16;
-      c.param_out = param16.data() + at;
-    } else {
-      c.grad = grad32.data() + at;
-    }
-    chunks.push_back(c);
-  }
-  HostStep step;
-  step.lr = 1e-4;
-  step.weight_decay = 0.1;
-  std::vector<double> seconds;
-  for (int r = 0; r < repeats + 1; ++r) {  // the first pass faults the pages in: not timed
-    step.t = r + 1;
-    const double start = probe_clock();
-    pool.run(static_cast<int64_t>(chunks.size()), [&](int64_t i) { host_optimizer_step(chunks[static_cast<size_t>(i)], step); });
-    if (r > 0) seconds.push_back(probe_clock() - start);
-  }
-  std::sort(seconds.begin(), seconds.end());
-  return seconds[seconds.size() / 2];
-}
-
 // STREAM's triad, a = b + s·c, over `n` floats per array on the pool: 12 bytes per element moved.
 double time_triad(int64_t n, HostThreadPool& pool, int repeats) {
   std::vector<float> a(static_cast<size_t>(n)), b(static_cast<size_t>(n), 1.f), c(static_cast<size_t>(n), 2.f);
@@ -107,6 +61,56 @@ double time_triad(int64_t n, HostThreadPool& pool, int repeats) {
   } while (0)
 
 }  // namespace
+
+HostStepBench::HostStepBench(int64_t elements, DType dtype, int threads)
+    : n_(elements), bytes_(static_cast<double>(elements) * host_step_bytes(dtype)), pool_(threads) {
+  const bool mixed = dtype != DType::Fp32;
+  master_.assign(static_cast<size_t>(n_), 0.5f);
+  m_.assign(static_cast<size_t>(n_), 0.f);
+  v_.assign(static_cast<size_t>(n_), 0.f);
+  if (mixed) {
+    grad16_.assign(static_cast<size_t>(n_), dtype == DType::Bf16 ? host_to_bf16(1e-3f) : host_to_f16(1e-3f));
+    param16_.assign(static_cast<size_t>(n_), 0);
+  } else {
+    grad32_.assign(static_cast<size_t>(n_), 1e-3f);
+  }
+  const int64_t chunk = int64_t{1} << 16;
+  for (int64_t at = 0; at < n_; at += chunk) {
+    HostChunk c;
+    c.n = std::min(chunk, n_ - at);
+    c.master = master_.data() + at;
+    c.m = m_.data() + at;
+    c.v = v_.data() + at;
+    c.decay = true;
+    if (mixed) {
+      c.grad = grad16_.data() + at;
+      c.grad_dtype = c.param_dtype = dtype == DType::Bf16 ? HostDType::BF16 : HostDType::F16;
+      c.param_out = param16_.data() + at;
+    } else {
+      c.grad = grad32_.data() + at;
+    }
+    chunks_.push_back(c);
+  }
+  step_.lr = 1e-4;
+  step_.weight_decay = 0.1;
+  run_once();  // faults the pages in: never timed
+}
+
+void HostStepBench::run_once() {
+  step_.t += 1;
+  pool_.run(static_cast<int64_t>(chunks_.size()), [&](int64_t i) { host_optimizer_step(chunks_[static_cast<size_t>(i)], step_); });
+}
+
+double HostStepBench::median_seconds(int repeats) {
+  std::vector<double> seconds;
+  for (int r = 0; r < std::max(1, repeats); ++r) {
+    const double start = probe_clock();
+    run_once();
+    seconds.push_back(probe_clock() - start);
+  }
+  std::sort(seconds.begin(), seconds.end());
+  return seconds[seconds.size() / 2];
+}
 
 void require_probe_directory(const std::string& directory) {
   struct stat st {};
@@ -175,13 +179,13 @@ std::vector<ProbeFigure> probe_host(const HostProbeOptions& o, const ProbeProgre
   double all_cores = 0, one_rank = 0;
   {
     progress("host optimizer step: AdamW over " + elements + " parameters on " + std::to_string(o.threads) + " thread(s)");
-    HostThreadPool pool(o.threads);
-    all_cores = static_cast<double>(o.optimizer_elements) * per_element / time_host_step(o.optimizer_elements, o.dtype, pool, o.repeats);
+    HostStepBench bench(o.optimizer_elements, o.dtype, o.threads);
+    all_cores = bench.bytes() / bench.median_seconds(o.repeats);
   }
   if (o.offloading_ranks > 0) {
     progress("host optimizer step: the same on one rank's " + std::to_string(o.rank_threads) + " thread(s)");
-    HostThreadPool pool(o.rank_threads);
-    one_rank = static_cast<double>(o.optimizer_elements) * per_element / time_host_step(o.optimizer_elements, o.dtype, pool, o.repeats);
+    HostStepBench bench(o.optimizer_elements, o.dtype, o.rank_threads);
+    one_rank = bench.bytes() / bench.median_seconds(o.repeats);
   }
   const std::string step = "the fused host AdamW step (" + dtype + " gradients, " + std::to_string(per_element) + " bytes per parameter) over " + elements +
                            " parameters, median of " + std::to_string(o.repeats);

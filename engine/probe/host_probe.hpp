@@ -3,6 +3,7 @@
 #pragma once
 
 #include "engine/recipe/recipe.hpp"
+#include "engine/train/host_optimizer.hpp"
 
 #include <cstdint>
 #include <functional>
@@ -42,6 +43,28 @@ std::string probe_number(double v, int digits);
 // core's figure; CPU ranks: every core's), the other figure recorded beside it,
 // hardware.host_memory_bandwidth_gbs, hardware.disk_write_gbs and disk_read_gbs.
 std::vector<ProbeFigure> probe_host(const HostProbeOptions& options, const ProbeProgress& progress);
+
+// One fused host AdamW step (the offloaded ranks' own code, engine/train/host_optimizer.hpp)
+// over `elements` parameters with `dtype` gradients, on a pool of `threads`: its buffers made and
+// faulted in once, then timed call by call. The median, not the best: the best of three flattered
+// a GPU rank's step by 15-25%.
+class HostStepBench {
+ public:
+  HostStepBench(int64_t elements, DType dtype, int threads);
+  double median_seconds(int repeats);
+  // Bytes the step reads and writes, as the plan counts them (plan.cpp: 24 + 2e per parameter with e-byte gradients).
+  double bytes() const { return bytes_; }
+
+ private:
+  void run_once();
+  int64_t n_;
+  double bytes_;
+  HostThreadPool pool_;
+  std::vector<float> master_, m_, v_, grad32_;
+  std::vector<uint16_t> grad16_, param16_;
+  std::vector<HostChunk> chunks_;
+  HostStep step_;
+};
 
 // Throws the probe's error (naming the directory and checkpoint.dir) unless `directory` exists.
 void require_probe_directory(const std::string& directory);

@@ -232,6 +232,7 @@ void build_parallel(Builder& c, Recipe& r) {
   if (auto v = c.int_or_auto("parallel.zero_stage")) p.zero_stage = static_cast<int>(*v);
   const std::string& offload = c.s("parallel.offload");
   p.offload = offload == "optimizer" ? Offload::Optimizer : offload == "optimizer+params" ? Offload::OptimizerAndParams : Offload::None;
+  p.offload_auto = offload == "auto";
   p.delayed_update = c.b("parallel.delayed_update");
   const std::string& ckpt = c.s("parallel.activation_checkpointing");
   p.activation_checkpointing = ckpt == "full" ? Checkpointing::Full : ckpt == "auto" ? Checkpointing::Auto : Checkpointing::None;

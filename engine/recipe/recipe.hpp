@@ -147,6 +147,7 @@ struct ParallelOptions {
   int data_parallel_or_auto(const HardwareSpec& h) const;
   std::optional<int> zero_stage;     // nullopt: auto
   Offload offload = Offload::None;
+  bool offload_auto = false;    // "auto": the least offload that fits (make_plan); `offload` is then a placeholder (none)
   bool delayed_update = false;  // offload: the host step of step t runs beside step t+1 (docs/plan.md)
   Checkpointing activation_checkpointing = Checkpointing::None;
   double bucket_bytes = 25e6;

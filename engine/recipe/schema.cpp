@@ -90,7 +90,7 @@ std::vector<KeySpec> build_schema() {
              "all cores together; measured by `dsrun probe`. 0: bound by host_memory_bandwidth_gbs."),
       ranged("hardware.host_step_beside_compute", T::Float, "1.7", 1, 100,
              "How many times longer the offloaded optimizer step takes while the GPU computes beside it (parallel.delayed_update) than alone. "
-             "1.7 measured on one H100 with 16 host cores (the ~1B decoder: 0.42 s beside compute, 0.246 s alone; docs/benchmarks.md)."),
+             "1.7 measured on one H100 with 16 host cores (the ~1B decoder: 0.42 s beside compute, 0.246 s alone; docs/benchmarks.md); `dsrun probe` measures it."),
       ranged("hardware.disk_write_gbs", T::Float, "1", 1e-4, 1e6,
              "Write bandwidth of the disk under checkpoint.dir in GB/s per node: a synchronous checkpoint's pause. Each save records the measured checkpoint_write_MBps."),
       ranged("hardware.disk_read_gbs", T::Float, "2", 1e-4, 1e6,
@@ -177,8 +177,9 @@ std::vector<KeySpec> build_schema() {
              "scales that rank's routed-expert activations, all-to-all bytes and expert FLOPs by it (metric expert_load_max shows what a run sees)."),
       ranged("parallel.zero_stage", T::IntOrAuto, "\"auto\"", 0, 3,
              "ZeRO stage: 0 replicate all, 1 shard optimizer states, 2 also gradients, 3 also parameters. `auto`: the lowest that fits."),
-      choice("parallel.offload", "none", {"none", "optimizer", "optimizer+params"},
-             "Keep optimizer states (and with ZeRO-3 parameters) in host memory."),
+      choice("parallel.offload", "none", {"none", "optimizer", "optimizer+params", "auto"},
+             "Keep optimizer states (and with ZeRO-3 parameters) in host memory. `auto`: the least that fits, searched with the rest of the layout: "
+             "none, then the optimizer, then the parameters too (offload costs time; the plan says why it chose)."),
       key("parallel.delayed_update", T::Bool, "false",
           "Offload: run step t's host optimizer step while step t+1 computes, on the parameters from before it "
           "(ZeRO-Offload's one-step delayed parameter update, DPU). Faster; each step's gradients are one update stale. Needs parallel.offload."),
