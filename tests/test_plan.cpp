@@ -472,6 +472,7 @@ TEST_CASE("offload = \"auto\" takes the least offload that fits, says why, and p
   CHECK(tiny.layout.offload == Offload::None);
   CHECK_FALSE(tiny.layout.delayed_update);
   CHECK(reason_of(tiny, "parallel.offload").find("nothing needs offloading") != std::string::npos);
+  CHECK(reason_of(tiny, "parallel.offload").find("delayed_update has nothing to delay") != std::string::npos);
   // Nothing fits: the most offloaded is shown, and why each is refused.
   const Plan huge = make_plan(load_text(seven + "[hardware]\nhost_memory_gib = 16\n").recipe, dsrun::test::small_host());
   CHECK_FALSE(huge.fits);

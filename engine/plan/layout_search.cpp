@@ -222,7 +222,8 @@ Plan make_plan(const Recipe& recipe, const HostFacts& host) {
     if (p.fits) {
       p.choices.insert(p.choices.begin(), {"parallel.offload", to_string(offload),
                                            shown ? refused + "; " + to_string(offload) + " is the least that fits (" + format_bytes(p.memory.total()) + " of " + format_bytes(p.memory_capacity) + " per rank)"
-                                                 : "nothing needs offloading: it fits on the devices (" + format_bytes(p.memory.total()) + " of " + format_bytes(p.memory_capacity) + " per rank)"});
+                                                 : "nothing needs offloading: it fits on the devices (" + format_bytes(p.memory.total()) + " of " + format_bytes(p.memory_capacity) + " per rank)" +
+                                                       (recipe.parallel.delayed_update ? "; parallel.delayed_update has nothing to delay" : "")});
       return p;
     }
     refused += std::string(refused.empty() ? "" : "; ") + to_string(offload) + " would need " + usage_of(p);
