@@ -59,12 +59,8 @@ std::vector<double> call_seconds(const torch::Device& device, const Repeats& n, 
   return seconds;
 }
 
-// The median call: what training sustains, where the fastest call flatters (measured on CPU ranks:
-// the fastest made plans 25-35% optimistic) and a mean takes in a burst of load from elsewhere.
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
-}
+// The median call (probe_median): on CPU ranks the fastest made plans 25-35% optimistic.
+double median(std::vector<double> v) { return probe_median(std::move(v)); }
 
 double time_per_call(const torch::Device& device, const Repeats& n, const std::function<void()>& work) { return median(call_seconds(device, n, work)); }
 

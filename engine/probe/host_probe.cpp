@@ -108,14 +108,18 @@ double HostStepBench::median_seconds(int repeats) {
     run_once();
     seconds.push_back(probe_clock() - start);
   }
-  std::sort(seconds.begin(), seconds.end());
-  return seconds[seconds.size() / 2];
+  return probe_median(std::move(seconds));
 }
 
 void require_probe_directory(const std::string& directory) {
   struct stat st {};
   if (::stat(directory.c_str(), &st) != 0) disk_failure("no directory", directory, errno);
   if (!S_ISDIR(st.st_mode)) disk_failure("not a directory:", directory, ENOTDIR);
+}
+
+double probe_median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
 }
 
 double probe_clock() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }

@@ -37,6 +37,8 @@ using ProbeProgress = std::function<void(const std::string& line)>;
 
 // Both halves of the probe time with this clock (seconds) and print numbers with fixed digits.
 double probe_clock();
+// The median of measured call times: what training sustains (the fastest flatters, a mean takes in bursts of load).
+double probe_median(std::vector<double> seconds);
 std::string probe_number(double v, int digits);
 
 // hardware.host_optimizer_gbs (GPU ranks: one rank's threads times the ranks, at most every
