@@ -519,7 +519,7 @@ TEST_CASE("CUDA: the offload pipeline (gradients down in backward, host update b
   // device; the delayed update's first two losses are the device run's first and the loss at w0.
   ModelSpec m = tiny_decoder();
   const torch::Device gpu(torch::kCUDA, 0);
-  auto train = [&](int stage, bool offload, bool offload_params, bool delayed) {
+  auto train = [&](int stage, bool offload, bool offload_params, bool delayed, bool working_gradient = false) {
     auto model = build_model(m, 16, {10, /*deferred=*/true});
     auto comm = single_process_communicator();
     ZeroOptions zo;
@@ -529,6 +529,7 @@ TEST_CASE("CUDA: the offload pipeline (gradients down in backward, host update b
     zo.offload_params = offload_params;
     zo.delayed_update = delayed;
     zo.device = gpu;
+    zo.step_applies_scales = zo.step_reads_working_gradient = working_gradient;  // the trainer's setting with dsrun's Adam kernel
     ZeroDataParallel zero(*model, *comm, zo);
     OptimizerOptions oo;
     oo.lr = 1e-2;
@@ -549,6 +550,10 @@ TEST_CASE("CUDA: the offload pipeline (gradients down in backward, host update b
   for (int stage : {2, 3}) {
     INFO("ZeRO-" << stage);
     std::vector<double> device = train(stage, false, false, false);
+    if (kHasDeviceAdamKernel) {  // bf16 gradients read by the step, parameters written by it: the same training
+      std::vector<double> working = train(stage, false, false, false, true);
+      for (size_t i = 0; i < device.size(); ++i) CHECK(working[i] == Approx(device[i]).epsilon(2e-3));
+    }
     std::vector<double> offloaded = train(stage, true, false, false);
     for (size_t i = 0; i < device.size(); ++i) CHECK(offloaded[i] == Approx(device[i]).epsilon(2e-2));
     if (stage == 3) {
@@ -561,6 +566,50 @@ TEST_CASE("CUDA: the offload pipeline (gradients down in backward, host update b
     std::vector<double> delayed = train(stage, true, false, true);
     CHECK(delayed[0] == Approx(offloaded[0]).epsilon(1e-6));
     CHECK(delayed[1] != Approx(offloaded[1]).epsilon(1e-6));  // still at w0
+  }
+}
+
+TEST_CASE("CUDA: dsrun's Adam kernel (bf16 gradients, a clip decided on the device, parameters written) follows the host step", "[engine][cuda][optimizer]") {
+  if (!torch::cuda::is_available() || !kHasDeviceAdamKernel) {
+    WARN("SKIPPED: no CUDA device visible, or a build without the kernel (this test runs on GPU machines: scripts/gpu_build.sh)");
+    return;
+  }
+  // Odd lengths and a master that starts 1 element past a 16-byte boundary: the kernel's scalar
+  // head, its four-at-a-time body and its tail all run. The reference is the fused host step on the
+  // same bf16 gradients with the same factors (it follows the plain expressions, test above).
+  const torch::Device gpu(torch::kCUDA, 0);
+  torch::manual_seed(3);
+  for (OptimizerKind kind : {OptimizerKind::AdamW, OptimizerKind::Adam}) {
+    OptimizerOptions o;
+    o.kind = kind;
+    o.lr = 1e-2;
+    o.weight_decay = 0.1;
+    const int64_t n = 4099;
+    torch::Tensor start = torch::randn({n});
+    std::vector<MasterShard> host(1), device(1);
+    host[0].master = start.clone();
+    host[0].decay_ranges = device[0].decay_ranges = {{101, 2999}};
+    torch::Tensor backing = torch::zeros({n + 1}, torch::TensorOptions().device(gpu));
+    device[0].master = backing.narrow(0, 1, n).copy_(start);
+    device[0].param_out = torch::zeros({n}, torch::TensorOptions().dtype(torch::kBFloat16).device(gpu));
+    ShardOptimizer ours_host(o, host), ours_device(o, device);
+    for (int step = 0; step < 3; ++step) {
+      const torch::Tensor g = (torch::randn({n}) * 3).to(torch::kBFloat16);
+      host[0].grad = g.clone();
+      host[0].grad_scale = 0.5;
+      host[0].clip_scale = 0.25;  // the device run divides by 4 as its clip
+      ours_host.step(1e-2);
+      device[0].grad = g.to(gpu);
+      device[0].grad_scale = 0.5;
+      device[0].clip_divisor = torch::full({}, 4.0f, torch::TensorOptions().device(gpu));
+      ours_device.step(1e-2);
+      CHECK(device[0].params_written);
+    }
+    const torch::Tensor master = device[0].master.cpu();
+    INFO(to_string(kind));
+    CHECK(torch::allclose(master, host[0].master, 1e-5, 1e-6));
+    CHECK(torch::equal(device[0].param_out.cpu(), master.to(torch::kBFloat16)));
+    for (const std::string& name : ours_host.state_names()) CHECK(torch::allclose(ours_device.state(name, 0).cpu(), ours_host.state(name, 0), 1e-5, 1e-9));
   }
 }
 

@@ -82,6 +82,31 @@ void CopyEvent::synchronize() const {
 #endif
 }
 
+CopyEvent CopyEvent::on_current_stream(torch::Device device) {
+  CopyEvent e;
+#ifdef DSRUN_WITH_CUDA
+  if (!device.is_cuda()) return e;
+  e.impl_ = std::make_shared<CopyEvent::Impl>();
+  e.impl_->device = device.index() < 0 ? c10::cuda::current_device() : device.index();
+  e.impl_->event.record(c10::cuda::getCurrentCUDAStream(e.impl_->device));
+#else
+  (void)device;
+#endif
+  return e;
+}
+
+HostReadback read_back(const torch::Tensor& t) {
+  HostReadback r;
+  if (!t.is_cuda()) {
+    r.host = t.to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true);
+    return r;
+  }
+  r.host = torch::empty(t.sizes(), t.options().device(torch::kCPU).pinned_memory(true));
+  r.host.copy_(t, /*non_blocking=*/true);
+  r.arrived = CopyEvent::on_current_stream(t.device());
+  return r;
+}
+
 CopyStream::CopyStream(torch::Device device) : impl_(std::make_unique<Impl>()) {
 #ifdef DSRUN_WITH_CUDA
   if (device.is_cuda()) {

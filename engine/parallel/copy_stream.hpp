@@ -20,6 +20,8 @@ class CopyEvent {
   void block_current() const;
   // The calling thread waits for it.
   void synchronize() const;
+  // What the calling thread's current stream on `device` has queued so far (on the CPU: complete).
+  static CopyEvent on_current_stream(torch::Device device);
 
  private:
   friend class CopyStream;
@@ -31,6 +33,14 @@ class CopyEvent {
 // allocator rounds every block up to a power of two: a 27.6 GB block of a 7B model's states takes
 // 32 GB). Without CUDA, ordinary host memory. Throws (naming the bytes) when it cannot be pinned.
 torch::Tensor pinned_host_tensor(int64_t numel, torch::ScalarType dtype);
+
+// A copy of t in host memory that arrives while the device goes on with what is queued after it
+// (pinned, non-blocking on CUDA): read it after `arrived` is complete. On the CPU, a plain copy.
+struct HostReadback {
+  torch::Tensor host;
+  CopyEvent arrived;
+};
+HostReadback read_back(const torch::Tensor& t);
 
 // A CUDA device's PCI address ("0000:1b:00.0"), for the cores near it; "" on the CPU or when unknown.
 std::string cuda_pci_bus_id(torch::Device device);

@@ -82,21 +82,16 @@ void ParallelModel::record_routing(int layer, const torch::Tensor& routed, int64
   r.dropped += dropped;
 }
 
-double ParallelModel::global_grad_norm() {
-  ZeroDataParallel::GradientSquares sq = zero_->gradient_squares();
-  if (tensor_.size() > 1) {
-    torch::Tensor split = torch::tensor({sq.split}, torch::kFloat64);
-    mesh_.along(MeshDim::Tensor).all_reduce_sum(split);
-    sq.split = split.item<double>();
-  }
-  double total = sq.split + sq.replicated;
-  if (mesh_.shape().pipeline > 1) {
-    torch::Tensor stages = torch::tensor({total}, torch::kFloat64);
-    mesh_.along(MeshDim::Pipeline).all_reduce_sum(stages);
-    total = stages.item<double>();
-  }
-  return std::sqrt(total);
+torch::Tensor ParallelModel::global_grad_norm_tensor() {
+  const torch::Tensor squares = zero_->gradient_squares_tensor();  // [split, replicated], fp64
+  torch::Tensor split = squares.narrow(0, 0, 1).clone();
+  if (tensor_.size() > 1) mesh_.along(MeshDim::Tensor).all_reduce_sum(split);
+  torch::Tensor total = split + squares.narrow(0, 1, 1);
+  if (mesh_.shape().pipeline > 1) mesh_.along(MeshDim::Pipeline).all_reduce_sum(total);
+  return total.sqrt().reshape({});
 }
+
+double ParallelModel::global_grad_norm() { return global_grad_norm_tensor().item<double>(); }
 
 bool ParallelModel::gradients_overflowed() {
   double bad = zero_->gradients_overflowed() ? 1 : 0;

@@ -58,6 +58,9 @@ class ParallelModel final : public UnitRunner {
   // dimension, replicated ones (the same on every tensor rank) counted once, and each pipeline
   // stage's added (a tied embedding counts on the first stage alone).
   double global_grad_norm();
+  // The same as a scalar fp64 tensor where the gradients are (collectives there too): on GPUs the
+  // host reads nothing.
+  torch::Tensor global_grad_norm_tensor();
   // Whether any rank of the mesh has an inf or NaN gradient (fp16 overflow).
   bool gradients_overflowed();
 

@@ -234,6 +234,8 @@ MasterShard ZeroDataParallel::create_master_shard(Unit& u, const Tensor& flat32,
   if (m.master.device().is_cpu() && (mixed || offload_to_host_)) {
     Tensor slot = options_.stage == 3 ? u.param_shard : u.full.narrow(0, l.shard_begin, l.shard);
     m.param_out = slot.device().is_cpu() && !options_.delayed_update ? slot : host.copy("upload buffers", torch::empty({l.shard}, slot.options().device(torch::kCPU)));
+  } else if (mixed && options_.step_reads_working_gradient && !m.master.device().is_cpu()) {
+    m.param_out = options_.stage == 3 ? u.param_shard : u.full.narrow(0, l.shard_begin, l.shard);  // the device step writes them
   }
   if (offload_to_host_) {
     auto staging = [&](const std::string& purpose) { return host.copy(purpose, torch::zeros({l.shard}, torch::TensorOptions().dtype(compute))); };
@@ -597,7 +599,7 @@ void ZeroDataParallel::reduce_gradients() {
       m.clip_scale = 1;
     } else if (options_.step_applies_scales && reduced.is_cuda()) {
       m.grad_sq = squared_norm(reduced, inv_world);
-      m.grad = reduced.to(m.master.device(), torch::kFloat32);
+      m.grad = options_.step_reads_working_gradient ? reduced : reduced.to(m.master.device(), torch::kFloat32);
       m.grad_scale = inv_world;
       m.clip_scale = 1;
     } else {
@@ -608,9 +610,9 @@ void ZeroDataParallel::reduce_gradients() {
   last_micro_batch_ = true;
 }
 
-ZeroDataParallel::GradientSquares ZeroDataParallel::gradient_squares() {
-  // Summed in fp64, shard by shard, where the squares are (one transfer at the end). Only units
-  // laid out with separate_replicated_norm have replicated ranges; otherwise that part is 0.
+torch::Tensor ZeroDataParallel::gradient_squares_tensor() {
+  // Summed in fp64, shard by shard, where the squares are. Only units laid out with
+  // separate_replicated_norm have replicated ranges; otherwise that part is 0.
   Tensor total, replicated, experts;
   auto add = [](Tensor& sum, const Tensor& term) {
     if (!sum.defined()) sum = torch::zeros({}, term.options());
@@ -625,21 +627,34 @@ ZeroDataParallel::GradientSquares ZeroDataParallel::gradient_squares() {
     Tensor g = s.scaled_grad();
     for (const auto& [begin, end] : units_[k]->replicated_ranges) add(replicated, g.narrow(0, begin, end - begin).pow(2).sum().to(torch::kFloat64));
   }
-  auto value = [](const Tensor& t) { return t.defined() ? t.item<double>() : 0.0; };
-  const double all = value(total), rep = value(replicated);
+  const Tensor& any = total.defined() ? total : replicated.defined() ? replicated : experts;
+  const auto options = any.defined() ? any.options() : torch::TensorOptions().dtype(torch::kFloat64);
+  for (Tensor* t : {&total, &replicated, &experts})
+    if (!t->defined()) *t = torch::zeros({}, options);
   // Shards are disjoint over the data ranks (stage 1-3), and so are the expert shards; at stage 0
   // every rank holds whole gradients, the same as the ranks keeping the same experts.
-  Tensor sums = torch::tensor({all - rep, rep, value(experts)}, torch::kFloat64);
+  Tensor sums = torch::stack({total - replicated, replicated, experts});
   if (options_.stage == 0) sums.narrow(0, 0, 2).zero_();
-  if (options_.stage == 0 && options_.expert_replicas) sums[2] = sums[2].item<double>() / options_.expert_replicas->world_size();
+  if (options_.stage == 0 && options_.expert_replicas) sums.narrow(0, 2, 1).div_(options_.expert_replicas->world_size());
   if (options_.stage >= 1 || options_.expert_replicas) comm_.all_reduce_sum(sums);
-  if (options_.stage == 0) return GradientSquares{all - rep + sums[2].item<double>(), rep};
-  return GradientSquares{sums[0].item<double>() + sums[2].item<double>(), sums[1].item<double>()};
+  if (options_.stage == 0) return torch::stack({total - replicated + sums[2], replicated});
+  return torch::stack({sums[0] + sums[2], sums[1]});
+}
+
+ZeroDataParallel::GradientSquares ZeroDataParallel::gradient_squares() {
+  const Tensor sums = gradient_squares_tensor().to(torch::kCPU);
+  return GradientSquares{sums[0].item<double>(), sums[1].item<double>()};
 }
 
 double ZeroDataParallel::global_grad_norm() {
   const GradientSquares sq = gradient_squares();
   return std::sqrt(sq.split + sq.replicated);
+}
+
+void ZeroDataParallel::clip_on_device(const torch::Tensor& norm, double max_norm) {
+  torch::NoGradGuard no_grad;
+  const Tensor divisor = torch::where(norm > max_norm, (norm + 1e-6) / max_norm, torch::ones_like(norm)).to(torch::kFloat32);
+  for (auto& s : shards_) s.clip_divisor = divisor.to(s.master.device());
 }
 
 void ZeroDataParallel::scale_gradients(double factor) {
@@ -670,6 +685,7 @@ void ZeroDataParallel::after_step() {
   for (auto& m : shards_) {
     m.grad = Tensor();
     m.grad_scale = m.clip_scale = 1;
+    m.clip_divisor = Tensor();
     m.grad_sq = Tensor();
     if (offload_to_host_) m.params_written = false;
   }

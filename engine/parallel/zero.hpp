@@ -46,6 +46,10 @@ struct ZeroOptions {
   // gradient (the fused Adam kernel's grad_scale), so neither costs a pass over the fp32 gradient,
   // and the norm is taken from the reduced gradient in the working dtype.
   bool step_applies_scales = false;
+  // Masters on a GPU whose step is dsrun's own kernel (engine/train/adam_kernel.h): the gradient
+  // stays in the working dtype (no fp32 copy of it) and the step writes the working parameters as
+  // it updates the master (MasterShard::param_out is their slice), so publish_master copies nothing.
+  bool step_reads_working_gradient = false;
 };
 
 // The torch dtype of a recipe dtype.
@@ -64,10 +68,13 @@ struct MasterShard {
   // factors as it reads it: no fp32 copy of the gradient is ever made.
   torch::Tensor grad;
   double grad_scale = 1, clip_scale = 1;
+  // Undefined, or a scalar fp32 tensor on the master's device that the step divides the gradient
+  // by as well: clipping decided on the device (ZeroDataParallel::clip_on_device), no host read.
+  torch::Tensor clip_divisor;
   torch::Tensor grad_sq;  // host masters and step_applies_scales: Σ (g · grad_scale)² as an fp64 scalar, taken where the gradient was reduced (undefined: not taken)
   // Host masters: where the host step writes the working parameters (the rank's slice): the slice
   // itself when it is in host memory, else a pinned upload buffer that publish_master copies to
-  // the device. Undefined for device masters.
+  // the device. Device masters: their slice with ZeroOptions::step_reads_working_gradient, else undefined.
   torch::Tensor param_out;
   bool params_written = false;
   // Offload: the gradient shard comes down into this host buffer (pinned on GPU ranks), so that
@@ -110,6 +117,13 @@ class ZeroDataParallel final : public UnitRunner {
     double split = 0, replicated = 0;
   };
   GradientSquares gradient_squares();
+  // The same sums as a [split, replicated] fp64 tensor where the gradients are, the collectives run
+  // there too: on GPUs the host reads nothing.
+  torch::Tensor gradient_squares_tensor();
+  // Global-norm clipping decided on the device: every shard's step divides its gradient by
+  // max(1, (norm + 1e-6) / max_norm) where norm > max_norm (the factor scale_gradients would apply
+  // after a host read), norm a scalar tensor on the masters' device.
+  void clip_on_device(const torch::Tensor& norm, double max_norm);
   void scale_gradients(double factor);
   // True if any gradient element on any rank is inf or NaN (fp16 overflow).
   bool gradients_overflowed();

@@ -980,9 +980,9 @@ class Planner {
     // Offloaded, the step runs on the host, whose memory bandwidth the node's ranks share.
     const bool host_step = p.layout.offload != Offload::None && r_.hardware.device == Device::Cuda;
     // On a GPU the gradient also passes through memory outside the step: autograd accumulates it
-    // (3e), and with mixed precision it becomes fp32 (e + 4, then 4 read by the step rather than e)
-    // and the step's fp32 weights become the working copy (4 + e, besides the e written).
-    if (r_.hardware.device == Device::Cuda && !host_step) touched += 3 * e + (mixed ? (e + 4) + (4 - e) + 4 : 0);
+    // (3e). dsrun's Adam kernel (engine/train/adam_kernel.h) reads it in the working dtype and writes
+    // the working copy in the same pass: no fp32 copy of the gradient, no separate publication.
+    if (r_.hardware.device == Device::Cuda && !host_step) touched += 3 * e;
     // Offloaded, the fused host step's own measured throughput (hardware.host_optimizer_gbs, `dsrun
     // probe`) where given: it runs below the memory's bandwidth where the cores, not the memory, bind.
     const double host_bandwidth = r_.hardware.host_optimizer_bandwidth > 0 ? r_.hardware.host_optimizer_bandwidth : r_.hardware.host_memory_bandwidth;

@@ -3,6 +3,13 @@
 #include "engine/common/error.hpp"
 #include "engine/common/torch_compat.hpp"
 
+#ifdef DSRUN_WITH_FUSED_KERNELS
+#include "engine/model/fused_kernels.h"
+#include "engine/train/adam_kernel.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#endif
+
 #include <cmath>
 #include <map>
 
@@ -24,8 +31,11 @@ ShardOptimizer::ShardOptimizer(const OptimizerOptions& options, std::vector<Mast
   // States live beside their master weights (in pinned host memory when offloaded), each state in
   // one block sliced per shard (the pinned allocator would round per-shard blocks up to powers of two).
   const bool sgd = o_.kind == OptimizerKind::Sgd;
+  // Each shard's slot starts on a 16-byte boundary, as its master does (its own allocation): the
+  // device kernel reads four elements at a time where master and states are aligned alike.
+  auto aligned = [](int64_t n) { return (n + 3) / 4 * 4; };
   int64_t total = 0;
-  for (auto& s : shards_) total += s.master.numel();
+  for (auto& s : shards_) total += aligned(s.master.numel());
   auto block = [&] {
     if (shards_.empty()) return torch::Tensor();
     const auto& first = shards_[0].master;
@@ -45,8 +55,46 @@ ShardOptimizer::ShardOptimizer(const OptimizerOptions& options, std::vector<Mast
     const int64_t n = s.master.numel();
     m_.push_back(m_block.defined() ? m_block.narrow(0, at, n) : torch::Tensor());
     v_.push_back(v_block.defined() ? v_block.narrow(0, at, n) : torch::Tensor());
-    at += n;
+    at += aligned(n);
   }
+}
+
+void ShardOptimizer::device_adam_step(double lr) {
+#ifdef DSRUN_WITH_FUSED_KERNELS
+  const double t = static_cast<double>(t_);
+  const float bias1 = static_cast<float>(1 - std::pow(o_.beta1, t)), bias2_sqrt = static_cast<float>(std::sqrt(1 - std::pow(o_.beta2, t)));
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
+  auto dtype = [](const torch::Tensor& x) { return x.scalar_type() == torch::kBFloat16 ? DSRUN_BF16 : x.scalar_type() == torch::kFloat16 ? DSRUN_F16 : DSRUN_F32; };
+  for (size_t k = 0; k < shards_.size(); ++k) {
+    MasterShard& s = shards_[k];
+    DSRUN_ASSERT(s.master.is_contiguous() && s.grad.is_contiguous() && s.grad.numel() == s.master.numel(), "device step: contiguous gradient and master");
+    const torch::Tensor& out = s.param_out;
+    const float factor = static_cast<float>(s.grad_scale * s.clip_scale);
+    const float* divisor = s.clip_divisor.defined() ? s.clip_divisor.data_ptr<float>() : nullptr;
+    auto range = [&](int64_t begin, int64_t end, bool decay) {
+      if (end <= begin) return;
+      const int64_t gsize = s.grad.element_size();
+      dsrun_adam_step(s.master.data_ptr<float>() + begin, m_[k].data_ptr<float>() + begin, v_[k].data_ptr<float>() + begin,
+                      static_cast<const char*>(s.grad.data_ptr()) + begin * gsize, dtype(s.grad),
+                      out.defined() ? static_cast<char*>(out.data_ptr()) + begin * out.element_size() : nullptr,
+                      out.defined() ? dtype(out) : DSRUN_F32, end - begin, factor, divisor, static_cast<float>(lr),
+                      static_cast<float>(o_.beta1), static_cast<float>(o_.beta2), static_cast<float>(o_.eps),
+                      decay ? static_cast<float>(o_.weight_decay) : 0.0f, o_.kind == OptimizerKind::AdamW ? 1 : 0, bias1, bias2_sqrt, stream);
+      if (const char* e = dsrun_adam_last_error()) fail_at(__FILE__, __LINE__, std::string("the Adam kernel's launch failed: ") + e);
+    };
+    int64_t at = 0;
+    for (auto [begin, end] : s.decay_ranges) {  // ascending and disjoint (flat_layout.cpp)
+      range(at, begin, false);
+      range(begin, end, true);
+      at = end;
+    }
+    range(at, s.master.numel(), false);
+    s.params_written = out.defined();
+  }
+#else
+  (void)lr;
+  fail_at(__FILE__, __LINE__, "this build has no device Adam kernel (kHasDeviceAdamKernel)");
+#endif
 }
 
 // Adam/AdamW through libtorch's fused multi-tensor kernel, where it has one: the shards cut into
@@ -61,6 +109,7 @@ void ShardOptimizer::fused_adam_step(double lr) {
   std::map<double, Lists> by_factor;
   for (size_t k = 0; k < shards_.size(); ++k) {
     MasterShard& s = shards_[k];
+    DSRUN_ASSERT(!s.clip_divisor.defined(), "libtorch's fused Adam applies no clipping decided on the device");
     Lists& l = by_factor[s.grad_scale * s.clip_scale];
     auto add = [&](int group, int64_t begin, int64_t end) {
       if (end <= begin) return;
@@ -169,6 +218,10 @@ void ShardOptimizer::step(double lr) {
   ++t_;
   if (!shards_.empty() && shards_[0].master.device().is_cpu()) {
     host_step(lr);
+    return;
+  }
+  if (o_.kind != OptimizerKind::Sgd && kHasDeviceAdamKernel && !shards_.empty() && shards_[0].master.is_cuda()) {
+    device_adam_step(lr);
     return;
   }
   if (o_.kind != OptimizerKind::Sgd && compat::kHasFusedAdam) {

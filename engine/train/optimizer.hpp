@@ -14,6 +14,13 @@
 
 namespace dsrun {
 
+// Whether this build has dsrun's own Adam kernel for masters on a GPU (adam_kernel.h): CUDA builds.
+#ifdef DSRUN_WITH_FUSED_KERNELS
+constexpr bool kHasDeviceAdamKernel = true;
+#else
+constexpr bool kHasDeviceAdamKernel = false;
+#endif
+
 class ShardOptimizer {
  public:
   // host_threads: threads of the fused host step (1 on CPU ranks, whose cores compute); host_cpus:
@@ -36,7 +43,11 @@ class ShardOptimizer {
  private:
   OptimizerOptions o_;
   std::vector<MasterShard>& shards_;
-  void fused_adam_step(double lr);  // libtorch's fused kernel (2.x); step() falls back to the plain expressions
+  // Masters on a GPU, Adam or AdamW: dsrun's kernel (adam_kernel.h) where the build has it, which
+  // reads the gradient in its dtype and writes param_out, else libtorch's fused kernel (2.x) on fp32
+  // gradients; step() falls back to the plain expressions.
+  void device_adam_step(double lr);
+  void fused_adam_step(double lr);
   // Shards in host memory: host_optimizer_step over chunks of at most 64K elements, split where
   // weight decay starts or ends; chunks[k] are shard k's.
   std::vector<std::vector<HostChunk>> host_chunks() const;

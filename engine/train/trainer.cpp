@@ -262,7 +262,10 @@ class Trainer {
     zo.delayed_update = plan_.layout.delayed_update;
     zo.bucket_bytes = r_.parallel.bucket_bytes;
     zo.device = device_;
-    zo.step_applies_scales = device_.is_cuda() && compat::kHasFusedAdam && r_.optimizer.kind != OptimizerKind::Sgd;
+    zo.step_applies_scales = device_.is_cuda() && (compat::kHasFusedAdam || kHasDeviceAdamKernel) && r_.optimizer.kind != OptimizerKind::Sgd;
+    // dsrun's Adam kernel on the GPU reads bf16/fp16 gradients and writes the working parameters.
+    update_on_device_ = zo.step_applies_scales && kHasDeviceAdamKernel && !zo.offload;
+    zo.step_reads_working_gradient = update_on_device_;
     parallel_ = parallelize(*model_, *mesh_, po);
     zero_ = &parallel_->zero();
   }
@@ -389,14 +392,16 @@ class Trainer {
 
   // MoE routing this step, for the metrics' all-reduce: per MoE layer (in model order) the pairs
   // routed to each expert and the pairs dropped, this rank's layers filled, the others 0.
-  torch::Tensor routing_rows() {
+  // Built on `where` (the device: no host read here).
+  torch::Tensor routing_rows(torch::Device where) {
     const MoeSpec& moe = r_.model.moe;
-    if (!moe.enabled()) return torch::zeros({0}, torch::kFloat64);
+    const auto f64 = torch::TensorOptions().dtype(torch::kFloat64).device(where);
+    if (!moe.enabled()) return torch::zeros({0}, f64);
     const int first = moe.first_dense_layers, layers = r_.model.layers - first;
-    torch::Tensor rows = torch::zeros({layers, moe.routed_experts + 1}, torch::kFloat64);
+    torch::Tensor rows = torch::zeros({layers, moe.routed_experts + 1}, f64);
     for (const auto& [layer, routing] : parallel_->take_routing()) {
-      rows[layer - first].narrow(0, 0, moe.routed_experts).copy_(routing.routed.to(torch::kCPU, torch::kFloat64));
-      rows[layer - first][moe.routed_experts] = static_cast<double>(routing.dropped);
+      rows[layer - first].narrow(0, 0, moe.routed_experts).copy_(routing.routed.to(where, torch::kFloat64));
+      if (routing.dropped != 0) rows[layer - first][moe.routed_experts].fill_(static_cast<double>(routing.dropped));
     }
     return rows.flatten();
   }
@@ -550,6 +555,7 @@ class Trainer {
     const int64_t micro = plan_.layout.micro, accumulation = plan_.accumulation;
     const int64_t per_rank = micro * accumulation;
     double loss_sum = 0, aux_sum = 0;
+    torch::Tensor loss_values, aux_loss_values;  // without a pipeline: per micro-batch, read with the norm
     int64_t items = 0, correct = 0;
     const double loss_scale = scaler_ ? scaler_->scale() : 1.0;
     model_->module().train();
@@ -574,30 +580,47 @@ class Trainer {
         MicroBatchLoss out = micro_batch_loss(model_->forward(batch, *parallel_), batch, parallel_->tensor(), /*read_now=*/false);
         (out.loss * (loss_scale / static_cast<double>(accumulation))).backward();
         zero_->after_backward();
-        task_values.push_back(out.task_value);
-        if (out.aux_value.defined()) aux_values.push_back(out.aux_value);
+        task_values.push_back(out.task_value.reshape({1}));
+        if (out.aux_value.defined()) aux_values.push_back(out.aux_value.reshape({1}));
         items += batch.items;
         if (out.correct >= 0) correct += out.correct;
       }
-      // Summed in double in micro-batch order, as each value read on its own would be.
-      auto sum_of = [](const std::vector<torch::Tensor>& values) {
-        double sum = 0;
-        if (values.empty()) return sum;
-        const torch::Tensor host = torch::stack(values).to(torch::kCPU, torch::kFloat64);
-        for (int64_t i = 0; i < host.numel(); ++i) sum += host[i].item<double>();
-        return sum;
-      };
-      loss_sum = sum_of(task_values);
-      aux_sum = sum_of(aux_values);
+      loss_values = torch::cat(task_values).to(torch::kFloat64);
+      if (!aux_values.empty()) aux_loss_values = torch::cat(aux_values).to(torch::kFloat64);
     }
     zero_->reduce_gradients();
+
+    // Without hooks or loss scaling nothing on the host decides the update: on a GPU with dsrun's
+    // Adam kernel the clip is decided on the device and the update queued at once, and the step's
+    // numbers (losses, norm, routing) are read while it runs, so the GPU does not wait for the host
+    // between backward and the update. Otherwise they are read first, and the update decided here.
+    const bool update_first = update_on_device_ && !hooks_active_ && !scaler_;
     bool overflow = false;
     if (scaler_) {
       overflow = scaler_->update(parallel_->gradients_overflowed());
       if (!overflow) zero_->scale_gradients(1.0 / loss_scale);
     }
-    const double grad_norm = overflow ? 0.0 : parallel_->global_grad_norm();
+    torch::Tensor norm = overflow ? torch::zeros({}, torch::kFloat64) : parallel_->global_grad_norm_tensor();
+    if (update_first && r_.optimizer.grad_clip > 0) zero_->clip_on_device(norm, r_.optimizer.grad_clip);
+    // Norm, losses (micro-batch order), auxiliary losses, routing rows: one transfer.
+    const int64_t loss_count = loss_values.defined() ? loss_values.numel() : 0, aux_count = aux_loss_values.defined() ? aux_loss_values.numel() : 0;
+    std::vector<torch::Tensor> parts{norm.reshape({1}).to(torch::kFloat64)};
+    if (loss_count > 0) parts.push_back(loss_values.to(norm.device()));
+    if (aux_count > 0) parts.push_back(aux_loss_values.to(norm.device()));
+    parts.push_back(routing_rows(norm.device()));
+    HostReadback values = read_back(torch::cat(parts));
+    if (update_first) {
+      optimizer_->step(lr);
+      zero_->after_step();
+    }
+    values.arrived.synchronize();
     const double backward_end_seconds = seconds_since(t0);  // the norm waited for the device
+    const double* v = values.host.data_ptr<double>();
+    const double grad_norm = v[0];
+    // Summed in double in micro-batch order, as each value read on its own would be.
+    for (int64_t i = 0; i < loss_count; ++i) loss_sum += v[1 + i];
+    for (int64_t i = 0; i < aux_count; ++i) aux_sum += v[1 + loss_count + i];
+    const torch::Tensor routing = values.host.narrow(0, 1 + loss_count + aux_count, values.host.numel() - 1 - loss_count - aux_count);
 
     // Metrics averaged over the ranks that compute a loss (every rank has the same number of
     // samples; tensor ranks of one data index agree on theirs; only the last pipeline stage has
@@ -605,7 +628,7 @@ class Trainer {
     torch::Tensor totals = torch::tensor({loss_sum / accumulation, aux_sum / accumulation, static_cast<double>(correct),
                                           stop_requested ? 1.0 : 0.0, save_requested ? 1.0 : 0.0}, torch::kFloat64);
     save_requested = 0;
-    totals = torch::cat({totals, routing_rows()});
+    totals = torch::cat({totals, routing});
     mesh_->world().all_reduce_sum(totals);
     const double loss = totals[0].item<double>() / loss_ranks();
     last_loss_ = loss;
@@ -641,14 +664,14 @@ class Trainer {
       merge(outcome, broadcast_decision(actions, !ok, lr, hook_skip, lr));
     }
     const bool skipped = overflow || hook_skip;
-    if (!skipped && !outcome.hook_failed) {
+    if (!update_first && !skipped && !outcome.hook_failed) {
       if (r_.optimizer.grad_clip > 0 && grad_norm > r_.optimizer.grad_clip) zero_->scale_gradients(r_.optimizer.grad_clip / (grad_norm + 1e-6));
       if (zero_->host_update_pipelined()) zero_->start_host_update(optimizer_->host_update(lr));
       else optimizer_->step(lr);
     }
     if (!skipped && !outcome.hook_failed) balance_experts(totals.narrow(0, 5, totals.numel() - 5));
     if (hook_skip) ++hook_skipped_steps_;
-    zero_->after_step();
+    if (!update_first) zero_->after_step();
 
     const ZeroDataParallel::OffloadTimes offload_times = zero_->take_offload_times();
     if (ctx_.rank != 0) return outcome;
@@ -756,6 +779,7 @@ class Trainer {
   ZeroDataParallel* zero_ = nullptr;  // parallel_'s
   std::unique_ptr<ShardOptimizer> optimizer_;
   std::unique_ptr<DynamicLossScaler> scaler_;
+  bool update_on_device_ = false;  // masters on the GPU with dsrun's Adam kernel (ZeroOptions::step_reads_working_gradient)
   std::unique_ptr<Dataset> data_;
   std::vector<DataFileIdentity> data_files_;  // identified when opened: what checkpoints record
   int64_t last_saved_step_ = -1;

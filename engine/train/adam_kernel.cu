@@ -1,0 +1,144 @@
+// The kernel behind adam_kernel.h: one pass over the master weights, both states, the gradient and
+// the working parameters (28 bytes per bf16 parameter, against 40 for a gradient conversion to fp32,
+// PyTorch's fused Adam and a copy back to bf16 one after another). Compiled only for CUDA builds.
+#include "engine/train/adam_kernel.h"
+
+#include "engine/model/fused_kernels.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace {
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
+template <typename T> __device__ __forceinline__ T from_f32(float v);
+template <> __device__ __forceinline__ float from_f32<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
+template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half(v); }
+
+// Four consecutive elements from or to an address aligned to four of them: one 16-byte (fp32) or
+// 8-byte (bf16, fp16) access.
+template <typename T> struct alignas(4 * sizeof(T)) Four { T v[4]; };
+template <typename T>
+__device__ __forceinline__ void load4(const T* p, float (&f)[4]) {
+  const Four<T> x = *reinterpret_cast<const Four<T>*>(p);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) f[j] = to_f32(x.v[j]);
+}
+template <typename T>
+__device__ __forceinline__ void store4(T* p, const float (&f)[4]) {
+  Four<T> x;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) x.v[j] = from_f32<T>(f[j]);
+  *reinterpret_cast<Four<T>*>(p) = x;
+}
+
+struct AdamScalars {
+  float grad_factor, lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt;
+  int decoupled;
+};
+
+// One element's update; g already in fp32, averaged and clipped.
+__device__ __forceinline__ void adam_update(float& w, float& m, float& v, float g, const AdamScalars& s) {
+  if (s.decoupled) w -= s.lr * s.weight_decay * w;
+  else g += s.weight_decay * w;
+  m = s.beta1 * m + (1 - s.beta1) * g;
+  v = s.beta2 * v + (1 - s.beta2) * g * g;
+  w -= s.step_size * m / (sqrtf(v) / s.bias_correction2_sqrt + s.eps);
+}
+
+// The range from `head` on, four consecutive elements per thread and iteration: one access per
+// array where every pointer is then aligned to four elements (VEC), otherwise four single ones; the
+// grid walks the range. The first `head` elements (fewer than four: up to the master's 16-byte
+// boundary) go one each to the first block's first threads.
+template <typename G, typename P, bool VEC>
+__global__ void adam_kernel(float* __restrict__ master, float* __restrict__ exp_avg, float* __restrict__ exp_avg_sq,
+                            const G* __restrict__ grad, P* __restrict__ out, int64_t n, int64_t head,
+                            const float* __restrict__ divisor, AdamScalars s) {
+  const float factor = divisor ? s.grad_factor / *divisor : s.grad_factor;
+  auto one = [&](int64_t i) {
+    float w = master[i], m = exp_avg[i], v = exp_avg_sq[i];
+    adam_update(w, m, v, to_f32(grad[i]) * factor, s);
+    master[i] = w;
+    exp_avg[i] = m;
+    exp_avg_sq[i] = v;
+    if (out) out[i] = from_f32<P>(w);
+  };
+  if (blockIdx.x == 0 && threadIdx.x < head) one(threadIdx.x);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x * 4;
+  for (int64_t base = head + (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 4; base < n; base += stride) {
+    if (VEC && base + 4 <= n) {
+      float w[4], m[4], v[4], g[4];
+      load4(master + base, w);
+      load4(exp_avg + base, m);
+      load4(exp_avg_sq + base, v);
+      load4(grad + base, g);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) adam_update(w[j], m[j], v[j], g[j] * factor, s);
+      store4(master + base, w);
+      store4(exp_avg + base, m);
+      store4(exp_avg_sq + base, v);
+      if (out) store4(out + base, w);
+    } else {
+      for (int64_t i = base; i < base + 4 && i < n; ++i) one(i);
+    }
+  }
+}
+
+template <typename Fn>
+void dispatch(int dtype, Fn&& fn) {
+  if (dtype == DSRUN_BF16) fn(static_cast<__nv_bfloat16*>(nullptr));
+  else if (dtype == DSRUN_F16) fn(static_cast<__half*>(nullptr));
+  else fn(static_cast<float*>(nullptr));
+}
+
+// Whether p + head (elements of `bytes` each) may be read four elements at a time (null: nothing to read).
+bool aligned4(const void* p, int64_t head, size_t bytes) {
+  return (reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(head) * bytes) % (4 * bytes) == 0;
+}
+
+thread_local const char* last_error = nullptr;
+
+}  // namespace
+
+extern "C" {
+
+void dsrun_adam_step(float* master, float* exp_avg, float* exp_avg_sq, const void* grad, int grad_dtype, void* param_out,
+                     int param_dtype, int64_t n, float grad_factor, const float* grad_divisor, float lr, float beta1, float beta2,
+                     float eps, float weight_decay, int decoupled, float bias_correction1, float bias_correction2_sqrt,
+                     cudaStream_t stream) {
+  last_error = nullptr;
+  if (n <= 0) return;
+  const AdamScalars s{grad_factor, lr, beta1, beta2, eps, weight_decay, lr / bias_correction1, bias_correction2_sqrt, decoupled};
+  // Enough blocks of 256 threads to fill an H100 several times over (132 SMs, 8 blocks each), each
+  // thread four elements per iteration; small ranges get what they need.
+  constexpr int kThreads = 256;
+  const int64_t wanted = (n + kThreads * 4 - 1) / (kThreads * 4);
+  const int blocks = static_cast<int>(wanted < 132 * 8 ? wanted : 132 * 8);
+  dispatch(grad_dtype, [&](auto* grad_tag) {
+    using G = std::remove_pointer_t<decltype(grad_tag)>;
+    dispatch(param_dtype, [&](auto* param_tag) {
+      using P = std::remove_pointer_t<decltype(param_tag)>;
+      // Up to the master's 16-byte boundary one at a time; from there four at a time where the
+      // others are aligned there too (the optimizer aligns its states to the masters' ranges).
+      const int64_t to_boundary = static_cast<int64_t>((16 - reinterpret_cast<uintptr_t>(master) % 16) % 16 / 4);
+      const int64_t head = to_boundary < n ? to_boundary : n;
+      const bool vec = aligned4(exp_avg, head, 4) && aligned4(exp_avg_sq, head, 4) && aligned4(grad, head, sizeof(G)) &&
+                       (param_out == nullptr || aligned4(param_out, head, sizeof(P)));
+      const G* g = static_cast<const G*>(grad);
+      P* out = static_cast<P*>(param_out);
+      if (vec) adam_kernel<G, P, true><<<blocks, kThreads, 0, stream>>>(master, exp_avg, exp_avg_sq, g, out, n, head, grad_divisor, s);
+      else adam_kernel<G, P, false><<<blocks, kThreads, 0, stream>>>(master, exp_avg, exp_avg_sq, g, out, n, head, grad_divisor, s);
+    });
+  });
+  const cudaError_t e = cudaGetLastError();
+  last_error = e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+}
+
+const char* dsrun_adam_last_error(void) { return last_error; }
+}
