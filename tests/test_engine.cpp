@@ -569,6 +569,39 @@ TEST_CASE("CUDA: the offload pipeline (gradients down in backward, host update b
   }
 }
 
+TEST_CASE("gradients left to autograd (one rank, ZeRO-0) train as the flat gradient buffer does, and are dropped after the step", "[engine][optimizer]") {
+  // The trainer sets it with dsrun's Adam kernel on one GPU; the mode itself (gradients read where
+  // autograd put them, dropped rather than zeroed) runs on the CPU as well.
+  ModelSpec m = tiny_decoder();
+  auto train = [&](bool left) {
+    auto model = build_model(m, 16, {10});
+    auto comm = single_process_communicator();
+    ZeroOptions zo;
+    zo.gradients_left_to_autograd = left;
+    ZeroDataParallel zero(*model, *comm, zo);
+    OptimizerOptions oo;
+    oo.lr = 1e-2;
+    oo.weight_decay = 0.1;
+    ShardOptimizer opt(oo, zero.shards());
+    std::vector<double> seen;
+    for (int step = 0; step < 3; ++step) {
+      seen.push_back(reduced_micro_batch(*model, zero, token_batch(2, 16, m.vocab, 30 + step)));
+      seen.push_back(zero.global_grad_norm());
+      if (left) CHECK(!zero.shards()[0].grad_pieces.empty());
+      zero.scale_gradients(0.5);  // as a clip would
+      opt.step(1e-2);
+      zero.after_step();
+      for (size_t k = 0; k < zero.unit_count(); ++k)
+        for (const auto& p : zero.unit_params(k)) CHECK(p.grad().defined() != left);  // dropped, or a zeroed view of the bucket
+    }
+    return std::make_pair(seen, zero.parameter_and_gradient_bytes());
+  };
+  const auto bucketed = train(false), left = train(true);
+  REQUIRE(bucketed.first.size() == left.first.size());
+  for (size_t i = 0; i < left.first.size(); ++i) CHECK(left.first[i] == Approx(bucketed.first[i]).epsilon(1e-6));
+  CHECK(left.second == bucketed.second);  // the memory tally counts the gradients autograd holds
+}
+
 TEST_CASE("CUDA: dsrun's Adam kernel (bf16 gradients, a clip decided on the device, parameters written) follows the host step", "[engine][cuda][optimizer]") {
   if (!torch::cuda::is_available() || !kHasDeviceAdamKernel) {
     WARN("SKIPPED: no CUDA device visible, or a build without the kernel (this test runs on GPU machines: scripts/gpu_build.sh)");
@@ -609,7 +642,7 @@ TEST_CASE("CUDA: dsrun's Adam kernel (bf16 gradients, a clip decided on the devi
     INFO(to_string(kind));
     CHECK(torch::allclose(master, host[0].master, 1e-5, 1e-6));
     CHECK(torch::equal(device[0].param_out.cpu(), master.to(torch::kBFloat16)));
-    for (const std::string& name : ours_host.state_names()) CHECK(torch::allclose(ours_device.state(name, 0).cpu(), ours_host.state(name, 0), 1e-5, 1e-9));
+    for (const std::string& name : ours_host.state_names()) CHECK(torch::allclose(ours_device.state(name, 0).cpu(), ours_host.state(name, 0), 1e-5, 1e-7));  // (nvcc contracts m and v into fused multiply-adds)
   }
 }
 

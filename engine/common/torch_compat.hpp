@@ -143,6 +143,18 @@ inline bool fused_adam_step(const std::vector<torch::Tensor>& params, const std:
 #endif
 }
 
+// Σ over the tensors of Σ x², as an fp64 scalar where they are, each tensor's norm read in fp32:
+// one multi-tensor kernel (at::_foreach_norm) from PyTorch 2.4, a norm per tensor before.
+inline torch::Tensor sum_of_squares(const std::vector<torch::Tensor>& tensors) {
+#if DSRUN_TORCH_AT_LEAST(2, 4)
+  const std::vector<torch::Tensor> norms = at::_foreach_norm(tensors, 2, torch::kFloat32);
+#else
+  std::vector<torch::Tensor> norms;
+  for (const auto& t : tensors) norms.push_back(at::linalg_vector_norm(t, 2, c10::nullopt, false, torch::kFloat32));
+#endif
+  return torch::stack(norms).to(torch::kFloat64).pow(2).sum();
+}
+
 // Grouped matrix products over rows grouped by expert; `offs` holds the groups' cumulative row
 // ends ([G] int32 on a's device, the last equal to the rows). Two forms, as at::_grouped_mm has:
 //   a [M, K], b [G, K, N] -> [M, N]: rows offs[g-1]..offs[g] of a times b[g];

@@ -1,6 +1,7 @@
 #include "engine/parallel/zero.hpp"
 
 #include "engine/common/error.hpp"
+#include "engine/common/torch_compat.hpp"
 #include "engine/parallel/recompute.hpp"
 
 #include <torch/csrc/autograd/function_hook.h>
@@ -249,7 +250,8 @@ MasterShard ZeroDataParallel::create_master_shard(Unit& u, const Tensor& flat32,
 void ZeroDataParallel::bind_parameters(Unit& u) {
   const FlatUnitLayout& l = u.layout;
   const auto compute = torch_dtype(options_.dtype);
-  u.grad_acc = torch::zeros({options_.stage <= 1 ? l.padded : l.shard}, torch::TensorOptions().dtype(compute).device(device_));
+  if (!options_.gradients_left_to_autograd)
+    u.grad_acc = torch::zeros({options_.stage <= 1 ? l.padded : l.shard}, torch::TensorOptions().dtype(compute).device(device_));
   if (options_.stage <= 2) {
     u.gathered = true;
     for (size_t i = 0; i < u.params.size(); ++i) u.params[i].set_data(u.full.narrow(0, l.offsets[i], l.numels[i]).view(l.shapes[i]));
@@ -260,7 +262,7 @@ void ZeroDataParallel::bind_parameters(Unit& u) {
   }
   // Stage 0-1: autograd accumulates straight into grad_acc (gradients as views of it, as DDP's
   // gradient_as_bucket_view), so nothing is copied between micro-batches.
-  if (options_.stage <= 1)
+  if (options_.stage <= 1 && !options_.gradients_left_to_autograd)
     for (size_t i = 0; i < u.params.size(); ++i) u.params[i].mutable_grad() = u.grad_acc.narrow(0, l.offsets[i], l.numels[i]).view(l.shapes[i]);
 }
 
@@ -391,7 +393,7 @@ void ZeroDataParallel::on_gradient_ready(size_t index) {
 // Runs on autograd's thread (from the hooks) or the trainer's (after_backward), always in the
 // same order on every rank: the backward graph is the same on all of them.
 void ZeroDataParallel::start_reduction(Unit& u, bool during_backward) {
-  if (u.reduction_started) return;
+  if (u.reduction_started || options_.gradients_left_to_autograd) return;  // (one rank: nothing to reduce)
   u.reduction_started = true;
   torch::NoGradGuard no_grad;
   if (options_.stage <= 1 && !last_micro_batch_) return;  // keep accumulating in grad_acc; reduced once per step
@@ -585,6 +587,10 @@ void ZeroDataParallel::reduce_gradients() {
   for (size_t k = 0; k < units_.size(); ++k) {
     Unit& u = *units_[k];
     MasterShard& m = shards_[k];
+    if (options_.gradients_left_to_autograd) {
+      take_autograd_gradients(u, m);
+      continue;
+    }
     Tensor reduced = options_.stage == 1 ? u.reduced : u.grad_acc;
     if (m.master.device().is_cpu()) {  // the fused host step reads it as it is
       if (u.gradient_down) {  // came down during backward (send_gradient_down)
@@ -641,6 +647,22 @@ torch::Tensor ZeroDataParallel::gradient_squares_tensor() {
   return torch::stack({sums[0] + sums[2], sums[1]});
 }
 
+void ZeroDataParallel::take_autograd_gradients(Unit& u, MasterShard& m) {
+  m.grad = Tensor();
+  m.grad_pieces.clear();
+  std::vector<Tensor> pieces;
+  for (size_t i = 0; i < u.params.size(); ++i) {
+    Tensor g = u.params[i].grad();
+    // A parameter this step did not reach gets a zero gradient, as the flat buffer would hold.
+    g = g.defined() ? g.contiguous().view({-1}) : torch::zeros({u.layout.numels[i]}, u.params[i].options());
+    m.grad_pieces.push_back({u.layout.offsets[i], g});
+    pieces.push_back(g);
+  }
+  m.grad_sq = compat::sum_of_squares(pieces);  // one multi-tensor kernel on the GPU
+  m.grad_scale = 1;
+  m.clip_scale = 1;
+}
+
 ZeroDataParallel::GradientSquares ZeroDataParallel::gradient_squares() {
   const Tensor sums = gradient_squares_tensor().to(torch::kCPU);
   return GradientSquares{sums[0].item<double>(), sums[1].item<double>()};
@@ -660,16 +682,27 @@ void ZeroDataParallel::clip_on_device(const torch::Tensor& norm, double max_norm
 void ZeroDataParallel::scale_gradients(double factor) {
   for (auto& s : shards_) {
     if (s.master.device().is_cpu() || options_.step_applies_scales) s.clip_scale *= factor;  // applied by the step
-    else s.grad.mul_(factor);
+    else s.grad.mul_(factor);  // (gradients_left_to_autograd implies step_applies_scales)
   }
 }
 
-torch::Tensor MasterShard::scaled_grad() const { return scaled_fp32(grad, grad_scale, clip_scale); }
+torch::Tensor MasterShard::scaled_grad() const {
+  Tensor g = scaled_fp32(flat_grad(), grad_scale, clip_scale);
+  if (clip_divisor.defined()) g = g / clip_divisor.to(g.device());
+  return g;
+}
+
+torch::Tensor MasterShard::flat_grad() const {
+  if (grad.defined() || grad_pieces.empty()) return grad;
+  Tensor flat = torch::zeros({master.numel()}, grad_pieces[0].second.options());
+  for (const auto& [offset, piece] : grad_pieces) flat.narrow(0, offset, piece.numel()).copy_(piece);
+  return flat;
+}
 
 bool ZeroDataParallel::gradients_overflowed() {
   for (auto& u : units_) u->down.synchronize();  // the host copies are complete
   double bad = 0;
-  for (auto& s : shards_) bad += s.grad.isfinite().logical_not().any().item<bool>() ? 1 : 0;
+  for (auto& s : shards_) bad += s.flat_grad().isfinite().logical_not().any().item<bool>() ? 1 : 0;
   Tensor t = torch::tensor({bad}, torch::kFloat64);
   comm_.all_reduce_sum(t);
   return t.item<double>() > 0;
@@ -684,6 +717,7 @@ void ZeroDataParallel::after_step() {
   if (!offload_to_host_) publish_master();  // offloaded: the host update does it
   for (auto& m : shards_) {
     m.grad = Tensor();
+    m.grad_pieces.clear();
     m.grad_scale = m.clip_scale = 1;
     m.clip_divisor = Tensor();
     m.grad_sq = Tensor();
@@ -726,14 +760,21 @@ void ZeroDataParallel::publish_master() {
 }
 
 void ZeroDataParallel::zero_gradients() {
-  for (auto& u : units_) u->grad_acc.zero_();
+  for (auto& u : units_) {
+    if (!options_.gradients_left_to_autograd) u->grad_acc.zero_();
+    else
+      for (auto& p : u->params) p.mutable_grad() = Tensor();  // dropped: the next backward's are taken over
+  }
 }
 
 double ZeroDataParallel::parameter_and_gradient_bytes() const {
   double bytes = 0;
   for (const auto& u : units_) {
     const Tensor& params = options_.stage == 3 ? u->param_shard : u->full;
-    bytes += static_cast<double>(params.numel() * params.element_size() + u->grad_acc.numel() * u->grad_acc.element_size());
+    // (gradients left to autograd: what it holds once backward is done, the unit's size)
+    const double grads = options_.gradients_left_to_autograd ? static_cast<double>(u->layout.padded * params.element_size())
+                                                            : static_cast<double>(u->grad_acc.numel() * u->grad_acc.element_size());
+    bytes += static_cast<double>(params.numel() * params.element_size()) + grads;
   }
   return bytes;
 }

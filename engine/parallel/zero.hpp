@@ -50,6 +50,11 @@ struct ZeroOptions {
   // stays in the working dtype (no fp32 copy of it) and the step writes the working parameters as
   // it updates the master (MasterShard::param_out is their slice), so publish_master copies nothing.
   bool step_reads_working_gradient = false;
+  // One rank at stage 0 (nothing to reduce), with step_reads_working_gradient: no flat gradient
+  // buffer. Each parameter's gradient stays where autograd puts it (the first micro-batch's is
+  // taken over, not added to a zeroed bucket; after the step it is dropped, not zeroed) and the
+  // step reads it there (MasterShard::grad_pieces): 8 bytes per bf16 parameter and step less.
+  bool gradients_left_to_autograd = false;
 };
 
 // The torch dtype of a recipe dtype.
@@ -67,6 +72,9 @@ struct MasterShard {
   // offload) gets grad as reduced, in the working dtype, and the fused host step applies the
   // factors as it reads it: no fp32 copy of the gradient is ever made.
   torch::Tensor grad;
+  // ZeroOptions::gradients_left_to_autograd: in place of grad, each parameter's gradient (contiguous,
+  // flattened) with its offset within master, in parameter order (grad is then undefined).
+  std::vector<std::pair<int64_t, torch::Tensor>> grad_pieces;
   double grad_scale = 1, clip_scale = 1;
   // Undefined, or a scalar fp32 tensor on the master's device that the step divides the gradient
   // by as well: clipping decided on the device (ZeroDataParallel::clip_on_device), no host read.
@@ -84,6 +92,8 @@ struct MasterShard {
   std::vector<std::pair<int64_t, int64_t>> decay_ranges;  // [begin, end) within master (FlatUnitLayout)
   // The gradient as fp32 with its factors applied (norms, overflow checks, tests).
   torch::Tensor scaled_grad() const;
+  // grad, or grad_pieces laid out as one flat tensor (for the paths that read it whole).
+  torch::Tensor flat_grad() const;
 };
 
 class ZeroDataParallel final : public UnitRunner {
@@ -200,6 +210,8 @@ class ZeroDataParallel final : public UnitRunner {
   void release_with_experts(Unit& u);
   void on_gradient_ready(size_t unit);  // an AccumulateGrad of one of the unit's parameters finished
   void start_reduction(Unit& u, bool during_backward);
+  // gradients_left_to_autograd: the unit's gradients as autograd left them -> m.grad_pieces, their squared norm.
+  void take_autograd_gradients(Unit& u, MasterShard& m);
   // Offload on a GPU, last micro-batch: the reduced shard comes down on down_stream_ as soon as its
   // reduction is done, its squared norm taken on the device on the way.
   void send_gradient_down(Unit& u, PendingCollective reduce, const torch::Tensor& flat, const torch::Tensor& mine);

@@ -67,28 +67,41 @@ void ShardOptimizer::device_adam_step(double lr) {
   auto dtype = [](const torch::Tensor& x) { return x.scalar_type() == torch::kBFloat16 ? DSRUN_BF16 : x.scalar_type() == torch::kFloat16 ? DSRUN_F16 : DSRUN_F32; };
   for (size_t k = 0; k < shards_.size(); ++k) {
     MasterShard& s = shards_[k];
-    DSRUN_ASSERT(s.master.is_contiguous() && s.grad.is_contiguous() && s.grad.numel() == s.master.numel(), "device step: contiguous gradient and master");
     const torch::Tensor& out = s.param_out;
     const float factor = static_cast<float>(s.grad_scale * s.clip_scale);
     const float* divisor = s.clip_divisor.defined() ? s.clip_divisor.data_ptr<float>() : nullptr;
-    auto range = [&](int64_t begin, int64_t end, bool decay) {
-      if (end <= begin) return;
-      const int64_t gsize = s.grad.element_size();
+    // Elements [begin, end) of the shard, whose gradient starts at `grad`.
+    auto launch = [&](int64_t begin, int64_t end, bool decay, const torch::Tensor& g, int64_t g_begin) {
       dsrun_adam_step(s.master.data_ptr<float>() + begin, m_[k].data_ptr<float>() + begin, v_[k].data_ptr<float>() + begin,
-                      static_cast<const char*>(s.grad.data_ptr()) + begin * gsize, dtype(s.grad),
+                      static_cast<const char*>(g.data_ptr()) + g_begin * g.element_size(), dtype(g),
                       out.defined() ? static_cast<char*>(out.data_ptr()) + begin * out.element_size() : nullptr,
                       out.defined() ? dtype(out) : DSRUN_F32, end - begin, factor, divisor, static_cast<float>(lr),
                       static_cast<float>(o_.beta1), static_cast<float>(o_.beta2), static_cast<float>(o_.eps),
                       decay ? static_cast<float>(o_.weight_decay) : 0.0f, o_.kind == OptimizerKind::AdamW ? 1 : 0, bias1, bias2_sqrt, stream);
       if (const char* e = dsrun_adam_last_error()) fail_at(__FILE__, __LINE__, std::string("the Adam kernel's launch failed: ") + e);
     };
-    int64_t at = 0;
-    for (auto [begin, end] : s.decay_ranges) {  // ascending and disjoint (flat_layout.cpp)
-      range(at, begin, false);
-      range(begin, end, true);
-      at = end;
+    // [from, to) cut where weight decay starts or ends (decay_ranges: ascending, disjoint).
+    auto by_decay = [&](int64_t from, int64_t to, const std::function<void(int64_t, int64_t, bool)>& fn) {
+      int64_t at = from;
+      for (auto [begin, end] : s.decay_ranges) {
+        const int64_t b = std::max(begin, from), e = std::min(end, to);
+        if (b >= e) continue;
+        if (at < b) fn(at, b, false);
+        fn(b, e, true);
+        at = e;
+      }
+      if (at < to) fn(at, to, false);
+    };
+    DSRUN_ASSERT(s.master.is_contiguous(), "device step: a contiguous master");
+    if (s.grad_pieces.empty()) {
+      DSRUN_ASSERT(s.grad.is_contiguous() && s.grad.numel() == s.master.numel(), "device step: a contiguous gradient as long as the master");
+      by_decay(0, s.master.numel(), [&](int64_t b, int64_t e, bool decay) { launch(b, e, decay, s.grad, b); });
+    } else {
+      for (const auto& [offset, piece] : s.grad_pieces) {
+        DSRUN_ASSERT(piece.is_contiguous() && offset + piece.numel() <= s.master.numel(), "device step: contiguous gradient pieces within the master");
+        by_decay(offset, offset + piece.numel(), [&, offset = offset, &piece = piece](int64_t b, int64_t e, bool decay) { launch(b, e, decay, piece, b - offset); });
+      }
     }
-    range(at, s.master.numel(), false);
     s.params_written = out.defined();
   }
 #else
@@ -110,11 +123,12 @@ void ShardOptimizer::fused_adam_step(double lr) {
   for (size_t k = 0; k < shards_.size(); ++k) {
     MasterShard& s = shards_[k];
     DSRUN_ASSERT(!s.clip_divisor.defined(), "libtorch's fused Adam applies no clipping decided on the device");
+    const torch::Tensor grad = s.flat_grad();
     Lists& l = by_factor[s.grad_scale * s.clip_scale];
     auto add = [&](int group, int64_t begin, int64_t end) {
       if (end <= begin) return;
       l.p[group].push_back(s.master.narrow(0, begin, end - begin));
-      l.g[group].push_back(s.grad.narrow(0, begin, end - begin));
+      l.g[group].push_back(grad.narrow(0, begin, end - begin));
       l.m[group].push_back(m_[k].narrow(0, begin, end - begin));
       l.v[group].push_back(v_[k].narrow(0, begin, end - begin));
     };
@@ -217,6 +231,8 @@ void ShardOptimizer::step(double lr) {
   torch::NoGradGuard no_grad;
   ++t_;
   if (!shards_.empty() && shards_[0].master.device().is_cpu()) {
+    for (auto& s : shards_)
+      if (!s.grad.defined()) s.grad = s.flat_grad();  // (the host step reads one flat gradient)
     host_step(lr);
     return;
   }
@@ -230,7 +246,7 @@ void ShardOptimizer::step(double lr) {
   }
   for (size_t k = 0; k < shards_.size(); ++k) {
     torch::Tensor& p = shards_[k].master;
-    torch::Tensor g = shards_[k].grad;
+    torch::Tensor g = shards_[k].flat_grad();
     if (const double factor = shards_[k].grad_scale * shards_[k].clip_scale; factor != 1) g.mul_(factor);  // (left to the step: ZeroOptions::step_applies_scales)
     // Weight decay only where decay_ranges say (matrices), as a mask-free loop over ranges.
     auto decay = [&](double factor_per_param, bool into_grad) {
