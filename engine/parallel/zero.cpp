@@ -136,6 +136,8 @@ class ZeroDataParallel::HostBuffers {
 ZeroDataParallel::ZeroDataParallel(Model& model, Communicator& comm, const ZeroOptions& options)
     : model_(model), comm_(comm), options_(options) {
   DSRUN_ASSERT(options.stage >= 0 && options.stage <= 3, "ZeRO stage validated by the recipe");
+  DSRUN_ASSERT(!options.gradients_left_to_autograd || (comm.world_size() == 1 && options.stage <= 2 && !options.offload && !options.expert_replicas),
+               "gradients left to autograd: one rank, ZeRO 0-2, nothing offloaded");
   torch::NoGradGuard no_grad;
   std::vector<ParameterUnit> model_units = model.parameter_units();
   const bool deferred = model.deferred();

@@ -50,8 +50,8 @@ struct ZeroOptions {
   // stays in the working dtype (no fp32 copy of it) and the step writes the working parameters as
   // it updates the master (MasterShard::param_out is their slice), so publish_master copies nothing.
   bool step_reads_working_gradient = false;
-  // One rank at stage 0 (nothing to reduce), with step_reads_working_gradient: no flat gradient
-  // buffer. Each parameter's gradient stays where autograd puts it (the first micro-batch's is
+  // One rank at stage 0-2 (nothing to reduce, nothing to shard), with step_reads_working_gradient:
+  // no flat gradient buffer. Each parameter's gradient stays where autograd puts it (the first micro-batch's is
   // taken over, not added to a zeroed bucket; after the step it is dropped, not zeroed) and the
   // step reads it there (MasterShard::grad_pieces): 8 bytes per bf16 parameter and step less.
   bool gradients_left_to_autograd = false;

@@ -305,6 +305,7 @@ class Planner {
     const double attention_backward = st.has_blocks ? l.micro * cost_.attention_backward_bytes_per_sample / tp_ : 0;
     m.backward_peak = l.checkpointing && st.has_blocks ? std::max(head_backward, l.micro * cost_.recomputed_layer_bytes_per_sample + attention_backward)
                                                        : std::max(head_backward, attention_backward);
+    if (gradients_left_to_autograd(l)) m.gradients_after_peak = std::min(m.states.grads, m.activations + m.backward_peak);
     const double e = bytes_per_element(r_.precision.dtype);
     if (l.stage == 3 && dp_ > 1) {
       // The layer being computed, the prefetched next one, and one layer's full gradient before reduce-scatter.
@@ -1064,6 +1065,13 @@ class Planner {
   // in fp16 (the loss scale must multiply them before they are rounded); otherwise backward
   // recomputes each chunk's logits. The engine's rule: engine/model/linear_cross_entropy.cpp.
   bool loss_gradients_in_forward() const { return tp_ == 1 && r_.precision.dtype != DType::Fp16; }
+
+  // One GPU rank at ZeRO 0-2 with the device Adam step: no gradient buffer, autograd's gradients
+  // read where they are. The engine's rule: engine/train/trainer.cpp (ZeroOptions::gradients_left_to_autograd).
+  bool gradients_left_to_autograd(const Choice& l) const {
+    return r_.hardware.device == Device::Cuda && dp_ * tp_ * pp_ == 1 && l.stage <= 2 && r_.parallel.offload == Offload::None &&
+           r_.optimizer.kind != OptimizerKind::Sgd;
+  }
 
   // Attention within documents by the variable-length flash kernel (CUDA, fp16/bf16), not a mask.
   bool varlen_attention() const {

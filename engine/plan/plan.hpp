@@ -44,7 +44,11 @@ struct MemoryBreakdown {
   double comm_buffers = 0;  // gradient buckets, ZeRO-3 gathered layers
   double runtime = 0;       // CUDA context, NCCL, libraries
   double fragmentation = 0; // allocator slack
-  double total() const { return states.device_total() + activations + backward_peak + comm_buffers + runtime + fragmentation; }
+  // One GPU rank at ZeRO 0-2 (ZeroOptions::gradients_left_to_autograd): of states.grads, what is not
+  // yet held at the activations' peak. Autograd makes the gradients as backward frees activations,
+  // so the peak is the larger of the two, not their sum.
+  double gradients_after_peak = 0;
+  double total() const { return states.device_total() - gradients_after_peak + activations + backward_peak + comm_buffers + runtime + fragmentation; }
 };
 
 // What one rank holds in host memory. On CPU ranks host and device are one memory: `device` is

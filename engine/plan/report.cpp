@@ -124,6 +124,8 @@ std::string render_plan(const Plan& p) {
     t.add({"backward peak", format_bytes(m.backward_peak),
            p.loss_chunk_tokens > 0 ? "the largest transient: a loss chunk's logits and the head's weight gradient, or a recomputed block"
                                    : "backward's largest transient: logits or softmax gradients"});
+  if (m.gradients_after_peak > 0)
+    t.add({"gradients after the peak", "-" + format_bytes(m.gradients_after_peak), "one rank: autograd makes them as backward frees activations (no gradient buffer)"});
   t.add({"communication buffers", format_bytes(m.comm_buffers), p.layout.zero_stage == 3 ? "gathered layers" : "gradient buckets"});
   t.add({"runtime", format_bytes(m.runtime), "context, libraries"});
   t.add({"allocator slack", format_bytes(m.fragmentation), "fragmentation"});
@@ -236,7 +238,7 @@ std::string plan_to_json(const Plan& p) {
                    {"attention", kernel_name(p.attention)}, {"document_attention", p.document_attention},
                    {"attention_fraction", p.attention_fraction}, {"loss_chunk_tokens", p.loss_chunk_tokens}};
   j["memory_per_rank"] = {{"params", m.states.params}, {"grads", m.states.grads}, {"master", m.states.master},
-                          {"optimizer", m.states.optimizer}, {"activations", m.activations}, {"backward_peak", m.backward_peak}, {"comm_buffers", m.comm_buffers},
+                          {"optimizer", m.states.optimizer}, {"activations", m.activations}, {"backward_peak", m.backward_peak}, {"gradients_after_peak", m.gradients_after_peak}, {"comm_buffers", m.comm_buffers},
                           {"routed_expert_states", m.routed_expert_states}, {"runtime", m.runtime}, {"fragmentation", m.fragmentation}, {"offloaded_to_host", m.states.host},
                           {"total", m.total() + (p.device == Device::Cpu ? m.states.host : 0)}, {"capacity", p.memory_capacity}};
   j["host_memory_per_rank"] = {{"process", p.host.process}, {"device", p.host.device}, {"offloaded", p.host.offloaded},

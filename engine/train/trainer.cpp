@@ -266,8 +266,8 @@ class Trainer {
     // dsrun's Adam kernel on the GPU reads bf16/fp16 gradients and writes the working parameters.
     update_on_device_ = zo.step_applies_scales && kHasDeviceAdamKernel && !zo.offload;
     zo.step_reads_working_gradient = update_on_device_;
-    // One rank at ZeRO-0: nothing to reduce, so no gradient buffer to accumulate into and zero.
-    zo.gradients_left_to_autograd = update_on_device_ && zo.stage == 0 && mesh_->world().world_size() == 1;
+    // One rank at ZeRO 0-2: nothing to reduce, so no gradient buffer to accumulate into and zero.
+    zo.gradients_left_to_autograd = update_on_device_ && zo.stage <= 2 && mesh_->world().world_size() == 1;
     parallel_ = parallelize(*model_, *mesh_, po);
     zero_ = &parallel_->zero();
   }
