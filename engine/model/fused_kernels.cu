@@ -1,6 +1,7 @@
 // CUDA kernels behind fused_kernels.h. Each op reads its inputs once and writes its outputs once;
 // arithmetic in fp32. Compiled only for CUDA builds (CMakeLists.txt); no torch headers here.
 #include "engine/model/fused_kernels.h"
+#include "engine/model/kernel_types.cuh"
 
 #include <cmath>
 
@@ -13,15 +14,7 @@
 
 namespace {
 
-__device__ __forceinline__ float to_f32(float v) { return v; }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
-template <typename T> __device__ __forceinline__ T from_f32(float v);
-template <> __device__ __forceinline__ float from_f32<float>(float v) { return v; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
-template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half(v); }
-// Rounds through T and back: what storing in T and reading again gives.
-template <typename T> __device__ __forceinline__ float round_via(float v) { return to_f32(from_f32<T>(v)); }
+using namespace dsrun_kernels;
 
 constexpr int kMaxPerThread = 16;  // columns per thread in the RMSNorm kernels (cols <= 16 · threads)
 
@@ -285,13 +278,6 @@ void note_launch() {
   last_error = e == cudaSuccess ? nullptr : cudaGetErrorString(e);
 }
 
-// Calls fn with a null pointer of the element type `dtype` names (for template dispatch).
-template <typename Fn>
-void dispatch(int dtype, Fn&& fn) {
-  if (dtype == DSRUN_BF16) fn(static_cast<__nv_bfloat16*>(nullptr));
-  else if (dtype == DSRUN_F16) fn(static_cast<__half*>(nullptr));
-  else fn(static_cast<float*>(nullptr));
-}
 
 }  // namespace
 

@@ -981,9 +981,15 @@ class Planner {
     // Offloaded, the step runs on the host, whose memory bandwidth the node's ranks share.
     const bool host_step = p.layout.offload != Offload::None && r_.hardware.device == Device::Cuda;
     // On a GPU the gradient also passes through memory outside the step: autograd accumulates it
-    // (3e). dsrun's Adam kernel (engine/train/adam_kernel.h) reads it in the working dtype and writes
-    // the working copy in the same pass: no fp32 copy of the gradient, no separate publication.
-    if (r_.hardware.device == Device::Cuda && !host_step) touched += 3 * e;
+    // (3e) into the gradient buffer, or, left to autograd on one rank, into the first micro-batch's
+    // gradient for each later one. dsrun's Adam kernel (engine/train/adam_kernel.h) reads it in the
+    // working dtype and writes the working copy in the same pass: no fp32 copy, no separate publication.
+    // The norm (clipping, the metric) reads it once more before the step: e.
+    if (r_.hardware.device == Device::Cuda && !host_step) {
+      const double micro_batches = static_cast<double>(p.accumulation);
+      touched += 3 * e * (gradients_left_to_autograd(Choice{p.layout.zero_stage, p.layout.recomputation, p.layout.micro}) ? (micro_batches - 1) / micro_batches : 1);
+      touched += e;
+    }
     // Offloaded, the fused host step's own measured throughput (hardware.host_optimizer_gbs, `dsrun
     // probe`) where given: it runs below the memory's bandwidth where the cores, not the memory, bind.
     const double host_bandwidth = r_.hardware.host_optimizer_bandwidth > 0 ? r_.hardware.host_optimizer_bandwidth : r_.hardware.host_memory_bandwidth;

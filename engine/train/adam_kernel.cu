@@ -3,7 +3,7 @@
 // PyTorch's fused Adam and a copy back to bf16 one after another). Compiled only for CUDA builds.
 #include "engine/train/adam_kernel.h"
 
-#include "engine/model/fused_kernels.h"
+#include "engine/model/kernel_types.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -13,13 +13,7 @@
 
 namespace {
 
-__device__ __forceinline__ float to_f32(float v) { return v; }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
-template <typename T> __device__ __forceinline__ T from_f32(float v);
-template <> __device__ __forceinline__ float from_f32<float>(float v) { return v; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
-template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half(v); }
+using namespace dsrun_kernels;
 
 // Four consecutive elements from or to an address aligned to four of them: one 16-byte (fp32) or
 // 8-byte (bf16, fp16) access.
@@ -90,12 +84,6 @@ __global__ void adam_kernel(float* __restrict__ master, float* __restrict__ exp_
   }
 }
 
-template <typename Fn>
-void dispatch(int dtype, Fn&& fn) {
-  if (dtype == DSRUN_BF16) fn(static_cast<__nv_bfloat16*>(nullptr));
-  else if (dtype == DSRUN_F16) fn(static_cast<__half*>(nullptr));
-  else fn(static_cast<float*>(nullptr));
-}
 
 // Whether p + head (elements of `bytes` each) may be read four elements at a time (null: nothing to read).
 bool aligned4(const void* p, int64_t head, size_t bytes) {

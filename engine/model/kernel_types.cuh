@@ -1,0 +1,30 @@
+// The element types dsrun's CUDA kernels read and write (fp32, bf16, fp16): conversions to and from
+// fp32, and the dispatch from a DsrunFusedDType to a template argument. Included by .cu files only.
+#pragma once
+
+#include "engine/model/fused_kernels.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace dsrun_kernels {
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
+template <typename T> __device__ __forceinline__ T from_f32(float v);
+template <> __device__ __forceinline__ float from_f32<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
+template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half(v); }
+// Rounds through T and back: what storing in T and reading again gives.
+template <typename T> __device__ __forceinline__ float round_via(float v) { return to_f32(from_f32<T>(v)); }
+
+// Calls fn with a null pointer of the element type `dtype` names (for template dispatch).
+template <typename Fn>
+void dispatch(int dtype, Fn&& fn) {
+  if (dtype == DSRUN_BF16) fn(static_cast<__nv_bfloat16*>(nullptr));
+  else if (dtype == DSRUN_F16) fn(static_cast<__half*>(nullptr));
+  else fn(static_cast<float*>(nullptr));
+}
+
+}  // namespace dsrun_kernels
