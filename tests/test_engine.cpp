@@ -676,14 +676,19 @@ TEST_CASE("CUDA: the fused RMSNorm, rotary and SwiGLU kernels match the referenc
       compare("rms_norm", [](std::vector<torch::Tensor>& in) { return fused::rms_norm(in[0], in[1], 1e-6); },
               {torch::randn({3, 5, cols}), 1 + 0.1 * torch::randn({cols})}, dtype, tol);
     }
-    torch::Tensor inv = 1.0 / torch::pow(10000.0, torch::arange(0, 16, 2, torch::kFloat64) / 16.0);
-    torch::Tensor full = torch::cat({torch::outer(torch::arange(32, torch::kFloat64), inv), torch::outer(torch::arange(32, torch::kFloat64), inv)}, -1);
-    torch::Tensor cos = full.cos().to(torch::kFloat32), sin = full.sin().to(torch::kFloat32);
     // q and k heads taken from a wider projection (v beside them): the kernel reads a strided input.
-    compare("rotary", [&](std::vector<torch::Tensor>& in) {
-      torch::Tensor qk = in[0].narrow(-1, 0, 3 * 16);
-      return fused::rotary(qk, 16, in[0].is_cuda() ? cos.to(in[0].device()) : cos, in[0].is_cuda() ? sin.to(in[0].device()) : sin);
-    }, {torch::randn({2, 20, 4 * 16})}, dtype, tol);
+    // Head dim 16 from column 0 (four elements per access), from column 2 (misaligned: one at a
+    // time), and 12 (half a head not a multiple of 4: the per-pair kernel).
+    for (auto [d, first] : {std::pair<int64_t, int64_t>{16, 0}, {16, 2}, {12, 0}}) {
+      torch::Tensor inv = 1.0 / torch::pow(10000.0, torch::arange(0, d, 2, torch::kFloat64) / static_cast<double>(d));
+      torch::Tensor angles = torch::outer(torch::arange(32, torch::kFloat64), inv);
+      torch::Tensor full = torch::cat({angles, angles}, -1);
+      torch::Tensor cos = full.cos().to(torch::kFloat32), sin = full.sin().to(torch::kFloat32);
+      compare("rotary, head dim " + std::to_string(d) + " from column " + std::to_string(first), [&](std::vector<torch::Tensor>& in) {
+        torch::Tensor qk = in[0].narrow(-1, first, 3 * d);
+        return fused::rotary(qk, d, in[0].is_cuda() ? cos.to(in[0].device()) : cos, in[0].is_cuda() ? sin.to(in[0].device()) : sin);
+      }, {torch::randn({2, 20, 4 * d + 4})}, dtype, tol);
+    }
     compare("swiglu", [](std::vector<torch::Tensor>& in) { return fused::swiglu(in[0]); }, {torch::randn({4, 7, 2 * 96})}, dtype, tol);
   }
 }

@@ -19,6 +19,23 @@ template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return
 // Rounds through T and back: what storing in T and reading again gives.
 template <typename T> __device__ __forceinline__ float round_via(float v) { return to_f32(from_f32<T>(v)); }
 
+// Four consecutive elements from or to an address aligned to four of them: one 16-byte (fp32) or
+// 8-byte (bf16, fp16) access, each element converted to or from fp32.
+template <typename T> struct alignas(4 * sizeof(T)) Four { T v[4]; };
+template <typename T>
+__device__ __forceinline__ void load4(const T* p, float (&f)[4]) {
+  const Four<T> x = *reinterpret_cast<const Four<T>*>(p);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) f[j] = to_f32(x.v[j]);
+}
+template <typename T>
+__device__ __forceinline__ void store4(T* p, const float (&f)[4]) {
+  Four<T> x;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) x.v[j] = from_f32<T>(f[j]);
+  *reinterpret_cast<Four<T>*>(p) = x;
+}
+
 // Calls fn with a null pointer of the element type `dtype` names (for template dispatch).
 template <typename Fn>
 void dispatch(int dtype, Fn&& fn) {

@@ -15,23 +15,6 @@ namespace {
 
 using namespace dsrun_kernels;
 
-// Four consecutive elements from or to an address aligned to four of them: one 16-byte (fp32) or
-// 8-byte (bf16, fp16) access.
-template <typename T> struct alignas(4 * sizeof(T)) Four { T v[4]; };
-template <typename T>
-__device__ __forceinline__ void load4(const T* p, float (&f)[4]) {
-  const Four<T> x = *reinterpret_cast<const Four<T>*>(p);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) f[j] = to_f32(x.v[j]);
-}
-template <typename T>
-__device__ __forceinline__ void store4(T* p, const float (&f)[4]) {
-  Four<T> x;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) x.v[j] = from_f32<T>(f[j]);
-  *reinterpret_cast<Four<T>*>(p) = x;
-}
-
 struct AdamScalars {
   float grad_factor, lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt;
   int decoupled;
