@@ -689,6 +689,17 @@ TEST_CASE("CUDA: the fused RMSNorm, rotary and SwiGLU kernels match the referenc
         return fused::rotary(qk, d, in[0].is_cuda() ? cos.to(in[0].device()) : cos, in[0].is_cuda() ? sin.to(in[0].device()) : sin);
       }, {torch::randn({2, 20, 4 * d + 4})}, dtype, tol);
     }
+    {  // q (2 heads), k (1 head) rotated and v passed through from one projection, gradients into one buffer
+      torch::Tensor inv = 1.0 / torch::pow(10000.0, torch::arange(0, 16, 2, torch::kFloat64) / 16.0);
+      torch::Tensor angles = torch::outer(torch::arange(32, torch::kFloat64), inv);
+      torch::Tensor full = torch::cat({angles, angles}, -1);
+      torch::Tensor cos = full.cos().to(torch::kFloat32), sin = full.sin().to(torch::kFloat32);
+      compare("rotary_qkv", [&](std::vector<torch::Tensor>& in) {
+        const bool gpu_side = in[0].is_cuda();
+        std::vector<torch::Tensor> qkv = fused::rotary_qkv(in[0], 32, 16, 16, gpu_side ? cos.to(in[0].device()) : cos, gpu_side ? sin.to(in[0].device()) : sin);
+        return torch::cat({qkv[0], qkv[1], qkv[2] * 2}, -1);
+      }, {torch::randn({2, 20, 64})}, dtype, tol);
+    }
     compare("swiglu", [](std::vector<torch::Tensor>& in) { return fused::swiglu(in[0]); }, {torch::randn({4, 7, 2 * 96})}, dtype, tol);
   }
 }

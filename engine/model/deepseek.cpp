@@ -75,9 +75,10 @@ struct TokenPositions {
   TokenPositions(const Rotary& r, const Batch& batch) : rope(&r) {
     if (batch.positions.defined()) documents = std::make_shared<const PackedDocuments>(batch.documents, batch.positions, batch.inputs.device());
   }
-  Tensor rotate(const Tensor& qk, int64_t head_dim) const {
-    rope->move_to(qk.device());
-    return fused::rotary(qk, head_dim, rope->cos_on_device, rope->sin_on_device, documents ? documents->positions() : Tensor());
+  // {q, k rotated, v} from a q/k/v projection's output (fused::rotary_qkv).
+  std::vector<Tensor> rotate_qk(const Tensor& qkv, int64_t q_width, int64_t k_width, int64_t head_dim) const {
+    rope->move_to(qkv.device());
+    return fused::rotary_qkv(qkv, q_width, k_width, head_dim, rope->cos_on_device, rope->sin_on_device, documents ? documents->positions() : Tensor());
   }
 };
 
@@ -92,19 +93,17 @@ struct AttentionImpl : nn::Module {
   Tensor forward(const Tensor& x, const TokenPositions& where) {
     const int64_t b = x.size(0), s = x.size(1);
     const int64_t kv_heads = wqkv->weight.size(0) / (head_dim * (group + 2)), heads = group * kv_heads;
-    // q and k rotate together (one kernel); v passes through. [b, s, heads, d] viewed as [b, heads, s, d].
-    std::vector<Tensor> qk_v = wqkv(x).split_with_sizes({(heads + kv_heads) * head_dim, kv_heads * head_dim}, -1);
-    // q and k by one split, not two narrows: backward joins their gradients with one copy, where
-    // each narrow's would fill a zero tensor of the whole width and add it (an H100 profile: 2% of a step).
-    std::vector<Tensor> q_k = where.rotate(qk_v[0], head_dim).split_with_sizes({heads * head_dim, kv_heads * head_dim}, -1);
+    // q and k rotated, v passed through, from the one projection; backward writes its gradient in
+    // one buffer. [b, s, heads, d] viewed as [b, heads, s, d].
+    const std::vector<Tensor> qkv = where.rotate_qk(wqkv(x), heads * head_dim, kv_heads * head_dim, head_dim);
     if (where.documents) {  // [b, s, heads, d] as they lie; grouped-query heads shared by the kernel or the mask path
-      Tensor out = where.documents->attend(q_k[0].view({b, s, heads, head_dim}), q_k[1].view({b, s, kv_heads, head_dim}),
-                                           qk_v[1].view({b, s, kv_heads, head_dim}));
+      Tensor out = where.documents->attend(qkv[0].view({b, s, heads, head_dim}), qkv[1].view({b, s, kv_heads, head_dim}),
+                                           qkv[2].view({b, s, kv_heads, head_dim}));
       return wo(out.reshape({b, s, heads * head_dim}));
     }
-    Tensor q = q_k[0].view({b, s, heads, head_dim}).transpose(1, 2);
-    Tensor k = q_k[1].view({b, s, kv_heads, head_dim}).transpose(1, 2);
-    Tensor v = qk_v[1].view({b, s, kv_heads, head_dim}).transpose(1, 2);
+    Tensor q = qkv[0].view({b, s, heads, head_dim}).transpose(1, 2);
+    Tensor k = qkv[1].view({b, s, kv_heads, head_dim}).transpose(1, 2);
+    Tensor v = qkv[2].view({b, s, kv_heads, head_dim}).transpose(1, 2);
     if (group > 1) {  // grouped-query attention: each KV head serves `group` query heads
       k = k.repeat_interleave(group, 1);
       v = v.repeat_interleave(group, 1);

@@ -148,8 +148,8 @@ __global__ void rms_norm_backward_kernel(const T* dy, const T* x, const T* w, co
 
 // The general form: one thread per (token, head, i < half), the pair (i, i + half) of that head.
 template <typename T>
-__global__ void rotary_pairs_kernel(const T* in, int64_t in_stride, T* out, const float* cos, const float* sin, const int64_t* positions,
-                                    int64_t tokens, int64_t heads, int64_t head_dim, int64_t seq, float direction) {
+__global__ void rotary_pairs_kernel(const T* in, int64_t in_stride, T* out, int64_t out_stride, const float* cos, const float* sin,
+                                    const int64_t* positions, int64_t tokens, int64_t heads, int64_t head_dim, int64_t seq, float direction) {
   const int64_t half = head_dim / 2, total = tokens * heads * half;
   for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -157,7 +157,7 @@ __global__ void rotary_pairs_kernel(const T* in, int64_t in_stride, T* out, cons
     const int64_t head = th % heads, t = th / heads;
     const int64_t pos = positions ? positions[t] : t % seq;
     const T* src = in + t * in_stride + head * head_dim;
-    T* dst = out + th * head_dim;
+    T* dst = out + t * out_stride + head * head_dim;
     const float c = cos[pos * head_dim + i], s = direction * sin[pos * head_dim + i];
     const float x1 = to_f32(src[i]), x2 = to_f32(src[i + half]);
     dst[i] = from_f32<T>(x1 * c - x2 * s);
@@ -171,13 +171,13 @@ __global__ void rotary_pairs_kernel(const T* in, int64_t in_stride, T* out, cons
 // of the 1B decoder had the one-thread-per-4-pairs form, with four 64-bit divisions per thread, at
 // 45% of memory bandwidth.)
 template <typename T, bool VEC>
-__global__ void rotary_kernel(const T* in, int64_t in_stride, T* out, const float* cos, const float* sin, const int64_t* positions,
-                              int64_t tokens, int heads, int head_dim, int64_t seq, float direction) {
+__global__ void rotary_kernel(const T* in, int64_t in_stride, T* out, int64_t out_stride, const float* cos, const float* sin,
+                              const int64_t* positions, int64_t tokens, int heads, int head_dim, int64_t seq, float direction) {
   const int half = head_dim / 2, groups = half / 4, per_token = heads * groups;
   for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
     const int64_t pos = positions ? positions[t] : t % seq;
     const T* row_in = in + t * in_stride;
-    T* row_out = out + t * static_cast<int64_t>(heads) * head_dim;
+    T* row_out = out + t * out_stride;
     const float* c_row = cos + pos * head_dim;
     const float* s_row = sin + pos * head_dim;
     for (int j = threadIdx.x; j < per_token; j += blockDim.x) {
@@ -355,8 +355,9 @@ void dsrun_rms_norm_backward(const void* dy, const void* x, const void* w, const
   note_launch();
 }
 
-void dsrun_rotary(const void* in, int64_t in_stride, void* out, const float* cos, const float* sin, const int64_t* positions,
-                  int64_t tokens, int64_t heads, int64_t head_dim, int64_t seq, int inverse, int dtype, cudaStream_t stream) {
+void dsrun_rotary(const void* in, int64_t in_stride, void* out, int64_t out_stride, const float* cos, const float* sin,
+                  const int64_t* positions, int64_t tokens, int64_t heads, int64_t head_dim, int64_t seq, int inverse, int dtype,
+                  cudaStream_t stream) {
   dispatch(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const float direction = inverse ? -1.0f : 1.0f;
@@ -364,14 +365,15 @@ void dsrun_rotary(const void* in, int64_t in_stride, void* out, const float* cos
     T* y = static_cast<T*>(out);
     if (head_dim % 8 == 0) {
       auto aligned = [](const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; };
-      const bool vec = aligned(in, 4 * sizeof(T)) && aligned(out, 4 * sizeof(T)) && in_stride % 4 == 0 && aligned(cos, 16) && aligned(sin, 16);
+      const bool vec = aligned(in, 4 * sizeof(T)) && aligned(out, 4 * sizeof(T)) && in_stride % 4 == 0 && out_stride % 4 == 0 &&
+                       aligned(cos, 16) && aligned(sin, 16);
       const int blocks = static_cast<int>(tokens < 132 * 16 ? (tokens > 0 ? tokens : 1) : 132 * 16);
       if (vec)
-        rotary_kernel<T, true><<<blocks, 256, 0, stream>>>(x, in_stride, y, cos, sin, positions, tokens, static_cast<int>(heads), static_cast<int>(head_dim), seq, direction);
+        rotary_kernel<T, true><<<blocks, 256, 0, stream>>>(x, in_stride, y, out_stride, cos, sin, positions, tokens, static_cast<int>(heads), static_cast<int>(head_dim), seq, direction);
       else
-        rotary_kernel<T, false><<<blocks, 256, 0, stream>>>(x, in_stride, y, cos, sin, positions, tokens, static_cast<int>(heads), static_cast<int>(head_dim), seq, direction);
+        rotary_kernel<T, false><<<blocks, 256, 0, stream>>>(x, in_stride, y, out_stride, cos, sin, positions, tokens, static_cast<int>(heads), static_cast<int>(head_dim), seq, direction);
     } else {
-      rotary_pairs_kernel<T><<<grid_for(tokens * heads * head_dim / 2, 256), 256, 0, stream>>>(x, in_stride, y, cos, sin, positions, tokens, heads, head_dim, seq, direction);
+      rotary_pairs_kernel<T><<<grid_for(tokens * heads * head_dim / 2, 256), 256, 0, stream>>>(x, in_stride, y, out_stride, cos, sin, positions, tokens, heads, head_dim, seq, direction);
     }
   });
   note_launch();

@@ -26,12 +26,13 @@ void dsrun_rms_norm_backward(const void* dy, const void* x, const void* w, const
 
 // Rotates the first half of each head against its second half (Llama layout), in fp32:
 // out1 = x1·cos - x2·sin, out2 = x2·cos + x1·sin. in: [tokens, heads·head_dim] with row stride
-// in_stride (elements); out: contiguous [tokens, heads·head_dim]; cos/sin: [>= seq, head_dim] fp32
-// with equal halves (the first half is read);
+// in_stride (elements); out: [tokens, heads·head_dim] with row stride out_stride; cos/sin:
+// [>= seq, head_dim] fp32 with equal halves (the first half is read);
 // token t sits at position positions[t] ([tokens] int64; documents packed in a row), or where
 // positions is null at t % seq. inverse = 1 rotates by -angle (the backward).
-void dsrun_rotary(const void* in, int64_t in_stride, void* out, const float* cos, const float* sin, const int64_t* positions,
-                  int64_t tokens, int64_t heads, int64_t head_dim, int64_t seq, int inverse, int dtype, cudaStream_t stream);
+void dsrun_rotary(const void* in, int64_t in_stride, void* out, int64_t out_stride, const float* cos, const float* sin,
+                  const int64_t* positions, int64_t tokens, int64_t heads, int64_t head_dim, int64_t seq, int inverse, int dtype,
+                  cudaStream_t stream);
 
 // out[r, j] = silu(g) · u with g = gate_up[r, j], u = gate_up[r, inner + j]; gate_up [rows, 2·inner].
 void dsrun_swiglu_forward(const void* gate_up, void* out, int64_t rows, int64_t inner, int dtype, cudaStream_t stream);

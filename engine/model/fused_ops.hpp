@@ -17,6 +17,12 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 torch::Tensor rotary(const torch::Tensor& qk, int64_t head_dim, const torch::Tensor& cos, const torch::Tensor& sin,
                      const torch::Tensor& positions = {});
 
+// One q/k/v projection's output qkv [b, s, q_width + k_width + v_width] -> {q, k, v}: q and k
+// rotated as rotary() does (contiguous), v its last columns. On CUDA backward writes the
+// projection's gradient in one buffer (no concatenation); elsewhere rotary() and two splits.
+std::vector<torch::Tensor> rotary_qkv(const torch::Tensor& qkv, int64_t q_width, int64_t k_width, int64_t head_dim, const torch::Tensor& cos,
+                                      const torch::Tensor& sin, const torch::Tensor& positions = {});
+
 // silu(gate) · up where gate_up = [gate | up] along the last dimension.
 torch::Tensor swiglu(const torch::Tensor& gate_up);
 // The gradient of swiglu at gate_up for the output's gradient d_out (outside autograd: for
