@@ -479,3 +479,24 @@ TEST_CASE("offload = \"auto\" takes the least offload that fits, says why, and p
   CHECK(huge.layout.offload == Offload::OptimizerAndParams);
   CHECK(reason_of(huge, "parallel.offload").find("nothing fits: none would need") != std::string::npos);
 }
+
+TEST_CASE("one GPU rank at ZeRO 0-2 plans no gradient buffer: the gradients, less the head's, come after the activations' peak", "[plan][memory]") {
+  // The engine leaves gradients to autograd there (ZeroOptions::gradients_left_to_autograd); the
+  // fused loss makes the head's weight gradient during forward, so that one is held at the peak.
+  const std::string one_gpu = "base = [\"hardware/h100-80gb-x1\", \"models/deepseek-llm-7b\"]\n[precision]\ndtype = \"bf16\"\n"
+                              "[model]\nlayers = 4\n[batch]\nseq_len = 2048\nglobal = 4\nmicro = 4\n[parallel]\nzero_stage = 0\n";
+  const Plan alone = plan_of(one_gpu);
+  const MemoryBreakdown& m = alone.memory;
+  const double head_gradient = 2.0 * 102400 * 4096;
+  REQUIRE(m.states.grads > head_gradient);
+  CHECK(m.gradients_after_peak == Approx(std::min(m.states.grads - head_gradient, m.activations + m.backward_peak)));
+  CHECK(m.total() == Approx(m.states.device_total() - m.gradients_after_peak + m.activations + m.backward_peak + m.comm_buffers + m.runtime + m.fragmentation));
+  // Two data ranks reduce through a buffer; SGD and offload take other paths: none of them subtract.
+  CHECK(plan_of(one_gpu, {"parallel.data_parallel=2", "hardware.devices_per_node=2", "batch.global=8"}).memory.gradients_after_peak == 0);
+  CHECK(plan_of(one_gpu, {"optimizer.name=sgd"}).memory.gradients_after_peak == 0);
+  CHECK(plan_of(one_gpu, {"parallel.zero_stage=3"}).memory.gradients_after_peak == 0);
+  // Without a gradient buffer one micro-batch adds nothing to the step's bytes; four add 3/4 of 3e.
+  const double one = alone.optimizer_seconds;
+  const double four = plan_of(one_gpu, {"batch.micro=1"}).optimizer_seconds;
+  CHECK(four > one);
+}

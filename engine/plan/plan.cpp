@@ -305,7 +305,13 @@ class Planner {
     const double attention_backward = st.has_blocks ? l.micro * cost_.attention_backward_bytes_per_sample / tp_ : 0;
     m.backward_peak = l.checkpointing && st.has_blocks ? std::max(head_backward, l.micro * cost_.recomputed_layer_bytes_per_sample + attention_backward)
                                                        : std::max(head_backward, attention_backward);
-    if (gradients_left_to_autograd(l)) m.gradients_after_peak = std::min(m.states.grads, m.activations + m.backward_peak);
+    if (gradients_left_to_autograd(l)) {
+      // The fused loss makes the head's weight gradient during forward: that one is held at the peak.
+      const double head_gradient_in_forward = st.has_head && cost_.loss_chunk_tokens > 0 && loss_gradients_in_forward()
+                                                  ? bytes_per_element(r_.precision.dtype) * static_cast<double>(r_.model.vocab / tp_) * static_cast<double>(r_.model.hidden)
+                                                  : 0;
+      m.gradients_after_peak = std::min(std::max(0.0, m.states.grads - head_gradient_in_forward), m.activations + m.backward_peak);
+    }
     const double e = bytes_per_element(r_.precision.dtype);
     if (l.stage == 3 && dp_ > 1) {
       // The layer being computed, the prefetched next one, and one layer's full gradient before reduce-scatter.
