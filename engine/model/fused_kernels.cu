@@ -262,7 +262,7 @@ template <typename T>
 bool vectorised(int per, std::initializer_list<const void*> pointers) {
   if ((per * sizeof(T)) % 16 != 0) return false;
   for (const void* p : pointers)
-    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+    if (!aligned_to(p, 16)) return false;
   return true;
 }
 
@@ -364,9 +364,8 @@ void dsrun_rotary(const void* in, int64_t in_stride, void* out, int64_t out_stri
     const T* x = static_cast<const T*>(in);
     T* y = static_cast<T*>(out);
     if (head_dim % 8 == 0) {
-      auto aligned = [](const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; };
-      const bool vec = aligned(in, 4 * sizeof(T)) && aligned(out, 4 * sizeof(T)) && in_stride % 4 == 0 && out_stride % 4 == 0 &&
-                       aligned(cos, 16) && aligned(sin, 16);
+      const bool vec = aligned_to(in, 4 * sizeof(T)) && aligned_to(out, 4 * sizeof(T)) && in_stride % 4 == 0 && out_stride % 4 == 0 &&
+                       aligned_to(cos, 16) && aligned_to(sin, 16);
       const int blocks = static_cast<int>(tokens < 132 * 16 ? (tokens > 0 ? tokens : 1) : 132 * 16);
       if (vec)
         rotary_kernel<T, true><<<blocks, 256, 0, stream>>>(x, in_stride, y, out_stride, cos, sin, positions, tokens, static_cast<int>(heads), static_cast<int>(head_dim), seq, direction);

@@ -91,12 +91,15 @@ struct RmsNormFunction : torch::autograd::Function<RmsNormFunction> {
   }
 };
 
+// [b, s, n] with unit stride in the last dimension and rows one after another (any row stride).
+Tensor as_rows(const Tensor& t) { return t.stride(2) == 1 && t.stride(0) == t.size(1) * t.stride(1) ? t : t.contiguous(); }
+
 struct RotaryFunction : torch::autograd::Function<RotaryFunction> {
   // qk: [b, s, n] with unit stride in its last dimension; the result is contiguous.
   // positions: [b · s] int64 on the device, or undefined (position = index in the row).
   static Tensor forward(AutogradContext* ctx, const Tensor& qk, int64_t head_dim, const Tensor& cos, const Tensor& sin, const Tensor& positions) {
     const int64_t b = qk.size(0), s = qk.size(1), n = qk.size(2);
-    Tensor in = qk.stride(2) == 1 && qk.stride(0) == s * qk.stride(1) ? qk : qk.contiguous();
+    const Tensor in = as_rows(qk);
     Tensor out = torch::empty({b, s, n}, qk.options());
     dsrun_rotary(in.data_ptr(), in.stride(1), out.data_ptr(), n, cos.data_ptr<float>(), sin.data_ptr<float>(), position_rows(positions), b * s,
                  n / head_dim, head_dim, s, /*inverse=*/0, kernel_dtype(qk), stream());
@@ -120,9 +123,6 @@ struct RotaryFunction : torch::autograd::Function<RotaryFunction> {
     return {dx, Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
-
-// [b, s, n] with unit stride in the last dimension and rows one after another (any row stride).
-Tensor as_rows(const Tensor& t) { return t.stride(2) == 1 && t.stride(0) == t.size(1) * t.stride(1) ? t : t.contiguous(); }
 
 // The q/k/v projection's output -> q and k rotated (two contiguous tensors), v as a view of it.
 // Backward writes the projection's gradient once: q's and k's rotated back into its columns, v's
@@ -201,6 +201,17 @@ struct SwigluFunction : torch::autograd::Function<SwigluFunction> {
   }
 };
 
+// Whether the rotary kernels run for x [b, s, n] with these tables.
+bool rotary_kernel_runs(const Tensor& x, const Tensor& cos) {
+  return fused_kernels_active(x) && x.stride(2) == 1 && cos.is_cuda() && cos.scalar_type() == torch::kFloat32;
+}
+
+// The table row each token of x reads ([b · s] int64 on x's device), or empty: its index in the row.
+// The kernels read the tables' rows by position and the first half of each row.
+Tensor rotary_rows(const Tensor& x, const Tensor& positions) {
+  return positions.defined() ? positions.to(x.device(), torch::kInt64).contiguous().view({-1}) : torch::empty({0}, x.options().dtype(torch::kInt64));
+}
+
 #endif  // DSRUN_WITH_FUSED_KERNELS
 
 }  // namespace
@@ -225,13 +236,10 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 std::vector<torch::Tensor> rotary_qkv(const torch::Tensor& qkv, int64_t q_width, int64_t k_width, int64_t head_dim, const torch::Tensor& cos,
                                       const torch::Tensor& sin, const torch::Tensor& positions) {
   DSRUN_ASSERT(qkv.dim() == 3 && q_width % head_dim == 0 && k_width % head_dim == 0 && q_width + k_width < qkv.size(2), "rotary_qkv takes [b, s, q | k | v]");
+  DSRUN_ASSERT(!positions.defined() || positions.numel() == qkv.size(0) * qkv.size(1), "rotary: one position per token");
 #ifdef DSRUN_WITH_FUSED_KERNELS
-  if (fused_kernels_active(qkv) && qkv.stride(2) == 1 && cos.is_cuda() && cos.scalar_type() == torch::kFloat32) {
-    DSRUN_ASSERT(!positions.defined() || positions.numel() == qkv.size(0) * qkv.size(1), "rotary: one position per token");
-    const Tensor rows = positions.defined() ? positions.to(qkv.device(), torch::kInt64).contiguous().view({-1})
-                                            : torch::empty({0}, qkv.options().dtype(torch::kInt64));
-    return RotaryQkvFunction::apply(qkv, q_width, k_width, head_dim, cos.contiguous(), sin.contiguous(), rows);
-  }
+  if (rotary_kernel_runs(qkv, cos))
+    return RotaryQkvFunction::apply(qkv, q_width, k_width, head_dim, cos.contiguous(), sin.contiguous(), rotary_rows(qkv, positions));
 #endif
   // q and k by one split, not two narrows: backward joins their gradients with one copy, where
   // each narrow's would fill a zero tensor of the whole width and add it.
@@ -244,12 +252,7 @@ torch::Tensor rotary(const torch::Tensor& qk, int64_t head_dim, const torch::Ten
   DSRUN_ASSERT(qk.dim() == 3 && qk.size(2) % head_dim == 0 && head_dim % 2 == 0, "rotary takes [b, s, heads · head_dim]");
   DSRUN_ASSERT(!positions.defined() || positions.numel() == qk.size(0) * qk.size(1), "rotary: one position per token");
 #ifdef DSRUN_WITH_FUSED_KERNELS
-  if (fused_kernels_active(qk) && qk.stride(2) == 1 && cos.is_cuda() && cos.scalar_type() == torch::kFloat32) {
-    // The kernel reads the tables' rows by position and the first half of each row.
-    const Tensor rows = positions.defined() ? positions.to(qk.device(), torch::kInt64).contiguous().view({-1})
-                                            : torch::empty({0}, qk.options().dtype(torch::kInt64));
-    return RotaryFunction::apply(qk, head_dim, cos.contiguous(), sin.contiguous(), rows);
-  }
+  if (rotary_kernel_runs(qk, cos)) return RotaryFunction::apply(qk, head_dim, cos.contiguous(), sin.contiguous(), rotary_rows(qk, positions));
 #endif
   return rotary_reference(qk, head_dim, cos, sin, positions);
 }

@@ -7,6 +7,9 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstddef>
+#include <cstdint>
+
 namespace dsrun_kernels {
 
 __device__ __forceinline__ float to_f32(float v) { return v; }
@@ -35,6 +38,9 @@ __device__ __forceinline__ void store4(T* p, const float (&f)[4]) {
   for (int j = 0; j < 4; ++j) x.v[j] = from_f32<T>(f[j]);
   *reinterpret_cast<Four<T>*>(p) = x;
 }
+
+// Whether p may be read or written `bytes` at a time (host side, before a launch).
+inline bool aligned_to(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 // Calls fn with a null pointer of the element type `dtype` names (for template dispatch).
 template <typename Fn>

@@ -296,22 +296,21 @@ class Planner {
     // computes the gradients during forward (one tensor rank, not fp16), each micro-batch whose
     // backward is still to come keeps its weight gradient (a pipeline's last stage under GPipe).
     double head_backward = 0;
+    // The head's weight gradient where the fused loss makes it during forward, else 0.
+    const double head_gradient_in_forward = st.has_head && cost_.loss_chunk_tokens > 0 && loss_gradients_in_forward()
+                                                ? bytes_per_element(r_.precision.dtype) * static_cast<double>(r_.model.vocab / tp_) * static_cast<double>(r_.model.hidden)
+                                                : 0;
     if (st.has_head && cost_.loss_chunk_tokens > 0) {
-      const double weight_gradient = bytes_per_element(r_.precision.dtype) * static_cast<double>(r_.model.vocab / tp_) * static_cast<double>(r_.model.hidden);
-      head_backward = cost_.loss_chunk_bytes(static_cast<double>(l.micro * r_.batch.seq_len)) + (loss_gradients_in_forward() ? (live - 1) * weight_gradient : 0);
+      head_backward = cost_.loss_chunk_bytes(static_cast<double>(l.micro * r_.batch.seq_len)) + (live - 1) * head_gradient_in_forward;
     } else if (st.has_head) {
       head_backward = l.micro * cost_.head_backward_bytes_per_sample;
     }
     const double attention_backward = st.has_blocks ? l.micro * cost_.attention_backward_bytes_per_sample / tp_ : 0;
     m.backward_peak = l.checkpointing && st.has_blocks ? std::max(head_backward, l.micro * cost_.recomputed_layer_bytes_per_sample + attention_backward)
                                                        : std::max(head_backward, attention_backward);
-    if (gradients_left_to_autograd(l)) {
-      // The fused loss makes the head's weight gradient during forward: that one is held at the peak.
-      const double head_gradient_in_forward = st.has_head && cost_.loss_chunk_tokens > 0 && loss_gradients_in_forward()
-                                                  ? bytes_per_element(r_.precision.dtype) * static_cast<double>(r_.model.vocab / tp_) * static_cast<double>(r_.model.hidden)
-                                                  : 0;
+    // Gradients left to autograd come as backward frees activations, except that one: held at the peak.
+    if (gradients_left_to_autograd(l))
       m.gradients_after_peak = std::min(std::max(0.0, m.states.grads - head_gradient_in_forward), m.activations + m.backward_peak);
-    }
     const double e = bytes_per_element(r_.precision.dtype);
     if (l.stage == 3 && dp_ > 1) {
       // The layer being computed, the prefetched next one, and one layer's full gradient before reduce-scatter.

@@ -67,12 +67,6 @@ __global__ void adam_kernel(float* __restrict__ master, float* __restrict__ exp_
   }
 }
 
-
-// Whether p + head (elements of `bytes` each) may be read four elements at a time (null: nothing to read).
-bool aligned4(const void* p, int64_t head, size_t bytes) {
-  return (reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(head) * bytes) % (4 * bytes) == 0;
-}
-
 thread_local const char* last_error = nullptr;
 
 }  // namespace
@@ -99,8 +93,10 @@ void dsrun_adam_step(float* master, float* exp_avg, float* exp_avg_sq, const voi
       // others are aligned there too (the optimizer aligns its states to the masters' ranges).
       const int64_t to_boundary = static_cast<int64_t>((16 - reinterpret_cast<uintptr_t>(master) % 16) % 16 / 4);
       const int64_t head = to_boundary < n ? to_boundary : n;
-      const bool vec = aligned4(exp_avg, head, 4) && aligned4(exp_avg_sq, head, 4) && aligned4(grad, head, sizeof(G)) &&
-                       (param_out == nullptr || aligned4(param_out, head, sizeof(P)));
+      // Whether p's elements from `head` on may be read four at a time.
+      auto four_from_head = [&](const void* p, size_t bytes) { return aligned_to(static_cast<const char*>(p) + head * bytes, 4 * bytes); };
+      const bool vec = four_from_head(exp_avg, 4) && four_from_head(exp_avg_sq, 4) && four_from_head(grad, sizeof(G)) &&
+                       (param_out == nullptr || four_from_head(param_out, sizeof(P)));
       const G* g = static_cast<const G*>(grad);
       P* out = static_cast<P*>(param_out);
       if (vec) adam_kernel<G, P, true><<<blocks, kThreads, 0, stream>>>(master, exp_avg, exp_avg_sq, g, out, n, head, grad_divisor, s);

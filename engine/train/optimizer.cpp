@@ -10,12 +10,27 @@
 #include <ATen/cuda/CUDAContext.h>
 #endif
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 
 namespace dsrun {
 
 namespace {
+// Calls fn(begin, end, decay) for the pieces of [from, to) that get weight decay and those that do
+// not, in order, none empty (decay_ranges: ascending and disjoint, flat_layout.cpp).
+void for_each_decay_piece(const MasterShard& s, int64_t from, int64_t to, const std::function<void(int64_t, int64_t, bool)>& fn) {
+  int64_t at = from;
+  for (auto [begin, end] : s.decay_ranges) {
+    const int64_t b = std::max(begin, from), e = std::min(end, to);
+    if (b >= e) continue;
+    if (at < b) fn(at, b, false);
+    fn(b, e, true);
+    at = e;
+  }
+  if (at < to) fn(at, to, false);
+}
+
 HostDType host_dtype(const torch::Tensor& t) {
   switch (t.scalar_type()) {
     case torch::kFloat32: return HostDType::F32;
@@ -80,26 +95,14 @@ void ShardOptimizer::device_adam_step(double lr) {
                       decay ? static_cast<float>(o_.weight_decay) : 0.0f, o_.kind == OptimizerKind::AdamW ? 1 : 0, bias1, bias2_sqrt, stream);
       if (const char* e = dsrun_adam_last_error()) fail_at(__FILE__, __LINE__, std::string("the Adam kernel's launch failed: ") + e);
     };
-    // [from, to) cut where weight decay starts or ends (decay_ranges: ascending, disjoint).
-    auto by_decay = [&](int64_t from, int64_t to, const std::function<void(int64_t, int64_t, bool)>& fn) {
-      int64_t at = from;
-      for (auto [begin, end] : s.decay_ranges) {
-        const int64_t b = std::max(begin, from), e = std::min(end, to);
-        if (b >= e) continue;
-        if (at < b) fn(at, b, false);
-        fn(b, e, true);
-        at = e;
-      }
-      if (at < to) fn(at, to, false);
-    };
     DSRUN_ASSERT(s.master.is_contiguous(), "device step: a contiguous master");
     if (s.grad_pieces.empty()) {
       DSRUN_ASSERT(s.grad.is_contiguous() && s.grad.numel() == s.master.numel(), "device step: a contiguous gradient as long as the master");
-      by_decay(0, s.master.numel(), [&](int64_t b, int64_t e, bool decay) { launch(b, e, decay, s.grad, b); });
+      for_each_decay_piece(s, 0, s.master.numel(), [&](int64_t b, int64_t e, bool decay) { launch(b, e, decay, s.grad, b); });
     } else {
       for (const auto& [offset, piece] : s.grad_pieces) {
         DSRUN_ASSERT(piece.is_contiguous() && offset + piece.numel() <= s.master.numel(), "device step: contiguous gradient pieces within the master");
-        by_decay(offset, offset + piece.numel(), [&, offset = offset, &piece = piece](int64_t b, int64_t e, bool decay) { launch(b, e, decay, piece, b - offset); });
+        for_each_decay_piece(s, offset, offset + piece.numel(), [&, offset = offset, &piece = piece](int64_t b, int64_t e, bool decay) { launch(b, e, decay, piece, b - offset); });
       }
     }
     s.params_written = out.defined();
@@ -125,20 +128,13 @@ void ShardOptimizer::fused_adam_step(double lr) {
     DSRUN_ASSERT(!s.clip_divisor.defined(), "libtorch's fused Adam applies no clipping decided on the device");
     const torch::Tensor grad = s.flat_grad();
     Lists& l = by_factor[s.grad_scale * s.clip_scale];
-    auto add = [&](int group, int64_t begin, int64_t end) {
-      if (end <= begin) return;
+    for_each_decay_piece(s, 0, s.master.numel(), [&](int64_t begin, int64_t end, bool decay) {
+      const int group = decay ? 1 : 0;
       l.p[group].push_back(s.master.narrow(0, begin, end - begin));
       l.g[group].push_back(grad.narrow(0, begin, end - begin));
       l.m[group].push_back(m_[k].narrow(0, begin, end - begin));
       l.v[group].push_back(v_[k].narrow(0, begin, end - begin));
-    };
-    int64_t at = 0;
-    for (auto [begin, end] : s.decay_ranges) {  // ascending and disjoint (flat_layout.cpp)
-      add(0, at, begin);
-      add(1, begin, end);
-      at = end;
-    }
-    add(0, at, s.master.numel());
+    });
   }
   const auto options = shards_[0].master.options();
   torch::Tensor step = torch::full({}, static_cast<double>(t_), options);
@@ -195,13 +191,7 @@ std::vector<std::vector<HostChunk>> ShardOptimizer::host_chunks() const {
         all[k].push_back(c);
       }
     };
-    int64_t at = 0;
-    for (auto [begin, end] : s.decay_ranges) {  // ascending and disjoint (flat_layout.cpp)
-      add(at, begin, false);
-      add(begin, end, true);
-      at = end;
-    }
-    add(at, s.master.numel(), false);
+    for_each_decay_piece(s, 0, s.master.numel(), add);
   }
   return all;
 }
