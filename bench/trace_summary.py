@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Where a step goes, from a dsrun trace (DSRUN_PROFILE=DIR, engine/train/trainer.cpp) or any
 torch profiler Chrome trace: GPU kernels and CPU operators summed by name, the most time first,
-and how much of the traced wall time the GPU was busy.
+how much of the traced wall time the GPU was busy, and where it idled (gaps between kernels by
+size, the largest with the kernels on either side).
 Usage: python3 bench/trace_summary.py TRACE.json [ROWS]"""
 import json
 import sys
@@ -14,6 +15,7 @@ def main():
         events = json.load(f)
     events = events.get("traceEvents", events) if isinstance(events, dict) else events
     sums = {"kernel": defaultdict(float), "cpu_op": defaultdict(float)}
+    kernels = []  # (start, end, name)
     calls = {"kernel": defaultdict(int), "cpu_op": defaultdict(int)}
     begin, end = float("inf"), 0.0
     for e in events:
@@ -23,6 +25,8 @@ def main():
         sums[cat][e["name"]] += dur
         calls[cat][e["name"]] += 1
         begin, end = min(begin, e["ts"]), max(end, e["ts"] + dur)
+        if cat == "kernel":
+            kernels.append((e["ts"], e["ts"] + dur, e["name"]))
     wall = max(end - begin, 1e-9)
     busy = sum(sums["kernel"].values())
     print(f"traced {wall / 1e3:.1f} ms; GPU kernels {busy / 1e3:.1f} ms ({100 * busy / wall:.0f}% of it), "
@@ -31,6 +35,25 @@ def main():
         print(f"\n{cat}: total ms, calls, name (self and children alike for operators)")
         for name, t in sorted(sums[cat].items(), key=lambda kv: -kv[1])[:rows]:
             print(f"  {t / 1e3:9.2f} {calls[cat][name]:7d}  {name[:110]}")
+    print_gaps(sorted(kernels))
+
+
+def print_gaps(kernels):
+    """The GPU's idle time between kernels (any stream), bucketed by gap length, and the largest gaps."""
+    gaps, reach, last = [], None, None
+    for start, stop, name in kernels:
+        if reach is not None and start > reach:
+            gaps.append((start - reach, last, name))
+        if reach is None or stop > reach:
+            reach, last = stop, name
+    buckets = [(0, 5), (5, 20), (20, 100), (100, 1000), (1000, float("inf"))]
+    print(f"\nGPU idle between kernels: {sum(g for g, _, _ in gaps) / 1e3:.2f} ms in {len(gaps)} gaps")
+    for lo, hi in buckets:
+        inside = [g for g, _, _ in gaps if lo <= g < hi]
+        print(f"  {lo:>5}-{hi:<6} us: {len(inside):6d} gaps, {sum(inside) / 1e3:8.2f} ms")
+    print("largest: us, after -> before")
+    for g, before, after in sorted(gaps, reverse=True)[:12]:
+        print(f"  {g:9.1f}  {before[:60]} -> {after[:60]}")
 
 
 if __name__ == "__main__":

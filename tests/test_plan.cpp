@@ -500,3 +500,18 @@ TEST_CASE("one GPU rank at ZeRO 0-2 plans no gradient buffer: the gradients, les
   const double four = plan_of(one_gpu, {"batch.micro=1"}).optimizer_seconds;
   CHECK(four > one);
 }
+
+TEST_CASE("optimizer states in bf16 halve the states' memory and take 8 bytes per parameter off the step's update", "[plan][memory]") {
+  const std::string one_gpu = "base = [\"hardware/h100-80gb-x1\", \"models/deepseek-llm-7b\"]\n[precision]\ndtype = \"bf16\"\n"
+                              "[model]\nlayers = 4\n[batch]\nseq_len = 2048\nglobal = 4\nmicro = 4\n[parallel]\nzero_stage = 0\n";
+  const Plan fp32 = plan_of(one_gpu), bf16 = plan_of(one_gpu, {"optimizer.state_dtype=bf16"});
+  CHECK(bf16.memory.states.optimizer == Approx(fp32.memory.states.optimizer / 2));
+  CHECK(bf16.memory.states.master == Approx(fp32.memory.states.master));
+  // One micro-batch, gradients left to autograd: 28 + e (the norm) bytes per parameter with fp32 states.
+  CHECK(bf16.optimizer_seconds == Approx(fp32.optimizer_seconds * (22.0 / 30.0)));
+  // Checkpoints store fp32 states either way.
+  CHECK(bf16.checkpoint_disk.bytes == Approx(fp32.checkpoint_disk.bytes));
+  // SGD's momentum follows the same setting.
+  CHECK(plan_of(one_gpu, {"optimizer.name=sgd", "optimizer.state_dtype=bf16"}).memory.states.optimizer ==
+        Approx(plan_of(one_gpu, {"optimizer.name=sgd"}).memory.states.optimizer / 2));
+}

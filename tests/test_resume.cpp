@@ -79,6 +79,25 @@ TEST_CASE("resume after a crash continues the uninterrupted trajectory bitwise, 
   CHECK(store.metric_history(crashed.id, "lr").size() == 6);
 }
 
+// optimizer.state_dtype = "bf16": the states are rounded as stored, so a checkpoint's fp32 copy of
+// them holds them exactly and the resumed run is the uninterrupted one, bit for bit.
+TEST_CASE("bf16 optimizer states: training stays near fp32 states', and a crash resumes bitwise", "[resume][optimizer]") {
+  const std::string bf16 = layout(1, 2) + kSixSteps + " --set optimizer.state_dtype=bf16";
+  TempDir whole_dir;
+  Run whole = train(whole_dir, bf16);
+  check_same_trajectory(uninterrupted(), whole, 0.01);
+  CHECK(whole.losses != uninterrupted());  // the states' rounding shows in the losses
+  TempDir dir;
+  Run crashed = train(dir, bf16, "DSRUN_TEST_CRASH_AT=1:5");
+  INFO(crashed.text);
+  REQUIRE(crashed.code == 1);
+  auto out = dsrun_command(dir, "resume " + crashed.id);
+  INFO(out.text);
+  REQUIRE(out.code == 0);
+  CHECK(contains(out.text, "resume from step 4"));
+  CHECK(recorded_losses(dir, crashed.id) == whole.losses);
+}
+
 TEST_CASE("a rank killed with SIGKILL restarts all ranks from the latest checkpoint (run.max_restarts)", "[resume][restart]") {
   TempDir dir;
   Run run = train(dir, layout(1, 2) + kSixSteps + " --set run.max_restarts=2", "DSRUN_TEST_CRASH_AT=1:5");

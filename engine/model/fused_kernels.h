@@ -1,5 +1,6 @@
-// CUDA kernels for the decoder's elementwise work (RMSNorm, rotary embedding, SwiGLU), forward and
-// backward, one pass over memory each: a flat C interface on raw pointers, so nvcc compiles no torch.
+// CUDA kernels for the decoder's elementwise work (RMSNorm, rotary embedding, SwiGLU, the loss's
+// softmax, a MoE layer's combine), forward and backward, one pass over memory each: a flat C
+// interface on raw pointers, so nvcc compiles no torch.
 #pragma once
 
 #include <cstdint>
@@ -49,6 +50,15 @@ void dsrun_softmax_gradient(const float* z, const float* lse, const int64_t* tar
 // lse[r] = log Σ_c exp(z[r, c]) over each row of fp32 z [rows, cols], in one pass over z.
 void dsrun_row_logsumexp(const float* z, float* lse, int64_t rows, int64_t cols, cudaStream_t stream);
 
+// A MoE layer's combine: out[t] = Σ_i w[t·k + i] · src[place[t·k + i]] for t < tokens, i < k,
+// accumulated in fp32 (place < 0: a dropped pair, skipped; w null: weights of 1). src [any, cols],
+// out [tokens, cols], cols a multiple of 4; w fp32 [tokens · k].
+void dsrun_combine_rows(const void* src, const int64_t* place, const float* w, void* out, int64_t tokens, int k, int64_t cols, int dtype,
+                        cudaStream_t stream);
+// Its gradient: d_src[place[p]] = w[p] · d_out[t] (rows no pair names are left as they are) and
+// d_w[p] = Σ_c d_out[t, c] · src[place[p], c] (0 for a dropped pair), p = t·k + i; w and d_w fp32.
+void dsrun_combine_rows_backward(const void* d_out, const void* src, const int64_t* place, const float* w, void* d_src, float* d_w,
+                                 int64_t tokens, int k, int64_t cols, int dtype, cudaStream_t stream);
 // The last launch error as text, or nullptr: callers turn it into an exception with file:line.
 const char* dsrun_fused_last_error(void);
 }

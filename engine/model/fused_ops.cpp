@@ -38,6 +38,17 @@ Tensor rotary_reference(const Tensor& qk, int64_t head_dim, const Tensor& cos, c
   return (x * c + rotated * sn).reshape({b, s, heads * head_dim});
 }
 
+// (fp32 products and sum, as the kernel; a dropped pair's weight is 0 and its row any)
+Tensor combine_rows_reference(const Tensor& rows, const Tensor& place, const Tensor& weights, int64_t k) {
+  const int64_t tokens = place.numel() / k;
+  const Tensor kept = place >= 0;
+  Tensor w = weights.defined() ? weights.reshape({tokens, k}) : torch::ones({tokens, k}, rows.options().dtype(torch::kFloat32));
+  w = w * kept.view({tokens, k}).to(torch::kFloat32);
+  if (rows.size(0) == 0) return torch::zeros({tokens, rows.size(1)}, rows.options());  // (every pair dropped)
+  const Tensor picked = rows.index_select(0, place.clamp_min(0)).to(torch::kFloat32).view({tokens, k, rows.size(1)});
+  return (picked * w.unsqueeze(-1)).sum(1).to(rows.scalar_type());
+}
+
 Tensor swiglu_reference(const Tensor& gate_up) {
   std::vector<Tensor> gu = gate_up.chunk(2, -1);
   return torch::silu(gu[0]) * gu[1];
@@ -201,6 +212,29 @@ struct SwigluFunction : torch::autograd::Function<SwigluFunction> {
   }
 };
 
+// rows [M, H] (M: the kept pairs), place [T·k], weights [T, k] fp32 -> [T, H].
+struct CombineRowsFunction : torch::autograd::Function<CombineRowsFunction> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& rows, const Tensor& place, const Tensor& weights) {
+    const int64_t k = weights.size(1), tokens = weights.size(0), cols = rows.size(1);
+    Tensor out = torch::empty({tokens, cols}, rows.options());
+    dsrun_combine_rows(rows.data_ptr(), place.data_ptr<int64_t>(), weights.data_ptr<float>(), out.data_ptr(), tokens, static_cast<int>(k), cols,
+                       kernel_dtype(rows), stream());
+    DSRUN_CHECK_LAUNCH();
+    ctx->save_for_backward({rows, place, weights});
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list saved = ctx->get_saved_variables();
+    const Tensor &rows = saved[0], &place = saved[1], &weights = saved[2];
+    const Tensor d_out = grads[0].contiguous();
+    Tensor d_rows = torch::empty_like(rows), d_weights = torch::empty_like(weights);
+    dsrun_combine_rows_backward(d_out.data_ptr(), rows.data_ptr(), place.data_ptr<int64_t>(), weights.data_ptr<float>(), d_rows.data_ptr(),
+                                d_weights.data_ptr<float>(), weights.size(0), static_cast<int>(weights.size(1)), rows.size(1), kernel_dtype(rows), stream());
+    DSRUN_CHECK_LAUNCH();
+    return {d_rows, Tensor(), d_weights};
+  }
+};
+
 // Whether the rotary kernels run for x [b, s, n] with these tables.
 bool rotary_kernel_runs(const Tensor& x, const Tensor& cos) {
   return fused_kernels_active(x) && x.stride(2) == 1 && cos.is_cuda() && cos.scalar_type() == torch::kFloat32;
@@ -283,6 +317,24 @@ torch::Tensor softmax_gradient(torch::Tensor& z, const torch::Tensor& lse, const
   z.mul_(scale);
   if (factor.defined()) z.mul_(factor.to(z.device(), torch::kFloat32));
   return z.to(dtype);
+}
+
+torch::Tensor combine_rows(const torch::Tensor& rows, const torch::Tensor& place, const torch::Tensor& weights, int64_t k) {
+  DSRUN_ASSERT(rows.dim() == 2 && place.dim() == 1 && k > 0 && place.numel() % k == 0 && place.scalar_type() == torch::kInt64, "combine_rows takes rows [M, H] and place [T·k]");
+  DSRUN_ASSERT(!weights.defined() || (weights.scalar_type() == torch::kFloat32 && weights.numel() == place.numel()), "combine_rows: fp32 weights, one per pair");
+  DSRUN_ASSERT(weights.defined() || !torch::GradMode::is_enabled() || !rows.requires_grad(), "combine_rows without weights is for backward passes");
+#ifdef DSRUN_WITH_FUSED_KERNELS
+  if (fused_kernels_active(rows) && rows.size(1) % 4 == 0 && rows.size(0) > 0 && place.is_cuda()) {
+    const Tensor r = rows.contiguous(), p = place.contiguous();
+    const int64_t tokens = place.numel() / k;
+    if (weights.defined()) return CombineRowsFunction::apply(r, p, weights.reshape({tokens, k}).contiguous());
+    Tensor out = torch::empty({tokens, rows.size(1)}, rows.options());
+    dsrun_combine_rows(r.data_ptr(), p.data_ptr<int64_t>(), nullptr, out.data_ptr(), tokens, static_cast<int>(k), rows.size(1), kernel_dtype(rows), stream());
+    DSRUN_CHECK_LAUNCH();
+    return out;
+  }
+#endif
+  return combine_rows_reference(rows, place, weights, k);
 }
 
 torch::Tensor row_logsumexp(const torch::Tensor& z) {

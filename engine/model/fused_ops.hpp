@@ -1,5 +1,5 @@
-// The decoder's elementwise ops (RMSNorm, rotary embedding, SwiGLU) as autograd functions: on CUDA
-// one fused kernel forward and one backward each (fused_kernels.cu); elsewhere plain libtorch ops.
+// The decoder's elementwise ops (RMSNorm, rotary embedding, SwiGLU, a MoE layer's combine) as autograd
+// functions: on CUDA one fused kernel forward and one backward each (fused_kernels.cu); elsewhere plain libtorch ops.
 #pragma once
 
 #include <torch/torch.h>
@@ -35,6 +35,13 @@ torch::Tensor swiglu_backward(const torch::Tensor& gate_up, const torch::Tensor&
 // or undefined. One pass on CUDA; elsewhere z is overwritten on the way.
 torch::Tensor softmax_gradient(torch::Tensor& z, const torch::Tensor& lse, const torch::Tensor& column, const torch::Tensor& here,
                                double scale, const torch::Tensor& factor, torch::ScalarType dtype);
+
+// A MoE layer's combine: out [T, H], out[t] = Σ_i weights[t, i] · rows[place[t·k + i]] over token
+// t's k = weights.size(1) choices, summed in fp32 and rounded once to rows' dtype. place: [T · k]
+// int64 on rows' device, the row of each (token, choice) pair, or -1 for a pair that has none (dropped
+// by a capacity). weights: [T, k] fp32 with autograd; undefined: weights of 1, for backward passes
+// (no gradient flows then). On CUDA one kernel each way, no [T · k, H] intermediate.
+torch::Tensor combine_rows(const torch::Tensor& rows, const torch::Tensor& place, const torch::Tensor& weights, int64_t k);
 
 // log Σ exp over each row of fp32 z [rows, V] -> [rows] fp32 (one pass on CUDA).
 torch::Tensor row_logsumexp(const torch::Tensor& z);

@@ -18,8 +18,9 @@ ModelStateBytes plan_model_states_per_rank(const ModelStateOptions& o) {
   const bool mixed = o.dtype != DType::Fp32;
   const double e = mixed ? 2 : 4;                          // working weights and gradients
   const double master_per_param = mixed ? 4 : 0;           // fp32 master copy (fp32 training updates in place)
-  double optimizer_per_param = 8;                          // Adam: fp32 m and v
-  if (o.optimizer == OptimizerKind::Sgd) optimizer_per_param = o.momentum > 0 ? 4 : 0;
+  const double state = bytes_per_element(o.state_dtype);   // each per-element state
+  double optimizer_per_param = 2 * state;                  // Adam: m and v
+  if (o.optimizer == OptimizerKind::Sgd) optimizer_per_param = o.momentum > 0 ? state : 0;
 
   ModelStateBytes b;
   b.params = (o.zero_stage >= 3 ? shard : psi) * e;
@@ -261,6 +262,7 @@ class Planner {
     o.dtype = r_.precision.dtype;
     o.optimizer = r_.optimizer.kind;
     o.momentum = r_.optimizer.momentum;
+    o.state_dtype = r_.optimizer.state_dtype;
     o.offload = r_.parallel.offload;
     o.same_memory = hw.ranks_share_memory();
     o.delayed_update = r_.parallel.delayed_update;
@@ -976,12 +978,12 @@ class Planner {
   void predict_time(Plan& p) {
     p.compute_seconds = compute_seconds(p);
     // The optimizer step is memory-bound. Per parameter of the shard it reads and writes the fp32
-    // weights (8 bytes) and each fp32 state (8 bytes each: Adam's m and v, SGD's momentum), reads
-    // the gradient, and with mixed precision writes the working copy.
+    // weights (8 bytes) and each state (8 bytes each in fp32, 4 in bf16: Adam's m and v, SGD's
+    // momentum), reads the gradient, and with mixed precision writes the working copy.
     const double e = bytes_per_element(r_.precision.dtype);
     const bool mixed = r_.precision.dtype != DType::Fp32;
     int states = r_.optimizer.kind == OptimizerKind::Sgd ? (r_.optimizer.momentum > 0 ? 1 : 0) : 2;
-    double touched = 8 + 8.0 * states + e + (mixed ? e : 0);
+    double touched = 8 + 2.0 * bytes_per_element(r_.optimizer.state_dtype) * states + e + (mixed ? e : 0);
     const double shard = p.layout.zero_stage >= 1 ? shard_params() : rank_params_ + rank_expert_params_;
     // Offloaded, the step runs on the host, whose memory bandwidth the node's ranks share.
     const bool host_step = p.layout.offload != Offload::None && r_.hardware.device == Device::Cuda;

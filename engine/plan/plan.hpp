@@ -30,6 +30,7 @@ struct ModelStateOptions {
   DType dtype = DType::Fp32;
   OptimizerKind optimizer = OptimizerKind::AdamW;
   double momentum = 0.9;  // SGD: 0 keeps no momentum buffer
+  DType state_dtype = DType::Fp32;  // optimizer.state_dtype: each state's bytes per parameter
   Offload offload = Offload::None;
   bool same_memory = false;  // CPU ranks: host and device are one memory (the parameters are written in place)
   bool delayed_update = false;  // offload: a second gradient staging buffer, and a separate upload buffer

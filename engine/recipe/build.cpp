@@ -313,6 +313,7 @@ void build_optimizer(Builder& c, Recipe& r) {
   o.momentum = c.f("optimizer.momentum");
   o.nesterov = c.b("optimizer.nesterov");
   o.grad_clip = c.f("optimizer.grad_clip");
+  o.state_dtype = c.s("optimizer.state_dtype") == "bf16" ? DType::Bf16 : DType::Fp32;
   if (o.kind == OptimizerKind::Sgd && o.nesterov && o.momentum == 0)
     c.error("optimizer.nesterov", "Nesterov momentum needs momentum > 0", "set optimizer.momentum, or nesterov = false", {"optimizer.momentum"});
 }

@@ -193,6 +193,9 @@ struct OptimizerOptions {
   double momentum = 0.9;
   bool nesterov = false;
   double grad_clip = 1.0;  // 0: off
+  // Every per-element state (Adam's m and v, SGD's momentum) in fp32, or in bf16 (DeepSeek-V3):
+  // updated in fp32, rounded to nearest as stored. Checkpoints keep them in fp32 either way.
+  DType state_dtype = DType::Fp32;
 };
 
 enum class ScheduleKind { Constant, Linear, Cosine, OneCycle, MultiStep, Wsd };

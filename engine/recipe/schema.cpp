@@ -214,6 +214,10 @@ std::vector<KeySpec> build_schema() {
       ranged("optimizer.momentum", T::Float, "0.9", 0, 0.999999, "SGD momentum."),
       key("optimizer.nesterov", T::Bool, "false", "SGD: Nesterov momentum."),
       ranged("optimizer.grad_clip", T::Float, "1.0", 0, 1e9, "Clip the global gradient norm (over all shards) to this; 0: no clipping."),
+      choice("optimizer.state_dtype", "fp32", {"fp32", "bf16"},
+             "The optimizer's per-element states (Adam's first and second moments, SGD's momentum): fp32, or bf16 as DeepSeek-V3 "
+             "keeps AdamW's moments (updated in fp32, rounded to nearest when stored): half their memory, and on a GPU 8 of "
+             "the update's 28 bytes per parameter. Checkpoints store them in fp32 either way, so a run resumes with either."),
 
       // ---- schedule
       choice("schedule.name", "cosine", {"constant", "linear", "cosine", "onecycle", "multistep", "wsd"},

@@ -1,6 +1,7 @@
 // The kernel behind adam_kernel.h: one pass over the master weights, both states, the gradient and
-// the working parameters (28 bytes per bf16 parameter, against 40 for a gradient conversion to fp32,
-// PyTorch's fused Adam and a copy back to bf16 one after another). Compiled only for CUDA builds.
+// the working parameters (28 bytes per bf16 parameter, 20 with bf16 states, against 40 for a gradient
+// conversion to fp32, PyTorch's fused Adam and a copy back to bf16 one after another). Compiled only
+// for CUDA builds.
 #include "engine/train/adam_kernel.h"
 
 #include "engine/model/kernel_types.cuh"
@@ -33,17 +34,18 @@ __device__ __forceinline__ void adam_update(float& w, float& m, float& v, float 
 // array where every pointer is then aligned to four elements (VEC), otherwise four single ones; the
 // grid walks the range. The first `head` elements (fewer than four: up to the master's 16-byte
 // boundary) go one each to the first block's first threads.
-template <typename G, typename P, bool VEC>
-__global__ void adam_kernel(float* __restrict__ master, float* __restrict__ exp_avg, float* __restrict__ exp_avg_sq,
+// S: the states' element type (fp32, or bf16 rounded to nearest after each update).
+template <typename S, typename G, typename P, bool VEC>
+__global__ void adam_kernel(float* __restrict__ master, S* __restrict__ exp_avg, S* __restrict__ exp_avg_sq,
                             const G* __restrict__ grad, P* __restrict__ out, int64_t n, int64_t head,
                             const float* __restrict__ divisor, AdamScalars s) {
   const float factor = divisor ? s.grad_factor / *divisor : s.grad_factor;
   auto one = [&](int64_t i) {
-    float w = master[i], m = exp_avg[i], v = exp_avg_sq[i];
+    float w = master[i], m = to_f32(exp_avg[i]), v = to_f32(exp_avg_sq[i]);
     adam_update(w, m, v, to_f32(grad[i]) * factor, s);
     master[i] = w;
-    exp_avg[i] = m;
-    exp_avg_sq[i] = v;
+    exp_avg[i] = from_f32<S>(m);
+    exp_avg_sq[i] = from_f32<S>(v);
     if (out) out[i] = from_f32<P>(w);
   };
   if (blockIdx.x == 0 && threadIdx.x < head) one(threadIdx.x);
@@ -73,7 +75,7 @@ thread_local const char* last_error = nullptr;
 
 extern "C" {
 
-void dsrun_adam_step(float* master, float* exp_avg, float* exp_avg_sq, const void* grad, int grad_dtype, void* param_out,
+void dsrun_adam_step(float* master, void* exp_avg, void* exp_avg_sq, int state_dtype, const void* grad, int grad_dtype, void* param_out,
                      int param_dtype, int64_t n, float grad_factor, const float* grad_divisor, float lr, float beta1, float beta2,
                      float eps, float weight_decay, int decoupled, float bias_correction1, float bias_correction2_sqrt,
                      cudaStream_t stream) {
@@ -85,22 +87,27 @@ void dsrun_adam_step(float* master, float* exp_avg, float* exp_avg_sq, const voi
   constexpr int kThreads = 256;
   const int64_t wanted = (n + kThreads * 4 - 1) / (kThreads * 4);
   const int blocks = static_cast<int>(wanted < 132 * 8 ? wanted : 132 * 8);
-  dispatch(grad_dtype, [&](auto* grad_tag) {
-    using G = std::remove_pointer_t<decltype(grad_tag)>;
-    dispatch(param_dtype, [&](auto* param_tag) {
-      using P = std::remove_pointer_t<decltype(param_tag)>;
-      // Up to the master's 16-byte boundary one at a time; from there four at a time where the
-      // others are aligned there too (the optimizer aligns its states to the masters' ranges).
-      const int64_t to_boundary = static_cast<int64_t>((16 - reinterpret_cast<uintptr_t>(master) % 16) % 16 / 4);
-      const int64_t head = to_boundary < n ? to_boundary : n;
-      // Whether p's elements from `head` on may be read four at a time.
-      auto four_from_head = [&](const void* p, size_t bytes) { return aligned_to(static_cast<const char*>(p) + head * bytes, 4 * bytes); };
-      const bool vec = four_from_head(exp_avg, 4) && four_from_head(exp_avg_sq, 4) && four_from_head(grad, sizeof(G)) &&
-                       (param_out == nullptr || four_from_head(param_out, sizeof(P)));
-      const G* g = static_cast<const G*>(grad);
-      P* out = static_cast<P*>(param_out);
-      if (vec) adam_kernel<G, P, true><<<blocks, kThreads, 0, stream>>>(master, exp_avg, exp_avg_sq, g, out, n, head, grad_divisor, s);
-      else adam_kernel<G, P, false><<<blocks, kThreads, 0, stream>>>(master, exp_avg, exp_avg_sq, g, out, n, head, grad_divisor, s);
+  dispatch(state_dtype, [&](auto* state_tag) {
+    using S = std::remove_pointer_t<decltype(state_tag)>;
+    dispatch(grad_dtype, [&](auto* grad_tag) {
+      using G = std::remove_pointer_t<decltype(grad_tag)>;
+      dispatch(param_dtype, [&](auto* param_tag) {
+        using P = std::remove_pointer_t<decltype(param_tag)>;
+        // Up to the master's 16-byte boundary one at a time; from there four at a time where the
+        // others are aligned there too (the optimizer aligns its states to the masters' ranges).
+        const int64_t to_boundary = static_cast<int64_t>((16 - reinterpret_cast<uintptr_t>(master) % 16) % 16 / 4);
+        const int64_t head = to_boundary < n ? to_boundary : n;
+        // Whether p's elements from `head` on may be read four at a time.
+        auto four_from_head = [&](const void* p, size_t bytes) { return aligned_to(static_cast<const char*>(p) + head * bytes, 4 * bytes); };
+        const bool vec = four_from_head(exp_avg, sizeof(S)) && four_from_head(exp_avg_sq, sizeof(S)) && four_from_head(grad, sizeof(G)) &&
+                         (param_out == nullptr || four_from_head(param_out, sizeof(P)));
+        S* m = static_cast<S*>(exp_avg);
+        S* v = static_cast<S*>(exp_avg_sq);
+        const G* g = static_cast<const G*>(grad);
+        P* out = static_cast<P*>(param_out);
+        if (vec) adam_kernel<S, G, P, true><<<blocks, kThreads, 0, stream>>>(master, m, v, g, out, n, head, grad_divisor, s);
+        else adam_kernel<S, G, P, false><<<blocks, kThreads, 0, stream>>>(master, m, v, g, out, n, head, grad_divisor, s);
+      });
     });
   });
   const cudaError_t e = cudaGetLastError();

@@ -9,7 +9,9 @@
 
 extern "C" {
 
-// The gradient's and the working parameters' element types: DsrunFusedDType (fused_kernels.h).
+// The states', the gradient's and the working parameters' element types: DsrunFusedDType
+// (fused_kernels.h). States in bf16 (DeepSeek-V3's choice) are read, updated in fp32 and rounded
+// to nearest as they are written.
 //
 // For each of the n elements, in fp32:
 //   g  = grad · grad_factor / (*grad_divisor, where grad_divisor is not null)
@@ -20,7 +22,7 @@ extern "C" {
 // Adam's update (ATen's fused_adam_utils.cuh) with the gradient's conversion to fp32, its averaging
 // and clipping (grad_divisor: a factor decided on the device, with no host read of the norm), and
 // the weights' publication to the working dtype folded into the same pass.
-void dsrun_adam_step(float* master, float* exp_avg, float* exp_avg_sq, const void* grad, int grad_dtype, void* param_out,
+void dsrun_adam_step(float* master, void* exp_avg, void* exp_avg_sq, int state_dtype, const void* grad, int grad_dtype, void* param_out,
                      int param_dtype, int64_t n, float grad_factor, const float* grad_divisor, float lr, float beta1, float beta2,
                      float eps, float weight_decay, int decoupled, float bias_correction1, float bias_correction2_sqrt,
                      cudaStream_t stream);

@@ -337,7 +337,8 @@ void CheckpointSaver::save(RankTrainingState& s, const CheckpointRunFacts& facts
       torch::Tensor src = shard_of(s, kind, p.unit).narrow(0, p.shard_offset, n);
       // Synchronous: nothing moves while the rank writes, so host shards are written where they
       // are and a GPU's slices are copied down one at a time as the file is written.
-      if (!o_.async && src.is_cuda()) {
+      // (states kept in bf16 are written in fp32 too: converted as they are copied)
+      if (!o_.async && (src.is_cuda() || src.scalar_type() != torch::kFloat32)) {
         job->file.add(slice_tensor_name(p.name, kind), "F32", {n}, [src, n](char* out) { torch::from_blob(out, {n}, torch::kFloat32).copy_(src); });
         continue;
       }

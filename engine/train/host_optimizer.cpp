@@ -128,6 +128,9 @@ void host_optimizer_step(const HostChunk& c, const HostStep& st) {
   const bool adam = st.rule != HostRule::Sgd;
   const bool decay = c.decay && st.weight_decay > 0;
   alignas(64) float g[kBlock];
+  alignas(64) float m_wide[kBlock], v_wide[kBlock];  // bf16 states, widened for the block
+  const bool wide_states = c.state_dtype == HostDType::BF16;
+  DSRUN_ASSERT(c.state_dtype == HostDType::F32 || wide_states, "optimizer states in fp32 or bf16");
   for (int64_t at = 0; at < c.n; at += kBlock) {
     const int64_t n = std::min(kBlock, c.n - at);
     switch (c.grad_dtype) {
@@ -137,8 +140,24 @@ void host_optimizer_step(const HostChunk& c, const HostStep& st) {
     }
     float* p = c.master + at;
     if (decay && st.rule != HostRule::AdamW) l2_into_gradient(p, g, n, s.weight_decay);
-    if (adam) adamw_block(p, c.m + at, c.v + at, g, n, s, decay && st.rule == HostRule::AdamW);
-    else sgd_block(p, c.m ? c.m + at : nullptr, g, n, s, st.nesterov);
+    float* m = c.m ? static_cast<float*>(c.m) + at : nullptr;
+    float* v = c.v ? static_cast<float*>(c.v) + at : nullptr;
+    if (wide_states) {
+      if (c.m) {
+        widen_bf16(static_cast<const uint16_t*>(c.m) + at, m_wide, n, 1, 1);
+        m = m_wide;
+      }
+      if (c.v) {
+        widen_bf16(static_cast<const uint16_t*>(c.v) + at, v_wide, n, 1, 1);
+        v = v_wide;
+      }
+    }
+    if (adam) adamw_block(p, m, v, g, n, s, decay && st.rule == HostRule::AdamW);
+    else sgd_block(p, m, g, n, s, st.nesterov);
+    if (wide_states) {
+      if (c.m) narrow_bf16(m_wide, static_cast<uint16_t*>(c.m) + at, n);
+      if (c.v) narrow_bf16(v_wide, static_cast<uint16_t*>(c.v) + at, n);
+    }
     if (!c.param_out) continue;
     switch (c.param_dtype) {
       case HostDType::F32: std::memcpy(static_cast<float*>(c.param_out) + at, p, static_cast<size_t>(n) * 4); break;

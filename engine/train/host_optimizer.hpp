@@ -18,8 +18,8 @@ enum class HostDType { F32, BF16, F16 };
 // has none; SGD uses `m` as its momentum buffer).
 struct HostChunk {
   float* master = nullptr;
-  float* m = nullptr;
-  float* v = nullptr;
+  void* m = nullptr;           // `n` elements of state_dtype each (F32 or BF16)
+  void* v = nullptr;
   const void* grad = nullptr;  // `n` elements of grad_dtype
   HostDType grad_dtype = HostDType::F32;
   void* param_out = nullptr;   // the working parameters to write (n elements of param_dtype), or null
@@ -28,11 +28,13 @@ struct HostChunk {
   double clip_scale = 1;       // global-norm clipping (1: none), applied second
   int64_t n = 0;
   bool decay = false;          // weight decay applies here (matrices, not norms or biases)
+  HostDType state_dtype = HostDType::F32;  // m's and v's
 };
 
 enum class HostRule { AdamW, Adam, Sgd };
 
-// The step's scalars. The arithmetic follows the plain expressions of ShardOptimizer as torch's
+// The step's scalars. States in bf16 are widened, updated as below and rounded to nearest as
+// stored; the update of the weights uses their fp32 values. The arithmetic follows the plain expressions of ShardOptimizer as torch's
 // vectorised CPU kernels round them (one rounding per op; add-with-alpha and addcmul fused multiply-adds),
 // in fp32: g = (g·grad_scale)·clip_scale (the chunk's factors);
 // AdamW: p·(1-lr·wd), m = m·β1 + (1-β1)·g, v = v·β2 + (1-β2)·g·g, p += (-lr/(1-β1^t) · m) / (sqrt(v/(1-β2^t)) + ε);

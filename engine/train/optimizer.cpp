@@ -44,19 +44,21 @@ HostDType host_dtype(const torch::Tensor& t) {
 ShardOptimizer::ShardOptimizer(const OptimizerOptions& options, std::vector<MasterShard>& shards, int host_threads, const std::vector<int>& host_cpus)
     : o_(options), shards_(shards), pool_(std::max(1, host_threads), host_cpus) {
   // States live beside their master weights (in pinned host memory when offloaded), each state in
-  // one block sliced per shard (the pinned allocator would round per-shard blocks up to powers of two).
+  // one block sliced per shard (the pinned allocator would round per-shard blocks up to powers of
+  // two), in optimizer.state_dtype.
   const bool sgd = o_.kind == OptimizerKind::Sgd;
-  // Each shard's slot starts on a 16-byte boundary, as its master does (its own allocation): the
-  // device kernel reads four elements at a time where master and states are aligned alike.
+  const torch::ScalarType state_type = o_.state_dtype == DType::Bf16 ? torch::kBFloat16 : torch::kFloat32;
+  // Each shard's slot starts on a boundary of four elements, as its master does on a 16-byte one (its
+  // own allocation): the device kernel reads four elements at a time where master and states are aligned alike.
   auto aligned = [](int64_t n) { return (n + 3) / 4 * 4; };
   int64_t total = 0;
   for (auto& s : shards_) total += aligned(s.master.numel());
   auto block = [&] {
     if (shards_.empty()) return torch::Tensor();
     const auto& first = shards_[0].master;
-    if (!first.is_pinned()) return torch::zeros({total}, first.options());
+    if (!first.is_pinned()) return torch::zeros({total}, first.options().dtype(state_type));
     try {
-      return pinned_host_tensor(total, torch::kFloat32).zero_();
+      return pinned_host_tensor(total, state_type).zero_();
     } catch (const std::exception& e) {  // out of pinnable host memory: say which setting holds it
       ErrorContext c;
       c.key = "parallel.offload";
@@ -87,8 +89,8 @@ void ShardOptimizer::device_adam_step(double lr) {
     const float* divisor = s.clip_divisor.defined() ? s.clip_divisor.data_ptr<float>() : nullptr;
     // Elements [begin, end) of the shard, whose gradient starts at `grad`.
     auto launch = [&](int64_t begin, int64_t end, bool decay, const torch::Tensor& g, int64_t g_begin) {
-      dsrun_adam_step(s.master.data_ptr<float>() + begin, m_[k].data_ptr<float>() + begin, v_[k].data_ptr<float>() + begin,
-                      static_cast<const char*>(g.data_ptr()) + g_begin * g.element_size(), dtype(g),
+      dsrun_adam_step(s.master.data_ptr<float>() + begin, static_cast<char*>(m_[k].data_ptr()) + begin * m_[k].element_size(),
+                      static_cast<char*>(v_[k].data_ptr()) + begin * v_[k].element_size(), dtype(m_[k]), static_cast<const char*>(g.data_ptr()) + g_begin * g.element_size(), dtype(g),
                       out.defined() ? static_cast<char*>(out.data_ptr()) + begin * out.element_size() : nullptr,
                       out.defined() ? dtype(out) : DSRUN_F32, end - begin, factor, divisor, static_cast<float>(lr),
                       static_cast<float>(o_.beta1), static_cast<float>(o_.beta2), static_cast<float>(o_.eps),
@@ -176,8 +178,9 @@ std::vector<std::vector<HostChunk>> ShardOptimizer::host_chunks() const {
       for (int64_t at = begin; at < end; at += kHostChunk) {
         HostChunk c;
         c.master = s.master.data_ptr<float>() + at;
-        c.m = m_[k].defined() ? m_[k].data_ptr<float>() + at : nullptr;
-        c.v = v_[k].defined() ? v_[k].data_ptr<float>() + at : nullptr;
+        c.m = m_[k].defined() ? static_cast<char*>(m_[k].data_ptr()) + at * m_[k].element_size() : nullptr;
+        c.v = v_[k].defined() ? static_cast<char*>(v_[k].data_ptr()) + at * v_[k].element_size() : nullptr;
+        c.state_dtype = o_.state_dtype == DType::Bf16 ? HostDType::BF16 : HostDType::F32;
         c.grad = grad + at * s.grad.element_size();
         c.grad_dtype = grad_dtype;
         c.grad_scale = s.grad_scale;
@@ -230,7 +233,7 @@ void ShardOptimizer::step(double lr) {
     device_adam_step(lr);
     return;
   }
-  if (o_.kind != OptimizerKind::Sgd && compat::kHasFusedAdam) {
+  if (o_.kind != OptimizerKind::Sgd && compat::kHasFusedAdam && o_.state_dtype == DType::Fp32) {
     fused_adam_step(lr);
     return;
   }
@@ -256,10 +259,11 @@ void ShardOptimizer::step(double lr) {
             decay(o_.weight_decay, true);  // L2: g += wd·p
           }
         }
-        torch::Tensor& m = m_[k];
-        torch::Tensor& v = v_[k];
+        // (states in bf16: updated in fp32, as the kernels do, and rounded once as stored)
+        torch::Tensor m = m_[k].to(torch::kFloat32), v = v_[k].to(torch::kFloat32);
         m.mul_(o_.beta1).add_(g, 1 - o_.beta1);             // m = β1 m + (1-β1) g
         v.mul_(o_.beta2).addcmul_(g, g, 1 - o_.beta2);      // v = β2 v + (1-β2) g²
+        if (!m.is_same(m_[k])) m_[k].copy_(m), v_[k].copy_(v);
         const double bias1 = 1 - std::pow(o_.beta1, static_cast<double>(t_));
         const double bias2 = 1 - std::pow(o_.beta2, static_cast<double>(t_));
         torch::Tensor denom = (v / bias2).sqrt_().add_(o_.eps);  // sqrt(v̂) + ε
@@ -272,8 +276,9 @@ void ShardOptimizer::step(double lr) {
           decay(o_.weight_decay, true);
         }
         if (o_.momentum > 0) {
-          torch::Tensor& buf = m_[k];
+          torch::Tensor buf = m_[k].to(torch::kFloat32);
           buf.mul_(o_.momentum).add_(g);                     // b = μ b + g
+          if (!buf.is_same(m_[k])) m_[k].copy_(buf);
           if (o_.nesterov) g = g.add(buf, o_.momentum);      // g + μ b
           else g = buf;
         }
