@@ -725,7 +725,20 @@ TEST_CASE("CUDA: dsrun's Adam kernel (bf16 gradients, a clip decided on the devi
     device[0].master = backing.narrow(0, 1, n).copy_(start);
     device[0].param_out = torch::zeros({n}, torch::TensorOptions().dtype(torch::kBFloat16).device(gpu));
     ShardOptimizer ours_host(o, host), ours_device(o, device);
-    for (int step = 0; step < 3; ++step) {
+    // bf16 states: one step from the same random states. (Over several steps the two would part:
+    // nvcc contracts m and v into fused multiply-adds, the fp32 values differ in the last bit, and
+    // where one sits at a bf16 rounding midpoint the stored states differ by one bf16 ulp, which
+    // moves the next update by up to 0.8%.)
+    const bool bf16 = states == DType::Bf16;
+    if (bf16) {
+      const torch::Tensor m0 = (torch::randn({n}) * 0.1).to(torch::kBFloat16), v0 = (torch::rand({n}) * 0.01).to(torch::kBFloat16);
+      for (ShardOptimizer* opt : {&ours_host, &ours_device}) {
+        opt->set_steps_taken(6);
+        opt->state("exp_avg", 0).copy_(m0);
+        opt->state("exp_avg_sq", 0).copy_(v0);
+      }
+    }
+    for (int step = 0; step < (bf16 ? 1 : 3); ++step) {
       const torch::Tensor g = (torch::randn({n}) * 3).to(torch::kBFloat16);
       host[0].grad = g.clone();
       host[0].grad_scale = 0.5;
@@ -738,15 +751,22 @@ TEST_CASE("CUDA: dsrun's Adam kernel (bf16 gradients, a clip decided on the devi
       CHECK(device[0].params_written);
     }
     const torch::Tensor master = device[0].master.cpu();
-    INFO(to_string(kind) << (states == DType::Bf16 ? ", bf16 states" : ""));
+    INFO(to_string(kind) << (bf16 ? ", bf16 states" : ""));
     CHECK(torch::allclose(master, host[0].master, 1e-5, 1e-6));
     CHECK(torch::equal(device[0].param_out.cpu(), master.to(torch::kBFloat16)));
-    // (nvcc contracts m and v into fused multiply-adds: in bf16 a value near a rounding tie may land one ulp over)
-    const double state_tolerance = states == DType::Bf16 ? 8e-3 : 1e-5;
     for (const std::string& name : ours_host.state_names()) {
-      const torch::Tensor d = ours_device.state(name, 0).cpu(), h = ours_host.state(name, 0);
-      CHECK(d.scalar_type() == (states == DType::Bf16 ? torch::kBFloat16 : torch::kFloat32));
-      CHECK(torch::allclose(d.to(torch::kFloat32), h.to(torch::kFloat32), state_tolerance, 1e-7));
+      const torch::Tensor d = ours_device.state(name, 0).cpu().to(torch::kFloat32), h = ours_host.state(name, 0).to(torch::kFloat32);
+      CHECK(ours_device.state(name, 0).scalar_type() == (bf16 ? torch::kBFloat16 : torch::kFloat32));
+      if (!bf16) {
+        CHECK(torch::allclose(d, h, 1e-5, 1e-7));  // (the same contraction, in the last bits)
+        continue;
+      }
+      // At most one bf16 ulp apart (2^-7 of the value), and that only at rounding midpoints: a few
+      // percent of the elements (more than the last bit alone would flip: m = β1·m + (1-β1)·g cancels).
+      const double differing = (d != h).sum().item<double>() / static_cast<double>(n);
+      INFO(name << ": " << differing * 100 << "% differ, the largest by " << ((d - h).abs() / h.abs().clamp_min(1e-30)).max().item<double>() << " of the value");
+      CHECK(torch::allclose(d, h, 1.0 / 128, 0));
+      CHECK(differing < 0.05);
     }
   }
 }

@@ -20,9 +20,10 @@ constexpr int kMaxPerThread = 16;  // columns per thread in the RMSNorm kernels 
 
 // 256 threads where they divide the row: twice the warps of 128 per row for the same registers
 // per thread (an H100 profile of the 1B decoder: the backward at 128 threads, 2 blocks per SM, ran
-// at a sixth of memory bandwidth).
+// at a sixth of memory bandwidth). At most 512: the backward's 16 columns a thread take 118
+// registers, too many for 1024 threads a block.
 int norm_threads(int64_t cols) {
-  for (int t : {256, 512, 1024, 128})
+  for (int t : {256, 512, 128})
     if (cols % t == 0 && cols / t <= kMaxPerThread) return t;
   return 0;
 }
@@ -49,13 +50,13 @@ __device__ __forceinline__ int64_t column(int j, int per) {
   return VEC ? static_cast<int64_t>(threadIdx.x) * per + j : threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
 }
 
-template <typename T, bool VEC>
-__device__ __forceinline__ void load_row(const T* row, int per, float (&v)[kMaxPerThread]) {
+template <typename T, bool VEC, int N>
+__device__ __forceinline__ void load_row(const T* row, int per, float (&v)[N]) {
   if constexpr (VEC) {
     constexpr int E = 16 / sizeof(T);  // elements per 16-byte piece
     const uint4* src = reinterpret_cast<const uint4*>(row + static_cast<int64_t>(threadIdx.x) * per);
 #pragma unroll
-    for (int k = 0; k < kMaxPerThread / E; ++k)
+    for (int k = 0; k < N / E; ++k)
       if (k * E < per) {
         const uint4 raw = src[k];
         const T* e = reinterpret_cast<const T*>(&raw);
@@ -64,18 +65,18 @@ __device__ __forceinline__ void load_row(const T* row, int per, float (&v)[kMaxP
       }
   } else {
 #pragma unroll
-    for (int j = 0; j < kMaxPerThread; ++j)
+    for (int j = 0; j < N; ++j)
       if (j < per) v[j] = to_f32(row[column<false>(j, per)]);
   }
 }
 
-template <typename T, bool VEC>
-__device__ __forceinline__ void store_row(T* row, int per, const float (&v)[kMaxPerThread]) {
+template <typename T, bool VEC, int N>
+__device__ __forceinline__ void store_row(T* row, int per, const float (&v)[N]) {
   if constexpr (VEC) {
     constexpr int E = 16 / sizeof(T);
     uint4* dst = reinterpret_cast<uint4*>(row + static_cast<int64_t>(threadIdx.x) * per);
 #pragma unroll
-    for (int k = 0; k < kMaxPerThread / E; ++k)
+    for (int k = 0; k < N / E; ++k)
       if (k * E < per) {
         uint4 raw;
         T* e = reinterpret_cast<T*>(&raw);
@@ -85,51 +86,53 @@ __device__ __forceinline__ void store_row(T* row, int per, const float (&v)[kMax
       }
   } else {
 #pragma unroll
-    for (int j = 0; j < kMaxPerThread; ++j)
+    for (int j = 0; j < N; ++j)
       if (j < per) row[column<false>(j, per)] = from_f32<T>(v[j]);
   }
 }
 
-// One block per row.
-template <typename T, bool VEC>
+// One block per row; N >= cols / blockDim (the per-thread arrays' size: registers, and so blocks per SM).
+template <typename T, bool VEC, int N>
 __global__ void rms_norm_forward_kernel(const T* x, const T* w, T* y, float* rstd, int64_t cols, float eps) {
   __shared__ float shared[32];
   const int per = static_cast<int>(cols / blockDim.x);
-  float v[kMaxPerThread];
-  load_row<T, VEC>(x + blockIdx.x * cols, per, v);
+  float v[N];
+  load_row<T, VEC, N>(x + blockIdx.x * cols, per, v);
   float sq = 0;
 #pragma unroll
-  for (int j = 0; j < kMaxPerThread; ++j)
+  for (int j = 0; j < N; ++j)
     if (j < per) sq += v[j] * v[j];
   const float r = rsqrtf(block_sum(sq, shared) / static_cast<float>(cols) + eps);
   if (threadIdx.x == 0) rstd[blockIdx.x] = r;
 #pragma unroll
-  for (int j = 0; j < kMaxPerThread; ++j)
+  for (int j = 0; j < N; ++j)
     if (j < per) v[j] = round_via<T>(v[j] * r) * to_f32(w[column<VEC>(j, per)]);
-  store_row<T, VEC>(y + blockIdx.x * cols, per, v);
+  store_row<T, VEC, N>(y + blockIdx.x * cols, per, v);
 }
 
 // Each block walks rows blockIdx.x, blockIdx.x + gridDim.x, ...; dx per row, and its own partial
 // sum of dw kept in registers and written once (no atomics).
-template <typename T, bool VEC>
-__global__ void rms_norm_backward_kernel(const T* dy, const T* x, const T* w, const float* rstd, T* dx, float* dw_partial,
+// (N = 8 runs at most 256 threads a block: bounded to 64 registers, 4 blocks fit on an SM; N = 16
+// at most 512, its 118 registers)
+template <typename T, bool VEC, int N>
+__global__ void __launch_bounds__(N == 8 ? 256 : 512, N == 8 ? 4 : 1) rms_norm_backward_kernel(const T* dy, const T* x, const T* w, const float* rstd, T* dx, float* dw_partial,
                                          int64_t rows, int64_t cols) {
   __shared__ float shared[32];
   const int per = static_cast<int>(cols / blockDim.x);
-  float wv[kMaxPerThread], dw[kMaxPerThread];
+  float wv[N], dw[N];
 #pragma unroll
-  for (int j = 0; j < kMaxPerThread; ++j) {
+  for (int j = 0; j < N; ++j) {
     dw[j] = 0;
     if (j < per) wv[j] = to_f32(w[column<VEC>(j, per)]);
   }
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const float r = rstd[row];
-    float xv[kMaxPerThread], g[kMaxPerThread];
-    load_row<T, VEC>(x + row * cols, per, xv);
-    load_row<T, VEC>(dy + row * cols, per, g);
+    float xv[N], g[N];
+    load_row<T, VEC, N>(x + row * cols, per, xv);
+    load_row<T, VEC, N>(dy + row * cols, per, g);
     float dot = 0;  // Σ g·x, g = dy·w the gradient of the normalised value
 #pragma unroll
-    for (int j = 0; j < kMaxPerThread; ++j)
+    for (int j = 0; j < N; ++j)
       if (j < per) {
         dw[j] += g[j] * round_via<T>(xv[j] * r);
         g[j] *= wv[j];
@@ -137,12 +140,12 @@ __global__ void rms_norm_backward_kernel(const T* dy, const T* x, const T* w, co
       }
     const float k = block_sum(dot, shared) * r * r * r / static_cast<float>(cols);
 #pragma unroll
-    for (int j = 0; j < kMaxPerThread; ++j)
+    for (int j = 0; j < N; ++j)
       if (j < per) g[j] = g[j] * r - xv[j] * k;
-    store_row<T, VEC>(dx + row * cols, per, g);
+    store_row<T, VEC, N>(dx + row * cols, per, g);
   }
 #pragma unroll
-  for (int j = 0; j < kMaxPerThread; ++j)
+  for (int j = 0; j < N; ++j)
     if (j < per) dw_partial[blockIdx.x * cols + column<VEC>(j, per)] = dw[j];
 }
 
@@ -380,6 +383,15 @@ __global__ void combine_rows_backward_kernel(const T* d_out, const T* src, const
 // Blocks for the row-wise kernels: a row each, up to 16 per SM of an H100; beyond, blocks walk rows.
 int row_blocks(int64_t rows) { return static_cast<int>(rows < 132 * 16 ? (rows > 0 ? rows : 1) : 132 * 16); }
 
+// Calls fn with the per-thread array size the RMSNorm kernels take for `per` columns a thread: 8
+// where it suffices (hidden 2048 at 256 threads), else 16. (An H100 profile of the 1B decoder had the
+// backward at 46% of memory bandwidth with arrays of 16: registers allowed 3 of its 8 blocks per SM.)
+template <typename Fn>
+void with_row_array(int per, Fn&& fn) {
+  if (per <= 8) fn(std::integral_constant<int, 8>());
+  else fn(std::integral_constant<int, 16>());
+}
+
 thread_local const char* last_error = nullptr;
 void note_launch() {
   cudaError_t e = cudaGetLastError();
@@ -401,12 +413,15 @@ void dsrun_rms_norm_forward(const void* x, const void* w, void* y, float* rstd, 
   dispatch(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const int threads = norm_threads(cols);
-    if (vectorised<T>(cols / threads, {x, y}))
-      rms_norm_forward_kernel<T, true><<<static_cast<unsigned>(rows), threads, 0, stream>>>(
-          static_cast<const T*>(x), static_cast<const T*>(w), static_cast<T*>(y), rstd, cols, eps);
-    else
-      rms_norm_forward_kernel<T, false><<<static_cast<unsigned>(rows), threads, 0, stream>>>(
-          static_cast<const T*>(x), static_cast<const T*>(w), static_cast<T*>(y), rstd, cols, eps);
+    const bool vec = vectorised<T>(cols / threads, {x, y});
+    with_row_array(static_cast<int>(cols / threads), [&](auto n) {
+      constexpr int N = decltype(n)::value;
+      auto launch = [&](auto kernel) {
+        kernel<<<static_cast<unsigned>(rows), threads, 0, stream>>>(static_cast<const T*>(x), static_cast<const T*>(w), static_cast<T*>(y), rstd, cols, eps);
+      };
+      if (vec) launch(rms_norm_forward_kernel<T, true, N>);
+      else launch(rms_norm_forward_kernel<T, false, N>);
+    });
   });
   note_launch();
 }
@@ -416,12 +431,16 @@ void dsrun_rms_norm_backward(const void* dy, const void* x, const void* w, const
   dispatch(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const int threads = norm_threads(cols);
-    if (vectorised<T>(cols / threads, {dy, x, dx}))
-      rms_norm_backward_kernel<T, true><<<dsrun_rms_norm_partials(rows), threads, 0, stream>>>(
-          static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(w), rstd, static_cast<T*>(dx), dw_partial, rows, cols);
-    else
-      rms_norm_backward_kernel<T, false><<<dsrun_rms_norm_partials(rows), threads, 0, stream>>>(
-          static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(w), rstd, static_cast<T*>(dx), dw_partial, rows, cols);
+    const bool vec = vectorised<T>(cols / threads, {dy, x, dx});
+    with_row_array(static_cast<int>(cols / threads), [&](auto n) {
+      constexpr int N = decltype(n)::value;
+      auto launch = [&](auto kernel) {
+        kernel<<<dsrun_rms_norm_partials(rows), threads, 0, stream>>>(static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(w),
+                                                                      rstd, static_cast<T*>(dx), dw_partial, rows, cols);
+      };
+      if (vec) launch(rms_norm_backward_kernel<T, true, N>);
+      else launch(rms_norm_backward_kernel<T, false, N>);
+    });
   });
   note_launch();
 }

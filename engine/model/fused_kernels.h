@@ -12,7 +12,7 @@ extern "C" {
 // Element types of activations and weights; norms and rotations compute in fp32 whatever they are.
 enum DsrunFusedDType { DSRUN_F32 = 0, DSRUN_BF16 = 1, DSRUN_F16 = 2 };
 
-// Row sizes the RMSNorm kernels take: cols a multiple of 32 and at most 16384.
+// Row sizes the RMSNorm kernels take: cols a multiple of 128, at most 8192 (others take the reference ops).
 int dsrun_rms_norm_supported(int64_t cols);
 // The number of partial weight-gradient rows dsrun_rms_norm_backward writes (sum them over rows).
 int dsrun_rms_norm_partials(int64_t rows);
