@@ -61,22 +61,28 @@ void flip_byte(const std::string& path) {
   f.write(&c, 1);
 }
 
-}  // namespace
-
-TEST_CASE("resume after a crash continues the uninterrupted trajectory bitwise, no metric row lost or repeated", "[resume]") {
-  TempDir dir;
-  Run crashed = train(dir, layout(1, 2) + kSixSteps, "DSRUN_TEST_CRASH_AT=1:5");
+// A run of `sets` that rank 1 crashes at step 5, resumed (from step 4's checkpoint): its id.
+std::string crash_at_five_and_resume(const TempDir& dir, const std::string& sets) {
+  Run crashed = train(dir, sets, "DSRUN_TEST_CRASH_AT=1:5");
   INFO(crashed.text);
   REQUIRE(crashed.code == 1);
   auto out = dsrun_command(dir, "resume " + crashed.id);
   INFO(out.text);
   REQUIRE(out.code == 0);
   CHECK(contains(out.text, "resume from step 4"));
-  CHECK(recorded_losses(dir, crashed.id) == uninterrupted());  // bitwise, and exactly 6 rows
+  return crashed.id;
+}
+
+}  // namespace
+
+TEST_CASE("resume after a crash continues the uninterrupted trajectory bitwise, no metric row lost or repeated", "[resume]") {
+  TempDir dir;
+  const std::string id = crash_at_five_and_resume(dir, layout(1, 2) + kSixSteps);
+  CHECK(recorded_losses(dir, id) == uninterrupted());  // bitwise, and exactly 6 rows
   dsrun::Store store(dir.file("runs.db"));
-  CHECK(store.get_run(crashed.id).status == dsrun::RunStatus::Finished);
-  CHECK(count_events(dir, crashed.id, "resume") == 1);
-  CHECK(store.metric_history(crashed.id, "lr").size() == 6);
+  CHECK(store.get_run(id).status == dsrun::RunStatus::Finished);
+  CHECK(count_events(dir, id, "resume") == 1);
+  CHECK(store.metric_history(id, "lr").size() == 6);
 }
 
 // optimizer.state_dtype = "bf16": the states are rounded as stored, so a checkpoint's fp32 copy of
@@ -88,14 +94,7 @@ TEST_CASE("bf16 optimizer states: training stays near fp32 states', and a crash 
   check_same_trajectory(uninterrupted(), whole, 0.01);
   CHECK(whole.losses != uninterrupted());  // the states' rounding shows in the losses
   TempDir dir;
-  Run crashed = train(dir, bf16, "DSRUN_TEST_CRASH_AT=1:5");
-  INFO(crashed.text);
-  REQUIRE(crashed.code == 1);
-  auto out = dsrun_command(dir, "resume " + crashed.id);
-  INFO(out.text);
-  REQUIRE(out.code == 0);
-  CHECK(contains(out.text, "resume from step 4"));
-  CHECK(recorded_losses(dir, crashed.id) == whole.losses);
+  CHECK(recorded_losses(dir, crash_at_five_and_resume(dir, bf16)) == whole.losses);
 }
 
 TEST_CASE("a rank killed with SIGKILL restarts all ranks from the latest checkpoint (run.max_restarts)", "[resume][restart]") {
