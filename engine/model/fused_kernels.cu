@@ -385,7 +385,7 @@ int row_blocks(int64_t rows) { return static_cast<int>(rows < 132 * 16 ? (rows >
 
 // Calls fn with the per-thread array size the RMSNorm kernels take for `per` columns a thread: 8
 // where it suffices (hidden 2048 at 256 threads), else 16. (An H100 profile of the 1B decoder had the
-// backward at 46% of memory bandwidth with arrays of 16: registers allowed 3 of its 8 blocks per SM.)
+// backward at 46% of memory bandwidth with arrays of 16: its 118 registers allowed 2 of its 8 blocks per SM.)
 template <typename Fn>
 void with_row_array(int per, Fn&& fn) {
   if (per <= 8) fn(std::integral_constant<int, 8>());
@@ -505,8 +505,11 @@ void dsrun_combine_rows(const void* src, const int64_t* place, const float* w, v
   dispatch(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const bool vec = aligned_to(src, 4 * sizeof(T)) && aligned_to(out, 4 * sizeof(T));
-    if (vec) combine_rows_kernel<T, true><<<row_blocks(tokens), 256, 0, stream>>>(static_cast<const T*>(src), place, w, static_cast<T*>(out), tokens, k, cols);
-    else combine_rows_kernel<T, false><<<row_blocks(tokens), 256, 0, stream>>>(static_cast<const T*>(src), place, w, static_cast<T*>(out), tokens, k, cols);
+    auto launch = [&](auto kernel) {
+      kernel<<<row_blocks(tokens), 256, 0, stream>>>(static_cast<const T*>(src), place, w, static_cast<T*>(out), tokens, k, cols);
+    };
+    if (vec) launch(combine_rows_kernel<T, true>);
+    else launch(combine_rows_kernel<T, false>);
   });
   note_launch();
 }

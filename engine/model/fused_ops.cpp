@@ -212,16 +212,21 @@ struct SwigluFunction : torch::autograd::Function<SwigluFunction> {
   }
 };
 
+// The combine kernel on contiguous rows [M, H] and place [T·k]: [T, H]; weights fp32 [T·k], or null for 1.
+Tensor run_combine_kernel(const Tensor& rows, const Tensor& place, const float* weights, int64_t k) {
+  const int64_t tokens = place.numel() / k;
+  Tensor out = torch::empty({tokens, rows.size(1)}, rows.options());
+  dsrun_combine_rows(rows.data_ptr(), place.data_ptr<int64_t>(), weights, out.data_ptr(), tokens, static_cast<int>(k), rows.size(1), kernel_dtype(rows),
+                     stream());
+  DSRUN_CHECK_LAUNCH();
+  return out;
+}
+
 // rows [M, H] (M: the kept pairs), place [T·k], weights [T, k] fp32 -> [T, H].
 struct CombineRowsFunction : torch::autograd::Function<CombineRowsFunction> {
   static Tensor forward(AutogradContext* ctx, const Tensor& rows, const Tensor& place, const Tensor& weights) {
-    const int64_t k = weights.size(1), tokens = weights.size(0), cols = rows.size(1);
-    Tensor out = torch::empty({tokens, cols}, rows.options());
-    dsrun_combine_rows(rows.data_ptr(), place.data_ptr<int64_t>(), weights.data_ptr<float>(), out.data_ptr(), tokens, static_cast<int>(k), cols,
-                       kernel_dtype(rows), stream());
-    DSRUN_CHECK_LAUNCH();
     ctx->save_for_backward({rows, place, weights});
-    return out;
+    return run_combine_kernel(rows, place, weights.data_ptr<float>(), weights.size(1));
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     variable_list saved = ctx->get_saved_variables();
@@ -326,12 +331,8 @@ torch::Tensor combine_rows(const torch::Tensor& rows, const torch::Tensor& place
 #ifdef DSRUN_WITH_FUSED_KERNELS
   if (fused_kernels_active(rows) && rows.size(1) % 4 == 0 && rows.size(0) > 0 && place.is_cuda()) {
     const Tensor r = rows.contiguous(), p = place.contiguous();
-    const int64_t tokens = place.numel() / k;
-    if (weights.defined()) return CombineRowsFunction::apply(r, p, weights.reshape({tokens, k}).contiguous());
-    Tensor out = torch::empty({tokens, rows.size(1)}, rows.options());
-    dsrun_combine_rows(r.data_ptr(), p.data_ptr<int64_t>(), nullptr, out.data_ptr(), tokens, static_cast<int>(k), rows.size(1), kernel_dtype(rows), stream());
-    DSRUN_CHECK_LAUNCH();
-    return out;
+    if (weights.defined()) return CombineRowsFunction::apply(r, p, weights.reshape({place.numel() / k, k}).contiguous());
+    return run_combine_kernel(r, p, nullptr, k);
   }
 #endif
   return combine_rows_reference(rows, place, weights, k);

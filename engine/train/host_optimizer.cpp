@@ -140,24 +140,21 @@ void host_optimizer_step(const HostChunk& c, const HostStep& st) {
     }
     float* p = c.master + at;
     if (decay && st.rule != HostRule::AdamW) l2_into_gradient(p, g, n, s.weight_decay);
-    float* m = c.m ? static_cast<float*>(c.m) + at : nullptr;
-    float* v = c.v ? static_cast<float*>(c.v) + at : nullptr;
-    if (wide_states) {
-      if (c.m) {
-        widen_bf16(static_cast<const uint16_t*>(c.m) + at, m_wide, n, 1, 1);
-        m = m_wide;
-      }
-      if (c.v) {
-        widen_bf16(static_cast<const uint16_t*>(c.v) + at, v_wide, n, 1, 1);
-        v = v_wide;
-      }
-    }
+    // A state's block as fp32: where it lies, or widened into `wide` (bf16), null where unused.
+    auto block_of = [&](void* state, float* wide) -> float* {
+      if (!state || !wide_states) return state ? static_cast<float*>(state) + at : nullptr;
+      widen_bf16(static_cast<const uint16_t*>(state) + at, wide, n, 1, 1);
+      return wide;
+    };
+    auto store_block = [&](void* state, const float* wide) {
+      if (state && wide_states) narrow_bf16(wide, static_cast<uint16_t*>(state) + at, n);
+    };
+    float* m = block_of(c.m, m_wide);
+    float* v = block_of(c.v, v_wide);
     if (adam) adamw_block(p, m, v, g, n, s, decay && st.rule == HostRule::AdamW);
     else sgd_block(p, m, g, n, s, st.nesterov);
-    if (wide_states) {
-      if (c.m) narrow_bf16(m_wide, static_cast<uint16_t*>(c.m) + at, n);
-      if (c.v) narrow_bf16(v_wide, static_cast<uint16_t*>(c.v) + at, n);
-    }
+    store_block(c.m, m_wide);
+    store_block(c.v, v_wide);
     if (!c.param_out) continue;
     switch (c.param_dtype) {
       case HostDType::F32: std::memcpy(static_cast<float*>(c.param_out) + at, p, static_cast<size_t>(n) * 4); break;
