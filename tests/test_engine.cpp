@@ -825,7 +825,40 @@ TEST_CASE("CUDA: the fused RMSNorm, rotary and SwiGLU kernels match the referenc
         return torch::cat({qkv[0], qkv[1], qkv[2] * 2}, -1);
       }, {torch::randn({2, 20, 64})}, dtype, tol);
     }
-    compare("swiglu", [](std::vector<torch::Tensor>& in) { return fused::swiglu(in[0]); }, {torch::randn({4, 7, 2 * 96})}, dtype, tol);
+    // inner 96: eight columns a thread; 100: one at a time.
+    for (int64_t inner : {96, 100})
+      compare("swiglu, inner " + std::to_string(inner), [](std::vector<torch::Tensor>& in) { return fused::swiglu(in[0]); }, {torch::randn({4, 7, 2 * inner})},
+              dtype, tol);
+    // The norm that also writes the residual stream's copy: a projection adds into the copy in
+    // place (as a decoder block does) and the copy's gradient reaches x through the norm's backward.
+    compare("rms_norm_with_copy", [](std::vector<torch::Tensor>& in) {
+      std::vector<torch::Tensor> r = fused::rms_norm_with_copy(in[0], in[1], 1e-6);
+      torch::Tensor stream = r[0].addmm_(r[1].reshape({-1, r[1].size(-1)}), in[2].t());
+      return torch::cat({stream.view_as(in[0]), r[1] * 2}, -1);
+    }, {torch::randn({3, 5, 2048}), 1 + 0.1 * torch::randn({2048}), 0.02 * torch::randn({2048, 2048})}, dtype, dtype == torch::kFloat32 ? 1e-4 : 5e-2);
+  }
+  // The loss's one-pass kernel against the reference ops: rows of mixed scale, one of -inf but one
+  // entry, targets outside this slice (here false), in fp32 and bf16 gradients; and the in-place scale.
+  const auto on_gpu = torch::TensorOptions().device(gpu);
+  torch::Tensor z = torch::randn({37, 5000}, on_gpu) * torch::linspace(0.1, 30, 37, on_gpu).unsqueeze(1);
+  z[3].fill_(-std::numeric_limits<float>::infinity());
+  z[3][17] = 2.5;
+  const torch::Tensor column = torch::randint(5000, {37}, on_gpu.dtype(torch::kInt64)), here = torch::rand({37}, on_gpu) > 0.2;
+  column[3] = 17;
+  here[3] = true;
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    INFO("cross_entropy_rows, gradient in " << c10::toString(dtype));
+    torch::Tensor lse = torch::empty({37}, on_gpu), target_logit = torch::empty({37}, on_gpu);
+    torch::Tensor zk = z.clone(), zr = z.cpu();
+    const torch::Tensor g = fused::cross_entropy_rows(zk, column, here, 0.25, dtype, lse, target_logit);
+    torch::Tensor lse_ref = torch::empty({37}), target_ref = torch::empty({37});
+    const torch::Tensor g_ref = fused::cross_entropy_rows(zr, column.cpu(), here.cpu(), 0.25, dtype, lse_ref, target_ref);
+    CHECK(torch::allclose(lse.cpu(), lse_ref, 1e-5, 1e-5));
+    CHECK(torch::equal(target_logit.cpu(), target_ref));
+    CHECK(torch::allclose(g.cpu().to(torch::kFloat32), g_ref.to(torch::kFloat32), dtype == torch::kFloat32 ? 1e-6 : 1e-2, 1e-6));
+    torch::Tensor scaled = g.clone(), factor = torch::full({}, 3.0, on_gpu);
+    fused::scale_(scaled, factor);
+    CHECK(torch::equal(scaled.cpu(), (g.cpu().to(torch::kFloat32) * 3).to(dtype)));
   }
 }
 

@@ -95,18 +95,22 @@ inline torch::Tensor varlen_attention(const torch::Tensor& q, const torch::Tenso
 #endif
 }
 
-// acc += a · b with acc fp32 and a, b in a lower precision, products summed in fp32 and rounded
-// once (cuBLAS's bf16 x bf16 -> fp32 on CUDA with PyTorch >= 2.9); elsewhere the product in a's
-// dtype, then added. Scaled by alpha.
-inline void addmm_fp32(torch::Tensor& acc, const torch::Tensor& a, const torch::Tensor& b, double alpha) {
+// acc = beta · acc + alpha · a · b with acc fp32 and a, b in a lower precision, products summed in
+// fp32 and rounded once (cuBLAS's bf16 x bf16 -> fp32 on CUDA with PyTorch >= 2.9); elsewhere the
+// product in a's dtype, then added. With beta 0 acc's old values are not read (it may be uninitialised).
+inline void addmm_fp32(torch::Tensor& acc, const torch::Tensor& a, const torch::Tensor& b, double alpha, double beta = 1) {
 #if DSRUN_TORCH_AT_LEAST(2, 9)
   if (a.is_cuda() && a.scalar_type() != torch::kFloat32) {
-    at::addmm_out(acc, acc, a, b, torch::kFloat32, /*beta=*/1, alpha);
+    at::addmm_out(acc, acc, a, b, torch::kFloat32, beta, alpha);
     return;
   }
 #endif
-  if (a.scalar_type() == torch::kFloat32) acc.addmm_(a, b, /*beta=*/1, alpha);
-  else acc.add_(torch::mm(a, b).to(torch::kFloat32), alpha);
+  if (a.scalar_type() == torch::kFloat32) acc.addmm_(a, b, beta, alpha);
+  else if (beta == 0) acc.copy_(torch::mm(a, b).to(torch::kFloat32).mul_(alpha));
+  else {
+    if (beta != 1) acc.mul_(beta);
+    acc.add_(torch::mm(a, b).to(torch::kFloat32), alpha);
+  }
 }
 
 // a · b in fp32 from lower-precision a and b (the same rounding as addmm_fp32).

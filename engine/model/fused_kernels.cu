@@ -92,12 +92,14 @@ __device__ __forceinline__ void store_row(T* row, int per, const float (&v)[N]) 
 }
 
 // One block per row; N >= cols / blockDim (the per-thread arrays' size: registers, and so blocks per SM).
+// x_copy, if not null, gets a copy of x (the residual stream's next value, for a matrix product to add into).
 template <typename T, bool VEC, int N>
-__global__ void rms_norm_forward_kernel(const T* x, const T* w, T* y, float* rstd, int64_t cols, float eps) {
+__global__ void rms_norm_forward_kernel(const T* x, const T* w, T* y, float* rstd, T* x_copy, int64_t cols, float eps) {
   __shared__ float shared[32];
   const int per = static_cast<int>(cols / blockDim.x);
   float v[N];
   load_row<T, VEC, N>(x + blockIdx.x * cols, per, v);
+  if (x_copy) store_row<T, VEC, N>(x_copy + blockIdx.x * cols, per, v);
   float sq = 0;
 #pragma unroll
   for (int j = 0; j < N; ++j)
@@ -110,12 +112,13 @@ __global__ void rms_norm_forward_kernel(const T* x, const T* w, T* y, float* rst
   store_row<T, VEC, N>(y + blockIdx.x * cols, per, v);
 }
 
-// Each block walks rows blockIdx.x, blockIdx.x + gridDim.x, ...; dx per row, and its own partial
+// Each block walks rows blockIdx.x, blockIdx.x + gridDim.x, ...; dx per row (plus d_add's row where
+// given: the gradient of x's copy, summed here in fp32 instead of by autograd), and its own partial
 // sum of dw kept in registers and written once (no atomics).
 // (N = 8 runs at most 256 threads a block: bounded to 64 registers, 4 blocks fit on an SM; N = 16
 // at most 512, its 118 registers)
 template <typename T, bool VEC, int N>
-__global__ void __launch_bounds__(N == 8 ? 256 : 512, N == 8 ? 4 : 1) rms_norm_backward_kernel(const T* dy, const T* x, const T* w, const float* rstd, T* dx, float* dw_partial,
+__global__ void __launch_bounds__(N == 8 ? 256 : 512, N == 8 ? 4 : 1) rms_norm_backward_kernel(const T* dy, const T* x, const T* w, const float* rstd, const T* d_add, T* dx, float* dw_partial,
                                          int64_t rows, int64_t cols) {
   __shared__ float shared[32];
   const int per = static_cast<int>(cols / blockDim.x);
@@ -142,6 +145,12 @@ __global__ void __launch_bounds__(N == 8 ? 256 : 512, N == 8 ? 4 : 1) rms_norm_b
 #pragma unroll
     for (int j = 0; j < N; ++j)
       if (j < per) g[j] = g[j] * r - xv[j] * k;
+    if (d_add) {
+      load_row<T, VEC, N>(d_add + row * cols, per, xv);  // (x's values are no longer needed)
+#pragma unroll
+      for (int j = 0; j < N; ++j)
+        if (j < per) g[j] += xv[j];
+    }
     store_row<T, VEC, N>(dx + row * cols, per, g);
   }
 #pragma unroll
@@ -218,26 +227,49 @@ __device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + __expf
 
 // The row-wise kernels below: blocks walk rows, threads walk a row's columns (no 64-bit division
 // per element, which an H100 profile showed costing the one-element-per-thread forms half their speed).
-template <typename T>
+// SwiGLU takes E = 8 consecutive columns per thread and step where inner is a multiple of 8 (one
+// 16-byte access each in bf16; an H100 profile of the 1B decoder had the one-element form at 61%
+// (forward) and 71% (backward) of memory bandwidth), else E = 1.
+template <typename T, int E>
 __global__ void swiglu_forward_kernel(const T* gate_up, T* out, int64_t rows, int64_t inner) {
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x)
-    for (int64_t j = threadIdx.x; j < inner; j += blockDim.x) {
-      const float g = to_f32(gate_up[r * 2 * inner + j]), u = to_f32(gate_up[r * 2 * inner + inner + j]);
-      out[r * inner + j] = from_f32<T>(g * sigmoid(g) * u);
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const T* gate = gate_up + r * 2 * inner;
+    const T* up = gate + inner;
+    T* row_out = out + r * inner;
+    for (int64_t j = static_cast<int64_t>(threadIdx.x) * E; j < inner; j += static_cast<int64_t>(blockDim.x) * E) {
+      float g[E], u[E], o[E];
+      load_n<E>(gate + j, g);
+      load_n<E>(up + j, u);
+#pragma unroll
+      for (int e = 0; e < E; ++e) o[e] = g[e] * sigmoid(g[e]) * u[e];
+      store_n<E>(row_out + j, o);
     }
+  }
 }
 
-template <typename T>
+template <typename T, int E>
 __global__ void swiglu_backward_kernel(const T* d_out, const T* gate_up, T* d_gate_up, int64_t rows, int64_t inner) {
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x)
-    for (int64_t j = threadIdx.x; j < inner; j += blockDim.x) {
-      const float g = to_f32(gate_up[r * 2 * inner + j]), u = to_f32(gate_up[r * 2 * inner + inner + j]);
-      const float d = to_f32(d_out[r * inner + j]);
-      const float sg = sigmoid(g);
-      const float silu = g * sg;
-      d_gate_up[r * 2 * inner + j] = from_f32<T>(d * u * sg * (1.0f + g * (1.0f - sg)));  // d silu/dg = σ(1 + g(1-σ))
-      d_gate_up[r * 2 * inner + inner + j] = from_f32<T>(d * silu);
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const T* gate = gate_up + r * 2 * inner;
+    const T* up = gate + inner;
+    const T* d_row = d_out + r * inner;
+    T* d_gate = d_gate_up + r * 2 * inner;
+    T* d_up = d_gate + inner;
+    for (int64_t j = static_cast<int64_t>(threadIdx.x) * E; j < inner; j += static_cast<int64_t>(blockDim.x) * E) {
+      float g[E], u[E], d[E], dg[E], du[E];
+      load_n<E>(gate + j, g);
+      load_n<E>(up + j, u);
+      load_n<E>(d_row + j, d);
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const float sg = sigmoid(g[e]);
+        dg[e] = d[e] * u[e] * sg * (1.0f + g[e] * (1.0f - sg));  // d silu/dg = σ(1 + g(1-σ))
+        du[e] = d[e] * g[e] * sg;
+      }
+      store_n<E>(d_gate + j, dg);
+      store_n<E>(d_up + j, du);
     }
+  }
 }
 
 // The cross-entropy's gradient on a chunk of fp32 logits z [rows, cols], a row per block at a time:
@@ -306,6 +338,79 @@ __global__ void row_logsumexp_kernel(const float* z, float* lse, int64_t rows, i
       for (int w = 1; w < warps; ++w) combine_max_sum(bm, bs, shared_m[w], shared_s[w]);
       lse[r] = bm + logf(bs);
     }
+  }
+}
+
+// The loss on a chunk of fp32 logits z [rows, cols] (cols a multiple of 4, z 16-byte aligned) in
+// one kernel: each row's log-sum-exp and target logit, and the gradient (exp(z - lse) - one_hot) ·
+// scale in T. A block takes a row at a time and reads it twice, four columns per access: once for
+// the running maximum and sum, once for the gradient. With two blocks per SM the rows in flight
+// (264 of 128 KB on an H100 at a 32,000 vocabulary) stay in its 50 MB L2, so the second read comes
+// from there: memory sees z once and the gradient once, where a log-sum-exp kernel and a gradient
+// kernel read z from memory twice (an H100 profile: 336 us per 2,097-token chunk, against ~140).
+template <typename T>
+__global__ void __launch_bounds__(512) cross_entropy_rows_kernel(const float* z, const int64_t* target, const bool* here, float scale, T* grad,
+                                                                 float* lse, float* target_logit, int64_t rows, int64_t cols) {
+  __shared__ float shared_m[32], shared_s[32], row_lse;
+  const int64_t quads = cols / 4;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const float4* row = reinterpret_cast<const float4*>(z + r * cols);
+    float m = -INFINITY, s = 0;
+    for (int64_t q = threadIdx.x; q < quads; q += blockDim.x) {
+      const float4 v = row[q];
+      const float top = fmaxf(fmaxf(v.x, v.y), fmaxf(v.z, v.w));
+      if (top > m) {
+        s *= __expf(m - top);  // (0 while m is -inf: s is 0 then)
+        m = top;
+      }
+      if (m != -INFINITY) s += __expf(v.x - m) + __expf(v.y - m) + __expf(v.z - m) + __expf(v.w - m);
+    }
+    for (int o = 16; o > 0; o >>= 1) combine_max_sum(m, s, __shfl_xor_sync(0xffffffff, m, o), __shfl_xor_sync(0xffffffff, s, o));
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    __syncthreads();  // the shared values may still be read for the previous row
+    if (lane == 0) {
+      shared_m[warp] = m;
+      shared_s[warp] = s;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float bm = shared_m[0], bs = shared_s[0];
+      for (int w = 1; w < warps; ++w) combine_max_sum(bm, bs, shared_m[w], shared_s[w]);
+      row_lse = bm + logf(bs);
+      lse[r] = row_lse;
+      target_logit[r] = here[r] ? z[r * cols + target[r]] : 0.0f;
+    }
+    __syncthreads();
+    const float l = row_lse;
+    const int64_t hot = here[r] ? target[r] : -1;
+    T* out = grad + r * cols;
+    for (int64_t q = threadIdx.x; q < quads; q += blockDim.x) {
+      const float4 v = row[q];
+      const int64_t c = q * 4;
+      float g[4] = {__expf(v.x - l), __expf(v.y - l), __expf(v.z - l), __expf(v.w - l)};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) g[j] = (g[j] - (c + j == hot ? 1.0f : 0.0f)) * scale;
+      store4(out + c, g);
+    }
+  }
+}
+
+// x *= *factor, n elements (four per access where aligned: VEC), in fp32, rounded once.
+template <typename T, bool VEC>
+__global__ void scale_kernel(T* x, int64_t n, const float* factor) {
+  const float f = *factor;
+  const int64_t start = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x, stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  if (VEC) {
+    for (int64_t q = start; q < n / 4; q += stride) {
+      float v[4];
+      load4(x + q * 4, v);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) v[j] *= f;
+      store4(x + q * 4, v);
+    }
+    for (int64_t i = n / 4 * 4 + start; i < n; i += stride) x[i] = from_f32<T>(to_f32(x[i]) * f);
+  } else {
+    for (int64_t i = start; i < n; i += stride) x[i] = from_f32<T>(to_f32(x[i]) * f);
   }
 }
 
@@ -392,6 +497,16 @@ void with_row_array(int per, Fn&& fn) {
   else fn(std::integral_constant<int, 16>());
 }
 
+// Eight columns a thread where inner is a multiple of 8 and both arrays are aligned to 8 elements
+// (then every row is), else one.
+template <typename T, typename Fn>
+void with_swiglu_width(int64_t inner, std::initializer_list<const void*> pointers, Fn&& fn) {
+  bool eight = inner % 8 == 0;
+  for (const void* p : pointers) eight = eight && aligned_to(p, 8 * sizeof(T));
+  if (eight) fn(std::integral_constant<int, 8>());
+  else fn(std::integral_constant<int, 1>());
+}
+
 thread_local const char* last_error = nullptr;
 void note_launch() {
   cudaError_t e = cudaGetLastError();
@@ -408,16 +523,16 @@ int dsrun_rms_norm_supported(int64_t cols) { return norm_threads(cols) > 0; }
 // warps in flight to hide each row's load-reduce-store latency; the partials' sum is [1056, cols].
 int dsrun_rms_norm_partials(int64_t rows) { return static_cast<int>(rows < 1056 ? rows : 1056); }
 
-void dsrun_rms_norm_forward(const void* x, const void* w, void* y, float* rstd, int64_t rows, int64_t cols, float eps,
+void dsrun_rms_norm_forward(const void* x, const void* w, void* y, float* rstd, void* x_copy, int64_t rows, int64_t cols, float eps,
                             int dtype, cudaStream_t stream) {
   dispatch(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const int threads = norm_threads(cols);
-    const bool vec = vectorised<T>(cols / threads, {x, y});
+    const bool vec = vectorised<T>(cols / threads, {x, y, x_copy ? x_copy : y});
     with_row_array(static_cast<int>(cols / threads), [&](auto n) {
       constexpr int N = decltype(n)::value;
       auto launch = [&](auto kernel) {
-        kernel<<<static_cast<unsigned>(rows), threads, 0, stream>>>(static_cast<const T*>(x), static_cast<const T*>(w), static_cast<T*>(y), rstd, cols, eps);
+        kernel<<<static_cast<unsigned>(rows), threads, 0, stream>>>(static_cast<const T*>(x), static_cast<const T*>(w), static_cast<T*>(y), rstd, static_cast<T*>(x_copy), cols, eps);
       };
       if (vec) launch(rms_norm_forward_kernel<T, true, N>);
       else launch(rms_norm_forward_kernel<T, false, N>);
@@ -426,17 +541,17 @@ void dsrun_rms_norm_forward(const void* x, const void* w, void* y, float* rstd, 
   note_launch();
 }
 
-void dsrun_rms_norm_backward(const void* dy, const void* x, const void* w, const float* rstd, void* dx, float* dw_partial,
+void dsrun_rms_norm_backward(const void* dy, const void* x, const void* w, const float* rstd, const void* d_add, void* dx, float* dw_partial,
                              int64_t rows, int64_t cols, int dtype, cudaStream_t stream) {
   dispatch(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const int threads = norm_threads(cols);
-    const bool vec = vectorised<T>(cols / threads, {dy, x, dx});
+    const bool vec = vectorised<T>(cols / threads, {dy, x, dx, d_add ? d_add : dx});
     with_row_array(static_cast<int>(cols / threads), [&](auto n) {
       constexpr int N = decltype(n)::value;
       auto launch = [&](auto kernel) {
         kernel<<<dsrun_rms_norm_partials(rows), threads, 0, stream>>>(static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(w),
-                                                                      rstd, static_cast<T*>(dx), dw_partial, rows, cols);
+                                                                      rstd, static_cast<const T*>(d_add), static_cast<T*>(dx), dw_partial, rows, cols);
       };
       if (vec) launch(rms_norm_backward_kernel<T, true, N>);
       else launch(rms_norm_backward_kernel<T, false, N>);
@@ -471,7 +586,9 @@ void dsrun_rotary(const void* in, int64_t in_stride, void* out, int64_t out_stri
 void dsrun_swiglu_forward(const void* gate_up, void* out, int64_t rows, int64_t inner, int dtype, cudaStream_t stream) {
   dispatch(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    swiglu_forward_kernel<T><<<row_blocks(rows), 256, 0, stream>>>(static_cast<const T*>(gate_up), static_cast<T*>(out), rows, inner);
+    with_swiglu_width<T>(inner, {gate_up, out}, [&](auto e) {
+      swiglu_forward_kernel<T, decltype(e)::value><<<row_blocks(rows), 256, 0, stream>>>(static_cast<const T*>(gate_up), static_cast<T*>(out), rows, inner);
+    });
   });
   note_launch();
 }
@@ -480,8 +597,10 @@ void dsrun_swiglu_backward(const void* d_out, const void* gate_up, void* d_gate_
                            cudaStream_t stream) {
   dispatch(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    swiglu_backward_kernel<T><<<row_blocks(rows), 256, 0, stream>>>(
-        static_cast<const T*>(d_out), static_cast<const T*>(gate_up), static_cast<T*>(d_gate_up), rows, inner);
+    with_swiglu_width<T>(inner, {d_out, gate_up, d_gate_up}, [&](auto e) {
+      swiglu_backward_kernel<T, decltype(e)::value><<<row_blocks(rows), 256, 0, stream>>>(
+          static_cast<const T*>(d_out), static_cast<const T*>(gate_up), static_cast<T*>(d_gate_up), rows, inner);
+    });
   });
   note_launch();
 }
@@ -524,6 +643,32 @@ void dsrun_combine_rows_backward(const void* d_out, const void* src, const int64
     };
     if (vec) launch(combine_rows_backward_kernel<T, true>);
     else launch(combine_rows_backward_kernel<T, false>);
+  });
+  note_launch();
+}
+
+int dsrun_cross_entropy_rows_supported(const float* z, int64_t cols) { return cols % 4 == 0 && aligned_to(z, 16); }
+
+void dsrun_cross_entropy_rows(const float* z, const int64_t* target, const bool* here, float scale, void* grad, float* lse, float* target_logit,
+                              int64_t rows, int64_t cols, int dtype, cudaStream_t stream) {
+  int device = 0, sms = 132;
+  if (cudaGetDevice(&device) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const int64_t blocks = rows < 2 * sms ? (rows > 0 ? rows : 1) : 2 * sms;  // two blocks per SM: the rows in flight fit in L2
+  dispatch(dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    cross_entropy_rows_kernel<T><<<static_cast<unsigned>(blocks), 512, 0, stream>>>(z, target, here, scale, static_cast<T*>(grad), lse, target_logit,
+                                                                                   rows, cols);
+  });
+  note_launch();
+}
+
+void dsrun_scale(void* x, int64_t n, const float* factor, int dtype, cudaStream_t stream) {
+  if (n <= 0) return;
+  dispatch(dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const int blocks = grid_for(n / 4 + 1, 256);
+    if (aligned_to(x, 4 * sizeof(T))) scale_kernel<T, true><<<blocks, 256, 0, stream>>>(static_cast<T*>(x), n, factor);
+    else scale_kernel<T, false><<<blocks, 256, 0, stream>>>(static_cast<T*>(x), n, factor);
   });
   note_launch();
 }

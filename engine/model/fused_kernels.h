@@ -19,10 +19,12 @@ int dsrun_rms_norm_partials(int64_t rows);
 
 // y = (x · rstd) · w, rstd = 1/sqrt(mean(x²) + eps) per row of x [rows, cols]; the normalised
 // value is rounded to the element type before the weight multiplies it (as the reference does).
-void dsrun_rms_norm_forward(const void* x, const void* w, void* y, float* rstd, int64_t rows, int64_t cols, float eps,
+// x_copy, if not null, gets a copy of x.
+void dsrun_rms_norm_forward(const void* x, const void* w, void* y, float* rstd, void* x_copy, int64_t rows, int64_t cols, float eps,
                             int dtype, cudaStream_t stream);
-// dx and partial sums of dw ([dsrun_rms_norm_partials(rows), cols], fp32) from dy, x, w, rstd.
-void dsrun_rms_norm_backward(const void* dy, const void* x, const void* w, const float* rstd, void* dx, float* dw_partial,
+// dx and partial sums of dw ([dsrun_rms_norm_partials(rows), cols], fp32) from dy, x, w, rstd;
+// d_add, if not null ([rows, cols]), is added to dx in fp32 (the gradient of x's copy).
+void dsrun_rms_norm_backward(const void* dy, const void* x, const void* w, const float* rstd, const void* d_add, void* dx, float* dw_partial,
                              int64_t rows, int64_t cols, int dtype, cudaStream_t stream);
 
 // Rotates the first half of each head against its second half (Llama layout), in fp32:
@@ -46,6 +48,17 @@ void dsrun_swiglu_backward(const void* d_out, const void* gate_up, void* d_gate_
 // in the element type `dtype`; lse, the log-sum-exp of each row over the whole vocabulary.
 void dsrun_softmax_gradient(const float* z, const float* lse, const int64_t* target, const bool* here, const float* scale_ptr, float scale,
                             void* out, int64_t rows, int64_t cols, int dtype, cudaStream_t stream);
+
+// The loss and its gradient on a chunk of fp32 logits z [rows, cols] in one kernel: lse[r] (log Σ
+// exp over the row), target_logit[r] (z[r, target[r]] where here[r], else 0) and grad =
+// (exp(z - lse[r]) - one_hot(target[r]) where here[r]) · scale in `dtype`. Only where
+// dsrun_cross_entropy_rows_supported (cols a multiple of 4, z 16-byte aligned).
+int dsrun_cross_entropy_rows_supported(const float* z, int64_t cols);
+void dsrun_cross_entropy_rows(const float* z, const int64_t* target, const bool* here, float scale, void* grad, float* lse, float* target_logit,
+                              int64_t rows, int64_t cols, int dtype, cudaStream_t stream);
+
+// x[i] *= *factor for i < n (factor on the device), computed in fp32.
+void dsrun_scale(void* x, int64_t n, const float* factor, int dtype, cudaStream_t stream);
 
 // lse[r] = log Σ_c exp(z[r, c]) over each row of fp32 z [rows, cols], in one pass over z.
 void dsrun_row_logsumexp(const float* z, float* lse, int64_t rows, int64_t cols, cudaStream_t stream);

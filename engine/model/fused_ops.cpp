@@ -82,7 +82,7 @@ struct RmsNormFunction : torch::autograd::Function<RmsNormFunction> {
     Tensor x2 = x.contiguous();
     Tensor y = torch::empty_like(x2);
     Tensor rstd = torch::empty({rows}, x.options().dtype(torch::kFloat32));
-    dsrun_rms_norm_forward(x2.data_ptr(), weight.contiguous().data_ptr(), y.data_ptr(), rstd.data_ptr<float>(), rows, cols,
+    dsrun_rms_norm_forward(x2.data_ptr(), weight.contiguous().data_ptr(), y.data_ptr(), rstd.data_ptr<float>(), nullptr, rows, cols,
                            static_cast<float>(eps), kernel_dtype(x), stream());
     DSRUN_CHECK_LAUNCH();
     ctx->save_for_backward({x2, weight, rstd});
@@ -90,15 +90,45 @@ struct RmsNormFunction : torch::autograd::Function<RmsNormFunction> {
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     variable_list saved = ctx->get_saved_variables();
-    const Tensor &x = saved[0], &weight = saved[1], &rstd = saved[2];
+    const auto [dx, dw] = kernel_backward(grads[0], saved[0], saved[1], saved[2], Tensor());
+    return {dx, dw, Tensor()};
+  }
+  // {dx (+ d_add where defined, in the kernel), dw}.
+  static std::pair<Tensor, Tensor> kernel_backward(const Tensor& grad, const Tensor& x, const Tensor& weight, const Tensor& rstd, const Tensor& d_add) {
     const int64_t cols = x.size(-1), rows = x.numel() / cols;
-    Tensor dy = grads[0].contiguous();
+    Tensor dy = grad.contiguous();
+    Tensor add = d_add.defined() ? d_add.contiguous() : Tensor();
     Tensor dx = torch::empty_like(x);
     Tensor partial = torch::empty({dsrun_rms_norm_partials(rows), cols}, x.options().dtype(torch::kFloat32));
-    dsrun_rms_norm_backward(dy.data_ptr(), x.data_ptr(), weight.contiguous().data_ptr(), rstd.data_ptr<float>(), dx.data_ptr(),
-                            partial.data_ptr<float>(), rows, cols, kernel_dtype(x), stream());
+    dsrun_rms_norm_backward(dy.data_ptr(), x.data_ptr(), weight.contiguous().data_ptr(), rstd.data_ptr<float>(), add.defined() ? add.data_ptr() : nullptr,
+                            dx.data_ptr(), partial.data_ptr<float>(), rows, cols, kernel_dtype(x), stream());
     DSRUN_CHECK_LAUNCH();
-    return {dx, partial.sum(0).to(weight.scalar_type()), Tensor()};
+    return {dx, partial.sum(0).to(weight.scalar_type())};
+  }
+};
+
+// {a copy of x, rms_norm(x)} from one read of x; backward adds the copy's gradient to x's inside
+// the norm's backward kernel. The copy is the residual stream's next value, for the layer after
+// the norm to add its output into in place (its matrix product's epilogue): the two residual adds
+// of a block and autograd's two sums of the stream's gradient cost no kernel of their own.
+struct ResidualRmsNormFunction : torch::autograd::Function<ResidualRmsNormFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, double eps) {
+    const int64_t cols = x.size(-1), rows = x.numel() / cols;
+    Tensor x2 = x.contiguous();
+    Tensor y = torch::empty_like(x2), copy = torch::empty({rows, cols}, x2.options());
+    Tensor rstd = torch::empty({rows}, x.options().dtype(torch::kFloat32));
+    dsrun_rms_norm_forward(x2.data_ptr(), weight.contiguous().data_ptr(), y.data_ptr(), rstd.data_ptr<float>(), copy.data_ptr(), rows, cols,
+                           static_cast<float>(eps), kernel_dtype(x), stream());
+    DSRUN_CHECK_LAUNCH();
+    ctx->save_for_backward({x2, weight, rstd});
+    return {copy, y};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list saved = ctx->get_saved_variables();
+    const Tensor& d_copy = grads[0];
+    if (!grads[1].defined()) return {d_copy, Tensor(), Tensor()};  // (the norm's output unused)
+    const auto [dx, dw] = RmsNormFunction::kernel_backward(grads[1], saved[0], saved[1], saved[2], d_copy);
+    return {dx, dw, Tensor()};
   }
 };
 
@@ -272,6 +302,14 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   return rms_norm_reference(x, weight, eps);
 }
 
+std::vector<torch::Tensor> rms_norm_with_copy(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+#ifdef DSRUN_WITH_FUSED_KERNELS
+  if (fused_kernels_active(x) && weight.scalar_type() == x.scalar_type() && dsrun_rms_norm_supported(x.size(-1)))
+    return ResidualRmsNormFunction::apply(x, weight, eps);
+#endif
+  return {x.reshape({-1, x.size(-1)}).clone(torch::MemoryFormat::Contiguous), rms_norm(x, weight, eps)};
+}
+
 std::vector<torch::Tensor> rotary_qkv(const torch::Tensor& qkv, int64_t q_width, int64_t k_width, int64_t head_dim, const torch::Tensor& cos,
                                       const torch::Tensor& sin, const torch::Tensor& positions) {
   DSRUN_ASSERT(qkv.dim() == 3 && q_width % head_dim == 0 && k_width % head_dim == 0 && q_width + k_width < qkv.size(2), "rotary_qkv takes [b, s, q | k | v]");
@@ -322,6 +360,38 @@ torch::Tensor softmax_gradient(torch::Tensor& z, const torch::Tensor& lse, const
   z.mul_(scale);
   if (factor.defined()) z.mul_(factor.to(z.device(), torch::kFloat32));
   return z.to(dtype);
+}
+
+torch::Tensor cross_entropy_rows(torch::Tensor& z, const torch::Tensor& column, const torch::Tensor& here, double scale, torch::ScalarType dtype,
+                                 torch::Tensor lse, torch::Tensor target_logit) {
+  DSRUN_ASSERT(z.dim() == 2 && z.scalar_type() == torch::kFloat32 && lse.numel() == z.size(0) && target_logit.numel() == z.size(0),
+               "cross_entropy_rows takes fp32 z [rows, V] and one lse and target logit per row");
+#ifdef DSRUN_WITH_FUSED_KERNELS
+  if (z.is_cuda() && z.is_contiguous() && lse.is_contiguous() && target_logit.is_contiguous() &&
+      dsrun_cross_entropy_rows_supported(z.data_ptr<float>(), z.size(1))) {
+    Tensor out = torch::empty(z.sizes(), z.options().dtype(dtype));
+    const Tensor c = column.to(torch::kInt64).contiguous(), h = here.to(torch::kBool).contiguous();
+    dsrun_cross_entropy_rows(z.data_ptr<float>(), c.data_ptr<int64_t>(), h.data_ptr<bool>(), static_cast<float>(scale), out.data_ptr(),
+                             lse.data_ptr<float>(), target_logit.data_ptr<float>(), z.size(0), z.size(1), kernel_dtype(out), stream());
+    DSRUN_CHECK_LAUNCH();
+    return out;
+  }
+#endif
+  target_logit.copy_(z.gather(1, column.unsqueeze(1)).squeeze(1).mul(here));
+  lse.copy_(row_logsumexp(z));
+  return softmax_gradient(z, lse, column, here, scale, Tensor(), dtype);
+}
+
+void scale_(torch::Tensor& x, const torch::Tensor& factor) {
+  DSRUN_ASSERT(factor.numel() == 1, "scale_ takes a scalar factor");
+#ifdef DSRUN_WITH_FUSED_KERNELS
+  if (fused_kernels_active(x) && x.is_contiguous() && factor.is_cuda() && factor.scalar_type() == torch::kFloat32 && factor.device() == x.device()) {
+    dsrun_scale(x.data_ptr(), x.numel(), factor.data_ptr<float>(), kernel_dtype(x), stream());
+    DSRUN_CHECK_LAUNCH();
+    return;
+  }
+#endif
+  x.mul_(factor.to(x.device()));
 }
 
 torch::Tensor combine_rows(const torch::Tensor& rows, const torch::Tensor& place, const torch::Tensor& weights, int64_t k) {

@@ -1,4 +1,4 @@
-// The decoder's elementwise ops (RMSNorm, rotary embedding, SwiGLU, a MoE layer's combine) as autograd
+// The decoder's elementwise ops (RMSNorm, rotary embedding, SwiGLU, a MoE layer's combine, the loss's softmax) as autograd
 // functions: on CUDA one fused kernel forward and one backward each (fused_kernels.cu); elsewhere plain libtorch ops.
 #pragma once
 
@@ -8,6 +8,11 @@ namespace dsrun::fused {
 
 // (x · rsqrt(mean(x²) + eps)) · weight over the last dimension, the mean in fp32.
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+
+// {a contiguous copy of x as [rows, last dimension], rms_norm(x)}: the copy is the residual stream's next value, which the
+// caller may add into in place (a matrix product's addmm_); on CUDA one kernel reads x once for
+// both, and backward adds the copy's gradient to x's inside the norm's backward kernel.
+std::vector<torch::Tensor> rms_norm_with_copy(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 
 // Rotary position embedding of q and k heads in one call, Llama layout (each head's first half
 // rotates against its second half). qk: [b, s, heads · head_dim], any row stride; cos and sin:
@@ -42,6 +47,18 @@ torch::Tensor softmax_gradient(torch::Tensor& z, const torch::Tensor& lse, const
 // by a capacity). weights: [T, k] fp32 with autograd; undefined: weights of 1, for backward passes
 // (no gradient flows then). On CUDA one kernel each way, no [T · k, H] intermediate.
 torch::Tensor combine_rows(const torch::Tensor& rows, const torch::Tensor& place, const torch::Tensor& weights, int64_t k);
+
+// The token cross-entropy on a chunk of fp32 logits z [rows, V]: writes each row's log-sum-exp
+// into lse [rows] and its target's logit (z[column] where here, else 0) into target_logit [rows],
+// and returns the gradient (softmax(z) - one_hot(column where here)) · scale in `dtype`. On CUDA
+// one kernel (z read from memory once); elsewhere the ops above, z overwritten on the way.
+torch::Tensor cross_entropy_rows(torch::Tensor& z, const torch::Tensor& column, const torch::Tensor& here, double scale, torch::ScalarType dtype,
+                                 torch::Tensor lse, torch::Tensor target_logit);
+
+// x *= factor (a one-element fp32 tensor) in place, in fp32 and rounded once; on CUDA one
+// vectorised kernel reading the factor on the device (libtorch broadcasts a 0-dim CUDA tensor
+// through its strided, unvectorised path: 260 us for the 1B's head gradient on an H100).
+void scale_(torch::Tensor& x, const torch::Tensor& factor);
 
 // log Σ exp over each row of fp32 z [rows, V] -> [rows] fp32 (one pass on CUDA).
 torch::Tensor row_logsumexp(const torch::Tensor& z);

@@ -39,6 +39,23 @@ __device__ __forceinline__ void store4(T* p, const float (&f)[4]) {
   *reinterpret_cast<Four<T>*>(p) = x;
 }
 
+// E consecutive elements (1, 4 or 8) from or to an address aligned to E of them: one access for
+// 16 bytes or less (two for eight fp32), each element converted to or from fp32.
+template <typename T, int E> struct alignas(E * sizeof(T)) Elements { T v[E]; };
+template <int E, typename T>
+__device__ __forceinline__ void load_n(const T* p, float (&f)[E]) {
+  const Elements<T, E> x = *reinterpret_cast<const Elements<T, E>*>(p);
+#pragma unroll
+  for (int j = 0; j < E; ++j) f[j] = to_f32(x.v[j]);
+}
+template <int E, typename T>
+__device__ __forceinline__ void store_n(T* p, const float (&f)[E]) {
+  Elements<T, E> x;
+#pragma unroll
+  for (int j = 0; j < E; ++j) x.v[j] = from_f32<T>(f[j]);
+  *reinterpret_cast<Elements<T, E>*>(p) = x;
+}
+
 // Whether p may be read or written `bytes` at a time (host side, before a launch).
 inline bool aligned_to(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 

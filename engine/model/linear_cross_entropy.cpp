@@ -33,14 +33,11 @@ struct LocalTargets {
   }
 };
 
-// One chunk's share of the gradients from its fp32 logits z (overwritten): the hidden states' rows
-// `dh` written, the weight's summed into the fp32 `d_weight`. Each token's gradient is
-// (softmax - one_hot) / n, times `factor` (a scalar tensor, or undefined for 1).
-void add_chunk_gradients(Tensor& z, const Tensor& lse, const Tensor& column, const Tensor& here, int64_t n, const Tensor& factor,
-                         const Tensor& h, const Tensor& weight, Tensor dh, Tensor& d_weight) {
-  const Tensor g = fused::softmax_gradient(z, lse, column, here, 1.0 / static_cast<double>(n), factor, h.scalar_type());
+// One chunk's share of the gradients from the gradient g of its logits: the hidden states' rows
+// `dh` written, the weight's summed into the fp32 `d_weight` (written by the first chunk: no zero fill).
+void add_chunk_gradients(const Tensor& g, const Tensor& h, const Tensor& weight, Tensor dh, Tensor& d_weight, bool first) {
   at::mm_out(dh, g, weight);
-  compat::addmm_fp32(d_weight, g.t(), h, 1.0);
+  compat::addmm_fp32(d_weight, g.t(), h, 1.0, first ? 0.0 : 1.0);
 }
 
 struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropyFunction> {
@@ -59,7 +56,7 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
     Tensor d_hidden, d_weight;  // eager: the gradients for a loss gradient of 1
     if (eager) {
       d_hidden = torch::empty_like(hidden);
-      d_weight = torch::zeros(weight.sizes(), fp32);
+      d_weight = n > 0 ? torch::empty(weight.sizes(), fp32) : torch::zeros(weight.sizes(), fp32);
     }
     Tensor local_max, local_sum;  // several ranks: each row's maximum and sum of exp(z - maximum) over this slice
     if (ranks > 1) {
@@ -70,6 +67,12 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
       const Tensor h = hidden.narrow(0, begin, rows);
       const Tensor column = t.column.narrow(0, begin, rows), here = t.here.narrow(0, begin, rows);
       Tensor z = compat::mm_fp32(h, w_t);  // [rows, V/t] fp32
+      if (eager) {  // the log-sum-exp, the target's logit and the gradient in one pass over z
+        const Tensor g = fused::cross_entropy_rows(z, column, here, 1.0 / static_cast<double>(n), hidden.scalar_type(), lse.narrow(0, begin, rows),
+                                                   target_logit.narrow(0, begin, rows));
+        add_chunk_gradients(g, h, weight, d_hidden.narrow(0, begin, rows), d_weight, begin == 0);
+        return;
+      }
       target_logit.narrow(0, begin, rows).copy_(z.gather(1, column.unsqueeze(1)).squeeze(1).mul_(here));
       if (ranks > 1) {
         Tensor m = std::get<0>(z.max(1));
@@ -77,10 +80,7 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
         local_sum.narrow(0, begin, rows).copy_(z.sub_(m.unsqueeze(1)).exp_().sum(1));
         return;
       }
-      Tensor row_lse = lse.narrow(0, begin, rows);
-      row_lse.copy_(fused::row_logsumexp(z));
-      if (!eager) return;
-      add_chunk_gradients(z, row_lse, column, here, n, Tensor(), h, weight, d_hidden.narrow(0, begin, rows), d_weight);
+      lse.narrow(0, begin, rows).copy_(fused::row_logsumexp(z));
     });
     if (ranks > 1) {  // log Σ exp over the whole vocabulary, and the target's logit from the rank that has it
       Tensor maxima = torch::empty({ranks * n}, fp32);
@@ -102,19 +102,25 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
     const Tensor& scale = grads[0];  // d(anything)/d(loss): 1, a loss scale, a pipeline's micro-batch weight
-    if (ctx->saved_data["eager"].toBool()) return {saved[0] * scale, saved[1] * scale, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    if (ctx->saved_data["eager"].toBool()) {  // scaled in place: nothing else reads them
+      Tensor d_hidden = saved[0], d_weight = saved[1];
+      fused::scale_(d_hidden, scale);
+      fused::scale_(d_weight, scale);
+      return {d_hidden, d_weight, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    }
     const Tensor &hidden = saved[0], &weight = saved[1], &targets = saved[2], &lse = saved[3];
     Communicator* group = reinterpret_cast<Communicator*>(ctx->saved_data["group"].toInt());
     const int64_t n = hidden.size(0), local_vocab = weight.size(0);
     const LocalTargets t(targets, group, local_vocab);
     Tensor d_hidden = torch::empty_like(hidden);
-    Tensor d_weight = torch::zeros(weight.sizes(), hidden.options().dtype(torch::kFloat32));
+    Tensor d_weight = n > 0 ? torch::empty(weight.sizes(), hidden.options().dtype(torch::kFloat32)) : torch::zeros(weight.sizes(), hidden.options().dtype(torch::kFloat32));
     // The loss scale multiplies each chunk's gradient in fp32, before it is rounded to the compute dtype.
     for_each_chunk(n, ctx->saved_data["chunk"].toInt(), [&](int64_t begin, int64_t rows) {
       const Tensor h = hidden.narrow(0, begin, rows);
       Tensor z = compat::mm_fp32(h, weight.t());
-      add_chunk_gradients(z, lse.narrow(0, begin, rows), t.column.narrow(0, begin, rows), t.here.narrow(0, begin, rows), n, scale, h, weight,
-                          d_hidden.narrow(0, begin, rows), d_weight);
+      const Tensor g = fused::softmax_gradient(z, lse.narrow(0, begin, rows), t.column.narrow(0, begin, rows), t.here.narrow(0, begin, rows),
+                                               1.0 / static_cast<double>(n), scale, h.scalar_type());
+      add_chunk_gradients(g, h, weight, d_hidden.narrow(0, begin, rows), d_weight, begin == 0);
     });
     return {d_hidden, d_weight.to(weight.scalar_type()), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }

@@ -36,6 +36,9 @@ class UnitRunner {
   virtual torch::Tensor enter_split(const torch::Tensor& x) { return x; }
   // Out of row-parallel layers (attention output, down): partial sums become the whole output.
   virtual torch::Tensor leave_split(const torch::Tensor& partial) { return partial; }
+  // Whether enter_split and leave_split pass tensors through as they are (no tensor parallelism):
+  // then a row-parallel layer may add its output straight into the residual stream.
+  virtual bool splits_nothing() const { return true; }
   // A lookup in an embedding whose rows (the vocabulary) may be split.
   virtual torch::Tensor embedding(const torch::Tensor& weight, const torch::Tensor& ids) { return torch::embedding(weight, ids); }
   // The output projection and the mean token cross-entropy in one, chunk_tokens tokens at a time

@@ -37,6 +37,7 @@ class ParallelModel final : public UnitRunner {
   Tensors run(int unit, const UnitFn& fn, const Tensors& inputs) override { return zero_->run(unit, fn, inputs); }
   torch::Tensor enter_split(const torch::Tensor& x) override { return tensor_.enter(x); }
   torch::Tensor leave_split(const torch::Tensor& partial) override { return tensor_.leave(partial); }
+  bool splits_nothing() const override { return tensor_.size() == 1; }
   torch::Tensor embedding(const torch::Tensor& weight, const torch::Tensor& ids) override { return tensor_.embedding(weight, ids); }
   torch::Tensor projected_loss(const torch::Tensor& hidden, const torch::Tensor& weight, const torch::Tensor& targets, int64_t chunk_tokens) override {
     return tensor_.projected_loss(hidden, weight, targets, chunk_tokens);
