@@ -859,6 +859,14 @@ TEST_CASE("CUDA: the fused RMSNorm, rotary and SwiGLU kernels match the referenc
     torch::Tensor scaled = g.clone(), factor = torch::full({}, 3.0, on_gpu);
     fused::scale_(scaled, factor);
     CHECK(torch::equal(scaled.cpu(), (g.cpu().to(torch::kFloat32) * 3).to(dtype)));
+  }  // The gradients' sum of squares: sizes not a multiple of 8, one starting off a 16-byte boundary, an empty one.
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    const torch::Tensor flat = torch::randn({3'000'003}, on_gpu).to(dtype);
+    const std::vector<torch::Tensor> pieces{flat.narrow(0, 0, 1'000'000), flat.narrow(0, 1'000'001, 1'999'999), flat.narrow(0, 0, 0), flat.narrow(0, 3'000'000, 3)};
+    const double want = flat.cpu().to(torch::kFloat64).pow(2).sum().item<double>() - std::pow(flat[1'000'000].item<double>(), 2);
+    const torch::Tensor got = fused::sum_of_squares(pieces);
+    CHECK(got.scalar_type() == torch::kFloat64);
+    CHECK(std::fabs(got.item<double>() - want) <= 1e-5 * want);
   }
 }
 

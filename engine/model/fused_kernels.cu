@@ -178,14 +178,15 @@ __global__ void rotary_pairs_kernel(const T* in, int64_t in_stride, T* out, int6
 }
 
 // Half a head a multiple of 4 (every DeepSeek and Llama shape): blocks walk tokens, a token's
-// threads its (head, 4 consecutive i) groups with 32-bit index arithmetic, each reading 4 elements
-// of each half, and 4 of the cos and sin rows, in one access where aligned (VEC). (An H100 profile
-// of the 1B decoder had the one-thread-per-4-pairs form, with four 64-bit divisions per thread, at
-// 45% of memory bandwidth.)
-template <typename T, bool VEC>
+// threads its (head, W consecutive i) groups with 32-bit index arithmetic, each reading W elements
+// of each half, and W of the cos and sin rows, in one access each where aligned (VEC; W = 8 where
+// half a head is a multiple of 8: 16-byte accesses in bf16, which took the 1B's rotary on an H100
+// from 2.4 TB/s at W = 4). (An earlier profile had one thread per 4 pairs with four 64-bit
+// divisions per thread at 45% of memory bandwidth.)
+template <typename T, bool VEC, int W>
 __global__ void rotary_kernel(const T* in, int64_t in_stride, T* out, int64_t out_stride, const float* cos, const float* sin,
                               const int64_t* positions, int64_t tokens, int heads, int head_dim, int64_t seq, float direction) {
-  const int half = head_dim / 2, groups = half / 4, per_token = heads * groups;
+  const int half = head_dim / 2, groups = half / W, per_token = heads * groups;
   for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
     const int64_t pos = positions ? positions[t] : t % seq;
     const T* row_in = in + t * in_stride;
@@ -193,31 +194,31 @@ __global__ void rotary_kernel(const T* in, int64_t in_stride, T* out, int64_t ou
     const float* c_row = cos + pos * head_dim;
     const float* s_row = sin + pos * head_dim;
     for (int j = threadIdx.x; j < per_token; j += blockDim.x) {
-      const int head = j / groups, i = (j - head * groups) * 4;
+      const int head = j / groups, i = (j - head * groups) * W;
       const T* src = row_in + head * head_dim + i;
       T* dst = row_out + head * head_dim + i;
-      float x1[4], x2[4], c[4], s[4], o1[4], o2[4];
+      float x1[W], x2[W], c[W], s[W], o1[W], o2[W];
       if (VEC) {
-        load4(src, x1);
-        load4(src + half, x2);
-        load4(c_row + i, c);
-        load4(s_row + i, s);
+        load_n<W>(src, x1);
+        load_n<W>(src + half, x2);
+        load_n<W>(c_row + i, c);
+        load_n<W>(s_row + i, s);
       } else {
 #pragma unroll
-        for (int v = 0; v < 4; ++v) x1[v] = to_f32(src[v]), x2[v] = to_f32(src[half + v]), c[v] = c_row[i + v], s[v] = s_row[i + v];
+        for (int v = 0; v < W; ++v) x1[v] = to_f32(src[v]), x2[v] = to_f32(src[half + v]), c[v] = c_row[i + v], s[v] = s_row[i + v];
       }
 #pragma unroll
-      for (int v = 0; v < 4; ++v) {
+      for (int v = 0; v < W; ++v) {
         const float sv = direction * s[v];
         o1[v] = x1[v] * c[v] - x2[v] * sv;
         o2[v] = x2[v] * c[v] + x1[v] * sv;
       }
       if (VEC) {
-        store4(dst, o1);
-        store4(dst + half, o2);
+        store_n<W>(dst, o1);
+        store_n<W>(dst + half, o2);
       } else {
 #pragma unroll
-        for (int v = 0; v < 4; ++v) dst[v] = from_f32<T>(o1[v]), dst[half + v] = from_f32<T>(o2[v]);
+        for (int v = 0; v < W; ++v) dst[v] = from_f32<T>(o1[v]), dst[half + v] = from_f32<T>(o2[v]);
       }
     }
   }
@@ -355,15 +356,24 @@ __global__ void __launch_bounds__(512) cross_entropy_rows_kernel(const float* z,
   const int64_t quads = cols / 4;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const float4* row = reinterpret_cast<const float4*>(z + r * cols);
+    // Four loads in flight per thread before any is used (one each left the kernel at 1.6 TB/s).
     float m = -INFINITY, s = 0;
-    for (int64_t q = threadIdx.x; q < quads; q += blockDim.x) {
-      const float4 v = row[q];
-      const float top = fmaxf(fmaxf(v.x, v.y), fmaxf(v.z, v.w));
-      if (top > m) {
-        s *= __expf(m - top);  // (0 while m is -inf: s is 0 then)
-        m = top;
+    for (int64_t q0 = threadIdx.x; q0 < quads; q0 += 4 * static_cast<int64_t>(blockDim.x)) {
+      float4 v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int64_t q = q0 + u * static_cast<int64_t>(blockDim.x);
+        v[u] = q < quads ? row[q] : make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
       }
-      if (m != -INFINITY) s += __expf(v.x - m) + __expf(v.y - m) + __expf(v.z - m) + __expf(v.w - m);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const float top = fmaxf(fmaxf(v[u].x, v[u].y), fmaxf(v[u].z, v[u].w));
+        if (top > m) {
+          s *= __expf(m - top);  // (0 while m is -inf: s is 0 then)
+          m = top;
+        }
+        if (m != -INFINITY) s += __expf(v[u].x - m) + __expf(v[u].y - m) + __expf(v[u].z - m) + __expf(v[u].w - m);
+      }
     }
     for (int o = 16; o > 0; o >>= 1) combine_max_sum(m, s, __shfl_xor_sync(0xffffffff, m, o), __shfl_xor_sync(0xffffffff, s, o));
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
@@ -384,15 +394,52 @@ __global__ void __launch_bounds__(512) cross_entropy_rows_kernel(const float* z,
     const float l = row_lse;
     const int64_t hot = here[r] ? target[r] : -1;
     T* out = grad + r * cols;
-    for (int64_t q = threadIdx.x; q < quads; q += blockDim.x) {
-      const float4 v = row[q];
-      const int64_t c = q * 4;
-      float g[4] = {__expf(v.x - l), __expf(v.y - l), __expf(v.z - l), __expf(v.w - l)};
+    for (int64_t q0 = threadIdx.x; q0 < quads; q0 += 4 * static_cast<int64_t>(blockDim.x)) {
+      float4 v[4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) g[j] = (g[j] - (c + j == hot ? 1.0f : 0.0f)) * scale;
-      store4(out + c, g);
+      for (int u = 0; u < 4; ++u) {
+        const int64_t q = q0 + u * static_cast<int64_t>(blockDim.x);
+        if (q < quads) v[u] = row[q];
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int64_t c = (q0 + u * static_cast<int64_t>(blockDim.x)) * 4;
+        if (c >= cols) break;
+        float g[4] = {__expf(v[u].x - l), __expf(v[u].y - l), __expf(v[u].z - l), __expf(v[u].w - l)};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) g[j] = (g[j] - (c + j == hot ? 1.0f : 0.0f)) * scale;
+        store4(out + c, g);
+      }
     }
   }
+}
+
+// Σ x² over n elements in fp32, each block's share written to partial[blockIdx.x]; eight elements a
+// thread and step where aligned (VEC), two steps' loads in flight.
+template <typename T, bool VEC>
+__global__ void sum_of_squares_kernel(const T* x, int64_t n, float* partial) {
+  __shared__ float shared[32];
+  constexpr int E = VEC ? 8 : 1;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x * E;
+  float acc = 0;
+  int64_t i = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) * E;
+  for (; i + stride + E <= n; i += 2 * stride) {
+    float a[E], b[E];
+    load_n<E>(x + i, a);
+    load_n<E>(x + i + stride, b);
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc += a[e] * a[e] + b[e] * b[e];
+  }
+  for (; i + E <= n; i += stride) {
+    float a[E];
+    load_n<E>(x + i, a);
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc += a[e] * a[e];
+  }
+  if (VEC && blockIdx.x == 0)  // the last n % 8 elements
+    for (int64_t t = n / E * E + threadIdx.x; t < n; t += blockDim.x) acc += to_f32(x[t]) * to_f32(x[t]);
+  const float total = block_sum(acc, shared);
+  if (threadIdx.x == 0) partial[blockIdx.x] = total;
 }
 
 // x *= *factor, n elements (four per access where aligned: VEC), in fp32, rounded once.
@@ -569,13 +616,19 @@ void dsrun_rotary(const void* in, int64_t in_stride, void* out, int64_t out_stri
     const T* x = static_cast<const T*>(in);
     T* y = static_cast<T*>(out);
     if (head_dim % 8 == 0) {
-      const bool vec = aligned_to(in, 4 * sizeof(T)) && aligned_to(out, 4 * sizeof(T)) && in_stride % 4 == 0 && out_stride % 4 == 0 &&
-                       aligned_to(cos, 16) && aligned_to(sin, 16);
+      // Whether W elements of every head half may move in one access: pointers, row strides and the tables aligned to W.
+      auto aligned_for = [&](int w) {
+        return aligned_to(in, w * sizeof(T)) && aligned_to(out, w * sizeof(T)) && in_stride % w == 0 && out_stride % w == 0 &&
+               aligned_to(cos, w * sizeof(float)) && aligned_to(sin, w * sizeof(float)) && head_dim % (2 * w) == 0;
+      };
       const int blocks = static_cast<int>(tokens < 132 * 16 ? (tokens > 0 ? tokens : 1) : 132 * 16);
-      if (vec)
-        rotary_kernel<T, true><<<blocks, 256, 0, stream>>>(x, in_stride, y, out_stride, cos, sin, positions, tokens, static_cast<int>(heads), static_cast<int>(head_dim), seq, direction);
-      else
-        rotary_kernel<T, false><<<blocks, 256, 0, stream>>>(x, in_stride, y, out_stride, cos, sin, positions, tokens, static_cast<int>(heads), static_cast<int>(head_dim), seq, direction);
+      auto launch = [&](auto kernel, int threads) {
+        kernel<<<blocks, threads, 0, stream>>>(x, in_stride, y, out_stride, cos, sin, positions, tokens, static_cast<int>(heads), static_cast<int>(head_dim), seq, direction);
+      };
+      // (128 threads for W = 8: a 1B token's 16 heads of 64 pairs are 128 groups)
+      if (aligned_for(8)) launch(rotary_kernel<T, true, 8>, 128);
+      else if (aligned_for(4)) launch(rotary_kernel<T, true, 4>, 256);
+      else launch(rotary_kernel<T, false, 4>, 256);
     } else {
       rotary_pairs_kernel<T><<<grid_for(tokens * heads * head_dim / 2, 256), 256, 0, stream>>>(x, in_stride, y, out_stride, cos, sin, positions, tokens, heads, head_dim, seq, direction);
     }
@@ -669,6 +722,19 @@ void dsrun_scale(void* x, int64_t n, const float* factor, int dtype, cudaStream_
     const int blocks = grid_for(n / 4 + 1, 256);
     if (aligned_to(x, 4 * sizeof(T))) scale_kernel<T, true><<<blocks, 256, 0, stream>>>(static_cast<T*>(x), n, factor);
     else scale_kernel<T, false><<<blocks, 256, 0, stream>>>(static_cast<T*>(x), n, factor);
+  });
+  note_launch();
+}
+
+int dsrun_sum_of_squares_blocks(void) { return 1056; }
+
+void dsrun_sum_of_squares(const void* x, int64_t n, int dtype, float* partial, cudaStream_t stream) {
+  dispatch(dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const int64_t wanted = n / (256 * 8) + 1;
+    const int blocks = static_cast<int>(wanted < dsrun_sum_of_squares_blocks() ? wanted : dsrun_sum_of_squares_blocks());
+    if (aligned_to(x, 16)) sum_of_squares_kernel<T, true><<<blocks, 256, 0, stream>>>(static_cast<const T*>(x), n, partial);
+    else sum_of_squares_kernel<T, false><<<blocks, 256, 0, stream>>>(static_cast<const T*>(x), n, partial);
   });
   note_launch();
 }

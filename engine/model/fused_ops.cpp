@@ -1,6 +1,7 @@
 #include "engine/model/fused_ops.hpp"
 
 #include "engine/common/error.hpp"
+#include "engine/common/torch_compat.hpp"
 
 #ifdef DSRUN_WITH_FUSED_KERNELS
 #include "engine/model/fused_kernels.h"
@@ -392,6 +393,24 @@ void scale_(torch::Tensor& x, const torch::Tensor& factor) {
   }
 #endif
   x.mul_(factor.to(x.device()));
+}
+
+torch::Tensor sum_of_squares(const std::vector<torch::Tensor>& tensors) {
+#ifdef DSRUN_WITH_FUSED_KERNELS
+  bool kernels = !tensors.empty();
+  for (const Tensor& t : tensors) kernels = kernels && fused_kernels_active(t) && t.is_contiguous() && t.device() == tensors[0].device();
+  if (kernels) {
+    const int64_t blocks = dsrun_sum_of_squares_blocks();
+    Tensor partial = torch::zeros({static_cast<int64_t>(tensors.size()), blocks}, tensors[0].options().dtype(torch::kFloat32));
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (tensors[i].numel() == 0) continue;
+      dsrun_sum_of_squares(tensors[i].data_ptr(), tensors[i].numel(), kernel_dtype(tensors[i]), partial.data_ptr<float>() + i * blocks, stream());
+      DSRUN_CHECK_LAUNCH();
+    }
+    return partial.sum(torch::kFloat64);
+  }
+#endif
+  return compat::sum_of_squares(tensors);
 }
 
 torch::Tensor combine_rows(const torch::Tensor& rows, const torch::Tensor& place, const torch::Tensor& weights, int64_t k) {

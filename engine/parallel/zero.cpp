@@ -2,6 +2,7 @@
 
 #include "engine/common/error.hpp"
 #include "engine/common/torch_compat.hpp"
+#include "engine/model/fused_ops.hpp"
 #include "engine/parallel/recompute.hpp"
 
 #include <torch/csrc/autograd/function_hook.h>
@@ -660,7 +661,7 @@ void ZeroDataParallel::take_autograd_gradients(Unit& u, MasterShard& m) {
     m.grad_pieces.push_back({u.layout.offsets[i], g});
     pieces.push_back(g);
   }
-  m.grad_sq = compat::sum_of_squares(pieces);  // one multi-tensor kernel on the GPU
+  m.grad_sq = fused::sum_of_squares(pieces);
   m.grad_scale = 1;
   m.clip_scale = 1;
 }
