@@ -838,28 +838,33 @@ TEST_CASE("CUDA: the fused RMSNorm, rotary and SwiGLU kernels match the referenc
     }, {torch::randn({3, 5, 2048}), 1 + 0.1 * torch::randn({2048}), 0.02 * torch::randn({2048, 2048})}, dtype, dtype == torch::kFloat32 ? 1e-4 : 5e-2);
   }
   // The loss's one-pass kernel against the reference ops: rows of mixed scale, one of -inf but one
-  // entry, targets outside this slice (here false), in fp32 and bf16 gradients; and the in-place scale.
+  // entry, targets outside this slice (here false), in fp32 and bf16 gradients; rows of 5,000 kept in
+  // shared memory, of 60,000 (too long for it) read twice; and the in-place scale.
   const auto on_gpu = torch::TensorOptions().device(gpu);
-  torch::Tensor z = torch::randn({37, 5000}, on_gpu) * torch::linspace(0.1, 30, 37, on_gpu).unsqueeze(1);
-  z[3].fill_(-std::numeric_limits<float>::infinity());
-  z[3][17] = 2.5;
-  const torch::Tensor column = torch::randint(5000, {37}, on_gpu.dtype(torch::kInt64)), here = torch::rand({37}, on_gpu) > 0.2;
-  column[3] = 17;
-  here[3] = true;
-  for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
-    INFO("cross_entropy_rows, gradient in " << c10::toString(dtype));
-    torch::Tensor lse = torch::empty({37}, on_gpu), target_logit = torch::empty({37}, on_gpu);
-    torch::Tensor zk = z.clone(), zr = z.cpu();
-    const torch::Tensor g = fused::cross_entropy_rows(zk, column, here, 0.25, dtype, lse, target_logit);
-    torch::Tensor lse_ref = torch::empty({37}), target_ref = torch::empty({37});
-    const torch::Tensor g_ref = fused::cross_entropy_rows(zr, column.cpu(), here.cpu(), 0.25, dtype, lse_ref, target_ref);
-    CHECK(torch::allclose(lse.cpu(), lse_ref, 1e-5, 1e-5));
-    CHECK(torch::equal(target_logit.cpu(), target_ref));
-    CHECK(torch::allclose(g.cpu().to(torch::kFloat32), g_ref.to(torch::kFloat32), dtype == torch::kFloat32 ? 1e-6 : 1e-2, 1e-6));
-    torch::Tensor scaled = g.clone(), factor = torch::full({}, 3.0, on_gpu);
-    fused::scale_(scaled, factor);
-    CHECK(torch::equal(scaled.cpu(), (g.cpu().to(torch::kFloat32) * 3).to(dtype)));
-  }  // The gradients' sum of squares: sizes not a multiple of 8, one starting off a 16-byte boundary, an empty one.
+  for (int64_t cols : {5000, 60000}) {
+    const int64_t rows = cols == 5000 ? 37 : 5;
+    torch::Tensor z = torch::randn({rows, cols}, on_gpu) * torch::linspace(0.1, 30, rows, on_gpu).unsqueeze(1);
+    z[3].fill_(-std::numeric_limits<float>::infinity());
+    z[3][17] = 2.5;
+    const torch::Tensor column = torch::randint(cols, {rows}, on_gpu.dtype(torch::kInt64)), here = torch::rand({rows}, on_gpu) > 0.2;
+    column[3] = 17;
+    here[3] = true;
+    for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+      INFO("cross_entropy_rows, rows of " << cols << ", gradient in " << c10::toString(dtype));
+      torch::Tensor lse = torch::empty({rows}, on_gpu), target_logit = torch::empty({rows}, on_gpu);
+      torch::Tensor zk = z.clone(), zr = z.cpu();
+      const torch::Tensor g = fused::cross_entropy_rows(zk, column, here, 0.25, dtype, lse, target_logit);
+      torch::Tensor lse_ref = torch::empty({rows}), target_ref = torch::empty({rows});
+      const torch::Tensor g_ref = fused::cross_entropy_rows(zr, column.cpu(), here.cpu(), 0.25, dtype, lse_ref, target_ref);
+      CHECK(torch::allclose(lse.cpu(), lse_ref, 1e-5, 1e-5));
+      CHECK(torch::equal(target_logit.cpu(), target_ref));
+      CHECK(torch::allclose(g.cpu().to(torch::kFloat32), g_ref.to(torch::kFloat32), dtype == torch::kFloat32 ? 1e-6 : 1e-2, 1e-6));
+      torch::Tensor scaled = g.clone(), factor = torch::full({}, 3.0, on_gpu);
+      fused::scale_(scaled, factor);
+      CHECK(torch::equal(scaled.cpu(), (g.cpu().to(torch::kFloat32) * 3).to(dtype)));
+    }
+  }
+  // The gradients' sum of squares: sizes not a multiple of 8, one starting off a 16-byte boundary, an empty one.
   for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
     const torch::Tensor flat = torch::randn({3'000'003}, on_gpu).to(dtype);
     const std::vector<torch::Tensor> pieces{flat.narrow(0, 0, 1'000'000), flat.narrow(0, 1'000'001, 1'999'999), flat.narrow(0, 0, 0), flat.narrow(0, 3'000'000, 3)};

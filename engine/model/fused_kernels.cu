@@ -179,10 +179,9 @@ __global__ void rotary_pairs_kernel(const T* in, int64_t in_stride, T* out, int6
 
 // Half a head a multiple of 4 (every DeepSeek and Llama shape): blocks walk tokens, a token's
 // threads its (head, W consecutive i) groups with 32-bit index arithmetic, each reading W elements
-// of each half, and W of the cos and sin rows, in one access each where aligned (VEC; W = 8 where
-// half a head is a multiple of 8: 16-byte accesses in bf16, which took the 1B's rotary on an H100
-// from 2.4 TB/s at W = 4). (An earlier profile had one thread per 4 pairs with four 64-bit
-// divisions per thread at 45% of memory bandwidth.)
+// of each half, and W of the cos and sin rows, in one access each where aligned (VEC). (An earlier
+// H100 profile had one thread per 4 pairs with four 64-bit divisions per thread at 45% of memory
+// bandwidth.)
 template <typename T, bool VEC, int W>
 __global__ void rotary_kernel(const T* in, int64_t in_stride, T* out, int64_t out_stride, const float* cos, const float* sin,
                               const int64_t* positions, int64_t tokens, int heads, int head_dim, int64_t seq, float direction) {
@@ -344,14 +343,16 @@ __global__ void row_logsumexp_kernel(const float* z, float* lse, int64_t rows, i
 
 // The loss on a chunk of fp32 logits z [rows, cols] (cols a multiple of 4, z 16-byte aligned) in
 // one kernel: each row's log-sum-exp and target logit, and the gradient (exp(z - lse) - one_hot) ·
-// scale in T. A block takes a row at a time and reads it twice, four columns per access: once for
-// the running maximum and sum, once for the gradient. With two blocks per SM the rows in flight
-// (264 of 128 KB on an H100 at a 32,000 vocabulary) stay in its 50 MB L2, so the second read comes
-// from there: memory sees z once and the gradient once, where a log-sum-exp kernel and a gradient
-// kernel read z from memory twice (an H100 profile: 336 us per 2,097-token chunk, against ~140).
-template <typename T>
-__global__ void __launch_bounds__(512) cross_entropy_rows_kernel(const float* z, const int64_t* target, const bool* here, float scale, T* grad,
-                                                                 float* lse, float* target_logit, int64_t rows, int64_t cols) {
+// scale in T. A block takes a row at a time and passes over it twice, four columns per access:
+// once for the running maximum and sum, once for the gradient. CACHED: the first pass keeps the row
+// in shared memory (rows up to ~56K fp32 on an H100, one block of 1024 threads per SM) and the
+// second reads it there, so memory sees z once; otherwise the second pass reads z again (two blocks
+// per SM, hoping for L2: an H100 profile of the 1B showed it mostly missing, 215 us per 2,097-token
+// chunk). Either way one kernel where a log-sum-exp kernel and a gradient kernel took 336 us.
+template <typename T, bool CACHED>
+__global__ void __launch_bounds__(CACHED ? 1024 : 512) cross_entropy_rows_kernel(const float* z, const int64_t* target, const bool* here, float scale,
+                                                                                 T* grad, float* lse, float* target_logit, int64_t rows, int64_t cols) {
+  extern __shared__ float4 cached_row[];  // CACHED: [cols / 4]; each thread reads back what it wrote
   __shared__ float shared_m[32], shared_s[32], row_lse;
   const int64_t quads = cols / 4;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
@@ -364,6 +365,7 @@ __global__ void __launch_bounds__(512) cross_entropy_rows_kernel(const float* z,
       for (int u = 0; u < 4; ++u) {
         const int64_t q = q0 + u * static_cast<int64_t>(blockDim.x);
         v[u] = q < quads ? row[q] : make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
+        if (CACHED && q < quads) cached_row[q] = v[u];
       }
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
@@ -399,7 +401,7 @@ __global__ void __launch_bounds__(512) cross_entropy_rows_kernel(const float* z,
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
         const int64_t q = q0 + u * static_cast<int64_t>(blockDim.x);
-        if (q < quads) v[u] = row[q];
+        if (q < quads) v[u] = CACHED ? cached_row[q] : row[q];
       }
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
@@ -625,9 +627,9 @@ void dsrun_rotary(const void* in, int64_t in_stride, void* out, int64_t out_stri
       auto launch = [&](auto kernel, int threads) {
         kernel<<<blocks, threads, 0, stream>>>(x, in_stride, y, out_stride, cos, sin, positions, tokens, static_cast<int>(heads), static_cast<int>(head_dim), seq, direction);
       };
-      // (128 threads for W = 8: a 1B token's 16 heads of 64 pairs are 128 groups)
-      if (aligned_for(8)) launch(rotary_kernel<T, true, 8>, 128);
-      else if (aligned_for(4)) launch(rotary_kernel<T, true, 4>, 256);
+      // (W = 8, 16-byte accesses with 128 threads a token, ran 2.5 times slower than W = 4 on an
+      // H100 with the 1B: 137 against 55 us a call)
+      if (aligned_for(4)) launch(rotary_kernel<T, true, 4>, 256);
       else launch(rotary_kernel<T, false, 4>, 256);
     } else {
       rotary_pairs_kernel<T><<<grid_for(tokens * heads * head_dim / 2, 256), 256, 0, stream>>>(x, in_stride, y, out_stride, cos, sin, positions, tokens, heads, head_dim, seq, direction);
@@ -704,13 +706,25 @@ int dsrun_cross_entropy_rows_supported(const float* z, int64_t cols) { return co
 
 void dsrun_cross_entropy_rows(const float* z, const int64_t* target, const bool* here, float scale, void* grad, float* lse, float* target_logit,
                               int64_t rows, int64_t cols, int dtype, cudaStream_t stream) {
-  int device = 0, sms = 132;
-  if (cudaGetDevice(&device) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  const int64_t blocks = rows < 2 * sms ? (rows > 0 ? rows : 1) : 2 * sms;  // two blocks per SM: the rows in flight fit in L2
+  int device = 0, sms = 132, shared_limit = 0;
+  if (cudaGetDevice(&device) == cudaSuccess) {
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    cudaDeviceGetAttribute(&shared_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  }
+  const int64_t row_bytes = cols * static_cast<int64_t>(sizeof(float));
+  const bool cached = row_bytes + 1024 <= shared_limit;  // (room for the kernel's own shared arrays)
+  const int64_t per_sm = cached ? 1 : 2;
+  const int64_t blocks = rows < per_sm * sms ? (rows > 0 ? rows : 1) : per_sm * sms;
   dispatch(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    cross_entropy_rows_kernel<T><<<static_cast<unsigned>(blocks), 512, 0, stream>>>(z, target, here, scale, static_cast<T*>(grad), lse, target_logit,
-                                                                                   rows, cols);
+    if (cached) {
+      cudaFuncSetAttribute(cross_entropy_rows_kernel<T, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(row_bytes));
+      cross_entropy_rows_kernel<T, true><<<static_cast<unsigned>(blocks), 1024, row_bytes, stream>>>(z, target, here, scale, static_cast<T*>(grad), lse,
+                                                                                                   target_logit, rows, cols);
+    } else {
+      cross_entropy_rows_kernel<T, false><<<static_cast<unsigned>(blocks), 512, 0, stream>>>(z, target, here, scale, static_cast<T*>(grad), lse,
+                                                                                           target_logit, rows, cols);
+    }
   });
   note_launch();
 }
