@@ -838,8 +838,8 @@ TEST_CASE("CUDA: the fused RMSNorm, rotary and SwiGLU kernels match the referenc
     }, {torch::randn({3, 5, 2048}), 1 + 0.1 * torch::randn({2048}), 0.02 * torch::randn({2048, 2048})}, dtype, dtype == torch::kFloat32 ? 1e-4 : 5e-2);
   }
   // The loss's one-pass kernel against the reference ops: rows of mixed scale, one of -inf but one
-  // entry, targets outside this slice (here false), in fp32 and bf16 gradients; rows of 5,000 kept in
-  // shared memory, of 60,000 (too long for it) read twice; and the in-place scale.
+  // entry, targets outside this slice (here false), in fp32 and bf16 gradients; rows of 5,000 and of
+  // 60,000 (more than a block's columns per pass); and the in-place scale.
   const auto on_gpu = torch::TensorOptions().device(gpu);
   for (int64_t cols : {5000, 60000}) {
     const int64_t rows = cols == 5000 ? 37 : 5;

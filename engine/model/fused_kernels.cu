@@ -186,38 +186,55 @@ template <typename T, bool VEC, int W>
 __global__ void rotary_kernel(const T* in, int64_t in_stride, T* out, int64_t out_stride, const float* cos, const float* sin,
                               const int64_t* positions, int64_t tokens, int heads, int head_dim, int64_t seq, float direction) {
   const int half = head_dim / 2, groups = half / W, per_token = heads * groups;
-  for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
-    const int64_t pos = positions ? positions[t] : t % seq;
-    const T* row_in = in + t * in_stride;
-    T* row_out = out + t * out_stride;
-    const float* c_row = cos + pos * head_dim;
-    const float* s_row = sin + pos * head_dim;
+  // Two tokens a step (t0 and t0 + gridDim.x), both loaded before either is written: twice the
+  // bytes in flight per thread (one token a step ran at 2.4 TB/s on an H100).
+  for (int64_t t0 = blockIdx.x; t0 < tokens; t0 += 2 * static_cast<int64_t>(gridDim.x)) {
+    const int64_t t[2] = {t0, t0 + gridDim.x};
+    const bool second = t[1] < tokens;
     for (int j = threadIdx.x; j < per_token; j += blockDim.x) {
       const int head = j / groups, i = (j - head * groups) * W;
-      const T* src = row_in + head * head_dim + i;
-      T* dst = row_out + head * head_dim + i;
-      float x1[W], x2[W], c[W], s[W], o1[W], o2[W];
-      if (VEC) {
-        load_n<W>(src, x1);
-        load_n<W>(src + half, x2);
-        load_n<W>(c_row + i, c);
-        load_n<W>(s_row + i, s);
-      } else {
+      float x1[2][W], x2[2][W];
 #pragma unroll
-        for (int v = 0; v < W; ++v) x1[v] = to_f32(src[v]), x2[v] = to_f32(src[half + v]), c[v] = c_row[i + v], s[v] = s_row[i + v];
+      for (int k = 0; k < 2; ++k) {
+        if (k == 1 && !second) break;
+        const T* src = in + t[k] * in_stride + head * head_dim + i;
+        if (VEC) {
+          load_n<W>(src, x1[k]);
+          load_n<W>(src + half, x2[k]);
+        } else {
+#pragma unroll
+          for (int v = 0; v < W; ++v) x1[k][v] = to_f32(src[v]), x2[k][v] = to_f32(src[half + v]);
+        }
       }
 #pragma unroll
-      for (int v = 0; v < W; ++v) {
-        const float sv = direction * s[v];
-        o1[v] = x1[v] * c[v] - x2[v] * sv;
-        o2[v] = x2[v] * c[v] + x1[v] * sv;
-      }
-      if (VEC) {
-        store_n<W>(dst, o1);
-        store_n<W>(dst + half, o2);
-      } else {
+      for (int k = 0; k < 2; ++k) {
+        if (k == 1 && !second) break;
+        // (the tables' rows are shared by every head of a token: cache hits, read as they are needed)
+        const int64_t pos = positions ? positions[t[k]] : t[k] % seq;
+        const float* c_row = cos + pos * head_dim + i;
+        const float* s_row = sin + pos * head_dim + i;
+        float c[W], s[W], o1[W], o2[W];
+        if (VEC) {
+          load_n<W>(c_row, c);
+          load_n<W>(s_row, s);
+        } else {
 #pragma unroll
-        for (int v = 0; v < W; ++v) dst[v] = from_f32<T>(o1[v]), dst[half + v] = from_f32<T>(o2[v]);
+          for (int v = 0; v < W; ++v) c[v] = c_row[v], s[v] = s_row[v];
+        }
+#pragma unroll
+        for (int v = 0; v < W; ++v) {
+          const float sv = direction * s[v];
+          o1[v] = x1[k][v] * c[v] - x2[k][v] * sv;
+          o2[v] = x2[k][v] * c[v] + x1[k][v] * sv;
+        }
+        T* dst = out + t[k] * out_stride + head * head_dim + i;
+        if (VEC) {
+          store_n<W>(dst, o1);
+          store_n<W>(dst + half, o2);
+        } else {
+#pragma unroll
+          for (int v = 0; v < W; ++v) dst[v] = from_f32<T>(o1[v]), dst[half + v] = from_f32<T>(o2[v]);
+        }
       }
     }
   }
@@ -343,16 +360,14 @@ __global__ void row_logsumexp_kernel(const float* z, float* lse, int64_t rows, i
 
 // The loss on a chunk of fp32 logits z [rows, cols] (cols a multiple of 4, z 16-byte aligned) in
 // one kernel: each row's log-sum-exp and target logit, and the gradient (exp(z - lse) - one_hot) ·
-// scale in T. A block takes a row at a time and passes over it twice, four columns per access:
-// once for the running maximum and sum, once for the gradient. CACHED: the first pass keeps the row
-// in shared memory (rows up to ~56K fp32 on an H100, one block of 1024 threads per SM) and the
-// second reads it there, so memory sees z once; otherwise the second pass reads z again (two blocks
-// per SM, hoping for L2: an H100 profile of the 1B showed it mostly missing, 215 us per 2,097-token
-// chunk). Either way one kernel where a log-sum-exp kernel and a gradient kernel took 336 us.
-template <typename T, bool CACHED>
-__global__ void __launch_bounds__(CACHED ? 1024 : 512) cross_entropy_rows_kernel(const float* z, const int64_t* target, const bool* here, float scale,
-                                                                                 T* grad, float* lse, float* target_logit, int64_t rows, int64_t cols) {
-  extern __shared__ float4 cached_row[];  // CACHED: [cols / 4]; each thread reads back what it wrote
+// scale in T. A block takes a row at a time and reads it twice, four columns per access: once for
+// the running maximum and sum, once for the gradient. One kernel where a log-sum-exp kernel and a
+// gradient kernel took 336 us per 2,097-token chunk of the 1B on an H100; this one 215 us, at
+// memory bandwidth with z read twice (the second read hoped for L2 and mostly missed it). Keeping
+// the row in shared memory instead (one block of 1024 threads per SM) ran slower: 240 us.
+template <typename T>
+__global__ void __launch_bounds__(512) cross_entropy_rows_kernel(const float* z, const int64_t* target, const bool* here, float scale, T* grad,
+                                                                 float* lse, float* target_logit, int64_t rows, int64_t cols) {
   __shared__ float shared_m[32], shared_s[32], row_lse;
   const int64_t quads = cols / 4;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
@@ -365,7 +380,6 @@ __global__ void __launch_bounds__(CACHED ? 1024 : 512) cross_entropy_rows_kernel
       for (int u = 0; u < 4; ++u) {
         const int64_t q = q0 + u * static_cast<int64_t>(blockDim.x);
         v[u] = q < quads ? row[q] : make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
-        if (CACHED && q < quads) cached_row[q] = v[u];
       }
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
@@ -401,7 +415,7 @@ __global__ void __launch_bounds__(CACHED ? 1024 : 512) cross_entropy_rows_kernel
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
         const int64_t q = q0 + u * static_cast<int64_t>(blockDim.x);
-        if (q < quads) v[u] = CACHED ? cached_row[q] : row[q];
+        if (q < quads) v[u] = row[q];
       }
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
@@ -706,25 +720,13 @@ int dsrun_cross_entropy_rows_supported(const float* z, int64_t cols) { return co
 
 void dsrun_cross_entropy_rows(const float* z, const int64_t* target, const bool* here, float scale, void* grad, float* lse, float* target_logit,
                               int64_t rows, int64_t cols, int dtype, cudaStream_t stream) {
-  int device = 0, sms = 132, shared_limit = 0;
-  if (cudaGetDevice(&device) == cudaSuccess) {
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    cudaDeviceGetAttribute(&shared_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  }
-  const int64_t row_bytes = cols * static_cast<int64_t>(sizeof(float));
-  const bool cached = row_bytes + 1024 <= shared_limit;  // (room for the kernel's own shared arrays)
-  const int64_t per_sm = cached ? 1 : 2;
-  const int64_t blocks = rows < per_sm * sms ? (rows > 0 ? rows : 1) : per_sm * sms;
+  int device = 0, sms = 132;
+  if (cudaGetDevice(&device) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const int64_t blocks = rows < 2 * sms ? (rows > 0 ? rows : 1) : 2 * sms;
   dispatch(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    if (cached) {
-      cudaFuncSetAttribute(cross_entropy_rows_kernel<T, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(row_bytes));
-      cross_entropy_rows_kernel<T, true><<<static_cast<unsigned>(blocks), 1024, row_bytes, stream>>>(z, target, here, scale, static_cast<T*>(grad), lse,
-                                                                                                   target_logit, rows, cols);
-    } else {
-      cross_entropy_rows_kernel<T, false><<<static_cast<unsigned>(blocks), 512, 0, stream>>>(z, target, here, scale, static_cast<T*>(grad), lse,
-                                                                                           target_logit, rows, cols);
-    }
+    cross_entropy_rows_kernel<T><<<static_cast<unsigned>(blocks), 512, 0, stream>>>(z, target, here, scale, static_cast<T*>(grad), lse, target_logit,
+                                                                                   rows, cols);
   });
   note_launch();
 }

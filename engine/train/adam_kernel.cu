@@ -30,11 +30,11 @@ __device__ __forceinline__ void adam_update(float& w, float& m, float& v, float 
   w -= s.step_size * m / (sqrtf(v) / s.bias_correction2_sqrt + s.eps);
 }
 
-// The range from `head` on, eight consecutive elements per thread and iteration: 16 bytes or two
-// per array where every pointer is then aligned to eight elements (VEC), otherwise eight single
-// ones; the grid walks the range. The first `head` elements (fewer than eight: up to the master's
-// 32-byte boundary) go one each to the first block's first threads. (Four elements a thread ran
-// the 1B's update at 2.7 TB/s on an H100: too few bytes in flight per thread.)
+// The range from `head` on, four consecutive elements per thread and iteration: one access per
+// array where every pointer is then aligned to four elements (VEC), otherwise four single ones; the
+// grid walks the range. The first `head` elements (fewer than four: up to the master's 16-byte
+// boundary) go one each to the first block's first threads. (Eight elements a thread, 16-byte bf16
+// accesses at 60 registers, ran the 1B's update 7% slower on an H100: half the blocks per SM.)
 // S: the states' element type (fp32, or bf16 rounded to nearest after each update).
 template <typename S, typename G, typename P, bool VEC>
 __global__ void adam_kernel(float* __restrict__ master, S* __restrict__ exp_avg, S* __restrict__ exp_avg_sq,
@@ -50,23 +50,22 @@ __global__ void adam_kernel(float* __restrict__ master, S* __restrict__ exp_avg,
     if (out) out[i] = from_f32<P>(w);
   };
   if (blockIdx.x == 0 && threadIdx.x < head) one(threadIdx.x);
-  constexpr int E = 8;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x * E;
-  for (int64_t base = head + (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * E; base < n; base += stride) {
-    if (VEC && base + E <= n) {
-      float w[E], m[E], v[E], g[E];
-      load_n<E>(master + base, w);
-      load_n<E>(exp_avg + base, m);
-      load_n<E>(exp_avg_sq + base, v);
-      load_n<E>(grad + base, g);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x * 4;
+  for (int64_t base = head + (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 4; base < n; base += stride) {
+    if (VEC && base + 4 <= n) {
+      float w[4], m[4], v[4], g[4];
+      load4(master + base, w);
+      load4(exp_avg + base, m);
+      load4(exp_avg_sq + base, v);
+      load4(grad + base, g);
 #pragma unroll
-      for (int j = 0; j < E; ++j) adam_update(w[j], m[j], v[j], g[j] * factor, s);
-      store_n<E>(master + base, w);
-      store_n<E>(exp_avg + base, m);
-      store_n<E>(exp_avg_sq + base, v);
-      if (out) store_n<E>(out + base, w);
+      for (int j = 0; j < 4; ++j) adam_update(w[j], m[j], v[j], g[j] * factor, s);
+      store4(master + base, w);
+      store4(exp_avg + base, m);
+      store4(exp_avg_sq + base, v);
+      if (out) store4(out + base, w);
     } else {
-      for (int64_t i = base; i < base + E && i < n; ++i) one(i);
+      for (int64_t i = base; i < base + 4 && i < n; ++i) one(i);
     }
   }
 }
@@ -85,9 +84,9 @@ void dsrun_adam_step(float* master, void* exp_avg, void* exp_avg_sq, int state_d
   if (n <= 0) return;
   const AdamScalars s{grad_factor, lr, beta1, beta2, eps, weight_decay, lr / bias_correction1, bias_correction2_sqrt, decoupled};
   // Enough blocks of 256 threads to fill an H100 several times over (132 SMs, 8 blocks each), each
-  // thread eight elements per iteration; small ranges get what they need.
+  // thread four elements per iteration; small ranges get what they need.
   constexpr int kThreads = 256;
-  const int64_t wanted = (n + kThreads * 8 - 1) / (kThreads * 8);
+  const int64_t wanted = (n + kThreads * 4 - 1) / (kThreads * 4);
   const int blocks = static_cast<int>(wanted < 132 * 8 ? wanted : 132 * 8);
   dispatch(state_dtype, [&](auto* state_tag) {
     using S = std::remove_pointer_t<decltype(state_tag)>;
@@ -95,14 +94,14 @@ void dsrun_adam_step(float* master, void* exp_avg, void* exp_avg_sq, int state_d
       using G = std::remove_pointer_t<decltype(grad_tag)>;
       dispatch(param_dtype, [&](auto* param_tag) {
         using P = std::remove_pointer_t<decltype(param_tag)>;
-        // Up to the master's 32-byte boundary one at a time; from there eight at a time where the
+        // Up to the master's 16-byte boundary one at a time; from there four at a time where the
         // others are aligned there too (the optimizer aligns its states to the masters' ranges).
-        const int64_t to_boundary = static_cast<int64_t>((32 - reinterpret_cast<uintptr_t>(master) % 32) % 32 / 4);
+        const int64_t to_boundary = static_cast<int64_t>((16 - reinterpret_cast<uintptr_t>(master) % 16) % 16 / 4);
         const int64_t head = to_boundary < n ? to_boundary : n;
-        // Whether p's elements from `head` on may be read eight at a time.
-        auto eight_from_head = [&](const void* p, size_t bytes) { return aligned_to(static_cast<const char*>(p) + head * bytes, 8 * bytes); };
-        const bool vec = eight_from_head(exp_avg, sizeof(S)) && eight_from_head(exp_avg_sq, sizeof(S)) && eight_from_head(grad, sizeof(G)) &&
-                         (param_out == nullptr || eight_from_head(param_out, sizeof(P)));
+        // Whether p's elements from `head` on may be read four at a time.
+        auto four_from_head = [&](const void* p, size_t bytes) { return aligned_to(static_cast<const char*>(p) + head * bytes, 4 * bytes); };
+        const bool vec = four_from_head(exp_avg, sizeof(S)) && four_from_head(exp_avg_sq, sizeof(S)) && four_from_head(grad, sizeof(G)) &&
+                         (param_out == nullptr || four_from_head(param_out, sizeof(P)));
         S* m = static_cast<S*>(exp_avg);
         S* v = static_cast<S*>(exp_avg_sq);
         const G* g = static_cast<const G*>(grad);
