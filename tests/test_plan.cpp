@@ -370,9 +370,17 @@ TEST_CASE("the fused projection and loss: the plan counts one chunk's transient,
   CHECK(fused.memory.total() < whole.memory.total());
   CHECK(fused.step_seconds < whole.step_seconds);  // fewer bytes through memory
   CHECK_THAT(render_plan(fused), Catch::Contains("output projection and loss fused, 655 tokens' logits at a time"));
-  // Under tensor parallelism each rank's chunk spans its slice of the vocabulary.
+  // Under tensor parallelism each rank's chunk spans its slice of the vocabulary: there a micro-batch's
+  // 8,192 tokens of 51,200 fp32 logits (1.6 GiB, under 1/32 of 80 GB) fit, and auto takes them in one chunk.
   const Plan split = plan_of(one_gpu + "micro = 2\n", {"hardware.devices_per_node=2", "parallel.tensor=2"});
-  CHECK(split.loss_chunk_tokens == static_cast<int64_t>(kAutoLossChunkBytes / (4 * V / 2)));
+  CHECK(split.loss_chunk_tokens == 2 * 4096);
+  bool said = false;
+  for (const auto& c : split.choices) said = said || (c.key == "batch.loss_chunk_tokens" && c.value == "8192");
+  CHECK(said);
+  CHECK(split.memory.backward_peak == Approx((4 + 2) * 8192 * V / 2 + (4 + 2) * V / 2 * h));
+  // Asked for, a chunk is kept.
+  const Plan asked = plan_of(one_gpu + "micro = 2\nloss_chunk_tokens = 655\n", {"hardware.devices_per_node=2", "parallel.tensor=2"});
+  CHECK(asked.loss_chunk_tokens == 655);
 }
 
 TEST_CASE("separate documents on a GPU: the plan measures the corpus's documents and prices attention within them", "[plan][documents]") {

@@ -181,60 +181,43 @@ __global__ void rotary_pairs_kernel(const T* in, int64_t in_stride, T* out, int6
 // threads its (head, W consecutive i) groups with 32-bit index arithmetic, each reading W elements
 // of each half, and W of the cos and sin rows, in one access each where aligned (VEC). (An earlier
 // H100 profile had one thread per 4 pairs with four 64-bit divisions per thread at 45% of memory
-// bandwidth.)
+// bandwidth. Two tokens a step per thread, loaded before either is written, ran 12% slower.)
 template <typename T, bool VEC, int W>
 __global__ void rotary_kernel(const T* in, int64_t in_stride, T* out, int64_t out_stride, const float* cos, const float* sin,
                               const int64_t* positions, int64_t tokens, int heads, int head_dim, int64_t seq, float direction) {
   const int half = head_dim / 2, groups = half / W, per_token = heads * groups;
-  // Two tokens a step (t0 and t0 + gridDim.x), both loaded before either is written: twice the
-  // bytes in flight per thread (one token a step ran at 2.4 TB/s on an H100).
-  for (int64_t t0 = blockIdx.x; t0 < tokens; t0 += 2 * static_cast<int64_t>(gridDim.x)) {
-    const int64_t t[2] = {t0, t0 + gridDim.x};
-    const bool second = t[1] < tokens;
+  for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
+    const int64_t pos = positions ? positions[t] : t % seq;
+    const T* row_in = in + t * in_stride;
+    T* row_out = out + t * out_stride;
+    const float* c_row = cos + pos * head_dim;
+    const float* s_row = sin + pos * head_dim;
     for (int j = threadIdx.x; j < per_token; j += blockDim.x) {
       const int head = j / groups, i = (j - head * groups) * W;
-      float x1[2][W], x2[2][W];
+      const T* src = row_in + head * head_dim + i;
+      T* dst = row_out + head * head_dim + i;
+      float x1[W], x2[W], c[W], s[W], o1[W], o2[W];
+      if (VEC) {
+        load_n<W>(src, x1);
+        load_n<W>(src + half, x2);
+        load_n<W>(c_row + i, c);
+        load_n<W>(s_row + i, s);
+      } else {
 #pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        if (k == 1 && !second) break;
-        const T* src = in + t[k] * in_stride + head * head_dim + i;
-        if (VEC) {
-          load_n<W>(src, x1[k]);
-          load_n<W>(src + half, x2[k]);
-        } else {
-#pragma unroll
-          for (int v = 0; v < W; ++v) x1[k][v] = to_f32(src[v]), x2[k][v] = to_f32(src[half + v]);
-        }
+        for (int v = 0; v < W; ++v) x1[v] = to_f32(src[v]), x2[v] = to_f32(src[half + v]), c[v] = c_row[i + v], s[v] = s_row[i + v];
       }
 #pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        if (k == 1 && !second) break;
-        // (the tables' rows are shared by every head of a token: cache hits, read as they are needed)
-        const int64_t pos = positions ? positions[t[k]] : t[k] % seq;
-        const float* c_row = cos + pos * head_dim + i;
-        const float* s_row = sin + pos * head_dim + i;
-        float c[W], s[W], o1[W], o2[W];
-        if (VEC) {
-          load_n<W>(c_row, c);
-          load_n<W>(s_row, s);
-        } else {
+      for (int v = 0; v < W; ++v) {
+        const float sv = direction * s[v];
+        o1[v] = x1[v] * c[v] - x2[v] * sv;
+        o2[v] = x2[v] * c[v] + x1[v] * sv;
+      }
+      if (VEC) {
+        store_n<W>(dst, o1);
+        store_n<W>(dst + half, o2);
+      } else {
 #pragma unroll
-          for (int v = 0; v < W; ++v) c[v] = c_row[v], s[v] = s_row[v];
-        }
-#pragma unroll
-        for (int v = 0; v < W; ++v) {
-          const float sv = direction * s[v];
-          o1[v] = x1[k][v] * c[v] - x2[k][v] * sv;
-          o2[v] = x2[k][v] * c[v] + x1[k][v] * sv;
-        }
-        T* dst = out + t[k] * out_stride + head * head_dim + i;
-        if (VEC) {
-          store_n<W>(dst, o1);
-          store_n<W>(dst + half, o2);
-        } else {
-#pragma unroll
-          for (int v = 0; v < W; ++v) dst[v] = from_f32<T>(o1[v]), dst[half + v] = from_f32<T>(o2[v]);
-        }
+        for (int v = 0; v < W; ++v) dst[v] = from_f32<T>(o1[v]), dst[half + v] = from_f32<T>(o2[v]);
       }
     }
   }

@@ -155,6 +155,7 @@ class Planner {
     cost.fused_elementwise = hw.device == Device::Cuda;
     cost.local_vocab = r.model.vocab / std::max(1, tp_);
     cost.loss_chunk_tokens = r.model.arch == ModelArch::DeepSeek ? loss_chunk_tokens(r.batch, cost.local_vocab) : 0;
+    cost_options_ = cost;
     cost_ = model_cost(r.model, r.batch.seq_len, r.precision.dtype, kernel_, cost);
     attention_fraction_ = options.attention_fraction >= 0 ? options.attention_fraction : document_attention_fraction(r);
     capacity_ = hw.ranks_share_memory() ? hw.memory_bytes / ranks_per_node_ : hw.memory_bytes;
@@ -555,6 +556,29 @@ class Planner {
         }
       }
       p.choices.push_back({"batch.micro", std::to_string(chosen.micro), reason});
+    }
+
+    // 3. The loss chunk left to auto: a micro-batch's whole logits in one chunk where their fp32
+    // values take at most 1/32 of the device and the layout still fits (one projection each way and
+    // no fp32 weight-gradient sum across chunks: the 1B at 8 x 2048 on an H100, 2,097-token chunks
+    // against one, ran 0.7% slower), else 256 MiB chunks.
+    if (found && !r_.batch.loss_chunk_tokens && cost_.loss_chunk_tokens > 0) {
+      const int64_t tokens = chosen.micro * r_.batch.seq_len;
+      if (tokens > cost_.loss_chunk_tokens && 4.0 * static_cast<double>(tokens) * static_cast<double>(cost_options_.local_vocab) <= capacity_ / 32) {
+        ModelCostOptions whole = cost_options_;
+        whole.loss_chunk_tokens = tokens;
+        ModelCost chunked = model_cost(r_.model, r_.batch.seq_len, r_.precision.dtype, kernel_, whole);
+        std::swap(cost_, chunked);
+        if (evaluate(chosen).fits) {
+          p.choices.push_back({"batch.loss_chunk_tokens", std::to_string(tokens),
+                               "a micro-batch's logits in one chunk: " + format_bytes(4.0 * static_cast<double>(tokens) * static_cast<double>(cost_options_.local_vocab)) +
+                                   " of fp32 logits, at most 1/32 of the device, and the layout still fits"});
+          p.loss_chunk_tokens = cost_.loss_chunk_tokens;
+          p.cost = cost_;
+        } else {
+          std::swap(cost_, chunked);
+        }
+      }
     }
 
     Evaluation ev = evaluate(chosen);
@@ -1091,6 +1115,7 @@ class Planner {
     return r_.data.separate_documents && r_.hardware.device == Device::Cuda && r_.precision.dtype != DType::Fp32;
   }
   ModelCost cost_;
+  ModelCostOptions cost_options_;
   double capacity_ = 0;
 };
 

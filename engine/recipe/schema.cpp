@@ -202,8 +202,9 @@ std::vector<KeySpec> build_schema() {
       ranged("batch.seq_len", T::Int, "128", 1, 16777216, "Tokens per sequence (decoders)."),
       ranged("batch.loss_chunk_tokens", T::IntOrAuto, "\"auto\"", 0, 1e12,
              "Decoders: the output projection and the cross-entropy run as one, this many tokens at a time, so the whole fp32 logits "
-             "and their gradient never exist at once. `auto`: chunks of about 256 MiB of fp32 logits per rank. 0: whole logits "
-             "(the projection, then the loss)."),
+             "and their gradient never exist at once. `auto`: a micro-batch's tokens in one chunk where their fp32 logits take at most "
+             "1/32 of a device's memory and the layout still fits (the plan says so), else chunks of about 256 MiB of fp32 logits per "
+             "rank. 0: whole logits (the projection, then the loss)."),
 
       // ---- optimizer
       choice("optimizer.name", "adamw", {"adamw", "adam", "sgd"}, "AdamW (decoupled weight decay), Adam (L2 in the gradient), or SGD with momentum."),

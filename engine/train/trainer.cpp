@@ -219,7 +219,7 @@ class Trainer {
     ModelBuild build;
     build.seed = static_cast<uint64_t>(r_.run.seed);
     build.deferred = r_.model.arch == ModelArch::DeepSeek && r_.model.init_from.empty();
-    if (r_.model.arch == ModelArch::DeepSeek) build.loss_chunk_tokens = loss_chunk_tokens(r_.batch, r_.model.vocab / plan_.layout.tensor);
+    if (r_.model.arch == ModelArch::DeepSeek) build.loss_chunk_tokens = plan_.loss_chunk_tokens;  // (the plan's choice under "auto")
     model_ = build_model(r_.model, r_.batch.seq_len, build);
     if (!r_.model.init_from.empty()) {
       load_pretrained_weights(*model_, r_.model, r_.model.init_from);
