@@ -814,16 +814,18 @@ TEST_CASE("CUDA: the fused RMSNorm, rotary and SwiGLU kernels match the referenc
         return fused::rotary(qk, d, in[0].is_cuda() ? cos.to(in[0].device()) : cos, in[0].is_cuda() ? sin.to(in[0].device()) : sin);
       }, {torch::randn({2, 20, 4 * d + 4})}, dtype, tol);
     }
-    {  // q (2 heads), k (1 head) rotated and v passed through from one projection, gradients into one buffer
+    {  // the q/k/v projection: q (2 heads), k (1 head) rotated, v passed through; v's gradient arrives
+       // strided (a slice of the concatenation's), x's and the weight's come from split products
       torch::Tensor inv = 1.0 / torch::pow(10000.0, torch::arange(0, 16, 2, torch::kFloat64) / 16.0);
       torch::Tensor angles = torch::outer(torch::arange(32, torch::kFloat64), inv);
       torch::Tensor full = torch::cat({angles, angles}, -1);
       torch::Tensor cos = full.cos().to(torch::kFloat32), sin = full.sin().to(torch::kFloat32);
-      compare("rotary_qkv", [&](std::vector<torch::Tensor>& in) {
+      compare("project_qkv", [&](std::vector<torch::Tensor>& in) {
         const bool gpu_side = in[0].is_cuda();
-        std::vector<torch::Tensor> qkv = fused::rotary_qkv(in[0], 32, 16, 16, gpu_side ? cos.to(in[0].device()) : cos, gpu_side ? sin.to(in[0].device()) : sin);
+        std::vector<torch::Tensor> qkv =
+            fused::project_qkv(in[0], in[1], 32, 16, 16, gpu_side ? cos.to(in[0].device()) : cos, gpu_side ? sin.to(in[0].device()) : sin);
         return torch::cat({qkv[0], qkv[1], qkv[2] * 2}, -1);
-      }, {torch::randn({2, 20, 64})}, dtype, tol);
+      }, {torch::randn({2, 20, 48}), 0.2 * torch::randn({64, 48})}, dtype, tol);
     }
     // inner 96: eight columns a thread; 100: one at a time.
     for (int64_t inner : {96, 100})

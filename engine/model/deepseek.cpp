@@ -78,10 +78,11 @@ struct TokenPositions {
   TokenPositions(const Rotary& r, const Batch& batch) : rope(&r) {
     if (batch.positions.defined()) documents = std::make_shared<const PackedDocuments>(batch.documents, batch.positions, batch.inputs.device());
   }
-  // {q, k rotated, v} from a q/k/v projection's output (fused::rotary_qkv).
-  std::vector<Tensor> rotate_qk(const Tensor& qkv, int64_t q_width, int64_t k_width, int64_t head_dim) const {
-    rope->move_to(qkv.device());
-    return fused::rotary_qkv(qkv, q_width, k_width, head_dim, rope->cos_on_device, rope->sin_on_device, documents ? documents->positions() : Tensor());
+  // {q, k rotated, v} from the q/k/v projection of x by `weight` (fused::project_qkv).
+  std::vector<Tensor> project_qkv(const Tensor& x, const Tensor& weight, int64_t q_width, int64_t k_width, int64_t head_dim) const {
+    rope->move_to(x.device());
+    return fused::project_qkv(x, weight, q_width, k_width, head_dim, rope->cos_on_device, rope->sin_on_device,
+                              documents ? documents->positions() : Tensor());
   }
 };
 
@@ -98,9 +99,9 @@ struct AttentionImpl : nn::Module {
   Tensor context(const Tensor& x, const TokenPositions& where) {
     const int64_t b = x.size(0), s = x.size(1);
     const int64_t kv_heads = wqkv->weight.size(0) / (head_dim * (group + 2)), heads = group * kv_heads;
-    // q and k rotated, v passed through, from the one projection; backward writes its gradient in
-    // one buffer. [b, s, heads, d] viewed as [b, heads, s, d].
-    const std::vector<Tensor> qkv = where.rotate_qk(wqkv(x), heads * head_dim, kv_heads * head_dim, head_dim);
+    // q and k rotated, v passed through, from the one projection (fused::project_qkv: backward
+    // never joins their gradients). [b, s, heads, d] viewed as [b, heads, s, d].
+    const std::vector<Tensor> qkv = where.project_qkv(x, wqkv->weight, heads * head_dim, kv_heads * head_dim, head_dim);
     if (where.documents) {  // [b, s, heads, d] as they lie; grouped-query heads shared by the kernel or the mask path
       Tensor out = where.documents->attend(qkv[0].view({b, s, heads, head_dim}), qkv[1].view({b, s, kv_heads, head_dim}),
                                            qkv[2].view({b, s, kv_heads, head_dim}));

@@ -166,55 +166,65 @@ struct RotaryFunction : torch::autograd::Function<RotaryFunction> {
   }
 };
 
-// The q/k/v projection's output -> q and k rotated (two contiguous tensors), v as a view of it.
-// Backward writes the projection's gradient once: q's and k's rotated back into its columns, v's
-// copied beside them (rotary then two splits would concatenate twice: 3.7 ms of an H100 step).
-struct RotaryQkvFunction : torch::autograd::Function<RotaryQkvFunction> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& qkv, int64_t q_width, int64_t k_width, int64_t head_dim, const Tensor& cos,
-                               const Tensor& sin, const Tensor& positions) {
-    const int64_t b = qkv.size(0), s = qkv.size(1), n = qkv.size(2);
-    const Tensor in = as_rows(qkv);
-    Tensor q = torch::empty({b, s, q_width}, qkv.options()), k = torch::empty({b, s, k_width}, qkv.options());
+// The q/k/v projection and rotary in one function: x · wᵀ -> q and k rotated (two contiguous
+// tensors), v as a view of the product. Backward never joins the three gradients into one: q's
+// and k's are rotated back into one buffer of their columns, and the products run on it and on
+// v's gradient as attention left it: x's gradient as two products summed in the second's epilogue,
+// w's by row blocks. (Joining them cost a copy of v's gradient, 1.5 ms of the 1B's H100 step; the
+// earlier form, rotary then two splits, concatenated twice: 3.7 ms.)
+struct QkvProjectionFunction : torch::autograd::Function<QkvProjectionFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, int64_t q_width, int64_t k_width, int64_t head_dim,
+                               const Tensor& cos, const Tensor& sin, const Tensor& positions) {
+    const int64_t b = x.size(0), s = x.size(1), n = weight.size(0);
+    const Tensor in = torch::linear(x, weight);  // [b, s, q | k | v], contiguous
+    Tensor q = torch::empty({b, s, q_width}, in.options()), k = torch::empty({b, s, k_width}, in.options());
     const int64_t* rows = RotaryFunction::position_rows(positions);
     const char* base = static_cast<const char*>(in.data_ptr());
-    dsrun_rotary(base, in.stride(1), q.data_ptr(), q_width, cos.data_ptr<float>(), sin.data_ptr<float>(), rows, b * s, q_width / head_dim,
-                 head_dim, s, /*inverse=*/0, kernel_dtype(qkv), stream());
+    dsrun_rotary(base, n, q.data_ptr(), q_width, cos.data_ptr<float>(), sin.data_ptr<float>(), rows, b * s, q_width / head_dim, head_dim, s,
+                 /*inverse=*/0, kernel_dtype(in), stream());
     DSRUN_CHECK_LAUNCH();
-    dsrun_rotary(base + q_width * in.element_size(), in.stride(1), k.data_ptr(), k_width, cos.data_ptr<float>(), sin.data_ptr<float>(), rows,
-                 b * s, k_width / head_dim, head_dim, s, /*inverse=*/0, kernel_dtype(qkv), stream());
+    dsrun_rotary(base + q_width * in.element_size(), n, k.data_ptr(), k_width, cos.data_ptr<float>(), sin.data_ptr<float>(), rows, b * s,
+                 k_width / head_dim, head_dim, s, /*inverse=*/0, kernel_dtype(in), stream());
     DSRUN_CHECK_LAUNCH();
     ctx->saved_data["q_width"] = q_width;
     ctx->saved_data["k_width"] = k_width;
     ctx->saved_data["head_dim"] = head_dim;
-    ctx->save_for_backward({cos, sin, positions});
+    ctx->save_for_backward({x, weight, cos, sin, positions});
     return {q, k, in.narrow(2, q_width + k_width, n - q_width - k_width)};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     variable_list saved = ctx->get_saved_variables();
+    const Tensor &x = saved[0], &weight = saved[1];
     const int64_t q_width = ctx->saved_data["q_width"].toInt(), k_width = ctx->saved_data["k_width"].toInt();
     const int64_t head_dim = ctx->saved_data["head_dim"].toInt();
-    const Tensor& like = grads[0].defined() ? grads[0] : grads[1].defined() ? grads[1] : grads[2];
-    const int64_t b = like.size(0), s = like.size(1), v_width = grads[2].defined() ? grads[2].size(2) : 0;
-    DSRUN_ASSERT(grads[2].defined(), "rotary_qkv: v's gradient (v is always read)");
-    const int64_t n = q_width + k_width + v_width;
-    Tensor d = torch::empty({b, s, n}, like.options());
-    char* out = static_cast<char*>(d.data_ptr());
-    const int64_t* rows = RotaryFunction::position_rows(saved[2]);
+    const int64_t b = x.size(0), s = x.size(1), qk = q_width + k_width, v_width = weight.size(0) - qk;
+    DSRUN_ASSERT(grads[2].defined(), "the q/k/v projection: v's gradient (v is always read)");
+    Tensor d_qk = torch::empty({b, s, qk}, x.options());
+    char* out = static_cast<char*>(d_qk.data_ptr());
+    const int64_t* rows = RotaryFunction::position_rows(saved[4]);
     int64_t column = 0;
     for (int i : {0, 1}) {
       const int64_t width = i == 0 ? q_width : k_width;
       if (!grads[i].defined()) {
-        d.narrow(2, column, width).zero_();
+        d_qk.narrow(2, column, width).zero_();
       } else {
         const Tensor g = as_rows(grads[i]);
-        dsrun_rotary(g.data_ptr(), g.stride(1), out + column * d.element_size(), n, saved[0].data_ptr<float>(), saved[1].data_ptr<float>(), rows,
-                     b * s, width / head_dim, head_dim, s, /*inverse=*/1, kernel_dtype(g), stream());
+        dsrun_rotary(g.data_ptr(), g.stride(1), out + column * d_qk.element_size(), qk, saved[2].data_ptr<float>(), saved[3].data_ptr<float>(),
+                     rows, b * s, width / head_dim, head_dim, s, /*inverse=*/1, kernel_dtype(g), stream());
         DSRUN_CHECK_LAUNCH();
       }
       column += width;
     }
-    d.narrow(2, column, v_width).copy_(grads[2]);
-    return {d, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    // [b · s, width] matrices: v's gradient as attention wrote it where its rows lie evenly (a view), else a copy.
+    const Tensor d_qk_rows = d_qk.view({b * s, qk}), d_v_rows = as_rows(grads[2]).reshape({b * s, v_width});
+    const Tensor x_rows = x.reshape({b * s, x.size(2)});
+    Tensor dx = at::mm(d_qk_rows, weight.narrow(0, 0, qk));
+    dx.addmm_(d_v_rows, weight.narrow(0, qk, v_width));
+    Tensor dw = torch::empty_like(weight);
+    Tensor dw_qk = dw.narrow(0, 0, qk), dw_v = dw.narrow(0, qk, v_width);
+    at::mm_out(dw_qk, d_qk_rows.t(), x_rows);
+    at::mm_out(dw_v, d_v_rows.t(), x_rows);
+    return {dx.view(x.sizes()), dw, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -311,16 +321,19 @@ std::vector<torch::Tensor> rms_norm_with_copy(const torch::Tensor& x, const torc
   return {x.reshape({-1, x.size(-1)}).clone(torch::MemoryFormat::Contiguous), rms_norm(x, weight, eps)};
 }
 
-std::vector<torch::Tensor> rotary_qkv(const torch::Tensor& qkv, int64_t q_width, int64_t k_width, int64_t head_dim, const torch::Tensor& cos,
-                                      const torch::Tensor& sin, const torch::Tensor& positions) {
-  DSRUN_ASSERT(qkv.dim() == 3 && q_width % head_dim == 0 && k_width % head_dim == 0 && q_width + k_width < qkv.size(2), "rotary_qkv takes [b, s, q | k | v]");
-  DSRUN_ASSERT(!positions.defined() || positions.numel() == qkv.size(0) * qkv.size(1), "rotary: one position per token");
+std::vector<torch::Tensor> project_qkv(const torch::Tensor& x, const torch::Tensor& weight, int64_t q_width, int64_t k_width, int64_t head_dim,
+                                       const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& positions) {
+  DSRUN_ASSERT(x.dim() == 3 && weight.dim() == 2 && weight.size(1) == x.size(2) && q_width % head_dim == 0 && k_width % head_dim == 0 &&
+                   q_width + k_width < weight.size(0),
+               "project_qkv takes x [b, s, h] and weight [q | k | v, h]");
+  DSRUN_ASSERT(!positions.defined() || positions.numel() == x.size(0) * x.size(1), "rotary: one position per token");
 #ifdef DSRUN_WITH_FUSED_KERNELS
-  if (rotary_kernel_runs(qkv, cos))
-    return RotaryQkvFunction::apply(qkv, q_width, k_width, head_dim, cos.contiguous(), sin.contiguous(), rotary_rows(qkv, positions));
+  if (rotary_kernel_runs(x, cos) && weight.scalar_type() == x.scalar_type() && x.is_contiguous() && weight.is_contiguous())
+    return QkvProjectionFunction::apply(x, weight, q_width, k_width, head_dim, cos.contiguous(), sin.contiguous(), rotary_rows(x, positions));
 #endif
   // q and k by one split, not two narrows: backward joins their gradients with one copy, where
   // each narrow's would fill a zero tensor of the whole width and add it.
+  const Tensor qkv = torch::linear(x, weight);
   std::vector<Tensor> qk_v = qkv.split_with_sizes({q_width + k_width, qkv.size(2) - q_width - k_width}, -1);
   std::vector<Tensor> q_k = rotary(qk_v[0], head_dim, cos, sin, positions).split_with_sizes({q_width, k_width}, -1);
   return {q_k[0], q_k[1], qk_v[1]};

@@ -22,11 +22,12 @@ std::vector<torch::Tensor> rms_norm_with_copy(const torch::Tensor& x, const torc
 torch::Tensor rotary(const torch::Tensor& qk, int64_t head_dim, const torch::Tensor& cos, const torch::Tensor& sin,
                      const torch::Tensor& positions = {});
 
-// One q/k/v projection's output qkv [b, s, q_width + k_width + v_width] -> {q, k, v}: q and k
-// rotated as rotary() does (contiguous), v its last columns. On CUDA backward writes the
-// projection's gradient in one buffer (no concatenation); elsewhere rotary() and two splits.
-std::vector<torch::Tensor> rotary_qkv(const torch::Tensor& qkv, int64_t q_width, int64_t k_width, int64_t head_dim, const torch::Tensor& cos,
-                                      const torch::Tensor& sin, const torch::Tensor& positions = {});
+// The q/k/v projection x [b, s, h] · weightᵀ ([q_width + k_width + v_width, h], q, k and v rows
+// stacked) -> {q, k, v}: q and k rotated as rotary() does (contiguous), v the product's last
+// columns. On CUDA backward never joins the three gradients: q's and k's rotated into one buffer,
+// the products run on it and on v's gradient as it comes; elsewhere linear, rotary() and two splits.
+std::vector<torch::Tensor> project_qkv(const torch::Tensor& x, const torch::Tensor& weight, int64_t q_width, int64_t k_width, int64_t head_dim,
+                                       const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& positions = {});
 
 // silu(gate) · up where gate_up = [gate | up] along the last dimension.
 torch::Tensor swiglu(const torch::Tensor& gate_up);
