@@ -22,6 +22,9 @@ int dsrun_rms_norm_partials(int64_t rows);
 // x_copy, if not null, gets a copy of x.
 void dsrun_rms_norm_forward(const void* x, const void* w, void* y, float* rstd, void* x_copy, int64_t rows, int64_t cols, float eps,
                             int dtype, cudaStream_t stream);
+// out [cols] in `dtype` = the sum over rows of partial [rows, cols] fp32 (in row order, rounded once):
+// dw from the RMSNorm backward's partial sums.
+void dsrun_column_sum(const float* partial, int64_t rows, int64_t cols, void* out, int dtype, cudaStream_t stream);
 // dx and partial sums of dw ([dsrun_rms_norm_partials(rows), cols], fp32) from dy, x, w, rstd;
 // d_add, if not null ([rows, cols]), is added to dx in fp32 (the gradient of x's copy).
 void dsrun_rms_norm_backward(const void* dy, const void* x, const void* w, const float* rstd, const void* d_add, void* dx, float* dw_partial,
@@ -57,10 +60,11 @@ int dsrun_cross_entropy_rows_supported(const float* z, int64_t cols);
 void dsrun_cross_entropy_rows(const float* z, const int64_t* target, const bool* here, float scale, void* grad, float* lse, float* target_logit,
                               int64_t rows, int64_t cols, int dtype, cudaStream_t stream);
 
-// Σ x² over x's n elements in fp32, as partial sums: partial[b] for the first blocks b it uses, at
-// most dsrun_sum_of_squares_blocks() of them (the rest untouched).
+// Σ x² over each of `count` tensors x[i] of n[i] elements (all of `dtype`) in fp32, as partial sums:
+// partial[i · B + b] for the first blocks b tensor i uses, B = dsrun_sum_of_squares_blocks() (the
+// rest untouched). Up to 8 tensors a launch.
 int dsrun_sum_of_squares_blocks(void);
-void dsrun_sum_of_squares(const void* x, int64_t n, int dtype, float* partial, cudaStream_t stream);
+void dsrun_sum_of_squares(const void* const* x, const int64_t* n, int count, int dtype, float* partial, cudaStream_t stream);
 
 // x[i] *= *factor for i < n (factor on the device), computed in fp32.
 void dsrun_scale(void* x, int64_t n, const float* factor, int dtype, cudaStream_t stream);
