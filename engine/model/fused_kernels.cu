@@ -437,17 +437,11 @@ __global__ void __launch_bounds__(1024) column_sum_kernel(const float* partial, 
   }
 }
 
-// Σ x² over up to 8 tensors a launch (their addresses and sizes passed by value; the 1B's 99
-// gradients took 99 launches one at a time), in fp32: tensor blockIdx.y's share of block
-// blockIdx.x written to partial[blockIdx.y · partial_stride + blockIdx.x]. Eight elements a thread
-// and step where the tensor is 16-byte aligned, two steps' loads in flight.
-struct SquaresBatch {
-  const void* x[8];
-  int64_t n[8];
-};
-
+// Σ x² over n elements in fp32, each block's share written to partial[blockIdx.x]; eight elements a
+// thread and step where aligned (VEC), two steps' loads in flight.
 template <typename T, bool VEC>
-__device__ float sum_of_squares_share(const T* x, int64_t n) {
+__global__ void sum_of_squares_kernel(const T* x, int64_t n, float* partial) {
+  __shared__ float shared[32];
   constexpr int E = VEC ? 8 : 1;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x * E;
   float acc = 0;
@@ -467,17 +461,8 @@ __device__ float sum_of_squares_share(const T* x, int64_t n) {
   }
   if (VEC && blockIdx.x == 0)  // the last n % 8 elements
     for (int64_t t = n / E * E + threadIdx.x; t < n; t += blockDim.x) acc += to_f32(x[t]) * to_f32(x[t]);
-  return acc;
-}
-
-template <typename T>
-__global__ void sum_of_squares_kernel(SquaresBatch batch, float* partial, int64_t partial_stride) {
-  __shared__ float shared[32];
-  const T* x = static_cast<const T*>(batch.x[blockIdx.y]);
-  const int64_t n = batch.n[blockIdx.y];
-  const float acc = reinterpret_cast<uintptr_t>(x) % 16 == 0 ? sum_of_squares_share<T, true>(x, n) : sum_of_squares_share<T, false>(x, n);
   const float total = block_sum(acc, shared);
-  if (threadIdx.x == 0) partial[blockIdx.y * partial_stride + blockIdx.x] = total;
+  if (threadIdx.x == 0) partial[blockIdx.x] = total;
 }
 
 // x *= *factor, n elements (four per access where aligned: VEC), in fp32, rounded once.
@@ -775,23 +760,13 @@ void dsrun_column_sum(const float* partial, int64_t rows, int64_t cols, void* ou
 
 int dsrun_sum_of_squares_blocks(void) { return 1056; }
 
-void dsrun_sum_of_squares(const void* const* x, const int64_t* n, int count, int dtype, float* partial, cudaStream_t stream) {
-  const int64_t most = dsrun_sum_of_squares_blocks();
+void dsrun_sum_of_squares(const void* x, int64_t n, int dtype, float* partial, cudaStream_t stream) {
   dispatch(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    for (int first = 0; first < count; first += 8) {
-      SquaresBatch batch{};
-      const int k = count - first < 8 ? count - first : 8;
-      int64_t wanted = 1;
-      for (int j = 0; j < k; ++j) {
-        batch.x[j] = x[first + j];
-        batch.n[j] = n[first + j];
-        const int64_t w = n[first + j] / (256 * 8) + 1;
-        wanted = w > wanted ? w : wanted;
-      }
-      const dim3 grid(static_cast<unsigned>(wanted < most ? wanted : most), static_cast<unsigned>(k));
-      sum_of_squares_kernel<T><<<grid, 256, 0, stream>>>(batch, partial + first * most, most);
-    }
+    const int64_t wanted = n / (256 * 8) + 1;
+    const int blocks = static_cast<int>(wanted < dsrun_sum_of_squares_blocks() ? wanted : dsrun_sum_of_squares_blocks());
+    if (aligned_to(x, 16)) sum_of_squares_kernel<T, true><<<blocks, 256, 0, stream>>>(static_cast<const T*>(x), n, partial);
+    else sum_of_squares_kernel<T, false><<<blocks, 256, 0, stream>>>(static_cast<const T*>(x), n, partial);
   });
   note_launch();
 }

@@ -60,11 +60,10 @@ int dsrun_cross_entropy_rows_supported(const float* z, int64_t cols);
 void dsrun_cross_entropy_rows(const float* z, const int64_t* target, const bool* here, float scale, void* grad, float* lse, float* target_logit,
                               int64_t rows, int64_t cols, int dtype, cudaStream_t stream);
 
-// Σ x² over each of `count` tensors x[i] of n[i] elements (all of `dtype`) in fp32, as partial sums:
-// partial[i · B + b] for the first blocks b tensor i uses, B = dsrun_sum_of_squares_blocks() (the
-// rest untouched). Up to 8 tensors a launch.
+// Σ x² over x's n elements in fp32, as partial sums: partial[b] for the first blocks b it uses, at
+// most dsrun_sum_of_squares_blocks() of them (the rest untouched).
 int dsrun_sum_of_squares_blocks(void);
-void dsrun_sum_of_squares(const void* const* x, const int64_t* n, int count, int dtype, float* partial, cudaStream_t stream);
+void dsrun_sum_of_squares(const void* x, int64_t n, int dtype, float* partial, cudaStream_t stream);
 
 // x[i] *= *factor for i < n (factor on the device), computed in fp32.
 void dsrun_scale(void* x, int64_t n, const float* factor, int dtype, cudaStream_t stream);

@@ -414,20 +414,15 @@ void scale_(torch::Tensor& x, const torch::Tensor& factor) {
 torch::Tensor sum_of_squares(const std::vector<torch::Tensor>& tensors) {
 #ifdef DSRUN_WITH_FUSED_KERNELS
   bool kernels = !tensors.empty();
-  for (const Tensor& t : tensors)
-    kernels = kernels && fused_kernels_active(t) && t.is_contiguous() && t.device() == tensors[0].device() && t.scalar_type() == tensors[0].scalar_type();
+  for (const Tensor& t : tensors) kernels = kernels && fused_kernels_active(t) && t.is_contiguous() && t.device() == tensors[0].device();
   if (kernels) {
-    std::vector<const void*> x;
-    std::vector<int64_t> n;
-    for (const Tensor& t : tensors)
-      if (t.numel() > 0) {
-        x.push_back(t.data_ptr());
-        n.push_back(t.numel());
-      }
-    // (a row more than the tensors: never empty)
-    Tensor partial = torch::zeros({static_cast<int64_t>(x.size()) + 1, dsrun_sum_of_squares_blocks()}, tensors[0].options().dtype(torch::kFloat32));
-    dsrun_sum_of_squares(x.data(), n.data(), static_cast<int>(x.size()), kernel_dtype(tensors[0]), partial.data_ptr<float>(), stream());
-    DSRUN_CHECK_LAUNCH();
+    const int64_t blocks = dsrun_sum_of_squares_blocks();
+    Tensor partial = torch::zeros({static_cast<int64_t>(tensors.size()), blocks}, tensors[0].options().dtype(torch::kFloat32));
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (tensors[i].numel() == 0) continue;
+      dsrun_sum_of_squares(tensors[i].data_ptr(), tensors[i].numel(), kernel_dtype(tensors[i]), partial.data_ptr<float>() + i * blocks, stream());
+      DSRUN_CHECK_LAUNCH();
+    }
     return partial.sum(torch::kFloat64);
   }
 #endif
