@@ -312,6 +312,24 @@ __device__ __forceinline__ void combine_max_sum(float& m, float& s, float m2, fl
   m = top;
 }
 
+// log Σ exp over a block from each thread's running maximum m and sum s of exp(v - m), the value
+// for thread 0 (the others' is partial); shared_m and shared_s hold 32 floats each and may still be
+// read from a previous call until the first barrier.
+__device__ float block_logsumexp(float m, float s, float* shared_m, float* shared_s) {
+  for (int o = 16; o > 0; o >>= 1) combine_max_sum(m, s, __shfl_xor_sync(0xffffffff, m, o), __shfl_xor_sync(0xffffffff, s, o));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  __syncthreads();
+  if (lane == 0) {
+    shared_m[warp] = m;
+    shared_s[warp] = s;
+  }
+  __syncthreads();
+  float bm = shared_m[0], bs = shared_s[0];
+  if (threadIdx.x == 0)
+    for (int w = 1; w < warps; ++w) combine_max_sum(bm, bs, shared_m[w], shared_s[w]);
+  return bm + logf(bs);
+}
+
 __global__ void row_logsumexp_kernel(const float* z, float* lse, int64_t rows, int64_t cols) {
   __shared__ float shared_m[32], shared_s[32];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
@@ -325,19 +343,8 @@ __global__ void row_logsumexp_kernel(const float* z, float* lse, int64_t rows, i
         s += __expf(v - m);
       }
     }
-    for (int o = 16; o > 0; o >>= 1) combine_max_sum(m, s, __shfl_xor_sync(0xffffffff, m, o), __shfl_xor_sync(0xffffffff, s, o));
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-    __syncthreads();  // the shared arrays may still be read for the previous row
-    if (lane == 0) {
-      shared_m[warp] = m;
-      shared_s[warp] = s;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      float bm = shared_m[0], bs = shared_s[0];
-      for (int w = 1; w < warps; ++w) combine_max_sum(bm, bs, shared_m[w], shared_s[w]);
-      lse[r] = bm + logf(bs);
-    }
+    const float l = block_logsumexp(m, s, shared_m, shared_s);
+    if (threadIdx.x == 0) lse[r] = l;
   }
 }
 
@@ -374,19 +381,10 @@ __global__ void __launch_bounds__(512) cross_entropy_rows_kernel(const float* z,
         if (m != -INFINITY) s += __expf(v[u].x - m) + __expf(v[u].y - m) + __expf(v[u].z - m) + __expf(v[u].w - m);
       }
     }
-    for (int o = 16; o > 0; o >>= 1) combine_max_sum(m, s, __shfl_xor_sync(0xffffffff, m, o), __shfl_xor_sync(0xffffffff, s, o));
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-    __syncthreads();  // the shared values may still be read for the previous row
-    if (lane == 0) {
-      shared_m[warp] = m;
-      shared_s[warp] = s;
-    }
-    __syncthreads();
+    const float block_lse = block_logsumexp(m, s, shared_m, shared_s);
     if (threadIdx.x == 0) {
-      float bm = shared_m[0], bs = shared_s[0];
-      for (int w = 1; w < warps; ++w) combine_max_sum(bm, bs, shared_m[w], shared_s[w]);
-      row_lse = bm + logf(bs);
-      lse[r] = row_lse;
+      row_lse = block_lse;
+      lse[r] = block_lse;
       target_logit[r] = here[r] ? z[r * cols + target[r]] : 0.0f;
     }
     __syncthreads();
