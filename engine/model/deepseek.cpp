@@ -286,19 +286,17 @@ struct BlockImpl : nn::Module {
   // each per layer on the 1B's H100 profile). Split layers reduce their partial sums first.
   Tensor forward(const Tensor& x, const TokenPositions& where, Tensor& aux_loss, UnitRunner& runner) {
     const bool in_place = runner.splits_nothing();
-    Tensor h;
-    if (in_place) {
-      std::vector<Tensor> stream = fused::rms_norm_with_copy(x, attn_norm->weight, attn_norm->eps);  // {copy, normed}
-      h = attn->wo->add_into(stream[0], attn->context(stream[1], where)).view(x.sizes());
-    } else {
-      h = x + runner.leave_split(attn(runner.enter_split(attn_norm(x)), where));
-    }
+    const Tensor h = in_place ? add_in_place(x, attn_norm, attn->wo, [&](const Tensor& normed) { return attn->context(normed, where); })
+                              : x + runner.leave_split(attn(runner.enter_split(attn_norm(x)), where));
     if (moe) return h + moe(mlp_norm(h), aux_loss, runner);
-    if (in_place) {
-      std::vector<Tensor> stream = fused::rms_norm_with_copy(h, mlp_norm->weight, mlp_norm->eps);
-      return mlp->down->add_into(stream[0], mlp->inner(stream[1])).view(h.sizes());
-    }
+    if (in_place) return add_in_place(h, mlp_norm, mlp->down, [&](const Tensor& normed) { return mlp->inner(normed); });
     return h + runner.leave_split(mlp(runner.enter_split(mlp_norm(h))));
+  }
+  // x + projection(inner(norm(x))), the sum in the projection's epilogue on the norm's copy of x.
+  template <class Inner>
+  static Tensor add_in_place(const Tensor& x, RMSNorm& norm, Linear& projection, Inner&& inner) {
+    std::vector<Tensor> stream = fused::rms_norm_with_copy(x, norm->weight, norm->eps);  // {copy, normed}
+    return projection->add_into(stream[0], inner(stream[1])).view(x.sizes());
   }
   RMSNorm attn_norm{nullptr}, mlp_norm{nullptr};
   Attention attn{nullptr};

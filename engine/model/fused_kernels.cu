@@ -178,14 +178,15 @@ __global__ void rotary_pairs_kernel(const T* in, int64_t in_stride, T* out, int6
 }
 
 // Half a head a multiple of 4 (every DeepSeek and Llama shape): blocks walk tokens, a token's
-// threads its (head, W consecutive i) groups with 32-bit index arithmetic, each reading W elements
-// of each half, and W of the cos and sin rows, in one access each where aligned (VEC). (An earlier
-// H100 profile had one thread per 4 pairs with four 64-bit divisions per thread at 45% of memory
-// bandwidth. Two tokens a step per thread, loaded before either is written, ran 12% slower.)
-template <typename T, bool VEC, int W>
+// threads its (head, 4 consecutive i) groups with 32-bit index arithmetic, each reading 4 elements
+// of each half, and 4 of the cos and sin rows, in one access where aligned (VEC). (An H100 profile
+// of the 1B decoder had the one-thread-per-4-pairs form, with four 64-bit divisions per thread, at
+// 45% of memory bandwidth. Eight pairs a thread ran 2.5 times slower, 137 us a call against 55; two
+// tokens a step, loaded before either is written, 12% slower.)
+template <typename T, bool VEC>
 __global__ void rotary_kernel(const T* in, int64_t in_stride, T* out, int64_t out_stride, const float* cos, const float* sin,
                               const int64_t* positions, int64_t tokens, int heads, int head_dim, int64_t seq, float direction) {
-  const int half = head_dim / 2, groups = half / W, per_token = heads * groups;
+  const int half = head_dim / 2, groups = half / 4, per_token = heads * groups;
   for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
     const int64_t pos = positions ? positions[t] : t % seq;
     const T* row_in = in + t * in_stride;
@@ -193,31 +194,31 @@ __global__ void rotary_kernel(const T* in, int64_t in_stride, T* out, int64_t ou
     const float* c_row = cos + pos * head_dim;
     const float* s_row = sin + pos * head_dim;
     for (int j = threadIdx.x; j < per_token; j += blockDim.x) {
-      const int head = j / groups, i = (j - head * groups) * W;
+      const int head = j / groups, i = (j - head * groups) * 4;
       const T* src = row_in + head * head_dim + i;
       T* dst = row_out + head * head_dim + i;
-      float x1[W], x2[W], c[W], s[W], o1[W], o2[W];
+      float x1[4], x2[4], c[4], s[4], o1[4], o2[4];
       if (VEC) {
-        load_n<W>(src, x1);
-        load_n<W>(src + half, x2);
-        load_n<W>(c_row + i, c);
-        load_n<W>(s_row + i, s);
+        load4(src, x1);
+        load4(src + half, x2);
+        load4(c_row + i, c);
+        load4(s_row + i, s);
       } else {
 #pragma unroll
-        for (int v = 0; v < W; ++v) x1[v] = to_f32(src[v]), x2[v] = to_f32(src[half + v]), c[v] = c_row[i + v], s[v] = s_row[i + v];
+        for (int v = 0; v < 4; ++v) x1[v] = to_f32(src[v]), x2[v] = to_f32(src[half + v]), c[v] = c_row[i + v], s[v] = s_row[i + v];
       }
 #pragma unroll
-      for (int v = 0; v < W; ++v) {
+      for (int v = 0; v < 4; ++v) {
         const float sv = direction * s[v];
         o1[v] = x1[v] * c[v] - x2[v] * sv;
         o2[v] = x2[v] * c[v] + x1[v] * sv;
       }
       if (VEC) {
-        store_n<W>(dst, o1);
-        store_n<W>(dst + half, o2);
+        store4(dst, o1);
+        store4(dst + half, o2);
       } else {
 #pragma unroll
-        for (int v = 0; v < W; ++v) dst[v] = from_f32<T>(o1[v]), dst[half + v] = from_f32<T>(o2[v]);
+        for (int v = 0; v < 4; ++v) dst[v] = from_f32<T>(o1[v]), dst[half + v] = from_f32<T>(o2[v]);
       }
     }
   }
@@ -638,19 +639,13 @@ void dsrun_rotary(const void* in, int64_t in_stride, void* out, int64_t out_stri
     const T* x = static_cast<const T*>(in);
     T* y = static_cast<T*>(out);
     if (head_dim % 8 == 0) {
-      // Whether W elements of every head half may move in one access: pointers, row strides and the tables aligned to W.
-      auto aligned_for = [&](int w) {
-        return aligned_to(in, w * sizeof(T)) && aligned_to(out, w * sizeof(T)) && in_stride % w == 0 && out_stride % w == 0 &&
-               aligned_to(cos, w * sizeof(float)) && aligned_to(sin, w * sizeof(float)) && head_dim % (2 * w) == 0;
-      };
+      const bool vec = aligned_to(in, 4 * sizeof(T)) && aligned_to(out, 4 * sizeof(T)) && in_stride % 4 == 0 && out_stride % 4 == 0 &&
+                       aligned_to(cos, 16) && aligned_to(sin, 16);
       const int blocks = static_cast<int>(tokens < 132 * 16 ? (tokens > 0 ? tokens : 1) : 132 * 16);
-      auto launch = [&](auto kernel, int threads) {
-        kernel<<<blocks, threads, 0, stream>>>(x, in_stride, y, out_stride, cos, sin, positions, tokens, static_cast<int>(heads), static_cast<int>(head_dim), seq, direction);
-      };
-      // (W = 8, 16-byte accesses with 128 threads a token, ran 2.5 times slower than W = 4 on an
-      // H100 with the 1B: 137 against 55 us a call)
-      if (aligned_for(4)) launch(rotary_kernel<T, true, 4>, 256);
-      else launch(rotary_kernel<T, false, 4>, 256);
+      if (vec)
+        rotary_kernel<T, true><<<blocks, 256, 0, stream>>>(x, in_stride, y, out_stride, cos, sin, positions, tokens, static_cast<int>(heads), static_cast<int>(head_dim), seq, direction);
+      else
+        rotary_kernel<T, false><<<blocks, 256, 0, stream>>>(x, in_stride, y, out_stride, cos, sin, positions, tokens, static_cast<int>(heads), static_cast<int>(head_dim), seq, direction);
     } else {
       rotary_pairs_kernel<T><<<grid_for(tokens * heads * head_dim / 2, 256), 256, 0, stream>>>(x, in_stride, y, out_stride, cos, sin, positions, tokens, heads, head_dim, seq, direction);
     }

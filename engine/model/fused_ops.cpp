@@ -79,12 +79,16 @@ cudaStream_t stream() { return at::cuda::getCurrentCUDAStream().stream(); }
 
 struct RmsNormFunction : torch::autograd::Function<RmsNormFunction> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, double eps) {
+    return kernel_forward(ctx, x, weight, eps, Tensor());
+  }
+  // y = rms_norm(x), and x's copy into `copy` where defined; saves what backward reads.
+  static Tensor kernel_forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, double eps, const Tensor& copy) {
     const int64_t cols = x.size(-1), rows = x.numel() / cols;
     Tensor x2 = x.contiguous();
     Tensor y = torch::empty_like(x2);
     Tensor rstd = torch::empty({rows}, x.options().dtype(torch::kFloat32));
-    dsrun_rms_norm_forward(x2.data_ptr(), weight.contiguous().data_ptr(), y.data_ptr(), rstd.data_ptr<float>(), nullptr, rows, cols,
-                           static_cast<float>(eps), kernel_dtype(x), stream());
+    dsrun_rms_norm_forward(x2.data_ptr(), weight.contiguous().data_ptr(), y.data_ptr(), rstd.data_ptr<float>(), copy.defined() ? copy.data_ptr() : nullptr,
+                           rows, cols, static_cast<float>(eps), kernel_dtype(x), stream());
     DSRUN_CHECK_LAUNCH();
     ctx->save_for_backward({x2, weight, rstd});
     return y;
@@ -117,14 +121,9 @@ struct RmsNormFunction : torch::autograd::Function<RmsNormFunction> {
 // of a block and autograd's two sums of the stream's gradient cost no kernel of their own.
 struct ResidualRmsNormFunction : torch::autograd::Function<ResidualRmsNormFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, double eps) {
-    const int64_t cols = x.size(-1), rows = x.numel() / cols;
-    Tensor x2 = x.contiguous();
-    Tensor y = torch::empty_like(x2), copy = torch::empty({rows, cols}, x2.options());
-    Tensor rstd = torch::empty({rows}, x.options().dtype(torch::kFloat32));
-    dsrun_rms_norm_forward(x2.data_ptr(), weight.contiguous().data_ptr(), y.data_ptr(), rstd.data_ptr<float>(), copy.data_ptr(), rows, cols,
-                           static_cast<float>(eps), kernel_dtype(x), stream());
-    DSRUN_CHECK_LAUNCH();
-    ctx->save_for_backward({x2, weight, rstd});
+    const int64_t cols = x.size(-1);
+    Tensor copy = torch::empty({x.numel() / cols, cols}, x.options());
+    Tensor y = RmsNormFunction::kernel_forward(ctx, x, weight, eps, copy);
     return {copy, y};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {

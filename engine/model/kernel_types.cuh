@@ -22,23 +22,6 @@ template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return
 // Rounds through T and back: what storing in T and reading again gives.
 template <typename T> __device__ __forceinline__ float round_via(float v) { return to_f32(from_f32<T>(v)); }
 
-// Four consecutive elements from or to an address aligned to four of them: one 16-byte (fp32) or
-// 8-byte (bf16, fp16) access, each element converted to or from fp32.
-template <typename T> struct alignas(4 * sizeof(T)) Four { T v[4]; };
-template <typename T>
-__device__ __forceinline__ void load4(const T* p, float (&f)[4]) {
-  const Four<T> x = *reinterpret_cast<const Four<T>*>(p);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) f[j] = to_f32(x.v[j]);
-}
-template <typename T>
-__device__ __forceinline__ void store4(T* p, const float (&f)[4]) {
-  Four<T> x;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) x.v[j] = from_f32<T>(f[j]);
-  *reinterpret_cast<Four<T>*>(p) = x;
-}
-
 // E consecutive elements (1, 4 or 8) from or to an address aligned to E of them: one access for
 // 16 bytes or less (two for eight fp32), each element converted to or from fp32.
 template <typename T, int E> struct alignas(E * sizeof(T)) Elements { T v[E]; };
@@ -55,6 +38,12 @@ __device__ __forceinline__ void store_n(T* p, const float (&f)[E]) {
   for (int j = 0; j < E; ++j) x.v[j] = from_f32<T>(f[j]);
   *reinterpret_cast<Elements<T, E>*>(p) = x;
 }
+
+// Four of them (16 bytes of fp32, 8 of bf16 or fp16).
+template <typename T>
+__device__ __forceinline__ void load4(const T* p, float (&f)[4]) { load_n<4>(p, f); }
+template <typename T>
+__device__ __forceinline__ void store4(T* p, const float (&f)[4]) { store_n<4>(p, f); }
 
 // Whether p may be read or written `bytes` at a time (host side, before a launch).
 inline bool aligned_to(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }

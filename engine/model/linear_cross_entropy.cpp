@@ -40,6 +40,13 @@ void add_chunk_gradients(const Tensor& g, const Tensor& h, const Tensor& weight,
   compat::addmm_fp32(d_weight, g.t(), h, 1.0, first ? 0.0 : 1.0);
 }
 
+// The fp32 weight gradient the chunks of n tokens write: uninitialised, since the first chunk
+// writes it whole, unless there is no chunk.
+Tensor head_gradient(const Tensor& weight, int64_t n) {
+  const auto fp32 = weight.options().dtype(torch::kFloat32);
+  return n > 0 ? torch::empty(weight.sizes(), fp32) : torch::zeros(weight.sizes(), fp32);
+}
+
 struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropyFunction> {
   static Tensor forward(AutogradContext* ctx, const Tensor& hidden, const Tensor& weight, const Tensor& targets, int64_t chunk,
                         int64_t group_address, bool wants_grad, bool gradient_in_forward) {
@@ -56,7 +63,7 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
     Tensor d_hidden, d_weight;  // eager: the gradients for a loss gradient of 1
     if (eager) {
       d_hidden = torch::empty_like(hidden);
-      d_weight = n > 0 ? torch::empty(weight.sizes(), fp32) : torch::zeros(weight.sizes(), fp32);
+      d_weight = head_gradient(weight, n);
     }
     Tensor local_max, local_sum;  // several ranks: each row's maximum and sum of exp(z - maximum) over this slice
     if (ranks > 1) {
@@ -113,7 +120,7 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
     const int64_t n = hidden.size(0), local_vocab = weight.size(0);
     const LocalTargets t(targets, group, local_vocab);
     Tensor d_hidden = torch::empty_like(hidden);
-    Tensor d_weight = n > 0 ? torch::empty(weight.sizes(), hidden.options().dtype(torch::kFloat32)) : torch::zeros(weight.sizes(), hidden.options().dtype(torch::kFloat32));
+    Tensor d_weight = head_gradient(weight, n);
     // The loss scale multiplies each chunk's gradient in fp32, before it is rounded to the compute dtype.
     for_each_chunk(n, ctx->saved_data["chunk"].toInt(), [&](int64_t begin, int64_t rows) {
       const Tensor h = hidden.narrow(0, begin, rows);

@@ -395,8 +395,6 @@ class Planner {
     p.attention = kernel_;
     if (r_.data.separate_documents) p.document_attention = varlen_attention() ? "variable-length" : "masked";
     p.attention_fraction = attention_fraction_;
-    p.loss_chunk_tokens = cost_.loss_chunk_tokens;
-    p.cost = cost_;
     p.memory_capacity = capacity_;
     p.host_memory_capacity = hw.host_memory_bytes;
     p.steps = r_.run.steps;
@@ -404,7 +402,9 @@ class Planner {
       p.choices.push_back({"parallel.data_parallel", std::to_string(dp_),
                            "every device: " + std::to_string(hw.nodes) + " node(s) x " + std::to_string(hw.devices_per_node)});
 
-    choose_layout(p);
+    choose_layout(p);  // (its last choice may change cost_: the loss chunk)
+    p.loss_chunk_tokens = cost_.loss_chunk_tokens;
+    p.cost = cost_;
     check_pipeline(p);
     predict_communication(p);
     predict_time(p);
@@ -564,20 +564,17 @@ class Planner {
     // against one, ran 0.7% slower), else 256 MiB chunks.
     if (found && !r_.batch.loss_chunk_tokens && cost_.loss_chunk_tokens > 0) {
       const int64_t tokens = chosen.micro * r_.batch.seq_len;
-      if (tokens > cost_.loss_chunk_tokens && 4.0 * static_cast<double>(tokens) * static_cast<double>(cost_options_.local_vocab) <= capacity_ / 32) {
+      const double logits_bytes = 4.0 * static_cast<double>(tokens) * static_cast<double>(cost_options_.local_vocab);
+      if (tokens > cost_.loss_chunk_tokens && logits_bytes <= capacity_ / 32) {
+        const ModelCost chunked = cost_;
         ModelCostOptions whole = cost_options_;
         whole.loss_chunk_tokens = tokens;
-        ModelCost chunked = model_cost(r_.model, r_.batch.seq_len, r_.precision.dtype, kernel_, whole);
-        std::swap(cost_, chunked);
-        if (evaluate(chosen).fits) {
+        cost_ = model_cost(r_.model, r_.batch.seq_len, r_.precision.dtype, kernel_, whole);
+        if (evaluate(chosen).fits)
           p.choices.push_back({"batch.loss_chunk_tokens", std::to_string(tokens),
-                               "a micro-batch's logits in one chunk: " + format_bytes(4.0 * static_cast<double>(tokens) * static_cast<double>(cost_options_.local_vocab)) +
-                                   " of fp32 logits, at most 1/32 of the device, and the layout still fits"});
-          p.loss_chunk_tokens = cost_.loss_chunk_tokens;
-          p.cost = cost_;
-        } else {
-          std::swap(cost_, chunked);
-        }
+                               "a micro-batch's logits in one chunk: " + format_bytes(logits_bytes) + " of fp32 logits, at most 1/32 of the device, and the layout still fits"});
+        else
+          cost_ = chunked;
       }
     }
 
