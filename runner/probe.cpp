@@ -22,6 +22,7 @@
 #include <cstring>
 #include <ctime>
 #include <iostream>
+#include <map>
 #include <set>
 #include <sstream>
 
@@ -118,7 +119,8 @@ std::vector<ProbeFigure> probe_devices(const LoadedRecipe& loaded, const Plan& p
   if (!failures.empty()) throw Error("dsrun probe: the device probe failed" + failures);
   std::vector<ProbeFigure> figures;
   const nlohmann::json measured = nlohmann::json::parse(read_file(out));  // named: a range over a temporary's member dangles
-  for (const auto& f : measured.at("figures")) figures.push_back({f.at("key").get<std::string>(), f.at("value").get<double>(), f.at("how").get<std::string>()});
+  for (const auto& f : measured.at("figures"))
+    figures.push_back({f.at("key").get<std::string>(), f.at("value").get<double>(), f.at("how").get<std::string>(), f.value("ranks", 0)});
   return figures;
 }
 
@@ -146,8 +148,23 @@ std::string cpu_model() {
 // was measured, and what was measured without a key as comments below.
 std::string template_text(const LoadedRecipe& loaded, const std::string& name, const ProbeArgs& args, const HostFacts& host, const std::vector<ProbeFigure>& figures) {
   std::map<std::string, const ProbeFigure*> keyed;
-  for (const auto& f : figures)
-    if (!f.key.empty()) keyed[f.key] = &f;
+  // List keys (hardware.*_gbs): one entry per group size, in the order of hardware.collective_ranks.
+  std::map<std::string, std::map<int, const ProbeFigure*>> listed;
+  std::set<int> group_sizes;
+  for (const auto& f : figures) {
+    if (f.key.empty()) continue;
+    if (f.ranks > 0) {
+      listed[f.key][f.ranks] = &f;
+      group_sizes.insert(f.ranks);
+    } else {
+      keyed[f.key] = &f;
+    }
+  }
+  auto toml_list = [](const std::vector<std::string>& items) {
+    std::string t = "[";
+    for (size_t i = 0; i < items.size(); ++i) t += (i ? ", " : "") + items[i];
+    return t + "]";
+  };
   std::string t = "# Probed by `dsrun probe " + args.recipe.path + (args.quick ? " --quick" : "") + "` on " + host.hostname + " (" + cpu_model() + ", " +
                   std::to_string(host.cpu_cores) + " cores, " + format_bytes(host.memory_bytes) + ") on " + today() + ".\n";
   t += "# Keys marked \"probed\" were measured there; the others are the recipe's hardware table as resolved.\n";
@@ -157,6 +174,20 @@ std::string template_text(const LoadedRecipe& loaded, const std::string& name, c
     const std::string short_key = key.substr(9);
     if (key == "hardware.name") {
       t += "name = " + Value::of_string(name).toml() + "\n";
+    } else if (key == "hardware.collective_ranks" && !group_sizes.empty()) {
+      std::vector<std::string> items;
+      for (int g : group_sizes) items.push_back(std::to_string(g));
+      t += short_key + " = " + toml_list(items) + "  # probed: the group sizes of the lists below (every divisor of the node's ranks)\n";
+    } else if (listed.count(key)) {
+      std::vector<std::string> items;
+      const ProbeFigure* any = nullptr;
+      for (int g : group_sizes) {
+        const auto at = listed[key].find(g);
+        if (at == listed[key].end()) throw Error("dsrun probe: " + key + " was not measured over " + std::to_string(g) + " ranks");
+        items.push_back(three_figures(at->second->value));
+        any = at->second;
+      }
+      t += short_key + " = " + toml_list(items) + "  # probed: bus bandwidth, e.g. " + any->how + "\n";
     } else if (keyed.count(key)) {
       const ProbeFigure& f = *keyed[key];
       const bool count = key == "hardware.devices_per_node";

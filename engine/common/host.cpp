@@ -46,6 +46,7 @@ HostFacts read_host_facts() {
     if (key == "MemAvailable:") h.available_bytes = kib * 1024.0;
   }
   h.cuda_devices = count_nvidia_gpus();
+  if (const char* visible = std::getenv("CUDA_VISIBLE_DEVICES")) h.cuda_visible = visible;
   char name[256] = {0};
   if (gethostname(name, sizeof name - 1) == 0) h.hostname = name;
   return h;

@@ -12,6 +12,7 @@ struct HostFacts {
   double memory_bytes = 0;      // MemTotal
   double available_bytes = 0;   // MemAvailable when read: what a run can still take without swapping
   int cuda_devices = 0;         // NVIDIA GPUs visible to the driver (0 on a CPU machine)
+  std::string cuda_visible;     // CUDA_VISIBLE_DEVICES where set (it narrows cuda_devices), for messages
   std::string hostname;
   // Free bytes where checkpoints will be written (checkpoint.dir, else the run store's directory),
   // filled in by the command that plans a run; -1: not known (the plan then says nothing of disk).

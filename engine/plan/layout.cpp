@@ -170,6 +170,12 @@ struct Rules {
       add("parallel.tensor", "tensor = " + tt + " does not divide " + size.key + " = " + std::to_string(size.value) + " (" + size.why + ")",
           "use parallel.tensor = " + std::to_string(best) + ", or a " + size.key + " divisible by " + tt, {size.key});
     }
+    // Without peer access every tensor all-reduce bounces through host memory, twice per layer each
+    // way; no published setup trains so (consumer GPUs use data and pipeline parallelism).
+    if (r.hardware.device == Device::Cuda && !r.hardware.p2p)
+      add("parallel.tensor", "tensor = " + tt + " needs GPUs that reach each other directly, and hardware.p2p = false: every layer's activations would go through host memory",
+          "use parallel.tensor = 1 (data or pipeline parallelism across these GPUs), or set hardware.p2p = true if they have peer access (`nvidia-smi topo -p2p r`)",
+          {"hardware.p2p"});
     if (r.hardware.nodes > 1 && !r.parallel.tensor_across_nodes && d.pipeline && d.data) {
       const Placement at = placement_of(r.hardware, l);
       if (at.ranks_per_node % l.tensor != 0) {

@@ -746,23 +746,35 @@ class Planner {
   double shard_params() const { return std::ceil(rank_params_ / dp_) + std::ceil(rank_expert_params_ / (dp_ / ep_)); }
 
   // Where a group's members sit decides its price (docs/plan.md, "The network"): a group inside
-  // one node runs at the device link (halved without GPU peer-to-peer: copies go through host
+  // one node runs at the bus bandwidth `dsrun probe` measured for its collective and size, else at
+  // the device link × comm_efficiency (halved without GPU peer-to-peer: copies go through host
   // memory); a group that spans nodes at the smaller of that and each rank's share of its node's
   // network link. Ranks sit on nodes in rank order (the launcher's placement).
   struct GroupLink {
-    double bandwidth = 0;  // bytes/s a member sends at, comm_efficiency applied
+    double bandwidth = 0;  // bytes/s a member sends at
     int nodes = 1;         // nodes the group spans
   };
-  double intra_node_bandwidth() const {
+  double link_share() const {
     const HardwareSpec& hw = r_.hardware;
-    return hw.link_bandwidth / (hw.device == Device::Cuda && !hw.p2p ? 2 : 1);
+    return hw.link_bandwidth / (hw.device == Device::Cuda && !hw.p2p ? 2 : 1) * hw.comm_efficiency;
   }
-  double inter_node_share() const { return r_.hardware.inter_node_bandwidth / placement_.ranks_per_node; }
-  // A mesh dimension's group of rank 0: ranks 0, stride, ... (count of them).
-  GroupLink group_link(int64_t stride, int64_t count) const {
+  // `op` over `members` ranks of one node.
+  double intra_node_bandwidth(Collective op, int members) const {
+    const double probed = r_.hardware.collectives.of(op, members);
+    return probed > 0 ? probed : link_share();
+  }
+  double point_to_point_bandwidth() const {
+    const double probed = r_.hardware.collectives.point_to_point;
+    return probed > 0 ? probed : link_share();
+  }
+  double inter_node_share() const { return r_.hardware.inter_node_bandwidth / placement_.ranks_per_node * r_.hardware.comm_efficiency; }
+  // A mesh dimension's group of rank 0 (ranks 0, stride, ..., count of them) running `op`.
+  GroupLink group_link(Collective op, int64_t stride, int64_t count) const {
     GroupLink g;
     g.nodes = placement_.nodes_spanned(0, stride, count);
-    g.bandwidth = (g.nodes > 1 ? std::min(intra_node_bandwidth(), inter_node_share()) : intra_node_bandwidth()) * r_.hardware.comm_efficiency;
+    const int local = static_cast<int>((count + g.nodes - 1) / g.nodes);  // members on one node
+    const double intra = intra_node_bandwidth(op, local);
+    g.bandwidth = g.nodes > 1 ? std::min(intra, inter_node_share()) : intra;
     return g;
   }
   static std::string where(const GroupLink& g) { return g.nodes > 1 ? "across " + std::to_string(g.nodes) + " nodes" : "within a node"; }
@@ -771,14 +783,15 @@ class Planner {
     const double psi = rank_params_;
     const double e = bytes_per_element(r_.precision.dtype);
     const double a = static_cast<double>(p.accumulation);
-    const HardwareSpec& hw = r_.hardware;
     // ZeRO's collectives over a group of data ranks for `params` parameters (the routed experts'
     // over the dp/ep ranks keeping the same ones, with `of` naming them), priced by the group's link.
     auto data_parallel = [&](double params, int ranks, int64_t stride, const std::string& of) {
       if (ranks <= 1) return;
-      const GroupLink link = group_link(stride, ranks);
-      const std::string at = ", " + where(link);
+      const GroupLink reduce = group_link(p.layout.zero_stage == 0 ? Collective::AllReduce : Collective::ReduceScatter, stride, ranks);
+      const GroupLink gather = group_link(Collective::AllGather, stride, ranks);
+      const std::string at = ", " + where(reduce);
       auto add = [&](const std::string& what, double bytes) {
+        const GroupLink& link = what.rfind("all-gather", 0) == 0 ? gather : reduce;
         if (bytes > 0) p.comm.push_back({what, bytes, bytes / link.bandwidth});
       };
       const double ring = (ranks - 1.0) / ranks;  // ring collectives: each rank sends (N-1)/N of the buffer per pass
@@ -786,11 +799,11 @@ class Planner {
         case 0: add("all-reduce gradients" + of + " (once per step" + at + ")", 2 * ring * params * e); break;
         case 1:
           add("reduce-scatter gradients" + of + " (once per step" + at + ")", ring * params * e);
-          add("all-gather updated parameters" + of + " (" + where(link) + ")", ring * params * e);
+          add("all-gather updated parameters" + of + " (" + where(gather) + ")", ring * params * e);
           break;
         case 2:
           add("reduce-scatter gradients" + of + " (every micro-batch" + at + ")", a * ring * params * e);
-          add("all-gather updated parameters" + of + " (" + where(link) + ")", ring * params * e);
+          add("all-gather updated parameters" + of + " (" + where(gather) + ")", ring * params * e);
           break;
         case 3:
           add("all-gather parameters" + of + " for forward (every micro-batch" + at + ")", a * ring * params * e);
@@ -812,10 +825,10 @@ class Planner {
       const double pairs = static_cast<double>(p.layout.micro) * r_.batch.seq_len * r_.model.moe.top_k;
       const double passes = p.layout.recomputation ? 6 : 4;
       const double rows = a * moe_layers * passes * pairs * r_.model.hidden * e * imbalance_;
-      const GroupLink link = group_link(tp_, ep_);
+      const GroupLink link = group_link(Collective::AllToAll, tp_, ep_);
       const double local = static_cast<double>(ep_) / link.nodes;  // members on this rank's node
       const double intra = rows * (local - 1) / ep_, inter = rows * (ep_ - local) / ep_;
-      const double seconds = std::max(intra / (intra_node_bandwidth() * hw.comm_efficiency), inter > 0 ? inter / (inter_node_share() * hw.comm_efficiency) : 0.0);
+      const double seconds = std::max(intra / intra_node_bandwidth(Collective::AllToAll, static_cast<int>(local)), inter > 0 ? inter / inter_node_share() : 0.0);
       p.comm.push_back({"all-to-all tokens to their experts and back (expert, " + std::to_string(static_cast<int>(passes)) + " per MoE layer, every micro-batch, " +
                             (link.nodes > 1 ? format_double(100 * inter / (intra + inter), 3) + "% across nodes" : "within a node") + ")",
                         intra + inter, seconds});
@@ -827,7 +840,7 @@ class Planner {
       // replaces each by a reduce-scatter and an all-gather: the same bytes.
       const double activation = static_cast<double>(p.layout.micro) * r_.batch.seq_len * r_.model.hidden * e;
       const double t = tp_, bytes = a * 4.0 * r_.model.layers * 2 * (t - 1) / t * activation;
-      const GroupLink link = group_link(1, tp_);
+      const GroupLink link = group_link(Collective::AllReduce, 1, tp_);
       p.comm.push_back({std::string(r_.parallel.sequence_parallel ? "reduce-scatter + all-gather activations (tensor, sequence-parallel, 4 per layer, every micro-batch, "
                                                                   : "all-reduce activations (tensor, 4 per layer, every micro-batch, ") +
                             where(link) + ")",
@@ -850,7 +863,7 @@ class Planner {
         ++boundaries;
         crossing += crosses(pp_ - 1, 0) ? 1 : 0;
       }
-      const double intra = intra_node_bandwidth() * hw.comm_efficiency, inter = std::min(intra_node_bandwidth(), inter_node_share()) * hw.comm_efficiency;
+      const double intra = point_to_point_bandwidth(), inter = std::min(intra, inter_node_share());
       const double p2p_bw = crossing > 0 ? inter : intra;
       const double activation = static_cast<double>(p.layout.micro) * r_.batch.seq_len * r_.model.hidden * e / (r_.parallel.sequence_parallel ? tp_ : 1);
       const double bytes = 2 * a * v_ * activation;
@@ -1041,9 +1054,11 @@ class Planner {
       int needed = std::min(ranks_per_node_, hw.devices_per_node);
       if (host_.cuda_devices < needed) {
         p.hardware_present = false;
-        p.hardware_message = "this machine has " + std::to_string(host_.cuda_devices) + " NVIDIA GPU(s); the recipe is for \"" + hw.name +
-                             "\" (" + std::to_string(hw.nodes) + " node(s) x " + std::to_string(hw.devices_per_node) +
-                             " GPUs). The plan holds anywhere; running it needs that hardware.";
+        p.hardware_message = "this machine has " + std::to_string(host_.cuda_devices) + " NVIDIA GPU(s)" +
+                             (host_.cuda_visible.empty() ? std::string() : " visible (CUDA_VISIBLE_DEVICES=" + host_.cuda_visible + ")") + "; the recipe is for \"" + hw.name +
+                             "\" (" + std::to_string(hw.nodes) + " node(s) x " + std::to_string(hw.devices_per_node) + " GPUs), " + std::to_string(needed) +
+                             " rank(s) on this node (hardware.devices_per_node). The plan holds anywhere; running it needs that hardware: "
+                             "fix: --set hardware.devices_per_node=" + std::to_string(std::max(1, host_.cuda_devices)) + " with a layout for that many, or run where the GPUs are.";
       }
     } else if (ranks_per_node_ > host_.cpu_cores) {
       p.notes.push_back(std::to_string(ranks_per_node_) + " CPU ranks on " + std::to_string(host_.cpu_cores) +
@@ -1076,8 +1091,11 @@ class Planner {
     if (hw.device == Device::Cuda && r_.model.moe.enabled())
       p.notes.push_back("routed experts run as grouped matrix products at " + format_double(100 * hw.grouped_matmul_efficiency, 3) + "% of peak FLOP/s (" +
                         std::to_string(r_.model.moe.routed_experts / ep_) + " per MoE layer on a rank; hardware.grouped_matmul_efficiency)");
+    const bool probed = !hw.collectives.ranks.empty();
     p.notes.push_back("speed assumes " + format_double(100 * hw.matmul_efficiency, 3) + "% of peak FLOP/s and " +
-                      format_double(100 * hw.comm_efficiency, 3) + "% of link bandwidth (hardware.matmul_efficiency, comm_efficiency)");
+                      (probed ? "the probed bus bandwidth of each collective and group size within a node (hardware.collective_ranks, hardware.*_gbs)"
+                              : format_double(100 * hw.comm_efficiency, 3) + "% of link bandwidth") +
+                      " (hardware.matmul_efficiency" + (probed ? "" : ", comm_efficiency") + ")");
   }
 
   const Recipe& r_;

@@ -70,42 +70,92 @@ const char* dtype_name(DType d) { return d == DType::Bf16 ? "bf16" : d == DType:
 
 double peak_for(const HardwareSpec& hw, DType d) { return d == DType::Bf16 ? hw.peak_flops_bf16 : d == DType::Fp16 ? hw.peak_flops_fp16 : hw.peak_flops_fp32; }
 
+// The group sizes a node of `world` ranks allows: every divisor above 1, so that the node splits
+// into equal groups that all run at once, as a layout's tensor or data groups do.
+std::vector<int> group_sizes(int world) {
+  std::vector<int> sizes;
+  for (int g = 2; g <= world; ++g)
+    if (world % g == 0) sizes.push_back(g);
+  return sizes;
+}
+
+// The message size whose bus bandwidth goes into the template's tables: gradient buckets and a
+// micro-batch's activations are tens of MiB (64 MiB reached 90% or more of 256 MiB's over NVLink).
+constexpr double kTableBytes = 64 << 20;
+
 // Collectives across this node's ranks, as nccl-tests reports them: bus bandwidth (an all-reduce
-// moves 2(n-1)/n of the buffer per rank, an all-gather or reduce-scatter (n-1)/n). Every rank runs
-// it; rank 0 keeps the figures. comm_efficiency: the largest all-reduce against link_bandwidth_gbs.
-void probe_collectives(const Recipe& r, Communicator& comm, const torch::Device& device, torch::ScalarType dtype, bool quick, std::vector<ProbeFigure>& figures) {
-  const int n = comm.world_size();
-  std::vector<double> sizes = quick ? std::vector<double>{1 << 20, 8 << 20} : device.is_cuda() ? std::vector<double>{1 << 20, 16 << 20, 256 << 20} : std::vector<double>{1 << 20, 16 << 20, 64 << 20};
+// moves 2(n-1)/n of the buffer per rank, an all-gather, reduce-scatter or all-to-all (n-1)/n), for
+// each group size the node allows, every group of that size at once; then point-to-point between
+// pairs of ranks, both ways at once. Every rank runs it; rank 0 keeps the figures.
+// comm_efficiency: the whole node's largest all-reduce against link_bandwidth_gbs.
+void probe_collectives(const Recipe& r, Rendezvous& rendezvous, Communicator& world_comm, const torch::Device& device, torch::ScalarType dtype, bool quick,
+                       std::vector<ProbeFigure>& figures) {
+  const int world = world_comm.world_size(), rank = world_comm.rank();
+  std::vector<double> sizes = quick ? std::vector<double>{1 << 20, 8 << 20} : device.is_cuda() ? std::vector<double>{1 << 20, 16 << 20, kTableBytes, 256 << 20} : std::vector<double>{1 << 20, 16 << 20, kTableBytes};
+  const double table_bytes = quick ? sizes.back() : kTableBytes;
   const Repeats repeats = quick ? Repeats{1, 3} : Repeats{3, 10};
   const std::string backend = device.is_cuda() ? "NCCL" : "Gloo";
+  const int64_t element = static_cast<int64_t>(c10::elementSize(dtype));
+  const auto options = torch::TensorOptions().dtype(dtype).device(device);
   double largest_all_reduce = 0;
-  for (double bytes : sizes) {
-    const int64_t element = static_cast<int64_t>(c10::elementSize(dtype));
-    const int64_t numel = static_cast<int64_t>(bytes) / element / n * n;
-    torch::Tensor full = torch::ones({numel}, torch::TensorOptions().dtype(dtype).device(device));
-    torch::Tensor shard = torch::empty({numel / n}, full.options());
-    struct Op {
-      const char* name;
-      double traffic;  // bus bytes per buffer byte
-      std::function<void()> run;
-    };
-    const std::vector<Op> ops = {
-        {"all-reduce", 2.0 * (n - 1) / n, [&] { comm.all_reduce_sum(full); }},
-        {"all-gather", 1.0 * (n - 1) / n, [&] { comm.all_gather(shard, full); }},
-        {"reduce-scatter", 1.0 * (n - 1) / n, [&] { comm.reduce_scatter_sum(full, shard); }},
-    };
-    for (const Op& op : ops) {
-      comm.barrier();
-      const double seconds = time_per_call(device, repeats, op.run);
-      const double bus = op.traffic * static_cast<double>(numel * element) / seconds;
-      if (std::string(op.name) == "all-reduce") largest_all_reduce = bus;
-      figures.push_back({"", bus / 1e9,
-                         std::string("GB/s bus bandwidth: ") + op.name + " of " + mib(static_cast<double>(numel * element)) + " " + std::string(c10::toString(dtype)) + " over " +
-                             std::to_string(n) + " ranks (" + backend + "), " + probe_number(seconds * 1e3, 3) + " ms"});
+  for (int g : group_sizes(world)) {
+    // Groups of consecutive ranks, as the mesh puts the innermost dimension (tensor) on a node.
+    std::unique_ptr<Communicator> comm = g == world ? nullptr : rendezvous.group("probe-" + std::to_string(g) + "-" + std::to_string(rank / g), rank % g, g);
+    Communicator& group = comm ? *comm : world_comm;
+    for (double bytes : sizes) {
+      const int64_t numel = static_cast<int64_t>(bytes) / element / g * g;
+      torch::Tensor full = torch::ones({numel}, options), out = torch::empty({numel}, options);
+      torch::Tensor shard = torch::empty({numel / g}, options);
+      struct Op {
+        Collective op;
+        const char* words;
+        double traffic;  // bus bytes per buffer byte
+        std::function<void()> run;
+      };
+      const std::vector<Op> ops = {
+          {Collective::AllReduce, "all-reduce", 2.0 * (g - 1) / g, [&] { group.all_reduce_sum(full); }},
+          {Collective::AllGather, "all-gather", 1.0 * (g - 1) / g, [&] { group.all_gather(shard, full); }},
+          {Collective::ReduceScatter, "reduce-scatter", 1.0 * (g - 1) / g, [&] { group.reduce_scatter_sum(full, shard); }},
+          {Collective::AllToAll, "all-to-all", 1.0 * (g - 1) / g, [&] { group.all_to_all(full, out); }},
+      };
+      for (const Op& op : ops) {
+        world_comm.barrier();
+        const double seconds = time_per_call(device, repeats, op.run);
+        const double bus = op.traffic * static_cast<double>(numel * element) / seconds;
+        if (op.op == Collective::AllReduce && g == world) largest_all_reduce = bus;
+        const std::string how = std::string(op.words) + " of " + mib(static_cast<double>(numel * element)) + " " + std::string(c10::toString(dtype)) + " over " + std::to_string(g) +
+                                " ranks (" + (g == world ? std::string("the node's ") : std::to_string(world / g) + " groups at once, ") + backend + "), " + probe_number(seconds * 1e3, 3) + " ms";
+        figures.push_back({"", bus / 1e9, "GB/s bus bandwidth: " + how});
+        if (bytes == table_bytes) {
+          const std::string name = kCollectives[static_cast<size_t>(op.op)].second;
+          figures.push_back({"hardware." + name + "_gbs", bus / 1e9, how, g});
+        }
+      }
     }
   }
+  if (world >= 2) {
+    // Pairs (0,1), (2,3), ... send to each other at once, as a pipeline's neighbours do in 1F1B's
+    // steady state; a rank left without a partner only waits.
+    const int partner = rank ^ 1;
+    const int64_t numel = static_cast<int64_t>(table_bytes) / element;
+    torch::Tensor sent = torch::ones({numel}, options), received = torch::empty({numel}, options);
+    world_comm.barrier();
+    double seconds = 0;
+    if (partner < world) {
+      seconds = time_per_call(device, repeats, [&] {
+        Exchange x = world_comm.exchange({{PointToPoint::Send, sent, partner, 0}, {PointToPoint::Receive, received, partner, 0}});
+        x.received.wait();
+        x.sent.wait();
+      });
+    }
+    world_comm.barrier();
+    if (seconds > 0)
+      figures.push_back({"hardware.p2p_gbs", static_cast<double>(numel * element) / seconds / 1e9,
+                         "send and receive of " + mib(static_cast<double>(numel * element)) + " between neighbouring ranks, every pair both ways at once (" + backend + "), " +
+                             probe_number(seconds * 1e3, 3) + " ms"});
+  }
   figures.push_back({"hardware.comm_efficiency", std::min(1.0, largest_all_reduce / r.hardware.link_bandwidth),
-                     "the largest all-reduce's bus bandwidth (" + probe_number(largest_all_reduce / 1e9, 2) + " GB/s, " + backend + ") over hardware.link_bandwidth_gbs (" +
+                     "the node's largest all-reduce's bus bandwidth (" + probe_number(largest_all_reduce / 1e9, 2) + " GB/s, " + backend + ") over hardware.link_bandwidth_gbs (" +
                          probe_number(r.hardware.link_bandwidth / 1e9, 2) + ")"});
 }
 
@@ -378,8 +428,9 @@ int probe_rank_main(const std::string& config_path, const std::string& out_path,
       rv.rank = rank;
       rv.world_size = world;
       rv.timeout_s = 300;
-      std::unique_ptr<Communicator> comm = connect_communicator(rv);
-      probe_collectives(r, *comm, device, gpu ? torch_dtype(r.precision.dtype) : torch::kFloat32, quick, figures);
+      std::unique_ptr<Rendezvous> rendezvous = open_rendezvous(rv);
+      std::unique_ptr<Communicator> comm = rendezvous->group("world", rank, world);
+      probe_collectives(r, *rendezvous, *comm, device, gpu ? torch_dtype(r.precision.dtype) : torch::kFloat32, quick, figures);
       comm->barrier();
     }
     // Every rank computes and copies at once, as they train: the cores' caches and memory, the
@@ -394,7 +445,7 @@ int probe_rank_main(const std::string& config_path, const std::string& out_path,
     }
     if (rank != 0) return 0;
     nlohmann::json out = nlohmann::json::array();
-    for (const auto& f : figures) out.push_back({{"key", f.key}, {"value", f.value}, {"how", f.how}});
+    for (const auto& f : figures) out.push_back({{"key", f.key}, {"value", f.value}, {"how", f.how}, {"ranks", f.ranks}});
     write_file_atomic(out_path, nlohmann::json{{"figures", out}}.dump(1) + "\n");
     return 0;
   } catch (const Error& e) {

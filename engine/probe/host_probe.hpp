@@ -18,6 +18,7 @@ struct ProbeFigure {
   std::string key;
   double value = 0;
   std::string how;
+  int ranks = 0;  // a list key's entry (hardware.*_gbs): the group size it was measured for; 0: a scalar key
 };
 
 struct HostProbeOptions {

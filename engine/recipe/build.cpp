@@ -111,6 +111,29 @@ void build_run(Builder& c, Recipe& r) {
               "start-up includes rendezvous and model build; give it at least run.step_timeout_s");
 }
 
+// The probed collective table: whole, ascending group sizes and one figure per size in each list.
+void build_collectives(Builder& c, CollectiveBandwidths& t) {
+  const double GB = 1e9;
+  for (double n : c.floats("hardware.collective_ranks")) {
+    if (n != std::floor(n) || (!t.ranks.empty() && n <= t.ranks.back())) {
+      c.error("hardware.collective_ranks", "group sizes must be whole numbers in ascending order", "write them as `dsrun probe` does, e.g. [2, 4, 8]");
+      return;
+    }
+    t.ranks.push_back(static_cast<int>(n));
+  }
+  for (const auto& [op, name] : kCollectives) {
+    const std::string key = "hardware." + std::string(name) + "_gbs";
+    std::vector<double>& v = t.bus_bandwidth[static_cast<size_t>(op)];
+    for (double gbs : c.floats(key)) v.push_back(gbs * GB);
+    if (!v.empty() && v.size() != t.ranks.size()) {
+      c.error(key, std::to_string(v.size()) + " figure(s) for " + std::to_string(t.ranks.size()) + " group size(s) in hardware.collective_ranks",
+              "give one bus bandwidth per group size, or probe again (`dsrun probe`)", {"hardware.collective_ranks"});
+      v.clear();
+    }
+  }
+  t.point_to_point = c.f("hardware.p2p_gbs") * GB;
+}
+
 void build_hardware(Builder& c, Recipe& r, const HostFacts& host) {
   HardwareSpec& h = r.hardware;
   h.name = c.s("hardware.name");
@@ -153,6 +176,7 @@ void build_hardware(Builder& c, Recipe& r, const HostFacts& host) {
   h.grouped_matmul_efficiency = c.f("hardware.grouped_matmul_efficiency");
   h.attention_efficiency = c.f("hardware.attention_efficiency");
   h.comm_efficiency = c.f("hardware.comm_efficiency");
+  build_collectives(c, h.collectives);
   h.runtime_memory_bytes = c.f("hardware.runtime_memory_gib") * GiB;
   h.host_runtime_memory_bytes = c.f("hardware.host_runtime_memory_gib") * GiB;
   h.fragmentation = c.f("hardware.fragmentation");

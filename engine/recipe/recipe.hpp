@@ -5,6 +5,7 @@
 #include "engine/data/token_source.hpp"
 #include "engine/parallel/pipeline_schedule.hpp"
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -38,6 +39,30 @@ std::optional<int64_t> parse_time_limit_minutes(const std::string& text);
 
 enum class Device { Cpu, Cuda };
 
+// The collectives the plan prices, named as their probed keys are (hardware.<name>_gbs): one table
+// feeds the schema, the loader, the probe and the plan.
+enum class Collective { AllReduce, AllGather, ReduceScatter, AllToAll };
+inline constexpr std::array<std::pair<Collective, const char*>, 4> kCollectives{
+    {{Collective::AllReduce, "all_reduce"}, {Collective::AllGather, "all_gather"}, {Collective::ReduceScatter, "reduce_scatter"}, {Collective::AllToAll, "all_to_all"}}};
+
+// What `dsrun probe` measured of a node's collectives: bus bandwidth (nccl-tests' busbw: the bytes
+// each rank moves over the time) for each group size, with every group of that size in the node
+// running at once, as a layout's groups do. Empty: the plan takes link_bandwidth × comm_efficiency.
+struct CollectiveBandwidths {
+  std::vector<int> ranks;                            // group sizes measured, ascending
+  std::array<std::vector<double>, 4> bus_bandwidth;  // bytes/s, indexed by Collective, one per group size (or empty)
+  double point_to_point = 0;                         // bytes/s each way between two devices, every pair at once; 0: not probed
+  // The bus bandwidth of `op` over `group` ranks of a node: the figure of the largest group size
+  // measured that is not larger (the smallest measured for smaller groups); 0 when not probed.
+  double of(Collective op, int group) const {
+    const std::vector<double>& v = bus_bandwidth[static_cast<size_t>(op)];
+    if (v.empty()) return 0;
+    size_t i = 0;
+    while (i + 1 < ranks.size() && ranks[i + 1] <= group) ++i;
+    return v[i];
+  }
+};
+
 struct HardwareSpec {
   std::string name;
   Device device = Device::Cpu;
@@ -63,6 +88,7 @@ struct HardwareSpec {
   double grouped_matmul_efficiency = 0.6;  // GPUs: the routed experts' grouped products, fraction of peak
   double attention_efficiency = 0;         // GPUs: the attention kernels, fraction of peak; 0: matmul_efficiency
   double comm_efficiency = 0.8;
+  CollectiveBandwidths collectives;  // probed; empty: link_bandwidth × comm_efficiency
   double runtime_memory_bytes = 0;
   double host_runtime_memory_bytes = 0;  // a GPU rank process's own host memory
   double fragmentation = 0.05;

@@ -3,7 +3,9 @@
 #include "engine/common/text.hpp"
 #include "engine/data/token_source.hpp"
 #include "engine/parallel/pipeline_schedule.hpp"
+#include "engine/recipe/recipe.hpp"
 
+#include <algorithm>
 #include <cmath>
 
 namespace dsrun {
@@ -47,8 +49,26 @@ std::vector<std::string> token_format_names() {
   return names;
 }
 
+// hardware.collective_ranks and one bus-bandwidth list per collective (kCollectives), written by
+// `dsrun probe`: they go right after hardware.comm_efficiency, which they replace where set.
+std::vector<KeySpec> collective_keys() {
+  std::vector<KeySpec> keys = {ranged("hardware.collective_ranks", T::FloatList, "[]", 2, 1e6,
+                                      "Group sizes (ranks of one node) that the hardware.*_gbs lists below were measured for, ascending; written by `dsrun probe`.")};
+  for (const auto& [op, name] : kCollectives) {
+    std::string words = name;
+    for (char& ch : words) ch = ch == '_' ? '-' : ch;
+    keys.push_back(ranged("hardware." + std::string(name) + "_gbs", T::FloatList, "[]", 1e-3, 1e7,
+                          "Probed " + words + " bus bandwidth in GB/s (nccl-tests' busbw), one per hardware.collective_ranks entry, every group of that size in the "
+                          "node at once. The plan prices a group by the figure of the largest measured size not above it; empty: link_bandwidth_gbs × comm_efficiency."));
+  }
+  keys.push_back(ranged("hardware.p2p_gbs", T::Float, "0", 0, 1e7,
+                        "Probed point-to-point bandwidth in GB/s each way between two devices of a node, every pair sending at once (pipeline sends); "
+                        "0: link_bandwidth_gbs × comm_efficiency."));
+  return keys;
+}
+
 std::vector<KeySpec> build_schema() {
-  return {
+  std::vector<KeySpec> keys = {
       // ---- run
       key("run.name", T::String, "\"\"", "Name shown in `dsrun history`. Empty: the recipe's file name."),
       key("run.description", T::String, "\"\"", "Free text kept with the run."),
@@ -285,6 +305,10 @@ std::vector<KeySpec> build_schema() {
       key("slurm.constraint", T::String, "\"\"", "Node features required (`sbatch --constraint`, e.g. \"h100\")."),
       key("slurm.sbatch", T::StringList, "[]", "Further `#SBATCH` options, one per entry, e.g. [\"--exclusive\", \"--mail-type=END\"]."),
   };
+  const auto after = std::find_if(keys.begin(), keys.end(), [](const KeySpec& k) { return k.key == "hardware.comm_efficiency"; });
+  const std::vector<KeySpec> collectives = collective_keys();
+  keys.insert(after + 1, collectives.begin(), collectives.end());
+  return keys;
 }
 
 }  // namespace
