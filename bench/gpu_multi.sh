@@ -8,8 +8,8 @@
 #     probe    dsrun probe (1B recipe, every GPU): writes /tmp/probed.toml and $out/probed.toml
 #     dp       the ~1B decoder at ZeRO 0-3 on 1, 2 and every GPU (micro 8 x 2048 per GPU)
 #     peer1b   the FSDP2 peer of the ~1B on every GPU
-#     layouts  DeepSeek-LLM-7B's shape (30 layers, seq 4096): tensor 2 and 4, pipeline 2 and 4
-#              (1F1B, interleaved), tensor 2 x pipeline 2, ZeRO-3, and the plan's own pick
+#     layouts  DeepSeek-LLM-7B's shape (30 layers, seq 4096): the plan's own pick, ZeRO-3, tensor 2 and 4
+#     pipelines  the same shape under pipeline 2 and 4 (1F1B, interleaved) and tensor 2 x pipeline 2
 #     peer7b   the FSDP2 peer of the 7B shape: FSDP over every GPU, and tensor 2 x FSDP
 #     moe      recipes/gpu/deepseek_moe_h100.toml under expert 1, 2 and every GPU (data parallel too)
 #     ckpt     a synchronous and an asynchronous save of the ~1B on every GPU
@@ -93,15 +93,18 @@ for phase in "$@"; do
       run 7b-auto $seven_b "${sets[@]}"
       run 7b-zero3 $seven_b "${sets[@]}" --set parallel.tensor=1 --set parallel.pipeline=1 --set parallel.data_parallel=$gpus --set parallel.zero_stage=3
       run 7b-tp2 $seven_b "${sets[@]}" --set parallel.tensor=2 --set parallel.pipeline=1 --set parallel.data_parallel=$((gpus / 2))
-      run 7b-tp4 $seven_b "${sets[@]}" --set parallel.tensor=4 --set parallel.pipeline=1 --set parallel.data_parallel=$((gpus / 4))
+      run 7b-tp4 $seven_b "${sets[@]}" --set parallel.tensor=4 --set parallel.pipeline=1 --set parallel.data_parallel=$((gpus / 4)) ;;
+    pipelines)
+      s7=${STEPS:-8}
+      sets=(--set run.steps=$s7 --set parallel.zero_stage=auto --set batch.micro=auto --set parallel.activation_checkpointing=auto)
       run 7b-pp2 $seven_b "${sets[@]}" --set parallel.tensor=1 --set parallel.pipeline=2 --set parallel.data_parallel=$((gpus / 2)) --set parallel.pipeline_schedule=1f1b
       run 7b-pp4 $seven_b "${sets[@]}" --set parallel.tensor=1 --set parallel.pipeline=4 --set parallel.data_parallel=$((gpus / 4)) --set parallel.pipeline_schedule=1f1b
       run 7b-pp4-interleaved $seven_b "${sets[@]}" --set parallel.tensor=1 --set parallel.pipeline=4 --set parallel.data_parallel=$((gpus / 4)) \
         --set parallel.pipeline_schedule=interleaved --set parallel.virtual_stages=2
       run 7b-tp2-pp2 $seven_b "${sets[@]}" --set parallel.tensor=2 --set parallel.pipeline=2 --set parallel.data_parallel=$((gpus / 4)) ;;
     peer7b)
-      peer 7b-fsdp$gpus $gpus --model 7b --micro 2 --accumulation $((16 / (2 * gpus))) --seq 4096 --steps ${STEPS:-8} --warmup 3 --compile
-      peer 7b-tp2-fsdp$((gpus / 2)) $gpus --model 7b --tensor 2 --micro 4 --accumulation $((16 / (4 * gpus / 2))) --seq 4096 --steps ${STEPS:-8} --warmup 3 --compile ;;
+      peer 7b-fsdp$gpus $gpus --model 7b --micro 2 --accumulation $((16 / (2 * gpus))) --seq 4096 --steps ${STEPS:-8} --warmup 3 --compile --grad-sync every
+      peer 7b-tp2-fsdp$((gpus / 2)) $gpus --model 7b --tensor 2 --micro 4 --accumulation $((16 / (4 * gpus / 2))) --seq 4096 --steps ${STEPS:-8} --warmup 3 --compile --grad-sync every ;;
     moe)
       run moe-ep1-dp1 $moe --set run.steps=$steps
       for ep in 1 2 $gpus; do

@@ -91,6 +91,8 @@ TEST_CASE("missing hardware: the plan is printed and the run is refused plainly"
   INFO(out.text);
   CHECK(out.code == 3);
   CHECK(contains(out.text, "not running: this machine has "));  // fewer GPUs than the recipe's 8
+  CHECK(contains(out.text, "(hardware.devices_per_node)"));     // the key, and a fix
+  CHECK(contains(out.text, "fix: --set hardware.devices_per_node="));
   CHECK(contains(out.text, "--smoke"));
 }
 
@@ -174,7 +176,9 @@ TEST_CASE("dsrun probe --quick writes a template of positive measured figures, a
     const size_t mark = line.find("  # probed: ");
     if (mark == std::string::npos) continue;
     const std::string key = dsrun::trim(line.substr(0, line.find('=')));
-    probed[key] = std::stod(line.substr(line.find('=') + 1, mark));
+    const std::string value = dsrun::trim(line.substr(line.find('=') + 1, mark - line.find('=') - 1));
+    if (value.front() == '[') continue;  // the collective tables, checked below
+    probed[key] = std::stod(value);
     CHECK(line.size() > mark + 30);  // the how, not an empty note
   }
   for (const char* key : {"matmul_efficiency", "comm_efficiency", "host_optimizer_gbs", "host_memory_bandwidth_gbs", "disk_write_gbs", "disk_read_gbs"}) {
@@ -185,6 +189,11 @@ TEST_CASE("dsrun probe --quick writes a template of positive measured figures, a
   CHECK(probed["matmul_efficiency"] <= 1);
   CHECK(probed["comm_efficiency"] <= 1);
   CHECK(contains(text, "bus bandwidth: all-reduce of"));  // per collective and size, recorded
+  // The quick probe's two CPU ranks: one group size, a figure for every collective, and pairs.
+  CHECK(contains(text, "collective_ranks = [2]  # probed"));
+  for (const char* key : {"all_reduce_gbs = [", "all_gather_gbs = [", "reduce_scatter_gbs = [", "all_to_all_gbs = ["}) CHECK(contains(text, key));
+  REQUIRE(probed.count("p2p_gbs"));
+  CHECK(probed["p2p_gbs"] > 0);
   CHECK(contains(text, "while the cut decoder's forward and backward run on the CPU"));  // the host step beside compute, recorded on CPU ranks
   CHECK(contains(text, "name = \"cpu-probed\""));
   // The round trip: a recipe whose base names the template plans with its figures.
@@ -200,6 +209,12 @@ TEST_CASE("dsrun probe --quick writes a template of positive measured figures, a
   CHECK(hw.matmul_efficiency == Approx(probed["matmul_efficiency"]));
   CHECK(hw.host_optimizer_bandwidth == Approx(probed["host_optimizer_gbs"] * 1e9));
   CHECK(hw.disk_read_bandwidth == Approx(probed["disk_read_gbs"] * 1e9));
+  REQUIRE(hw.collectives.ranks == std::vector<int>{2});
+  for (const auto& [op, name] : dsrun::kCollectives) {
+    INFO(name);
+    CHECK(hw.collectives.of(op, 2) > 0);
+  }
+  CHECK(hw.collectives.point_to_point == Approx(probed["p2p_gbs"] * 1e9));
   CHECK(hw.peak_flops_fp32 == Approx(loaded.recipe.hardware.peak_flops_fp32));  // unmeasured keys as the recipe had them
   // The machine's memory is read, not the recipe's kept (a GPU recipe's template said 1 TiB on a 126 GiB host).
   CHECK(contains(text, "host_memory_gib = "));

@@ -228,6 +228,72 @@ TEST_CASE("communication per step follows the ring formulas", "[plan][comm]") {
   CHECK(total == Approx(3.0 * 8 * 7 / 8 * psi * 2));  // 3 passes per micro-batch, 8 micro-batches
 }
 
+TEST_CASE("probed collectives price each group by its collective and size; without them, the link", "[plan][comm][probe]") {
+  // Bus bandwidths as `dsrun probe` writes them: every collective slower at 8 ranks than at 2 and 4.
+  const std::string probed = kSevenB + "[hardware]\ncollective_ranks = [2, 4, 8]\nall_reduce_gbs = [300, 250, 200]\nall_gather_gbs = [280, 240, 160]\n"
+                                       "reduce_scatter_gbs = [270, 230, 150]\nall_to_all_gbs = [260, 220, 180]\np2p_gbs = 100\n";
+  const std::vector<std::string> zero2 = {"batch.global=64", "batch.micro=1", "parallel.zero_stage=2", "parallel.activation_checkpointing=full"};
+  Plan p = plan_of(probed, zero2);
+  REQUIRE(p.comm.size() == 2);
+  for (const auto& c : p.comm) {
+    INFO(c.collective);
+    const double gbs = c.collective.rfind("all-gather", 0) == 0 ? 160 : 150;  // the 8-rank figures
+    CHECK(c.seconds == Approx(c.bytes / (gbs * 1e9)));
+  }
+  // A data group of 2 (tensor 4 inside it) takes the 2-rank figure; the tensor group of 4 the 4-rank all-reduce.
+  Plan t = plan_of(probed, {"batch.global=64", "batch.micro=1", "parallel.zero_stage=1", "parallel.tensor=4", "parallel.activation_checkpointing=full"});
+  bool saw_tensor = false;
+  for (const auto& c : t.comm) {
+    INFO(c.collective);
+    if (c.collective.find("(tensor") != std::string::npos) {
+      saw_tensor = true;
+      CHECK(c.seconds == Approx(c.bytes / 250e9));
+    } else {
+      CHECK(c.seconds == Approx(c.bytes / ((c.collective.rfind("all-gather", 0) == 0 ? 280 : 270) * 1e9)));
+    }
+  }
+  CHECK(saw_tensor);
+  // Pipeline sends at the probed point-to-point figure.
+  Plan pp = plan_of(probed, {"batch.global=64", "batch.micro=1", "parallel.zero_stage=1", "parallel.pipeline=2", "parallel.activation_checkpointing=full"});
+  bool saw_pipeline = false;
+  for (const auto& c : pp.comm)
+    if (c.collective.find("(pipeline") != std::string::npos) {
+      saw_pipeline = true;
+      CHECK(c.seconds == Approx(c.bytes / 100e9));
+    }
+  CHECK(saw_pipeline);
+  // Without a table: link_bandwidth_gbs × comm_efficiency, as before.
+  Plan plain = plan_of(kSevenB, zero2);
+  const HardwareSpec hw = load_text(kSevenB, zero2).recipe.hardware;
+  const double link = hw.link_bandwidth * hw.comm_efficiency;
+  for (const auto& c : plain.comm) CHECK(c.seconds == Approx(c.bytes / link));
+  bool says = false;
+  for (const auto& n : p.notes) says = says || n.find("probed bus bandwidth") != std::string::npos;
+  CHECK(says);
+}
+
+TEST_CASE("a probed collective table must be whole: one figure per group size, sizes ascending", "[recipe][probe]") {
+  LoadedRecipe short_list = load_text(kSevenB + "[hardware]\ncollective_ranks = [2, 4]\nall_reduce_gbs = [300]\n");
+  auto errors = dsrun::test::errors_of(short_list);
+  REQUIRE(errors.size() == 1);
+  CHECK(errors[0].key == "hardware.all_reduce_gbs");
+  CHECK(errors[0].message.find("1 figure(s) for 2 group size(s)") != std::string::npos);
+  LoadedRecipe unsorted = load_text(kSevenB + "[hardware]\ncollective_ranks = [4, 2]\n");
+  errors = dsrun::test::errors_of(unsorted);
+  REQUIRE(errors.size() == 1);
+  CHECK(errors[0].key == "hardware.collective_ranks");
+}
+
+TEST_CASE("tensor parallelism without GPU peer access is refused, naming parallel.tensor; the search never picks it", "[plan][layout]") {
+  LoadedRecipe r = load_text(kSevenB + "[hardware]\np2p = false\n", {"parallel.tensor=2"});
+  auto errors = dsrun::test::errors_of(r);
+  REQUIRE_FALSE(errors.empty());
+  CHECK(errors[0].key == "parallel.tensor");
+  CHECK(errors[0].message.find("hardware.p2p = false") != std::string::npos);
+  Plan searched = plan_of(kSevenB + "[hardware]\np2p = false\n", {"parallel.tensor=auto", "parallel.pipeline=auto", "parallel.data_parallel=auto"});
+  CHECK(searched.layout.tensor == 1);
+}
+
 TEST_CASE("speed: MFU is model FLOPs over time x peak x ranks", "[plan][speed]") {
   Plan p = plan_of(kSevenB, {"batch.global=64", "batch.micro=1", "parallel.zero_stage=2", "parallel.activation_checkpointing=full"});
   CHECK(p.step_seconds >= p.compute_seconds);

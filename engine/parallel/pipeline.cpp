@@ -2,7 +2,9 @@
 
 #include "engine/common/error.hpp"
 
+#include <iostream>
 #include <map>
+#include <sstream>
 
 namespace dsrun {
 
@@ -37,6 +39,27 @@ PipelineTotals PipelineStage::evaluate(const BatchFn& batch, const LossFn& loss,
   return run(build_forward_schedule(stages(), micro_batches, options_.schedule.virtual_stages), batch, loss, 0);
 }
 
+// What a stage sends is what its peer posted a receive for: [micro, seq (/ tensor), hidden] in the
+// compute dtype. NCCL matches a pair's messages by order alone and reports a mismatch as a
+// truncated message deep inside its transport; this names it here instead. A tensor in another
+// dtype is converted (and said once): the receiver's buffer is the contract.
+torch::Tensor PipelineStage::as_message(const torch::Tensor& t, const PipelineAction& a) {
+  if (t.sizes() != c10::IntArrayRef(options_.activation_shape)) {
+    std::ostringstream got, want;
+    got << t.sizes();
+    want << c10::IntArrayRef(options_.activation_shape);
+    throw Error("pipeline stage " + std::to_string(stage()) + " would send " + std::string(a.kind == PipelineAction::SendGradient ? "a gradient" : "activations") + " of shape " +
+                got.str() + " to stage " + std::to_string(a.peer) + ", which expects " + want.str() + " (micro-batch " + std::to_string(a.micro_batch) + ")");
+  }
+  if (t.scalar_type() == options_.dtype) return t;
+  if (!warned_dtype_) {
+    std::cerr << "pipeline stage " << stage() << ": " << (a.kind == PipelineAction::SendGradient ? "gradients" : "activations") << " in " << c10::toString(t.scalar_type())
+              << " sent as " << c10::toString(options_.dtype) << ", the receiver's dtype" << std::endl;
+    warned_dtype_ = true;
+  }
+  return t.to(options_.dtype);
+}
+
 // Tags as message_tag's, doubled: a message is the activations (or their gradient) and, for MoE
 // models, the running balance loss.
 void PipelineStage::communicate(const PipelineSchedule& s, const PipelineAction* begin, const PipelineAction* end, LiveMap& live) {
@@ -51,7 +74,7 @@ void PipelineStage::communicate(const PipelineSchedule& s, const PipelineAction*
         tensors.clear();
         for (auto& x : l.inputs) tensors.push_back(x.grad().defined() ? x.grad() : torch::zeros_like(x));
       }
-      operations.push_back({PointToPoint::Send, tensors[0].detach(), a->peer, tag});
+      operations.push_back({PointToPoint::Send, as_message(tensors[0].detach(), *a), a->peer, tag});
       if (options_.carries_aux_loss) operations.push_back({PointToPoint::Send, tensors[1].detach(), a->peer, tag + 1});
     } else {
       Tensors t{torch::empty(options_.activation_shape, torch::TensorOptions().dtype(options_.dtype).device(options_.device)),

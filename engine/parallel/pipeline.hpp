@@ -60,6 +60,7 @@ class PipelineStage {
   PipelineTotals run(const PipelineSchedule& schedule, const BatchFn& batch, const LossFn& loss, double loss_multiplier);
   // One communication group of the schedule (communication_groups): its sends and receives issued together.
   void communicate(const PipelineSchedule& s, const PipelineAction* begin, const PipelineAction* end, LiveMap& live);
+  torch::Tensor as_message(const torch::Tensor& t, const PipelineAction& a);
   void send_tied_weight();       // first stage → last, before the step's first forward
   void receive_tied_gradient();  // last stage → first: the first stage's, before its last backward
   void send_tied_gradient();     // the last stage's, after its step's last action
@@ -72,6 +73,7 @@ class PipelineStage {
   std::vector<UnitRange> local_;   // the same chunks in ZeRO's (kept) unit numbering
   PipelineOptions options_;
   std::vector<PendingCollective> sends_;  // waited for at the end of the step
+  bool warned_dtype_ = false;
 };
 
 }  // namespace dsrun
