@@ -146,7 +146,8 @@ for phase in "$@"; do
       [ -n "$stopped" ] && echo "ended $(( $(date +%s) - stopped )) s after the stop (run.step_timeout_s = 20)"
       grep -iE "rank 1|SIGSTOP|no progress" "$out/fault-stop.log" | head -4
       # More GPUs than the machine shows: refused before launch, naming the key.
-      build-gpu/dsrun run $one_b --db "$db" --set hardware.devices_per_node=$((gpus * 2)) --set parallel.data_parallel=$((gpus * 2)) > "$out/fault-gpus.log" 2>&1
+      build-gpu/dsrun run $one_b --db "$db" --set hardware.devices_per_node=$((gpus * 2)) --set parallel.data_parallel=$((gpus * 2)) \
+        --set batch.global=$((16 * gpus)) > "$out/fault-gpus.log" 2>&1
       echo "too many GPUs -> $?"; grep -E "not running|devices_per_node" "$out/fault-gpus.log" | head -2 ;;
     *) echo "unknown phase $phase" ;;
   esac

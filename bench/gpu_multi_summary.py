@@ -75,6 +75,9 @@ for run_id, name, status, plan_json in db.execute("SELECT id, name, status, plan
     host = worst(latest_by_rank(run_id, "peak_rss_bytes"), latest_by_rank(run_id, "predicted_host_bytes"))
     dev_s = f"rank {device[0]}: {device[1] / GiB:.2f} GiB ({device[2] / GiB:.2f}, {pct(device[3])})" if device else ""
     host_s = f"rank {host[0]}: {host[1] / GiB:.2f} GiB ({host[2] / GiB:.2f}, {pct(host[3])})" if host else ""
+    pauses = series(run_id, "checkpoint_pause_s")
+    if pauses:
+        name += f" (pause per save {', '.join(f'{x:.3f}' for x in pauses)} s)"
     print(f"| {name} | {layout} | {world} | {dt:.4f} ({plan_dt:.4f}, {pct(plan_dt / dt - 1)}) | {tps:,.0f} | {tps / world:,.0f}{scaling} | {100 * mfu:.1f}% | "
           f"{dev_s} | {host_s} | {losses[-1]:.4f} |")
 
