@@ -228,7 +228,7 @@ TEST_CASE("communication per step follows the ring formulas", "[plan][comm]") {
   CHECK(total == Approx(3.0 * 8 * 7 / 8 * psi * 2));  // 3 passes per micro-batch, 8 micro-batches
 }
 
-TEST_CASE("probed collectives price each group by its collective and size; without them, the link", "[plan][comm][probe]") {
+TEST_CASE("probed collectives price each group by its collective and size, and without them by the link", "[plan][comm][probe]") {
   // Bus bandwidths as `dsrun probe` writes them: every collective slower at 8 ranks than at 2 and 4.
   const std::string probed = kSevenB + "[hardware]\ncollective_ranks = [2, 4, 8]\nall_reduce_gbs = [300, 250, 200]\nall_gather_gbs = [280, 240, 160]\n"
                                        "reduce_scatter_gbs = [270, 230, 150]\nall_to_all_gbs = [260, 220, 180]\np2p_gbs = 100\n";
@@ -284,7 +284,7 @@ TEST_CASE("a probed collective table must be whole: one figure per group size, s
   CHECK(errors[0].key == "hardware.collective_ranks");
 }
 
-TEST_CASE("tensor parallelism without GPU peer access is refused, naming parallel.tensor; the search never picks it", "[plan][layout]") {
+TEST_CASE("tensor parallelism without GPU peer access is refused, naming parallel.tensor, and the search never picks it", "[plan][layout]") {
   LoadedRecipe r = load_text(kSevenB + "[hardware]\np2p = false\n", {"parallel.tensor=2"});
   auto errors = dsrun::test::errors_of(r);
   REQUIRE_FALSE(errors.empty());
