@@ -160,11 +160,7 @@ std::string template_text(const LoadedRecipe& loaded, const std::string& name, c
       keyed[f.key] = &f;
     }
   }
-  auto toml_list = [](const std::vector<std::string>& items) {
-    std::string t = "[";
-    for (size_t i = 0; i < items.size(); ++i) t += (i ? ", " : "") + items[i];
-    return t + "]";
-  };
+  auto toml_list = [](const std::vector<std::string>& items) { return "[" + join(items, ", ") + "]"; };
   std::string t = "# Probed by `dsrun probe " + args.recipe.path + (args.quick ? " --quick" : "") + "` on " + host.hostname + " (" + cpu_model() + ", " +
                   std::to_string(host.cpu_cores) + " cores, " + format_bytes(host.memory_bytes) + ") on " + today() + ".\n";
   t += "# Keys marked \"probed\" were measured there; the others are the recipe's hardware table as resolved.\n";

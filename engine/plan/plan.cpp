@@ -790,25 +790,24 @@ class Planner {
       const GroupLink reduce = group_link(p.layout.zero_stage == 0 ? Collective::AllReduce : Collective::ReduceScatter, stride, ranks);
       const GroupLink gather = group_link(Collective::AllGather, stride, ranks);
       const std::string at = ", " + where(reduce);
-      auto add = [&](const std::string& what, double bytes) {
-        const GroupLink& link = what.rfind("all-gather", 0) == 0 ? gather : reduce;
+      auto add = [&](const GroupLink& link, const std::string& what, double bytes) {
         if (bytes > 0) p.comm.push_back({what, bytes, bytes / link.bandwidth});
       };
       const double ring = (ranks - 1.0) / ranks;  // ring collectives: each rank sends (N-1)/N of the buffer per pass
       switch (p.layout.zero_stage) {
-        case 0: add("all-reduce gradients" + of + " (once per step" + at + ")", 2 * ring * params * e); break;
+        case 0: add(reduce, "all-reduce gradients" + of + " (once per step" + at + ")", 2 * ring * params * e); break;
         case 1:
-          add("reduce-scatter gradients" + of + " (once per step" + at + ")", ring * params * e);
-          add("all-gather updated parameters" + of + " (" + where(gather) + ")", ring * params * e);
+          add(reduce, "reduce-scatter gradients" + of + " (once per step" + at + ")", ring * params * e);
+          add(gather, "all-gather updated parameters" + of + " (" + where(gather) + ")", ring * params * e);
           break;
         case 2:
-          add("reduce-scatter gradients" + of + " (every micro-batch" + at + ")", a * ring * params * e);
-          add("all-gather updated parameters" + of + " (" + where(gather) + ")", ring * params * e);
+          add(reduce, "reduce-scatter gradients" + of + " (every micro-batch" + at + ")", a * ring * params * e);
+          add(gather, "all-gather updated parameters" + of + " (" + where(gather) + ")", ring * params * e);
           break;
         case 3:
-          add("all-gather parameters" + of + " for forward (every micro-batch" + at + ")", a * ring * params * e);
-          add("all-gather parameters" + of + " for backward (every micro-batch" + at + ")", a * ring * params * e);
-          add("reduce-scatter gradients" + of + " (every micro-batch" + at + ")", a * ring * params * e);
+          add(gather, "all-gather parameters" + of + " for forward (every micro-batch" + at + ")", a * ring * params * e);
+          add(gather, "all-gather parameters" + of + " for backward (every micro-batch" + at + ")", a * ring * params * e);
+          add(reduce, "reduce-scatter gradients" + of + " (every micro-batch" + at + ")", a * ring * params * e);
           break;
       }
     };

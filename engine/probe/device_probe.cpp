@@ -108,28 +108,24 @@ void probe_collectives(const Recipe& r, Rendezvous& rendezvous, Communicator& wo
       torch::Tensor shard = torch::empty({numel / g}, options);
       struct Op {
         Collective op;
-        const char* words;
         double traffic;  // bus bytes per buffer byte
         std::function<void()> run;
       };
       const std::vector<Op> ops = {
-          {Collective::AllReduce, "all-reduce", 2.0 * (g - 1) / g, [&] { group.all_reduce_sum(full); }},
-          {Collective::AllGather, "all-gather", 1.0 * (g - 1) / g, [&] { group.all_gather(shard, full); }},
-          {Collective::ReduceScatter, "reduce-scatter", 1.0 * (g - 1) / g, [&] { group.reduce_scatter_sum(full, shard); }},
-          {Collective::AllToAll, "all-to-all", 1.0 * (g - 1) / g, [&] { group.all_to_all(full, out); }},
+          {Collective::AllReduce, 2.0 * (g - 1) / g, [&] { group.all_reduce_sum(full); }},
+          {Collective::AllGather, 1.0 * (g - 1) / g, [&] { group.all_gather(shard, full); }},
+          {Collective::ReduceScatter, 1.0 * (g - 1) / g, [&] { group.reduce_scatter_sum(full, shard); }},
+          {Collective::AllToAll, 1.0 * (g - 1) / g, [&] { group.all_to_all(full, out); }},
       };
       for (const Op& op : ops) {
         world_comm.barrier();
         const double seconds = time_per_call(device, repeats, op.run);
         const double bus = op.traffic * static_cast<double>(numel * element) / seconds;
         if (op.op == Collective::AllReduce && g == world) largest_all_reduce = bus;
-        const std::string how = std::string(op.words) + " of " + mib(static_cast<double>(numel * element)) + " " + std::string(c10::toString(dtype)) + " over " + std::to_string(g) +
+        const std::string how = collective_words(op.op) + " of " + mib(static_cast<double>(numel * element)) + " " + std::string(c10::toString(dtype)) + " over " + std::to_string(g) +
                                 " ranks (" + (g == world ? std::string("the node's ") : std::to_string(world / g) + " groups at once, ") + backend + "), " + probe_number(seconds * 1e3, 3) + " ms";
         figures.push_back({"", bus / 1e9, "GB/s bus bandwidth: " + how});
-        if (bytes == table_bytes) {
-          const std::string name = kCollectives[static_cast<size_t>(op.op)].second;
-          figures.push_back({"hardware." + name + "_gbs", bus / 1e9, how, g});
-        }
+        if (bytes == table_bytes) figures.push_back({collective_key(op.op), bus / 1e9, how, g});
       }
     }
   }

@@ -122,7 +122,7 @@ void build_collectives(Builder& c, CollectiveBandwidths& t) {
     t.ranks.push_back(static_cast<int>(n));
   }
   for (const auto& [op, name] : kCollectives) {
-    const std::string key = "hardware." + std::string(name) + "_gbs";
+    const std::string key = collective_key(op);
     std::vector<double>& v = t.bus_bandwidth[static_cast<size_t>(op)];
     for (double gbs : c.floats(key)) v.push_back(gbs * GB);
     if (!v.empty() && v.size() != t.ranks.size()) {

@@ -44,6 +44,14 @@ enum class Device { Cpu, Cuda };
 enum class Collective { AllReduce, AllGather, ReduceScatter, AllToAll };
 inline constexpr std::array<std::pair<Collective, const char*>, 4> kCollectives{
     {{Collective::AllReduce, "all_reduce"}, {Collective::AllGather, "all_gather"}, {Collective::ReduceScatter, "reduce_scatter"}, {Collective::AllToAll, "all_to_all"}}};
+inline const char* collective_name(Collective op) { return kCollectives[static_cast<size_t>(op)].second; }
+// Its probed key, "hardware.all_reduce_gbs", and its name in words, "all-reduce".
+inline std::string collective_key(Collective op) { return "hardware." + std::string(collective_name(op)) + "_gbs"; }
+inline std::string collective_words(Collective op) {
+  std::string words = collective_name(op);
+  for (char& ch : words) ch = ch == '_' ? '-' : ch;
+  return words;
+}
 
 // What `dsrun probe` measured of a node's collectives: bus bandwidth (nccl-tests' busbw: the bytes
 // each rank moves over the time) for each group size, with every group of that size in the node

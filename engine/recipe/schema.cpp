@@ -55,10 +55,8 @@ std::vector<KeySpec> collective_keys() {
   std::vector<KeySpec> keys = {ranged("hardware.collective_ranks", T::FloatList, "[]", 2, 1e6,
                                       "Group sizes (ranks of one node) that the hardware.*_gbs lists below were measured for, ascending; written by `dsrun probe`.")};
   for (const auto& [op, name] : kCollectives) {
-    std::string words = name;
-    for (char& ch : words) ch = ch == '_' ? '-' : ch;
-    keys.push_back(ranged("hardware." + std::string(name) + "_gbs", T::FloatList, "[]", 1e-3, 1e7,
-                          "Probed " + words + " bus bandwidth in GB/s (nccl-tests' busbw), one per hardware.collective_ranks entry, every group of that size in the "
+    keys.push_back(ranged(collective_key(op), T::FloatList, "[]", 1e-3, 1e7,
+                          "Probed " + collective_words(op) + " bus bandwidth in GB/s (nccl-tests' busbw), one per hardware.collective_ranks entry, every group of that size in the "
                           "node at once. The plan prices a group by the figure of the largest measured size not above it; empty: link_bandwidth_gbs × comm_efficiency."));
   }
   keys.push_back(ranged("hardware.p2p_gbs", T::Float, "0", 0, 1e7,
