@@ -14,11 +14,14 @@
 #     moe      recipes/gpu/deepseek_moe_h100.toml under expert 1, 2 and every GPU (data parallel too)
 #     ckpt     a synchronous and an asynchronous save of the ~1B on every GPU
 #     faults   SIGKILL of rank 2 mid-run (restart, resume), SIGSTOP of rank 1 (named), too many GPUs
-#   Env: STEPS (default 12 for the 1B, 8 for the 7B shape), GPU_TESTS (ctest regex after the build).
+#   Env: STEPS (default 12 for the 1B, 8 for the 7B shape), GPU_TESTS (ctest regex after the build),
+#   PROBED (a probed template to plan under where this machine has run no probe phase, e.g.
+#   templates/hardware/4x-nvidia-h200-probed.toml on 4 H200).
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi -L; nvidia-smi topo -m 2>/dev/null | head -8
 [ -x build-gpu/dsrun ] || build_and_test "${GPU_TESTS:-NCCL}"
+[ -f /tmp/probed.toml ] || [ -z "${PROBED:-}" ] || cp "$PROBED" /tmp/probed.toml
 db=/tmp/multi.db
 one_b=recipes/gpu/deepseek_1b_h200.toml
 seven_b=recipes/gpu/deepseek7b_h100x4.toml

@@ -34,6 +34,7 @@ def pct(x):
     return f"{100 * x:+.1f}%"
 
 
+details = []  # every rank's memory against its own stage's plan, and MoE routing per layer, after the table
 print("| run | layout | ranks | s/step (plan) | tokens/s | per GPU | MFU | device peak, worst rank (plan) | host RSS, worst rank (plan) | loss at end |")
 print("|---|---|---|---|---|---|---|---|---|---|")
 one_gpu = {}
@@ -75,11 +76,27 @@ for run_id, name, status, plan_json in db.execute("SELECT id, name, status, plan
     host = worst(latest_by_rank(run_id, "peak_rss_bytes"), latest_by_rank(run_id, "predicted_host_bytes"))
     dev_s = f"rank {device[0]}: {device[1] / GiB:.2f} GiB ({device[2] / GiB:.2f}, {pct(device[3])})" if device else ""
     host_s = f"rank {host[0]}: {host[1] / GiB:.2f} GiB ({host[2] / GiB:.2f}, {pct(host[3])})" if host else ""
+    ranks = sorted(latest_by_rank(run_id, "peak_rss_bytes"))
+    rss, planned_host = latest_by_rank(run_id, "peak_rss_bytes"), latest_by_rank(run_id, "predicted_host_bytes")
+    alloc = latest_by_rank(run_id, "peak_allocated_bytes")
+    details.append(f"{name}: " + "; ".join(
+        f"rank {r} device {alloc.get(r, 0) / GiB:.2f} ({planned_device.get(r, 0) / GiB:.2f}) host {rss[r] / GiB:.2f} ({planned_host.get(r, 0) / GiB:.2f})" for r in ranks))
+    loads = sorted({k for (k,) in db.execute("SELECT DISTINCT key FROM metrics WHERE run_id=? AND key LIKE 'expert_load/%'", (run_id,))}, key=lambda k: int(k.split("/")[1]))
+    if loads:
+        per_layer = []
+        for k in loads:
+            v = series(run_id, k)[len(steps) // 3:]
+            per_layer.append(f"{k.split('/')[1]}: {sum(v) / max(1, len(v)):.2f}")
+        details.append(f"{name} routing (busiest expert's tokens over the mean, per MoE layer, mean of the timed steps): " + ", ".join(per_layer))
     pauses = series(run_id, "checkpoint_pause_s")
     if pauses:
         name += f" (pause per save {', '.join(f'{x:.3f}' for x in pauses)} s)"
     print(f"| {name} | {layout} | {world} | {dt:.4f} ({plan_dt:.4f}, {pct(plan_dt / dt - 1)}) | {tps:,.0f} | {tps / world:,.0f}{scaling} | {100 * mfu:.1f}% | "
           f"{dev_s} | {host_s} | {losses[-1]:.4f} |")
+
+print("\nEvery rank, device peak allocated and host peak RSS in GiB (its own stage's plan):")
+for line in details:
+    print("- " + line)
 
 if len(sys.argv) > 2:
     try:

@@ -71,6 +71,16 @@ TEST_CASE("a tensor-parallel slice of the fused q/k/v weight holds whole heads o
   CHECK(tensor_split_problem({8, 1}, split, 4) == "2 rows");
   TensorSplit columns{TensorSplit::Columns, {}};
   CHECK(tensor_slice(torch::ones({3, 6}), columns, 1, 3).sizes() == std::vector<int64_t>{3, 2});
+  // A model build copies the slice straight into the rank's parameter: the same values either way.
+  for (int rank = 0; rank < 2; ++rank) {
+    torch::Tensor rows = torch::empty({4, 1});
+    copy_tensor_slice(rows, w, split, rank, 2);
+    CHECK(torch::equal(rows, tensor_slice(w, split, rank, 2)));
+    const torch::Tensor wide = torch::arange(24, torch::kFloat32).reshape({4, 6});
+    torch::Tensor cols = torch::empty({4, 3});
+    copy_tensor_slice(cols, wide, columns, rank, 2);
+    CHECK(torch::equal(cols, tensor_slice(wide, columns, rank, 2)));
+  }
 }
 
 namespace {

@@ -9,6 +9,7 @@
 
 using namespace dsrun;
 using dsrun::test::load_text;
+using dsrun::test::contains;
 
 namespace {
 
@@ -272,6 +273,66 @@ TEST_CASE("probed collectives price each group by its collective and size, and w
   CHECK(says);
 }
 
+TEST_CASE("collectives beside compute still cost it hardware.overlap_cost of their time; the updated parameters' gather is never beside it", "[plan][comm]") {
+  const std::vector<std::string> zero2 = {"batch.global=64", "batch.micro=1", "parallel.zero_stage=2", "parallel.activation_checkpointing=full"};
+  const Plan free = plan_of(kSevenB + "[hardware]\noverlap_cost = 0\n", zero2);
+  const Plan half = plan_of(kSevenB + "[hardware]\noverlap_cost = 0.5\n", zero2);
+  const Plan paid = plan_of(kSevenB + "[hardware]\noverlap_cost = 1\n", zero2);
+  double beside = 0;
+  for (const auto& c : paid.comm) {
+    INFO(c.collective);
+    CHECK(c.beside_compute == (c.collective.rfind("all-gather updated", 0) != 0));
+    if (c.beside_compute) beside += c.seconds;
+  }
+  REQUIRE(beside > 0);
+  CHECK(free.comm_slowdown_seconds == 0);
+  CHECK(paid.comm_slowdown_seconds > 0);
+  CHECK(paid.comm_slowdown_seconds <= beside);
+  CHECK(half.comm_slowdown_seconds == Approx(paid.comm_slowdown_seconds / 2));
+  CHECK(paid.step_seconds - free.step_seconds == Approx(paid.comm_slowdown_seconds));
+  CHECK(contains(render_plan(paid), "hardware.overlap_cost"));
+  // Tensor-parallel all-reduces sit between the products that need them: never beside compute.
+  const Plan tensor = plan_of(kSevenB, {"batch.global=64", "batch.micro=1", "parallel.zero_stage=1", "parallel.tensor=2", "parallel.activation_checkpointing=full"});
+  for (const auto& c : tensor.comm)
+    if (c.collective.find("(tensor") != std::string::npos) CHECK_FALSE(c.beside_compute);
+}
+
+TEST_CASE("every pipeline stage has its own memory prediction, device and host, and the fullest is the plan's", "[plan][memory][pipeline]") {
+  const Plan p = plan_of(kSevenB, {"batch.global=64", "batch.micro=1", "parallel.zero_stage=1", "parallel.pipeline=4", "parallel.activation_checkpointing=full",
+                                   "checkpoint.at_end=false"});
+  REQUIRE(p.stage_memory.size() == 4);
+  CHECK(p.stage_memory[p.memory_stage].device_bytes == Approx(p.memory.total()));
+  CHECK(p.stage_memory[p.memory_stage].host_bytes == Approx(p.host.total()));
+  for (const StageMemory& st : p.stage_memory) CHECK(st.device_bytes <= p.memory.total() * (1 + 1e-12));
+  // 1F1B: stage s holds p - s micro-batches' activations.
+  CHECK(p.stage_memory[2].device_bytes < p.stage_memory[1].device_bytes);
+  // A GPU rank's host peak: the embedding's (and the untied head's) fp32 build on the first and
+  // last stages; the middle stages' largest weights build within the process as it trains.
+  CHECK(p.stage_memory[1].host_bytes < p.stage_memory[0].host_bytes);
+  CHECK(p.stage_memory[1].host_bytes == Approx(p.stage_memory[2].host_bytes));
+  CHECK(contains(render_plan(p), "per pipeline stage"));
+  const Plan one = plan_of(kSevenB, {"batch.global=64", "batch.micro=1", "parallel.zero_stage=1", "parallel.activation_checkpointing=full"});
+  REQUIRE(one.stage_memory.size() == 1);
+  CHECK(one.stage_memory[0].device_bytes == Approx(one.memory.total()));
+}
+
+TEST_CASE("a GPU rank's host peak: the build's fp32 weight on the process as it was then, the whole weight and its slice under tensor parallelism, NCCL's share with several ranks", "[plan][memory][host]") {
+  // (no checkpoint: an asynchronous one's staging would hide the build)
+  const std::vector<std::string> layout = {"batch.global=64", "batch.micro=1", "parallel.zero_stage=1", "parallel.activation_checkpointing=full", "checkpoint.at_end=false"};
+  const Plan one = plan_of(kSevenB, layout);
+  std::vector<std::string> tp2 = layout;
+  tp2.push_back("parallel.tensor=2");
+  const Plan tensor = plan_of(kSevenB, tp2);
+  const double embedding32 = 4 * one.cost.embedding_params;
+  REQUIRE(one.host.model_build > 0);
+  CHECK(one.host.model_build == Approx(0.5 * (1 << 30) + embedding32 - one.host.process - one.host.data - one.host.checkpoint_staging));
+  CHECK(tensor.host.model_build - one.host.model_build == Approx(embedding32 / 2));
+  CHECK(one.host.process == Approx((1.0 + 0.4) * (1 << 30)));  // host_runtime_memory_gib + host_nccl_memory_gib
+  const Plan alone = plan_of(kSevenB, {"batch.global=64", "batch.micro=1", "parallel.data_parallel=1", "hardware.devices_per_node=1", "parallel.zero_stage=1",
+                                       "parallel.activation_checkpointing=full", "checkpoint.at_end=false"});
+  CHECK(alone.host.process == Approx(1.0 * (1 << 30)));
+}
+
 TEST_CASE("a probed collective table must be whole: one figure per group size, sizes ascending", "[recipe][probe]") {
   LoadedRecipe short_list = load_text(kSevenB + "[hardware]\ncollective_ranks = [2, 4]\nall_reduce_gbs = [300]\n");
   auto errors = dsrun::test::errors_of(short_list);
@@ -401,7 +462,9 @@ TEST_CASE("the plan counts asynchronous checkpoints' staging memory and says eac
   const Plan sync = make_plan(load_text(kSevenB + "[run]\nsteps = 100\n[checkpoint]\nevery = 50\nasync = false\n").recipe, dsrun::test::small_host());
   CHECK_FALSE(sync.checkpoint_disk.async);
   CHECK(sync.host.checkpoint_staging == 0);
-  CHECK(sync.host.total() == Approx(gpu.host.total() - d.staging_per_rank));
+  // (or, where it passes that, the model build's peak: the embedding's fp32 values on the process as it was then)
+  const double build_peak = 0.5 * (1 << 30) + 4 * gpu.cost.embedding_params;
+  CHECK(sync.host.total() == Approx(std::max(gpu.host.total() - d.staging_per_rank, build_peak)));
   CHECK(sync.checkpoint_disk.pause_seconds == Approx(d.copy_seconds + d.write_seconds));
   // CPU ranks: synchronous unless asked.
   const std::string tiny = "base = [\"hardware/cpu\", \"models/deepseek-tiny\"]\n";

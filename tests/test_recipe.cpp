@@ -409,8 +409,8 @@ TEST_CASE("pipeline parallelism in the plan: stages split by FLOPs, each rank's 
   CHECK(p.bubble_fraction == Approx(1.0 / 5));  // (p-1)/(m+p-1)
   CHECK(p.pipeline_problem.empty());
   // The stages' parameters add up to the model's (fp32 ZeRO-0: 16 bytes each with AdamW).
-  REQUIRE(p.stage_model_state_bytes.size() == 2);
-  CHECK(p.stage_model_state_bytes[0] + p.stage_model_state_bytes[1] == Approx(p.cost.params * 16));
+  REQUIRE(p.stage_memory.size() == 2);
+  CHECK(p.stage_memory[0].model_state_bytes + p.stage_memory[1].model_state_bytes == Approx(p.cost.params * 16));
   // GPipe keeps every micro-batch's activations, 1F1B at most two on the first stage.
   const Plan gpipe = plan_of("gpipe");
   CHECK(p.live_micro_batches == 2);

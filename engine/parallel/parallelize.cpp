@@ -39,7 +39,7 @@ void shard_tensors(Model& model, TensorParallel& tp, ZeroOptions& zero) {
     if (it == full_shapes->end()) return model.initialize_parameter(name, values);
     torch::Tensor full = torch::empty(it->second.first, values.options());
     model.initialize_parameter(name, full);
-    values.copy_(tensor_slice(full, it->second.second, rank, size));
+    copy_tensor_slice(values, full, it->second.second, rank, size);
   };
 }
 

@@ -192,22 +192,42 @@ std::vector<int64_t> tensor_whole_shape(const std::vector<int64_t>& slice_shape,
   return shape;
 }
 
-Tensor tensor_slice(const Tensor& full, const TensorSplit& split, int rank, int size) {
+namespace {
+// This rank's slice as views of `full`: the columns, or each row part's rows, in order (whole
+// heads of q, then of k, then of v).
+std::vector<Tensor> slice_views(const Tensor& full, const TensorSplit& split, int rank, int size) {
   DSRUN_ASSERT(tensor_split_problem(full.sizes().vec(), split, size).empty(), "tensor splits validated by the recipe");
-  if (split.kind == TensorSplit::Replicated || size == 1) return full.clone();
+  if (split.kind == TensorSplit::Replicated || size == 1) return {full};
   if (split.kind == TensorSplit::Columns) {
     const int64_t cols = full.size(1) / size;
-    return full.narrow(1, rank * cols, cols).contiguous();
+    return {full.narrow(1, rank * cols, cols)};
   }
-  // Rows: this rank's slice of every part, in order (whole heads of q, then of k, then of v).
-  std::vector<int64_t> parts = row_parts(split, full.size(0));
   std::vector<Tensor> slices;
   int64_t begin = 0;
-  for (int64_t p : parts) {
+  for (int64_t p : row_parts(split, full.size(0))) {
     slices.push_back(full.narrow(0, begin + rank * (p / size), p / size));
     begin += p;
   }
-  return torch::cat(slices, 0);
+  return slices;
+}
+}  // namespace
+
+Tensor tensor_slice(const Tensor& full, const TensorSplit& split, int rank, int size) {
+  std::vector<Tensor> views = slice_views(full, split, rank, size);
+  return views.size() == 1 ? views[0].clone(at::MemoryFormat::Contiguous) : torch::cat(views, 0);
+}
+
+void copy_tensor_slice(Tensor& out, const Tensor& full, const TensorSplit& split, int rank, int size) {
+  const std::vector<Tensor> views = slice_views(full, split, rank, size);
+  if (split.kind == TensorSplit::Columns || views.size() == 1) {
+    out.copy_(views[0]);
+    return;
+  }
+  int64_t row = 0;
+  for (const Tensor& v : views) {
+    out.narrow(0, row, v.size(0)).copy_(v);
+    row += v.size(0);
+  }
 }
 
 Tensor tensor_join(const std::vector<Tensor>& slices, const TensorSplit& split) {

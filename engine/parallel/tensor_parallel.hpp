@@ -52,6 +52,9 @@ class TensorParallel {
 std::vector<int64_t> tensor_slice_shape(const std::vector<int64_t>& full_shape, const TensorSplit& split, int size);
 // Rank r's slice of `full` (a copy, contiguous).
 torch::Tensor tensor_slice(const torch::Tensor& full, const TensorSplit& split, int rank, int size);
+// The same slice copied into `out` (its shape), with no copy between: a model build's host peak is
+// then the full weight and the slice alone.
+void copy_tensor_slice(torch::Tensor& out, const torch::Tensor& full, const TensorSplit& split, int rank, int size);
 // The full tensor from every rank's slice, in rank order (tensor_slice's inverse).
 torch::Tensor tensor_join(const std::vector<torch::Tensor>& slices, const TensorSplit& split);
 // Where rank r's slice lies in the whole parameter (checkpoints store slices by it).

@@ -96,12 +96,19 @@ ModelCost decoder_cost(const ModelSpec& m, double s, double e, AttentionKernel k
   c.checkpointed_activation_bytes_per_sample = e * s * m.layers * h + s * head_bytes_per_token;
   c.recomputed_layer_bytes_per_sample = e * s * largest_layer;
 
-  c.units.push_back({V * h, 0, 0, 0, 0, 0, 0, 0});  // the embedding: a lookup
+  ModelCost::Unit embedding;  // a lookup
+  embedding.params = embedding.largest_param = V * h;
+  c.units.push_back(embedding);
+  // A block's largest weight: the fused q|k|v projection, the fused gate|up of its MLP (dense, or
+  // the shared experts' together) or one expert's, or the router.
+  const double largest_dense = std::max(h * (h + 2 * kv), 2 * h * f);
+  const double largest_moe = std::max({h * (h + 2 * kv), 2 * h * fe * std::max(1.0, S), h * E});
   for (int i = 0; i < m.layers; ++i) {
     const bool moe = i >= dense_layers;  // MoE layers follow the first dense ones
     ModelCost::Unit u;
     u.params = attention + norms + (moe ? moe_mlp : dense_mlp);
     u.tensor_replicated_params = norms + (moe ? h * E : 0);
+    u.largest_param = moe ? largest_moe : largest_dense;
     u.flops_per_sample = s * (6 * (attention + (moe ? moe_active : dense_mlp)) + 12.0 * h * s);
     u.attention_flops_per_sample = s * 12.0 * h * s;
     u.activation_bytes_per_sample = e * s * (moe ? per_token_moe : per_token_dense);
@@ -115,6 +122,7 @@ ModelCost decoder_cost(const ModelSpec& m, double s, double e, AttentionKernel k
   }
   ModelCost::Unit head_unit;
   head_unit.params = h + head;
+  head_unit.largest_param = std::max(h, head);
   head_unit.tensor_replicated_params = h;
   head_unit.flops_per_sample = s * 6 * V * h;
   head_unit.activation_bytes_per_sample = head_unit.checkpointed_activation_bytes_per_sample = s * head_bytes_per_token;

@@ -54,6 +54,7 @@ struct ModelCost {
   struct Unit {
     double params = 0;
     double tensor_replicated_params = 0;  // kept whole by tensor parallelism (norms, the MoE router)
+    double largest_param = 0;             // elements of its largest parameter (a model build's transient)
     double flops_per_sample = 0, attention_flops_per_sample = 0;
     double activation_bytes_per_sample = 0, checkpointed_activation_bytes_per_sample = 0;
     // MoE blocks: what of the above the routed experts hold, compute and keep (expert parallelism

@@ -128,6 +128,7 @@ struct StageCost {
   bool has_head = false, has_blocks = false;
   bool tied_head_copy = false;  // tied embeddings: the head's copy of the embedding (not in ZeRO)
   double attention_flops_per_sample = 0;  // of flops_per_sample
+  double largest_param = 0;  // elements of the stage's largest parameter, whole (before tensor parallelism's split)
 };
 
 // A candidate of the layout search is planned without its schedule's simulation or suggestions
@@ -180,6 +181,7 @@ class Planner {
       st.routed_activation_bytes_per_sample += unit.routed_activation_bytes_per_sample;
       st.checkpointed_activation_bytes_per_sample += unit.checkpointed_activation_bytes_per_sample;
       st.moe_layers += unit.routed_expert_params > 0 ? 1 : 0;
+      st.largest_param = std::max(st.largest_param, unit.largest_param);
       st.has_blocks |= u > 0 && u + 1 < static_cast<int>(cost_.units.size());
     }
     st.rank_params += (params - routed - replicated) / tp_ + replicated;
@@ -341,7 +343,7 @@ class Planner {
     m.fragmentation = hw.fragmentation * (m.states.device_total() + m.activations + m.backward_peak + m.comm_buffers);
     double on_device = m.total();
     if (hw.ranks_share_memory()) on_device += m.states.host;  // "host" and "device" are the same memory on CPU ranks
-    ev.host = host_memory(m);
+    ev.host = host_memory(m, st);
     ev.host_needed = ev.host.total() * ranks_per_node_;
     ev.device_fits = on_device <= capacity_;
     ev.host_fits = ev.host_needed <= hw.host_memory_bytes;
@@ -352,21 +354,27 @@ class Planner {
   // Every host byte a rank holds (docs/plan.md): its process, offloaded states, the model build's
   // transient, the data; on CPU ranks the device terms too. The build runs before training: on
   // CPU ranks only what it needs beyond training's transients adds to the peak.
-  HostMemory host_memory(const MemoryBreakdown& m) const {
+  HostMemory host_memory(const MemoryBreakdown& m, const StageCost& st) const {
     const HardwareSpec& hw = r_.hardware;
     HostMemory h;
     h.offloaded = m.states.host;
     h.data = data_bytes_;
     // A decoder is built deferred, one unit at a time; a ResNet or weights from a file, whole.
     const bool deferred = r_.model.arch == ModelArch::DeepSeek && r_.model.init_from.empty();
-    const double build = 4 * (deferred ? cost_.largest_unit_params : cost_.params);
     if (r_.checkpoint.async && checkpoint_saves() > 0) h.checkpoint_staging = checkpoint_bytes() / (dp_ * tp_ * pp_);
     if (hw.ranks_share_memory()) {
+      const double build = 4 * (deferred ? cost_.largest_unit_params : cost_.params);
       h.device = m.total();
       h.model_build = std::max(0.0, build - (m.activations + m.backward_peak + m.comm_buffers));
     } else {
-      h.process = hw.host_runtime_memory_bytes;
-      h.model_build = build;
+      // A GPU rank builds each unit on its device, one parameter's fp32 initial values at a time in
+      // host memory (under tensor parallelism the whole weight, then this rank's slice of it),
+      // before NCCL and the CUDA libraries grow the process: the build's peak is the process then
+      // plus that, and counts where it passes the process as it trains (measured on 4 H200).
+      const bool several = dp_ * tp_ * pp_ > 1;
+      h.process = hw.host_runtime_memory_bytes + (several ? hw.host_nccl_memory_bytes : 0);
+      const double build = deferred ? 4 * st.largest_param * (tp_ > 1 ? 1.0 + 1.0 / tp_ : 1.0) : 4 * cost_.params;
+      h.model_build = std::max(0.0, hw.host_build_memory_bytes + build - (h.process + h.data + h.checkpoint_staging));
     }
     return h;
   }
@@ -587,8 +595,8 @@ class Planner {
     p.memory_stage = ev.stage;
     p.live_micro_batches = live_micro_batches(p.accumulation, ev.stage);
     for (size_t st = 0; st < stages_.size(); ++st) {
-      const ModelStateBytes states = evaluate_stage(chosen, static_cast<int>(st)).memory.states;
-      p.stage_model_state_bytes.push_back(states.device_total() + states.host);
+      const Evaluation stage = evaluate_stage(chosen, static_cast<int>(st));
+      p.stage_memory.push_back({stage.memory.states.device_total() + stage.memory.states.host, stage.memory.total(), stage.host.total()});
     }
     p.host = ev.host;
     p.host_memory_needed = ev.host_needed;
@@ -790,24 +798,25 @@ class Planner {
       const GroupLink reduce = group_link(p.layout.zero_stage == 0 ? Collective::AllReduce : Collective::ReduceScatter, stride, ranks);
       const GroupLink gather = group_link(Collective::AllGather, stride, ranks);
       const std::string at = ", " + where(reduce);
-      auto add = [&](const GroupLink& link, const std::string& what, double bytes) {
-        if (bytes > 0) p.comm.push_back({what, bytes, bytes / link.bandwidth});
+      // The updated parameters' gather follows the step; everything else runs beside compute.
+      auto add = [&](const GroupLink& link, const std::string& what, double bytes, bool beside_compute) {
+        if (bytes > 0) p.comm.push_back({what, bytes, bytes / link.bandwidth, beside_compute});
       };
       const double ring = (ranks - 1.0) / ranks;  // ring collectives: each rank sends (N-1)/N of the buffer per pass
       switch (p.layout.zero_stage) {
-        case 0: add(reduce, "all-reduce gradients" + of + " (once per step" + at + ")", 2 * ring * params * e); break;
+        case 0: add(reduce, "all-reduce gradients" + of + " (once per step" + at + ")", 2 * ring * params * e, true); break;
         case 1:
-          add(reduce, "reduce-scatter gradients" + of + " (once per step" + at + ")", ring * params * e);
-          add(gather, "all-gather updated parameters" + of + " (" + where(gather) + ")", ring * params * e);
+          add(reduce, "reduce-scatter gradients" + of + " (once per step" + at + ")", ring * params * e, true);
+          add(gather, "all-gather updated parameters" + of + " (" + where(gather) + ")", ring * params * e, false);
           break;
         case 2:
-          add(reduce, "reduce-scatter gradients" + of + " (every micro-batch" + at + ")", a * ring * params * e);
-          add(gather, "all-gather updated parameters" + of + " (" + where(gather) + ")", ring * params * e);
+          add(reduce, "reduce-scatter gradients" + of + " (every micro-batch" + at + ")", a * ring * params * e, true);
+          add(gather, "all-gather updated parameters" + of + " (" + where(gather) + ")", ring * params * e, false);
           break;
         case 3:
-          add(gather, "all-gather parameters" + of + " for forward (every micro-batch" + at + ")", a * ring * params * e);
-          add(gather, "all-gather parameters" + of + " for backward (every micro-batch" + at + ")", a * ring * params * e);
-          add(reduce, "reduce-scatter gradients" + of + " (every micro-batch" + at + ")", a * ring * params * e);
+          add(gather, "all-gather parameters" + of + " for forward (every micro-batch" + at + ")", a * ring * params * e, true);
+          add(gather, "all-gather parameters" + of + " for backward (every micro-batch" + at + ")", a * ring * params * e, true);
+          add(reduce, "reduce-scatter gradients" + of + " (every micro-batch" + at + ")", a * ring * params * e, true);
           break;
       }
     };
@@ -878,24 +887,21 @@ class Planner {
     }
     for (const auto& c : p.comm) p.comm_seconds += c.seconds;
 
-    // Overlap: on GPUs gradient collectives run on their own stream during backward; on CPU ranks
-    // Gloo competes for the same cores, so nothing overlaps.
+    // Overlap: on GPUs gradient collectives run on their own stream during backward (stages 0-1:
+    // the last micro-batch's), ZeRO-3's gathers beside forward and backward; what outlasts that
+    // window is exposed, and what it hides still slows the compute beside it by
+    // hardware.overlap_cost of its time (measured 1 on 4 H200: NCCL's kernels take SMs and memory
+    // bandwidth from the products). On CPU ranks Gloo competes for the same cores: nothing overlaps.
     const double compute = compute_seconds(p);
     if (r_.hardware.device == Device::Cpu) {
       p.exposed_comm_seconds = p.comm_seconds;
     } else {
-      double overlappable_work = 0, not_overlapped = 0;
-      for (const auto& c : p.comm) {
-        // The updated parameters' gather follows the step; tensor-parallel collectives sit between
-        // the layers' matmuls that need their results.
-        if (c.collective.rfind("all-gather updated", 0) == 0 || c.collective.find("(tensor") != std::string::npos || c.collective.find("(pipeline") != std::string::npos ||
-            c.collective.find("(expert") != std::string::npos)
-          not_overlapped += c.seconds;
-        else overlappable_work += c.seconds;
-      }
-      double backward = compute * 2.0 / 3.0;
-      double window = p.layout.zero_stage <= 1 ? backward / a : p.layout.zero_stage == 2 ? backward : compute;
-      p.exposed_comm_seconds = std::max(0.0, overlappable_work - window) + not_overlapped;
+      double beside = 0, in_line = 0;
+      for (const auto& c : p.comm) (c.beside_compute ? beside : in_line) += c.seconds;
+      const double backward = compute * 2.0 / 3.0;
+      const double window = p.layout.zero_stage <= 1 ? backward / a : p.layout.zero_stage == 2 ? backward : compute;
+      p.comm_slowdown_seconds = r_.hardware.overlap_cost * std::min(beside, window);
+      p.exposed_comm_seconds = std::max(0.0, beside - window) + in_line + p.comm_slowdown_seconds;
     }
 
     // Offload traffic over PCIe: gradient shard down, updated parameter shard up; ZeRO-3 parameter

@@ -68,6 +68,16 @@ struct CommTerm {
   std::string collective;  // "all-reduce gradients"
   double bytes = 0;        // sent per rank per step
   double seconds = 0;
+  // Runs beside compute on GPUs (gradient reductions during backward, ZeRO-3's gathers) rather
+  // than between the operations that need it (tensor, pipeline, expert) or after the step.
+  bool beside_compute = false;
+};
+
+// What one rank of a pipeline stage holds (every rank, without a pipeline).
+struct StageMemory {
+  double model_state_bytes = 0;  // parameters, gradients, master and optimizer states (device and host)
+  double device_bytes = 0;       // MemoryBreakdown::total() of the stage
+  double host_bytes = 0;         // HostMemory::total() of the stage
 };
 
 // A value dsrun chose because the recipe said "auto", with why.
@@ -125,7 +135,7 @@ struct Plan {
   std::string pipeline_problem; // why the schedule cannot run ("" when it can)
   int memory_stage = 0;         // the pipeline stage `memory` describes: the one with the most to hold
   double live_micro_batches = 1;  // whose activations that stage holds at once
-  std::vector<double> stage_model_state_bytes;  // per pipeline stage: model states (device and host) one rank holds
+  std::vector<StageMemory> stage_memory;  // per pipeline stage (one entry without a pipeline); `memory` is stage memory_stage's
 
   // batch math: global = layout.micro × accumulation × layout.data
   int64_t global_batch = 0, accumulation = 0, seq_len = 0;
@@ -150,6 +160,8 @@ struct Plan {
 
   std::vector<CommTerm> comm;
   double comm_seconds = 0, exposed_comm_seconds = 0;
+  // GPUs: what the collectives beside compute still cost it (hardware.overlap_cost of the hidden part).
+  double comm_slowdown_seconds = 0;
 
   double peak_flops = 0;                 // per device, for the dtype
   double hardware_flops_per_step = 0;    // all ranks, recomputation included

@@ -133,15 +133,25 @@ std::string render_plan(const Plan& p) {
   if (m.states.host > 0) t.add({"offloaded to host", format_bytes(m.states.host), p.device == Device::Cpu ? "same memory on CPU ranks" : "per rank, in host memory"});
   t.add({"total", format_bytes(total), "of " + format_bytes(p.memory_capacity)});
   out += t.render("  ");
+  if (p.stage_memory.size() > 1) {
+    std::string stages;
+    for (size_t st = 0; st < p.stage_memory.size(); ++st)
+      stages += (st > 0 ? ", " : "") + std::to_string(st) + ": " + format_bytes(p.stage_memory[st].device_bytes) + " (host " + format_bytes(p.stage_memory[st].host_bytes) + ")";
+    line("per pipeline stage, what one of its ranks holds: " + stages);
+  }
 
   section("host memory per rank");
   const HostMemory& h = p.host;
   TextTable ht({"component", "bytes", "how"});
-  if (h.process > 0) ht.add({"process", format_bytes(h.process), "libraries, the CUDA context's host side (hardware.host_runtime_memory_gib)"});
+  if (h.process > 0)
+    ht.add({"process", format_bytes(h.process), "libraries, the CUDA context's host side (hardware.host_runtime_memory_gib)" +
+                                                     std::string(p.world_size > 1 && p.device == Device::Cuda ? ", NCCL's (hardware.host_nccl_memory_gib)" : "")});
   if (h.device > 0) ht.add({"device terms", format_bytes(h.device), "the memory table above: the same memory on CPU ranks"});
   if (h.offloaded > 0) ht.add({"offloaded states", format_bytes(h.offloaded), "master weights, optimizer states, gradient shard" +
                                                                                   std::string(p.layout.offload == Offload::OptimizerAndParams ? ", parameter shard" : "")});
-  if (h.model_build > 0) ht.add({"model build", format_bytes(h.model_build), "one unit's fp32 initial values while it is built"});
+  if (h.model_build > 0)
+    ht.add({"model build", format_bytes(h.model_build), p.device == Device::Cpu ? "one unit's fp32 initial values while it is built"
+                                                                                 : "beyond the process as it trains: the largest parameter's fp32 initial values, on the process as it was then (hardware.host_build_memory_gib)"});
   if (h.checkpoint_staging > 0) ht.add({"checkpoint staging", format_bytes(h.checkpoint_staging), "checkpoint.async: this rank's share of a checkpoint, kept between saves" +
                                                                                                   std::string(p.checkpoint_disk.staging_pinned ? " (pinned)" : "")});
   ht.add({"data", format_bytes(h.data), h.data > 0 ? "tokens or images as loaded (int64 or fp32, twice at the peak)"
@@ -157,7 +167,9 @@ std::string render_plan(const Plan& p) {
   section("communication per step, per rank");
   if (p.comm.empty()) line("none (one data-parallel rank)");
   for (const auto& cterm : p.comm) line(cterm.collective + ": " + format_bytes(cterm.bytes) + ", " + format_seconds(cterm.seconds));
-  if (!p.comm.empty()) line("total " + format_seconds(p.comm_seconds) + ", not hidden behind compute " + format_seconds(p.exposed_comm_seconds));
+  if (!p.comm.empty())
+    line("total " + format_seconds(p.comm_seconds) + ", not hidden behind compute " + format_seconds(p.exposed_comm_seconds) +
+         (p.comm_slowdown_seconds > 0 ? " (of which " + format_seconds(p.comm_slowdown_seconds) + " is what the collectives beside compute take from it: hardware.overlap_cost)" : ""));
 
   section("compute and speed");
   line("model FLOPs per step " + format_count(p.model_flops_per_step) + (images ? " (3 x forward" : " (6N + attention") +
@@ -231,6 +243,10 @@ std::string plan_to_json(const Plan& p) {
   if (p.layout.pipeline > 1)
     j["pipeline"] = {{"schedule", to_string(p.layout.schedule)}, {"virtual_stages", p.layout.virtual_stages}, {"pieces", p.pipeline_pieces},
                      {"bubble_fraction", p.bubble_fraction}, {"memory_stage", p.memory_stage}, {"problem", p.pipeline_problem}};
+  json stages = json::array();
+  for (const StageMemory& st : p.stage_memory)
+    stages.push_back({{"model_state_bytes", st.model_state_bytes}, {"device_bytes", st.device_bytes}, {"host_bytes", st.host_bytes}});
+  j["memory_per_stage"] = stages;
   j["batch"] = {{"global", p.global_batch}, {"micro", p.layout.micro}, {"accumulation", p.accumulation},
                 {"seq_len", p.seq_len}, {"tokens_per_step", p.tokens_per_step}};
   j["parallel"] = {{"zero_stage", p.layout.zero_stage}, {"offload", to_string(p.layout.offload)},
@@ -248,8 +264,8 @@ std::string plan_to_json(const Plan& p) {
   j["verdict"] = p.verdict;
   j["suggestions"] = p.suggestions;
   json comm = json::array();
-  for (const auto& c : p.comm) comm.push_back({{"collective", c.collective}, {"bytes", c.bytes}, {"seconds", c.seconds}});
-  j["communication"] = {{"terms", comm}, {"seconds", p.comm_seconds}, {"exposed_seconds", p.exposed_comm_seconds}};
+  for (const auto& c : p.comm) comm.push_back({{"collective", c.collective}, {"bytes", c.bytes}, {"seconds", c.seconds}, {"beside_compute", c.beside_compute}});
+  j["communication"] = {{"terms", comm}, {"seconds", p.comm_seconds}, {"exposed_seconds", p.exposed_comm_seconds}, {"slowdown_seconds", p.comm_slowdown_seconds}};
   j["speed"] = {{"peak_flops", p.peak_flops}, {"model_flops_per_step", p.model_flops_per_step},
                 {"hardware_flops_per_step", p.hardware_flops_per_step}, {"compute_seconds", p.compute_seconds},
                 {"optimizer_seconds", p.optimizer_seconds}, {"elementwise_seconds", p.elementwise_seconds}, {"offload_seconds", p.offload_seconds}, {"offload_hidden_seconds", p.offload_hidden_seconds},

@@ -83,6 +83,49 @@ std::vector<int> group_sizes(int world) {
 // micro-batch's activations are tens of MiB (64 MiB reached 90% or more of 256 MiB's over NVLink).
 constexpr double kTableBytes = 64 << 20;
 
+// hardware.overlap_cost: matrix products alone, the node's all-reduces alone (about a third of
+// the products' time), then both at once, the reductions issued first on NCCL's stream as ZeRO's
+// are during backward. What the pair takes beyond the products, over the reductions' time alone,
+// is the share of a collective beside compute that a step still pays.
+ProbeFigure probe_overlap_cost(const torch::Device& device, Communicator& world_comm, torch::ScalarType dtype, double buffer_bytes, const Repeats& repeats) {
+  const auto options = torch::TensorOptions().dtype(dtype).device(device);
+  const int64_t n = 8192, products = 12;
+  const torch::Tensor a = torch::randn({n, n}, options), b = torch::randn({n, n}, options);
+  torch::Tensor c = torch::empty({n, n}, options);
+  torch::Tensor buffer = torch::ones({static_cast<int64_t>(buffer_bytes) / static_cast<int64_t>(c10::elementSize(dtype))}, options);
+  auto multiply = [&] {
+    for (int64_t i = 0; i < products; ++i) torch::mm_out(c, a, b);
+  };
+  world_comm.barrier();
+  const double one_reduction = time_per_call(device, repeats, [&] { world_comm.all_reduce_sum(buffer); });
+  world_comm.barrier();
+  const double alone = time_per_call(device, repeats, multiply);
+  // Every rank runs as many reductions (rank 0's count), or the collectives would not match.
+  torch::Tensor count = torch::full({1}, std::max(1.0, std::round(alone / 3 / one_reduction)), torch::TensorOptions().dtype(torch::kFloat32).device(device));
+  world_comm.broadcast(count, 0);
+  const int reductions = static_cast<int>(count.item<double>());
+  auto reduce = [&](bool wait) {
+    std::vector<PendingCollective> pending;
+    for (int i = 0; i < reductions; ++i) pending.push_back(world_comm.all_reduce_sum_async(buffer));
+    if (wait)
+      for (PendingCollective& p : pending) p.wait();
+    return pending;
+  };
+  world_comm.barrier();
+  const double reduce_alone = time_per_call(device, repeats, [&] { reduce(true); });
+  world_comm.barrier();
+  const double both = time_per_call(device, repeats, [&] {
+    std::vector<PendingCollective> pending = reduce(false);
+    multiply();
+    for (PendingCollective& p : pending) p.wait();
+  });
+  const double cost = std::clamp((both - alone) / reduce_alone, 0.0, 2.0);
+  return {"hardware.overlap_cost", cost,
+          std::to_string(products) + " products of " + std::to_string(n) + "² " + std::string(c10::toString(dtype)) + " alone " + probe_number(alone * 1e3, 3) + " ms, " +
+              std::to_string(reductions) + " all-reduces of " + mib(buffer_bytes) + " over the node alone " + probe_number(reduce_alone * 1e3, 3) + " ms, both at once " +
+              probe_number(both * 1e3, 3) + " ms: (both - products) / reductions"};
+}
+
 // Collectives across this node's ranks, as nccl-tests reports them: bus bandwidth (an all-reduce
 // moves 2(n-1)/n of the buffer per rank, an all-gather, reduce-scatter or all-to-all (n-1)/n), for
 // each group size the node allows, every group of that size at once; then point-to-point between
@@ -150,6 +193,7 @@ void probe_collectives(const Recipe& r, Rendezvous& rendezvous, Communicator& wo
                          "send and receive of " + mib(static_cast<double>(numel * element)) + " between neighbouring ranks, every pair both ways at once (" + backend + "), " +
                              probe_number(seconds * 1e3, 3) + " ms"});
   }
+  if (device.is_cuda() && world >= 2) figures.push_back(probe_overlap_cost(device, world_comm, dtype, table_bytes, repeats));
   figures.push_back({"hardware.comm_efficiency", std::min(1.0, largest_all_reduce / r.hardware.link_bandwidth),
                      "the node's largest all-reduce's bus bandwidth (" + probe_number(largest_all_reduce / 1e9, 2) + " GB/s, " + backend + ") over hardware.link_bandwidth_gbs (" +
                          probe_number(r.hardware.link_bandwidth / 1e9, 2) + ")"});

@@ -179,6 +179,9 @@ void build_hardware(Builder& c, Recipe& r, const HostFacts& host) {
   build_collectives(c, h.collectives);
   h.runtime_memory_bytes = c.f("hardware.runtime_memory_gib") * GiB;
   h.host_runtime_memory_bytes = c.f("hardware.host_runtime_memory_gib") * GiB;
+  h.host_build_memory_bytes = c.f("hardware.host_build_memory_gib") * GiB;
+  h.host_nccl_memory_bytes = c.f("hardware.host_nccl_memory_gib") * GiB;
+  h.overlap_cost = c.f("hardware.overlap_cost");
   h.fragmentation = c.f("hardware.fragmentation");
 
   if (h.nodes > 1 && h.inter_node_bandwidth <= 0)

@@ -97,8 +97,14 @@ struct HardwareSpec {
   double attention_efficiency = 0;         // GPUs: the attention kernels, fraction of peak; 0: matmul_efficiency
   double comm_efficiency = 0.8;
   CollectiveBandwidths collectives;  // probed; empty: link_bandwidth × comm_efficiency
+  // GPUs: of a collective that runs beside compute (gradient reductions in backward, ZeRO-3's
+  // gathers), the share of its time the step still pays, NCCL's kernels taking SMs and memory
+  // bandwidth from the products beside them (probed).
+  double overlap_cost = 1;
   double runtime_memory_bytes = 0;
   double host_runtime_memory_bytes = 0;  // a GPU rank process's own host memory
+  double host_build_memory_bytes = 0;    // the same while it builds the model, before NCCL and the CUDA libraries grow it
+  double host_nccl_memory_bytes = 0;     // NCCL's host side, in a GPU rank of a job of several ranks
   double fragmentation = 0.05;
 
   int total_devices() const { return nodes * devices_per_node; }

@@ -59,6 +59,10 @@ std::vector<KeySpec> collective_keys() {
                           "Probed " + collective_words(op) + " bus bandwidth in GB/s (nccl-tests' busbw), one per hardware.collective_ranks entry, every group of that size in the "
                           "node at once. The plan prices a group by the figure of the largest measured size not above it; empty: link_bandwidth_gbs × comm_efficiency."));
   }
+  keys.push_back(ranged("hardware.overlap_cost", T::Float, "1", 0, 2,
+                        "GPUs: of a collective that runs beside compute (gradient reductions during backward, ZeRO-3's gathers), the share of its time the step "
+                        "still pays: NCCL's kernels take SMs and memory bandwidth from the matrix products beside them. 0: fully hidden. Written by `dsrun probe` "
+                        "(matrix products alone, all-reduces alone, both at once); 1 measured in training on 4 H200 over NVLink (docs/benchmarks.md)."));
   keys.push_back(ranged("hardware.p2p_gbs", T::Float, "0", 0, 1e7,
                         "Probed point-to-point bandwidth in GB/s each way between two devices of a node, every pair sending at once (pipeline sends); "
                         "0: link_bandwidth_gbs × comm_efficiency."));
@@ -123,7 +127,14 @@ std::vector<KeySpec> build_schema() {
              "12·layers·hidden·seq FLOPs per token apart from the matrix products (it dominates long sequences). 0: as matmul_efficiency."),
       ranged("hardware.comm_efficiency", T::Float, "0.8", 0.001, 1, "Fraction of link bandwidth that collectives reach."),
       ranged("hardware.runtime_memory_gib", T::Float, "0.3", 0, 1e6, "Memory per rank in GiB taken before training starts (CUDA context, NCCL, libraries)."),
-      ranged("hardware.host_runtime_memory_gib", T::Float, "1", 0, 1e6, "Host memory per GPU rank process in GiB (libraries, the CUDA context's host side); CPU ranks count runtime_memory_gib."),
+      ranged("hardware.host_runtime_memory_gib", T::Float, "1", 0, 1e6,
+             "Host memory per GPU rank process in GiB once it trains (libraries, the CUDA context's host side), NCCL's apart; CPU ranks count runtime_memory_gib."),
+      ranged("hardware.host_build_memory_gib", T::Float, "0.5", 0, 1e6,
+             "Host memory per GPU rank process in GiB while it builds the model, before NCCL and the CUDA libraries grow it: the build's fp32 initial values "
+             "(its largest parameter; whole and this rank's slice under tensor parallelism) come on top of this, not of host_runtime_memory_gib. "
+             "0.5 measured on 4 H200 (docs/benchmarks.md)."),
+      ranged("hardware.host_nccl_memory_gib", T::Float, "0.4", 0, 1e6,
+             "Host memory NCCL adds to each GPU rank of a job of several ranks (its proxy threads and host buffers), in GiB; 0.4 measured on 4 H200."),
       ranged("hardware.fragmentation", T::Float, "0.05", 0, 0.9, "Allocator slack: fraction of the allocated bytes lost to fragmentation and caching."),
 
       // ---- model

@@ -749,15 +749,17 @@ class Trainer {
   // also the caching allocator's peak, beside the plan's total.
   void report_memory() {
     const double measured = zero_->parameter_and_gradient_bytes() + zero_->master_bytes() + zero_->offload_buffer_bytes() + optimizer_->state_bytes();
-    const double predicted = plan_.stage_model_state_bytes.at(mesh_->coordinates().pipeline);
+    // Every rank beside its own pipeline stage's prediction, not the fullest stage's.
+    const StageMemory& stage = plan_.stage_memory.at(mesh_->coordinates().pipeline);
+    const double predicted = stage.model_state_bytes;
     MemoryReport m;
     m.model_state_bytes = measured;
     m.predicted_model_state_bytes = predicted;
     m.peak_rss_bytes = peak_rss_bytes();
     m.anon_rss_bytes = status_bytes("RssAnon");
     m.file_rss_bytes = status_bytes("RssFile");
-    m.predicted_total_bytes = plan_.memory.total();
-    m.predicted_host_bytes = plan_.host.total();
+    m.predicted_total_bytes = stage.device_bytes;
+    m.predicted_host_bytes = stage.host_bytes;
 #ifdef DSRUN_WITH_CUDA
     if (device_.is_cuda()) {
       auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device_.index());
