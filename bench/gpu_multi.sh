@@ -12,7 +12,7 @@
 #     pipelines  the same shape under pipeline 2 and 4 (1F1B, interleaved) and tensor 2 x pipeline 2
 #     peer7b   the FSDP2 peer of the 7B shape: FSDP over every GPU, and tensor 2 x FSDP
 #     moe      recipes/gpu/deepseek_moe_h100.toml under expert 1, 2 and every GPU (data parallel too)
-#     ckpt     a synchronous and an asynchronous save of the ~1B on every GPU
+#     ckpt     synchronous and asynchronous saves of the ~1B on every GPU (CKPT_EVERY, CKPT_STEPS)
 #     faults   SIGKILL of rank 2 mid-run (restart, resume), SIGSTOP of rank 1 (named), too many GPUs
 #   Env: STEPS (default 12 for the 1B, 8 for the 7B shape), GPU_TESTS (ctest regex after the build),
 #   PROBED (a probed template to plan under where this machine has run no probe phase, e.g.
@@ -117,8 +117,10 @@ for phase in "$@"; do
     ckpt)
       for async in false true; do
         rm -rf /tmp/ck; mkdir -p /tmp/ck
-        build-gpu/dsrun run "$(with_probed $one_b)" --db "$db" --set hardware.host_memory_gib=$gib --set run.steps=12 --set hardware.devices_per_node=$gpus \
-          --set parallel.data_parallel=$gpus --set batch.global=$((8 * gpus)) --set checkpoint.every=4 --set checkpoint.at_end=false --set checkpoint.keep_last=1 \
+        # Saves further apart than a save's write (about 11 s on the 4-H200 machine's disk), so that
+        # an asynchronous save never waits for the one before it (the plan says when it would).
+        build-gpu/dsrun run "$(with_probed $one_b)" --db "$db" --set hardware.host_memory_gib=$gib --set run.steps=${CKPT_STEPS:-160} --set hardware.devices_per_node=$gpus \
+          --set parallel.data_parallel=$gpus --set batch.global=$((8 * gpus)) --set checkpoint.every=${CKPT_EVERY:-75} --set checkpoint.at_end=false --set checkpoint.keep_last=1 \
           --set checkpoint.dir=\"/tmp/ck\" --set checkpoint.async=$async --set run.name=\"ckpt-async-$async\" > "$out/ckpt-$async.log" 2>&1
         echo "ckpt async=$async -> $?"; grep -E "training pauses|staging" "$out/ckpt-$async.log" | head -2
       done ;;

@@ -537,8 +537,11 @@ class Planner {
       p.choices.push_back({"parallel.activation_checkpointing", chosen.checkpointing ? "full" : "none", ckpt_reason});
     }
 
-    // 2. The largest micro-batch that fits under that layout (fewer accumulation steps, better kernels).
-    if (found) {
+    // 2. The largest micro-batch that fits under that layout (fewer accumulation steps, better
+    //    kernels); a pipeline's the smallest, for the most micro-batches a step and the least bubble
+    //    ((p-1)/(m+p-1): the whole per-rank batch as one micro-batch leaves a stage idle (p-1)/p of it).
+    const bool least_bubble = pp_ > 1 && !r_.batch.micro;
+    if (found && !least_bubble) {
       for (int64_t micro : micros) {
         if (evaluate({chosen.stage, chosen.checkpointing, micro}).fits) {
           chosen.micro = micro;
@@ -550,6 +553,9 @@ class Planner {
       int64_t per_rank = r_.batch.global / dp_;
       std::string reason;
       if (!found) reason = "nothing fits; the smallest micro batch is shown";
+      else if (least_bubble)
+        reason = "a pipeline: the smallest micro batch, " + std::to_string(per_rank / chosen.micro) + " micro-batches a step, for the least bubble (" +
+                 format_double(100 * bubble_fraction(per_rank / chosen.micro), 3) + "%)";
       else if (chosen.micro == per_rank) reason = "the whole per-rank batch (" + std::to_string(per_rank) + ") fits: no accumulation";
       else {
         int64_t next = 0;
@@ -1073,6 +1079,10 @@ class Planner {
 
   void add_notes(Plan& p) {
     const HardwareSpec& hw = r_.hardware;
+    if (pp_ > 1 && p.accumulation < pp_)
+      p.notes.push_back("fewer micro-batches a step (" + std::to_string(p.accumulation) + ") than pipeline stages (" + std::to_string(pp_) + "): each stage idles " +
+                        format_double(100 * p.bubble_fraction, 3) + "% of the step; on 4 GPUs such a run (the 7B, pipeline 2 x data 2, one micro-batch) stopped at its first step "
+                        "with NCCL's \"Message truncated\" (docs/benchmarks.md): a smaller batch.micro gives at least " + std::to_string(pp_) + " micro-batches");
     if (hw.ranks_share_memory())
       p.notes.push_back("CPU ranks share the node's " + format_bytes(hw.memory_bytes) + "; each rank's share is " + format_bytes(capacity_));
     if (kernel_ == AttentionKernel::Math && r_.model.arch == ModelArch::DeepSeek)
