@@ -47,7 +47,7 @@ std::string render_layouts(const LayoutSearch& search, const Recipe& recipe) {
   const std::vector<LayoutRow>& rows = search.rows;
   std::string out = "layouts of " + recipe.hardware.name + " (" + std::to_string(recipe.hardware.total_devices()) + " devices) for " +
                     (recipe.model.name.empty() ? std::string("the model") : recipe.model.name) + ", fastest that fits first\n";
-  out += "(each planned as dsrun plan does: the lowest ZeRO stage that fits, then the largest micro batch, recomputation only if needed)\n\n";
+  out += "(each planned as dsrun plan does: the lowest ZeRO stage that fits, then the largest micro batch (a pipeline's smallest), recomputation only if needed)\n\n";
   out += layout_table(std::vector<LayoutRow>(rows.begin(), rows.begin() + std::min(kLayoutsPrinted, rows.size())));
   const int64_t left = static_cast<int64_t>(rows.size() - std::min(kLayoutsPrinted, rows.size())) + search.left_out;
   if (left > 0)
