@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include <csignal>
+#include <functional>
 #include <cstdio>
 #include <cstring>
 #include <cstdlib>
@@ -146,9 +147,14 @@ static int exit_code_of(RunStatus status) {
 }
 
 // Launches a recorded run (from step 0, or from a checkpoint) and prints how it ended.
+// `on_started`: a resume's overrides, recorded only once training runs on them (LaunchOptions::config_pending).
 int launch_and_report(const LoadedRecipe& loaded, const Plan& plan, Store& store, const std::string& id, const RunFlags& flags,
-                      const std::string& db_path, const std::string& resume_from, bool accept_data_change = false) {
+                      const std::string& db_path, const std::string& resume_from, bool accept_data_change = false, std::function<void()> on_started = {},
+                      bool run_claimed = false) {
   LaunchOptions launch;
+  launch.run_claimed = run_claimed;
+  launch.config_pending = static_cast<bool>(on_started);
+  launch.on_started = std::move(on_started);
   launch.accept_data_change = accept_data_change;
   launch.run_dir = path_join(runs_directory(db_path), id);
   launch.nnodes = flags.nnodes;
@@ -203,6 +209,8 @@ std::string steps_available(const std::string& root) {
 
 std::string default_store_path() {
   if (const char* env = std::getenv("DSRUN_DB")) return env;
+  // A job script names a file that holds the location (one with a password: slurm_job_from_plan).
+  if (const char* file = std::getenv("DSRUN_DB_FILE")) return trim(read_file(file));
   return "runs/dsrun.db";
 }
 
@@ -446,13 +454,13 @@ static int submit_to_slurm(const LoadedRecipe& loaded, const Plan& plan, Store& 
     const std::string config_path = path_join(run_dir, "config.toml");
     write_file_atomic(config_path, rank_config_toml(loaded, plan));
     write_file_atomic(path_join(run_dir, "plan.json"), plan_to_json(plan));
-    SlurmJobSpec job = slurm_job_from_plan(loaded.recipe, plan, "dsrun-" + store.get_run(id).name, db_path);
+    SlurmJobSpec job = slurm_job_from_plan(loaded.recipe, plan, "dsrun-" + store.get_run(id).name, db_path, run_dir);
     job.output = path_join(run_dir, "logs/slurm-%j.out");
     job.env.push_back({"DSRUN_RUN_ID", id});
     job.env.push_back({"DSRUN_CHECKPOINT_DIR", checkpoint_root_of(loaded.recipe, run_dir, id)});
     job.task_command = shell_quote(path_join(executable_directory(), "dsrun")) + " worker " + shell_quote(config_path);
     const std::string script = path_join(run_dir, "job.sh");
-    write_file_atomic(script, sbatch_script(job));
+    write_file_atomic(script, sbatch_script(job), 0700);  // the submitter's alone
     const std::string job_id = submit_job(script);
     store.set_job(id, job_id, "PENDING", "", "");
     store.add_event(id, "submitted", -1, "Slurm job " + job_id + ": " + std::to_string(job.nodes) + " node(s) x " + std::to_string(job.tasks_per_node) + " task(s), script " + script);
@@ -510,9 +518,20 @@ int command_resume(const ResumeArgs& args, const RunFlags& flags, const std::str
   RunRecord r = store.get_run(store.resolve_run(args.run));
   ErrorContext c;
   c.key = "run " + r.id;
-  if (r.status == RunStatus::Running && !args.force) {
-    c.hint = "if its launcher is gone (killed -9, machine rebooted), pass --force";
-    throw Error("run is marked running", c);
+  const std::string this_host = read_host_facts().hostname;
+  std::string launcher_vanished;  // why a running run's launcher counts as gone (resume --force)
+  if (r.status == RunStatus::Running) {
+    launcher_vanished = launcher_gone(r, this_host, unix_now());
+    const std::string launcher = "its launcher, process " + std::to_string(r.pid) + " on " + (r.host.empty() ? std::string("an unknown host") : r.host) +
+                                 (r.heartbeat_at > 0 ? ", last heard from " + format_seconds(std::max(0.0, unix_now() - r.heartbeat_at)) + " ago" : "");
+    if (!args.force) {
+      c.hint = "if " + launcher + " is gone (killed -9, machine rebooted), pass --force";
+      throw Error("run is marked running", c);
+    }
+    if (launcher_vanished.empty()) {
+      c.hint = "stop it first (dsrun cancel " + r.id + ", or Ctrl-C in its terminal); --force takes over only a launcher that is gone";
+      throw Error("run is still training: " + launcher + " is alive", c);
+    }
   }
   if (r.status == RunStatus::Finished) {
     c.hint = "to train further, start a child run: dsrun rollback " + r.id + " --to-step N --set run.steps=MORE";
@@ -564,17 +583,29 @@ int command_resume(const ResumeArgs& args, const RunFlags& flags, const std::str
     if (changed("data.path") || changed("data.blend")) changes.push_back("the data changes (" + was(changed("data.path") ? "data.path" : "data.blend") + ")");
     for (const std::string& change : changes) std::cerr << "dsrun: warning: resume of " << r.id << ": " << change << "\n";
   }
-  if (r.status == RunStatus::Running) store.set_status(r.id, RunStatus::Killed, "launcher vanished; resumed with --force");
+  // Compare-and-set: of two concurrent resumes one takes the run; the other changes nothing.
+  if (!store.claim_run(r.id, r.status, r.heartbeat_at, this_host, ::getpid())) {
+    const RunRecord now = store.get_run(r.id);
+    c.hint = "another dsrun took it first (process " + std::to_string(now.pid) + " on " + now.host + "): follow it with dsrun watch " + r.id;
+    throw Error("run changed while this resume prepared: it is " + std::string(to_string(now.status)) + " now", c);
+  }
+  if (!launcher_vanished.empty()) store.add_event(r.id, "resume", -1, "resumed with --force: " + launcher_vanished);
   for (const std::string& change : changes) store.add_event(r.id, "resume_change", -1, change);
   std::string message = "resume from step " + std::to_string(found->step) + " (" + found->path + ")";
+  // Overrides become the run's config once its first step trains on them: a resume the ranks
+  // refuse (a model that no longer matches the checkpoint) leaves the run as it was.
+  std::function<void()> record_overrides;
   if (!args.sets.empty()) {
     message += " with " + join(args.sets, " ");
-    store.update_plan(r.id, config_to_toml(loaded.config), plan_to_json(plan), render_plan(plan), plan.layout.zero_stage, plan.world_size);
+    record_overrides = [&store, &r, &loaded, &plan, sets = args.sets] {
+      store.update_plan(r.id, config_to_toml(loaded.config), plan_to_json(plan), render_plan(plan), plan.layout.zero_stage, plan.world_size);
+      store.add_event(r.id, "resume_config", -1, "training runs on " + join(sets, " ") + ": the run's config now");
+    };
   }
   for (const auto& why : skipped) store.add_event(r.id, "checkpoint", -1, "skipped a checkpoint that does not verify", why);
   store.add_event(r.id, "resume", -1, message);
   std::cout << "run " << r.id << ": " << message << "; " << plan.world_size << " rank(s), ZeRO stage " << plan.layout.zero_stage << "\n";
-  return launch_and_report(loaded, plan, store, r.id, flags, db_path, found->path, !data_changes.empty());
+  return launch_and_report(loaded, plan, store, r.id, flags, db_path, found->path, !data_changes.empty(), std::move(record_overrides), /*run_claimed=*/true);
 }
 
 int command_rollback(const std::string& run, int64_t to_step, const std::vector<std::string>& sets, bool force, const RunFlags& flags, const std::string& db_path) {
@@ -677,7 +708,7 @@ void map_slurm_environment() {
 int command_worker(const std::string& config_path, const std::string& db_path, bool db_given) {
   map_slurm_environment();
   const char* run_env = std::getenv("DSRUN_RUN_ID");
-  if (!db_given && !std::getenv("DSRUN_DB") && !(run_env && *run_env)) exec_rank_process(config_path);  // nothing to record into
+  if (!db_given && !std::getenv("DSRUN_DB") && !std::getenv("DSRUN_DB_FILE") && !(run_env && *run_env)) exec_rank_process(config_path);  // nothing to record into
 
   const int rank = env_int("RANK", 0), world = env_int("WORLD_SIZE", 1);
   const int local_rank = env_int("LOCAL_RANK", 0), local_world = std::max(1, env_int("LOCAL_WORLD_SIZE", 1));

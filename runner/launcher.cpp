@@ -78,6 +78,7 @@ class Supervisor {
       : r_(loaded.recipe), plan_(plan), store_(store), run_id_(run_id), o_(options) {}
 
   RunStatus run(const std::string& config_path) {
+    config_path_ = config_path;
     make_directories(path_join(o_.run_dir, "logs"));
     struct sigaction sa {};
     sa.sa_handler = on_interrupt;
@@ -95,7 +96,7 @@ class Supervisor {
     for (int restarts = 0;; ++restarts) {
       oom_kills_at_start_ = kernel_oom_kills();
       restarts_ = restarts;
-      start_ranks(config_path, resume_from, restarts);
+      start_ranks(config_path_, resume_from, restarts);
       node_status("running");
       Ending end = watch();
       const bool may_restart = end.status == RunStatus::Failed && end.restartable && restarts < r_.run.max_restarts && o_.single_rank < 0;
@@ -378,6 +379,15 @@ class Supervisor {
   void on_report(RankProcess& p, const BeatReport& r) { p.step = r.step; }
 
   void on_report(RankProcess& p, const StepReport& r) {
+    if (o_.config_pending && !config_recorded_) {  // training runs on the resume's overrides: they are the run's now
+      config_recorded_ = true;
+      for (const auto& [from, to] : {std::pair<const char*, const char*>{"config.resume.toml", "config.toml"}, {"plan.resume.json", "plan.json"}})
+        if (::rename(path_join(o_.run_dir, from).c_str(), path_join(o_.run_dir, to).c_str()) != 0)
+          fail_at(__FILE__, __LINE__, std::string("rename ") + from + " to " + to + " in " + o_.run_dir + ": " + std::strerror(errno));
+      sync_directory(o_.run_dir);
+      config_path_ = absolute(path_join(o_.run_dir, "config.toml"));  // (what a restart starts from)
+      if (o_.on_started) o_.on_started();
+    }
     record_metrics(p, r.step, r.metrics);
     show_progress(r.step, r.total, metrics_json(r.metrics));
   }
@@ -534,6 +544,8 @@ class Supervisor {
   std::vector<RankProcess> ranks_;
   double started_ = 0;
   int64_t first_step_ = 1;
+  bool config_recorded_ = false;  // LaunchOptions::config_pending: the resume's config made the run's
+  std::string config_path_;       // what the ranks load
   std::unique_ptr<TensorBoardWriter> tensorboard_;  // logging.tensorboard: RUN_DIR/tensorboard/
   bool progress_open_ = false;
   std::string stopped_early_;  // why, when a rank stopped before the last step
@@ -643,11 +655,12 @@ RunStatus launch_run(const LoadedRecipe& loaded, const Plan& plan, Store& store,
   try {
     check_host_memory_available(plan);
     make_directories(options.run_dir);
-    const std::string config_path = absolute(path_join(options.run_dir, "config.toml"));
+    const std::string pending = options.config_pending ? ".resume" : "";
+    const std::string config_path = absolute(path_join(options.run_dir, "config" + pending + ".toml"));
     write_file_atomic(config_path, rank_config_toml(loaded, plan));
-    write_file_atomic(path_join(options.run_dir, "plan.json"), plan_to_json(plan));
+    write_file_atomic(path_join(options.run_dir, "plan" + pending + ".json"), plan_to_json(plan));
     if (options.owns_run) {
-      store.set_status(run_id, RunStatus::Running);
+      if (!options.run_claimed) store.set_status(run_id, RunStatus::Running);
       store.run_heartbeat(run_id, read_host_facts().hostname, ::getpid());
     }
     if (options.reports_node) report_node(store, run_id, options, "starting", 0);

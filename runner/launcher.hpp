@@ -7,6 +7,7 @@
 #include "engine/recipe/load.hpp"
 #include "storage/store.hpp"
 
+#include <functional>
 #include <string>
 
 namespace dsrun {
@@ -23,6 +24,13 @@ struct LaunchOptions {
   std::string resume_from;        // a checkpoint directory the ranks start from ("": step 0)
   std::string checkpoint_root;    // "": checkpoint_root_of(recipe, run_dir, run_id)
   bool accept_data_change = false;  // dsrun resume --force: the ranks train on data changed since the checkpoint
+  // dsrun resume --set: the overrides become the run's recorded config only once training has
+  // started from them (its first step), so that a resume refused by the ranks leaves the run as
+  // it was. The ranks read config.resume.toml until then; at the first step it replaces
+  // config.toml (and plan.resume.json plan.json) and on_started records the plan in the store.
+  bool config_pending = false;
+  bool run_claimed = false;  // the caller already made the run `running` (Store::claim_run)
+  std::function<void()> on_started;
   // Several nodes record one run: the launcher that owns it (node 0, or rank 0's worker) sets its
   // status and heartbeat; every node's reporter (its launcher, or its local rank 0's worker)
   // keeps its own row in run_nodes.

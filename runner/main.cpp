@@ -7,6 +7,7 @@
 #include "runner/probe.hpp"
 #include "runner/report.hpp"
 #include "runner/sweep.hpp"
+#include "storage/database.hpp"
 
 #include <CLI/CLI.hpp>
 #include <spdlog/sinks/stdout_color_sinks.h>
@@ -234,6 +235,9 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? dsrun::kExitOk : dsrun::kExitError;  // --help is success; any usage error is 1
   }
+  if (app.get_option("--db")->count() > 0 && dsrun::location_has_password(db))
+    spdlog::warn("the password in --db shows in `ps` to every user of this machine while dsrun runs: set DSRUN_DB instead, or keep the password out of the "
+                 "location (libpq's ~/.pgpass or a service file)");
 
   try {
     if (*run) return dsrun::command_run(recipe_args, flags, db);

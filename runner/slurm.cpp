@@ -1,8 +1,12 @@
 #include "runner/slurm.hpp"
 
 #include "engine/common/error.hpp"
+#include "engine/common/files.hpp"
 #include "engine/common/text.hpp"
 #include "runner/launcher.hpp"
+#include "storage/database.hpp"
+
+#include <sys/stat.h>
 
 #include <fcntl.h>
 #include <poll.h>
@@ -89,7 +93,7 @@ bool is_slurm_job_id(const std::string& id) {
   return id.find_first_not_of("0123456789_") == std::string::npos;
 }
 
-SlurmJobSpec slurm_job_from_plan(const Recipe& r, const Plan& plan, const std::string& name, const std::string& db_path) {
+SlurmJobSpec slurm_job_from_plan(const Recipe& r, const Plan& plan, const std::string& name, const std::string& db_path, const std::string& job_dir) {
   SlurmJobSpec job;
   job.name = name;
   job.nodes = plan.nodes;
@@ -98,7 +102,16 @@ SlurmJobSpec slurm_job_from_plan(const Recipe& r, const Plan& plan, const std::s
   job.time_limit_minutes = r.run.time_limit_minutes;
   job.options = r.slurm;
   // Every node reaches the store the same way: a server URL, or a SQLite file on the shared file system.
-  job.env = {{"DSRUN_DB", is_postgres_location(db_path) ? db_path : absolute(db_path)}, {"DSRUN_RUNS_DIR", absolute(runs_directory(db_path))}};
+  if (location_has_password(db_path)) {
+    make_directories(job_dir);
+    if (::chmod(job_dir.c_str(), 0700) != 0) fail_at(__FILE__, __LINE__, "chmod 0700 " + job_dir + ": " + std::strerror(errno));
+    const std::string file = path_join(job_dir, "store_location");
+    write_file_atomic(file, db_path + "\n", 0600);
+    job.env.push_back({"DSRUN_DB_FILE", file});
+  } else {
+    job.env.push_back({"DSRUN_DB", is_postgres_location(db_path) ? db_path : absolute(db_path)});
+  }
+  job.env.push_back({"DSRUN_RUNS_DIR", absolute(runs_directory(db_path))});
   return job;
 }
 
@@ -110,7 +123,21 @@ std::string shell_quote(const std::string& s) {
 
 std::string sbatch_script(const SlurmJobSpec& job) {
   std::string s = "#!/bin/bash\n# Written by dsrun from the run's plan; `sbatch` reads the #SBATCH lines.\n";
-  auto directive = [&](const std::string& option) { s += "#SBATCH " + option + "\n"; };
+  auto directive = [&](const std::string& option) {
+    // "--name=value": sbatch reads a #SBATCH line's words as a shell would its quotes; the recipe
+    // refuses control characters, and this refuses any that come some other way.
+    for (unsigned char ch : option)
+      if (ch < 0x20 || ch == 0x7f) throw Error("a job script's #SBATCH line would contain a control character: " + option);
+    const size_t eq = option.find('=');
+    const bool spaced = option.find_first_of(" \t\"\\'") != std::string::npos;
+    if (!spaced || eq == std::string::npos) {
+      s += "#SBATCH " + option + "\n";
+      return;
+    }
+    std::string quoted = "\"";
+    for (char ch : option.substr(eq + 1)) quoted += (ch == '"' || ch == '\\') ? std::string("\\") + ch : std::string(1, ch);
+    s += "#SBATCH " + option.substr(0, eq + 1) + quoted + "\"\n";
+  };
   directive("--job-name=" + job.name);
   directive("--nodes=" + std::to_string(job.nodes));
   directive("--ntasks-per-node=" + std::to_string(job.tasks_per_node));

@@ -28,12 +28,16 @@ struct SlurmJobSpec {
   std::string task_command;        // each task's command line, already quoted
 };
 
-// The sbatch script: #SBATCH lines, the rendezvous (the job's first node, a port from the job id),
-// then `srun` of the task command.
+// The sbatch script: #SBATCH lines (a value with spaces in double quotes, as sbatch reads them; a
+// control character is refused: it would end the line and start shell), the rendezvous (the job's
+// first node, a port from the job id), then `srun` of the task command.
 std::string sbatch_script(const SlurmJobSpec& job);
 // A job of the plan's shape (nodes, tasks and GPUs per node), the recipe's time limit and [slurm]
-// options, and the store every task reports into (DSRUN_DB, DSRUN_RUNS_DIR).
-SlurmJobSpec slurm_job_from_plan(const Recipe& recipe, const Plan& plan, const std::string& name, const std::string& db_path);
+// options, and the store every task reports into (DSRUN_DB, DSRUN_RUNS_DIR). A store location with
+// a password never goes into the script (Slurm keeps a copy of it): it is written to
+// `job_dir`/store_location (0600, the directory made 0700) and the script names that file
+// (DSRUN_DB_FILE). Better still, keep the password out of the URL: libpq's ~/.pgpass or a service file.
+SlurmJobSpec slurm_job_from_plan(const Recipe& recipe, const Plan& plan, const std::string& name, const std::string& db_path, const std::string& job_dir);
 // Slurm's job ids are numbers ("123"), array tasks "123_4"; anything else (a rendezvous key) is not Slurm's.
 bool is_slurm_job_id(const std::string& id);
 std::string shell_quote(const std::string& s);

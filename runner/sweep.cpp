@@ -465,18 +465,18 @@ int submit_sweep_to_slurm(const SweepSpec& spec, Store& store, const SweepRecord
   const LoadedRecipe base = load_recipe_file(sweep.recipe_path, options);
   const Plan plan = make_plan(base.recipe, read_host_facts());
   // One task per array element, on one node: its launcher starts the trial's ranks there.
-  SlurmJobSpec job = slurm_job_from_plan(base.recipe, plan, "dsrun-sweep-" + sweep.name, db_path);
+  const std::string dir = absolute(path_join(runs_directory(db_path), "sweeps/" + sweep.id));
+  SlurmJobSpec job = slurm_job_from_plan(base.recipe, plan, "dsrun-sweep-" + sweep.name, db_path, dir);
   job.nodes = 1;
   job.tasks_per_node = 1;
   job.cpus_per_task = job.gpus_per_node > 0 ? 0 : plan.ranks_per_node;
   job.array = "0-" + std::to_string(trial_budget(spec) - 1) + "%" + std::to_string(spec.concurrency);
-  const std::string dir = absolute(path_join(runs_directory(db_path), "sweeps/" + sweep.id));
   make_directories(dir);
   job.output = path_join(dir, "task-%a.out");
   job.requeue = false;  // a killed task's trial is taken up by the next task instead
   job.task_command = shell_quote(executable_path()) + " sweep --slurm-task " + sweep.id;
   const std::string script = path_join(dir, "job.sh");
-  write_file_atomic(script, sbatch_script(job));
+  write_file_atomic(script, sbatch_script(job), 0700);  // the submitter's alone
   std::string job_id;
   try {
     job_id = submit_job(script);

@@ -2,6 +2,8 @@
 // the error for a schema newer than this dsrun.
 #include "storage/database.hpp"
 
+#include <cstring>
+
 #include "engine/common/error.hpp"
 
 #include <cstdio>
@@ -47,7 +49,14 @@ double SqlRow::real(size_t col) const {
 }
 
 bool is_postgres_location(const std::string& location) {
-  return location.rfind("postgresql://", 0) == 0 || location.rfind("postgres://", 0) == 0;
+  if (location.rfind("postgresql://", 0) == 0 || location.rfind("postgres://", 0) == 0) return true;
+  // libpq's keyword/value form ("host=db dbname=runs user=me"): its first word is a libpq keyword.
+  static const char* const keywords[] = {"host=", "hostaddr=", "port=", "dbname=", "user=", "password=", "passfile=", "service=", "sslmode=", "connect_timeout="};
+  const size_t start = location.find_first_not_of(" \t");
+  if (start == std::string::npos) return false;
+  for (const char* k : keywords)
+    if (location.compare(start, std::strlen(k), k) == 0) return true;
+  return false;
 }
 
 std::unique_ptr<Database> open_database(const std::string& location) {

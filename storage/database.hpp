@@ -70,8 +70,12 @@ bool is_postgres_location(const std::string& location);
 std::unique_ptr<Database> open_database(const std::string& location);
 std::unique_ptr<Database> open_sqlite_database(const std::string& path);
 std::unique_ptr<Database> open_postgres_database(const std::string& url);
-// The URL with any password replaced by ***, for messages and the store's recorded location.
+// The URL (or libpq keyword/value string) with any password replaced by ***, for messages and
+// the store's recorded location: the user:password@ of a URL, password= in its query or in the
+// keyword/value form.
 std::string redact_location(const std::string& location);
+// Whether the location carries a password (what must not go into a job script or a process list).
+bool location_has_password(const std::string& location);
 // The error for a schema newer than this dsrun knows.
 [[noreturn]] void throw_newer_schema(const std::string& location, int found, int known);
 

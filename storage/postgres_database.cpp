@@ -4,6 +4,7 @@
 #include "engine/common/error.hpp"
 #include "storage/database.hpp"
 
+
 #ifdef DSRUN_WITH_POSTGRES
 #include <libpq-fe.h>
 #include <unistd.h>
@@ -281,13 +282,43 @@ std::unique_ptr<Database> open_postgres_database(const std::string& url) {
 
 std::string redact_location(const std::string& location) {
   if (!is_postgres_location(location)) return location;
+  std::string out = location;
+  // A password value, wherever libpq takes one: "password=..." (and sslpassword=) in the
+  // keyword/value form, up to the next space or a quoted value's end, and in a URL's query.
+  auto mask_values = [&](char end) {
+    for (size_t at = out.find("password="); at != std::string::npos; at = out.find("password=", at + 1)) {
+      const size_t begin = at + 9;
+      size_t stop = begin;
+      if (stop < out.size() && out[stop] == '\'') {
+        for (++stop; stop < out.size() && out[stop] != '\''; ++stop)
+          if (out[stop] == '\\') ++stop;
+        if (stop < out.size()) ++stop;
+      } else {
+        while (stop < out.size() && out[stop] != end && out[stop] != ' ' && out[stop] != '&') ++stop;
+      }
+      out.replace(begin, stop - begin, "***");
+    }
+  };
+  const size_t scheme = out.find("://");
+  if (scheme == std::string::npos) {
+    mask_values(' ');
+    return out;
+  }
   // scheme://user:password@host... -> scheme://user:***@host...
-  const size_t scheme_end = location.find("://") + 3;
-  const size_t at = location.find('@', scheme_end);
-  if (at == std::string::npos) return location;
-  const size_t colon = location.find(':', scheme_end);
-  if (colon == std::string::npos || colon > at) return location;
-  return location.substr(0, colon + 1) + "***" + location.substr(at);
+  const size_t scheme_end = scheme + 3;
+  const size_t at = out.find('@', scheme_end);
+  const size_t colon = out.find(':', scheme_end);
+  if (at != std::string::npos && colon != std::string::npos && colon < at) out = out.substr(0, colon + 1) + "***" + out.substr(at);
+  const size_t query = out.find('?');
+  if (query != std::string::npos) {
+    std::string head = out.substr(0, query), tail = out.substr(query);
+    out = tail;
+    mask_values('&');
+    out = head + out;
+  }
+  return out;
 }
+
+bool location_has_password(const std::string& location) { return redact_location(location) != location; }
 
 }  // namespace dsrun

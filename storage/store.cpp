@@ -465,6 +465,16 @@ void Store::set_status(const std::string& run_id, RunStatus status, const std::s
   });
 }
 
+bool Store::claim_run(const std::string& run_id, RunStatus status, double heartbeat_at, const std::string& host, int64_t pid) {
+  // One statement: the database decides which of two concurrent claims matches the row.
+  const double now = unix_now();
+  const SqlRows claimed = db_->query(
+      "UPDATE runs SET status = 'running', error = NULL, ended_at = NULL, started_at = COALESCE(started_at, ?1), heartbeat_at = ?1, host = ?2, pid = ?3 "
+      "WHERE id = ?4 AND status = ?5 AND (?5 <> 'running' OR COALESCE(heartbeat_at, 0) = ?6) RETURNING id",
+      {now, host, pid, run_id, std::string(to_string(status)), heartbeat_at});
+  return !claimed.empty();
+}
+
 void Store::add_metrics(const std::string& run_id, int64_t step, const std::vector<std::pair<std::string, double>>& values) {
   db_->transaction([&] {
     // A (run, key, step) row stays unique: a step recorded again after a resume overwrites, never duplicates.

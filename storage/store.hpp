@@ -130,6 +130,11 @@ class Store {
 
   std::string create_run(const NewRun& run);  // returns the new run's id
   void set_status(const std::string& run_id, RunStatus status, const std::string& error = "");
+  // A resume's compare-and-set: the run becomes `running` under this launcher (host, pid, a
+  // heartbeat now) only if it is still as the caller read it: `status`, and for a running run
+  // (resume --force of a vanished launcher) the same heartbeat. False: another dsrun took it
+  // first, and nothing was changed.
+  bool claim_run(const std::string& run_id, RunStatus status, double heartbeat_at, const std::string& host, int64_t pid);
   // A run recorded ahead of its plan (a Slurm sweep's claimed trial): the plan and config now.
   void complete_run(const std::string& run_id, const NewRun& run);
   void add_metrics(const std::string& run_id, int64_t step, const std::vector<std::pair<std::string, double>>& values);

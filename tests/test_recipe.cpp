@@ -607,3 +607,16 @@ TEST_CASE("run.time_limit reads Slurm's --time forms, and bad time limits and sb
   CHECK(contains(line.fix, "starting with --"));
   CHECK(only_error(load_text("[slurm]\npartiton = \"gpu\"\n")).key == "slurm.partiton");  // a typo is caught like any key's
 }
+
+TEST_CASE("a control character in the run's name or a [slurm] value is refused at its key: it would end a job script's line and start shell", "[recipe][slurm]") {
+  const std::string base = "base = [\"hardware/cpu\", \"models/deepseek-tiny\"]\n";
+  auto errors = errors_of(load_text(base, {"run.name=\"a\\ntouch X\""}));
+  REQUIRE(errors.size() == 1);
+  CHECK(errors[0].key == "run.name");
+  CHECK(contains(errors[0].message, "newline"));
+  errors = errors_of(load_text(base + "[slurm]\npartition = \"gpu\\tx\"\nsbatch = [\"--exclusive\\n\"]\n"));
+  REQUIRE(errors.size() == 2);
+  CHECK(errors[0].key == "slurm.partition");
+  CHECK(errors[1].key == "slurm.sbatch");
+  CHECK(errors_of(load_text(base, {"run.name=\"has space\""})).empty());
+}

@@ -5,6 +5,7 @@
 #include "engine/checkpoint/export.hpp"
 #include "engine/common/files.hpp"
 #include "engine/common/host.hpp"
+#include "engine/common/text.hpp"
 #include "engine/recipe/load.hpp"
 #include "storage/store.hpp"
 #include "test_util.hpp"
@@ -737,4 +738,50 @@ TEST_CASE("balance by bias: a router forced onto one expert evens out, every ran
   REQUIRE(from_export.code == 0);
   // With the bias the routing starts even, not at 4.
   CHECK(dsrun::test::recorded_metric(dir, from_export.id, "expert_load_max").front() < 2.0);
+}
+
+TEST_CASE("resume --force refuses a run still training; a resume the ranks refuse keeps the run's config; of two concurrent resumes one trains and the other changes nothing", "[resume][store]") {
+  TempDir dir;
+  const std::string run_cmd = "'" DSRUN_BINARY "' run tests/recipes/tiny_train.toml --db '" + dir.file("runs.db") + "' " + layout(1, 2) +
+                              " --set run.steps=100000 --set checkpoint.every=2 --set schedule.name=\\\"constant\\\"";
+  // Training in the background until a checkpoint exists.
+  auto started = dsrun::test::run_command("cd '" + dsrun::test::source_dir() + "' && (" + run_cmd + " > '" + dir.file("out.txt") + "' 2>&1 & echo $! > '" +
+                                          dir.file("pid") + "'); for i in $(seq 300); do ls '" + dir.path() + "'/*/checkpoints/step_*/COMPLETE >/dev/null 2>&1 && break; sleep 0.1; done");
+  INFO(started.text);
+  dsrun::Store store(dir.file("runs.db"));
+  auto runs = store.list_runs({});
+  REQUIRE(runs.size() == 1);
+  const std::string id = runs[0].id;
+  // 1. Its launcher is alive: --force is refused, naming it, and the run trains on.
+  auto refused = dsrun_command(dir, "resume " + id + " --force");
+  CHECK(refused.code == 1);
+  CHECK(contains(refused.text, "still training"));
+  CHECK(contains(refused.text, "process " + dsrun::trim(dsrun::read_file(dir.file("pid")))));
+  CHECK(store.get_run(id).status == dsrun::RunStatus::Running);
+  // Stopped as `kill` would (Ctrl-C alike): the run ends killed.
+  dsrun::test::run_command("kill -TERM $(cat '" + dir.file("pid") + "'); while kill -0 $(cat '" + dir.file("pid") + "') 2>/dev/null; do sleep 0.1; done");
+  REQUIRE(store.get_run(id).status == dsrun::RunStatus::Killed);
+  const std::string config_before = dsrun::read_file(dir.file(id + "/config.toml"));
+  const std::string recorded_before = store.get_run(id).config_toml;
+  // 2. The ranks refuse the checkpoint (another model): the run fails, its config stays as it was.
+  auto mismatch = dsrun_command(dir, "resume " + id + " --set model.layers=3");
+  CHECK(mismatch.code == 1);
+  CHECK(dsrun::read_file(dir.file(id + "/config.toml")) == config_before);
+  CHECK(store.get_run(id).config_toml == recorded_before);
+  // 3. Two resumes at once: one takes the run and finishes it, the other is refused.
+  auto newest = dsrun::find_checkpoint(dir.file(id + "/checkpoints"), -1, false);
+  REQUIRE(newest.has_value());
+  const std::string resume = "'" DSRUN_BINARY "' resume " + id + " --db '" + dir.file("runs.db") + "' --set run.steps=" + std::to_string(newest->step + 2);
+  auto both = dsrun::test::run_command("cd '" + dsrun::test::source_dir() + "' && (" + resume + " > '" + dir.file("a.txt") + "' 2>&1; echo $? > '" + dir.file("a.code") + "') & (" +
+                                       resume + " > '" + dir.file("b.txt") + "' 2>&1; echo $? > '" + dir.file("b.code") + "') & wait");
+  const std::string a = dsrun::read_file(dir.file("a.txt")), b = dsrun::read_file(dir.file("b.txt"));
+  INFO(a << "\n----\n" << b);
+  const int code_a = std::stoi(dsrun::read_file(dir.file("a.code"))), code_b = std::stoi(dsrun::read_file(dir.file("b.code")));
+  CHECK(code_a + code_b == 1);  // one 0, one 1
+  const std::string& loser = code_a == 0 ? b : a;
+  CHECK((contains(loser, "took it first") || contains(loser, "marked running")));
+  CHECK(store.get_run(id).status == dsrun::RunStatus::Finished);
+  // The changed model was never recorded; the winner's step count was, once it trained on it.
+  CHECK(contains(store.get_run(id).config_toml, "\nsteps = " + std::to_string(newest->step + 2)));
+  CHECK(store.get_run(id).config_toml.find("\nlayers = 3") == std::string::npos);
 }

@@ -7,6 +7,7 @@
 #include "test_util.hpp"
 
 #include <catch2/catch.hpp>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <functional>
@@ -103,11 +104,25 @@ const std::string kLong = " recipes/quickstart.toml --set run.steps=100000 --set
 
 }  // namespace
 
-TEST_CASE("dsrun run --slurm: the quickstart's 2 tasks finish as one run with its metrics, checkpoints and job id", "[slurm]") {
+// The same PostgreSQL store with a password in its URL (the test server trusts its users, so any
+// password connects); a SQLite store as it is.
+std::string with_password(const std::string& db) {
+  if (!dsrun::is_postgres_location(db)) return db;
+  const size_t at = db.find('@');
+  return at != std::string::npos ? db.substr(0, at) + ":s3cret" + db.substr(at) : db + "?password=s3cret";
+}
+
+mode_t mode_of(const std::string& path) {
+  struct stat st {};
+  REQUIRE(::stat(path.c_str(), &st) == 0);
+  return st.st_mode & 0777;
+}
+
+TEST_CASE("dsrun run --slurm: the quickstart's 2 tasks finish as one run with its metrics, checkpoints and job id; its script holds no password and quotes a name with spaces", "[slurm]") {
   if (skip_without_slurm()) return;
   TempDir dir;
   const std::string db = shared_store(dir);
-  CommandOutput out = dsrun_cli(db, "run --slurm" + kQuick);
+  CommandOutput out = dsrun_cli(with_password(db), "run --slurm" + kQuick + " --set 'run.name=\"has space\"'");
   INFO(out.text);
   REQUIRE(out.code == 0);
   CHECK(contains(out.text, "submitted to Slurm as job "));
@@ -130,6 +145,17 @@ TEST_CASE("dsrun run --slurm: the quickstart's 2 tasks finish as one run with it
   const std::string script = dsrun::read_file(dsrun::path_join(runs_dir_for(db), id + "/job.sh"));
   CHECK(contains(script, "#SBATCH --ntasks-per-node=2"));
   CHECK(contains(script, "#SBATCH --requeue"));
+  CHECK(contains(script, "#SBATCH --job-name=\"dsrun-has space\""));
+  // The password never enters the script (Slurm keeps a copy) nor a file others can read.
+  const std::string run_dir = dsrun::path_join(runs_dir_for(db), id);
+  CHECK_FALSE(contains(script, "s3cret"));
+  CHECK(mode_of(dsrun::path_join(run_dir, "job.sh")) == 0700);
+  if (dsrun::is_postgres_location(db)) {
+    CHECK(contains(script, "DSRUN_DB_FILE="));
+    CHECK(mode_of(dsrun::path_join(run_dir, "store_location")) == 0600);
+    CHECK(mode_of(run_dir) == 0700);
+    CHECK(contains(dsrun::read_file(dsrun::path_join(run_dir, "store_location")), "s3cret"));
+  }
 }
 
 TEST_CASE("dsrun cancel of a Slurm run mid-run records it killed, and a requeued job resumes from its checkpoint under the same run", "[slurm]") {

@@ -266,6 +266,27 @@ TEST_CASE("store errors name the store file, never dsrun's source", "[store]") {
   CHECK(test::contains(e, "INSERT"));
 }
 
+TEST_CASE("a store password is masked wherever libpq takes one: the URL's user part, its query, the keyword/value form", "[store]") {
+  CHECK(redact_location("postgresql://dsrun:secret@db:5432/runs") == "postgresql://dsrun:***@db:5432/runs");
+  CHECK(redact_location("postgresql://dsrun@db/runs?password=secret&sslmode=require") == "postgresql://dsrun@db/runs?password=***&sslmode=require");
+  CHECK(redact_location("postgres://db/runs?sslmode=require&password=secret") == "postgres://db/runs?sslmode=require&password=***");
+  CHECK(redact_location("host=db dbname=runs password=secret user=me") == "host=db dbname=runs password=*** user=me");
+  CHECK(redact_location("host=db password='se cr\\'et' dbname=runs") == "host=db password=*** dbname=runs");
+  CHECK(redact_location("runs/dsrun.db") == "runs/dsrun.db");
+  CHECK(location_has_password("dbname=runs password=x"));
+  CHECK_FALSE(location_has_password("postgresql://dsrun@db/runs"));
+  // libpq's keyword/value form is a server, not a SQLite file of that name.
+  CHECK(is_postgres_location("host=127.0.0.1 port=1 dbname=runs"));
+  CHECK(is_postgres_location("  dbname=runs"));
+  CHECK_FALSE(is_postgres_location("runs/host=1.db"));
+  const std::string e = test::error_of([] { Store("host=127.0.0.1 port=1 dbname=runs password=secret connect_timeout=2"); });
+  CHECK(test::contains(e, "cannot connect to the run store"));
+  CHECK_FALSE(test::contains(e, "secret"));
+  const std::string q = test::error_of([] { Store("postgresql://dsrun@127.0.0.1:1/runs?password=secret"); });
+  CHECK(test::contains(q, "password=***"));
+  CHECK_FALSE(test::contains(q, "secret"));
+}
+
 TEST_CASE("PostgreSQL store errors: no server, wrong user, no database, a broken schema, the password never shown", "[store][postgresql]") {
   test::PostgresServer& pg = test::PostgresServer::get();
   // No server needed: nothing listens on port 1.

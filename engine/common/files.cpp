@@ -134,9 +134,10 @@ bool is_directory(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
 }
 
-void write_file_atomic(const std::string& path, const std::string& content) {
+void write_file_atomic(const std::string& path, const std::string& content, mode_t mode) {
   std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  ::unlink(tmp.c_str());  // (a leftover of a killed writer would keep its mode)
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, mode);
   if (fd < 0) throw file_error("cannot create file", tmp);
   size_t done = 0;
   while (done < content.size()) {

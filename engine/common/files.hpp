@@ -2,6 +2,8 @@
 // shipped templates live. Everything that writes a file the user keeps goes through write_file_atomic.
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -20,8 +22,9 @@ std::vector<std::string> data_directory_files(const std::string& directory, cons
 std::string regular_file_target(const std::string& path, const std::string& key);
 bool file_exists(const std::string& path);
 bool is_directory(const std::string& path);
-// Writes `content` to `path` so that a reader sees either the old file or the new one, never half.
-void write_file_atomic(const std::string& path, const std::string& content);
+// Writes `content` to `path` so that a reader sees either the old file or the new one, never half;
+// `mode` 0600 for a file that holds a secret (it never exists with wider permissions).
+void write_file_atomic(const std::string& path, const std::string& content, mode_t mode = 0644);
 // Creates a directory and its parents (mkdir -p).
 void make_directories(const std::string& path);
 // fsync a directory, so that renames and new entries in it survive a power cut.

@@ -5,6 +5,7 @@
 #include "engine/recipe/load.hpp"
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <functional>
 
@@ -104,8 +105,26 @@ void build_run(Builder& c, Recipe& r) {
   r.slurm.constraint = c.s("slurm.constraint");
   r.slurm.sbatch = c.strings("slurm.sbatch");
   for (const std::string& line : r.slurm.sbatch)
-    if (line.rfind("--", 0) != 0 || line.find('\n') != std::string::npos)
+    if (line.rfind("--", 0) != 0)
       c.error("slurm.sbatch", "\"" + line + "\" is not one sbatch option", "write each option as sbatch takes it, starting with --, e.g. \"--exclusive\"");
+  // These go into a job script's #SBATCH lines (the run's name as the job's): a newline there
+  // would start a line of shell on the compute node.
+  auto no_control_characters = [&](const char* key, const std::string& value) {
+    for (unsigned char ch : value)
+      if (ch < 0x20 || ch == 0x7f) {
+        char code[8];
+        std::snprintf(code, sizeof code, "0x%02x", ch);
+        c.error(key, std::string("contains the control character ") + code + (ch == '\n' ? " (a newline)" : ""),
+                "use printable characters only: the value goes into a Slurm job script");
+        return;
+      }
+  };
+  no_control_characters("run.name", r.run.name);
+  no_control_characters("slurm.partition", r.slurm.partition);
+  no_control_characters("slurm.account", r.slurm.account);
+  no_control_characters("slurm.qos", r.slurm.qos);
+  no_control_characters("slurm.constraint", r.slurm.constraint);
+  for (const std::string& line : r.slurm.sbatch) no_control_characters("slurm.sbatch", line);
   if (r.run.startup_timeout_s > 0 && r.run.startup_timeout_s < r.run.step_timeout_s && c.written("run.startup_timeout_s"))
     c.warning("run.startup_timeout_s", "start-up timeout is shorter than the step timeout",
               "start-up includes rendezvous and model build; give it at least run.step_timeout_s");
