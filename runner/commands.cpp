@@ -537,8 +537,8 @@ int command_resume(const ResumeArgs& args, const RunFlags& flags, const std::str
     c.hint = "to train further, start a child run: dsrun rollback " + r.id + " --to-step N --set run.steps=MORE";
     throw Error("run already finished", c);
   }
-  if (r.status != RunStatus::Failed && r.status != RunStatus::Killed && r.status != RunStatus::Running) {
-    c.hint = "only failed, killed or stopped runs resume";
+  if (r.status != RunStatus::Failed && r.status != RunStatus::Killed && r.status != RunStatus::Running && r.status != RunStatus::Lost) {
+    c.hint = "only failed, killed, lost or stopped runs resume";
     throw Error(std::string("run is ") + to_string(r.status), c);
   }
   HostFacts host = read_host_facts();
@@ -608,14 +608,14 @@ int command_resume(const ResumeArgs& args, const RunFlags& flags, const std::str
   return launch_and_report(loaded, plan, store, r.id, flags, db_path, found->path, !data_changes.empty(), std::move(record_overrides), /*run_claimed=*/true);
 }
 
-int command_rollback(const std::string& run, int64_t to_step, const std::vector<std::string>& sets, bool force, const RunFlags& flags, const std::string& db_path) {
+int command_rollback(const std::string& run, int64_t to_step, const std::vector<std::string>& sets, bool force, bool fallback, const RunFlags& flags, const std::string& db_path) {
   Store store = open_existing_store(db_path);
   RunRecord parent = store.get_run(store.resolve_run(run));
   HostFacts host = read_host_facts();
   LoadedRecipe parent_config = load_run_config(db_path, parent, {}, host);
   const std::string root = checkpoint_root_of(parent_config.recipe, path_join(runs_directory(db_path), parent.id), parent.id);
   std::vector<std::string> skipped;
-  auto found = find_checkpoint(root, to_step, /*fallback=*/true, &skipped);
+  auto found = find_checkpoint(root, to_step, fallback, &skipped);
   for (const auto& why : skipped) std::cerr << "dsrun: warning: skipped: " << why << "\n";
   if (!found) {
     ErrorContext c;
@@ -775,6 +775,7 @@ int command_worker(const std::string& config_path, const std::string& db_path, b
 int command_show(const std::string& db_path, const std::string& query, bool json) {
   Store store = open_existing_store(db_path);
   refresh_slurm_runs(store);
+  mark_lost_runs(store);
   RunRecord r = store.get_run(store.resolve_run(query));
   if (!json) {
     std::cout << render_run(store, r);

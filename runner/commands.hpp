@@ -60,7 +60,8 @@ struct ResumeArgs {
 int command_resume(const ResumeArgs& args, const RunFlags& flags, const std::string& db_path);
 // `dsrun rollback RUN --to-step N`: a new run (child of RUN) from RUN's checkpoint at or before N.
 // force: start even if the data changed since the checkpoint (recorded).
-int command_rollback(const std::string& run, int64_t to_step, const std::vector<std::string>& sets, bool force, const RunFlags& flags, const std::string& db_path);
+// A checkpoint that fails verification is refused, as resume does, unless `fallback` (then the newest good one before it).
+int command_rollback(const std::string& run, int64_t to_step, const std::vector<std::string>& sets, bool force, bool fallback, const RunFlags& flags, const std::string& db_path);
 // `dsrun export RUN --to DIR`: consolidated safetensors + config.json from a checkpoint (-1: newest).
 int command_export(const std::string& run, int64_t step, const std::string& to, const std::string& dtype, const std::string& db_path);
 int command_show(const std::string& db_path, const std::string& run, bool json);

@@ -12,6 +12,7 @@
 
 #include <charconv>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <iostream>
 #include <iterator>
@@ -127,6 +128,9 @@ int command_tokenize(const TokenizeArgs& args) {
 }
 
 int command_prepare(const PrepareOptions& options) {
+  // Past a file size limit (ulimit -f) a write fails with EFBIG, which prepare reports naming the
+  // file, instead of the kernel's SIGXFSZ killing the process silently.
+  std::signal(SIGXFSZ, SIG_IGN);
   const bool tty = ::isatty(STDERR_FILENO) != 0;
   const auto started = std::chrono::steady_clock::now();
   auto last_print = started - std::chrono::seconds(10);

@@ -191,6 +191,7 @@ int command_history(const HistoryArgs& a, const std::string& db_path) {
   }
   Store store(db_path);
   refresh_slurm_runs(store);
+  mark_lost_runs(store);
   RunQuery q;
   q.limit = a.limit;
   q.status = a.status;
@@ -267,9 +268,10 @@ int command_store_copy(const std::string& from, const std::string& to) {
   if (!is_postgres_location(to)) make_directories(parent_directory(to));
   Store target(to);
   const int64_t before = target.count_runs();
-  const int64_t added = copy_store(source, target);
-  std::cout << "copied " << added << " new run(s) of " << source.count_runs() << " from " << source.path() << " to " << target.path() << " ("
-            << before << " there before, " << target.count_runs() << " now)\n";
+  const StoreCopy added = copy_store(source, target);
+  std::cout << "copied " << added.runs << " new run(s) of " << source.count_runs() << " from " << source.path() << " to " << target.path() << " ("
+            << before << " there before, " << target.count_runs() << " now); rows added: " << added.metrics << " metric(s), " << added.events << " event(s), "
+            << added.checkpoints << " checkpoint(s), " << added.nodes << " node report(s), " << added.sweeps << " sweep(s)\n";
   return 0;
 }
 

@@ -58,6 +58,12 @@ char process_state(int64_t pid) {
   return paren == std::string::npos || paren + 2 >= stat.size() ? 0 : stat[paren + 2];
 }
 
+// How long a failure that only echoes a peer's (lost_peer) waits for the cause to report.
+constexpr double kCauseWaitSeconds = 3;
+
+struct RankProcess;
+bool lost_peer(const RankProcess& p);
+
 struct RankProcess {
   int rank = 0;
   pid_t pid = -1;
@@ -71,6 +77,16 @@ struct RankProcess {
   std::string error;        // the rank's own error message, if it sent one
   std::string log_path;
 };
+
+// A rank whose own error only says that a peer went away (Gloo's and NCCL's words for it): the
+// cause is another rank's.
+bool lost_peer(const RankProcess& p) {
+  static const char* const kEchoes[] = {"Connection reset by peer", "Connection closed by peer", "Broken pipe", "remote process exited", "Socket closed",
+                                        "NCCL communicator was aborted", "ncclRemoteError"};
+  for (const char* echo : kEchoes)
+    if (p.error.find(echo) != std::string::npos) return true;
+  return false;
+}
 
 class Supervisor {
  public:
@@ -149,6 +165,7 @@ class Supervisor {
   }
 
   void start_ranks(const std::string& config_path, const std::string& resume_from, int restart) {
+    echo_seen_at_ = 0;
     ranks_.clear();
     stopped_early_.clear();
     // This node's ranks are first_rank + [first_local, end_local): all of them, or under an outside
@@ -226,6 +243,28 @@ class Supervisor {
     node_status_ = status;
   }
 
+  // Several nodes: the other nodes whose launcher is gone (on this host, its process has exited;
+  // anywhere, no report for three heartbeats), each row marked lost; "" when none.
+  std::string gone_nodes() {
+    if (!o_.reports_node) return "";
+    std::vector<std::string> gone;
+    const double now = unix_now();
+    for (const NodeRecord& n : store_.nodes(run_id_)) {
+      if (n.node_rank == o_.node_rank || (n.status != "running" && n.status != "starting")) continue;
+      std::string why;
+      if (n.host == hostname_ && n.pid > 0 && !process_alive(n.pid)) why = "its launcher, process " + std::to_string(n.pid) + " on this host, has exited";
+      else if (n.heartbeat_at > 0 && now - n.heartbeat_at > 3 * kHeartbeatSeconds) why = "no report from its launcher for " + format_seconds(now - n.heartbeat_at);
+      if (why.empty()) continue;
+      NodeReport lost = n;
+      lost.status = "lost";
+      lost.error = why;
+      store_.report_node(run_id_, lost);
+      gone.push_back("node " + std::to_string(n.node_rank) + " (" + n.host + ") is gone: " + why);
+      store_.add_event(run_id_, "lost", -1, gone.back());
+    }
+    return join(gone, "; ");
+  }
+
   // `dsrun watch` and `dsrun delete` on another terminal tell a dead launcher by this.
   void heartbeat() {
     const double now = now_seconds();
@@ -246,7 +285,10 @@ class Supervisor {
       for (auto& p : ranks_) drain(p);
       reap();
 
-      if (checkpoint_requested) {
+      // A rank installs its SIGUSR1 handler before it reports ready; until every rank has, the
+      // signal's default action would kill it. The request waits (it stays set) until then.
+      const bool all_ready = std::all_of(ranks_.begin(), ranks_.end(), [](const RankProcess& p) { return p.ready || !p.running; });
+      if (checkpoint_requested && all_ready) {
         checkpoint_requested = 0;
         for (auto& p : ranks_)
           if (p.running) ::kill(p.pid, SIGUSR1);
@@ -258,11 +300,26 @@ class Supervisor {
         const double grace = r_.checkpoint.at_end ? std::min(120.0, std::max(5.0, r_.run.step_timeout_s)) : 5.0;
         return stop_all({RunStatus::Killed, "interrupted (Ctrl-C or SIGTERM)", -1, false}, grace);
       }
+      // The cause, not its echo: a rank that failed on its own (disk full, a model mismatch)
+      // before one that only lost its peer, whichever the kernel reported first. A peer's echo
+      // alone waits a moment for the cause to report.
+      const RankProcess* failed = nullptr;
       for (auto& p : ranks_)
-        if (!p.running && p.exit_code != 0) {
+        if (!p.running && p.exit_code != 0 && (!failed || (lost_peer(*failed) && !lost_peer(p)))) failed = &p;
+      if (failed && lost_peer(*failed)) {
+        const bool others_running = std::any_of(ranks_.begin(), ranks_.end(), [](const RankProcess& p) { return p.running; });
+        if (echo_seen_at_ == 0) echo_seen_at_ = now_seconds();
+        if (others_running && now_seconds() - echo_seen_at_ < kCauseWaitSeconds) continue;
+      }
+      if (failed) {
+        const RankProcess& p = *failed;
+        {
           std::string why = "rank " + std::to_string(p.rank) + " " +
                             (p.exit_code > 128 ? "was killed by signal " + std::to_string(p.exit_code - 128) : "exited with code " + std::to_string(p.exit_code)) +
                             (p.error.empty() ? "" : ": " + p.error);
+          // Several nodes: a node whose launcher died is the cause of its peers' lost connections.
+          const std::string gone = gone_nodes();
+          if (!gone.empty()) why = gone + "; then " + why;
           // Out of memory only when the kernel says its killer ran since the ranks started
           // (/proc/vmstat's oom_kill); a SIGKILL from anyone else is not guessed at.
           if (p.exit_code == 128 + SIGKILL && p.error.empty() && kernel_oom_kills() > oom_kills_at_start_)
@@ -270,6 +327,7 @@ class Supervisor {
                    " per node: check hardware.host_memory_gib and parallel.offload against this machine)";
           return stop_all({RunStatus::Failed, why, p.rank, p.error.empty()}, 5.0);
         }
+      }
       bool all_done = true;
       for (auto& p : ranks_) all_done &= !p.running;
       if (all_done && !stopped_early_.empty()) {
@@ -544,6 +602,7 @@ class Supervisor {
   std::vector<RankProcess> ranks_;
   double started_ = 0;
   int64_t first_step_ = 1;
+  double echo_seen_at_ = 0;       // when a rank that only lost its peer was first seen failed
   bool config_recorded_ = false;  // LaunchOptions::config_pending: the resume's config made the run's
   std::string config_path_;       // what the ranks load
   std::unique_ptr<TensorBoardWriter> tensorboard_;  // logging.tensorboard: RUN_DIR/tensorboard/
@@ -729,6 +788,21 @@ std::string launcher_gone(const RunRecord& run, const std::string& this_host, do
   if (now - last_sign > kLauncherSilentSeconds)
     return "no heartbeat from its launcher" + (run.host.empty() ? std::string() : " on " + run.host) + " for " + format_seconds(now - last_sign);
   return "";
+}
+
+void mark_lost_runs(Store& store) {
+  RunQuery q;
+  q.status = "running";
+  q.limit = 1 << 20;
+  const std::string this_host = read_host_facts().hostname;
+  for (const RunRecord& r : store.query_runs(q)) {
+    if (!r.job_id.empty()) continue;  // Slurm's runs: refresh_slurm_runs asks Slurm
+    const std::string gone = launcher_gone(r, this_host, unix_now());
+    if (gone.empty()) continue;
+    const auto metrics = store.latest_metrics(r.id);
+    const std::string why = "lost: " + gone + (metrics.count("loss") ? "; its last step was " + std::to_string(metrics.at("loss").step) : "; before its first step");
+    if (store.set_status_if(r.id, RunStatus::Running, RunStatus::Lost, why)) store.add_event(r.id, "lost", -1, why);
+  }
 }
 
 void exec_rank_process(const std::string& config_path) {

@@ -90,6 +90,11 @@ constexpr double kLauncherSilentSeconds = 600;
 // kLauncherSilentSeconds (a killed -9 launcher or a rebooted machine never marks its run ended).
 std::string launcher_gone(const RunRecord& run, const std::string& this_host, double now);
 
+// Readers (history, show, watch) keep the record true: a run marked running without a Slurm job
+// whose launcher is gone (launcher_gone) is marked lost at its last step, naming why. Its launcher,
+// if it was only silent (a store that was away), takes it back at its next heartbeat.
+void mark_lost_runs(Store& store);
+
 // `dsrun worker CONFIG`: become a rank under an outside launcher (torchrun, Slurm, Kubernetes).
 [[noreturn]] void exec_rank_process(const std::string& config_path);
 

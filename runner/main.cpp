@@ -168,6 +168,8 @@ int main(int argc, char** argv) {
   rollback->add_option("--set", rollback_sets, "Override a key of the checkpoint's config (repeatable)");
   bool rollback_force = false;
   rollback->add_flag("--force", rollback_force, "Start even if the data changed since the checkpoint (recorded)");
+  bool rollback_fallback = false;
+  rollback->add_flag("--fallback", rollback_fallback, "Skip checkpoints that fail verification and use the newest good one before them (as resume --fallback)");
   add_launch_flags(rollback);
 
   std::string export_run, export_to, export_dtype = "fp32";
@@ -256,7 +258,7 @@ int main(int argc, char** argv) {
     if (*sweep) return dsrun::command_sweep(sweep_args, db);
     if (*show) return dsrun::command_show(db, run_id, json);
     if (*resume) return dsrun::command_resume(resume_args, flags, db);
-    if (*rollback) return dsrun::command_rollback(rollback_run, to_step, rollback_sets, rollback_force, flags, db);
+    if (*rollback) return dsrun::command_rollback(rollback_run, to_step, rollback_sets, rollback_force, rollback_fallback, flags, db);
     if (*exporter) return dsrun::command_export(export_run, export_step, export_to, export_dtype, db);
     if (*init) return dsrun::command_init(name, template_name, force);
     if (*templates) return dsrun::command_templates();

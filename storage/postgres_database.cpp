@@ -9,7 +9,9 @@
 #include <libpq-fe.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #endif
@@ -34,6 +36,16 @@ bool is_retryable(const std::string& sqlstate) { return sqlstate == "40001" || s
 struct RetryableConflict {
   std::string message;
 };
+
+// The connection dropped (a server restart, a network cut): query() and transaction() reconnect
+// and run the statement or the whole transaction again; escapes only as an Error, once the
+// server stays away past kReconnectSeconds.
+struct LostConnection {
+  std::string message, sqlstate, sql;
+};
+
+// How long a store write waits for its server to come back (a restart takes a second or two).
+constexpr double kReconnectSeconds = 120;
 
 // SQLite's ? and ?N become $N (a bare ? is one more than the highest number so far); quoted text
 // and identifiers are left alone.
@@ -107,30 +119,46 @@ class PostgresDatabase final : public Database {
       } catch (const RetryableConflict& conflict) {
         if (attempt >= kRetries) fail_conflict(conflict, kRetries);
         back_off(attempt);
+      } catch (const LostConnection& lost) {
+        reconnect(lost);
       }
     }
   }
 
   void execute_script(const std::string& sql) override {
-    Result r(PQexec(conn_.get(), sql.c_str()));
-    check(r.get(), sql);
+    if (depth_ > 0) return exec(sql);
+    while (true) {
+      try {
+        return exec(sql);
+      } catch (const LostConnection& lost) {
+        reconnect(lost);
+      }
+    }
   }
 
   void transaction(const std::function<void()>& body) override {
     if (depth_ > 0) return body();
     for (int attempt = 0;; ++attempt) {
-      execute_script("BEGIN ISOLATION LEVEL SERIALIZABLE");
+      try {
+        exec("BEGIN ISOLATION LEVEL SERIALIZABLE");
+      } catch (const LostConnection& lost) {
+        reconnect(lost);
+        continue;
+      }
       ++depth_;
       try {
         body();
+        exec("COMMIT");  // a conflict, or a lost connection (the body then runs again), may surface here too
         --depth_;
-        execute_script("COMMIT");  // a conflict may surface here too
         return;
       } catch (const RetryableConflict& conflict) {
         if (depth_ > 0) --depth_;
         Result(PQexec(conn_.get(), "ROLLBACK"));
         if (attempt >= kRetries) fail_conflict(conflict, kRetries);
         back_off(attempt);
+      } catch (const LostConnection& lost) {  // the server rolled it back: the whole body runs again
+        depth_ = 0;
+        reconnect(lost);
       } catch (...) {
         if (depth_ > 0) --depth_;
         Result(PQexec(conn_.get(), "ROLLBACK"));  // nothing to report: the error is already in flight
@@ -162,12 +190,16 @@ class PostgresDatabase final : public Database {
       for (int v = version; v < target; ++v) execute_script(scripts[static_cast<size_t>(v)]);
       execute_script("DELETE FROM dsrun_schema");
       query("INSERT INTO dsrun_schema(version) VALUES(?)", {target});
+      exec("COMMIT");
       --depth_;
-      execute_script("COMMIT");
     } catch (const RetryableConflict& conflict) {  // a deadlock with another migrating process: reported, never retried half-done
       if (depth_ > 0) --depth_;
       Result(PQexec(conn_.get(), "ROLLBACK"));
       fail_conflict(conflict, 0);
+    } catch (const LostConnection& lost) {  // the server rolled it back: start again on a new connection
+      depth_ = 0;
+      reconnect(lost);
+      return migrate(scripts);
     } catch (...) {
       if (depth_ > 0) --depth_;
       Result(PQexec(conn_.get(), "ROLLBACK"));
@@ -211,6 +243,11 @@ class PostgresDatabase final : public Database {
     return rows;
   }
 
+  void exec(const std::string& sql) {
+    Result r(PQexec(conn_.get(), sql.c_str()));
+    check(r.get(), sql);
+  }
+
   // Anything but success throws: a conflict as RetryableConflict (for transaction()), the rest as
   // an Error naming the store and PostgreSQL's reason, the statement in the origin.
   void check(PGresult* r, const std::string& sql) {
@@ -223,11 +260,11 @@ class PostgresDatabase final : public Database {
     const char* detail = r ? PQresultErrorField(r, PG_DIAG_MESSAGE_DETAIL) : nullptr;
     std::string message = primary ? std::string(primary) + (detail ? std::string(" (") + detail + ")" : "") : trimmed(PQerrorMessage(conn_.get()));
     if (is_retryable(sqlstate)) throw RetryableConflict{message};
-    if (PQstatus(conn_.get()) == CONNECTION_BAD) {
-      // A server restart or a network cut: reconnect for the next statement; this one is reported.
-      PQreset(conn_.get());
-      depth_ = 0;
-    }
+    // A server restart (57P01: terminated by the administrator) or a network cut: the caller
+    // reconnects and runs it again. Inside migrate() (depth_ set by it) the same holds: nothing
+    // half-done survives a dropped connection.
+    if (PQstatus(conn_.get()) == CONNECTION_BAD || sqlstate == "57P01" || sqlstate == "57P02" || sqlstate == "57P03")
+      throw LostConnection{message, sqlstate, sql};
     ErrorContext c;
     c.file = location_;
     c.hint = sqlstate.rfind("08", 0) == 0 || PQstatus(conn_.get()) == CONNECTION_BAD ? "the connection to the server was lost; run the command again" :
@@ -235,6 +272,31 @@ class PostgresDatabase final : public Database {
              sqlstate.rfind("42", 0) == 0 ? "the store's schema is not what this dsrun expects: is --db the right database?" : "";
     throw Error("run store: " + message + (sqlstate.empty() ? "" : " (PostgreSQL " + sqlstate + ")"), c)
         .with_origin(source_origin(__FILE__, __LINE__) + ": " + sql);
+  }
+
+  // Back to the server after a lost connection, trying every half second for kReconnectSeconds;
+  // then the loss is an Error naming the store. Each outage is said once on stderr.
+  void reconnect(const LostConnection& lost) {
+    std::fprintf(stderr, "dsrun: warning: run store %s: connection lost (%s); reconnecting for up to %.0f s\n", location_.c_str(), lost.message.c_str(), kReconnectSeconds);
+    const auto start = std::chrono::steady_clock::now();
+    while (true) {
+      PQreset(conn_.get());
+      if (PQstatus(conn_.get()) == CONNECTION_OK) {
+        PQsetNoticeProcessor(conn_.get(), [](void*, const char*) {}, nullptr);
+        Result r(PQexec(conn_.get(), "SET client_min_messages = warning"));
+        if (r.get() && PQresultStatus(r.get()) == PGRES_COMMAND_OK) {
+          std::fprintf(stderr, "dsrun: run store %s: reconnected\n", location_.c_str());
+          return;
+        }
+      }
+      if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > kReconnectSeconds) break;
+      ::usleep(500000);
+    }
+    ErrorContext c;
+    c.file = location_;
+    c.hint = "the server stayed away for " + std::to_string(static_cast<int>(kReconnectSeconds)) + " s: check that it runs, then `dsrun resume` the run";
+    throw Error("run store: the connection to the server was lost: " + lost.message + (lost.sqlstate.empty() ? "" : " (PostgreSQL " + lost.sqlstate + ")"), c)
+        .with_origin(source_origin(__FILE__, __LINE__) + ": " + lost.sql);
   }
 
   [[noreturn]] void fail_connect(const std::string& reason) const {

@@ -2,6 +2,7 @@
 
 #include "engine/common/error.hpp"
 #include "engine/common/files.hpp"
+#include "engine/common/text.hpp"
 
 #include <sys/stat.h>
 
@@ -295,7 +296,8 @@ bool transition_allowed(RunStatus from, RunStatus to) {
     case RunStatus::Running: return from != RunStatus::Running && from != RunStatus::Infeasible;
     case RunStatus::Infeasible: return from == RunStatus::Planned;
     case RunStatus::Planned: return false;
-    default: return from == RunStatus::Running || from == RunStatus::Planned;
+    // (lost: a launcher only silent for a while, back to record its end)
+    default: return from == RunStatus::Running || from == RunStatus::Planned || from == RunStatus::Lost;
   }
 }
 
@@ -465,6 +467,15 @@ void Store::set_status(const std::string& run_id, RunStatus status, const std::s
   });
 }
 
+bool Store::set_status_if(const std::string& run_id, RunStatus from, RunStatus to, const std::string& error) {
+  DSRUN_ASSERT(transition_allowed(from, to), "a conditional status change the store allows");
+  const SqlRows changed = db_->query(
+      "UPDATE runs SET status = ?1, error = ?2, ended_at = CASE WHEN ?1 IN ('finished','failed','killed','pruned','infeasible','lost') THEN ?3 ELSE NULL END "
+      "WHERE id = ?4 AND status = ?5 RETURNING id",
+      {std::string(to_string(to)), SqlValue::text_or_null(error), unix_now(), run_id, std::string(to_string(from))});
+  return !changed.empty();
+}
+
 bool Store::claim_run(const std::string& run_id, RunStatus status, double heartbeat_at, const std::string& host, int64_t pid) {
   // One statement: the database decides which of two concurrent claims matches the row.
   const double now = unix_now();
@@ -488,6 +499,9 @@ void Store::add_metrics(const std::string& run_id, int64_t step, const std::vect
 }
 
 void Store::run_heartbeat(const std::string& run_id, const std::string& host, int64_t pid) {
+  // A run a reader marked lost while its launcher was only silent is running again.
+  const SqlRows back = db_->query("UPDATE runs SET status = 'running', error = NULL, ended_at = NULL WHERE id = ? AND status = 'lost' AND pid = ? RETURNING id", {run_id, pid});
+  if (!back.empty()) add_event(run_id, "running", -1, "its launcher (process " + std::to_string(pid) + " on " + host + ") was heard from again: running, not lost");
   db_->query("UPDATE runs SET heartbeat_at = ?, host = ?, pid = ? WHERE id = ?", {unix_now(), host, pid, run_id});
 }
 
@@ -770,16 +784,44 @@ int64_t copy_table(Database& from, Database& to, const std::string& table, const
 
 }  // namespace
 
-int64_t copy_store(const Store& from, Store& to) {
+namespace {
+
+// Ids of `table` in both stores that name different records there: another creation time or
+// recipe text (ids are 8 hex digits of randomness: two stores can draw the same one).
+std::vector<std::string> clashes(Database& src, Database& dst, const std::string& table, const std::string& what) {
+  std::vector<std::string> out;
+  for (const auto& row : src.query("SELECT id, created_at, recipe_text, name FROM " + table + " ORDER BY id")) {
+    const Rows there = dst.query("SELECT created_at, recipe_text, name FROM " + table + " WHERE id = ?", {row.text(0)});
+    if (there.empty()) continue;
+    if (there[0].real(0) != row.real(1) || there[0].text(1) != row.text(2))
+      out.push_back(what + " " + row.text(0) + " (\"" + row.text(3) + "\" created " + std::to_string(static_cast<int64_t>(row.real(1))) + " here, \"" + there[0].text(2) +
+                    "\" created " + std::to_string(static_cast<int64_t>(there[0].real(0))) + " there)");
+  }
+  return out;
+}
+
+}  // namespace
+
+StoreCopy copy_store(const Store& from, Store& to) {
   Database& src = from.database();
   Database& dst = to.database();
-  copy_table(src, dst, "sweeps",
-             "id, name, status, created_at, ended_at, heartbeat_at, recipe_path, recipe_text, spec_json, host, pid, best_run, error, job_id", "id",
-             "created_at, id");
-  const int64_t runs = copy_table(src, dst, "runs", kRunColumns, "id", "created_at, id");
-  copy_table(src, dst, "metrics", "run_id, key, step, value, time", "run_id, key, step", "run_id, key, step");
-  copy_table(src, dst, "checkpoints", "run_id, step, path, bytes, checksum, created_at", "run_id, step", "run_id, step");
-  copy_table(src, dst, "run_nodes", "run_id, node_rank, host, pid, status, heartbeat_at, restarts, error", "run_id, node_rank", "run_id, node_rank");
+  std::vector<std::string> clashing = clashes(src, dst, "sweeps", "sweep");
+  for (const std::string& c : clashes(src, dst, "runs", "run")) clashing.push_back(c);
+  if (!clashing.empty()) {
+    ErrorContext c;
+    c.file = to.path();
+    c.hint = "these are different records under the same id: copy into a new store, or delete one of them first (dsrun delete)";
+    throw Error("store copy refused: " + std::to_string(clashing.size()) + " id(s) name another record in the destination: " + join(clashing, "; "), c);
+  }
+  StoreCopy n;
+  n.sweeps = copy_table(src, dst, "sweeps",
+                        "id, name, status, created_at, ended_at, heartbeat_at, recipe_path, recipe_text, spec_json, host, pid, best_run, error, job_id", "id",
+                        "created_at, id");
+  n.runs = copy_table(src, dst, "runs", kRunColumns, "id", "created_at, id");
+  n.metrics = copy_table(src, dst, "metrics", "run_id, key, step, value, time", "run_id, key, step", "run_id, key, step");
+  n.checkpoints = copy_table(src, dst, "checkpoints", "run_id, step, path, bytes, checksum, created_at", "run_id, step", "run_id, step");
+  n.nodes = copy_table(src, dst, "run_nodes", "run_id, node_rank, host, pid, status, heartbeat_at, restarts, error", "run_id, node_rank", "run_id, node_rank");
+  const int64_t events_before = dst.query("SELECT count(*) FROM events").at(0).integer(0);
   // Events have no natural key: one is copied unless the destination holds the same run, time,
   // kind and message; their ids are the destination's own.
   const Rows events = src.query("SELECT run_id, time, kind, rank, message, detail FROM events ORDER BY id");
@@ -790,7 +832,8 @@ int64_t copy_store(const Store& from, Store& to) {
                 "(SELECT 1 FROM events WHERE run_id = ?1 AND time = CAST(?2 AS DOUBLE PRECISION) AND kind = ?3 AND message = ?5)",
                 e.cells);
   });
-  return runs;
+  n.events = dst.query("SELECT count(*) FROM events").at(0).integer(0) - events_before;
+  return n;
 }
 
 }  // namespace dsrun

@@ -135,6 +135,9 @@ class Store {
   // (resume --force of a vanished launcher) the same heartbeat. False: another dsrun took it
   // first, and nothing was changed.
   bool claim_run(const std::string& run_id, RunStatus status, double heartbeat_at, const std::string& host, int64_t pid);
+  // `from` -> `to` only if the run is still `from` (a reader marking a silent run lost must not
+  // overwrite the ending its launcher recorded meanwhile). False: it was not.
+  bool set_status_if(const std::string& run_id, RunStatus from, RunStatus to, const std::string& error);
   // A run recorded ahead of its plan (a Slurm sweep's claimed trial): the plan and config now.
   void complete_run(const std::string& run_id, const NewRun& run);
   void add_metrics(const std::string& run_id, int64_t step, const std::vector<std::pair<std::string, double>>& values);
@@ -197,9 +200,15 @@ bool store_exists(const std::string& store_location);
 
 // Applies migrations up to `target_version` (tests use it to build an old database).
 void migrate_store(Database& db, int target_version);
+// What a copy added to its destination, table by table.
+struct StoreCopy {
+  int64_t sweeps = 0, runs = 0, metrics = 0, events = 0, checkpoints = 0, nodes = 0;
+};
 // Copies every sweep, run, metric, event, checkpoint record and node report from `from` into
-// `to`; what `to` already holds is kept, so copying twice changes nothing. Returns the runs added.
-int64_t copy_store(const Store& from, Store& to);
+// `to`; what `to` already holds is kept, so copying twice changes nothing. A run (or sweep) of
+// `from` whose id `to` holds for a different one (another creation time or recipe) is a clash:
+// the copy is refused before anything is written, naming both, never merged.
+StoreCopy copy_store(const Store& from, Store& to);
 double unix_now();
 
 }  // namespace dsrun

@@ -44,9 +44,9 @@ class ScriptServer {
   const std::string& skip_reason() const { return skip_reason_; }
   const std::string& output() const { return output_; }  // what `start` printed
   std::string dir() const { return dir_.path() + "/server"; }
+  std::string path() const { return source_dir() + "/tests/servers/" + script_; }
 
  private:
-  std::string path() const { return source_dir() + "/tests/servers/" + script_; }
 
   TempDir dir_;
   std::string script_, skip_reason_, output_;
@@ -63,6 +63,8 @@ class PostgresServer {
   }
   bool available() const { return !url_.empty(); }
   const std::string& skip_reason() const { return skip_reason_; }
+  // `pg_ctl -m fast restart`: every client's connection is cut, the server is back within seconds.
+  bool restart() { return server_ && run_command(server_->path() + " restart " + server_->dir()).code == 0; }
   // A database of its own for each caller: tests never see each other's runs.
   std::string new_database() {
     const std::string name = "t" + std::to_string(++databases_);

@@ -617,3 +617,51 @@ TEST_CASE("the HTML report's labels fit inside their charts, a run named twice i
   CHECK(contains(dom.text, "data-metric=\"model states per rank\""));
   CHECK(contains(dom.text, "<pre id=\"clipped\">[]</pre>"));
 }
+
+TEST_CASE("history and show mark a run lost whose launcher is gone, at its last step, and a launcher heard from again takes it back", "[history][store]") {
+  TempDir dir;
+  const std::string db = dir.file("runs.db");
+  dsrun::Store store(db);
+  auto running = [&](const std::string& name) {
+    dsrun::NewRun n;
+    n.name = name;
+    n.recipe_text = n.config_toml = "x";
+    const std::string id = store.create_run(n);
+    store.set_status(id, dsrun::RunStatus::Running);
+    return id;
+  };
+  const std::string host = dsrun::read_host_facts().hostname;
+  const pid_t exited = ::fork();
+  if (exited == 0) ::_exit(0);
+  int status = 0;
+  REQUIRE(::waitpid(exited, &status, 0) == exited);
+  const std::string dead = running("dead"), silent = running("silent"), live = running("live");
+  store.run_heartbeat(dead, host, exited);
+  store.add_metrics(dead, 7, {{"loss", 1.0}});
+  store.run_heartbeat(silent, "another-host", 1);
+  store.database().execute_script("UPDATE runs SET heartbeat_at = heartbeat_at - 3 * 3600 WHERE id = '" + silent + "'");
+  store.run_heartbeat(live, host, ::getpid());
+
+  auto history = dsrun_with_timeout(db, "history", 20);
+  INFO(history.text);
+  CHECK(history.code == 0);
+  CHECK(store.get_run(dead).status == dsrun::RunStatus::Lost);
+  CHECK(contains(store.get_run(dead).error, "process " + std::to_string(exited) + " on this host, has exited; its last step was 7"));
+  CHECK(store.get_run(silent).status == dsrun::RunStatus::Lost);
+  CHECK(contains(store.get_run(silent).error, "no heartbeat from its launcher on another-host"));
+  CHECK(store.get_run(live).status == dsrun::RunStatus::Running);
+  int lost_events = 0;
+  for (const auto& e : store.events(dead)) lost_events += e.kind == "lost";
+  CHECK(lost_events == 1);
+  CHECK(dsrun_with_timeout(db, "show " + dead, 20).code == 0);  // a second reader changes nothing more
+  lost_events = 0;
+  for (const auto& e : store.events(dead)) lost_events += e.kind == "lost";
+  CHECK(lost_events == 1);
+  // The silent launcher was only cut off from the store: its next heartbeat makes the run running again.
+  store.run_heartbeat(silent, "another-host", 1);
+  CHECK(store.get_run(silent).status == dsrun::RunStatus::Running);
+  // A lost run resumes without --force (its launcher is known gone).
+  auto resume = dsrun_with_timeout(db, "resume " + dead, 20);
+  CHECK_FALSE(contains(resume.text, "--force"));
+}
+

@@ -273,7 +273,7 @@ TEST_CASE("probed collectives price each group by its collective and size, and w
   CHECK(says);
 }
 
-TEST_CASE("collectives beside compute still cost it hardware.overlap_cost of their time; the updated parameters' gather is never beside it", "[plan][comm]") {
+TEST_CASE("collectives beside compute still cost it hardware.overlap_cost of their time, and the updated parameters' gather is never beside it", "[plan][comm]") {
   const std::vector<std::string> zero2 = {"batch.global=64", "batch.micro=1", "parallel.zero_stage=2", "parallel.activation_checkpointing=full"};
   const Plan free = plan_of(kSevenB + "[hardware]\noverlap_cost = 0\n", zero2);
   const Plan half = plan_of(kSevenB + "[hardware]\noverlap_cost = 0.5\n", zero2);

@@ -1,4 +1,5 @@
 // The recipe language: parsing, every validation error class, composition and precedence.
+#include "engine/common/files.hpp"
 #include "engine/common/text.hpp"
 #include "engine/plan/plan.hpp"
 #include "engine/recipe/load.hpp"
@@ -6,6 +7,7 @@
 #include "test_util.hpp"
 
 #include <catch2/catch.hpp>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -620,3 +622,23 @@ TEST_CASE("a control character in the run's name or a [slurm] value is refused a
   CHECK(errors[1].key == "slurm.sbatch");
   CHECK(errors_of(load_text(base, {"run.name=\"has space\""})).empty());
 }
+
+TEST_CASE("checkpoint.dir must be a directory this user can write, or one that can be made: a regular file or a dangling link is refused at its key", "[recipe][checkpoint]") {
+  dsrun::test::TempDir dir;
+  const std::string base = "base = [\"hardware/cpu\", \"models/deepseek-tiny\"]\n";
+  dsrun::write_file_atomic(dir.file("a_file"), "x");
+  REQUIRE(::symlink(dir.file("nowhere").c_str(), dir.file("dangling").c_str()) == 0);
+  auto errors = errors_of(load_text(base, {"checkpoint.dir=\"" + dir.file("a_file") + "\""}));
+  REQUIRE(errors.size() == 1);
+  CHECK(errors[0].key == "checkpoint.dir");
+  CHECK(contains(errors[0].message, "is a regular file"));
+  errors = errors_of(load_text(base, {"checkpoint.dir=\"" + dir.file("dangling") + "\""}));
+  REQUIRE(errors.size() == 1);
+  CHECK(contains(errors[0].message, "symbolic link to something that does not exist"));
+  errors = errors_of(load_text(base, {"checkpoint.dir=\"" + dir.file("a_file/below") + "\""}));
+  REQUIRE(errors.size() == 1);
+  CHECK(contains(errors[0].message, "is not a directory"));
+  CHECK(errors_of(load_text(base, {"checkpoint.dir=\"" + dir.file("new/deeper") + "\""})).empty());  // made when needed
+  CHECK(errors_of(load_text(base, {"checkpoint.dir=\"" + dir.path() + "\""})).empty());
+}
+

@@ -3,6 +3,7 @@
 // `running`), sweeps whose trials cannot run on their share of the machine, and non-finite metrics
 // from hooks. Each run here fails within seconds; none may hang or die by a signal.
 #include "engine/common/files.hpp"
+#include "engine/common/text.hpp"
 #include "storage/store.hpp"
 #include "test_util.hpp"
 #include "train_util.hpp"
@@ -10,6 +11,7 @@
 #include <catch2/catch.hpp>
 
 #include <sys/stat.h>
+#include <csignal>
 #include <unistd.h>
 
 using dsrun::test::contains;
@@ -91,16 +93,15 @@ TEST_CASE("empty or truncated CIFAR-10 batches are errors naming the file, never
 TEST_CASE("a run whose launcher fails before or after its ranks ends failed with the reason", "[reliability][launcher]") {
   TempDir dir;
   dir.write("not-a-directory", "x");
-  // Before the ranks: the checkpoint directory cannot be created.
+  // A checkpoint directory that cannot be created is refused with the recipe, before a run is
+  // recorded (a launcher that fails before its ranks is the host-memory case below).
   Run no_dir = train(dir, "--set run.steps=3 --set checkpoint.dir=\\\"" + dir.file("not-a-directory/checkpoints") + "\\\"");
   INFO(no_dir.text);
   CHECK(no_dir.code == 1);
-  CHECK(contains(no_dir.text, "cannot create directory"));
+  CHECK(contains(no_dir.text, "checkpoint.dir"));
+  CHECK(contains(no_dir.text, "is not a directory"));
   dsrun::Store store(dir.file("runs.db"));
-  auto runs = store.list_runs({});
-  REQUIRE(runs.size() == 1);
-  CHECK(runs[0].status == dsrun::RunStatus::Failed);
-  CHECK(contains(runs[0].error, "cannot create directory"));
+  CHECK(store.list_runs({}).empty());
   // The ranks start and fail (bad data): failed, with the rank's reason.
   Run bad_data = train_on_text(dir, "/dev/zero");
   CHECK(status_of(dir, bad_data.id) == dsrun::RunStatus::Failed);
@@ -155,3 +156,36 @@ TEST_CASE("a run needing more host memory than the node has free fails before it
   REQUIRE(run.id.size() == 8);
   CHECK(status_of(dir, run.id) == dsrun::RunStatus::Failed);
 }
+
+TEST_CASE("SIGUSR1 before the ranks are ready waits for them, then saves: no rank dies of it", "[reliability][launcher]") {
+  TempDir dir;
+  const std::string cmd = "cd '" + dsrun::test::source_dir() + "' && ('" DSRUN_BINARY "' run tests/recipes/tiny_train.toml --db '" + dir.file("runs.db") +
+                          "' --set run.steps=400 --set checkpoint.at_end=false > '" + dir.file("out.txt") + "' 2>&1; echo $? > '" + dir.file("code") + "') > /dev/null 2>&1 &";
+  dsrun::test::run_command(cmd);
+  // The moment the ranks are started (the launch event), before they report ready: SIGUSR1 to
+  // the launcher (the process the run records).
+  int64_t launcher = 0;
+  for (int i = 0; i < 600 && launcher == 0; ++i) {
+    if (dsrun::file_exists(dir.file("runs.db"))) {
+      dsrun::Store store(dir.file("runs.db"));
+      for (const auto& r : store.list_runs({}))
+        for (const auto& e : store.events(r.id))
+          if (e.kind == "launch") launcher = store.get_run(r.id).pid;
+    }
+    if (launcher == 0) ::usleep(10000);
+  }
+  REQUIRE(launcher > 0);
+  CHECK(::kill(static_cast<pid_t>(launcher), SIGUSR1) == 0);
+  dsrun::test::run_command("while [ ! -f '" + dir.file("code") + "' ]; do sleep 0.1; done");
+  INFO(dsrun::read_file(dir.file("out.txt")));
+  CHECK(dsrun::trim(dsrun::read_file(dir.file("code"))) == "0");
+  dsrun::Store store(dir.file("runs.db"));
+  const auto runs = store.list_runs({});
+  REQUIRE(runs.size() == 1);
+  CHECK(runs[0].status == dsrun::RunStatus::Finished);
+  int requested = 0;
+  for (const auto& e : store.events(runs[0].id)) requested += contains(e.message, "checkpoint requested (SIGUSR1)");
+  CHECK(requested == 1);
+  CHECK(store.checkpoints(runs[0].id).size() == 1);
+}
+

@@ -645,6 +645,10 @@ TEST_CASE("a save that meets a full disk fails cleanly, keep_last leaves the new
   const std::string root = disk + "/" + full.id;  // checkpoint.dir holds a directory per run
   CHECK(complete_steps(root) == std::vector<int64_t>{2, 4});  // step 6's partial files removed, retention untouched
   CHECK(dsrun::Store(dir.file("runs.db")).get_run(full.id).status == dsrun::RunStatus::Failed);
+  // The run's error is the cause, not its peer's "Connection reset by peer" that follows it.
+  const std::string recorded = dsrun::Store(dir.file("runs.db")).get_run(full.id).error;
+  CHECK(contains(recorded, "did not fit"));
+  CHECK_FALSE(contains(recorded, "Connection reset"));
 
   if (small.mounted()) REQUIRE(small.grow("64m"));
   auto out = dsrun_command(dir, "resume " + full.id);
@@ -740,7 +744,7 @@ TEST_CASE("balance by bias: a router forced onto one expert evens out, every ran
   CHECK(dsrun::test::recorded_metric(dir, from_export.id, "expert_load_max").front() < 2.0);
 }
 
-TEST_CASE("resume --force refuses a run still training; a resume the ranks refuse keeps the run's config; of two concurrent resumes one trains and the other changes nothing", "[resume][store]") {
+TEST_CASE("resume --force refuses a run still training, a resume the ranks refuse keeps the run's config, and of two concurrent resumes one trains and the other changes nothing", "[resume][store]") {
   TempDir dir;
   const std::string run_cmd = "'" DSRUN_BINARY "' run tests/recipes/tiny_train.toml --db '" + dir.file("runs.db") + "' " + layout(1, 2) +
                               " --set run.steps=100000 --set checkpoint.every=2 --set schedule.name=\\\"constant\\\"";
@@ -784,4 +788,23 @@ TEST_CASE("resume --force refuses a run still training; a resume the ranks refus
   // The changed model was never recorded; the winner's step count was, once it trained on it.
   CHECK(contains(store.get_run(id).config_toml, "\nsteps = " + std::to_string(newest->step + 2)));
   CHECK(store.get_run(id).config_toml.find("\nlayers = 3") == std::string::npos);
+}
+
+TEST_CASE("a step directory whose manifest is another step's is refused by resume and rollback alike, and --fallback takes the newest good one", "[resume][rollback]") {
+  TempDir dir;
+  Run parent = train(dir, layout(1, 2) + kSixSteps + " --set checkpoint.keep_last=10");
+  REQUIRE(parent.code == 0);
+  // A copy of step 2 under a later step's name.
+  dsrun::test::run_command("cp -r '" + checkpoint_dir(dir, parent.id, 2) + "' '" + checkpoint_dir(dir, parent.id, 10) + "'");
+  auto refused = dsrun_command(dir, "rollback " + parent.id + " --to-step 10");
+  INFO(refused.text);
+  CHECK(refused.code == 1);
+  CHECK(contains(refused.text, "its manifest is step 2's, not its directory's"));
+  auto fallback = dsrun_command(dir, "rollback " + parent.id + " --to-step 10 --fallback --set run.steps=7");
+  INFO(fallback.text);
+  CHECK(fallback.code == 0);
+  CHECK(contains(fallback.text, "at step 6"));
+  const std::string child_id = fallback.text.substr(fallback.text.find("\nrun ") + 5, 8);
+  dsrun::Store store(dir.file("runs.db"));
+  CHECK(store.get_run(child_id).parent_step == 6);
 }

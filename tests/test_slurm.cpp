@@ -118,7 +118,7 @@ mode_t mode_of(const std::string& path) {
   return st.st_mode & 0777;
 }
 
-TEST_CASE("dsrun run --slurm: the quickstart's 2 tasks finish as one run with its metrics, checkpoints and job id; its script holds no password and quotes a name with spaces", "[slurm]") {
+TEST_CASE("dsrun run --slurm: the quickstart's 2 tasks finish as one run with its metrics, checkpoints and job id, and its script holds no password and quotes a name with spaces", "[slurm]") {
   if (skip_without_slurm()) return;
   TempDir dir;
   const std::string db = shared_store(dir);

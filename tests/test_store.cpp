@@ -1,5 +1,7 @@
 // The run store: round trip, lifecycle, id prefixes, migration from an old schema, and
 // consistency when the writing process is killed with SIGKILL at arbitrary points.
+#include "engine/common/files.hpp"
+#include "engine/common/text.hpp"
 #include "storage/store.hpp"
 #include "store_backends.hpp"
 #include "test_util.hpp"
@@ -376,12 +378,19 @@ TEST_CASE("store copy moves every record between backends, and copying again add
   const std::string middle = pg.available() ? pg.new_database() : dir.file("b.db");
   if (!pg.available()) WARN(pg.skip_reason());
   Store server(middle);
-  CHECK(copy_store(sqlite, server) == 2);
-  CHECK(copy_store(sqlite, server) == 0);  // idempotent
+  const StoreCopy first = copy_store(sqlite, server);
+  CHECK(first.runs == 2);
+  CHECK(first.metrics == 40);
+  CHECK(first.events == 2);
+  CHECK(first.checkpoints == 1);
+  CHECK(first.nodes == 1);
+  CHECK(first.sweeps == 1);
+  const StoreCopy again = copy_store(sqlite, server);  // idempotent
+  CHECK(again.runs + again.metrics + again.events + again.checkpoints + again.nodes + again.sweeps == 0);
   same(sqlite, server);
   Store back(dir.file("c.db"));
-  CHECK(copy_store(server, back) == 2);
-  CHECK(copy_store(server, back) == 0);
+  CHECK(copy_store(server, back).runs == 2);
+  CHECK(copy_store(server, back).runs == 0);
   same(sqlite, back);
   CHECK(back.events(a).size() == 2);
   // What a user sees is the same: history --json of the original and of the round trip.
@@ -397,4 +406,63 @@ TEST_CASE("store copy moves every record between backends, and copying again add
   CHECK(test::contains(copy.text, "copied 2 new run(s) of 2"));
   copy = test::run_command("'" DSRUN_BINARY "' store copy '" + dir.file("a.db") + "' '" + dir.file("d.db") + "'");
   CHECK(test::contains(copy.text, "copied 0 new run(s) of 2"));
+  CHECK(test::contains(copy.text, "rows added: 0 metric(s), 0 event(s)"));
+  // Another store with a different run under the same id: refused, naming it; nothing merged.
+  {
+    Store other(dir.file("e.db"));
+    NewRun stranger = sample_run("stranger");
+    stranger.recipe_text = "something else";
+    const std::string id = other.create_run(stranger);
+    other.database().query("UPDATE runs SET id = ? WHERE id = ?", {a, id});
+    other.add_metrics(a, 1, {{"loss", 9.0}});
+  }
+  const int64_t metrics_before = Store(dir.file("d.db")).metric_history(a, "loss").size();
+  copy = test::run_command("'" DSRUN_BINARY "' store copy '" + dir.file("e.db") + "' '" + dir.file("d.db") + "'");
+  INFO(copy.text);
+  CHECK(copy.code == 1);
+  CHECK(test::contains(copy.text, "store copy refused"));
+  CHECK(test::contains(copy.text, "run " + a + " (\"stranger\""));
+  CHECK(Store(dir.file("d.db")).metric_history(a, "loss").size() == static_cast<size_t>(metrics_before));
+  CHECK(Store(dir.file("d.db")).get_run(a).name == "parent");
 }
+
+TEST_CASE("a PostgreSQL restart mid-run: the launcher reconnects, training goes on, every metric row is recorded once and the run ends finished", "[store][postgresql][reliability]") {
+  test::PostgresServer& pg = test::PostgresServer::get();
+  if (!pg.available()) {
+    WARN(pg.skip_reason());
+    return;
+  }
+  test::TempDir dir;
+  const std::string db = pg.new_database();
+  const int steps = 300;
+  test::run_command("cd '" + test::source_dir() + "' && (DSRUN_RUNS_DIR='" + dir.path() + "' '" DSRUN_BINARY "' run tests/recipes/tiny_train.toml --db '" + db +
+                    "' --set run.steps=" + std::to_string(steps) + " --set checkpoint.at_end=false --set logging.tensorboard=false > '" + dir.file("out.txt") +
+                    "' 2>&1; echo $? > '" + dir.file("code") + "') > /dev/null 2>&1 &");
+  std::string id;
+  int64_t reached = 0;
+  for (int i = 0; i < 1200 && reached < 5; ++i) {
+    ::usleep(50000);
+    Store store(db);
+    for (const auto& r : store.list_runs({})) {
+      id = r.id;
+      const auto latest = store.latest_metrics(r.id);
+      reached = latest.count("loss") ? latest.at("loss").step : 0;
+    }
+  }
+  REQUIRE(reached >= 5);
+  REQUIRE(pg.restart());
+  test::run_command("for i in $(seq 1200); do [ -f '" + dir.file("code") + "' ] && break; sleep 0.25; done");
+  const std::string out = dsrun::read_file(dir.file("out.txt"));
+  INFO(out);
+  REQUIRE(dsrun::file_exists(dir.file("code")));
+  CHECK(dsrun::trim(dsrun::read_file(dir.file("code"))) == "0");
+  Store store(db);
+  const RunRecord r = store.get_run(id);
+  CHECK(r.status == RunStatus::Finished);
+  CHECK(r.error.empty());
+  const auto losses = store.metric_history(id, "loss");
+  CHECK(losses.size() == static_cast<size_t>(steps));  // none lost; the store keeps one row a step
+  CHECK(losses.back().step == steps);
+  CHECK(test::contains(out, "reconnected"));
+}
+

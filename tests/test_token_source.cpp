@@ -486,6 +486,55 @@ TEST_CASE("a bad JSON line is reported by a short excerpt, not echoed whole", "[
   CHECK_THAT(strict.text, Catch::Contains(docs + ":1: not JSON"));
 }
 
+TEST_CASE("corpora from elsewhere: a manifest's files stay inside the corpus, a malformed one names itself, a .gz that is not gzip and a number past double's range are refused or skipped, -o '' is refused", "[data][prepare]") {
+  TempDir dir;
+  const std::string tok = byte_tokenizer(dir), out = dir.file("out");
+  dir.write("in/a.txt", lines_of(512));
+  REQUIRE(dsrun::prepare_corpus(prepare_options(tok, out, {dir.file("in/a.txt")}), nullptr).shards == 1);
+  const std::string manifest_path = out + "/manifest.json";
+  const json good = json::parse(dsrun::read_file(manifest_path));
+  // A shard named by a path out of the corpus: refused, naming the manifest.
+  for (const std::string& name : {"../a.tokens", "/etc/passwd", "sub/x.tokens", ".."}) {
+    json bad = good;
+    bad["shards"][0]["tokens_file"] = name;
+    dir.write("out/manifest.json", bad.dump());
+    const std::string e = dsrun::test::error_of([&] { TokenCorpus corpus(options(out, 8)); });
+    CHECK_THAT(e, Catch::Contains(manifest_path));
+    CHECK_THAT(e, Catch::Contains("plain names inside its directory"));
+  }
+  // Fields of the wrong type: the manifest named, no raw exception escaping.
+  dir.write("out/manifest.json", R"({"format": "dsrun-tokens", "version": 1, "tokenizer": 5, "shards": [{"tokens_file": 3}]})");
+  std::string e = dsrun::test::error_of([&] { TokenCorpus corpus(options(out, 8)); });
+  CHECK_THAT(e, Catch::Contains(manifest_path));
+  CHECK_THAT(e, Catch::Contains("unreadable manifest"));
+  dir.write("out/manifest.json", good.dump());
+  CHECK_NOTHROW(TokenCorpus(options(out, 8)));
+
+  // A .gz of plain text or random bytes is not gzip: refused, naming the file (zlib would read it as text).
+  dir.write("gz/plain.gz", "hello world\n");
+  e = prepare_error(prepare_options(tok, dir.file("gz_out"), {dir.file("gz/plain.gz")}));
+  CHECK_THAT(e, Catch::Contains(dir.file("gz/plain.gz")));
+  CHECK_THAT(e, Catch::Contains("is not gzip data"));
+  // One number out of double's range skips its line; the others are prepared.
+  dir.write("j/docs.jsonl", "{\"text\": \"fine\", \"score\": 1e999}\n{\"text\": \"also fine\"}\n");
+  const dsrun::PrepareSummary j = dsrun::prepare_corpus(prepare_options(tok, dir.file("j_out"), {dir.file("j/docs.jsonl")}), nullptr);
+  CHECK(j.skipped_lines == 1);
+  CHECK(j.documents == 1);
+  // The same file named twice (and inside a named directory) is read once.
+  const dsrun::PrepareSummary once = dsrun::prepare_corpus(prepare_options(tok, dir.file("once_out"), {dir.file("in/a.txt")}), nullptr);
+  const dsrun::PrepareSummary twice = dsrun::prepare_corpus(prepare_options(tok, dir.file("twice_out"), {dir.file("in/a.txt"), dir.file("in/a.txt"), dir.file("in")}), nullptr);
+  CHECK(twice.tokens == once.tokens);
+  CHECK(twice.documents == once.documents);
+  // A tokenizer.json number past double's range: an error naming the file.
+  dir.write("badtok/tokenizer.json", R"({"version": "1.0", "model": {"type": "BPE", "dropout": 1e400}})");
+  e = prepare_error(prepare_options(dir.file("badtok/tokenizer.json"), dir.file("bt_out"), {dir.file("in/a.txt")}));
+  CHECK_THAT(e, Catch::Contains(dir.file("badtok/tokenizer.json")));
+  CHECK_THAT(e, Catch::Contains("a number JSON cannot hold"));
+  // An empty -o: refused before anything is written to the current directory.
+  e = prepare_error(prepare_options(tok, "", {dir.file("in/a.txt")}));
+  CHECK_THAT(e, Catch::Contains("-o is empty"));
+}
+
 TEST_CASE("index entries out of order or past the tokens are refused when a file is mapped, naming the entry", "[data][formats]") {
   TempDir dir;
   const auto put = [](std::string& s, auto v) { s.append(reinterpret_cast<const char*>(&v), sizeof v); };

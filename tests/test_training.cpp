@@ -1,6 +1,7 @@
 // The engine end to end: real dsrun-rank processes, Gloo collectives, a real store.
 // ZeRO 0-3 on 1-3 ranks against one process, reruns, measured memory, failures and hangs.
 #include "engine/checkpoint/checkpoint.hpp"
+#include "engine/common/text.hpp"
 #include "storage/store.hpp"
 #include "test_util.hpp"
 #include "train_util.hpp"
@@ -438,6 +439,44 @@ TEST_CASE("two launchers as two nodes run pipeline 2 x tensor 2 (a stage per nod
   CHECK(latest.count("memory/rank0/peak_rss_bytes") == 1);
   CHECK(latest.count("memory/rank3/peak_rss_bytes") == 1);
   CHECK(store.get_run(two.id).job_id == "rendezvous 127.0.0.1:" + std::to_string(port));
+}
+
+TEST_CASE("a node whose launcher is killed is named in the run's error and its row marked lost", "[training][nodes][reliability]") {
+  dsrun::test::TempDir dir;
+  const std::string sets = layout(1, 2) + " --set run.steps=100000 --set schedule.name=\\\"constant\\\" --set hardware.devices_per_node=1 --set hardware.nodes=2"
+                           " --set hardware.inter_node_bandwidth_gbs=10 --set checkpoint.at_end=false";
+  const int port = 20000 + static_cast<int>((::getpid() + 7919) % 20000);
+  const std::string db = dir.file("nodes.db");
+  auto launcher = [&](int node) {
+    return "'" DSRUN_BINARY "' run tests/recipes/tiny_train.toml --nnodes 2 --node-rank " + std::to_string(node) + " --master-port " + std::to_string(port) +
+           " --db '" + db + "' " + sets + " > '" + dir.file("node" + std::to_string(node) + ".log") + "' 2>&1";
+  };
+  // Both nodes in the background; node 1's launcher is killed -9 once the run has trained a few steps.
+  dsrun::test::run_command("cd '" + dsrun::test::source_dir() + "' && (" + launcher(1) + " & echo $! > '" + dir.file("pid1") + "') && (" + launcher(0) +
+                           "; echo $? > '" + dir.file("code0") + "') > /dev/null 2>&1 &");
+  int64_t steps = 0;
+  for (int i = 0; i < 1200 && steps < 3; ++i) {
+    ::usleep(50000);
+    if (!dsrun::file_exists(db)) continue;
+    dsrun::Store store(db);
+    for (const auto& r : store.list_runs({})) steps = std::max<int64_t>(steps, store.latest_metrics(r.id).count("loss") ? store.latest_metrics(r.id).at("loss").step : 0);
+  }
+  REQUIRE(steps >= 3);
+  dsrun::test::run_command("kill -9 $(cat '" + dir.file("pid1") + "'); for i in $(seq 600); do [ -f '" + dir.file("code0") + "' ] && break; sleep 0.1; done");
+  INFO(dsrun::read_file(dir.file("node0.log")));
+  REQUIRE(dsrun::file_exists(dir.file("code0")));
+  CHECK(dsrun::trim(dsrun::read_file(dir.file("code0"))) == "1");
+  dsrun::Store store(db);
+  const auto runs = store.list_runs({});
+  REQUIRE(runs.size() == 1);
+  const dsrun::RunRecord r = store.get_run(runs[0].id);
+  CHECK(r.status == dsrun::RunStatus::Failed);
+  CHECK(contains(r.error, "node 1 ("));
+  CHECK(contains(r.error, "is gone: its launcher, process " + dsrun::trim(dsrun::read_file(dir.file("pid1"))) + " on this host, has exited"));
+  for (const auto& n : store.nodes(r.id)) {
+    INFO("node " << n.node_rank << ": " << n.status << " " << n.error);
+    CHECK(n.status == (n.node_rank == 1 ? "lost" : "failed"));
+  }
 }
 
 TEST_CASE("a recipe whose layout is \"auto\" runs the layout its plan chose", "[training][search]") {

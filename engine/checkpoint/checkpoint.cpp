@@ -216,6 +216,11 @@ CheckpointManifest read_checkpoint(const std::string& dir, bool verify_files) {
   const std::string text = read_file(manifest_path);
   if (trim(read_file(marker)) != checksum_bytes(text.data(), text.size())) bad_checkpoint(manifest_path, dir_step, "manifest does not match the checksum in its completion marker");
   CheckpointManifest m = manifest_from_json(text, manifest_path);
+  // A step directory is its manifest's step: a copy under another name (cp -r step_4 step_10)
+  // would resume "from step 10" with step 4's state and hide the newer steps between.
+  if (dir_step >= 0 && m.step != dir_step)
+    bad_checkpoint(manifest_path, dir_step, "its manifest is step " + std::to_string(m.step) + "'s, not its directory's (copied or renamed?): move it back to " +
+                                                checkpoint_dir_name(m.step) + ", or remove it");
   for (const auto& f : m.files) {
     const std::string path = path_join(dir, f.name);
     const int64_t size = file_size(path);

@@ -232,4 +232,26 @@ std::string templates_directory() {
   return path_join(DSRUN_SOURCE_DIR, "templates");
 }
 
+std::string directory_problem(const std::string& path) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) == 0) {
+    if (S_ISLNK(st.st_mode) && ::stat(path.c_str(), &st) != 0) return "is a symbolic link to something that does not exist";
+    if (!S_ISDIR(st.st_mode)) return S_ISREG(st.st_mode) ? "is a regular file, not a directory" : "is not a directory";
+    if (::access(path.c_str(), W_OK | X_OK) != 0) return "is a directory this user cannot write into (" + std::string(std::strerror(errno)) + ")";
+    return "";
+  }
+  // Not there yet: the nearest existing part of the path decides whether it can be made.
+  std::string up = path;
+  while (true) {
+    const size_t slash = up.find_last_of('/');
+    up = slash == std::string::npos ? "." : slash == 0 ? "/" : up.substr(0, slash);
+    if (::stat(up.c_str(), &st) == 0) {
+      if (!S_ISDIR(st.st_mode)) return "cannot be created: " + up + " is not a directory";
+      if (::access(up.c_str(), W_OK | X_OK) != 0) return "cannot be created: " + up + " is not writable (" + std::string(std::strerror(errno)) + ")";
+      return "";
+    }
+    if (up == "/" || up == ".") return "cannot be created";
+  }
+}
+
 }  // namespace dsrun

@@ -25,6 +25,10 @@ bool is_directory(const std::string& path);
 // Writes `content` to `path` so that a reader sees either the old file or the new one, never half;
 // `mode` 0600 for a file that holds a secret (it never exists with wider permissions).
 void write_file_atomic(const std::string& path, const std::string& content, mode_t mode = 0644);
+// Why `path` cannot be a directory this user writes into ("" when it can): it exists and is not
+// a directory (a regular file, a link to nothing), or it or the nearest part of it that exists is
+// not writable. What does not exist yet is fine where it could be created.
+std::string directory_problem(const std::string& path);
 // Creates a directory and its parents (mkdir -p).
 void make_directories(const std::string& path);
 // fsync a directory, so that renames and new entries in it survive a power cut.

@@ -26,6 +26,7 @@
 #include <zstd.h>
 
 #include <algorithm>
+#include <set>
 #include <deque>
 #include <functional>
 #include <map>
@@ -203,6 +204,14 @@ class Decompressor {
     fd_ = ::open(f.path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd_ < 0) throw input_error(f.path, 0, std::string("cannot open: ") + std::strerror(errno), "check the file");
     if (f.compression == Compression::gzip) {
+      // zlib reads what is not gzip as plain bytes: a .gz of random bytes would be tokenized as text.
+      unsigned char magic[2] = {0, 0};
+      const ssize_t got = ::pread(fd_, magic, 2, 0);
+      if (got != 2 || magic[0] != 0x1f || magic[1] != 0x8b) {
+        ::close(fd_);
+        throw input_error(f.path, 0, got < 2 ? "is empty or shorter than a gzip header" : "is not gzip data (it does not start with gzip's 1f 8b)",
+                          "download it again, or rename it without .gz if it is plain text");
+      }
       gz_ = ::gzdopen(fd_, "rb");  // closes fd_ on gzclose
       if (!gz_) {
         ::close(fd_);
@@ -996,6 +1005,8 @@ class Preparer {
           else why = add_document(doc[o_.field].get_ref<const std::string&>());
         } catch (const json::parse_error& e) {
           why = excerpt(std::string("not JSON: ") + e.what());  // the parser quotes the whole bad token, maybe megabytes
+        } catch (const json::out_of_range& e) {  // a number past double's range (1e999): one bad line, not the whole prepare
+          why = excerpt(std::string("a number JSON cannot hold: ") + e.what());
         }
       }
       if (!why.empty()) {
@@ -1390,11 +1401,26 @@ int remove_stale_files(const std::string& dir, size_t shards) {
 
 PrepareSummary prepare(const PrepareOptions& o, const PrepareProgress& progress) {
   if (o.inputs.empty()) throw input_error("", 0, "no inputs", "name text, .jsonl, .gz or .zst files or directories");
+  // An empty -o would put the lock, shards and manifest into the current directory.
+  if (o.out.find_first_not_of(" \t") == std::string::npos) throw input_error(o.out, 0, "no output directory (-o is empty)", "name a directory for the shards: -o corpus/");
   OutputDirectory output;
   struct stat out_st {};
   if (::stat(o.out.c_str(), &out_st) == 0 && S_ISDIR(out_st.st_mode)) output = {true, out_st.st_dev, out_st.st_ino};
   std::vector<std::string> paths, skipped_directories;
   for (const std::string& in : o.inputs) collect(in, paths, output, true, skipped_directories);
+  {  // A file named twice (or inside two named directories) is read once.
+    std::set<std::pair<dev_t, ino_t>> seen;
+    std::vector<std::string> once;
+    for (const std::string& p : paths) {
+      struct stat st {};
+      if (::stat(p.c_str(), &st) == 0 && !seen.insert({st.st_dev, st.st_ino}).second) {
+        skipped_directories.push_back(p + ": named more than once, read once");
+        continue;
+      }
+      once.push_back(p);
+    }
+    paths = std::move(once);
+  }
   if (paths.empty()) throw input_error(o.inputs.front(), 0, "no input files", "name text, .jsonl, .gz or .zst files or directories");
   std::vector<InputFile> files;
   int64_t total_bytes = 0;

@@ -329,17 +329,37 @@ std::unique_ptr<TokenFile> open_token_file(const std::string& path, const TokenC
   return f;
 }
 
+// A file the manifest names, confined to the corpus directory: a plain name, never a path (a
+// manifest from elsewhere could name ../x.tokens or /etc/passwd).
+std::string corpus_file(const std::string& dir, const std::string& name, const std::string& manifest_path) {
+  if (name.empty() || name == "." || name == ".." || name.find('/') != std::string::npos || name.find('\0') != std::string::npos)
+    throw data_error(manifest_path, "names the file \"" + name + "\": a corpus's files are plain names inside its directory", "run dsrun prepare again, or fix the manifest");
+  return path_join(dir, name);
+}
+
 // A `dsrun prepare` directory: the shards its manifest lists, each checked against it.
 Files open_prepared(const std::string& dir, const TokenCorpusOptions& o) {
   const std::string manifest_path = path_join(dir, "manifest.json");
-  nlohmann::json m;
-  try {
-    m = nlohmann::json::parse(read_file(manifest_path));
+  struct Shard {
+    std::string tokens_file, docs_file;
+    int64_t tokens = -1;
+  };
+  std::vector<Shard> shards;
+  int64_t tokenizer_vocab = 0;
+  try {  // every field read here: a malformed manifest is an error naming it, never a raw exception
+    const nlohmann::json m = nlohmann::json::parse(read_file(manifest_path));
+    if (!m.is_object() || m.value("format", "") != "dsrun-tokens" || m.value("version", 0) != 1) throw data_error(manifest_path, "not a dsrun prepare manifest", "run dsrun prepare");
+    if (m.contains("tokenizer")) tokenizer_vocab = m.at("tokenizer").value("vocab_size", int64_t(0));
+    for (const auto& shard : m.at("shards")) {
+      Shard sh;
+      sh.tokens_file = shard.at("tokens_file").get<std::string>();
+      sh.tokens = shard.value("tokens", int64_t(-1));
+      if (shard.contains("docs_file")) sh.docs_file = shard.at("docs_file").get<std::string>();
+      shards.push_back(std::move(sh));
+    }
   } catch (const nlohmann::json::exception& e) {
     throw data_error(manifest_path, std::string("unreadable manifest: ") + e.what(), "run dsrun prepare again");
   }
-  if (m.value("format", "") != "dsrun-tokens" || m.value("version", 0) != 1) throw data_error(manifest_path, "not a dsrun prepare manifest", "run dsrun prepare");
-  const int64_t tokenizer_vocab = m["tokenizer"].value("vocab_size", int64_t(0));
   if (tokenizer_vocab > o.vocab) {
     ErrorContext c;
     c.file = manifest_path;
@@ -348,12 +368,12 @@ Files open_prepared(const std::string& dir, const TokenCorpusOptions& o) {
     throw Error("the corpus was tokenized with " + std::to_string(tokenizer_vocab) + " ids, more than model.vocab = " + std::to_string(o.vocab), c);
   }
   Files files;
-  for (const auto& shard : m["shards"]) {
+  for (const Shard& shard : shards) {
     auto f = std::make_unique<TokenFile>();
-    f->path = path_join(dir, shard.value("tokens_file", ""));
+    f->path = corpus_file(dir, shard.tokens_file, manifest_path);
     f->tokens_map = std::make_unique<MappedFile>(f->path);
-    check_dsrun_shard(*f, shard.value("tokens", int64_t(-1)));
-    if (shard.contains("docs_file")) attach_document_index(*f, path_join(dir, shard.value("docs_file", "")));
+    check_dsrun_shard(*f, shard.tokens);
+    if (!shard.docs_file.empty()) attach_document_index(*f, corpus_file(dir, shard.docs_file, manifest_path));
     files.push_back(std::move(f));
   }
   if (files.empty()) throw data_error(manifest_path, "the manifest lists no shards", "prepare some text first");

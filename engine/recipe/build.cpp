@@ -475,6 +475,11 @@ void build_rest(Builder& c, Recipe& r, const std::string& recipe_dir) {
   r.checkpoint.keep_last = c.i("checkpoint.keep_last");
   r.checkpoint.keep_every = c.i("checkpoint.keep_every");
   r.checkpoint.dir = resolve_path(c.s("checkpoint.dir"), recipe_dir);
+  if (!r.checkpoint.dir.empty()) {
+    const std::string problem = directory_problem(r.checkpoint.dir);
+    if (!problem.empty())
+      c.error("checkpoint.dir", r.checkpoint.dir + " " + problem, "name a directory this user can write (it is created if missing), or leave checkpoint.dir empty for the run's own");
+  }
   r.checkpoint.at_end = c.b("checkpoint.at_end");
   r.checkpoint.async_set = c.written("checkpoint.async");
   r.checkpoint.async = r.checkpoint.async_set ? c.b("checkpoint.async") : r.hardware.device == Device::Cuda;

@@ -986,7 +986,18 @@ std::string library_message(const std::exception& e, int* line = nullptr, int* c
 
 // A JSON file, parsed; a syntax error names the file, line and column. (nlohmann's parser and
 // destructor do not recurse: a file nested 1,000,000 deep parses in bounded stack.)
+// Tokenizer files are tens of MiB (Llama 3's tokenizer.json is 9 MB): one past kMaxJsonFileBytes is
+// refused by its size before it is read whole into memory.
+constexpr int64_t kMaxJsonFileBytes = int64_t{1} << 30;
+
 json parse_json_file(const std::string& path, const std::string& what, const std::string& hint) {
+  const int64_t size = file_size(path);
+  if (size > kMaxJsonFileBytes) {
+    ErrorContext c;
+    c.file = path;
+    c.hint = "a tokenizer's JSON is tens of MiB at most: is this the right file?";
+    throw Error(what + " is " + std::to_string(size >> 20) + " MiB, past the 1024 MiB dsrun reads", c);
+  }
   try {
     return json::parse(read_file(path));
   } catch (const json::parse_error& e) {
@@ -995,6 +1006,11 @@ json parse_json_file(const std::string& path, const std::string& what, const std
     c.hint = hint;
     const std::string message = library_message(e, &c.line, &c.column);
     throw Error("cannot parse " + what + ": " + message, c);
+  } catch (const json::out_of_range& e) {  // a number past double's range (1e400)
+    ErrorContext c;
+    c.file = path;
+    c.hint = hint;
+    throw Error("cannot parse " + what + ": a number JSON cannot hold (" + std::string(e.what()) + ")", c);
   }
 }
 
