@@ -21,6 +21,7 @@
 #include <nlohmann/json.hpp>
 #include <unistd.h>
 
+#include <algorithm>
 #include <csignal>
 #include <functional>
 #include <cstdio>
@@ -502,7 +503,10 @@ int command_cancel(const std::string& query, const std::string& db_path) {
 // The data files a checkpoint recorded, against the same paths now. A difference is refused
 // unless `force`; forced, the differences are returned, to be said and recorded. The ranks check
 // again against the files they open (the launcher's restarts included).
-static std::vector<std::string> check_checkpoint_data(const CheckpointInfo& found, const CheckpointManifest& m, bool force) {
+// `moved`: the data's location is overridden (--set data.path=...): the files are compared in
+// order by the ranks, which read them there (a corpus moved to another directory is the same data).
+static std::vector<std::string> check_checkpoint_data(const CheckpointInfo& found, const CheckpointManifest& m, bool force, bool moved = false) {
+  if (moved) return {};
   const DataChanges changes = compare_with_disk(m.data_files);
   for (const std::string& t : changes.touched) std::cerr << "dsrun: note: " << t << "\n";
   if (changes.same() || force) return changes.differ;
@@ -561,7 +565,10 @@ int command_resume(const ResumeArgs& args, const RunFlags& flags, const std::str
   }
   // What a --set changes that a resume cannot take back: said, recorded, or refused.
   std::vector<std::string> changes;
-  const std::vector<std::string> data_changes = check_checkpoint_data(*found, read_checkpoint(found->path, /*verify_files=*/false), args.force);
+  const bool data_moved = std::any_of(args.sets.begin(), args.sets.end(), [](const std::string& set) {
+    return set.rfind("data.path=", 0) == 0 || set.rfind("data.val_path=", 0) == 0 || set.rfind("data.blend=", 0) == 0;
+  });
+  const std::vector<std::string> data_changes = check_checkpoint_data(*found, read_checkpoint(found->path, /*verify_files=*/false), args.force, data_moved);
   for (const std::string& d : data_changes) {
     changes.push_back("data file changed since the checkpoint (--force): " + d);
     std::cerr << "dsrun: warning: resume of " << r.id << ": " << changes.back() << "\n";

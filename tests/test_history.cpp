@@ -75,6 +75,25 @@ int64_t disk_bytes(const std::string& path) {
   return total;
 }
 
+// A run recorded as running (with no launcher of its own yet).
+std::string running_run(dsrun::Store& store, const std::string& name) {
+  dsrun::NewRun n;
+  n.name = name;
+  n.recipe_text = n.config_toml = "x";
+  const std::string id = store.create_run(n);
+  store.set_status(id, dsrun::RunStatus::Running);
+  return id;
+}
+
+// A process id that is no longer alive (a child that exited and was reaped).
+pid_t exited_process() {
+  const pid_t exited = ::fork();
+  if (exited == 0) ::_exit(0);
+  int status = 0;
+  REQUIRE(::waitpid(exited, &status, 0) == exited);
+  return exited;
+}
+
 // `dsrun ARGS --db DB` under a time limit, for commands that would wait forever if they were wrong.
 dsrun::test::CommandOutput dsrun_with_timeout(const std::string& db, const std::string& args, int seconds) {
   return dsrun::test::run_command("cd '" + dsrun::test::source_dir() + "' && timeout " + std::to_string(seconds) + " '" DSRUN_BINARY "' " + args +
@@ -360,19 +379,9 @@ TEST_CASE("watch and delete tell a run whose launcher is gone from a live one", 
   TempDir dir;
   const std::string db = dir.file("runs.db");
   dsrun::Store store(db);
-  auto running = [&](const std::string& name) {
-    dsrun::NewRun n;
-    n.name = name;
-    n.recipe_text = n.config_toml = "x";
-    const std::string id = store.create_run(n);
-    store.set_status(id, dsrun::RunStatus::Running);
-    return id;
-  };
+  auto running = [&](const std::string& name) { return running_run(store, name); };
   const std::string host = dsrun::read_host_facts().hostname;
-  const pid_t exited = ::fork();  // a process id that is no longer alive
-  if (exited == 0) ::_exit(0);
-  int status = 0;
-  REQUIRE(::waitpid(exited, &status, 0) == exited);
+  const pid_t exited = exited_process();
   const std::string dead = running("dead"), silent = running("silent"), live = running("live");
   store.run_heartbeat(dead, host, exited);
   store.run_heartbeat(silent, "another-host", 1);  // its host cannot be checked from here; its heartbeat can
@@ -622,19 +631,9 @@ TEST_CASE("history and show mark a run lost whose launcher is gone, at its last 
   TempDir dir;
   const std::string db = dir.file("runs.db");
   dsrun::Store store(db);
-  auto running = [&](const std::string& name) {
-    dsrun::NewRun n;
-    n.name = name;
-    n.recipe_text = n.config_toml = "x";
-    const std::string id = store.create_run(n);
-    store.set_status(id, dsrun::RunStatus::Running);
-    return id;
-  };
+  auto running = [&](const std::string& name) { return running_run(store, name); };
   const std::string host = dsrun::read_host_facts().hostname;
-  const pid_t exited = ::fork();
-  if (exited == 0) ::_exit(0);
-  int status = 0;
-  REQUIRE(::waitpid(exited, &status, 0) == exited);
+  const pid_t exited = exited_process();
   const std::string dead = running("dead"), silent = running("silent"), live = running("live");
   store.run_heartbeat(dead, host, exited);
   store.add_metrics(dead, 7, {{"loss", 1.0}});

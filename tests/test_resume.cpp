@@ -325,6 +325,16 @@ TEST_CASE("resume on a weighted mixture of mapped token files (nanoGPT and llm.c
   INFO(out.text);
   REQUIRE(out.code == 0);
   CHECK(recorded_losses(dir, crashed.id) == reference.losses);  // bitwise
+  // The same files moved to another directory are the same data: the resume names the new place.
+  Run moved = train(dir, layout(1, 2) + kSixSteps + data, "DSRUN_TEST_CRASH_AT=1:5");
+  REQUIRE(moved.code == 1);
+  dsrun::test::run_command("mkdir -p '" + dir.file("elsewhere") + "' && mv '" + dir.file("nano.bin") + "' '" + dir.file("llmc.bin") + "' '" + dir.file("elsewhere") + "'");
+  auto refused = dsrun_command(dir, "resume " + moved.id);
+  CHECK(refused.code == 1);  // at the old place the files are gone
+  auto elsewhere = dsrun_command(dir, "resume " + moved.id + " --set 'data.blend=[\"" + dir.file("elsewhere/nano.bin") + "\", \"" + dir.file("elsewhere/llmc.bin") + "\"]'");
+  INFO(elsewhere.text);
+  CHECK(elsewhere.code == 0);
+  CHECK(recorded_losses(dir, moved.id) == reference.losses);
 }
 
 TEST_CASE("logical checkpoints: tensor 2 x pipeline 2 resumes on data 4, pipeline 2 on tensor 2", "[resume][reshard][pipeline][tensor]") {

@@ -530,6 +530,11 @@ TEST_CASE("corpora from elsewhere: a manifest's files stay inside the corpus, a 
   e = prepare_error(prepare_options(dir.file("badtok/tokenizer.json"), dir.file("bt_out"), {dir.file("in/a.txt")}));
   CHECK_THAT(e, Catch::Contains(dir.file("badtok/tokenizer.json")));
   CHECK_THAT(e, Catch::Contains("a number JSON cannot hold"));
+  // A file name that is not UTF-8 is prepared like any other (its record keeps a readable form).
+  dir.write(std::string("nonutf/bad\xff.txt"), lines_of(256));
+  const dsrun::PrepareSummary named = dsrun::prepare_corpus(prepare_options(tok, dir.file("nu_out"), {dir.file("nonutf")}), nullptr);
+  CHECK(named.documents == 1);
+  CHECK_NOTHROW(TokenCorpus(options(dir.file("nu_out"), 8)));
   // An empty -o: refused before anything is written to the current directory.
   e = prepare_error(prepare_options(tok, "", {dir.file("in/a.txt")}));
   CHECK_THAT(e, Catch::Contains("-o is empty"));

@@ -535,7 +535,7 @@ class ShardBuilder {
                 {"docs_file_bytes", static_cast<int64_t>(docs.size())},
                 {"docs_xxh3", hex64(XXH3_64bits(docs.data(), docs.size()))}};
     if (!r.skipped_examples.empty()) r.record["skipped_examples"] = r.skipped_examples;  // for a prepare that keeps this shard
-    write_file_atomic(base_ + ".json", r.record.dump(1) + "\n");
+    write_file_atomic(base_ + ".json", r.record.dump(1, ' ', false, json::error_handler_t::replace) + "\n");  // (file names need not be UTF-8)
     return r;
   }
 
@@ -1473,7 +1473,7 @@ PrepareSummary prepare(const PrepareOptions& o, const PrepareProgress& progress)
                          {"input_bytes", s.input_bytes},
                          {"skipped_lines", s.skipped_lines},
                          {"shards", shards}};
-  write_file_atomic(manifest_path, manifest.dump(1) + "\n");
+  write_file_atomic(manifest_path, manifest.dump(1, ' ', false, json::error_handler_t::replace) + "\n");  // (file names need not be UTF-8)
   return s;
 }
 
