@@ -708,6 +708,29 @@ static void check_host_memory_available(const Plan& plan) {
               c);
 }
 
+// How long a launcher's store write waits for a lost server before journaling it:
+// $DSRUN_STORE_RECONNECT_S, else 10 s (a restart is back within that).
+static double store_reconnect_seconds() {
+  const char* v = std::getenv("DSRUN_STORE_RECONNECT_S");
+  return v && std::atof(v) > 0 ? std::atof(v) : 10.0;
+}
+
+// The run has ended: what the store could not take is replayed before the launcher exits, trying
+// for up to 10 minutes; past that it stays in the journal, which the run's next launcher
+// (`dsrun resume`) replays first.
+static void flush_store_journal(Store& store) {
+  if (!store.journal_pending()) return;
+  std::fprintf(stderr, "dsrun: waiting up to 10 min for the run store to take the run's last writes\n");
+  const double deadline = now_seconds() + 600;
+  while (!store.replay_journal(/*now=*/true)) {
+    if (now_seconds() > deadline) {
+      std::fprintf(stderr, "dsrun: warning: the run store stayed away: the run's last writes wait in its journal; `dsrun resume` replays them\n");
+      return;
+    }
+    ::usleep(5000000);
+  }
+}
+
 RunStatus launch_run(const LoadedRecipe& loaded, const Plan& plan, Store& store, const std::string& run_id, const LaunchOptions& options) {
   // Whatever fails here, before the ranks start or after they end, ends the run `failed` with the
   // reason: a run is never left `running` without a launcher.
@@ -718,6 +741,8 @@ RunStatus launch_run(const LoadedRecipe& loaded, const Plan& plan, Store& store,
     const std::string config_path = absolute(path_join(options.run_dir, "config" + pending + ".toml"));
     write_file_atomic(config_path, rank_config_toml(loaded, plan));
     write_file_atomic(path_join(options.run_dir, "plan" + pending + ".json"), plan_to_json(plan));
+    // Training never stops for the store: what it cannot take waits, in order, beside the run.
+    store.journal_writes_to(path_join(options.run_dir, "store_journal-node" + std::to_string(options.node_rank) + ".jsonl"), store_reconnect_seconds());
     if (options.owns_run) {
       if (!options.run_claimed) store.set_status(run_id, RunStatus::Running);
       store.run_heartbeat(run_id, read_host_facts().hostname, ::getpid());
@@ -727,7 +752,9 @@ RunStatus launch_run(const LoadedRecipe& loaded, const Plan& plan, Store& store,
     if (o.checkpoint_root.empty()) o.checkpoint_root = checkpoint_root_of(loaded.recipe, options.run_dir, run_id);
     make_directories(o.checkpoint_root);
     Supervisor supervisor(loaded, plan, store, run_id, o);
-    return supervisor.run(config_path);
+    const RunStatus status = supervisor.run(config_path);
+    flush_store_journal(store);
+    return status;
   } catch (const std::exception& e) {
     const Error* error = dynamic_cast<const Error*>(&e);
     const std::string why = "the launcher failed: " + (error ? error->describe() : std::string(e.what()));
@@ -739,6 +766,7 @@ RunStatus launch_run(const LoadedRecipe& loaded, const Plan& plan, Store& store,
         store.add_event(run_id, "failed", -1, why);
         store.set_status(run_id, RunStatus::Failed, why);
       }
+      flush_store_journal(store);
     } catch (const Error& unrecorded) {  // the store itself failed: both errors reach the user
       throw Error(why + "; and it could not be recorded: " + unrecorded.describe());
     }

@@ -58,6 +58,11 @@ class Database {
   // calls join the outer transaction.
   virtual void transaction(const std::function<void()>& body) = 0;
 
+  // A server store: how long a statement waits for a lost connection to come back before it
+  // throws, and whether the last one threw for that (not for what it asked). Files: never lost.
+  virtual void set_reconnect_seconds(double) {}
+  virtual bool connection_lost() const { return false; }
+
   virtual int schema_version() = 0;
   // Brings the schema to `scripts.size()`; script i leads from version i to i + 1. Refuses a
   // database newer than that. Safe when many processes open a new database at once.

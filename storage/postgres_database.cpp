@@ -44,7 +44,8 @@ struct LostConnection {
   std::string message, sqlstate, sql;
 };
 
-// How long a store write waits for its server to come back (a restart takes a second or two).
+// How long a store write waits for its server to come back (a restart takes a second or two);
+// a launcher that journals its writes (Store::journal_writes_to) waits less.
 constexpr double kReconnectSeconds = 120;
 
 // SQLite's ? and ?N become $N (a bare ? is one more than the highest number so far); quoted text
@@ -108,6 +109,8 @@ class PostgresDatabase final : public Database {
   }
 
   SqlDialect dialect() const override { return SqlDialect::Postgres; }
+  void set_reconnect_seconds(double seconds) override { reconnect_seconds_ = seconds; }
+  bool connection_lost() const override { return lost_; }
   const std::string& location() const override { return location_; }
 
   SqlRows query(const std::string& sql, const std::vector<SqlValue>& params) override {
@@ -277,7 +280,7 @@ class PostgresDatabase final : public Database {
   // Back to the server after a lost connection, trying every half second for kReconnectSeconds;
   // then the loss is an Error naming the store. Each outage is said once on stderr.
   void reconnect(const LostConnection& lost) {
-    std::fprintf(stderr, "dsrun: warning: run store %s: connection lost (%s); reconnecting for up to %.0f s\n", location_.c_str(), lost.message.c_str(), kReconnectSeconds);
+    if (!lost_) std::fprintf(stderr, "dsrun: warning: run store %s: connection lost (%s); reconnecting for up to %.0f s\n", location_.c_str(), lost.message.c_str(), reconnect_seconds_);
     const auto start = std::chrono::steady_clock::now();
     while (true) {
       PQreset(conn_.get());
@@ -286,15 +289,17 @@ class PostgresDatabase final : public Database {
         Result r(PQexec(conn_.get(), "SET client_min_messages = warning"));
         if (r.get() && PQresultStatus(r.get()) == PGRES_COMMAND_OK) {
           std::fprintf(stderr, "dsrun: run store %s: reconnected\n", location_.c_str());
+          lost_ = false;
           return;
         }
       }
-      if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > kReconnectSeconds) break;
+      if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > reconnect_seconds_) break;
       ::usleep(500000);
     }
+    lost_ = true;
     ErrorContext c;
     c.file = location_;
-    c.hint = "the server stayed away for " + std::to_string(static_cast<int>(kReconnectSeconds)) + " s: check that it runs, then `dsrun resume` the run";
+    c.hint = "the server stayed away for " + std::to_string(static_cast<int>(reconnect_seconds_)) + " s: check that it runs, then `dsrun resume` the run";
     throw Error("run store: the connection to the server was lost: " + lost.message + (lost.sqlstate.empty() ? "" : " (PostgreSQL " + lost.sqlstate + ")"), c)
         .with_origin(source_origin(__FILE__, __LINE__) + ": " + lost.sql);
   }
@@ -324,6 +329,8 @@ class PostgresDatabase final : public Database {
   }
 
   std::string location_;
+  double reconnect_seconds_ = kReconnectSeconds;
+  bool lost_ = false;  // the last reconnect gave up (cleared by the next that succeeds)
   std::unique_ptr<PGconn, ConnectionCloser> conn_;
   int depth_ = 0;
   std::mt19937 rng_{std::random_device{}()};

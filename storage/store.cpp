@@ -4,12 +4,16 @@
 #include "engine/common/files.hpp"
 #include "engine/common/text.hpp"
 
+#include <fcntl.h>
+#include <nlohmann/json.hpp>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 
 namespace dsrun {
@@ -451,20 +455,22 @@ void Store::complete_run(const std::string& run_id, const NewRun& run) {
 }
 
 void Store::set_status(const std::string& run_id, RunStatus status, const std::string& error) {
-  db_->transaction([&] {
-    RunStatus from = get_run(run_id).status;
-    if (!transition_allowed(from, status)) {
-      ErrorContext c;
-      c.key = run_id;
-      throw Error(std::string("run cannot go from ") + to_string(from) + " to " + to_string(status), c);
-    }
-    const double now = unix_now();
-    const std::string st = to_string(status);
-    db_->query("UPDATE runs SET status = ?1, error = CASE WHEN ?1 = 'running' THEN NULL ELSE COALESCE(?2, error) END, "
-               "started_at = CASE WHEN ?1 = 'running' THEN COALESCE(started_at, ?3) ELSE started_at END, "
-               "ended_at = CASE WHEN ?1 IN ('finished','failed','killed','pruned','infeasible','lost') THEN ?3 ELSE NULL END WHERE id = ?4",
-               {st, SqlValue::text_or_null(error), now, run_id});
-  });
+  write([&] {
+    db_->transaction([&] {
+      RunStatus from = get_run(run_id).status;
+      if (!transition_allowed(from, status)) {
+        ErrorContext c;
+        c.key = run_id;
+        throw Error(std::string("run cannot go from ") + to_string(from) + " to " + to_string(status), c);
+      }
+      const double now = unix_now();
+      const std::string st = to_string(status);
+      db_->query("UPDATE runs SET status = ?1, error = CASE WHEN ?1 = 'running' THEN NULL ELSE COALESCE(?2, error) END, "
+                 "started_at = CASE WHEN ?1 = 'running' THEN COALESCE(started_at, ?3) ELSE started_at END, "
+                 "ended_at = CASE WHEN ?1 IN ('finished','failed','killed','pruned','infeasible','lost') THEN ?3 ELSE NULL END WHERE id = ?4",
+                 {st, SqlValue::text_or_null(error), now, run_id});
+    });
+  }, [&] { return nlohmann::json{{"op", "status"}, {"run", run_id}, {"status", to_string(status)}, {"error", error}}.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace); });
 }
 
 bool Store::set_status_if(const std::string& run_id, RunStatus from, RunStatus to, const std::string& error) {
@@ -487,38 +493,48 @@ bool Store::claim_run(const std::string& run_id, RunStatus status, double heartb
 }
 
 void Store::add_metrics(const std::string& run_id, int64_t step, const std::vector<std::pair<std::string, double>>& values) {
-  db_->transaction([&] {
-    // A (run, key, step) row stays unique: a step recorded again after a resume overwrites, never duplicates.
-    const double now = unix_now();
-    for (const auto& [key, value] : values)
-      db_->query("INSERT INTO metrics(run_id, key, step, value, time) VALUES(?,?,?,?,?) "
-                 "ON CONFLICT(run_id, key, step) DO UPDATE SET value = excluded.value, time = excluded.time",
-                 {run_id, key, step, value, now});
-    db_->query("UPDATE runs SET heartbeat_at = ? WHERE id = ?", {now, run_id});
-  });
+  write([&] {
+    db_->transaction([&] {
+      // A (run, key, step) row stays unique: a step recorded again after a resume overwrites, never duplicates.
+      const double now = unix_now();
+      for (const auto& [key, value] : values)
+        db_->query("INSERT INTO metrics(run_id, key, step, value, time) VALUES(?,?,?,?,?) "
+                   "ON CONFLICT(run_id, key, step) DO UPDATE SET value = excluded.value, time = excluded.time",
+                   {run_id, key, step, value, now});
+      db_->query("UPDATE runs SET heartbeat_at = ? WHERE id = ?", {now, run_id});
+    });
+  }, [&] { return nlohmann::json{{"op", "metrics"}, {"run", run_id}, {"step", step}, {"values", values}}.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace); });
 }
 
 void Store::run_heartbeat(const std::string& run_id, const std::string& host, int64_t pid) {
-  // A run a reader marked lost while its launcher was only silent is running again.
-  const SqlRows back = db_->query("UPDATE runs SET status = 'running', error = NULL, ended_at = NULL WHERE id = ? AND status = 'lost' AND pid = ? RETURNING id", {run_id, pid});
-  if (!back.empty()) add_event(run_id, "running", -1, "its launcher (process " + std::to_string(pid) + " on " + host + ") was heard from again: running, not lost");
-  db_->query("UPDATE runs SET heartbeat_at = ?, host = ?, pid = ? WHERE id = ?", {unix_now(), host, pid, run_id});
+  write([&] {
+    // A run a reader marked lost while its launcher was only silent is running again.
+    const SqlRows back = db_->query("UPDATE runs SET status = 'running', error = NULL, ended_at = NULL WHERE id = ? AND status = 'lost' AND pid = ? RETURNING id", {run_id, pid});
+    if (!back.empty()) add_event(run_id, "running", -1, "its launcher (process " + std::to_string(pid) + " on " + host + ") was heard from again: running, not lost");
+    db_->query("UPDATE runs SET heartbeat_at = ?, host = ?, pid = ? WHERE id = ?", {unix_now(), host, pid, run_id});
+  }, [&] { return std::string(); });
 }
 
 void Store::add_event(const std::string& run_id, const std::string& kind, int rank, const std::string& message, const std::string& detail) {
-  db_->query("INSERT INTO events(run_id, time, kind, rank, message, detail) VALUES(?,?,?,?,?,?)",
-             {run_id, unix_now(), kind, SqlValue::integer_or_null(rank, rank >= 0), message, SqlValue::text_or_null(detail)});
+  write([&] {
+    db_->query("INSERT INTO events(run_id, time, kind, rank, message, detail) VALUES(?,?,?,?,?,?)",
+               {run_id, unix_now(), kind, SqlValue::integer_or_null(rank, rank >= 0), message, SqlValue::text_or_null(detail)});
+  }, [&] { return nlohmann::json{{"op", "event"}, {"run", run_id}, {"kind", kind}, {"rank", rank}, {"message", message}, {"detail", detail}}.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace); });
 }
 
 void Store::add_checkpoint(const std::string& run_id, const CheckpointRecord& c) {
-  db_->query("INSERT INTO checkpoints(run_id, step, path, bytes, checksum, created_at) VALUES(?,?,?,?,?,?) "
-             "ON CONFLICT(run_id, step) DO UPDATE SET path = excluded.path, bytes = excluded.bytes, checksum = excluded.checksum, "
-             "created_at = excluded.created_at",
-             {run_id, c.step, c.path, c.bytes, c.checksum, c.created_at > 0 ? c.created_at : unix_now()});
+  write([&] {
+    db_->query("INSERT INTO checkpoints(run_id, step, path, bytes, checksum, created_at) VALUES(?,?,?,?,?,?) "
+               "ON CONFLICT(run_id, step) DO UPDATE SET path = excluded.path, bytes = excluded.bytes, checksum = excluded.checksum, "
+               "created_at = excluded.created_at",
+               {run_id, c.step, c.path, c.bytes, c.checksum, c.created_at > 0 ? c.created_at : unix_now()});
+  }, [&] { return nlohmann::json{{"op", "checkpoint"}, {"run", run_id}, {"step", c.step}, {"path", c.path}, {"bytes", c.bytes}, {"checksum", c.checksum}, {"created_at", c.created_at > 0 ? c.created_at : unix_now()}}.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace); });
 }
 
 void Store::remove_checkpoint(const std::string& run_id, const std::string& path) {
-  db_->query("DELETE FROM checkpoints WHERE run_id = ? AND path = ?", {run_id, path});
+  write([&] {
+    db_->query("DELETE FROM checkpoints WHERE run_id = ? AND path = ?", {run_id, path});
+  }, [&] { return nlohmann::json{{"op", "remove_checkpoint"}, {"run", run_id}, {"path", path}}.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace); });
 }
 
 void Store::update_plan(const std::string& run_id, const std::string& config_toml, const std::string& plan_json, const std::string& plan_text,
@@ -654,10 +670,12 @@ std::vector<CheckpointRecord> Store::checkpoints(const std::string& run_id) cons
 }
 
 void Store::report_node(const std::string& run_id, const NodeReport& r) {
-  db_->query("INSERT INTO run_nodes(run_id, node_rank, host, pid, status, heartbeat_at, restarts, error) VALUES(?,?,?,?,?,?,?,?) "
-             "ON CONFLICT(run_id, node_rank) DO UPDATE SET host = excluded.host, pid = excluded.pid, status = excluded.status, "
-             "heartbeat_at = excluded.heartbeat_at, restarts = excluded.restarts, error = excluded.error",
-             {run_id, r.node_rank, r.host, r.pid, r.status, unix_now(), r.restarts, SqlValue::text_or_null(r.error)});
+  write([&] {
+    db_->query("INSERT INTO run_nodes(run_id, node_rank, host, pid, status, heartbeat_at, restarts, error) VALUES(?,?,?,?,?,?,?,?) "
+               "ON CONFLICT(run_id, node_rank) DO UPDATE SET host = excluded.host, pid = excluded.pid, status = excluded.status, "
+               "heartbeat_at = excluded.heartbeat_at, restarts = excluded.restarts, error = excluded.error",
+               {run_id, r.node_rank, r.host, r.pid, r.status, unix_now(), r.restarts, SqlValue::text_or_null(r.error)});
+  }, [&] { return nlohmann::json{{"op", "node"}, {"run", run_id}, {"node_rank", r.node_rank}, {"host", r.host}, {"pid", r.pid}, {"status", r.status}, {"restarts", r.restarts}, {"error", r.error}}.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace); });
 }
 
 std::vector<NodeRecord> Store::nodes(const std::string& run_id) const {
@@ -834,6 +852,122 @@ StoreCopy copy_store(const Store& from, Store& to) {
   });
   n.events = dst.query("SELECT count(*) FROM events").at(0).integer(0) - events_before;
   return n;
+}
+
+
+// ---- the launcher's journal (Store::journal_writes_to) ----------------------------------------
+
+namespace {
+constexpr int64_t kJournalBytes = int64_t{256} << 20;
+constexpr double kReplayEverySeconds = 10;
+}  // namespace
+
+void Store::journal_writes_to(const std::string& path, double reconnect_seconds) {
+  journal_path_ = path;
+  reconnect_seconds_ = reconnect_seconds;
+  db_->set_reconnect_seconds(reconnect_seconds);
+  journal_pending_ = file_size(path) > 0;  // a journal a launcher before this one left
+}
+
+void Store::write(const std::function<void()>& apply, const std::function<std::string()>& entry) {
+  if (journal_path_.empty() || replaying_) return apply();
+  if (journal_pending_ && !replay_journal()) {
+    const std::string line = entry();
+    if (!line.empty()) append_journal(line);
+    return;
+  }
+  try {
+    apply();
+  } catch (const Error&) {
+    if (!db_->connection_lost()) throw;  // the store answered, and refused: that is the caller's
+    const std::string line = entry();
+    if (!line.empty()) append_journal(line);
+  }
+}
+
+void Store::append_journal(const std::string& line) {
+  if (!journal_pending_)
+    std::fprintf(stderr, "dsrun: warning: run store %s is away: its writes go to %s, in order, until it is back\n", path().c_str(), journal_path_.c_str());
+  journal_pending_ = true;
+  if (file_size(journal_path_) + static_cast<int64_t>(line.size()) > kJournalBytes) {
+    ErrorContext c;
+    c.file = journal_path_;
+    c.hint = "bring the store back; then `dsrun resume` the run (its checkpoints are on disk)";
+    throw Error("the run store has been away too long: the journal of its writes reached " + std::to_string(kJournalBytes >> 20) + " MiB", c);
+  }
+  const int fd = ::open(journal_path_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
+  if (fd < 0) fail_at(__FILE__, __LINE__, "cannot open the store journal " + journal_path_ + ": " + std::strerror(errno));
+  const std::string text = line + "\n";
+  const bool written = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size()) && ::fdatasync(fd) == 0;
+  const int saved = errno;
+  ::close(fd);
+  if (!written) fail_at(__FILE__, __LINE__, "cannot write the store journal " + journal_path_ + ": " + std::strerror(saved));
+}
+
+bool Store::replay_journal(bool now) {
+  if (!journal_pending_) return true;
+  if (!now && unix_now() < next_replay_) return false;
+  next_replay_ = unix_now() + kReplayEverySeconds;
+  std::vector<std::string> lines;
+  for (const std::string& l : split(read_file(journal_path_), '\n'))
+    if (!l.empty()) lines.push_back(l);
+  size_t done = 0;
+  replaying_ = true;
+  // One try to reach the server, not the whole reconnect window: training waits for none of this.
+  db_->set_reconnect_seconds(0);
+  try {
+    for (; done < lines.size(); ++done) apply_journal_entry(lines[done]);
+    db_->set_reconnect_seconds(reconnect_seconds_);
+  } catch (const Error&) {
+    db_->set_reconnect_seconds(reconnect_seconds_);
+    replaying_ = false;
+    if (!db_->connection_lost()) throw;
+    std::vector<std::string> rest(lines.begin() + static_cast<std::ptrdiff_t>(done), lines.end());
+    write_file_atomic(journal_path_, join(rest, "\n") + "\n", 0600);
+    return false;
+  }
+  replaying_ = false;
+  if (::unlink(journal_path_.c_str()) != 0) fail_at(__FILE__, __LINE__, "cannot remove the replayed store journal " + journal_path_ + ": " + std::strerror(errno));
+  journal_pending_ = false;
+  std::fprintf(stderr, "dsrun: run store %s is back: %zu journaled write(s) replayed in order\n", path().c_str(), lines.size());
+  return true;
+}
+
+void Store::apply_journal_entry(const std::string& line) {
+  nlohmann::json e;
+  try {
+    e = nlohmann::json::parse(line);
+  } catch (const nlohmann::json::exception& x) {
+    ErrorContext c;
+    c.file = journal_path_;
+    c.hint = "the journal is dsrun's own: a line was cut (a crash mid-write?); remove that line and run again";
+    throw Error(std::string("unreadable store journal line: ") + x.what(), c);
+  }
+  const std::string op = e.value("op", ""), run = e.value("run", "");
+  if (op == "status") {
+    set_status(run, run_status_from_string(e.value("status", "")), e.value("error", ""));
+  } else if (op == "metrics") {
+    add_metrics(run, e.value("step", int64_t{0}), e.at("values").get<std::vector<std::pair<std::string, double>>>());
+  } else if (op == "event") {
+    add_event(run, e.value("kind", ""), e.value("rank", -1), e.value("message", ""), e.value("detail", ""));
+  } else if (op == "checkpoint") {
+    add_checkpoint(run, {e.value("step", int64_t{0}), e.value("path", ""), e.value("bytes", int64_t{0}), e.value("checksum", ""), e.value("created_at", 0.0)});
+  } else if (op == "remove_checkpoint") {
+    remove_checkpoint(run, e.value("path", ""));
+  } else if (op == "node") {
+    NodeReport n;
+    n.node_rank = e.value("node_rank", 0);
+    n.host = e.value("host", "");
+    n.pid = e.value("pid", int64_t{0});
+    n.status = e.value("status", "");
+    n.restarts = e.value("restarts", 0);
+    n.error = e.value("error", "");
+    report_node(run, n);
+  } else {
+    ErrorContext c;
+    c.file = journal_path_;
+    throw Error("store journal line of unknown kind \"" + op + "\"", c);
+  }
 }
 
 }  // namespace dsrun

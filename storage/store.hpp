@@ -188,8 +188,26 @@ class Store {
   // Raw SQL, for tests and `store copy`.
   Database& database() const { return *db_; }
 
+  // A launcher's writes outlive a server store that stays away: after `reconnect_seconds` of
+  // trying, a write that cannot be made goes to `path` instead (one JSON line each, in order,
+  // fsync'd, at most 256 MiB), and what waits there is replayed, in order, before a later write
+  // once the store answers (tried every 10 s). Status, metrics, events, checkpoints and node
+  // reports are kept; a heartbeat while the store is away is not (it is about now).
+  void journal_writes_to(const std::string& path, double reconnect_seconds);
+  // Replays what waits in the journal now; true when nothing is left (or there is no journal).
+  bool replay_journal(bool now = false);
+  bool journal_pending() const { return journal_pending_; }
+
  private:
+  // Runs `apply`; with a journal, while the store is away, appends `entry()` (a JSON line) instead.
+  void write(const std::function<void()>& apply, const std::function<std::string()>& entry);
+  void append_journal(const std::string& line);
+  void apply_journal_entry(const std::string& line);
+
   std::unique_ptr<Database> db_;
+  std::string journal_path_;
+  bool journal_pending_ = false, replaying_ = false;
+  double next_replay_ = 0, reconnect_seconds_ = 0;
 };
 
 // Where runs' directories (config, logs, checkpoints) go: beside a SQLite store; with a server

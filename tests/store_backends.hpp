@@ -65,6 +65,8 @@ class PostgresServer {
   const std::string& skip_reason() const { return skip_reason_; }
   // `pg_ctl -m fast restart`: every client's connection is cut, the server is back within seconds.
   bool restart() { return server_ && run_command(server_->path() + " restart " + server_->dir()).code == 0; }
+  // Stopped for `seconds`, then started again: an outage longer than a restart.
+  bool away(int seconds) { return server_ && run_command(server_->path() + " away " + server_->dir() + " " + std::to_string(seconds)).code == 0; }
   // A database of its own for each caller: tests never see each other's runs.
   std::string new_database() {
     const std::string name = "t" + std::to_string(++databases_);

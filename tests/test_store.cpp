@@ -11,6 +11,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <functional>
 #include <random>
 
 using namespace dsrun;
@@ -426,16 +427,16 @@ TEST_CASE("store copy moves every record between backends, and copying again add
   CHECK(Store(dir.file("d.db")).get_run(a).name == "parent");
 }
 
-TEST_CASE("a PostgreSQL restart mid-run: the launcher reconnects, training goes on, every metric row is recorded once and the run ends finished", "[store][postgresql][reliability]") {
-  test::PostgresServer& pg = test::PostgresServer::get();
-  if (!pg.available()) {
-    WARN(pg.skip_reason());
-    return;
-  }
+namespace {
+
+// A 300-step run into a fresh database of the test server, with `outage` done to the server once
+// it has trained 5 steps: the run must finish, every step's metrics recorded once. Returns the
+// launcher's output.
+std::string run_through_outage(test::PostgresServer& pg, const std::string& env, const std::function<bool()>& outage) {
   test::TempDir dir;
   const std::string db = pg.new_database();
   const int steps = 300;
-  test::run_command("cd '" + test::source_dir() + "' && (DSRUN_RUNS_DIR='" + dir.path() + "' '" DSRUN_BINARY "' run tests/recipes/tiny_train.toml --db '" + db +
+  test::run_command("cd '" + test::source_dir() + "' && (" + env + " DSRUN_RUNS_DIR='" + dir.path() + "' '" DSRUN_BINARY "' run tests/recipes/tiny_train.toml --db '" + db +
                     "' --set run.steps=" + std::to_string(steps) + " --set checkpoint.at_end=false --set logging.tensorboard=false > '" + dir.file("out.txt") +
                     "' 2>&1; echo $? > '" + dir.file("code") + "') > /dev/null 2>&1 &");
   std::string id;
@@ -450,8 +451,8 @@ TEST_CASE("a PostgreSQL restart mid-run: the launcher reconnects, training goes 
     }
   }
   REQUIRE(reached >= 5);
-  REQUIRE(pg.restart());
-  test::run_command("for i in $(seq 1200); do [ -f '" + dir.file("code") + "' ] && break; sleep 0.25; done");
+  REQUIRE(outage());
+  test::run_command("for i in $(seq 2400); do [ -f '" + dir.file("code") + "' ] && break; sleep 0.25; done");
   const std::string out = dsrun::read_file(dir.file("out.txt"));
   INFO(out);
   REQUIRE(dsrun::file_exists(dir.file("code")));
@@ -463,6 +464,28 @@ TEST_CASE("a PostgreSQL restart mid-run: the launcher reconnects, training goes 
   const auto losses = store.metric_history(id, "loss");
   CHECK(losses.size() == static_cast<size_t>(steps));  // none lost; the store keeps one row a step
   CHECK(losses.back().step == steps);
-  CHECK(test::contains(out, "reconnected"));
+  CHECK_FALSE(dsrun::file_exists(dir.file(id + "/store_journal-node0.jsonl")));  // replayed and removed
+  return out;
 }
 
+}  // namespace
+
+TEST_CASE("a PostgreSQL restart mid-run: the launcher reconnects, training goes on, every metric row is recorded once and the run ends finished", "[store][postgresql][reliability]") {
+  test::PostgresServer& pg = test::PostgresServer::get();
+  if (!pg.available()) {
+    WARN(pg.skip_reason());
+    return;
+  }
+  CHECK(test::contains(run_through_outage(pg, "", [&] { return pg.restart(); }), "reconnected"));
+}
+
+TEST_CASE("a PostgreSQL server away longer than the reconnect window: the launcher journals its writes beside the run, training goes on, and they are replayed in order", "[store][postgresql][reliability]") {
+  test::PostgresServer& pg = test::PostgresServer::get();
+  if (!pg.available()) {
+    WARN(pg.skip_reason());
+    return;
+  }
+  const std::string out = run_through_outage(pg, "DSRUN_STORE_RECONNECT_S=1", [&] { return pg.away(6); });
+  CHECK(test::contains(out, "its writes go to"));
+  CHECK(test::contains(out, "journaled write(s) replayed in order"));
+}

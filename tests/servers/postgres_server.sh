@@ -4,6 +4,7 @@
 #   postgres_server.sh available      exit 0 if the server binaries are installed, else say "skipped: ..."
 #   postgres_server.sh start DIR      init + start; prints the connection URL (postgresql://...) on stdout
 #   postgres_server.sh restart DIR    fast shutdown and start again, as an operator's `pg_ctl restart` (clients are cut off)
+#   postgres_server.sh away DIR SECS  stopped for SECS seconds, then started again on the same port (an outage)
 #   postgres_server.sh stop DIR       stop it (fast shutdown); fine if it is not running
 set -euo pipefail
 
@@ -63,13 +64,23 @@ case "$cmd" in
     as_owner "$bin/pg_ctl" -D "$dir/data" -l "$dir/server.log" -m fast -w -t 30 restart >/dev/null ||
       { cat "$dir/server.log" >&2; exit 1; }
     ;;
+  away)
+    dir=${2:?usage: postgres_server.sh away DIR SECONDS}
+    seconds=${3:?usage: postgres_server.sh away DIR SECONDS}
+    bin=$(bin_dir) || { echo "postgres_server.sh: no PostgreSQL server installed" >&2; exit 1; }
+    as_owner "$bin/pg_ctl" -D "$dir/data" -m fast -w stop >/dev/null
+    sleep "$seconds"
+    as_owner "$bin/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 30 \
+      -o "-p $(cat "$dir/port") -k $dir -c listen_addresses=127.0.0.1 -c max_connections=100 -c fsync=off" start >/dev/null ||
+      { cat "$dir/server.log" >&2; exit 1; }
+    ;;
   stop)
     dir=${2:?usage: postgres_server.sh stop DIR}
     bin=$(bin_dir) || exit 0
     [ -f "$dir/data/postmaster.pid" ] && as_owner "$bin/pg_ctl" -D "$dir/data" -m fast -w stop >/dev/null 2>&1 || true
     ;;
   *)
-    echo "usage: postgres_server.sh available | start DIR | restart DIR | stop DIR" >&2
+    echo "usage: postgres_server.sh available | start DIR | restart DIR | away DIR SECONDS | stop DIR" >&2
     exit 2
     ;;
 esac
