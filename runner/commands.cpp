@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <csignal>
 #include <functional>
 #include <cstdio>
@@ -45,6 +46,31 @@ void check_token_data(const Recipe& r) {
     if (!file_exists(p) && !(file_exists(p + ".bin") && file_exists(p + ".idx"))) return;
   const TokenCorpus corpus(o);
   for (const std::string& w : corpus.warnings()) std::cerr << "dsrun: warning: data: " << w << "\n";
+}
+
+// A validation split too small for one sequence would fail in the ranks at their first evaluation:
+// refused here, before a run is recorded. Text is a token a byte; synthetic data is what
+// engine/data/dataset.cpp makes (at least 1 Mi tokens, 64 sequences).
+void check_validation_split(const Recipe& r) {
+  const DataOptions& d = r.data;
+  if (r.eval.every <= 0 || !d.val_path.empty() || d.val_fraction <= 0 || r.model.arch != ModelArch::DeepSeek) return;
+  double tokens = 0;
+  if (d.kind == DataKind::Synthetic) {
+    tokens = static_cast<double>(std::max<int64_t>(1 << 20, 64 * (r.batch.seq_len + 1)));
+  } else if (d.kind == DataKind::Text) {
+    for (const std::string& f : is_directory(d.path) ? data_directory_files(d.path, "") : std::vector<std::string>{d.path})
+      tokens += static_cast<double>(std::max<int64_t>(0, file_size(f)));
+  } else {
+    return;  // token corpora split each file in whole documents and say so themselves (check_token_data)
+  }
+  const double held_out = std::floor(tokens * d.val_fraction), needed = static_cast<double>(r.batch.seq_len + 1);
+  if (tokens <= 0 || held_out >= needed) return;
+  ErrorContext c;
+  c.key = "data.val_fraction";
+  c.hint = "raise data.val_fraction to at least " + format_double(needed / tokens, 3) + ", give data.val_path, or set eval.every = 0";
+  throw Error("data.val_fraction = " + format_double(d.val_fraction, 3) + " holds out " + format_double(held_out, 6) + " of the data's " + format_double(tokens, 6) +
+                  " tokens: not one validation sequence of " + std::to_string(r.batch.seq_len + 1),
+              c);
 }
 
 // The free space where the run's checkpoints will go (checkpoint.dir, else beside the store), for
@@ -71,6 +97,7 @@ LoadedRecipe load_or_report(const RecipeArgs& args, const HostFacts& host) {
   std::string warnings = loaded.report();
   if (!warnings.empty()) std::cerr << warnings;
   check_token_data(loaded.recipe);
+  check_validation_split(loaded.recipe);
   return loaded;
 }
 

@@ -1,6 +1,7 @@
 // The dsrun binary end to end: real processes, a real SQLite file in a temporary directory.
 #include "test_util.hpp"
 
+#include "engine/common/files.hpp"
 #include "engine/common/host.hpp"
 #include "engine/common/text.hpp"
 
@@ -248,4 +249,18 @@ TEST_CASE("dsrun probe: a template path that cannot be written, a disk path that
   CHECK(gpu.code == 1);
   CHECK(contains(gpu.text, "hardware.device"));
   CHECK(contains(gpu.text, "has none"));
+}
+
+TEST_CASE("a validation split too small for one sequence is refused by dsrun plan and dsrun run, naming data.val_fraction, before a run is recorded", "[cli][data]") {
+  dsrun::test::TempDir dir;
+  Output plan = dsrun_cli("plan tests/recipes/tiny_train.toml --set data.val_fraction=1e-300 --set eval.every=5", dir);
+  INFO(plan.text);
+  CHECK(plan.code == 1);
+  CHECK(contains(plan.text, "data.val_fraction"));
+  CHECK(contains(plan.text, "not one validation sequence of 33"));
+  Output run = dsrun_cli("run tests/recipes/tiny_train.toml --set data.val_fraction=1e-300 --set eval.every=5", dir);
+  CHECK(run.code == 1);
+  CHECK_FALSE(dsrun::file_exists(dir.file("runs.db")));
+  // Without evaluation the split is not used: fine.
+  CHECK(dsrun_cli("plan tests/recipes/tiny_train.toml --set data.val_fraction=1e-300 --set eval.every=0", dir).code == 0);
 }

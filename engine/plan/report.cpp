@@ -125,7 +125,8 @@ std::string render_plan(const Plan& p) {
            p.loss_chunk_tokens > 0 ? "the largest transient: a loss chunk's logits and the head's weight gradient, or a recomputed block"
                                    : "backward's largest transient: logits or softmax gradients"});
   if (m.gradients_after_peak > 0)
-    t.add({"gradients after the peak", "-" + format_bytes(m.gradients_after_peak), "one rank: autograd makes them as backward frees activations (no gradient buffer)"});
+    t.add({"gradients after the peak", format_bytes(m.gradients_after_peak),
+           "subtracted from the total: one rank's autograd makes them as backward frees activations (no gradient buffer)"});
   t.add({"communication buffers", format_bytes(m.comm_buffers), p.layout.zero_stage == 3 ? "gathered layers" : "gradient buckets"});
   t.add({"runtime", format_bytes(m.runtime), "context, libraries"});
   t.add({"allocator slack", format_bytes(m.fragmentation), "fragmentation"});
