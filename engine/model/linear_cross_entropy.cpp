@@ -1,3 +1,4 @@
+#include "engine/common/autograd_pointer.hpp"
 #include "engine/model/linear_cross_entropy.hpp"
 
 #include "engine/common/error.hpp"
@@ -50,7 +51,7 @@ Tensor head_gradient(const Tensor& weight, int64_t n) {
 struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropyFunction> {
   static Tensor forward(AutogradContext* ctx, const Tensor& hidden, const Tensor& weight, const Tensor& targets, int64_t chunk,
                         int64_t group_address, bool wants_grad, bool gradient_in_forward) {
-    Communicator* group = reinterpret_cast<Communicator*>(group_address);
+    Communicator* group = pointer_from_argument<Communicator>(group_address);
     const int64_t n = hidden.size(0), local_vocab = weight.size(0);
     const int ranks = group ? group->world_size() : 1;
     const LocalTargets t(targets, group, local_vocab);
@@ -100,7 +101,7 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
     }
     ctx->saved_data["eager"] = eager;
     ctx->saved_data["chunk"] = chunk;
-    ctx->saved_data["group"] = group_address;
+    save_pointer(ctx, "group", group);
     if (eager) ctx->save_for_backward({d_hidden, d_weight.to(weight.scalar_type())});
     else if (wants_grad) ctx->save_for_backward({hidden, weight, targets, lse});
     return (lse - target_logit).mean();
@@ -116,7 +117,7 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
       return {d_hidden, d_weight, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
     }
     const Tensor &hidden = saved[0], &weight = saved[1], &targets = saved[2], &lse = saved[3];
-    Communicator* group = reinterpret_cast<Communicator*>(ctx->saved_data["group"].toInt());
+    Communicator* group = saved_pointer<Communicator>(ctx, "group");
     const int64_t n = hidden.size(0), local_vocab = weight.size(0);
     const LocalTargets t(targets, group, local_vocab);
     Tensor d_hidden = torch::empty_like(hidden);
@@ -142,7 +143,7 @@ Tensor linear_cross_entropy(const Tensor& hidden, const Tensor& weight, const Te
   // (Inside forward autograd is off: whether a gradient will be asked for is read here.)
   const bool wants_grad = torch::GradMode::is_enabled() && (hidden.requires_grad() || weight.requires_grad());
   return LinearCrossEntropyFunction::apply(hidden, weight, targets.to(hidden.device(), torch::kInt64), options.chunk_tokens,
-                                           reinterpret_cast<int64_t>(options.group), wants_grad, options.gradient_in_forward);
+                                           pointer_argument(options.group), wants_grad, options.gradient_in_forward);
 }
 
 }  // namespace dsrun

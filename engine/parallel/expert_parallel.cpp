@@ -1,3 +1,4 @@
+#include "engine/common/autograd_pointer.hpp"
 #include "engine/parallel/expert_parallel.hpp"
 
 #include "engine/common/error.hpp"
@@ -26,10 +27,10 @@ struct ExchangeRows : torch::autograd::Function<ExchangeRows> {
     ctx->saved_data["group"] = group;
     ctx->saved_data["send"] = send_rows;
     ctx->saved_data["recv"] = recv_rows;
-    return exchange(rows, *reinterpret_cast<Communicator*>(group), send_rows, recv_rows);
+    return exchange(rows, *pointer_from_argument<Communicator>(group), send_rows, recv_rows);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    Communicator& group = *reinterpret_cast<Communicator*>(ctx->saved_data["group"].toInt());
+    Communicator& group = *saved_pointer<Communicator>(ctx, "group");
     const std::vector<int64_t> send = ctx->saved_data["send"].toIntVector(), recv = ctx->saved_data["recv"].toIntVector();
     return {exchange(grads[0], group, recv, send), Tensor(), Tensor(), Tensor()};
   }
@@ -55,7 +56,7 @@ Tensor ExpertParallel::run(const Tensor& rows, const Tensor& counts_on_device, c
       local_counts[j] += from[q * per_shard + j];
     }
   // 2. Dispatch.
-  const int64_t address = reinterpret_cast<int64_t>(&group_);
+  const int64_t address = pointer_argument(&group_);
   Tensor arrived = ExchangeRows::apply(rows, address, send_rows, recv_rows);  // source by source, expert by expert within
   // 3. Expert by expert (source by source within), run, and back to the order they arrived in.
   std::vector<int64_t> order;  // order[i]: the arrived row that is row i of the expert-major layout

@@ -1,3 +1,4 @@
+#include "engine/common/autograd_pointer.hpp"
 #include "engine/parallel/recompute.hpp"
 
 #include "engine/common/error.hpp"
@@ -24,7 +25,7 @@ struct CheckpointedUnit : torch::autograd::Function<CheckpointedUnit> {
     Tensors out;
     {
       torch::NoGradGuard no_grad;
-      out = (*reinterpret_cast<const UnitFn*>(fn_address))(inputs);
+      out = (*pointer_from_argument<const UnitFn>(fn_address))(inputs);
     }
     for (auto& o : out)  // an input passed straight through must still be a new output
       if (o.is_same(a) || (b.defined() && o.is_same(b))) o = o.clone();
@@ -32,7 +33,7 @@ struct CheckpointedUnit : torch::autograd::Function<CheckpointedUnit> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const UnitFn& fn = *reinterpret_cast<const UnitFn*>(ctx->saved_data["fn"].toInt());
+    const UnitFn& fn = *saved_pointer<const UnitFn>(ctx, "fn");
     const int64_t count = ctx->saved_data["inputs"].toInt();
     variable_list saved = ctx->get_saved_variables();
     Tensors inputs;
@@ -69,7 +70,7 @@ bool recomputing() { return recomputing_now; }
 
 Tensors run_recomputed(const std::shared_ptr<UnitFn>& fn, const Tensors& inputs) {
   DSRUN_ASSERT(!inputs.empty() && inputs.size() <= 2, "checkpointed units take one or two tensors");
-  return CheckpointedUnit::apply(inputs[0], inputs.size() > 1 ? inputs[1] : Tensor(), reinterpret_cast<int64_t>(fn.get()));
+  return CheckpointedUnit::apply(inputs[0], inputs.size() > 1 ? inputs[1] : Tensor(), pointer_argument(fn.get()));
 }
 
 }  // namespace dsrun

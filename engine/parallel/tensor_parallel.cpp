@@ -1,3 +1,4 @@
+#include "engine/common/autograd_pointer.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
 
 #include "engine/common/error.hpp"
@@ -10,9 +11,9 @@ using torch::autograd::variable_list;
 
 namespace {
 
-// The group travels through autograd as an address: autograd's saved data holds IValues only.
-Communicator& group_at(int64_t address) { return *reinterpret_cast<Communicator*>(address); }
-Communicator& group_at(AutogradContext* ctx) { return group_at(ctx->saved_data["group"].toInt()); }
+// The group travels through autograd as an address (engine/common/autograd_pointer.hpp).
+Communicator& group_at(int64_t address) { return *pointer_from_argument<Communicator>(address); }
+Communicator& group_at(AutogradContext* ctx) { return *saved_pointer<Communicator>(ctx, "group"); }
 
 Tensor summed(const Tensor& t, Communicator& group) {
   Tensor out = t.contiguous().clone();
@@ -107,14 +108,14 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
 
 Tensor TensorParallel::enter(const Tensor& x) {
   if (size() == 1) return x;
-  if (sequence_) return GatherSequence::apply(x, reinterpret_cast<int64_t>(&group_));
-  return EnterRegion::apply(x, reinterpret_cast<int64_t>(&group_));
+  if (sequence_) return GatherSequence::apply(x, pointer_argument(&group_));
+  return EnterRegion::apply(x, pointer_argument(&group_));
 }
 
 Tensor TensorParallel::leave(const Tensor& partial) {
   if (size() == 1) return partial;
-  if (sequence_) return ReduceScatterSequence::apply(partial, reinterpret_cast<int64_t>(&group_));
-  return LeaveRegion::apply(partial, reinterpret_cast<int64_t>(&group_));
+  if (sequence_) return ReduceScatterSequence::apply(partial, pointer_argument(&group_));
+  return LeaveRegion::apply(partial, pointer_argument(&group_));
 }
 
 void TensorParallel::sum_gradient_over_group(Tensor& parameter) {
@@ -133,7 +134,7 @@ Tensor TensorParallel::embedding(const Tensor& local_weight, const Tensor& ids) 
 
 Tensor TensorParallel::cross_entropy(const Tensor& local_logits, const Tensor& targets) {
   if (size() == 1) return torch::nn::functional::cross_entropy(local_logits, targets);
-  return VocabParallelCrossEntropy::apply(local_logits, targets, reinterpret_cast<int64_t>(&group_));
+  return VocabParallelCrossEntropy::apply(local_logits, targets, pointer_argument(&group_));
 }
 
 Tensor TensorParallel::projected_loss(const Tensor& hidden, const Tensor& local_weight, const Tensor& targets, int64_t chunk_tokens) {
