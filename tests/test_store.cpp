@@ -429,13 +429,13 @@ TEST_CASE("store copy moves every record between backends, and copying again add
 
 namespace {
 
-// A 300-step run into a fresh database of the test server, with `outage` done to the server once
+// A 150-step run into a fresh database of the test server, with `outage` done to the server once
 // it has trained 5 steps: the run must finish, every step's metrics recorded once. Returns the
 // launcher's output.
 std::string run_through_outage(test::PostgresServer& pg, const std::string& env, const std::function<bool()>& outage) {
   test::TempDir dir;
   const std::string db = pg.new_database();
-  const int steps = 300;
+  const int steps = 150;
   test::run_command("cd '" + test::source_dir() + "' && (" + env + " DSRUN_RUNS_DIR='" + dir.path() + "' '" DSRUN_BINARY "' run tests/recipes/tiny_train.toml --db '" + db +
                     "' --set run.steps=" + std::to_string(steps) + " --set checkpoint.at_end=false --set logging.tensorboard=false > '" + dir.file("out.txt") +
                     "' 2>&1; echo $? > '" + dir.file("code") + "') > /dev/null 2>&1 &");

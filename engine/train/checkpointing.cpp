@@ -7,6 +7,7 @@
 #include "engine/common/text.hpp"
 #include "engine/parallel/copy_stream.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
+#include "engine/train/fault_injection.hpp"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <nlohmann/json.hpp>
@@ -57,24 +58,11 @@ torch::ScalarType torch_scalar_type(const std::string& d) {
   fail_at(__FILE__, __LINE__, "unsupported tensor dtype " + d);
 }
 
-// Fault injection for the tests: DSRUN_TEST_CRASH_IN_SAVE="RANK:STEP" kills that rank after its
-// shard is written and before the checkpoint is committed (a crash in the middle of a save).
-bool crash_in_save_requested(int rank, int64_t step) {
-  const char* v = std::getenv("DSRUN_TEST_CRASH_IN_SAVE");
-  const char* restart = std::getenv("DSRUN_RESTART");
-  if (restart && std::atoi(restart) > 0) return false;
-  int r = -1;
-  long long s = -1;
-  return v && std::sscanf(v, "%d:%lld", &r, &s) == 2 && r == rank && s == step;
-}
-
-// Test fault injection: DSRUN_TEST_FILE_SIZE_LIMIT="STEP:BYTES" caps this process's file size
-// (RLIMIT_FSIZE) before the save of STEP, standing in for a disk that fills where a test cannot
-// mount a small filesystem. Writes past the cap fail with EFBIG, as a full disk fails with ENOSPC.
+// A full disk for the tests (engine/train/fault_injection.hpp): writes past the cap fail with
+// EFBIG, as a full disk fails with ENOSPC.
 void apply_test_file_size_limit(int64_t step) {
-  const char* v = std::getenv("DSRUN_TEST_FILE_SIZE_LIMIT");
-  long long s = -1, bytes = 0;
-  if (!v || std::sscanf(v, "%lld:%lld", &s, &bytes) != 2 || s != step) return;
+  const int64_t bytes = test_file_size_limit(step);
+  if (bytes <= 0) return;
   std::signal(SIGXFSZ, SIG_IGN);  // an error return, not a killed process
   struct rlimit limit {static_cast<rlim_t>(bytes), static_cast<rlim_t>(bytes)};
   if (::setrlimit(RLIMIT_FSIZE, &limit) != 0) fail_at(__FILE__, __LINE__, std::string("setrlimit: ") + std::strerror(errno));
@@ -458,7 +446,7 @@ void CheckpointSaver::run_job(Job& job) {
   try {
     const WrittenFile written = job.file.write_atomic(path_join(job.dir, rank_file_name(rank_)));
     saved.bytes = written.bytes;
-    if (crash_in_save_requested(rank_, job.step)) ::raise(SIGKILL);
+    if (fault_requested(Fault::CrashInSave, rank_, job.step)) ::raise(SIGKILL);
     write_file_atomic(path_join(job.dir, written_marker_name(rank_)), nlohmann::json{{"bytes", written.bytes}, {"checksum", written.checksum}}.dump());
     if (rank_ == 0) commit(job);
   } catch (const Error& e) {

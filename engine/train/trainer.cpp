@@ -18,6 +18,7 @@
 #include "engine/plan/plan.hpp"
 #include "engine/recipe/load.hpp"
 #include "engine/train/checkpointing.hpp"
+#include "engine/train/fault_injection.hpp"
 #include "engine/train/loss.hpp"
 #include "engine/train/loss_scaler.hpp"
 #include "engine/train/optimizer.hpp"
@@ -87,19 +88,6 @@ void on_stop_signal(int) { stop_requested = 1; }
 volatile std::sig_atomic_t save_requested = 0;  // SIGUSR1: checkpoint after the current step
 void on_save_signal(int) { save_requested = 1; }
 
-// Fault injection for the launcher's tests: DSRUN_TEST_CRASH_AT / DSRUN_TEST_HANG_AT = "RANK:STEP"
-// make that rank die by SIGKILL, or stop making progress, when it reaches that step. Only in the
-// first attempt: ranks the launcher restarts (DSRUN_RESTART > 0) run clean, as after a real fault;
-// "RANK:STEP:always" faults in every attempt (a fault that restarts cannot cure).
-bool fault_requested(const char* variable, int rank, int64_t step) {
-  const char* v = std::getenv(variable);
-  const char* restart = std::getenv("DSRUN_RESTART");
-  if (!v || (restart && std::atoi(restart) > 0 && !std::strstr(v, ":always"))) return false;
-  int r = -1;
-  long long s = -1;
-  return std::sscanf(v, "%d:%lld", &r, &s) == 2 && r == rank && s == step;
-}
-
 struct RankContext {
   int rank = 0, world = 1, local_rank = 0, local_world = 1;
   std::string run_id;           // DSRUN_RUN_ID from the launcher; "" under torchrun
@@ -125,7 +113,7 @@ class Trainer {
   void run() {
     auto t_start = std::chrono::steady_clock::now();
     select_device();
-    if (fault_requested("DSRUN_TEST_STOP_AT", ctx_.rank, 0)) ::raise(SIGSTOP);  // step 0: stopped during start-up
+    if (fault_requested(Fault::StopAt, ctx_.rank, 0)) ::raise(SIGSTOP);  // step 0: stopped during start-up
     connect_to_mesh();
     build_the_model();
     apply_parallelism();
@@ -146,9 +134,9 @@ class Trainer {
     int64_t done = first_step;
     profile_ = profile_request();
     for (int64_t step = first_step; step < r_.run.steps; ++step) {
-      if (fault_requested("DSRUN_TEST_CRASH_AT", ctx_.rank, step + 1)) ::raise(SIGKILL);
-      while (fault_requested("DSRUN_TEST_HANG_AT", ctx_.rank, step + 1)) ::sleep(1);
-      if (fault_requested("DSRUN_TEST_STOP_AT", ctx_.rank, step + 1)) ::raise(SIGSTOP);  // as `kill -STOP` would
+      if (fault_requested(Fault::CrashAt, ctx_.rank, step + 1)) ::raise(SIGKILL);
+      while (fault_requested(Fault::HangAt, ctx_.rank, step + 1)) ::sleep(1);
+      if (fault_requested(Fault::StopAt, ctx_.rank, step + 1)) ::raise(SIGSTOP);  // as `kill -STOP` would
       report_.send(BeatReport{step + 1});  // "started step N": the launcher names a rank that falls behind
       profile_steps(step + 1, /*before=*/true);
       StepOutcome outcome = train_step(step, learning_rate_at(lr_options, step));
