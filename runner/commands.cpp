@@ -29,6 +29,7 @@
 #include <cstring>
 #include <cstdlib>
 #include <iostream>
+#include <optional>
 
 namespace dsrun {
 
@@ -530,8 +531,9 @@ int command_cancel(const std::string& query, const std::string& db_path) {
 // The data files a checkpoint recorded, against the same paths now. A difference is refused
 // unless `force`; forced, the differences are returned, to be said and recorded. The ranks check
 // again against the files they open (the launcher's restarts included).
-// `moved`: the data's location is overridden (--set data.path=...): the files are compared in
-// order by the ranks, which read them there (a corpus moved to another directory is the same data).
+// `moved`: the resume names the data elsewhere (data.path, val_path or blend overridden): the files
+// are compared in order by the ranks, which read them there (a corpus moved to another directory
+// is the same data).
 static std::vector<std::string> check_checkpoint_data(const CheckpointInfo& found, const CheckpointManifest& m, bool force, bool moved = false) {
   if (moved) return {};
   const DataChanges changes = compare_with_disk(m.data_files);
@@ -592,17 +594,17 @@ int command_resume(const ResumeArgs& args, const RunFlags& flags, const std::str
   }
   // What a --set changes that a resume cannot take back: said, recorded, or refused.
   std::vector<std::string> changes;
-  const bool data_moved = std::any_of(args.sets.begin(), args.sets.end(), [](const std::string& set) {
-    return set.rfind("data.path=", 0) == 0 || set.rfind("data.val_path=", 0) == 0 || set.rfind("data.blend=", 0) == 0;
-  });
+  std::optional<LoadedRecipe> recorded;  // the run's config without the overrides
+  if (!args.sets.empty()) recorded = load_run_config(db_path, r, {}, host);
+  auto changed = [&](const std::string& key) { return recorded && recorded->config.at(key).value.toml() != loaded.config.at(key).value.toml(); };
+  const bool data_moved = changed("data.path") || changed("data.val_path") || changed("data.blend");
   const std::vector<std::string> data_changes = check_checkpoint_data(*found, read_checkpoint(found->path, /*verify_files=*/false), args.force, data_moved);
   for (const std::string& d : data_changes) {
     changes.push_back("data file changed since the checkpoint (--force): " + d);
     std::cerr << "dsrun: warning: resume of " << r.id << ": " << changes.back() << "\n";
   }
-  if (!args.sets.empty()) {
-    const LoadedRecipe before = load_run_config(db_path, r, {}, host);
-    auto changed = [&](const std::string& key) { return before.config.at(key).value.toml() != loaded.config.at(key).value.toml(); };
+  if (recorded) {
+    const LoadedRecipe& before = *recorded;
     auto was = [&](const std::string& key) { return key + " " + before.config.at(key).value.toml() + " -> " + loaded.config.at(key).value.toml(); };
     if (loaded.recipe.run.steps <= found->step) {
       c.key = "run.steps";

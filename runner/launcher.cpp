@@ -61,9 +61,6 @@ char process_state(int64_t pid) {
 // How long a failure that only echoes a peer's (lost_peer) waits for the cause to report.
 constexpr double kCauseWaitSeconds = 3;
 
-struct RankProcess;
-bool lost_peer(const RankProcess& p);
-
 struct RankProcess {
   int rank = 0;
   pid_t pid = -1;
@@ -313,20 +310,18 @@ class Supervisor {
       }
       if (failed) {
         const RankProcess& p = *failed;
-        {
-          std::string why = "rank " + std::to_string(p.rank) + " " +
-                            (p.exit_code > 128 ? "was killed by signal " + std::to_string(p.exit_code - 128) : "exited with code " + std::to_string(p.exit_code)) +
-                            (p.error.empty() ? "" : ": " + p.error);
-          // Several nodes: a node whose launcher died is the cause of its peers' lost connections.
-          const std::string gone = gone_nodes();
-          if (!gone.empty()) why = gone + "; then " + why;
-          // Out of memory only when the kernel says its killer ran since the ranks started
-          // (/proc/vmstat's oom_kill); a SIGKILL from anyone else is not guessed at.
-          if (p.exit_code == 128 + SIGKILL && p.error.empty() && kernel_oom_kills() > oom_kills_at_start_)
-            why += " by the kernel's out-of-memory killer (the plan counts " + format_bytes(plan_.host.total()) + " of host memory per rank, " + format_bytes(plan_.host_memory_needed) +
-                   " per node: check hardware.host_memory_gib and parallel.offload against this machine)";
-          return stop_all({RunStatus::Failed, why, p.rank, p.error.empty()}, 5.0);
-        }
+        std::string why = "rank " + std::to_string(p.rank) + " " +
+                          (p.exit_code > 128 ? "was killed by signal " + std::to_string(p.exit_code - 128) : "exited with code " + std::to_string(p.exit_code)) +
+                          (p.error.empty() ? "" : ": " + p.error);
+        // Several nodes: a node whose launcher died is the cause of its peers' lost connections.
+        const std::string gone = gone_nodes();
+        if (!gone.empty()) why = gone + "; then " + why;
+        // Out of memory only when the kernel says its killer ran since the ranks started
+        // (/proc/vmstat's oom_kill); a SIGKILL from anyone else is not guessed at.
+        if (p.exit_code == 128 + SIGKILL && p.error.empty() && kernel_oom_kills() > oom_kills_at_start_)
+          why += " by the kernel's out-of-memory killer (the plan counts " + format_bytes(plan_.host.total()) + " of host memory per rank, " + format_bytes(plan_.host_memory_needed) +
+                 " per node: check hardware.host_memory_gib and parallel.offload against this machine)";
+        return stop_all({RunStatus::Failed, why, p.rank, p.error.empty()}, 5.0);
       }
       bool all_done = true;
       for (auto& p : ranks_) all_done &= !p.running;
@@ -818,6 +813,11 @@ std::string launcher_gone(const RunRecord& run, const std::string& this_host, do
   return "";
 }
 
+std::string last_step_text(const Store& store, const std::string& run_id) {
+  const auto metrics = store.latest_metrics(run_id);
+  return metrics.count("loss") ? " at step " + std::to_string(metrics.at("loss").step) : " before its first step";
+}
+
 void mark_lost_runs(Store& store) {
   RunQuery q;
   q.status = "running";
@@ -827,8 +827,7 @@ void mark_lost_runs(Store& store) {
     if (!r.job_id.empty()) continue;  // Slurm's runs: refresh_slurm_runs asks Slurm
     const std::string gone = launcher_gone(r, this_host, unix_now());
     if (gone.empty()) continue;
-    const auto metrics = store.latest_metrics(r.id);
-    const std::string why = "lost: " + gone + (metrics.count("loss") ? "; its last step was " + std::to_string(metrics.at("loss").step) : "; before its first step");
+    const std::string why = "lost: " + gone + "; last known" + last_step_text(store, r.id);
     if (store.set_status_if(r.id, RunStatus::Running, RunStatus::Lost, why)) store.add_event(r.id, "lost", -1, why);
   }
 }

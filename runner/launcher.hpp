@@ -94,6 +94,8 @@ std::string launcher_gone(const RunRecord& run, const std::string& this_host, do
 // whose launcher is gone (launcher_gone) is marked lost at its last step, naming why. Its launcher,
 // if it was only silent (a store that was away), takes it back at its next heartbeat.
 void mark_lost_runs(Store& store);
+// " at step N" (the run's last recorded loss), or " before its first step": where a lost run stopped.
+std::string last_step_text(const Store& store, const std::string& run_id);
 
 // `dsrun worker CONFIG`: become a rank under an outside launcher (torchrun, Slurm, Kubernetes).
 [[noreturn]] void exec_rank_process(const std::string& config_path);

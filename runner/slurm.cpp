@@ -240,12 +240,6 @@ bool slurm_state_is_final(const std::string& state) {
   return std::find(f.begin(), f.end(), state) != f.end();
 }
 
-// " at step N" (the newest loss), or " before its first step".
-static std::string last_step_text(const Store& store, const std::string& run_id) {
-  const auto metrics = store.latest_metrics(run_id);
-  return metrics.count("loss") ? " at step " + std::to_string(metrics.at("loss").step) : " before its first step";
-}
-
 void refresh_slurm_runs(Store& store) {
   std::vector<RunRecord> open;
   for (auto& r : store.runs_with_open_jobs(final_slurm_states()))

@@ -2,11 +2,10 @@
 // the error for a schema newer than this dsrun.
 #include "storage/database.hpp"
 
-#include <cstring>
-
 #include "engine/common/error.hpp"
 
 #include <cstdio>
+#include <cstring>
 #include <cstdlib>
 
 namespace dsrun {

@@ -4,7 +4,6 @@
 #include "engine/common/error.hpp"
 #include "storage/database.hpp"
 
-
 #ifdef DSRUN_WITH_POSTGRES
 #include <libpq-fe.h>
 #include <unistd.h>

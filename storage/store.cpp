@@ -454,6 +454,12 @@ void Store::complete_run(const std::string& run_id, const NewRun& run) {
               SqlValue::text_or_null(run.git_revision), SqlValue::text_or_null(run.config_json), run_id});
 }
 
+namespace {
+// A write as one line of the launcher's journal (Store::journal_writes_to); file names and
+// messages need not be UTF-8.
+std::string journal_line(const nlohmann::json& entry) { return entry.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace); }
+}  // namespace
+
 void Store::set_status(const std::string& run_id, RunStatus status, const std::string& error) {
   write([&] {
     db_->transaction([&] {
@@ -470,7 +476,7 @@ void Store::set_status(const std::string& run_id, RunStatus status, const std::s
                  "ended_at = CASE WHEN ?1 IN ('finished','failed','killed','pruned','infeasible','lost') THEN ?3 ELSE NULL END WHERE id = ?4",
                  {st, SqlValue::text_or_null(error), now, run_id});
     });
-  }, [&] { return nlohmann::json{{"op", "status"}, {"run", run_id}, {"status", to_string(status)}, {"error", error}}.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace); });
+  }, [&] { return journal_line({{"op", "status"}, {"run", run_id}, {"status", to_string(status)}, {"error", error}}); });
 }
 
 bool Store::set_status_if(const std::string& run_id, RunStatus from, RunStatus to, const std::string& error) {
@@ -503,7 +509,7 @@ void Store::add_metrics(const std::string& run_id, int64_t step, const std::vect
                    {run_id, key, step, value, now});
       db_->query("UPDATE runs SET heartbeat_at = ? WHERE id = ?", {now, run_id});
     });
-  }, [&] { return nlohmann::json{{"op", "metrics"}, {"run", run_id}, {"step", step}, {"values", values}}.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace); });
+  }, [&] { return journal_line({{"op", "metrics"}, {"run", run_id}, {"step", step}, {"values", values}}); });
 }
 
 void Store::run_heartbeat(const std::string& run_id, const std::string& host, int64_t pid) {
@@ -519,7 +525,7 @@ void Store::add_event(const std::string& run_id, const std::string& kind, int ra
   write([&] {
     db_->query("INSERT INTO events(run_id, time, kind, rank, message, detail) VALUES(?,?,?,?,?,?)",
                {run_id, unix_now(), kind, SqlValue::integer_or_null(rank, rank >= 0), message, SqlValue::text_or_null(detail)});
-  }, [&] { return nlohmann::json{{"op", "event"}, {"run", run_id}, {"kind", kind}, {"rank", rank}, {"message", message}, {"detail", detail}}.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace); });
+  }, [&] { return journal_line({{"op", "event"}, {"run", run_id}, {"kind", kind}, {"rank", rank}, {"message", message}, {"detail", detail}}); });
 }
 
 void Store::add_checkpoint(const std::string& run_id, const CheckpointRecord& c) {
@@ -528,13 +534,13 @@ void Store::add_checkpoint(const std::string& run_id, const CheckpointRecord& c)
                "ON CONFLICT(run_id, step) DO UPDATE SET path = excluded.path, bytes = excluded.bytes, checksum = excluded.checksum, "
                "created_at = excluded.created_at",
                {run_id, c.step, c.path, c.bytes, c.checksum, c.created_at > 0 ? c.created_at : unix_now()});
-  }, [&] { return nlohmann::json{{"op", "checkpoint"}, {"run", run_id}, {"step", c.step}, {"path", c.path}, {"bytes", c.bytes}, {"checksum", c.checksum}, {"created_at", c.created_at > 0 ? c.created_at : unix_now()}}.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace); });
+  }, [&] { return journal_line({{"op", "checkpoint"}, {"run", run_id}, {"step", c.step}, {"path", c.path}, {"bytes", c.bytes}, {"checksum", c.checksum}, {"created_at", c.created_at > 0 ? c.created_at : unix_now()}}); });
 }
 
 void Store::remove_checkpoint(const std::string& run_id, const std::string& path) {
   write([&] {
     db_->query("DELETE FROM checkpoints WHERE run_id = ? AND path = ?", {run_id, path});
-  }, [&] { return nlohmann::json{{"op", "remove_checkpoint"}, {"run", run_id}, {"path", path}}.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace); });
+  }, [&] { return journal_line({{"op", "remove_checkpoint"}, {"run", run_id}, {"path", path}}); });
 }
 
 void Store::update_plan(const std::string& run_id, const std::string& config_toml, const std::string& plan_json, const std::string& plan_text,
@@ -675,7 +681,7 @@ void Store::report_node(const std::string& run_id, const NodeReport& r) {
                "ON CONFLICT(run_id, node_rank) DO UPDATE SET host = excluded.host, pid = excluded.pid, status = excluded.status, "
                "heartbeat_at = excluded.heartbeat_at, restarts = excluded.restarts, error = excluded.error",
                {run_id, r.node_rank, r.host, r.pid, r.status, unix_now(), r.restarts, SqlValue::text_or_null(r.error)});
-  }, [&] { return nlohmann::json{{"op", "node"}, {"run", run_id}, {"node_rank", r.node_rank}, {"host", r.host}, {"pid", r.pid}, {"status", r.status}, {"restarts", r.restarts}, {"error", r.error}}.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace); });
+  }, [&] { return journal_line({{"op", "node"}, {"run", run_id}, {"node_rank", r.node_rank}, {"host", r.host}, {"pid", r.pid}, {"status", r.status}, {"restarts", r.restarts}, {"error", r.error}}); });
 }
 
 std::vector<NodeRecord> Store::nodes(const std::string& run_id) const {
@@ -800,9 +806,6 @@ int64_t copy_table(Database& from, Database& to, const std::string& table, const
   return to.query("SELECT count(*) FROM " + table).at(0).integer(0) - before;
 }
 
-}  // namespace
-
-namespace {
 
 // Ids of `table` in both stores that name different records there: another creation time or
 // recipe text (ids are 8 hex digits of randomness: two stores can draw the same one).
@@ -854,7 +857,6 @@ StoreCopy copy_store(const Store& from, Store& to) {
   return n;
 }
 
-
 // ---- the launcher's journal (Store::journal_writes_to) ----------------------------------------
 
 namespace {
@@ -871,17 +873,16 @@ void Store::journal_writes_to(const std::string& path, double reconnect_seconds)
 
 void Store::write(const std::function<void()>& apply, const std::function<std::string()>& entry) {
   if (journal_path_.empty() || replaying_) return apply();
-  if (journal_pending_ && !replay_journal()) {
-    const std::string line = entry();
+  auto journal = [&] {
+    const std::string line = entry();  // (empty: a write not worth keeping, a heartbeat)
     if (!line.empty()) append_journal(line);
-    return;
-  }
+  };
+  if (journal_pending_ && !replay_journal()) return journal();
   try {
     apply();
   } catch (const Error&) {
     if (!db_->connection_lost()) throw;  // the store answered, and refused: that is the caller's
-    const std::string line = entry();
-    if (!line.empty()) append_journal(line);
+    journal();
   }
 }
 

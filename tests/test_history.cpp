@@ -94,6 +94,27 @@ pid_t exited_process() {
   return exited;
 }
 
+// Three runs recorded as running: `dead`, whose launcher's process on this host has exited;
+// `silent`, on another host (not checkable from here) and without a heartbeat for 3 h; `live`,
+// this test process.
+struct Launchers {
+  std::string dead, silent, live;
+  pid_t exited = 0;  // dead's launcher
+};
+Launchers three_launchers(dsrun::Store& store) {
+  Launchers l;
+  l.exited = exited_process();
+  l.dead = running_run(store, "dead");
+  l.silent = running_run(store, "silent");
+  l.live = running_run(store, "live");
+  const std::string host = dsrun::read_host_facts().hostname;
+  store.run_heartbeat(l.dead, host, l.exited);
+  store.run_heartbeat(l.silent, "another-host", 1);
+  store.database().execute_script("UPDATE runs SET heartbeat_at = heartbeat_at - 3 * 3600 WHERE id = '" + l.silent + "'");
+  store.run_heartbeat(l.live, host, ::getpid());
+  return l;
+}
+
 // `dsrun ARGS --db DB` under a time limit, for commands that would wait forever if they were wrong.
 dsrun::test::CommandOutput dsrun_with_timeout(const std::string& db, const std::string& args, int seconds) {
   return dsrun::test::run_command("cd '" + dsrun::test::source_dir() + "' && timeout " + std::to_string(seconds) + " '" DSRUN_BINARY "' " + args +
@@ -379,13 +400,9 @@ TEST_CASE("watch and delete tell a run whose launcher is gone from a live one", 
   TempDir dir;
   const std::string db = dir.file("runs.db");
   dsrun::Store store(db);
-  auto running = [&](const std::string& name) { return running_run(store, name); };
-  const std::string host = dsrun::read_host_facts().hostname;
-  const pid_t exited = exited_process();
-  const std::string dead = running("dead"), silent = running("silent"), live = running("live");
-  store.run_heartbeat(dead, host, exited);
-  store.run_heartbeat(silent, "another-host", 1);  // its host cannot be checked from here; its heartbeat can
-  store.database().execute_script("UPDATE runs SET heartbeat_at = heartbeat_at - 3 * 3600 WHERE id = '" + silent + "'");  store.run_heartbeat(live, host, ::getpid());  // this test process: alive
+  const Launchers l = three_launchers(store);
+  const std::string &dead = l.dead, &silent = l.silent, &live = l.live;
+  const pid_t exited = l.exited;
 
   auto watch_dead = dsrun_with_timeout(db, "watch " + dead + " --interval 0.1", 20);
   INFO(watch_dead.text);
@@ -631,21 +648,16 @@ TEST_CASE("history and show mark a run lost whose launcher is gone, at its last 
   TempDir dir;
   const std::string db = dir.file("runs.db");
   dsrun::Store store(db);
-  auto running = [&](const std::string& name) { return running_run(store, name); };
-  const std::string host = dsrun::read_host_facts().hostname;
-  const pid_t exited = exited_process();
-  const std::string dead = running("dead"), silent = running("silent"), live = running("live");
-  store.run_heartbeat(dead, host, exited);
+  const Launchers l = three_launchers(store);
+  const std::string &dead = l.dead, &silent = l.silent, &live = l.live;
+  const pid_t exited = l.exited;
   store.add_metrics(dead, 7, {{"loss", 1.0}});
-  store.run_heartbeat(silent, "another-host", 1);
-  store.database().execute_script("UPDATE runs SET heartbeat_at = heartbeat_at - 3 * 3600 WHERE id = '" + silent + "'");
-  store.run_heartbeat(live, host, ::getpid());
 
   auto history = dsrun_with_timeout(db, "history", 20);
   INFO(history.text);
   CHECK(history.code == 0);
   CHECK(store.get_run(dead).status == dsrun::RunStatus::Lost);
-  CHECK(contains(store.get_run(dead).error, "process " + std::to_string(exited) + " on this host, has exited; its last step was 7"));
+  CHECK(contains(store.get_run(dead).error, "process " + std::to_string(exited) + " on this host, has exited; last known at step 7"));
   CHECK(store.get_run(silent).status == dsrun::RunStatus::Lost);
   CHECK(contains(store.get_run(silent).error, "no heartbeat from its launcher on another-host"));
   CHECK(store.get_run(live).status == dsrun::RunStatus::Running);

@@ -26,10 +26,10 @@
 #include <zstd.h>
 
 #include <algorithm>
-#include <set>
 #include <deque>
 #include <functional>
 #include <map>
+#include <set>
 #include <new>
 #include <optional>
 #include <cctype>

@@ -1,6 +1,6 @@
-#include "engine/common/autograd_pointer.hpp"
 #include "engine/model/linear_cross_entropy.hpp"
 
+#include "engine/common/autograd_pointer.hpp"
 #include "engine/common/error.hpp"
 #include "engine/common/torch_compat.hpp"
 #include "engine/dist/communicator.hpp"

@@ -1,6 +1,6 @@
-#include "engine/common/autograd_pointer.hpp"
 #include "engine/parallel/expert_parallel.hpp"
 
+#include "engine/common/autograd_pointer.hpp"
 #include "engine/common/error.hpp"
 
 #include <numeric>

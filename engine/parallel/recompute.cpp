@@ -1,6 +1,6 @@
-#include "engine/common/autograd_pointer.hpp"
 #include "engine/parallel/recompute.hpp"
 
+#include "engine/common/autograd_pointer.hpp"
 #include "engine/common/error.hpp"
 
 namespace dsrun {

@@ -1,6 +1,6 @@
-#include "engine/common/autograd_pointer.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
 
+#include "engine/common/autograd_pointer.hpp"
 #include "engine/common/error.hpp"
 
 namespace dsrun {
@@ -219,13 +219,8 @@ Tensor tensor_slice(const Tensor& full, const TensorSplit& split, int rank, int 
 }
 
 void copy_tensor_slice(Tensor& out, const Tensor& full, const TensorSplit& split, int rank, int size) {
-  const std::vector<Tensor> views = slice_views(full, split, rank, size);
-  if (split.kind == TensorSplit::Columns || views.size() == 1) {
-    out.copy_(views[0]);
-    return;
-  }
-  int64_t row = 0;
-  for (const Tensor& v : views) {
+  int64_t row = 0;  // the views stack along rows (one view: all of `out`)
+  for (const Tensor& v : slice_views(full, split, rank, size)) {
     out.narrow(0, row, v.size(0)).copy_(v);
     row += v.size(0);
   }
