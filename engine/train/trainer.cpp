@@ -2,11 +2,11 @@
 
 #include "engine/common/environment.hpp"
 #include "engine/common/host_cores.hpp"
-#include "engine/parallel/copy_stream.hpp"
 #include "engine/common/error.hpp"
 #include "engine/common/files.hpp"
 #include "engine/common/host.hpp"
 #include "engine/common/mapped_file.hpp"
+#include "engine/common/tensor_pack.hpp"
 #include "engine/common/text.hpp"
 #include "engine/common/torch_compat.hpp"
 #include "engine/data/data_identity.hpp"
@@ -14,6 +14,7 @@
 #include "engine/dist/mesh.hpp"
 #include "engine/hooks/hooks.hpp"
 #include "engine/model/model.hpp"
+#include "engine/parallel/copy_stream.hpp"
 #include "engine/parallel/parallelize.hpp"
 #include "engine/plan/plan.hpp"
 #include "engine/recipe/load.hpp"
@@ -43,6 +44,7 @@
 #include <optional>
 #include <iostream>
 #include <limits>
+#include <map>
 
 // A debugger attached to a rank started with --debug-rank sets this to 1 to let it go on.
 extern "C" {
@@ -496,19 +498,40 @@ class Trainer {
     return ok;
   }
 
-  // Rank 0's hook actions -> every rank: [stop, save, skip, failed, lr]. Reasons travel separately
-  // only to the launcher (rank 0 reports them); other ranks need the decision alone.
-  StepOutcome broadcast_decision(const HookActions& a, bool failed, double lr, bool& skip, double& lr_out) {
+  // Rank 0's hook actions, as every rank learns them in one broadcast. Reasons travel only to
+  // the launcher (rank 0 reports them); other ranks need the decision alone.
+  struct Decision {
+    bool stop = false, save = false, skip = false;
+    bool failed = false;  // a hook failed under hooks.on_error = "fail" (this step's or an earlier one's)
+    double lr = 0;        // the learning rate this step's update uses
+    std::string why;      // rank 0: the hook's reason to stop
+    std::map<std::string, double> metrics;  // rank 0: what the hooks added to the step's metrics
+  };
+
+  Decision broadcast_decision(const HookActions& a, bool failed, double lr) {
     failed |= pending_hook_error_ != nullptr;  // also on_start's or on_checkpoint's failure
-    torch::Tensor d = torch::tensor({a.stop.empty() && !failed ? 0.0 : 1.0, a.save ? 1.0 : 0.0, a.skip ? 1.0 : 0.0, failed ? 1.0 : 0.0, lr}, torch::kFloat64);
+    TensorPack pack;
+    const auto stop = pack.add_flag(!a.stop.empty() || failed), save = pack.add_flag(a.save), skip = pack.add_flag(a.skip),
+               failed_piece = pack.add_flag(failed), lr_piece = pack.add(lr);
+    torch::Tensor d = pack.joined();
     mesh_->world().broadcast(d, 0);
+    Decision out;
+    out.stop = TensorPack::flag(d, stop);
+    out.save = TensorPack::flag(d, save);
+    out.skip = TensorPack::flag(d, skip);
+    out.failed = TensorPack::flag(d, failed_piece);
+    out.lr = TensorPack::value(d, lr_piece);
+    out.why = failed ? "hook failed" : a.stop;
+    out.metrics = a.metrics;
+    return out;
+  }
+
+  static StepOutcome outcome_of(const Decision& d) {
     StepOutcome o;
-    o.stop = d[0].item<double>() > 0;
-    o.save = d[1].item<double>() > 0;
-    o.hook_failed = d[3].item<double>() > 0;
-    o.why = failed ? "hook failed" : a.stop;
-    skip = d[2].item<double>() > 0;
-    lr_out = d[4].item<double>();
+    o.stop = d.stop;
+    o.save = d.save;
+    o.hook_failed = d.failed;
+    o.why = d.why;
     return o;
   }
 
@@ -538,16 +561,66 @@ class Trainer {
     if (into.why.empty()) into.why = more.why;
   }
 
+  // ---- one training step, in the order train_step runs them ----
+
+  // What forward and backward left on this rank: a pipeline's totals read already, or the plain
+  // path's per-micro-batch losses still on the device (read with the gradients' norm).
+  struct StepLosses {
+    double loss_sum = 0, aux_sum = 0;          // read on the host
+    torch::Tensor loss_values, aux_values;     // per micro-batch, not yet read
+    int64_t items = 0, correct = 0;
+    double loss_scale = 1;                     // the scale the backward ran under (fp16)
+  };
+
+  // The reduced gradients: whether they overflowed (fp16), their global norm (on the device), and
+  // whether their update is decided on the device and queued before the host reads anything.
+  struct GradientState {
+    bool overflow = false;
+    torch::Tensor norm;
+    bool update_on_device = false;
+  };
+
+  // This rank's numbers, read back in one transfer.
+  struct RankNumbers {
+    double grad_norm = 0, loss_sum = 0, aux_sum = 0;
+    torch::Tensor routing;  // routing_rows(), on the host
+  };
+
+  // What every rank agrees on after a step (one all-reduce over the world).
+  struct StepTotals {
+    double loss = 0, aux_loss = 0;  // means over the ranks computing a loss
+    double correct = 0;             // ResNet: right answers in the global batch
+    bool stop = false, save = false;  // some rank had a signal
+    torch::Tensor routing;          // routing_rows() summed over the world
+  };
+
   // Every rank agrees on the outcome, so all stop (or save) after the same step. The metrics are
   // agreed before the update, so that a hook can see them and skip the update.
   StepOutcome train_step(int64_t step, double lr) {
-    auto t0 = std::chrono::steady_clock::now();
+    const auto t0 = std::chrono::steady_clock::now();
+    const StepLosses losses = forward_backward(step);
+    const GradientState gradients = finish_gradients(losses.loss_scale);
+    const RankNumbers mine = read_step_numbers(losses, gradients, lr);
+    const double backward_end_seconds = seconds_since(t0);  // the norm waited for the device
+    const StepTotals totals = agree(losses, mine);
+    nlohmann::json metrics = step_metrics(totals, mine, losses);
+    const Decision decision = consult_hooks(step + 1, lr, metrics);
+    const bool skipped = gradients.overflow || decision.skip;
+    update(gradients, decision, skipped, mine.grad_norm, totals.routing);
+    StepOutcome outcome{totals.stop, totals.save, false, totals.stop ? "signal" : ""};
+    merge(outcome, outcome_of(decision));
+    report(step, t0, backward_end_seconds, totals.loss, losses.items, decision, skipped, metrics);
+    return outcome;
+  }
+
+  // Forward and backward over this rank's micro-batches: through the pipeline's schedule, or
+  // one after another with ZeRO's hooks around each backward.
+  StepLosses forward_backward(int64_t step) {
     const int64_t micro = plan_.layout.micro, accumulation = plan_.accumulation;
     const int64_t per_rank = micro * accumulation;
-    double loss_sum = 0, aux_sum = 0;
-    torch::Tensor loss_values, aux_loss_values;  // without a pipeline: per micro-batch, read with the norm
-    int64_t items = 0, correct = 0;
-    const double loss_scale = scaler_ ? scaler_->scale() : 1.0;
+    StepLosses out;
+    out.loss_scale = scaler_ ? scaler_->scale() : 1.0;
+    const double backward_scale = out.loss_scale / static_cast<double>(accumulation);
     model_->module().train();
     parallel_->take_routing();  // (what evaluation routed is not this step's)
     // This rank's slice of the global batch: the same samples whatever the number of ranks.
@@ -558,130 +631,169 @@ class Trainer {
     };
     if (PipelineStage* pipeline = parallel_->pipeline()) {
       // Every stage reads each micro-batch (positions, targets); the schedule runs forwards and backwards.
-      PipelineTotals t = pipeline->train_step(batch_of, loss_function(), loss_scale / static_cast<double>(accumulation));
-      loss_sum = t.loss_sum;
-      aux_sum = t.aux_loss_sum;
-      items = t.items;
-    } else {
-      std::vector<torch::Tensor> task_values, aux_values;  // read once, after every backward
-      for (int64_t m = 0; m < accumulation; ++m) {
-        Batch batch = batch_of(m);
-        zero_->begin_micro_batch(m == accumulation - 1);
-        MicroBatchLoss out = micro_batch_loss(model_->forward(batch, *parallel_), batch, parallel_->tensor(), /*read_now=*/false);
-        (out.loss * (loss_scale / static_cast<double>(accumulation))).backward();
-        zero_->after_backward();
-        task_values.push_back(out.task_value.reshape({1}));
-        if (out.aux_value.defined()) aux_values.push_back(out.aux_value.reshape({1}));
-        items += batch.items;
-        if (out.correct >= 0) correct += out.correct;
-      }
-      loss_values = torch::cat(task_values).to(torch::kFloat64);
-      if (!aux_values.empty()) aux_loss_values = torch::cat(aux_values).to(torch::kFloat64);
+      const PipelineTotals t = pipeline->train_step(batch_of, loss_function(), backward_scale);
+      out.loss_sum = t.loss_sum;
+      out.aux_sum = t.aux_loss_sum;
+      out.items = t.items;
+      return out;
     }
-    zero_->reduce_gradients();
+    std::vector<torch::Tensor> task_values, aux_values;  // read once, after every backward
+    for (int64_t m = 0; m < accumulation; ++m) {
+      Batch batch = batch_of(m);
+      zero_->begin_micro_batch(m == accumulation - 1);
+      MicroBatchLoss loss = micro_batch_loss(model_->forward(batch, *parallel_), batch, parallel_->tensor(), /*read_now=*/false);
+      (loss.loss * backward_scale).backward();
+      zero_->after_backward();
+      task_values.push_back(loss.task_value.reshape({1}));
+      if (loss.aux_value.defined()) aux_values.push_back(loss.aux_value.reshape({1}));
+      out.items += batch.items;
+      if (loss.correct >= 0) out.correct += loss.correct;
+    }
+    out.loss_values = torch::cat(task_values);
+    if (!aux_values.empty()) out.aux_values = torch::cat(aux_values);
+    return out;
+  }
 
-    // Without hooks or loss scaling nothing on the host decides the update: on a GPU with dsrun's
-    // Adam kernel the clip is decided on the device and the update queued at once, and the step's
-    // numbers (losses, norm, routing) are read while it runs, so the GPU does not wait for the host
-    // between backward and the update. Otherwise they are read first, and the update decided here.
-    const bool update_first = update_on_device_ && !hooks_active_ && !scaler_;
-    bool overflow = false;
+  // Reduction, the fp16 overflow check and unscaling, the global norm. Without hooks or loss
+  // scaling nothing on the host decides the update: on a GPU with dsrun's Adam kernel the clip
+  // is decided on the device and the update queued at once (read_step_numbers), so the GPU does
+  // not wait for the host between backward and the update.
+  GradientState finish_gradients(double loss_scale) {
+    zero_->reduce_gradients();
+    GradientState g;
+    g.update_on_device = update_on_device_ && !hooks_active_ && !scaler_;
     if (scaler_) {
-      overflow = scaler_->update(parallel_->gradients_overflowed());
-      if (!overflow) zero_->scale_gradients(1.0 / loss_scale);
+      g.overflow = scaler_->update(parallel_->gradients_overflowed());
+      if (!g.overflow) zero_->scale_gradients(1.0 / loss_scale);
     }
-    torch::Tensor norm = overflow ? torch::zeros({}, torch::kFloat64) : parallel_->global_grad_norm_tensor();
-    if (update_first && r_.optimizer.grad_clip > 0) zero_->clip_on_device(norm, r_.optimizer.grad_clip);
-    // Norm, losses (micro-batch order), auxiliary losses, routing rows: one transfer.
-    const int64_t loss_count = loss_values.defined() ? loss_values.numel() : 0, aux_count = aux_loss_values.defined() ? aux_loss_values.numel() : 0;
-    std::vector<torch::Tensor> parts{norm.reshape({1}).to(torch::kFloat64)};
-    if (loss_count > 0) parts.push_back(loss_values.to(norm.device()));
-    if (aux_count > 0) parts.push_back(aux_loss_values.to(norm.device()));
-    parts.push_back(routing_rows(norm.device()));
-    HostReadback values = read_back(torch::cat(parts));
-    if (update_first) {
+    g.norm = g.overflow ? torch::zeros({}, torch::kFloat64) : parallel_->global_grad_norm_tensor();
+    if (g.update_on_device && r_.optimizer.grad_clip > 0) zero_->clip_on_device(g.norm, r_.optimizer.grad_clip);
+    return g;
+  }
+
+  // Norm, losses (micro-batch order), auxiliary losses and routing in one transfer; an update
+  // decided on the device is queued while it is under way.
+  RankNumbers read_step_numbers(const StepLosses& losses, const GradientState& g, double lr) {
+    TensorPack pack(g.norm.device());
+    const auto norm = pack.add(g.norm);
+    const auto loss_values = pack.add(losses.loss_values.defined() ? losses.loss_values : torch::zeros({0}));
+    const auto aux_values = pack.add(losses.aux_values.defined() ? losses.aux_values : torch::zeros({0}));
+    const auto routing = pack.add(routing_rows(g.norm.device()));
+    HostReadback values = read_back(pack.joined());
+    if (g.update_on_device) {
       optimizer_->step(lr);
       zero_->after_step();
     }
     values.arrived.synchronize();
-    const double backward_end_seconds = seconds_since(t0);  // the norm waited for the device
-    const double* v = values.host.data_ptr<double>();
-    const double grad_norm = v[0];
-    // Summed in double in micro-batch order, as each value read on its own would be.
-    for (int64_t i = 0; i < loss_count; ++i) loss_sum += v[1 + i];
-    for (int64_t i = 0; i < aux_count; ++i) aux_sum += v[1 + loss_count + i];
-    const torch::Tensor routing = values.host.narrow(0, 1 + loss_count + aux_count, values.host.numel() - 1 - loss_count - aux_count);
+    RankNumbers out;
+    out.grad_norm = TensorPack::value(values.host, norm);
+    out.loss_sum = losses.loss_sum + TensorPack::sum(values.host, loss_values);
+    out.aux_sum = losses.aux_sum + TensorPack::sum(values.host, aux_values);
+    out.routing = TensorPack::piece(values.host, routing);
+    return out;
+  }
 
-    // Metrics averaged over the ranks that compute a loss (every rank has the same number of
-    // samples; tensor ranks of one data index agree on theirs; only the last pipeline stage has
-    // losses), with the signal flags.
-    torch::Tensor totals = torch::tensor({loss_sum / accumulation, aux_sum / accumulation, static_cast<double>(correct),
-                                          stop_requested ? 1.0 : 0.0, save_requested ? 1.0 : 0.0}, torch::kFloat64);
+  // One all-reduce over the world: the metrics averaged over the ranks that compute a loss
+  // (every rank has the same number of samples; tensor ranks of one data index agree on theirs;
+  // only the last pipeline stage has losses), with the signal flags and the routing.
+  StepTotals agree(const StepLosses& losses, const RankNumbers& mine) {
+    const double accumulation = static_cast<double>(plan_.accumulation);
+    TensorPack pack;
+    const auto loss = pack.add(mine.loss_sum / accumulation), aux = pack.add(mine.aux_sum / accumulation),
+               correct = pack.add(static_cast<double>(losses.correct)), stop = pack.add_flag(stop_requested != 0),
+               save = pack.add_flag(save_requested != 0), routing = pack.add(mine.routing);
     save_requested = 0;
-    totals = torch::cat({totals, routing});
-    mesh_->world().all_reduce_sum(totals);
-    const double loss = totals[0].item<double>() / loss_ranks();
-    last_loss_ = loss;
-    StepOutcome outcome;
-    outcome.stop = totals[3].item<double>() > 0;
-    outcome.save = totals[4].item<double>() > 0;
-    if (outcome.stop) outcome.why = "signal";
-    nlohmann::json metrics = {{"loss", loss}, {"grad_norm", grad_norm}};
-    if (r_.model.moe.enabled()) metrics["aux_loss"] = totals[1].item<double>() / loss_ranks();
-    if (r_.model.arch == ModelArch::ResNet) metrics["accuracy"] = totals[2].item<double>() / static_cast<double>(r_.batch.global);
-    if (scaler_) metrics["loss_scale"] = loss_scale;
-    add_routing_metrics(totals.narrow(0, 5, totals.numel() - 5), metrics);
+    torch::Tensor summed = pack.joined();
+    mesh_->world().all_reduce_sum(summed);
+    StepTotals t;
+    t.loss = TensorPack::value(summed, loss) / loss_ranks();
+    t.aux_loss = TensorPack::value(summed, aux) / loss_ranks();
+    t.correct = TensorPack::value(summed, correct);
+    t.stop = TensorPack::flag(summed, stop);
+    t.save = TensorPack::flag(summed, save);
+    t.routing = TensorPack::piece(summed, routing);
+    last_loss_ = t.loss;
+    return t;
+  }
 
-    // Hooks: rank 0 asks lr(), metrics() and on_step(); every rank gets the same decision.
-    bool hook_skip = false;
-    if (hooks_active_) {
-      HookActions actions;
-      bool ok = true;
-      if (hooks_) {
-        if (lr_override_) lr = *lr_override_;
-        ok = run_hook([&] {
-          nlohmann::json ctx = hook_context(step + 1, {{"lr", lr}});
-          if (auto custom = hooks_->lr(step + 1, ctx)) lr = *custom;
-          ctx["lr"] = lr;
-          ctx["metrics"] = metrics;
-          for (const auto& [name, value] : hooks_->metrics(ctx)) metrics[name] = value;
-          ctx["metrics"] = metrics;
-          actions = hooks_->on_step(ctx);
-          for (const auto& [name, value] : actions.metrics) metrics[name] = value;
-        });
-        apply_actions_on_rank0(actions, step + 1);
-      }
-      merge(outcome, broadcast_decision(actions, !ok, lr, hook_skip, lr));
+  nlohmann::json step_metrics(const StepTotals& totals, const RankNumbers& mine, const StepLosses& losses) const {
+    nlohmann::json metrics = {{"loss", totals.loss}, {"grad_norm", mine.grad_norm}};
+    if (r_.model.moe.enabled()) metrics["aux_loss"] = totals.aux_loss;
+    if (r_.model.arch == ModelArch::ResNet) metrics["accuracy"] = totals.correct / static_cast<double>(r_.batch.global);
+    if (scaler_) metrics["loss_scale"] = losses.loss_scale;
+    add_routing_metrics(totals.routing, metrics);
+    return metrics;
+  }
+
+  // Rank 0 asks the hooks lr(), metrics() and on_step(), which see `metrics`; every rank gets
+  // the same decision. Without hooks: nothing stops or skips, and the lr is the schedule's.
+  Decision consult_hooks(int64_t step, double lr, const nlohmann::json& metrics) {
+    if (!hooks_active_) {
+      Decision none;
+      none.lr = lr;
+      return none;
     }
-    const bool skipped = overflow || hook_skip;
-    if (!update_first && !skipped && !outcome.hook_failed) {
+    HookActions actions;
+    bool ok = true;
+    if (hooks_) {
+      if (lr_override_) lr = *lr_override_;
+      nlohmann::json seen = metrics;
+      ok = run_hook([&] {
+        nlohmann::json ctx = hook_context(step, {{"lr", lr}});
+        if (auto custom = hooks_->lr(step, ctx)) lr = *custom;
+        ctx["lr"] = lr;
+        ctx["metrics"] = seen;
+        for (const auto& [name, value] : hooks_->metrics(ctx)) {
+          seen[name] = value;
+          actions.metrics[name] = value;
+        }
+        ctx["metrics"] = seen;
+        HookActions on_step = hooks_->on_step(ctx);
+        for (const auto& [name, value] : on_step.metrics) actions.metrics[name] = value;
+        on_step.metrics = actions.metrics;
+        actions = std::move(on_step);
+      });
+      apply_actions_on_rank0(actions, step);
+    }
+    return broadcast_decision(actions, !ok, lr);
+  }
+
+  // The optimizer's step (clipped on the host) unless it was queued already or is skipped; the
+  // routing bias moves with every applied update.
+  void update(const GradientState& g, const Decision& d, bool skipped, double grad_norm, const torch::Tensor& routing) {
+    const bool applies = !skipped && !d.failed;
+    if (!g.update_on_device && applies) {
       if (r_.optimizer.grad_clip > 0 && grad_norm > r_.optimizer.grad_clip) zero_->scale_gradients(r_.optimizer.grad_clip / (grad_norm + 1e-6));
-      if (zero_->host_update_pipelined()) zero_->start_host_update(optimizer_->host_update(lr));
-      else optimizer_->step(lr);
+      if (zero_->host_update_pipelined()) zero_->start_host_update(optimizer_->host_update(d.lr));
+      else optimizer_->step(d.lr);
     }
-    if (!skipped && !outcome.hook_failed) balance_experts(totals.narrow(0, 5, totals.numel() - 5));
-    if (hook_skip) ++hook_skipped_steps_;
-    if (!update_first) zero_->after_step();
+    if (applies) balance_experts(routing);
+    if (d.skip) ++hook_skipped_steps_;
+    if (!g.update_on_device) zero_->after_step();
+  }
 
+  // Rank 0 records the step. Where its time went (docs/plan.md): until the gradients' norm
+  // (forward, backward, reductions, the device finishing), and with offload the host update
+  // (previous step's, beside this one's compute) and the time compute waited for it.
+  void report(int64_t step, std::chrono::steady_clock::time_point t0, double backward_end_seconds, double loss, int64_t items, const Decision& d,
+              bool skipped, nlohmann::json& metrics) {
     const ZeroDataParallel::OffloadTimes offload_times = zero_->take_offload_times();
-    if (ctx_.rank != 0) return outcome;
+    if (ctx_.rank != 0) return;
     const double step_seconds = seconds_since(t0);
-    // Where the step's time went (docs/plan.md): until the gradients' norm (forward, backward,
-    // reductions, the device finishing), and with offload the host update (previous step's,
-    // beside this one's compute) and the time compute waited for it.
+    for (const auto& [name, value] : d.metrics) metrics[name] = value;
     metrics["backward_end_seconds"] = backward_end_seconds;
     if (plan_.layout.offload != Offload::None) {
       metrics["host_update_seconds"] = offload_times.host_update_s;
       metrics["host_update_wait_seconds"] = offload_times.waited_s;
     }
-    metrics["lr"] = lr;
+    metrics["lr"] = d.lr;
     metrics["step_seconds"] = step_seconds;
     metrics["tokens_per_second"] = static_cast<double>(items) * plan_.layout.data / step_seconds;
     if (scaler_) metrics["skipped_steps"] = static_cast<double>(scaler_->skipped_steps());
     if (hooks_active_) metrics["hook_skipped_steps"] = static_cast<double>(hook_skipped_steps_);
-    if (!std::isfinite(loss) && !hook_skip) throw Error("loss is " + std::to_string(loss) + " at step " + std::to_string(step + 1), ErrorContext{"", 0, 0, "optimizer.lr", 0, "lower the learning rate or enable clipping"});
+    if (!std::isfinite(loss) && !d.skip)
+      throw Error("loss is " + std::to_string(loss) + " at step " + std::to_string(step + 1), ErrorContext{"", 0, 0, "optimizer.lr", 0, "lower the learning rate or enable clipping"});
     report_.send(StepReport{step + 1, r_.run.steps, to_metrics(metrics), skipped});
-    return outcome;
   }
 
   StepOutcome evaluate(int64_t step) {
@@ -717,9 +829,7 @@ class Trainer {
         for (const auto& [name, value] : actions.metrics) metrics[name] = value;
         apply_actions_on_rank0(actions, step + 1);
       }
-      bool unused_skip = false;
-      double unused_lr = 0;
-      outcome = broadcast_decision(actions, !ok, 0.0, unused_skip, unused_lr);
+      outcome = outcome_of(broadcast_decision(actions, !ok, 0.0));
     }
     if (ctx_.rank == 0) report_.send(EvalReport{step + 1, to_metrics(metrics)});
     return outcome;
