@@ -27,6 +27,7 @@ if [ "${1:-}" = "--with-test-tools" ]; then
   packages+=(sentencepiece)           # spm_train/spm_encode: a real tokenizer.model and its reference ids
   packages+=(postgresql)              # a real server for the store tests (started by the tests, as its own user)
   packages+=(slurm-wlm munge)         # a real one-node Slurm cluster for the --slurm tests (tests/servers/slurm_cluster.sh)
+  packages+=(python3)                 # scripts/code_figures.py --check: includes run only down the layers
 fi
 missing=()
 for p in "${packages[@]}"; do

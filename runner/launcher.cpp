@@ -5,8 +5,8 @@
 #include "engine/common/files.hpp"
 #include "engine/common/host.hpp"
 #include "engine/common/text.hpp"
-#include "engine/dist/mesh_shape.hpp"
-#include "engine/train/report.hpp"
+#include "engine/recipe/mesh_shape.hpp"
+#include "engine/protocol/rank_reports.hpp"
 #include "storage/tensorboard.hpp"
 
 #include <nlohmann/json.hpp>
@@ -668,6 +668,9 @@ std::string rank_config_toml(const LoadedRecipe& loaded, const Plan& plan) {
   // The layout as planned ("auto" keys resolved by the search and the planner): the rank reads
   // these keys and plans the same layout, never a second choice of its own.
   for (const auto& [key, value] : plan.layout.to_config_keys()) pin(c, key, value);
+  // And how each step executes (the loss chunk, the update path, the attention kernel): the rank
+  // runs these modes, and refuses to start where its build cannot (a mismatch named, not priced wrong).
+  for (const auto& [key, value] : plan.modes.to_config_keys()) pin(c, key, value);
   pin(c, "hardware.devices_per_node", Value::of_int(r.hardware.devices_per_node));
   pin(c, "hardware.memory_gib", Value::of_float(r.hardware.memory_bytes / GiB));
   pin(c, "hardware.host_memory_gib", Value::of_float(r.hardware.host_memory_bytes / GiB));

@@ -146,7 +146,8 @@ TEST_CASE("the chunked projection and loss split by vocabulary over 2 ranks equa
       torch::Tensor xs = h0.clone().requires_grad_(true), ws = w0.narrow(0, rank * vocab / 2, vocab / 2).clone().requires_grad_(true);
       LinearCrossEntropyOptions o;
       o.chunk_tokens = chunk;
-      o.group = &comm;
+      CommunicatorVocabulary vocabulary(comm);
+      o.group = &vocabulary;
       torch::Tensor loss = linear_cross_entropy(xs, ws, targets, o);
       loss.backward();
       torch::Tensor dh = xs.grad().clone();
@@ -194,7 +195,7 @@ TEST_CASE("CUDA: the variable-length flash kernel matches the masked path, and t
   const torch::Device gpu(torch::kCUDA, 0);
   const std::vector<std::vector<int64_t>> rows{{100, 28, 300, 84}, {512}, {1, 511}};
   const Packing p = pack(rows, 512);
-  const PackedDocuments docs(p.documents, p.positions, gpu);
+  const PackedDocuments docs(p.documents, p.positions, gpu, /*variable_length=*/true);
   torch::manual_seed(10);
   const auto bf16 = torch::TensorOptions().device(gpu).dtype(torch::kBFloat16);
   const torch::Tensor q0 = torch::randn({3, 512, 8, 64}, bf16), k0 = torch::randn({3, 512, 4, 64}, bf16), v0 = torch::randn({3, 512, 4, 64}, bf16);

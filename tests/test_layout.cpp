@@ -1,12 +1,14 @@
 // The layout value and its rules: what the plan accepts, the ranks accept (random recipes pinned
 // back), tensor groups stay in a node, every group is priced by where its members sit.
 #include "engine/plan/plan.hpp"
+#include "engine/recipe/schema.hpp"
 #include "test_util.hpp"
 
 #include <catch2/catch.hpp>
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <random>
 #include <sstream>
 
@@ -41,9 +43,12 @@ std::string random_recipe(std::mt19937& rng) {
   return text;
 }
 
-std::vector<std::string> pins(const Layout& l) {
+// What the launcher pins for the ranks: the layout's keys and the execution modes' (launcher.cpp).
+std::vector<std::string> pins(const Layout& l, const ExecutionModes* modes = nullptr) {
   std::vector<std::string> sets;
   for (const auto& [key, value] : l.to_config_keys()) sets.push_back(key + "=" + value.toml());
+  if (modes)
+    for (const auto& [key, value] : modes->to_config_keys()) sets.push_back(key + "=" + value.toml());
   return sets;
 }
 
@@ -69,12 +74,13 @@ TEST_CASE("300 random recipes: every layout the plan chooses, pinned back, is ac
     ++planned;
     searched += plan.layouts.empty() ? 0 : 1;
     INFO("recipe " << i << ":\n" << text << "chosen: " << plan.layout.describe());
-    // What the launcher writes for the ranks: the recipe with the layout's keys pinned.
-    LoadedRecipe pinned = load_text(text, pins(plan.layout));
+    // What the launcher writes for the ranks: the recipe with the layout's and the modes' keys pinned.
+    LoadedRecipe pinned = load_text(text, pins(plan.layout, &plan.modes));
     INFO(pinned.report());
     REQUIRE(pinned.ok());
     const Plan again = make_plan(pinned.recipe, dsrun::test::small_host());
     CHECK(again.layout == plan.layout);
+    CHECK(again.modes == plan.modes);
     CHECK(again.fits == plan.fits);
     CHECK(again.step_seconds == Approx(plan.step_seconds).epsilon(1e-9));
     CHECK(again.layouts.empty());  // nothing left to search
@@ -226,4 +232,79 @@ TEST_CASE("smoke plans of every recipe keep each degree and choice of its plan, 
     // Memory from this machine, not a template's: the node is this one.
     CHECK(smoke["host_memory_per_node"]["capacity"].get<double>() <= machine * 1.001);
   }
+}
+
+TEST_CASE("execution modes: one rule each, from the layout and the build's kernels, pinned for the ranks", "[layout][execution]") {
+  const std::string one_gpu =
+      "base = [\"hardware/h100-80gb-x1\", \"models/deepseek-tiny\"]\n[parallel]\nzero_stage = 2\n[precision]\ndtype = \"bf16\"\n"
+      "[batch]\nglobal = 4\nmicro = 2\nseq_len = 128\nloss_chunk_tokens = 64\n";
+  LoadedRecipe r = load_text(one_gpu);
+  REQUIRE(r.ok());
+  // Planned by this CPU build (the test host has no kernels): for dsrun's GPU build, and said so.
+  const Plan gpu = make_plan(r.recipe, dsrun::test::small_host());
+  CHECK(gpu.modes.loss_chunk_tokens == 64);
+  CHECK(gpu.modes.loss_gradients_in_forward);
+  CHECK(gpu.modes.step_applies_scales);
+  CHECK(gpu.modes.update_on_device);
+  CHECK(gpu.modes.gradients_left_to_autograd);
+  CHECK_FALSE(gpu.modes.variable_length_attention);  // no separate documents
+  CHECK(std::any_of(gpu.notes.begin(), gpu.notes.end(), [](const std::string& n) { return n.find("planned for dsrun's GPU build") != std::string::npos; }));
+  CHECK(nlohmann::json::parse(plan_to_json(gpu))["execution"]["update_on_device"] == true);
+  CHECK(gpu.memory.gradients_after_peak > 0);
+
+  // A CUDA build without dsrun's Adam kernel or torch's fused AdamW: the step cannot apply the
+  // scales, so nothing that depends on it holds either.
+  HostFacts old_torch = dsrun::test::small_host();
+  old_torch.kernels.cuda = true;
+  const ExecutionModes m = decide_execution_modes(r.recipe, gpu.layout, 64, old_torch.kernels);
+  CHECK_FALSE(m.step_applies_scales);
+  CHECK_FALSE(m.update_on_device);
+  CHECK_FALSE(m.gradients_left_to_autograd);
+  CHECK(m.loss_gradients_in_forward);
+  CHECK(make_plan(r.recipe, old_torch).memory.gradients_after_peak == 0);
+
+  // false turns a mode off, and what depends on it; the plan prices the gradient buffer again.
+  LoadedRecipe off = load_text(one_gpu, {"execution.update_on_device=false"});
+  REQUIRE(off.ok());
+  const Plan buffered = make_plan(off.recipe, dsrun::test::small_host());
+  CHECK_FALSE(buffered.modes.update_on_device);
+  CHECK_FALSE(buffered.modes.gradients_left_to_autograd);
+  CHECK(buffered.modes.step_applies_scales);
+  CHECK(buffered.memory.gradients_after_peak == 0);
+
+  // true where a rule refuses it: the rule wins and the plan says why.
+  LoadedRecipe fp16 = load_text(one_gpu, {"precision.dtype=\"fp16\"", "execution.loss_gradients_in_forward=true"});
+  REQUIRE(fp16.ok());
+  const Plan scaled = make_plan(fp16.recipe, dsrun::test::small_host());
+  CHECK_FALSE(scaled.modes.loss_gradients_in_forward);
+  CHECK(std::any_of(scaled.notes.begin(), scaled.notes.end(),
+                    [](const std::string& n) { return n.find("execution.loss_gradients_in_forward = true does not hold here: in fp16") != std::string::npos; }));
+
+  // Two ranks: gradients are reduced, so a buffer holds them; the update stays on the device.
+  LoadedRecipe two = load_text(one_gpu, {"hardware.devices_per_node=2", "parallel.data_parallel=2"});
+  REQUIRE(two.ok());
+  const Plan pair = make_plan(two.recipe, dsrun::test::small_host());
+  CHECK(pair.modes.update_on_device);
+  CHECK_FALSE(pair.modes.gradients_left_to_autograd);
+
+  // Variable-length attention: separate documents in bf16 with a head_dim the kernel takes; fp32 or
+  // CPU ranks use the mask, and the plan's document line follows the mode.
+  Recipe docs = r.recipe;
+  docs.data.separate_documents = true;
+  BuildKernels gpu_build;
+  gpu_build.cuda = gpu_build.device_adam = gpu_build.fused_adam = gpu_build.varlen_attention = true;
+  CHECK(decide_execution_modes(docs, gpu.layout, 64, gpu_build).variable_length_attention);
+  docs.precision.dtype = DType::Fp32;
+  std::vector<std::string> why;
+  docs.execution.forced["variable_length_attention"] = true;
+  CHECK_FALSE(decide_execution_modes(docs, gpu.layout, 64, gpu_build, &why).variable_length_attention);
+  REQUIRE(why.size() == 1);
+  CHECK(why[0] == "execution.variable_length_attention = true does not hold here: the kernel runs in bf16/fp16 only");
+
+  // Every mode has its [execution] key, and a rank's config pins each (the launcher's keys).
+  for (const ExecutionModeRow& row : execution_mode_rows()) {
+    INFO(row.name);
+    CHECK(find_key_spec(std::string("execution.") + row.name) != nullptr);
+  }
+  CHECK(gpu.modes.to_config_keys().size() == execution_mode_rows().size() + 1);  // + batch.loss_chunk_tokens
 }

@@ -1,6 +1,6 @@
 // Rank reports on the wire: every kind round-trips through its JSON line, NaN metrics travel as
 // null, and lines the launcher cannot read (garbled, unknown type, wrong field kinds) are refused.
-#include "engine/train/report.hpp"
+#include "engine/protocol/rank_reports.hpp"
 
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>

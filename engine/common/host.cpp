@@ -33,6 +33,7 @@ static int count_nvidia_gpus() {
 
 HostFacts read_host_facts() {
   HostFacts h;
+  h.kernels = this_build_kernels();
   cpu_set_t set;
   if (sched_getaffinity(0, sizeof set, &set) == 0) h.cpu_cores = CPU_COUNT(&set);
   if (h.cpu_cores <= 0) h.cpu_cores = static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));

@@ -2,6 +2,8 @@
 // so that the plan stays a pure function of (recipe, host facts) and tests can pass made-up hosts.
 #pragma once
 
+#include "engine/common/build_kernels.hpp"
+
 #include <cstdint>
 #include <string>
 
@@ -17,6 +19,8 @@ struct HostFacts {
   // Free bytes where checkpoints will be written (checkpoint.dir, else the run store's directory),
   // filled in by the command that plans a run; -1: not known (the plan then says nothing of disk).
   double checkpoint_free_bytes = -1;
+  // What this build's kernels can do (this_build_kernels()): the execution modes depend on it.
+  BuildKernels kernels;
 };
 
 HostFacts read_host_facts();

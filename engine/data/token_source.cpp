@@ -19,29 +19,6 @@
 
 namespace dsrun {
 
-const std::vector<TokenFormatInfo>& token_formats() {
-  static const std::vector<TokenFormatInfo> table = {
-      {TokenFormat::Auto, "auto", "recognised by header: dsrun (DSRUNTOK or a prepare manifest), Megatron-LM (.idx beside the .bin), llm.c (magic)"},
-      {TokenFormat::Dsrun, "dsrun", "dsrun prepare's directory (manifest.json) or DSRUNTOK shards"},
-      {TokenFormat::Megatron, "megatron", "Megatron-LM indexed dataset: PREFIX.bin with PREFIX.idx (MMIDIDX)"},
-      {TokenFormat::Llmc, "llmc", "llm.c .bin: 256 int32 header, magic 20240520 (uint16 tokens) or 20240801 (uint32)"},
-      {TokenFormat::Nanogpt, "nanogpt", "nanoGPT .bin: files without a header are headerless tokens of data.token_width bytes (files with one: as auto)"},
-  };
-  return table;
-}
-
-const char* to_string(TokenFormat f) {
-  for (const auto& row : token_formats())
-    if (row.format == f) return row.name;
-  return "?";
-}
-
-TokenFormat token_format_from_string(const std::string& name) {
-  for (const auto& row : token_formats())
-    if (name == row.name) return row.format;
-  throw Error("unknown token format \"" + name + "\"");
-}
-
 Error data_error(const std::string& path, const std::string& what, const std::string& hint) {
   ErrorContext c;
   c.file = path;
@@ -680,26 +657,6 @@ std::string TokenCorpus::describe() const {
     if (sources_.size() > 1) out += ", weight " + std::to_string(blend_count_[d]) + "/" + std::to_string(blend_.size());
   }
   if (val_source_) out += "; validation: " + val_source_->path + " (" + std::to_string(val_source_->val.tokens()) + " tokens)";
-  return out;
-}
-
-std::vector<MixtureProblem> mixture_problems(size_t sources, const std::vector<double>& weights) {
-  std::vector<MixtureProblem> out;
-  if (sources > kMaxBlendSources)
-    out.push_back({"data.blend", std::to_string(sources) + " sources: a mixture takes at most " + std::to_string(kMaxBlendSources),
-                   "merge sources into directories (a directory is one source)", {}});
-  if (weights.empty()) return out;
-  double sum = 0;
-  bool bad = false;
-  for (double w : weights) {
-    bad = bad || !(w >= 0) || !std::isfinite(w);
-    sum += w;
-  }
-  if (bad) out.push_back({"data.blend_weights", "a mixture weight is negative or not finite", "give each source a weight >= 0", {}});
-  else if (!(sum > 0)) out.push_back({"data.blend_weights", "the mixture weights sum to zero: no source would be read", "give at least one source a positive weight", {}});
-  if (weights.size() != sources)
-    out.push_back({"data.blend_weights", std::to_string(weights.size()) + " weights for " + std::to_string(sources) + " sources in data.blend",
-                   "give one weight per source, or none for equal weights", {"data.blend"}});
   return out;
 }
 

@@ -2,6 +2,8 @@
 // or loose), Megatron-LM's indexed dataset, llm.c's and nanoGPT's .bin files, and weighted mixtures.
 #pragma once
 
+#include "engine/recipe/kinds.hpp"
+
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -14,17 +16,6 @@ struct DataOptions;
 // An error about a data file: names the file, the key data.path, and how to fix it.
 Error data_error(const std::string& path, const std::string& what, const std::string& hint);
 
-enum class TokenFormat { Auto, Dsrun, Megatron, Llmc, Nanogpt };
-
-// One row per format: the name recipes use (data.format), and how it is recognised.
-struct TokenFormatInfo {
-  TokenFormat format;
-  const char* name;
-  const char* description;
-};
-const std::vector<TokenFormatInfo>& token_formats();
-const char* to_string(TokenFormat f);
-TokenFormat token_format_from_string(const std::string& name);  // throws on an unknown name
 
 // dsrun's shard format, written by `dsrun prepare` and read here: a 32-byte header ("DSRUNTOK",
 // u32 version 1, u32 bytes per token 2 or 4, u64 token count, u64 zero), then little-endian tokens.
@@ -47,17 +38,6 @@ struct TokenCorpusOptions {
   uint64_t seed = 0;
   bool shuffle = true;
 };
-
-// A mixture takes at most this many sources (a directory is one source): the blend table is u16.
-constexpr size_t kMaxBlendSources = 4096;
-
-// What is wrong with a mixture of `sources` with these weights (empty: equal), every problem: one
-// check for the recipe (each at its line) and the corpus (the first thrown, for callers without one).
-struct MixtureProblem {
-  std::string key, message, hint;
-  std::vector<std::string> related;  // other keys the problem involves
-};
-std::vector<MixtureProblem> mixture_problems(size_t sources, const std::vector<double>& weights);
 
 // The corpus a recipe's [data] names, as every rank and `dsrun plan` open it.
 TokenCorpusOptions token_corpus_options(const DataOptions& data, int64_t vocab, int64_t seq_len, uint64_t seed);

@@ -4,7 +4,7 @@
 #pragma once
 
 #include "engine/dist/communicator.hpp"
-#include "engine/dist/mesh_shape.hpp"
+#include "engine/recipe/mesh_shape.hpp"
 
 #include <memory>
 

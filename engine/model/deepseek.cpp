@@ -75,8 +75,8 @@ struct TokenPositions {
   const Rotary* rope = nullptr;
   std::shared_ptr<const PackedDocuments> documents;  // null: one sequence per row
 
-  TokenPositions(const Rotary& r, const Batch& batch) : rope(&r) {
-    if (batch.positions.defined()) documents = std::make_shared<const PackedDocuments>(batch.documents, batch.positions, batch.inputs.device());
+  TokenPositions(const Rotary& r, const Batch& batch, bool variable_length) : rope(&r) {
+    if (batch.positions.defined()) documents = std::make_shared<const PackedDocuments>(batch.documents, batch.positions, batch.inputs.device(), variable_length);
   }
   // {q, k rotated, v} from the q/k/v projection of x by `weight` (fused::project_qkv).
   std::vector<Tensor> project_qkv(const Tensor& x, const Tensor& weight, int64_t q_width, int64_t k_width, int64_t head_dim) const {
@@ -393,11 +393,11 @@ Named with_experts_stacked(const Named& n) {
 
 class DeepSeekModel final : public Model {
  public:
-  DeepSeekModel(const ModelSpec& spec, int64_t seq_len, bool deferred, uint64_t seed, int64_t loss_chunk_tokens)
-      : spec_(spec), seed_(seed), loss_chunk_tokens_(loss_chunk_tokens),
+  DeepSeekModel(const ModelSpec& spec, int64_t seq_len, const ModelBuild& build)
+      : spec_(spec), seed_(build.seed), build_(build),
         net_(std::make_shared<DecoderModule>(spec, torch::TensorOptions().dtype(torch::kFloat32))), rope_(spec.head_dim(), std::max(seq_len, spec.max_seq_len), spec.rope_theta),
-        deferred_(deferred) {
-    if (deferred) return;
+        deferred_(build.deferred) {
+    if (deferred_) return;
     torch::NoGradGuard no_grad;
     for (auto& p : net_->named_parameters()) initialize_parameter(p.key(), p.value());
   }
@@ -506,7 +506,7 @@ class DeepSeekModel final : public Model {
     moe->balance(loads, rate);
   }
 
-  bool computes_loss() const override { return loss_chunk_tokens_ > 0; }
+  bool computes_loss() const override { return build_.loss_chunk_tokens > 0; }
 
   nn::Module& module() override { return *net_; }
   bool deferred() const override { return deferred_; }
@@ -518,7 +518,7 @@ class DeepSeekModel final : public Model {
   // the mean cross-entropy against the batch's targets, projected chunk by chunk.
   Tensor head(const Tensor& x, const Tensor& w, const Batch& batch, UnitRunner& runner) const {
     if (!computes_loss()) return torch::linear(x, w);
-    return runner.projected_loss(x.reshape({-1, x.size(-1)}), w, batch.targets.reshape({-1}), loss_chunk_tokens_);
+    return runner.projected_loss(x.reshape({-1, x.size(-1)}), w, batch.targets.reshape({-1}), build_.loss_chunk_tokens, build_.loss_gradients_in_forward);
   }
   Tensor zero_aux(const Batch& batch) const { return torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat32).device(batch.inputs.device())); }
 
@@ -556,7 +556,7 @@ class DeepSeekModel final : public Model {
   // with the activations, so that a recomputed (checkpointed) block contributes it as well; each
   // block's computation captures what it reads by value, since recomputation runs it again in backward.
   Tensors run_units(UnitRange range, int first_local, const Batch& batch, Tensors state, UnitRunner& runner) {
-    const TokenPositions where(rope_, batch);
+    const TokenPositions where(rope_, batch, build_.variable_length_attention);
     for (int u = range.begin; u < range.end; ++u) {
       const int local = first_local + (u - range.begin);
       if (u == 0) {
@@ -581,7 +581,7 @@ class DeepSeekModel final : public Model {
 
   ModelSpec spec_;
   uint64_t seed_;
-  int64_t loss_chunk_tokens_;  // > 0: the head computes the loss (ModelBuild::loss_chunk_tokens)
+  ModelBuild build_;  // loss chunk (> 0: the head computes the loss), the execution modes the model reads
   std::shared_ptr<DecoderModule> net_;
   Rotary rope_;
   bool deferred_;
@@ -599,7 +599,7 @@ std::unique_ptr<Model> build_model(const ModelSpec& spec, int64_t seq_len, const
     torch::manual_seed(build.seed);
     return build_resnet(spec.resnet);
   }
-  return std::make_unique<DeepSeekModel>(spec, seq_len, build.deferred, build.seed, build.loss_chunk_tokens);
+  return std::make_unique<DeepSeekModel>(spec, seq_len, build);
 }
 
 }  // namespace dsrun

@@ -9,7 +9,8 @@
 
 namespace dsrun {
 
-PackedDocuments::PackedDocuments(const torch::Tensor& documents, const torch::Tensor& positions, const torch::Device& device) {
+PackedDocuments::PackedDocuments(const torch::Tensor& documents, const torch::Tensor& positions, const torch::Device& device, bool variable_length)
+    : variable_length_(variable_length) {
   DSRUN_ASSERT(documents.dim() == 2 && positions.sizes() == documents.sizes(), "documents and positions are [b, s]");
   rows_ = documents.size(0);
   row_tokens_ = documents.size(1);
@@ -31,7 +32,9 @@ PackedDocuments::PackedDocuments(const torch::Tensor& documents, const torch::Te
 }
 
 torch::Tensor PackedDocuments::attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) const {
-  if (!compat::varlen_attention_applies(q)) return attend_masked(q, k, v);
+  if (!variable_length_) return attend_masked(q, k, v);
+  // The plan chose the kernel by the same rule (execution_modes.cpp); a mismatch is a bug, not a slow path.
+  DSRUN_ASSERT(compat::varlen_attention_applies(q), "the plan chose variable-length attention where its kernel does not run");
   const int64_t tokens = rows_ * row_tokens_;
   // [b, s, heads, d] -> [b·s, heads, d]: a view when the rows lie one after another (they do: the
   // projections are contiguous in b and s), else a copy.

@@ -18,7 +18,8 @@ class PackedDocuments {
   // documents: [b, s] int32, each token's document number within its row (Batch::documents; on
   // the CPU, as the data loader makes it: the boundaries are read there without a device sync).
   // positions: [b, s] int64, each token's place in its document. Both moved to `device`.
-  PackedDocuments(const torch::Tensor& documents, const torch::Tensor& positions, const torch::Device& device);
+  // variable_length: attend by the variable-length kernel (ExecutionModes::variable_length_attention), else the mask.
+  PackedDocuments(const torch::Tensor& documents, const torch::Tensor& positions, const torch::Device& device, bool variable_length = false);
 
   int64_t rows() const { return rows_; }
   int64_t row_tokens() const { return row_tokens_; }
@@ -34,6 +35,7 @@ class PackedDocuments {
 
  private:
   int64_t rows_ = 0, row_tokens_ = 0, count_ = 0, longest_ = 0;
+  bool variable_length_ = false;
   torch::Tensor cu_seqlens_;  // [count + 1] int32 on the device: where each document starts in the stream
   torch::Tensor documents_;   // [b, s] int32 on the device
   torch::Tensor positions_;

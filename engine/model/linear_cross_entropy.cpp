@@ -3,7 +3,6 @@
 #include "engine/common/autograd_pointer.hpp"
 #include "engine/common/error.hpp"
 #include "engine/common/torch_compat.hpp"
-#include "engine/dist/communicator.hpp"
 #include "engine/model/fused_ops.hpp"
 
 #include <algorithm>
@@ -27,8 +26,8 @@ void for_each_chunk(int64_t n, int64_t chunk, Each&& each) {
 // `group` null or of one rank: all of it): its column (clamped) and whether it is here.
 struct LocalTargets {
   Tensor column, here;
-  LocalTargets(const Tensor& targets, const Communicator* group, int64_t local_vocab) {
-    const Tensor local = group && group->world_size() > 1 ? targets - group->rank() * local_vocab : targets;
+  LocalTargets(const Tensor& targets, const VocabularyGroup* group, int64_t local_vocab) {
+    const Tensor local = group && group->size() > 1 ? targets - group->rank() * local_vocab : targets;
     here = local.ge(0).logical_and(local.lt(local_vocab));
     column = local.clamp(0, local_vocab - 1);
   }
@@ -51,9 +50,9 @@ Tensor head_gradient(const Tensor& weight, int64_t n) {
 struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropyFunction> {
   static Tensor forward(AutogradContext* ctx, const Tensor& hidden, const Tensor& weight, const Tensor& targets, int64_t chunk,
                         int64_t group_address, bool wants_grad, bool gradient_in_forward) {
-    Communicator* group = pointer_from_argument<Communicator>(group_address);
+    VocabularyGroup* group = pointer_from_argument<VocabularyGroup>(group_address);
     const int64_t n = hidden.size(0), local_vocab = weight.size(0);
-    const int ranks = group ? group->world_size() : 1;
+    const int ranks = group ? group->size() : 1;
     const LocalTargets t(targets, group, local_vocab);
     // (The plan's rule is the same: Planner::loss_gradients_in_forward, engine/plan/plan.cpp.)
     const bool eager = wants_grad && gradient_in_forward && ranks == 1 && hidden.scalar_type() != torch::kFloat16;
@@ -117,7 +116,7 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
       return {d_hidden, d_weight, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
     }
     const Tensor &hidden = saved[0], &weight = saved[1], &targets = saved[2], &lse = saved[3];
-    Communicator* group = saved_pointer<Communicator>(ctx, "group");
+    VocabularyGroup* group = saved_pointer<VocabularyGroup>(ctx, "group");
     const int64_t n = hidden.size(0), local_vocab = weight.size(0);
     const LocalTargets t(targets, group, local_vocab);
     Tensor d_hidden = torch::empty_like(hidden);

@@ -7,11 +7,20 @@
 
 namespace dsrun {
 
-class Communicator;  // engine/dist/communicator.hpp
+// The ranks the vocabulary is split over, as the loss needs them. Tensor parallelism adapts its
+// communicator to this (parallel/tensor_parallel.hpp): the model layer runs no collectives itself.
+class VocabularyGroup {
+ public:
+  virtual ~VocabularyGroup() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual void all_gather(const torch::Tensor& shard, torch::Tensor& full) = 0;  // rank order
+  virtual void all_reduce_sum(torch::Tensor& t) = 0;
+};
 
 struct LinearCrossEntropyOptions {
   int64_t chunk_tokens = 4096;     // tokens whose logits exist at once (fp32, [chunk, V/t])
-  Communicator* group = nullptr;   // the ranks the vocabulary is split over (weight rows rank·V/t ..); null: one rank
+  VocabularyGroup* group = nullptr;  // the ranks the vocabulary is split over (weight rows rank·V/t ..); null: one rank
   // Compute the gradients during forward, in the same pass as the loss (the loss is the last node
   // of the graph: backward only scales them), where that is exact: one rank, and a dtype whose
   // gradient cannot underflow before the loss scale multiplies it (not fp16). Otherwise backward

@@ -5,7 +5,7 @@
 
 #include "engine/common/error.hpp"
 #include "engine/model/linear_cross_entropy.hpp"
-#include "engine/recipe/recipe.hpp"
+#include "engine/recipe/model_spec.hpp"
 
 #include <torch/torch.h>
 
@@ -44,9 +44,12 @@ class UnitRunner {
   // The output projection and the mean token cross-entropy in one, chunk_tokens tokens at a time
   // (linear_cross_entropy.hpp): hidden [N, H] as it enters the split region, weight [V, H] (this
   // rank's rows of the vocabulary under tensor parallelism), targets [N]. An fp32 scalar.
-  virtual torch::Tensor projected_loss(const torch::Tensor& hidden, const torch::Tensor& weight, const torch::Tensor& targets, int64_t chunk_tokens) {
+  // gradients_in_forward: ExecutionModes::loss_gradients_in_forward.
+  virtual torch::Tensor projected_loss(const torch::Tensor& hidden, const torch::Tensor& weight, const torch::Tensor& targets, int64_t chunk_tokens,
+                                       bool gradients_in_forward) {
     LinearCrossEntropyOptions o;
     o.chunk_tokens = chunk_tokens;
+    o.gradient_in_forward = gradients_in_forward;
     return linear_cross_entropy(hidden, weight, targets, o);
   }
   // Routed experts: `rows` are the inputs of every (token, choice) pair of a MoE layer, grouped by
@@ -105,6 +108,19 @@ struct ModelOutput {
   torch::Tensor logits;
   torch::Tensor loss;       // the mean token cross-entropy (fp32 scalar), computed without whole logits
   torch::Tensor aux_loss;   // MoE load balance, an fp32 scalar added to the loss; undefined for dense models
+};
+
+// One micro-batch's loss as the trainer computes it from a ModelOutput (engine/train/loss.hpp);
+// the pipeline carries it between stages, so it belongs to the model's contract.
+struct MicroBatchLoss {
+  torch::Tensor loss;     // what backward starts from: the mean over the batch, aux loss included
+  double task_loss = 0;   // cross-entropy alone, for reporting
+  double aux_loss = 0;    // MoE load balance (0 for dense models)
+  // Unread (micro_batch_loss's read_now false): the two as fp32 scalars where they were computed
+  // (aux undefined for dense models), for the caller to read once per step: reading them between
+  // forward and backward would stop the host until the device caught up.
+  torch::Tensor task_value, aux_value;
+  int64_t correct = -1;   // images: correct predictions; -1 where it does not apply
 };
 
 // Consecutive units of a model's pipeline numbering (the embedding, each block, the head), [begin, end).
@@ -168,6 +184,10 @@ struct ModelBuild {
   // Decoders: > 0 fuses the output projection with the cross-entropy, this many tokens' logits at
   // a time (batch.loss_chunk_tokens); 0 returns the whole logits for the trainer's loss.
   int64_t loss_chunk_tokens = 0;
+  // The execution modes the model runs (ExecutionModes, decided by the plan): the fused loss's
+  // gradients made in forward, and attention within documents by the variable-length kernel.
+  bool loss_gradients_in_forward = true;
+  bool variable_length_attention = false;
 };
 
 // Builds the recipe's model in fp32 on the CPU (DeepSeek deferred: no memory until ZeRO builds

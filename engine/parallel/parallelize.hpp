@@ -39,8 +39,9 @@ class ParallelModel final : public UnitRunner {
   torch::Tensor leave_split(const torch::Tensor& partial) override { return tensor_.leave(partial); }
   bool splits_nothing() const override { return tensor_.size() == 1; }
   torch::Tensor embedding(const torch::Tensor& weight, const torch::Tensor& ids) override { return tensor_.embedding(weight, ids); }
-  torch::Tensor projected_loss(const torch::Tensor& hidden, const torch::Tensor& weight, const torch::Tensor& targets, int64_t chunk_tokens) override {
-    return tensor_.projected_loss(hidden, weight, targets, chunk_tokens);
+  torch::Tensor projected_loss(const torch::Tensor& hidden, const torch::Tensor& weight, const torch::Tensor& targets, int64_t chunk_tokens,
+                               bool gradients_in_forward) override {
+    return tensor_.projected_loss(hidden, weight, targets, chunk_tokens, gradients_in_forward);
   }
   torch::Tensor routed_experts(const torch::Tensor& rows, const torch::Tensor& counts, const ExpertsFn& local) override {
     return experts_ ? experts_->run(rows, counts, local) : local(rows, counts);

@@ -7,7 +7,6 @@
 #include "engine/model/model.hpp"
 #include "engine/parallel/pipeline_schedule.hpp"
 #include "engine/parallel/zero.hpp"
-#include "engine/train/loss.hpp"
 
 #include <torch/torch.h>
 

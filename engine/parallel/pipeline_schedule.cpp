@@ -8,12 +8,6 @@
 
 namespace dsrun {
 
-const char* to_string(PipelineScheduleKind k) {
-  for (const auto& [kind, name] : kPipelineSchedules)
-    if (kind == k) return name;
-  return "?";
-}
-
 const char* to_string(PipelineTransport t) {
   for (const auto& [transport, name] : kPipelineTransports)
     if (transport == t) return name;

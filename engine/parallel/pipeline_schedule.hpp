@@ -3,6 +3,8 @@
 // every receive meets its send (over Gloo or NCCL) and measures the bubble. Torch-free: the plan and the engine share it.
 #pragma once
 
+#include "engine/recipe/kinds.hpp"
+
 #include <array>
 #include <string>
 #include <utility>
@@ -10,12 +12,8 @@
 
 namespace dsrun {
 
-enum class PipelineScheduleKind { GPipe, OneFOneB, Interleaved };
-
-// One table for the schedules' recipe names (parsing, printing, the schema).
-inline constexpr std::array<std::pair<PipelineScheduleKind, const char*>, 3> kPipelineSchedules{
-    {{PipelineScheduleKind::GPipe, "gpipe"}, {PipelineScheduleKind::OneFOneB, "1f1b"}, {PipelineScheduleKind::Interleaved, "interleaved"}}};
-const char* to_string(PipelineScheduleKind k);
+// The schedules and their recipe names (kinds.hpp).
+inline constexpr const auto& kPipelineSchedules = EnumNames<PipelineScheduleKind>::table;
 
 // The model is cut into stages × virtual_stages pieces ("virtual stages", in order); rank r runs
 // pieces r, r + stages, r + 2·stages, ... (Megatron-LM's interleaving): its chunk c is piece

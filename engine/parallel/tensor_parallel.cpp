@@ -137,10 +137,11 @@ Tensor TensorParallel::cross_entropy(const Tensor& local_logits, const Tensor& t
   return VocabParallelCrossEntropy::apply(local_logits, targets, pointer_argument(&group_));
 }
 
-Tensor TensorParallel::projected_loss(const Tensor& hidden, const Tensor& local_weight, const Tensor& targets, int64_t chunk_tokens) {
+Tensor TensorParallel::projected_loss(const Tensor& hidden, const Tensor& local_weight, const Tensor& targets, int64_t chunk_tokens, bool gradients_in_forward) {
   LinearCrossEntropyOptions o;
   o.chunk_tokens = chunk_tokens;
-  o.group = size() > 1 ? &group_ : nullptr;
+  o.gradient_in_forward = gradients_in_forward;
+  o.group = size() > 1 ? &vocabulary_ : nullptr;
   return linear_cross_entropy(hidden, local_weight, targets, o);
 }
 

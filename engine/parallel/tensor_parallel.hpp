@@ -13,13 +13,28 @@
 
 namespace dsrun {
 
+// A communicator as the fused loss sees the ranks the vocabulary is split over
+// (model/linear_cross_entropy.hpp), which runs no collectives of its own.
+class CommunicatorVocabulary final : public VocabularyGroup {
+ public:
+  explicit CommunicatorVocabulary(Communicator& c) : c_(c) {}
+  int rank() const override { return c_.rank(); }
+  int size() const override { return c_.world_size(); }
+  void all_gather(const torch::Tensor& shard, torch::Tensor& full) override { c_.all_gather(shard, full); }
+  void all_reduce_sum(torch::Tensor& t) override { c_.all_reduce_sum(t); }
+
+ private:
+  Communicator& c_;
+};
+
 // With sequence parallelism (Korthikanti et al. 2022) the activations between regions, [b, s, h],
 // are split along the sequence: rank r holds positions [r·s/t, (r+1)·s/t). Entering a region
 // all-gathers them, leaving reduce-scatters, in place of the all-reduce (the same traffic), and
 // the norms run on 1/t of the tokens; their weights' gradients are then partial sums.
 class TensorParallel {
  public:
-  explicit TensorParallel(Communicator& group, bool sequence_parallel = false) : group_(group), sequence_(sequence_parallel && group.world_size() > 1) {}
+  explicit TensorParallel(Communicator& group, bool sequence_parallel = false)
+      : group_(group), vocabulary_(group), sequence_(sequence_parallel && group.world_size() > 1) {}
   int size() const { return group_.world_size(); }
   int rank() const { return group_.rank(); }
   bool sequence_parallel() const { return sequence_; }
@@ -41,10 +56,12 @@ class TensorParallel {
   torch::Tensor cross_entropy(const torch::Tensor& local_logits, const torch::Tensor& targets);
   // The same from the hidden states and this rank's rows of the output projection, chunk by chunk
   // (linear_cross_entropy.hpp): no rank ever holds its whole slice of the logits.
-  torch::Tensor projected_loss(const torch::Tensor& hidden, const torch::Tensor& local_weight, const torch::Tensor& targets, int64_t chunk_tokens);
+  torch::Tensor projected_loss(const torch::Tensor& hidden, const torch::Tensor& local_weight, const torch::Tensor& targets, int64_t chunk_tokens,
+                               bool gradients_in_forward = true);
 
  private:
   Communicator& group_;
+  CommunicatorVocabulary vocabulary_;
   bool sequence_;
 };
 

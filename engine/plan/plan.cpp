@@ -4,6 +4,7 @@
 #include "engine/common/files.hpp"
 #include "engine/common/text.hpp"
 #include "engine/data/token_source.hpp"
+#include "engine/parallel/pipeline_schedule.hpp"
 
 #include <algorithm>
 #include <numeric>
@@ -152,6 +153,7 @@ class Planner {
     placement_ = placement_of(hw, layout_with({}));
     ranks_per_node_ = placement_.ranks_per_node;
     kernel_ = hw.device == Device::Cuda ? AttentionKernel::Flash : AttentionKernel::Math;
+    kernels_ = planned_kernels(hw.device, host.kernels);
     ModelCostOptions cost;
     cost.fused_elementwise = hw.device == Device::Cuda;
     cost.local_vocab = r.model.vocab / std::max(1, tp_);
@@ -270,6 +272,7 @@ class Planner {
     o.same_memory = hw.ranks_share_memory();
     o.delayed_update = r_.parallel.delayed_update;
     MemoryBreakdown& m = ev.memory;
+    const ExecutionModes modes = modes_for(l);
     m.states = plan_model_states_per_rank(o);
     if (st.rank_expert_params > 0) {  // routed experts: ZeRO over the dp/ep ranks keeping the same ones
       o.params = st.rank_expert_params;
@@ -288,7 +291,7 @@ class Planner {
     if (tp_ > 1 && !l.checkpointing) m.activations *= r_.parallel.sequence_parallel ? 1.0 / tp_ : (10.0 + 24.0 / tp_) / 34.0;
     if (r_.data.separate_documents) {
       const double s = static_cast<double>(r_.batch.seq_len);
-      if (varlen_attention())  // each token's position (int64); the documents' starts are a few bytes
+      if (modes.variable_length_attention)  // each token's position (int64); the documents' starts are a few bytes
         m.activations += live * l.micro * s * 8;
       else  // the document mask (bool, then a bias in the compute dtype, s x s) and each token's rotary rows (fp32 cos and sin)
         m.activations += live * l.micro * (s * s * (1 + bytes_per_element(r_.precision.dtype)) + s * r_.model.head_dim() * 8);
@@ -302,7 +305,7 @@ class Planner {
     // backward is still to come keeps its weight gradient (a pipeline's last stage under GPipe).
     double head_backward = 0;
     // The head's weight gradient where the fused loss makes it during forward, else 0.
-    const double head_gradient_in_forward = st.has_head && cost_.loss_chunk_tokens > 0 && loss_gradients_in_forward()
+    const double head_gradient_in_forward = st.has_head && modes.loss_gradients_in_forward
                                                 ? bytes_per_element(r_.precision.dtype) * static_cast<double>(r_.model.vocab / tp_) * static_cast<double>(r_.model.hidden)
                                                 : 0;
     if (st.has_head && cost_.loss_chunk_tokens > 0) {
@@ -314,7 +317,7 @@ class Planner {
     m.backward_peak = l.checkpointing && st.has_blocks ? std::max(head_backward, l.micro * cost_.recomputed_layer_bytes_per_sample + attention_backward)
                                                        : std::max(head_backward, attention_backward);
     // Gradients left to autograd come as backward frees activations, except that one: held at the peak.
-    if (gradients_left_to_autograd(l))
+    if (modes.gradients_left_to_autograd)
       m.gradients_after_peak = std::min(std::max(0.0, m.states.grads - head_gradient_in_forward), m.activations + m.backward_peak);
     const double e = bytes_per_element(r_.precision.dtype);
     if (l.stage == 3 && dp_ > 1) {
@@ -401,7 +404,7 @@ class Planner {
     p.seq_len = r_.model.arch == ModelArch::DeepSeek ? r_.batch.seq_len : 0;
     p.dtype = r_.precision.dtype;
     p.attention = kernel_;
-    if (r_.data.separate_documents) p.document_attention = varlen_attention() ? "variable-length" : "masked";
+    if (r_.data.separate_documents) p.document_attention = modes_for({}).variable_length_attention ? "variable-length" : "masked";
     p.attention_fraction = attention_fraction_;
     p.memory_capacity = capacity_;
     p.host_memory_capacity = hw.host_memory_bytes;
@@ -412,6 +415,11 @@ class Planner {
 
     choose_layout(p);  // (its last choice may change cost_: the loss chunk)
     p.loss_chunk_tokens = cost_.loss_chunk_tokens;
+    std::vector<std::string> refused;
+    p.modes = decide_execution_modes(r_, p.layout, cost_.loss_chunk_tokens, kernels_, &refused);
+    for (std::string& why : refused) p.notes.push_back(std::move(why));
+    if (!(kernels_ == host_.kernels))
+      p.notes.push_back("execution modes planned for dsrun's GPU build (scripts/gpu_build.sh): this build has no CUDA kernels");
     p.cost = cost_;
     check_pipeline(p);
     predict_communication(p);
@@ -447,7 +455,7 @@ class Planner {
     l.zero_stage = c.stage, l.micro = c.micro, l.recomputation = c.checkpointing;
     return l;
   }
-  // Whether the layout rules (engine/plan/layout.cpp) allow a choice: the planner picks only what
+  // Whether the layout rules (engine/recipe/layout.cpp) allow a choice: the planner picks only what
   // the ranks will accept.
   bool allowed(const Choice& c, bool stage_decided = true, bool micro_decided = true) const {
     LayoutDecided d;
@@ -951,7 +959,7 @@ class Planner {
     const bool gpu = r_.hardware.device == Device::Cuda;
     const bool apart = gpu && r_.hardware.attention_efficiency > 0;
     const double attention_efficiency = apart ? r_.hardware.attention_efficiency : r_.hardware.matmul_efficiency;
-    const double attention_share = (varlen_attention() ? attention_fraction_ : 1.0) * (apart ? 0.5 : 1.0);
+    const double attention_share = (p.modes.variable_length_attention ? attention_fraction_ : 1.0) * (apart ? 0.5 : 1.0);
     double busiest = 0;
     for (const StageCost& st : stages_) {
       const double attention = per_flop * st.attention_flops_per_sample;
@@ -1012,8 +1020,8 @@ class Planner {
     const int moe_layers = busiest_stage_moe_layers();
     // Fused with the projection (cost_.loss_chunk_tokens > 0): the products write fp32 logits, the
     // log-sum-exp reads them, one kernel reads them again and writes the gradient: 12 + e bytes.
-    // Where backward recomputes the logits (loss_gradients_in_forward): that again, and a third product.
-    const bool fused_loss = cost_.loss_chunk_tokens > 0, recomputed = fused_loss && !loss_gradients_in_forward();
+    // Where backward recomputes the logits (not loss_gradients_in_forward): that again, and a third product.
+    const bool fused_loss = cost_.loss_chunk_tokens > 0, recomputed = fused_loss && !modes_for({}).loss_gradients_in_forward;  // (no choice changes it)
     const double loss_bytes = !fused_loss ? 24 + 2 * e : recomputed ? 2 * (12 + e) : 12 + e;
     const double loss = loss_bytes * static_cast<double>(r_.model.vocab) / tp_;
     const double recomputed_logits = recomputed ? tokens * 2.0 * r_.model.hidden * r_.model.vocab / tp_ / (peak_flops() * r_.hardware.matmul_efficiency) : 0;
@@ -1040,7 +1048,7 @@ class Planner {
     // The norm (clipping, the metric) reads it once more before the step: e.
     if (r_.hardware.device == Device::Cuda && !host_step) {
       const double micro_batches = static_cast<double>(p.accumulation);
-      touched += 3 * e * (gradients_left_to_autograd(Choice{p.layout.zero_stage, p.layout.recomputation, p.layout.micro}) ? (micro_batches - 1) / micro_batches : 1);
+      touched += 3 * e * (p.modes.gradients_left_to_autograd ? (micro_batches - 1) / micro_batches : 1);
       touched += e;
     }
     // Offloaded, the fused host step's own measured throughput (hardware.host_optimizer_gbs, `dsrun
@@ -1129,22 +1137,9 @@ class Planner {
   AttentionKernel kernel_ = AttentionKernel::Flash;
   double attention_fraction_ = 1;  // document_attention_fraction
 
-  // The fused projection and loss computes its gradients during forward on one tensor rank, unless
-  // in fp16 (the loss scale must multiply them before they are rounded); otherwise backward
-  // recomputes each chunk's logits. The engine's rule: engine/model/linear_cross_entropy.cpp.
-  bool loss_gradients_in_forward() const { return tp_ == 1 && r_.precision.dtype != DType::Fp16; }
-
-  // One GPU rank at ZeRO 0-2 with the device Adam step: no gradient buffer, autograd's gradients
-  // read where they are. The engine's rule: engine/train/trainer.cpp (ZeroOptions::gradients_left_to_autograd).
-  bool gradients_left_to_autograd(const Choice& l) const {
-    return r_.hardware.device == Device::Cuda && dp_ * tp_ * pp_ == 1 && l.stage <= 2 && r_.parallel.offload == Offload::None &&
-           r_.optimizer.kind != OptimizerKind::Sgd;
-  }
-
-  // Attention within documents by the variable-length flash kernel (CUDA, fp16/bf16), not a mask.
-  bool varlen_attention() const {
-    return r_.data.separate_documents && r_.hardware.device == Device::Cuda && r_.precision.dtype != DType::Fp32;
-  }
+  // The execution modes (execution_modes.hpp: their rules live there, once) of a candidate choice.
+  ExecutionModes modes_for(const Choice& c) const { return decide_execution_modes(r_, layout_with(c), cost_.loss_chunk_tokens, kernels_); }
+  BuildKernels kernels_;  // what the ranks' build can do (planned_kernels)
   ModelCost cost_;
   ModelCostOptions cost_options_;
   double capacity_ = 0;

@@ -4,7 +4,8 @@
 
 #include "engine/common/host.hpp"
 #include "engine/plan/cost.hpp"
-#include "engine/plan/layout.hpp"
+#include "engine/recipe/layout.hpp"
+#include "engine/recipe/execution_modes.hpp"
 #include "engine/recipe/recipe.hpp"
 
 #include <string>
@@ -148,6 +149,7 @@ struct Plan {
   std::string document_attention;  // "" without separate documents, else "variable-length" or "masked"
   double attention_fraction = 1;
   int64_t loss_chunk_tokens = 0;   // the fused projection and loss's chunk (0: whole logits)
+  ExecutionModes modes;            // how each step executes, decided here (loss_chunk_tokens among them) and pinned for the ranks
 
   ModelCost cost;
   MemoryBreakdown memory;       // per rank, on the device

@@ -106,6 +106,7 @@ std::string render_plan(const Plan& p) {
   if (!p.document_attention.empty())
     line("attention within documents (" + p.document_attention + "): " + format_double(100 * p.attention_fraction, 3) + "% of whole rows' attention FLOPs");
   if (p.loss_chunk_tokens > 0) line("output projection and loss fused, " + std::to_string(p.loss_chunk_tokens) + " tokens' logits at a time");
+  line("execution: " + p.modes.describe());
 
   section(p.layout.pipeline > 1 ? "memory per rank (pipeline stage " + std::to_string(p.memory_stage) + ", the fullest)" : std::string("memory per rank"));
   const MemoryBreakdown& m = p.memory;
@@ -248,6 +249,9 @@ std::string plan_to_json(const Plan& p) {
   for (const StageMemory& st : p.stage_memory)
     stages.push_back({{"model_state_bytes", st.model_state_bytes}, {"device_bytes", st.device_bytes}, {"host_bytes", st.host_bytes}});
   j["memory_per_stage"] = stages;
+  nlohmann::json execution = {{"loss_chunk_tokens", p.modes.loss_chunk_tokens}};
+  for (const ExecutionModeRow& row : execution_mode_rows()) execution[row.name] = p.modes.*row.field;
+  j["execution"] = execution;
   j["batch"] = {{"global", p.global_batch}, {"micro", p.layout.micro}, {"accumulation", p.accumulation},
                 {"seq_len", p.seq_len}, {"tokens_per_step", p.tokens_per_step}};
   j["parallel"] = {{"zero_stage", p.layout.zero_stage}, {"offload", to_string(p.layout.offload)},

@@ -66,8 +66,6 @@ double time_per_call(const torch::Device& device, const Repeats& n, const std::f
 
 torch::ScalarType torch_dtype(DType d) { return d == DType::Bf16 ? torch::kBFloat16 : d == DType::Fp16 ? torch::kFloat16 : torch::kFloat32; }
 
-const char* dtype_name(DType d) { return d == DType::Bf16 ? "bf16" : d == DType::Fp16 ? "fp16" : "fp32"; }
-
 double peak_for(const HardwareSpec& hw, DType d) { return d == DType::Bf16 ? hw.peak_flops_bf16 : d == DType::Fp16 ? hw.peak_flops_fp16 : hw.peak_flops_fp32; }
 
 // The group sizes a node of `world` ranks allows: every divisor above 1, so that the node splits
@@ -226,7 +224,7 @@ ProbeFigure probe_matrix_products(const Recipe& r, const torch::Device& device, 
   });
   const double peak = peak_for(r.hardware, dt);
   return {"", flops / seconds / peak,
-          std::string("of the ") + dtype_name(dt) + " peak: the model's 5 matrix products (q/k/v, output, gate/up, down, head) in " + dtype_name(dt) + " at " +
+          std::string("of the ") + to_string(dt) + " peak: the model's 5 matrix products (q/k/v, output, gate/up, down, head) in " + to_string(dt) + " at " +
               std::to_string(tokens) + " tokens, forward and both backward products alone, " + probe_number(flops / seconds / 1e12, 2) + " TFLOP/s"};
 }
 
@@ -251,7 +249,7 @@ ProbeFigure probe_grouped_products(const Recipe& r, const torch::Device& device,
   const double peak = peak_for(r.hardware, dt);
   return {"hardware.grouped_matmul_efficiency", flops / seconds / peak,
           "the routed experts' grouped products (gate/up " + std::to_string(h) + " x " + std::to_string(2 * inner) + ", down " + std::to_string(inner) + " x " + std::to_string(h) +
-              ") over " + std::to_string(experts) + " experts of " + std::to_string(per_expert) + " rows each, forward and backward in " + dtype_name(dt) + ", " +
+              ") over " + std::to_string(experts) + " experts of " + std::to_string(per_expert) + " rows each, forward and backward in " + to_string(dt) + ", " +
               probe_number(flops / seconds / 1e12, 2) + " TFLOP/s"};
 }
 
@@ -429,7 +427,7 @@ void probe_compute(const Recipe& r, const Plan& plan, const torch::Device& devic
                 " s) over 8 rounds: the machine is too busy to tell");
   const double flops = attention_seconds > 0 ? layer_flops - attention_flops : layer_flops;
   figures.push_back({"hardware.matmul_efficiency", flops / dense_seconds / peak,
-                     "the recipe's decoder cut to " + std::to_string(deep) + " and to 2 dense layers, forward and backward in " + std::string(dtype_name(dt)) + " at " + shape +
+                     "the recipe's decoder cut to " + std::to_string(deep) + " and to 2 dense layers, forward and backward in " + std::string(to_string(dt)) + " at " + shape +
                          ": the " + std::to_string(extra) + " layers' difference (" + probe_number(t_deep - t2, 4) + " s)" + (attention_seconds > 0 ? ", less their attention (priced apart)" : ", attention included") +
                          ", " + probe_number(flops / dense_seconds / 1e12, 3) + " TFLOP/s"});
 }

@@ -176,7 +176,7 @@ std::vector<ProbeFigure> probe_disk(const std::string& directory, int64_t bytes)
 std::vector<ProbeFigure> probe_host(const HostProbeOptions& o, const ProbeProgress& progress) {
   std::vector<ProbeFigure> figures;
   const int per_element = host_step_bytes(o.dtype);
-  const std::string dtype = o.dtype == DType::Bf16 ? "bf16" : o.dtype == DType::Fp16 ? "fp16" : "fp32";
+  const std::string dtype = to_string(o.dtype);
   const std::string elements = probe_number(static_cast<double>(o.optimizer_elements) / 1e6, 1) + " M";
   // Every core, then one offloaded rank's threads. GPU ranks each run their own host step on
   // their share of the cores: the node's figure is the ranks' sum, at most every core's.

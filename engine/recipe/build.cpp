@@ -1,7 +1,8 @@
 // Step 3 of loading: typed Recipe from the validated flat config, and the rules that span keys.
 #include "engine/common/files.hpp"
 #include "engine/common/text.hpp"
-#include "engine/plan/layout.hpp"
+#include "engine/recipe/execution_modes.hpp"
+#include "engine/recipe/layout.hpp"
 #include "engine/recipe/load.hpp"
 
 #include <cmath>
@@ -22,6 +23,12 @@ struct Builder {
   double f(const std::string& key) const { return at(key).value.number(); }
   bool b(const std::string& key) const { return at(key).value.b; }
   const std::string& s(const std::string& key) const { return at(key).value.s; }
+  // A choice key's value (the schema has checked the name); `otherwise` for a name outside E's
+  // table, such as "auto" where the search decides.
+  template <typename E>
+  E kind(const std::string& key, E otherwise = E{}) const {
+    return enum_from_string<E>(s(key)).value_or(otherwise);
+  }
   std::optional<int64_t> int_or_auto(const std::string& key) const {
     const Value& v = at(key).value;
     if (v.is_auto()) return std::nullopt;
@@ -156,7 +163,7 @@ void build_collectives(Builder& c, CollectiveBandwidths& t) {
 void build_hardware(Builder& c, Recipe& r, const HostFacts& host) {
   HardwareSpec& h = r.hardware;
   h.name = c.s("hardware.name");
-  h.device = c.s("hardware.device") == "cuda" ? Device::Cuda : Device::Cpu;
+  h.device = c.kind<Device>("hardware.device");
   h.nodes = static_cast<int>(c.i("hardware.nodes"));
   if (auto n = c.int_or_auto("hardware.devices_per_node")) {
     h.devices_per_node = static_cast<int>(*n);
@@ -215,7 +222,7 @@ void build_hardware(Builder& c, Recipe& r, const HostFacts& host) {
 void build_model(Builder& c, Recipe& r) {
   ModelSpec& m = r.model;
   m.name = c.s("model.name");
-  m.arch = c.s("model.arch") == "resnet" ? ModelArch::ResNet : ModelArch::DeepSeek;
+  m.arch = c.kind<ModelArch>("model.arch");
   m.hidden = c.i("model.hidden");
   m.layers = static_cast<int>(c.i("model.layers"));
   m.heads = static_cast<int>(c.i("model.heads"));
@@ -235,7 +242,7 @@ void build_model(Builder& c, Recipe& r) {
   m.moe.aux_loss_weight = c.f("model.moe.aux_loss_weight");
   m.moe.capacity_factor = c.f("model.moe.capacity_factor");
   m.moe.route_bias = c.floats("model.moe.route_bias");
-  m.moe.balance = c.s("model.moe.balance") == "bias" ? MoeSpec::Balance::Bias : MoeSpec::Balance::AuxLoss;
+  m.moe.balance = c.kind<MoeBalance>("model.moe.balance");
   m.moe.bias_update_rate = c.f("model.moe.bias_update_rate");
   m.resnet.depth = static_cast<int>(c.i("model.resnet.depth"));
   m.resnet.classes = static_cast<int>(c.i("model.resnet.classes"));
@@ -276,12 +283,10 @@ void build_parallel(Builder& c, Recipe& r) {
   ParallelOptions& p = r.parallel;
   if (auto v = c.int_or_auto("parallel.data_parallel")) p.data_parallel = static_cast<int>(*v);
   if (auto v = c.int_or_auto("parallel.zero_stage")) p.zero_stage = static_cast<int>(*v);
-  const std::string& offload = c.s("parallel.offload");
-  p.offload = offload == "optimizer" ? Offload::Optimizer : offload == "optimizer+params" ? Offload::OptimizerAndParams : Offload::None;
-  p.offload_auto = offload == "auto";
+  p.offload = c.kind<Offload>("parallel.offload", Offload::None);  // "auto": none until the search picks
+  p.offload_auto = c.s("parallel.offload") == "auto";
   p.delayed_update = c.b("parallel.delayed_update");
-  const std::string& ckpt = c.s("parallel.activation_checkpointing");
-  p.activation_checkpointing = ckpt == "full" ? Checkpointing::Full : ckpt == "auto" ? Checkpointing::Auto : Checkpointing::None;
+  p.activation_checkpointing = c.kind<Checkpointing>("parallel.activation_checkpointing");
   p.bucket_bytes = c.f("parallel.bucket_mb") * 1e6;
   auto int_or_searched = [&](const char* key, int& value, bool& searched) {
     const std::optional<int64_t> v = c.int_or_auto(key);
@@ -297,15 +302,13 @@ void build_parallel(Builder& c, Recipe& r) {
   p.sequence_parallel = !p.search.sequence_parallel && c.b("parallel.sequence_parallel");
   const std::string& schedule = c.s("parallel.pipeline_schedule");
   p.search.schedule = schedule == "auto";
-  for (const auto& [kind, name] : kPipelineSchedules)
-    if (schedule == name) p.pipeline_schedule = kind;
+  p.pipeline_schedule = c.kind<PipelineScheduleKind>("parallel.pipeline_schedule", PipelineScheduleKind::OneFOneB);  // "auto": searched
 
   p.tensor_across_nodes = c.b("parallel.tensor_across_nodes");
 }
 
 void build_precision(Builder& c, Recipe& r) {
-  const std::string& dtype = c.s("precision.dtype");
-  r.precision.dtype = dtype == "bf16" ? DType::Bf16 : dtype == "fp16" ? DType::Fp16 : DType::Fp32;
+  r.precision.dtype = c.kind<DType>("precision.dtype");
   LossScaleOptions& ls = r.precision.loss_scale;
   ls.initial_power = static_cast<int>(c.i("precision.loss_scale.initial_power"));
   ls.window = c.i("precision.loss_scale.window");
@@ -334,7 +337,7 @@ void build_batch(Builder& c, Recipe& r) {
             "use seq_len <= " + std::to_string(r.model.max_seq_len) + " or raise model.max_seq_len", {"model.max_seq_len"});
 }
 
-// The layout's rules (engine/plan/layout.cpp) on what the recipe fixes; "auto" keys are the
+// The layout's rules (engine/recipe/layout.cpp) on what the recipe fixes; "auto" keys are the
 // search's to decide, and it asks the same rules of every candidate.
 void check_layout(Builder& c, const Recipe& r) {
   LayoutDecided decided;
@@ -344,8 +347,7 @@ void check_layout(Builder& c, const Recipe& r) {
 
 void build_optimizer(Builder& c, Recipe& r) {
   OptimizerOptions& o = r.optimizer;
-  const std::string& name = c.s("optimizer.name");
-  o.kind = name == "adam" ? OptimizerKind::Adam : name == "sgd" ? OptimizerKind::Sgd : OptimizerKind::AdamW;
+  o.kind = c.kind<OptimizerKind>("optimizer.name");
   o.lr = c.f("optimizer.lr");
   std::vector<double> betas = c.floats("optimizer.betas");
   if (betas.size() != 2) {
@@ -359,19 +361,14 @@ void build_optimizer(Builder& c, Recipe& r) {
   o.momentum = c.f("optimizer.momentum");
   o.nesterov = c.b("optimizer.nesterov");
   o.grad_clip = c.f("optimizer.grad_clip");
-  o.state_dtype = c.s("optimizer.state_dtype") == "bf16" ? DType::Bf16 : DType::Fp32;
+  o.state_dtype = c.kind<DType>("optimizer.state_dtype");
   if (o.kind == OptimizerKind::Sgd && o.nesterov && o.momentum == 0)
     c.error("optimizer.nesterov", "Nesterov momentum needs momentum > 0", "set optimizer.momentum, or nesterov = false", {"optimizer.momentum"});
 }
 
 void build_schedule(Builder& c, Recipe& r) {
   ScheduleOptions& s = r.schedule;
-  const std::string& name = c.s("schedule.name");
-  static const std::pair<const char*, ScheduleKind> kinds[] = {
-      {"constant", ScheduleKind::Constant}, {"linear", ScheduleKind::Linear}, {"cosine", ScheduleKind::Cosine},
-      {"onecycle", ScheduleKind::OneCycle}, {"multistep", ScheduleKind::MultiStep}, {"wsd", ScheduleKind::Wsd}};
-  for (const auto& [n, k] : kinds)
-    if (name == n) s.kind = k;
+  s.kind = c.kind<ScheduleKind>("schedule.name");
   s.warmup_steps = c.i("schedule.warmup_steps");
   s.min_lr_ratio = c.f("schedule.min_lr_ratio");
   s.milestones = c.floats("schedule.milestones");
@@ -407,8 +404,7 @@ void build_schedule(Builder& c, Recipe& r) {
 
 void build_data(Builder& c, Recipe& r, const std::string& recipe_dir) {
   DataOptions& d = r.data;
-  const std::string& kind = c.s("data.kind");
-  d.kind = kind == "text" ? DataKind::Text : kind == "tokens" ? DataKind::Tokens : kind == "cifar10" ? DataKind::Cifar10 : DataKind::Synthetic;
+  d.kind = c.kind<DataKind>("data.kind");
   // A path is relative to the file that set it: a base template's own directory, else the recipe's.
   const auto recipe_relative = [&](const std::string& key, const std::string& value) {
     return resolve_path(value, c.at(key).source.layer == Layer::Base ? parent_directory(c.at(key).source.file) : recipe_dir);
@@ -418,7 +414,7 @@ void build_data(Builder& c, Recipe& r, const std::string& recipe_dir) {
   for (const std::string& p : c.strings("data.blend")) d.blend.push_back(recipe_relative("data.blend", p));
   d.blend_weights = c.floats("data.blend_weights");
   d.val_path = recipe_relative("data.val_path", c.s("data.val_path"));
-  d.format = token_format_from_string(c.s("data.format"));
+  d.format = c.kind<TokenFormat>("data.format");
   d.token_width = static_cast<int>(c.i("data.token_width"));
   d.document_token = c.i("data.document_token");
   d.separate_documents = c.b("data.separate_documents");
@@ -440,7 +436,7 @@ void build_data(Builder& c, Recipe& r, const std::string& recipe_dir) {
   const auto present = [&](const std::string& p) { return file_exists(p) || (d.kind == DataKind::Tokens && file_exists(p + ".bin") && file_exists(p + ".idx")); };
   if (d.kind != DataKind::Synthetic && d.blend.empty()) {
     if (d.path.empty())
-      c.error("data.path", "data.kind = \"" + kind + "\" needs a path", "set data.path to a file or directory");
+      c.error("data.path", "data.kind = \"" + c.s("data.kind") + "\" needs a path", "set data.path to a file or directory");
     else if (!present(d.path))
       c.warning("data.path", "\"" + d.path + "\" does not exist on this machine; a run here would fail", "check the path");
   }
@@ -453,7 +449,7 @@ void build_data(Builder& c, Recipe& r, const std::string& recipe_dir) {
     c.warning("data.val_path", "\"" + d.val_path + "\" does not exist on this machine; a run here would fail", "check the path");
   bool images = r.model.arch == ModelArch::ResNet;
   if (images && (d.kind == DataKind::Text || d.kind == DataKind::Tokens))
-    c.error("data.kind", "a ResNet trains on images, not " + kind, "use data.kind = \"cifar10\" or \"synthetic\"", {"model.arch"});
+    c.error("data.kind", "a ResNet trains on images, not " + c.s("data.kind"), "use data.kind = \"cifar10\" or \"synthetic\"", {"model.arch"});
   if (!images && d.kind == DataKind::Cifar10)
     c.error("data.kind", "CIFAR-10 images need model.arch = \"resnet\"", "use text, tokens or synthetic data for a decoder", {"model.arch"});
   if (images && d.kind == DataKind::Cifar10) {
@@ -463,6 +459,13 @@ void build_data(Builder& c, Recipe& r, const std::string& recipe_dir) {
   }
   if (!images && d.kind == DataKind::Text && r.model.vocab < 256)
     c.error("model.vocab", "byte-level text needs a vocabulary of at least 256", "set model.vocab = 256", {"data.kind"});
+}
+
+void build_execution(Builder& c, Recipe& r) {
+  for (const ExecutionModeRow& row : execution_mode_rows()) {
+    const std::string key = std::string("execution.") + row.name;
+    if (!c.at(key).value.is_auto()) r.execution.forced[row.name] = c.b(key);
+  }
 }
 
 void build_rest(Builder& c, Recipe& r, const std::string& recipe_dir) {
@@ -492,7 +495,7 @@ void build_rest(Builder& c, Recipe& r, const std::string& recipe_dir) {
   HookOptions& h = r.hooks;
   const Setting& script = c.at("hooks.script");
   h.script = resolve_path(script.value.s, script.source.layer == Layer::Base ? parent_directory(script.source.file) : recipe_dir);
-  h.on_error = c.s("hooks.on_error") == "disable" ? HookErrorPolicy::Disable : HookErrorPolicy::Fail;
+  h.on_error = c.kind<HookErrorPolicy>("hooks.on_error");
   h.instruction_limit = c.i("hooks.instruction_limit");
   h.time_limit_seconds = c.f("hooks.time_limit_s");
   h.memory_limit_bytes = c.f("hooks.memory_limit_mb") * 1e6;
@@ -581,6 +584,7 @@ Recipe build_recipe(const Config& config, const HostFacts& host, const std::stri
   build_schedule(c, r);
   build_data(c, r, recipe_dir);
   build_rest(c, r, recipe_dir);
+  build_execution(c, r);
   warn_inapplicable(c, r);
   return r;
 }
@@ -596,7 +600,6 @@ std::vector<TensorSplitSize> tensor_split_sizes(const ModelSpec& m) {
 
 int ParallelOptions::data_parallel_or_auto(const HardwareSpec& h) const { return data_parallel.value_or(std::max(1, h.total_devices() / model_parallel())); }
 
-const char* to_string(Device d) { return d == Device::Cuda ? "cuda" : "cpu"; }
 
 std::optional<int64_t> parse_time_limit_minutes(const std::string& text) {
   // [D-]fields: without a day part, 1 field is M, 2 are M:S, 3 are H:M:S; after D-, H, H:M, H:M:S.
@@ -634,27 +637,26 @@ std::optional<int64_t> parse_time_limit_minutes(const std::string& text) {
   if (seconds <= 0) return std::nullopt;
   return (seconds + 59) / 60;
 }
-const char* to_string(ModelArch a) { return a == ModelArch::ResNet ? "resnet" : "deepseek"; }
-const char* to_string(Offload o) {
-  return o == Offload::Optimizer ? "optimizer" : o == Offload::OptimizerAndParams ? "optimizer+params" : "none";
-}
-const char* to_string(Checkpointing c) { return c == Checkpointing::Full ? "full" : c == Checkpointing::Auto ? "auto" : "none"; }
-const char* to_string(DType d) { return d == DType::Bf16 ? "bf16" : d == DType::Fp16 ? "fp16" : "fp32"; }
-const char* to_string(OptimizerKind k) { return k == OptimizerKind::Adam ? "adam" : k == OptimizerKind::Sgd ? "sgd" : "adamw"; }
-const char* to_string(ScheduleKind k) {
-  switch (k) {
-    case ScheduleKind::Constant: return "constant";
-    case ScheduleKind::Linear: return "linear";
-    case ScheduleKind::Cosine: return "cosine";
-    case ScheduleKind::OneCycle: return "onecycle";
-    case ScheduleKind::MultiStep: return "multistep";
-    case ScheduleKind::Wsd: return "wsd";
+std::vector<MixtureProblem> mixture_problems(size_t sources, const std::vector<double>& weights) {
+  std::vector<MixtureProblem> out;
+  if (sources > kMaxBlendSources)
+    out.push_back({"data.blend", std::to_string(sources) + " sources: a mixture takes at most " + std::to_string(kMaxBlendSources),
+                   "merge sources into directories (a directory is one source)", {}});
+  if (weights.empty()) return out;
+  double sum = 0;
+  bool bad = false;
+  for (double w : weights) {
+    bad = bad || !(w >= 0) || !std::isfinite(w);
+    sum += w;
   }
-  return "?";
+  if (bad) out.push_back({"data.blend_weights", "a mixture weight is negative or not finite", "give each source a weight >= 0", {}});
+  else if (!(sum > 0)) out.push_back({"data.blend_weights", "the mixture weights sum to zero: no source would be read", "give at least one source a positive weight", {}});
+  if (weights.size() != sources)
+    out.push_back({"data.blend_weights", std::to_string(weights.size()) + " weights for " + std::to_string(sources) + " sources in data.blend",
+                   "give one weight per source, or none for equal weights", {"data.blend"}});
+  return out;
 }
-const char* to_string(DataKind k) {
-  return k == DataKind::Text ? "text" : k == DataKind::Tokens ? "tokens" : k == DataKind::Cifar10 ? "cifar10" : "synthetic";
-}
+
 int bytes_per_element(DType d) { return d == DType::Fp32 ? 4 : 2; }
 
 int64_t loss_chunk_tokens(const BatchOptions& batch, int64_t local_vocab) {

@@ -1,7 +1,7 @@
 // The layout value and its rules. Every rule a layout must keep is here, once: the recipe reports
 // them as errors for the keys it fixes, the search skips candidates that break them, the planner
 // only picks ZeRO stages and micro batches that keep them (docs/architecture.md, "The layout").
-#include "engine/plan/layout.hpp"
+#include "engine/recipe/layout.hpp"
 
 #include "engine/common/text.hpp"
 

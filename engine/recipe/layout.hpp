@@ -2,7 +2,7 @@
 // recomputation, offload) and the one place its rules live (read by the recipe, the search, the plan).
 #pragma once
 
-#include "engine/dist/mesh_shape.hpp"
+#include "engine/recipe/mesh_shape.hpp"
 #include "engine/recipe/load.hpp"
 #include "engine/recipe/recipe.hpp"
 

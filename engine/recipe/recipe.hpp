@@ -2,8 +2,8 @@
 // (bytes, FLOP/s). Built only by the loader after validation; downstream code asserts, never re-checks.
 #pragma once
 
-#include "engine/data/token_source.hpp"
-#include "engine/parallel/pipeline_schedule.hpp"
+#include "engine/recipe/kinds.hpp"
+#include "engine/recipe/model_spec.hpp"
 
 #include <array>
 #include <cstdint>
@@ -37,14 +37,9 @@ struct SlurmOptions {
 // up, as Slurm does); nullopt when the text is none of them or is zero.
 std::optional<int64_t> parse_time_limit_minutes(const std::string& text);
 
-enum class Device { Cpu, Cuda };
-
-// The collectives the plan prices, named as their probed keys are (hardware.<name>_gbs): one table
-// feeds the schema, the loader, the probe and the plan.
-enum class Collective { AllReduce, AllGather, ReduceScatter, AllToAll };
-inline constexpr std::array<std::pair<Collective, const char*>, 4> kCollectives{
-    {{Collective::AllReduce, "all_reduce"}, {Collective::AllGather, "all_gather"}, {Collective::ReduceScatter, "reduce_scatter"}, {Collective::AllToAll, "all_to_all"}}};
-inline const char* collective_name(Collective op) { return kCollectives[static_cast<size_t>(op)].second; }
+// The collectives' names (kinds.hpp) feed the schema, the loader, the probe and the plan.
+inline constexpr const auto& kCollectives = EnumNames<Collective>::table;
+inline const char* collective_name(Collective op) { return to_string(op); }
 // Its probed key, "hardware.all_reduce_gbs", and its name in words, "all-reduce".
 inline std::string collective_key(Collective op) { return "hardware." + std::string(collective_name(op)) + "_gbs"; }
 inline std::string collective_words(Collective op) {
@@ -111,61 +106,6 @@ struct HardwareSpec {
   bool ranks_share_memory() const { return device == Device::Cpu; }
 };
 
-enum class ModelArch { DeepSeek, ResNet };
-
-struct MoeSpec {
-  int routed_experts = 0;  // 0: dense
-  int shared_experts = 0;
-  int top_k = 0;
-  int64_t intermediate = 0;
-  int first_dense_layers = 1;
-  double aux_loss_weight = 0.001;
-  // Tokens per expert above capacity_factor × the mean (over this rank's micro-batch) are dropped
-  // and counted; 0: none dropped.
-  double capacity_factor = 0;
-  // Added to the router's scores for choosing the experts only (not for weighting them), one per
-  // routed expert: DeepSeek-V3's selection bias, fixed. Empty: none.
-  std::vector<double> route_bias;
-  // How routing is kept even: the auxiliary loss (aux_loss_weight), or DeepSeek-V3's learned
-  // selection bias, moved by bias_update_rate × sign(mean load − load) after every step.
-  enum class Balance { AuxLoss, Bias };
-  Balance balance = Balance::AuxLoss;
-  double bias_update_rate = 1e-3;
-  bool enabled() const { return routed_experts > 0; }
-  bool learns_bias() const { return enabled() && balance == Balance::Bias; }
-};
-
-struct ResNetSpec {
-  int depth = 50;
-  int classes = 10;
-  int image_size = 32;
-  int channels = 3;
-  int width = 64;
-};
-
-struct ModelSpec {
-  std::string name;
-  ModelArch arch = ModelArch::DeepSeek;
-  int64_t hidden = 128;
-  int layers = 4;
-  int heads = 4;
-  int kv_heads = 4;
-  int64_t intermediate = 344;
-  int64_t vocab = 256;
-  int64_t max_seq_len = 4096;
-  bool tie_embeddings = false;
-  double rope_theta = 10000;
-  double norm_eps = 1e-6;
-  double init_std = 0.02;
-  std::string init_from;  // safetensors weights to start from (file or directory); empty: random
-  MoeSpec moe;
-  ResNetSpec resnet;
-  int64_t head_dim() const { return hidden / heads; }
-};
-
-enum class Offload { None, Optimizer, OptimizerAndParams };
-enum class Checkpointing { None, Full, Auto };
-
 struct ParallelOptions {
   std::optional<int> data_parallel;  // nullopt: auto (the devices left by tensor parallelism)
   int tensor = 1;                    // tensor-parallel ranks (innermost mesh dimension)
@@ -192,8 +132,6 @@ struct ParallelOptions {
   Checkpointing activation_checkpointing = Checkpointing::None;
   double bucket_bytes = 25e6;
 };
-
-enum class DType { Fp32, Bf16, Fp16 };
 
 struct LossScaleOptions {
   int initial_power = 16;
@@ -224,8 +162,6 @@ constexpr double kAutoLossChunkBytes = 256.0 * 1024 * 1024;
 // the plan's choice: the chunk a run uses is its plan's (Plan::loss_chunk_tokens).
 int64_t loss_chunk_tokens(const BatchOptions& batch, int64_t local_vocab);
 
-enum class OptimizerKind { AdamW, Adam, Sgd };
-
 struct OptimizerOptions {
   OptimizerKind kind = OptimizerKind::AdamW;
   double lr = 3e-4;
@@ -240,8 +176,6 @@ struct OptimizerOptions {
   DType state_dtype = DType::Fp32;
 };
 
-enum class ScheduleKind { Constant, Linear, Cosine, OneCycle, MultiStep, Wsd };
-
 struct ScheduleOptions {
   ScheduleKind kind = ScheduleKind::Cosine;
   int64_t warmup_steps = 0;
@@ -253,8 +187,6 @@ struct ScheduleOptions {
   double div_factor = 25;
   double final_div_factor = 1e4;
 };
-
-enum class DataKind { Synthetic, Text, Tokens, Cifar10 };
 
 struct DataOptions {
   DataKind kind = DataKind::Synthetic;
@@ -272,6 +204,17 @@ struct DataOptions {
   bool separate_documents = false;      // positions restart and attention stays in each document
   bool augment = false;                 // images: random crop (4-pixel zero padding) and flip
 };
+
+// A mixture takes at most this many sources (a directory is one source): the blend table is u16.
+constexpr size_t kMaxBlendSources = 4096;
+
+// What is wrong with a mixture of `sources` with these weights (empty: equal), every problem: one
+// check for the recipe (each at its line) and the corpus (data/token_source.cpp: the first thrown, for callers without one).
+struct MixtureProblem {
+  std::string key, message, hint;
+  std::vector<std::string> related;  // other keys the problem involves
+};
+std::vector<MixtureProblem> mixture_problems(size_t sources, const std::vector<double>& weights);
 
 struct EvalOptions {
   int64_t every = 0;
@@ -295,8 +238,6 @@ struct LoggingOptions {
   bool progress = true;
 };
 
-enum class HookErrorPolicy { Fail, Disable };
-
 struct HookOptions {
   std::string script;  // resolved against the recipe's directory; empty: no hooks
   HookErrorPolicy on_error = HookErrorPolicy::Fail;
@@ -304,6 +245,13 @@ struct HookOptions {
   double time_limit_seconds = 10;
   double memory_limit_bytes = 64e6;
   std::map<std::string, std::string> options;  // key -> value as TOML text
+};
+
+// [execution]: how a step executes where the plan and the engine must agree
+// (execution_modes.hpp). A mode absent here is "auto", the plan's to decide; false turns it off.
+// The launcher pins the plan's decisions for the ranks.
+struct ExecutionOptions {
+  std::map<std::string, bool> forced;  // by ExecutionModeRow::name
 };
 
 struct Recipe {
@@ -322,6 +270,7 @@ struct Recipe {
   LoggingOptions logging;
   HookOptions hooks;
   SlurmOptions slurm;
+  ExecutionOptions execution;
 };
 
 // The model sizes tensor parallelism splits, each of which its degree must divide: the recipe's
@@ -336,14 +285,6 @@ std::vector<TensorSplitSize> tensor_split_sizes(const ModelSpec& m);
 // The divisor of n closest to `near`, for fixes such as "use a divisor of 4096 such as 32".
 int64_t closest_divisor(int64_t n, int64_t near);
 
-const char* to_string(Device d);
-const char* to_string(ModelArch a);
-const char* to_string(Offload o);
-const char* to_string(Checkpointing c);
-const char* to_string(DType d);
-const char* to_string(OptimizerKind k);
-const char* to_string(ScheduleKind k);
-const char* to_string(DataKind k);
 int bytes_per_element(DType d);
 
 }  // namespace dsrun

@@ -1,8 +1,7 @@
 #include "engine/recipe/schema.hpp"
 
 #include "engine/common/text.hpp"
-#include "engine/data/token_source.hpp"
-#include "engine/parallel/pipeline_schedule.hpp"
+#include "engine/recipe/execution_modes.hpp"
 #include "engine/recipe/recipe.hpp"
 
 #include <algorithm>
@@ -28,12 +27,6 @@ KeySpec ranged(std::string k, ValueType t, std::string def, double lo, double hi
   s.max = hi;
   return s;
 }
-std::vector<std::string> pipeline_schedule_names(bool with_auto) {
-  std::vector<std::string> names;
-  if (with_auto) names.push_back("auto");
-  for (const auto& [kind, name] : kPipelineSchedules) names.push_back(name);
-  return names;
-}
 
 KeySpec choice(std::string k, std::string def, std::vector<std::string> choices, std::string doc) {
   KeySpec s = key(std::move(k), ValueType::Choice, "\"" + def + "\"", std::move(doc));
@@ -43,10 +36,12 @@ KeySpec choice(std::string k, std::string def, std::vector<std::string> choices,
 
 using T = ValueType;
 
-std::vector<std::string> token_format_names() {
-  std::vector<std::string> names;
-  for (const auto& row : token_formats()) names.push_back(row.name);
-  return names;
+// E's names (kinds.hpp) between `before` and `after` (such as "auto").
+template <typename E>
+std::vector<std::string> names_of(std::vector<std::string> before = {}, const std::vector<std::string>& after = {}) {
+  for (const std::string& n : enum_names<E>()) before.push_back(n);
+  before.insert(before.end(), after.begin(), after.end());
+  return before;
 }
 
 // hardware.collective_ranks and one bus-bandwidth list per collective (kCollectives), written by
@@ -88,7 +83,7 @@ std::vector<KeySpec> build_schema() {
 
       // ---- hardware
       key("hardware.name", T::String, "\"cpu\"", "Label of the hardware profile."),
-      choice("hardware.device", "cpu", {"cpu", "cuda"}, "Where ranks compute: CPU cores (Gloo) or NVIDIA GPUs (NCCL)."),
+      choice("hardware.device", "cpu", names_of<Device>(), "Where ranks compute: CPU cores (Gloo) or NVIDIA GPUs (NCCL)."),
       ranged("hardware.nodes", T::Int, "1", 1, 100000, "Machines in the job."),
       ranged("hardware.devices_per_node", T::IntOrAuto, "\"auto\"", 1, 4096,
              "GPUs per node (cuda) or CPU ranks per node (cpu). `auto`: usable cores (cpu) or visible GPUs (cuda)."),
@@ -139,7 +134,7 @@ std::vector<KeySpec> build_schema() {
 
       // ---- model
       key("model.name", T::String, "\"\"", "Label of the model, shown in history."),
-      choice("model.arch", "deepseek", {"deepseek", "resnet"}, "Decoder-only DeepSeek/Llama-style transformer, or ResNet for images."),
+      choice("model.arch", "deepseek", names_of<ModelArch>(), "Decoder-only DeepSeek/Llama-style transformer, or ResNet for images."),
       ranged("model.hidden", T::Int, "128", 8, 1048576, "Hidden size (d_model)."),
       ranged("model.layers", T::Int, "4", 1, 10000, "Transformer blocks."),
       ranged("model.heads", T::Int, "4", 1, 65536, "Attention heads; must divide hidden."),
@@ -164,7 +159,7 @@ std::vector<KeySpec> build_schema() {
       ranged("model.moe.route_bias", T::FloatList, "[]", -1e6, 1e6,
              "One number per routed expert added to the router's scores when choosing the experts, not when weighting them "
              "(DeepSeek-V3's selection bias, here fixed): steers routing, e.g. [100, 0, 0, 0] sends every token to expert 0. Empty: none."),
-      choice("model.moe.balance", "aux_loss", {"aux_loss", "bias"},
+      choice("model.moe.balance", "aux_loss", names_of<MoeBalance>(),
              "How routing is kept even. `aux_loss`: the expert-level balance loss (aux_loss_weight). `bias`: DeepSeek-V3's auxiliary-loss-free "
              "balancing: a per-expert bias added to the scores when choosing experts (not when weighting them), moved after every step by "
              "bias_update_rate × sign(mean load − load), loads summed over every rank; the bias is model state (checkpointed, exported). "
@@ -191,7 +186,7 @@ std::vector<KeySpec> build_schema() {
       ranged("parallel.pipeline", T::IntOrAuto, "1", 1, 1024,
              "Pipeline stages (GPipe/Megatron-LM): the layers split into this many consecutive stages, balanced by the plan's cost model; "
              "the outermost mesh dimension, so stages may sit on different nodes. ZeRO stage 0-2 only. `auto`: searched with the rest of the layout (see parallel.tensor)."),
-      choice("parallel.pipeline_schedule", "1f1b", pipeline_schedule_names(/*with_auto=*/true),
+      choice("parallel.pipeline_schedule", "1f1b", names_of<PipelineScheduleKind>({"auto"}),
              "How micro-batches flow through the stages: `gpipe` (every forward, then every backward: keeps all micro-batches' activations), "
              "`1f1b` (one forward, one backward: at most `pipeline` micro-batches live), `interleaved` (1F1B over parallel.virtual_stages "
              "chunks per rank: a smaller bubble for more sends; micro-batches per step must be a multiple of parallel.pipeline). `auto`: searched."),
@@ -206,18 +201,18 @@ std::vector<KeySpec> build_schema() {
              "scales that rank's routed-expert activations, all-to-all bytes and expert FLOPs by it (metric expert_load_max shows what a run sees)."),
       ranged("parallel.zero_stage", T::IntOrAuto, "\"auto\"", 0, 3,
              "ZeRO stage: 0 replicate all, 1 shard optimizer states, 2 also gradients, 3 also parameters. `auto`: the lowest that fits."),
-      choice("parallel.offload", "none", {"none", "optimizer", "optimizer+params", "auto"},
+      choice("parallel.offload", "none", names_of<Offload>({}, {"auto"}),
              "Keep optimizer states (and with ZeRO-3 parameters) in host memory. `auto`: the least that fits, searched with the rest of the layout: "
              "none, then the optimizer, then the parameters too (offload costs time; the plan says why it chose)."),
       key("parallel.delayed_update", T::Bool, "false",
           "Offload: run step t's host optimizer step while step t+1 computes, on the parameters from before it "
           "(ZeRO-Offload's one-step delayed parameter update, DPU). Faster; each step's gradients are one update stale. Needs parallel.offload."),
-      choice("parallel.activation_checkpointing", "none", {"none", "full", "auto"},
+      choice("parallel.activation_checkpointing", "none", names_of<Checkpointing>(),
              "Recompute each block's activations in backward. `auto`: only when activations would not fit."),
       ranged("parallel.bucket_mb", T::Float, "25", 0.001, 1e6, "Gradient bucket size in MB for ZeRO-0's all-reduce (stages 1-3 reduce per unit)."),
 
       // ---- precision
-      choice("precision.dtype", "fp32", {"fp32", "bf16", "fp16"},
+      choice("precision.dtype", "fp32", names_of<DType>(),
              "Compute dtype. bf16/fp16 keep fp32 master weights and optimizer states; fp16 adds dynamic loss scaling."),
       ranged("precision.loss_scale.initial_power", T::Int, "16", 0, 64, "fp16: the loss scale starts at 2^this."),
       ranged("precision.loss_scale.window", T::Int, "1000", 1, 1e9, "fp16: steps without overflow before the scale doubles."),
@@ -236,7 +231,7 @@ std::vector<KeySpec> build_schema() {
              "rank. 0: whole logits (the projection, then the loss)."),
 
       // ---- optimizer
-      choice("optimizer.name", "adamw", {"adamw", "adam", "sgd"}, "AdamW (decoupled weight decay), Adam (L2 in the gradient), or SGD with momentum."),
+      choice("optimizer.name", "adamw", names_of<OptimizerKind>(), "AdamW (decoupled weight decay), Adam (L2 in the gradient), or SGD with momentum."),
       ranged("optimizer.lr", T::Float, "3e-4", 1e-12, 100, "Peak learning rate."),
       ranged("optimizer.betas", T::FloatList, "[0.9, 0.95]", 0, 0.999999, "Adam/AdamW beta1, beta2."),
       ranged("optimizer.eps", T::Float, "1e-8", 1e-30, 1, "Adam/AdamW epsilon."),
@@ -244,13 +239,13 @@ std::vector<KeySpec> build_schema() {
       ranged("optimizer.momentum", T::Float, "0.9", 0, 0.999999, "SGD momentum."),
       key("optimizer.nesterov", T::Bool, "false", "SGD: Nesterov momentum."),
       ranged("optimizer.grad_clip", T::Float, "1.0", 0, 1e9, "Clip the global gradient norm (over all shards) to this; 0: no clipping."),
-      choice("optimizer.state_dtype", "fp32", {"fp32", "bf16"},
+      choice("optimizer.state_dtype", "fp32", {to_string(DType::Fp32), to_string(DType::Bf16)},
              "The optimizer's per-element states (Adam's first and second moments, SGD's momentum): fp32, or bf16 as DeepSeek-V3 "
              "keeps AdamW's moments (updated in fp32, rounded to nearest when stored): half their memory, and on a GPU 8 of "
              "the update's 28 bytes per parameter. Checkpoints store them in fp32 either way, so a run resumes with either."),
 
       // ---- schedule
-      choice("schedule.name", "cosine", {"constant", "linear", "cosine", "onecycle", "multistep", "wsd"},
+      choice("schedule.name", "cosine", names_of<ScheduleKind>(),
              "Learning-rate schedule after warmup. multistep is DeepSeek LLM's; wsd is warmup-stable-decay."),
       ranged("schedule.warmup_steps", T::Int, "0", 0, 1e12, "Linear warmup from 0 to optimizer.lr (not used by onecycle, which has pct_start)."),
       ranged("schedule.min_lr_ratio", T::Float, "0.1", 0, 1, "linear, cosine, wsd: the final learning rate as a fraction of the peak."),
@@ -262,13 +257,13 @@ std::vector<KeySpec> build_schema() {
       ranged("schedule.final_div_factor", T::Float, "1e4", 1, 1e12, "onecycle: final rate = initial / final_div_factor."),
 
       // ---- data
-      choice("data.kind", "synthetic", {"synthetic", "text", "tokens", "cifar10"},
+      choice("data.kind", "synthetic", names_of<DataKind>(),
              "synthetic: generated; text: files read as bytes; tokens: pre-tokenized shards; cifar10: CIFAR-10 binary batches."),
       key("data.path", T::String, "\"\"", "File or directory of the data (text, tokens, cifar10). Relative paths are relative to the recipe."),
       choice("data.tokenizer", "bytes", {"bytes"}, "text: how text becomes tokens (bytes: one token per byte, vocab 256)."),
       ranged("data.val_fraction", T::Float, "0.05", 0, 0.5, "Fraction of the data held out for validation (tokens: of each file, in whole documents where the format marks them)."),
       key("data.shuffle", T::Bool, "true", "Shuffle sample order each epoch (seeded)."),
-      choice("data.format", "auto", token_format_names(),
+      choice("data.format", "auto", names_of<TokenFormat>(),
              "tokens: how the files are laid out. auto: by header (dsrun, Megatron-LM .bin/.idx, llm.c); nanogpt: files without a header are nanoGPT's, width from data.token_width."),
       ranged("data.token_width", T::Int, "0", 0, 4, "tokens, nanogpt: bytes per token (2: numpy uint16 as nanoGPT writes, or 4)."),
       ranged("data.document_token", T::Int, "-1", -1, 1e12,
@@ -302,7 +297,7 @@ std::vector<KeySpec> build_schema() {
 
       // ---- hooks
       key("hooks.script", T::String, "\"\"", "Lua script with hook functions, relative to the recipe."),
-      choice("hooks.on_error", "fail", {"fail", "disable"}, "A hook error fails the run, or disables the hook and is recorded."),
+      choice("hooks.on_error", "fail", names_of<HookErrorPolicy>(), "A hook error fails the run, or disables the hook and is recorded."),
       ranged("hooks.instruction_limit", T::Int, "10000000", 1000, 1e12, "Lua instructions allowed per hook call."),
       ranged("hooks.time_limit_s", T::Float, "10", 0.01, 3600, "Wall-clock seconds allowed per hook call."),
       ranged("hooks.memory_limit_mb", T::Float, "64", 0.1, 1e6, "Memory the Lua state may use."),
@@ -314,6 +309,8 @@ std::vector<KeySpec> build_schema() {
       key("slurm.constraint", T::String, "\"\"", "Node features required (`sbatch --constraint`, e.g. \"h100\")."),
       key("slurm.sbatch", T::StringList, "[]", "Further `#SBATCH` options, one per entry, e.g. [\"--exclusive\", \"--mail-type=END\"]."),
   };
+  for (const ExecutionModeRow& row : execution_mode_rows())
+    keys.push_back(key(std::string("execution.") + row.name, T::BoolOrAuto, "\"auto\"", row.doc));
   const auto after = std::find_if(keys.begin(), keys.end(), [](const KeySpec& k) { return k.key == "hardware.comm_efficiency"; });
   const std::vector<KeySpec> collectives = collective_keys();
   keys.insert(after + 1, collectives.begin(), collectives.end());
@@ -337,6 +334,7 @@ const std::vector<SectionSpec>& recipe_sections() {
       {"checkpoint", "Sharded checkpoints."},
       {"logging", "Metrics and logs."},
       {"hooks", "Optional Lua hooks. Free-form options for the script go in [hooks.options]."},
+      {"execution", "How a step executes where the plan and the engine must agree; the plan decides each `auto` and the launcher pins it for the ranks."},
       {"slurm", "Batch-job options for `dsrun run --slurm` and `dsrun sweep --slurm` (nodes, tasks and GPUs come from the plan)."},
   };
   return sections;

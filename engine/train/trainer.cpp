@@ -23,7 +23,7 @@
 #include "engine/train/loss.hpp"
 #include "engine/train/loss_scaler.hpp"
 #include "engine/train/optimizer.hpp"
-#include "engine/train/report.hpp"
+#include "engine/protocol/rank_reports.hpp"
 #include "engine/train/schedule.hpp"
 
 #ifdef DSRUN_WITH_CUDA
@@ -209,7 +209,11 @@ class Trainer {
     ModelBuild build;
     build.seed = static_cast<uint64_t>(r_.run.seed);
     build.deferred = r_.model.arch == ModelArch::DeepSeek && r_.model.init_from.empty();
-    if (r_.model.arch == ModelArch::DeepSeek) build.loss_chunk_tokens = plan_.loss_chunk_tokens;  // (the plan's choice under "auto")
+    if (r_.model.arch == ModelArch::DeepSeek) {  // the plan's choices, pinned by the launcher
+      build.loss_chunk_tokens = plan_.modes.loss_chunk_tokens;
+      build.loss_gradients_in_forward = plan_.modes.loss_gradients_in_forward;
+      build.variable_length_attention = plan_.modes.variable_length_attention;
+    }
     model_ = build_model(r_.model, r_.batch.seq_len, build);
     if (!r_.model.init_from.empty()) {
       load_pretrained_weights(*model_, r_.model, r_.model.init_from);
@@ -252,12 +256,11 @@ class Trainer {
     zo.delayed_update = plan_.layout.delayed_update;
     zo.bucket_bytes = r_.parallel.bucket_bytes;
     zo.device = device_;
-    zo.step_applies_scales = device_.is_cuda() && (compat::kHasFusedAdam || kHasDeviceAdamKernel) && r_.optimizer.kind != OptimizerKind::Sgd;
-    // dsrun's Adam kernel on the GPU reads bf16/fp16 gradients and writes the working parameters.
-    update_on_device_ = zo.step_applies_scales && kHasDeviceAdamKernel && !zo.offload;
-    zo.step_reads_working_gradient = update_on_device_;
-    // One rank at ZeRO 0-2: nothing to reduce, so no gradient buffer to accumulate into and zero.
-    zo.gradients_left_to_autograd = update_on_device_ && zo.stage <= 2 && mesh_->world().world_size() == 1;
+    // How the step runs, as the plan decided and priced it (execution_modes.hpp).
+    const ExecutionModes& modes = plan_.modes;
+    zo.step_applies_scales = modes.step_applies_scales;
+    zo.step_reads_working_gradient = modes.update_on_device;
+    zo.gradients_left_to_autograd = modes.gradients_left_to_autograd;
     parallel_ = parallelize(*model_, *mesh_, po);
     zero_ = &parallel_->zero();
   }
@@ -661,7 +664,7 @@ class Trainer {
   GradientState finish_gradients(double loss_scale) {
     zero_->reduce_gradients();
     GradientState g;
-    g.update_on_device = update_on_device_ && !hooks_active_ && !scaler_;
+    g.update_on_device = plan_.modes.update_on_device && !hooks_active_ && !scaler_;
     if (scaler_) {
       g.overflow = scaler_->update(parallel_->gradients_overflowed());
       if (!g.overflow) zero_->scale_gradients(1.0 / loss_scale);
@@ -881,7 +884,6 @@ class Trainer {
   ZeroDataParallel* zero_ = nullptr;  // parallel_'s
   std::unique_ptr<ShardOptimizer> optimizer_;
   std::unique_ptr<DynamicLossScaler> scaler_;
-  bool update_on_device_ = false;  // masters on the GPU with dsrun's Adam kernel (ZeroOptions::step_reads_working_gradient)
   std::unique_ptr<Dataset> data_;
   std::vector<DataFileIdentity> data_files_;  // identified when opened: what checkpoints record
   int64_t last_saved_step_ = -1;
@@ -893,6 +895,42 @@ class Trainer {
   int64_t hook_skipped_steps_ = 0;
   double last_loss_ = 0;
 };
+
+}  // namespace
+
+namespace {
+
+// The kernels this engine was compiled with, as the core's CMake definitions must also say.
+BuildKernels compiled_kernels() {
+  BuildKernels k;
+#ifdef DSRUN_WITH_CUDA
+  k.cuda = true;
+  k.varlen_attention = DSRUN_TORCH_AT_LEAST(2, 2);
+#endif
+  k.device_adam = kHasDeviceAdamKernel;
+  k.fused_adam = compat::kHasFusedAdam;
+  return k;
+}
+
+// The plan's execution modes (pinned by the launcher) must be what this rank's build can run: a
+// plan made elsewhere for other kernels is refused here, naming the mode, not run on a different path.
+void check_execution_modes(const Recipe& recipe, const Plan& plan, const BuildKernels& here, int rank) {
+  DSRUN_ASSERT(here == compiled_kernels(), "CMake's kernel definitions (engine/common/build_kernels.cpp) disagree with the engine's");
+  if (recipe.hardware.device == Device::Cuda && !here.cuda) return;  // select_device says what is missing
+  std::vector<std::string> refused;
+  const ExecutionModes can = decide_execution_modes(recipe, plan.layout, plan.modes.loss_chunk_tokens, here, &refused);
+  for (const ExecutionModeRow& row : execution_mode_rows()) {
+    if (plan.modes.*row.field == can.*row.field) continue;
+    ErrorContext c;
+    c.key = std::string("execution.") + row.name;
+    c.rank = rank;
+    c.hint = "run the ranks with dsrun built for this machine (scripts/gpu_build.sh on GPUs), or set " + c.key + " = " + (can.*row.field ? "true" : "false");
+    std::string why;
+    for (const std::string& r : refused)
+      if (r.find(c.key) == 0) why = r.substr(c.key.size() + 3);
+    throw Error("the plan runs " + c.key + " = " + (plan.modes.*row.field ? "true" : "false") + ", which this rank's build cannot" + (why.empty() ? "" : ": " + why), c);
+  }
+}
 
 }  // namespace
 
@@ -927,6 +965,7 @@ int rank_main(int argc, char** argv) {
       c.hint = "start as many ranks as the plan has (" + std::to_string(plan.world_size) + "), or set parallel.data_parallel";
       throw Error("WORLD_SIZE is " + std::to_string(ctx.world) + " but the plan has " + std::to_string(plan.world_size) + " ranks", c);
     }
+    check_execution_modes(loaded.recipe, plan, host.kernels, ctx.rank);
     // Compute threads: OMP_NUM_THREADS when set (the launcher sets the rank's share of the cores),
     // else the cores divided among this node's ranks.
     const int threads = env_int("OMP_NUM_THREADS", std::max(1, host.cpu_cores / std::max(1, ctx.local_world)));

@@ -1,4 +1,4 @@
-#include "engine/train/report.hpp"
+#include "engine/protocol/rank_reports.hpp"
 
 #include <nlohmann/json.hpp>
 

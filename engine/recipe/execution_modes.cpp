@@ -1,0 +1,100 @@
+// The execution modes' rules, each once: the plan prices what they decide and the rank runs it.
+#include "engine/recipe/execution_modes.hpp"
+
+#include "engine/common/text.hpp"
+
+namespace dsrun {
+
+const std::array<ExecutionModeRow, 5>& execution_mode_rows() {
+  static const std::array<ExecutionModeRow, 5> rows{{
+      {"loss_gradients_in_forward", &ExecutionModes::loss_gradients_in_forward, "the fused loss's gradients made in forward",
+       "Decoders with the fused output projection and loss: its gradients computed in forward, in the same pass as the loss (one tensor rank, "
+       "not fp16). `auto`: where that holds; false: backward recomputes each chunk's logits."},
+      {"step_applies_scales", &ExecutionModes::step_applies_scales, "clip and unscale inside the optimizer's step",
+       "GPUs with Adam/AdamW and torch's fused AdamW or dsrun's Adam kernel: the clip and loss scale applied by the optimizer's step, "
+       "not as a pass over the gradients. `auto`: where that holds."},
+      {"update_on_device", &ExecutionModes::update_on_device, "update on the device",
+       "GPUs without offload and with dsrun's Adam kernel: the step reads the bf16/fp16 working gradients and writes the working "
+       "parameters, decided on the device without waiting for the host. `auto`: where that holds."},
+      {"gradients_left_to_autograd", &ExecutionModes::gradients_left_to_autograd, "gradients left to autograd",
+       "One GPU rank at ZeRO 0-2 updating on the device: no gradient buffer, the step reads autograd's gradients where they are. "
+       "`auto`: where that holds."},
+      {"variable_length_attention", &ExecutionModes::variable_length_attention, "variable-length attention",
+       "data.separate_documents on GPUs in bf16/fp16 with PyTorch >= 2.2: attention within documents by FlashAttention-2's "
+       "variable-length kernel (head_dim a multiple of 8, at most 256). `auto`: where that holds; false: an additive mask."},
+  }};
+  return rows;
+}
+
+std::vector<std::pair<std::string, Value>> ExecutionModes::to_config_keys() const {
+  std::vector<std::pair<std::string, Value>> keys{{"batch.loss_chunk_tokens", Value::of_int(loss_chunk_tokens)}};
+  for (const ExecutionModeRow& row : execution_mode_rows()) keys.push_back({std::string("execution.") + row.name, Value::of_bool(this->*row.field)});
+  return keys;
+}
+
+std::string ExecutionModes::describe() const {
+  std::vector<std::string> on;
+  for (const ExecutionModeRow& row : execution_mode_rows())
+    if (this->*row.field) on.push_back(row.words);
+  return on.empty() ? "none of the special paths" : join(on, ", ");
+}
+
+bool ExecutionModes::operator==(const ExecutionModes& o) const {
+  if (loss_chunk_tokens != o.loss_chunk_tokens) return false;
+  for (const ExecutionModeRow& row : execution_mode_rows())
+    if (this->*row.field != o.*row.field) return false;
+  return true;
+}
+
+BuildKernels planned_kernels(Device device, const BuildKernels& here) {
+  if (device != Device::Cuda || here.cuda) return here;
+  BuildKernels gpu;
+  gpu.cuda = gpu.device_adam = gpu.fused_adam = gpu.varlen_attention = true;
+  return gpu;
+}
+
+ExecutionModes decide_execution_modes(const Recipe& r, const Layout& l, int64_t loss_chunk_tokens, const BuildKernels& k, std::vector<std::string>* refused) {
+  ExecutionModes m;
+  m.loss_chunk_tokens = loss_chunk_tokens;
+  // Each mode: on where `why_not` is empty, unless the recipe turned it off.
+  const auto decide = [&](bool ExecutionModes::*field, const char* name, const std::string& why_not) {
+    const auto forced = r.execution.forced.find(name);
+    const bool wanted = forced == r.execution.forced.end() || forced->second;
+    m.*field = wanted && why_not.empty();
+    if (refused && wanted && !why_not.empty() && forced != r.execution.forced.end())
+      refused->push_back(std::string("execution.") + name + " = true does not hold here: " + why_not);
+  };
+  const bool gpu = r.hardware.device == Device::Cuda;
+  const bool adam = r.optimizer.kind != OptimizerKind::Sgd;
+  decide(&ExecutionModes::loss_gradients_in_forward, "loss_gradients_in_forward",
+         loss_chunk_tokens <= 0      ? "the loss is not fused (batch.loss_chunk_tokens = 0)"
+         : l.tensor > 1              ? "the vocabulary is split over tensor ranks"
+         : r.precision.dtype == DType::Fp16 ? "in fp16 the loss scale must multiply the gradients before they are rounded"
+                                     : "");
+  decide(&ExecutionModes::step_applies_scales, "step_applies_scales",
+         !gpu                          ? "CPU ranks"
+         : !adam                       ? "SGD"
+         : !k.fused_adam && !k.device_adam ? "this build has neither torch's fused AdamW nor dsrun's Adam kernel"
+                                       : "");
+  decide(&ExecutionModes::update_on_device, "update_on_device",
+         !m.step_applies_scales        ? "the step does not apply the scales (execution.step_applies_scales)"
+         : !k.device_adam              ? "this build has no dsrun Adam kernel (a CUDA build: scripts/gpu_build.sh)"
+         : l.offload != Offload::None  ? "the optimizer is offloaded"
+                                       : "");
+  decide(&ExecutionModes::gradients_left_to_autograd, "gradients_left_to_autograd",
+         !m.update_on_device           ? "the update is not on the device (execution.update_on_device)"
+         : l.world() != 1              ? "gradients are reduced over ranks"
+         : l.zero_stage > 2            ? "ZeRO-3 keeps gradients in its flat shards"
+                                       : "");
+  const int64_t head_dim = r.model.head_dim();
+  decide(&ExecutionModes::variable_length_attention, "variable_length_attention",
+         !r.data.separate_documents || r.model.arch != ModelArch::DeepSeek ? "documents are not kept apart (data.separate_documents)"
+         : !gpu                          ? "CPU ranks"
+         : r.precision.dtype == DType::Fp32 ? "the kernel runs in bf16/fp16 only"
+         : !k.varlen_attention           ? "this build's PyTorch has no variable-length kernel (2.2 or later)"
+         : head_dim % 8 != 0 || head_dim > 256 ? "head_dim " + std::to_string(head_dim) + " is not a multiple of 8 up to 256"
+                                         : "");
+  return m;
+}
+
+}  // namespace dsrun

@@ -1,0 +1,56 @@
+// How a step executes where the plan prices it and the engine must do the same: one torch-free
+// value, decided once from the recipe, its layout and the build's kernels, pinned for the ranks.
+#pragma once
+
+#include "engine/common/build_kernels.hpp"
+#include "engine/recipe/layout.hpp"
+#include "engine/recipe/load.hpp"
+#include "engine/recipe/recipe.hpp"
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace dsrun {
+
+struct ExecutionModes {
+  // Decoders: the output projection and the cross-entropy fused, this many tokens' logits at a
+  // time (batch.loss_chunk_tokens, "auto" decided by the plan); 0: whole logits.
+  int64_t loss_chunk_tokens = 0;
+  bool loss_gradients_in_forward = false;   // that loss makes its gradients in forward (exact: one tensor rank, not fp16)
+  bool step_applies_scales = false;         // the optimizer's step applies clip and unscale (torch's fused or dsrun's Adam)
+  bool update_on_device = false;            // dsrun's Adam kernel reads the working gradients, writes the working parameters
+  bool gradients_left_to_autograd = false;  // no gradient buffer: one GPU rank at ZeRO 0-2, updating on the device
+  bool variable_length_attention = false;   // attention within documents by the variable-length kernel, not a mask
+
+  // The keys that pin these in a rank's config, beside the layout's (Layout::to_config_keys).
+  std::vector<std::pair<std::string, Value>> to_config_keys() const;
+  std::string describe() const;  // the modes on, in words, for the plan
+  bool operator==(const ExecutionModes& o) const;
+  bool operator!=(const ExecutionModes& o) const { return !(*this == o); }
+};
+
+// One row per on/off mode: its key under [execution] and its field. The schema, the recipe's
+// reading, the pinned keys, the plan's words and the rank's check all loop over this table; a new
+// mode is a field, a row, and its rule in decide_execution_modes.
+struct ExecutionModeRow {
+  const char* name;                 // execution.<name>
+  bool ExecutionModes::*field;
+  const char* words;                // as the plan says it is on
+  const char* doc;                  // the schema's text
+};
+const std::array<ExecutionModeRow, 5>& execution_mode_rows();
+
+// The kernels a plan assumes: this build's where it can run the recipe's device; for a GPU recipe
+// planned by a build without CUDA (a laptop, a login node), those of dsrun's GPU build
+// (scripts/gpu_build.sh), where the ranks will run.
+BuildKernels planned_kernels(Device device, const BuildKernels& here);
+
+// Every mode on where its rule allows and execution.<name> is not false. `refused`, when given,
+// gets why each mode the recipe set true does not hold here (the plan notes it; the rule wins).
+ExecutionModes decide_execution_modes(const Recipe& recipe, const Layout& layout, int64_t loss_chunk_tokens, const BuildKernels& kernels,
+                                      std::vector<std::string>* refused = nullptr);
+
+}  // namespace dsrun
