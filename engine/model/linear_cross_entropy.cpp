@@ -54,7 +54,7 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
     const int64_t n = hidden.size(0), local_vocab = weight.size(0);
     const int ranks = group ? group->size() : 1;
     const LocalTargets t(targets, group, local_vocab);
-    // (The plan's rule is the same: Planner::loss_gradients_in_forward, engine/plan/plan.cpp.)
+    // (The plan's rule: ExecutionModes::loss_gradients_in_forward, engine/recipe/execution_modes.cpp.)
     const bool eager = wants_grad && gradient_in_forward && ranks == 1 && hidden.scalar_type() != torch::kFloat16;
     const Tensor w_t = weight.t();
     const auto fp32 = hidden.options().dtype(torch::kFloat32);

@@ -192,10 +192,10 @@ struct Plan {
 };
 
 // The plan: the recipe's layout, or for "auto" layout keys the fastest searched layout that fits
-// (engine/plan/layout_search.cpp, which plans each candidate with the planner below).
+// (engine/plan/make_plan.cpp; the search in layout_search.cpp plans each candidate with the planner below).
 Plan make_plan(const Recipe& recipe, const HostFacts& host);
 
-// The planner (engine/plan/plan.cpp) for fixed degrees: it chooses the ZeRO stage, micro batch
+// The planner (engine/plan/planner.hpp and its files) for fixed degrees: it chooses the ZeRO stage, micro batch
 // and recomputation left "auto", simulates the pipeline schedule and suggests what would fit.
 Plan plan_fixed_layout(const Recipe& recipe, const HostFacts& host);
 // For the layout search: one candidate's plan without the schedule simulation or suggestions,

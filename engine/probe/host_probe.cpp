@@ -19,7 +19,7 @@
 namespace dsrun {
 namespace {
 
-// The host step's bytes per element, as the plan counts them (plan.cpp, predict_time): fp32
+// The host step's bytes per element, as the plan counts them (plan_time.cpp, predict_time): fp32
 // weights and Adam's two states read and written, the gradient read, the working copy written.
 int host_step_bytes(DType dtype) {
   const int e = bytes_per_element(dtype);

@@ -55,7 +55,7 @@ class HostStepBench {
  public:
   HostStepBench(int64_t elements, DType dtype, int threads);
   double median_seconds(int repeats);
-  // Bytes the step reads and writes, as the plan counts them (plan.cpp: 24 + 2e per parameter with e-byte gradients).
+  // Bytes the step reads and writes, as the plan counts them (plan_time.cpp: 24 + 2e per parameter with e-byte gradients).
   double bytes() const { return bytes_; }
 
  private:

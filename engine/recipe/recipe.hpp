@@ -156,7 +156,7 @@ struct BatchOptions {
 
 // A chunk's fp32 logits under batch.loss_chunk_tokens = "auto": small beside a model's activations,
 // large enough that each chunk's products run at full speed. (The plan may take a whole micro-batch
-// in one chunk instead, where that fits: engine/plan/plan.cpp, choose_layout.)
+// in one chunk instead, where that fits: engine/plan/plan_choice.cpp, choose_layout.)
 constexpr double kAutoLossChunkBytes = 256.0 * 1024 * 1024;
 // Tokens per loss chunk for a rank holding `local_vocab` of the vocabulary (0: not fused), before
 // the plan's choice: the chunk a run uses is its plan's (Plan::loss_chunk_tokens).
