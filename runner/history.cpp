@@ -200,10 +200,9 @@ int command_history(const HistoryArgs& a, const std::string& db_path) {
   q.hardware = a.hardware;
   q.recipe = a.recipe;
   q.since_seconds = a.since.empty() ? 0 : parse_duration(a.since);
-  QueryNames names = query_names();
-  names.dialect = store.dialect();
-  if (!a.where.empty()) q.where = parse_where(a.where, names);
-  if (!a.sort.empty()) q.sort = sort_expression(a.sort, names);
+  q.where = a.where;
+  q.sort = a.sort;
+  q.names = query_names();
   q.ascending = a.ascending;
   q.deleted = a.deleted;
   std::vector<RunRecord> runs = store.query_runs(q);

@@ -618,15 +618,19 @@ std::vector<RunRecord> Store::query_runs(const RunQuery& q) const {
     sql += " AND created_at >= ?";
     params.push_back({true, unix_now() - q.since_seconds, ""});
   }
-  if (!q.where.sql.empty()) {
-    sql += " AND (" + q.where.sql + ")";
-    params.insert(params.end(), q.where.params.begin(), q.where.params.end());
+  QueryNames names = q.names;
+  names.dialect = dialect();
+  if (!q.where.empty()) {
+    const SqlFragment where = parse_where(q.where, names);
+    sql += " AND (" + where.sql + ")";
+    params.insert(params.end(), where.params.begin(), where.params.end());
   }
-  if (!q.sort.sql.empty()) {
+  if (!q.sort.empty()) {
     // Runs without the sort value (a metric never recorded) go last either way.
-    sql += " ORDER BY (" + q.sort.sql + ") IS NULL, (" + q.sort.sql + ")" + (q.ascending ? " ASC" : " DESC") + ", created_at DESC";
-    params.insert(params.end(), q.sort.params.begin(), q.sort.params.end());
-    params.insert(params.end(), q.sort.params.begin(), q.sort.params.end());
+    const SqlFragment sort = sort_expression(q.sort, names);
+    sql += " ORDER BY (" + sort.sql + ") IS NULL, (" + sort.sql + ")" + (q.ascending ? " ASC" : " DESC") + ", created_at DESC";
+    params.insert(params.end(), sort.params.begin(), sort.params.end());
+    params.insert(params.end(), sort.params.begin(), sort.params.end());
   } else {
     sql += std::string(" ORDER BY created_at ") + (q.ascending ? "ASC" : "DESC") + ", rowid DESC";
   }

@@ -100,8 +100,10 @@ struct RunQuery {
   std::string status, sweep;
   std::string model, hardware, recipe;  // substrings
   double since_seconds = 0;             // created within this many seconds
-  SqlFragment where;                    // parse_where()
-  SqlFragment sort;                     // sort_expression(); empty: created_at
+  // --where and --sort as the user wrote them (storage/run_query.hpp), and what names mean; the
+  // store renders them into its own dialect's SQL. Empty: no condition; created_at order.
+  std::string where, sort;
+  QueryNames names;
   bool ascending = false;
   bool deleted = false;                 // list soft-deleted runs instead
 };

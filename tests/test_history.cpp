@@ -171,22 +171,22 @@ TEST_CASE("history filters, queries and sorts a real store, and injection attemp
   const std::string db = backend.location;
   fill_store(db);
   dsrun::Store store(db);
-  const auto names = [&] {
-    dsrun::QueryNames n = ::names();
-    n.dialect = store.dialect();
-    return n;
-  };
+  // The query carries the user's text; each store renders it in its own dialect (PostgreSQL reads
+  // config values from JSON differently): nothing here says which backend it is.
   dsrun::RunQuery q;
-  q.where = dsrun::parse_where("optimizer.lr > 1e-4 and metrics.val_loss < 2.5 and status = finished", names());
-  q.sort = dsrun::sort_expression("metrics.val_loss", names());
+  q.where = "optimizer.lr > 1e-4 and metrics.val_loss < 2.5 and status = finished";
+  q.sort = "metrics.val_loss";
+  q.names = names();
   q.ascending = true;
   CHECK(names_of(store.query_runs(q)) == std::vector<std::string>{"e", "a"});
   q = {};
   q.model = "tiny";
-  q.sort = dsrun::sort_expression("optimizer.lr", names());
+  q.sort = "optimizer.lr";
+  q.names = names();
   CHECK(names_of(store.query_runs(q)) == std::vector<std::string>{"d", "a", "b"});
   q = {};
-  q.where = dsrun::parse_where("not (status = finished) or run.name = 'c'", names());
+  q.where = "not (status = finished) or run.name = 'c'";
+  q.names = names();
   q.ascending = true;
   CHECK(names_of(store.query_runs(q)) == std::vector<std::string>{"c", "d"});
   q = {};
@@ -195,9 +195,11 @@ TEST_CASE("history filters, queries and sorts a real store, and injection attemp
 
   // A quote inside a string is a doubled quote and stays inside the value: nothing is injected.
   q = {};
-  q.where = dsrun::parse_where("name = 'a'' OR 1=1 --'", names());
+  q.where = "name = 'a'' OR 1=1 --'";
+  q.names = names();
   CHECK(store.query_runs(q).empty());
-  q.where = dsrun::parse_where("name = \"x\"\" ; DROP TABLE runs; --\"", names());
+  q.where = "name = \"x\"\" ; DROP TABLE runs; --\"";
+  q.names = names();
   CHECK(store.query_runs(q).empty());
   CHECK(store.count_runs() == 5);
 
@@ -218,9 +220,11 @@ TEST_CASE("history filters, queries and sorts a real store, and injection attemp
   CHECK(contains(bad.text, "--where: unexpected character"));
   // Booleans, text and LIKE on config keys read the same on both backends.
   q = {};
-  q.where = dsrun::parse_where("logging.tensorboard = true and run.name like 'A%'", names());
+  q.where = "logging.tensorboard = true and run.name like 'A%'";
+  q.names = names();
   CHECK(names_of(store.query_runs(q)) == std::vector<std::string>{"a"});
-  q.where = dsrun::parse_where("run.name = 'c' or batch.micro > 2", names());
+  q.where = "run.name = 'c' or batch.micro > 2";
+  q.names = names();
   CHECK(names_of(store.query_runs(q)) == std::vector<std::string>{"c"});
   CHECK(store.count_runs() == 5);
   }
@@ -272,7 +276,8 @@ TEST_CASE("history --where refuses ( and not nested deeper than 64 and more than
                                         repeat("not (", 32) + "metrics.val_loss < 2.5" + repeat(")", 32)}) {
     INFO(expression);
     dsrun::RunQuery q;
-    q.where = dsrun::parse_where(expression, names());
+    q.where = expression;
+    q.names = names();
     CHECK(store.query_runs(q).size() == 4);  // an even number of nots: val_loss < 2.5
   }
   std::string e = error_of([&] { dsrun::parse_where(repeat("(", 65) + "status = x" + repeat(")", 65), names()); });
@@ -304,7 +309,8 @@ TEST_CASE("history --where refuses ( and not nested deeper than 64 and more than
 
   // Long and / or chains nest in SQLite too: 256 conditions run, more are refused.
   dsrun::RunQuery q;
-  q.where = dsrun::parse_where("metrics.val_loss < 2.5" + repeat(" or metrics.val_loss < 0", 255), names());
+  q.where = "metrics.val_loss < 2.5" + repeat(" or metrics.val_loss < 0", 255);
+  q.names = names();
   CHECK(store.query_runs(q).size() == 4);
   e = error_of([&] { dsrun::parse_where("status = x" + repeat(" or status = x", 256), names()); });
   CHECK(contains(e, "--where: more than 256 conditions at column " + std::to_string(10 + 255 * 14 + 5)));
@@ -316,7 +322,8 @@ TEST_CASE("bare true and false in --where match boolean config keys", "[history]
   dsrun::Store store(dir.file("runs.db"));
   auto matching = [&](const std::string& expression) {
     dsrun::RunQuery q;
-    q.where = dsrun::parse_where(expression, names());
+    q.where = expression;
+    q.names = names();
     q.ascending = true;
     return names_of(store.query_runs(q));
   };
