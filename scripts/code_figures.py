@@ -31,7 +31,7 @@ LAYERS = {
     "sweep": ["common", "recipe", "plan"],
 }
 
-INCLUDE = re.compile(r'^\s*#\s*include\s+"engine/([a-z_]+)/([A-Za-z0-9_.]+)"', re.M)
+INCLUDE = re.compile(r'^\s*#\s*include\s+"engine/([a-z_]+)/([A-Za-z0-9_./]+)"', re.M)
 
 
 def source_files():
@@ -45,7 +45,7 @@ def arrows_up():
     """(file, included) pairs that the layer table does not allow."""
     found = []
     for p in (ROOT / "engine").rglob("*"):
-        if p.suffix not in SUFFIXES or len(p.relative_to(ROOT / "engine").parts) != 2:
+        if p.suffix not in SUFFIXES or len(p.relative_to(ROOT / "engine").parts) < 2:
             continue
         folder = p.relative_to(ROOT / "engine").parts[0]
         allowed = LAYERS.get(folder)
