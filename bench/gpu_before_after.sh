@@ -3,7 +3,9 @@
 # (build-before/src, from `git archive REV`), alternating on one warm machine, so a refactor's cost
 # is read beside the noise of runs of one build (issue 47: the dense, MoE and offload benchmarks).
 # Prepare (here): rm -rf build-before && mkdir -p build-before/src && git archive REV | tar -x -C build-before/src
-#   then carry [".device", "build-before"].
+#   then carry [".device", "build-before"] for `build` only: a carried path replaces the machine's
+#   copy, its build-gpu/ included, so the `runs` calls that follow (within the machine's idle
+#   window) carry [".device"] alone.
 # Usage (device): bash bench/gpu_before_after.sh build     both builds, side by side (8 cores each)
 #                 bash bench/gpu_before_after.sh runs      dense 1B, MoE, 7B with optimizer offload
 # Env: STEPS (20), ROUNDS (2: before, after, before, after), WHICH (dense moe offload).

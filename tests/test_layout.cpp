@@ -295,11 +295,12 @@ TEST_CASE("execution modes: one rule each, from the layout and the build's kerne
   gpu_build.cuda = gpu_build.device_adam = gpu_build.fused_adam = gpu_build.varlen_attention = true;
   CHECK(decide_execution_modes(docs, gpu.layout, 64, gpu_build).variable_length_attention);
   docs.precision.dtype = DType::Fp32;
-  std::vector<std::string> why;
+  std::vector<RefusedMode> why;
   docs.execution.forced["variable_length_attention"] = true;
   CHECK_FALSE(decide_execution_modes(docs, gpu.layout, 64, gpu_build, &why).variable_length_attention);
   REQUIRE(why.size() == 1);
-  CHECK(why[0] == "execution.variable_length_attention = true does not hold here: the kernel runs in bf16/fp16 only");
+  CHECK(why[0].name == "variable_length_attention");
+  CHECK(why[0].describe() == "execution.variable_length_attention = true does not hold here: the kernel runs in bf16/fp16 only");
 
   // Every mode has its [execution] key, and a rank's config pins each (the launcher's keys).
   for (const ExecutionModeRow& row : execution_mode_rows()) {

@@ -491,8 +491,8 @@ TEST_CASE("the fused projection and loss: the plan counts one chunk's transient,
   const Plan fused = plan_of(one_gpu + "micro = 2\n");
   const Plan fused4 = plan_of(one_gpu + "micro = 4\n");
   const double V = 102400, h = 4096, s = 4096;
-  CHECK(whole.loss_chunk_tokens == 0);
-  CHECK(fused.loss_chunk_tokens == static_cast<int64_t>(kAutoLossChunkBytes / (4 * V)));  // 655 tokens: 256 MiB of fp32 logits
+  CHECK(whole.modes.loss_chunk_tokens == 0);
+  CHECK(fused.modes.loss_chunk_tokens == static_cast<int64_t>(kAutoLossChunkBytes / (4 * V)));  // 655 tokens: 256 MiB of fp32 logits
   CHECK(whole.memory.backward_peak == Approx(2 * s * 8 * V));                                  // fp32 softmax gradients of every token
   CHECK(fused.memory.backward_peak == Approx((4 + 2) * 655 * V + (4 + 2) * V * h));             // a chunk, and the head's weight gradient
   CHECK(fused4.memory.backward_peak == Approx(fused.memory.backward_peak));                     // whatever the micro-batch
@@ -502,14 +502,14 @@ TEST_CASE("the fused projection and loss: the plan counts one chunk's transient,
   // Under tensor parallelism each rank's chunk spans its slice of the vocabulary: there a micro-batch's
   // 8,192 tokens of 51,200 fp32 logits (1.6 GiB, under 1/32 of 80 GB) fit, and auto takes them in one chunk.
   const Plan split = plan_of(one_gpu + "micro = 2\n", {"hardware.devices_per_node=2", "parallel.tensor=2"});
-  CHECK(split.loss_chunk_tokens == 2 * 4096);
+  CHECK(split.modes.loss_chunk_tokens == 2 * 4096);
   bool said = false;
   for (const auto& c : split.choices) said = said || (c.key == "batch.loss_chunk_tokens" && c.value == "8192");
   CHECK(said);
   CHECK(split.memory.backward_peak == Approx((4 + 2) * 8192 * V / 2 + (4 + 2) * V / 2 * h));
   // Asked for, a chunk is kept.
   const Plan asked = plan_of(one_gpu + "micro = 2\nloss_chunk_tokens = 655\n", {"hardware.devices_per_node=2", "parallel.tensor=2"});
-  CHECK(asked.loss_chunk_tokens == 655);
+  CHECK(asked.modes.loss_chunk_tokens == 655);
 }
 
 TEST_CASE("separate documents on a GPU: the plan measures the corpus's documents and prices attention within them", "[plan][documents]") {

@@ -137,7 +137,6 @@ Plan Planner::plan() {
   p.seq_len = r_.model.arch == ModelArch::DeepSeek ? r_.batch.seq_len : 0;
   p.dtype = r_.precision.dtype;
   p.attention = kernel_;
-  if (r_.data.separate_documents) p.document_attention = modes_for({}).variable_length_attention ? "variable-length" : "masked";
   p.attention_fraction = attention_fraction_;
   p.memory_capacity = capacity_;
   p.host_memory_capacity = hw.host_memory_bytes;
@@ -147,10 +146,10 @@ Plan Planner::plan() {
                          "every device: " + std::to_string(hw.nodes) + " node(s) x " + std::to_string(hw.devices_per_node)});
 
   choose_layout(p);  // (its last choice may change cost_: the loss chunk)
-  p.loss_chunk_tokens = cost_.loss_chunk_tokens;
-  std::vector<std::string> refused;
+  std::vector<RefusedMode> refused;
   p.modes = decide_execution_modes(r_, p.layout, cost_.loss_chunk_tokens, kernels_, &refused);
-  for (std::string& why : refused) p.notes.push_back(std::move(why));
+  for (const RefusedMode& m : refused) p.notes.push_back(m.describe());
+  if (r_.data.separate_documents) p.document_attention = p.modes.variable_length_attention ? "variable-length" : "masked";
   if (!(kernels_ == host_.kernels))
     p.notes.push_back("execution modes planned for dsrun's GPU build (scripts/gpu_build.sh): this build has no CUDA kernels");
   p.cost = cost_;

@@ -148,8 +148,7 @@ struct Plan {
   // fp16/bf16) or a mask; what share of whole rows' attention the documents leave (measured).
   std::string document_attention;  // "" without separate documents, else "variable-length" or "masked"
   double attention_fraction = 1;
-  int64_t loss_chunk_tokens = 0;   // the fused projection and loss's chunk (0: whole logits)
-  ExecutionModes modes;            // how each step executes, decided here (loss_chunk_tokens among them) and pinned for the ranks
+  ExecutionModes modes;            // how each step executes (the fused loss's chunk among them), decided here and pinned for the ranks
 
   ModelCost cost;
   MemoryBreakdown memory;       // per rank, on the device

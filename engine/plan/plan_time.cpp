@@ -258,7 +258,7 @@ int Planner::busiest_stage_moe_layers() const {
   return moe_layers;
 }
 
-double Planner::elementwise_seconds() const {
+double Planner::elementwise_seconds(const Plan& p) const {
   if (r_.hardware.device != Device::Cuda || r_.model.arch != ModelArch::DeepSeek) return 0;
   const double e = bytes_per_element(r_.precision.dtype);
   const double tokens = static_cast<double>(r_.batch.global) * static_cast<double>(r_.batch.seq_len) / degrees_.data;
@@ -266,7 +266,7 @@ double Planner::elementwise_seconds() const {
   // Fused with the projection (cost_.loss_chunk_tokens > 0): the products write fp32 logits, the
   // log-sum-exp reads them, one kernel reads them again and writes the gradient: 12 + e bytes.
   // Where backward recomputes the logits (not loss_gradients_in_forward): that again, and a third product.
-  const bool fused_loss = cost_.loss_chunk_tokens > 0, recomputed = fused_loss && !modes_for({}).loss_gradients_in_forward;  // (no choice changes it)
+  const bool fused_loss = cost_.loss_chunk_tokens > 0, recomputed = fused_loss && !p.modes.loss_gradients_in_forward;
   const double loss_bytes = !fused_loss ? 24 + 2 * e : recomputed ? 2 * (12 + e) : 12 + e;
   const double loss = loss_bytes * static_cast<double>(r_.model.vocab) / degrees_.tensor;
   const double recomputed_logits = recomputed ? tokens * 2.0 * r_.model.hidden * r_.model.vocab / degrees_.tensor / (peak_flops() * r_.hardware.matmul_efficiency) : 0;
@@ -302,7 +302,7 @@ void Planner::predict_time(Plan& p) {
   const double bandwidth = host_step ? host_bandwidth / ranks_per_node_ : r_.hardware.memory_bandwidth;
   p.optimizer_seconds = shard * touched / bandwidth;
   p.offload_hidden_seconds = host_step ? hidden_offload_seconds(p, shard, e) : 0;
-  p.elementwise_seconds = elementwise_seconds();
+  p.elementwise_seconds = elementwise_seconds(p);
   p.step_seconds = p.compute_seconds + p.elementwise_seconds + p.exposed_comm_seconds + p.optimizer_seconds + p.offload_seconds - p.offload_hidden_seconds;
   p.tokens_per_second = p.tokens_per_step / p.step_seconds;
   p.mfu = p.model_flops_per_step / (p.step_seconds * p.peak_flops * p.world_size);

@@ -214,7 +214,7 @@ class Planner {
   // and backward, about 24 + 2e bytes per token and vocabulary entry; a MoE layer moves each
   // token's k rows through dispatch, the experts' return to pair order and the weighted sum, about
   // 14·k·h·e bytes per token forward and backward (docs/plan.md; measured in docs/benchmarks.md).
-  double elementwise_seconds() const;
+  double elementwise_seconds(const Plan& p) const;
 
   void predict_time(Plan& p);
 

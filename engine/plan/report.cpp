@@ -105,7 +105,7 @@ std::string render_plan(const Plan& p) {
        (p.layout.recomputation ? "full" : "none") + ", " + to_string(p.dtype) + (images ? "" : std::string(", attention ") + kernel_name(p.attention)));
   if (!p.document_attention.empty())
     line("attention within documents (" + p.document_attention + "): " + format_double(100 * p.attention_fraction, 3) + "% of whole rows' attention FLOPs");
-  if (p.loss_chunk_tokens > 0) line("output projection and loss fused, " + std::to_string(p.loss_chunk_tokens) + " tokens' logits at a time");
+  if (p.modes.loss_chunk_tokens > 0) line("output projection and loss fused, " + std::to_string(p.modes.loss_chunk_tokens) + " tokens' logits at a time");
   line("execution: " + p.modes.describe());
 
   section(p.layout.pipeline > 1 ? "memory per rank (pipeline stage " + std::to_string(p.memory_stage) + ", the fullest)" : std::string("memory per rank"));
@@ -123,7 +123,7 @@ std::string render_plan(const Plan& p) {
                                                          (p.layout.recomputation ? ", checkpointed" : ", no recomputation")});
   if (m.backward_peak > 0)
     t.add({"backward peak", format_bytes(m.backward_peak),
-           p.loss_chunk_tokens > 0 ? "the largest transient: a loss chunk's logits and the head's weight gradient, or a recomputed block"
+           p.modes.loss_chunk_tokens > 0 ? "the largest transient: a loss chunk's logits and the head's weight gradient, or a recomputed block"
                                    : "backward's largest transient: logits or softmax gradients"});
   if (m.gradients_after_peak > 0)
     t.add({"gradients after the peak", format_bytes(m.gradients_after_peak),
@@ -257,7 +257,7 @@ std::string plan_to_json(const Plan& p) {
   j["parallel"] = {{"zero_stage", p.layout.zero_stage}, {"offload", to_string(p.layout.offload)},
                    {"activation_checkpointing", p.layout.recomputation}, {"dtype", to_string(p.dtype)},
                    {"attention", kernel_name(p.attention)}, {"document_attention", p.document_attention},
-                   {"attention_fraction", p.attention_fraction}, {"loss_chunk_tokens", p.loss_chunk_tokens}};
+                   {"attention_fraction", p.attention_fraction}, {"loss_chunk_tokens", p.modes.loss_chunk_tokens}};
   j["memory_per_rank"] = {{"params", m.states.params}, {"grads", m.states.grads}, {"master", m.states.master},
                           {"optimizer", m.states.optimizer}, {"activations", m.activations}, {"backward_peak", m.backward_peak}, {"gradients_after_peak", m.gradients_after_peak}, {"comm_buffers", m.comm_buffers},
                           {"routed_expert_states", m.routed_expert_states}, {"runtime", m.runtime}, {"fragmentation", m.fragmentation}, {"offloaded_to_host", m.states.host},

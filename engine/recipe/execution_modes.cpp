@@ -53,7 +53,7 @@ BuildKernels planned_kernels(Device device, const BuildKernels& here) {
   return gpu;
 }
 
-ExecutionModes decide_execution_modes(const Recipe& r, const Layout& l, int64_t loss_chunk_tokens, const BuildKernels& k, std::vector<std::string>* refused) {
+ExecutionModes decide_execution_modes(const Recipe& r, const Layout& l, int64_t loss_chunk_tokens, const BuildKernels& k, std::vector<RefusedMode>* refused) {
   ExecutionModes m;
   m.loss_chunk_tokens = loss_chunk_tokens;
   // Each mode: on where `why_not` is empty, unless the recipe turned it off.
@@ -62,7 +62,7 @@ ExecutionModes decide_execution_modes(const Recipe& r, const Layout& l, int64_t 
     const bool wanted = forced == r.execution.forced.end() || forced->second;
     m.*field = wanted && why_not.empty();
     if (refused && wanted && !why_not.empty() && forced != r.execution.forced.end())
-      refused->push_back(std::string("execution.") + name + " = true does not hold here: " + why_not);
+      refused->push_back({name, why_not});
   };
   const bool gpu = r.hardware.device == Device::Cuda;
   const bool adam = r.optimizer.kind != OptimizerKind::Sgd;

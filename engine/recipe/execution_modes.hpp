@@ -48,9 +48,16 @@ const std::array<ExecutionModeRow, 5>& execution_mode_rows();
 // (scripts/gpu_build.sh), where the ranks will run.
 BuildKernels planned_kernels(Device device, const BuildKernels& here);
 
+// A mode the recipe (or the launcher's pin) set true that its rule refuses here, and why.
+struct RefusedMode {
+  std::string name;  // ExecutionModeRow::name
+  std::string why;
+  std::string describe() const { return "execution." + name + " = true does not hold here: " + why; }
+};
+
 // Every mode on where its rule allows and execution.<name> is not false. `refused`, when given,
-// gets why each mode the recipe set true does not hold here (the plan notes it; the rule wins).
+// gets each mode set true that does not hold here (the plan notes it, a rank refuses it; the rule wins).
 ExecutionModes decide_execution_modes(const Recipe& recipe, const Layout& layout, int64_t loss_chunk_tokens, const BuildKernels& kernels,
-                                      std::vector<std::string>* refused = nullptr);
+                                      std::vector<RefusedMode>* refused = nullptr);
 
 }  // namespace dsrun

@@ -39,11 +39,10 @@ std::optional<int64_t> parse_time_limit_minutes(const std::string& text);
 
 // The collectives' names (kinds.hpp) feed the schema, the loader, the probe and the plan.
 inline constexpr const auto& kCollectives = EnumNames<Collective>::table;
-inline const char* collective_name(Collective op) { return to_string(op); }
 // Its probed key, "hardware.all_reduce_gbs", and its name in words, "all-reduce".
-inline std::string collective_key(Collective op) { return "hardware." + std::string(collective_name(op)) + "_gbs"; }
+inline std::string collective_key(Collective op) { return "hardware." + std::string(to_string(op)) + "_gbs"; }
 inline std::string collective_words(Collective op) {
-  std::string words = collective_name(op);
+  std::string words = to_string(op);
   for (char& ch : words) ch = ch == '_' ? '-' : ch;
   return words;
 }

@@ -917,7 +917,7 @@ BuildKernels compiled_kernels() {
 void check_execution_modes(const Recipe& recipe, const Plan& plan, const BuildKernels& here, int rank) {
   DSRUN_ASSERT(here == compiled_kernels(), "CMake's kernel definitions (engine/common/build_kernels.cpp) disagree with the engine's");
   if (recipe.hardware.device == Device::Cuda && !here.cuda) return;  // select_device says what is missing
-  std::vector<std::string> refused;
+  std::vector<RefusedMode> refused;
   const ExecutionModes can = decide_execution_modes(recipe, plan.layout, plan.modes.loss_chunk_tokens, here, &refused);
   for (const ExecutionModeRow& row : execution_mode_rows()) {
     if (plan.modes.*row.field == can.*row.field) continue;
@@ -926,8 +926,8 @@ void check_execution_modes(const Recipe& recipe, const Plan& plan, const BuildKe
     c.rank = rank;
     c.hint = "run the ranks with dsrun built for this machine (scripts/gpu_build.sh on GPUs), or set " + c.key + " = " + (can.*row.field ? "true" : "false");
     std::string why;
-    for (const std::string& r : refused)
-      if (r.find(c.key) == 0) why = r.substr(c.key.size() + 3);
+    for (const RefusedMode& m : refused)
+      if (m.name == row.name) why = m.why;
     throw Error("the plan runs " + c.key + " = " + (plan.modes.*row.field ? "true" : "false") + ", which this rank's build cannot" + (why.empty() ? "" : ": " + why), c);
   }
 }
