@@ -169,7 +169,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--check", action="store_true", help="only check the layer table; exit 1 on an arrow back up")
     ap.add_argument("--top", type=int, default=12, help="how many of the largest functions to list")
-    ap.add_argument("--classes", default="Trainer,ZeroDataParallel,Planner", help="classes whose methods to count")
+    ap.add_argument("--classes", default="Trainer,ZeroDataParallel,FlatUnits,MasterShards,GradientSync,OffloadPipeline,Planner", help="classes whose methods to count")
     args = ap.parse_args()
 
     ups = arrows_up()

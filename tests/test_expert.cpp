@@ -97,7 +97,7 @@ bool expert_parallel_matches(const ModelSpec& m, const ExpertCase& c) {
     auto model = build_model(m, kSeq, build);
     ParallelizeOptions options;
     options.zero.stage = c.stage;
-    options.zero.activation_checkpointing = c.recompute;
+    options.recomputation = c.recompute;
     auto parallel = parallelize(*model, mesh, options);
     Batch mine = batch;
     mine.inputs = batch.inputs.narrow(0, d * kRowsPerRank, kRowsPerRank);

@@ -1,5 +1,5 @@
 // The decoder's elementwise ops (RMSNorm, rotary embedding, SwiGLU, a MoE layer's combine, the loss's softmax) as autograd
-// functions: on CUDA one fused kernel forward and one backward each (fused_kernels.cu); elsewhere plain libtorch ops.
+// functions: on CUDA one fused kernel forward and one backward each (engine/model/kernels/); elsewhere plain libtorch ops.
 #pragma once
 
 #include <torch/torch.h>

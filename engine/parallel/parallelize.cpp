@@ -67,7 +67,8 @@ std::unique_ptr<ParallelModel> parallelize(Model& model, DeviceMesh& mesh, const
   // 3. Tensor sharding: split weights become this rank's slices (with sequence parallelism,
   //    replicated weights sum their gradients over the tensor group).
   shard_tensors(model, pm->tensor_, zero);
-  // 4. Activation checkpointing: ZeRO's runner recomputes checkpointable units (zero.activation_checkpointing).
+  // 4. Activation checkpointing: checkpointable units recompute in backward (run() wraps them).
+  pm->recomputation_ = Recomputation(model, options.recomputation);
   // 5. ZeRO over the data dimension: flat buffers, sharded states, gradient reduction.
   zero.separate_replicated_norm = pm->tensor_.size() > 1;
   pm->zero_ = std::make_unique<ZeroDataParallel>(model, mesh.along(MeshDim::Data), zero);
@@ -83,7 +84,7 @@ void ParallelModel::record_routing(int layer, const torch::Tensor& routed, int64
 }
 
 torch::Tensor ParallelModel::global_grad_norm_tensor() {
-  const torch::Tensor squares = zero_->gradient_squares_tensor();  // [split, replicated], fp64
+  const torch::Tensor squares = zero_->masters().gradient_squares();  // [split, replicated], fp64
   torch::Tensor split = squares.narrow(0, 0, 1).clone();
   if (tensor_.size() > 1) mesh_.along(MeshDim::Tensor).all_reduce_sum(split);
   torch::Tensor total = split + squares.narrow(0, 1, 1);

@@ -7,6 +7,7 @@
 #include "engine/model/model.hpp"
 #include "engine/parallel/expert_parallel.hpp"
 #include "engine/parallel/pipeline.hpp"
+#include "engine/parallel/recompute.hpp"
 #include "engine/parallel/tensor_parallel.hpp"
 #include "engine/parallel/zero.hpp"
 
@@ -21,7 +22,8 @@ struct ParallelizeOptions {
   std::vector<UnitRange> pipeline_pieces;
   PipelineOptions pipeline;
   bool sequence_parallel = false;  // activations between tensor-parallel regions split along the sequence
-  ZeroOptions zero;                // ZeRO on the data dimension: stage, dtype, recomputation, offload
+  bool recomputation = false;      // checkpointable units recompute their activations in backward
+  ZeroOptions zero;                // ZeRO on the data dimension: stage, dtype, offload
 };
 
 // The model as this rank runs it: its slice of every split weight, ZeRO's flat buffers over the
@@ -34,7 +36,10 @@ class ParallelModel final : public UnitRunner {
   // model's forward itself).
   PipelineStage* pipeline() { return pipeline_.get(); }
 
-  Tensors run(int unit, const UnitFn& fn, const Tensors& inputs) override { return zero_->run(unit, fn, inputs); }
+  // ZeRO gathers the unit's parameters around its computation, which recomputation may wrap.
+  Tensors run(int unit, const UnitFn& fn, const Tensors& inputs) override {
+    return zero_->run(unit, [&](const Tensors& in) { return recomputation_.run(unit, fn, in); }, inputs);
+  }
   torch::Tensor enter_split(const torch::Tensor& x) override { return tensor_.enter(x); }
   torch::Tensor leave_split(const torch::Tensor& partial) override { return tensor_.leave(partial); }
   bool splits_nothing() const override { return tensor_.size() == 1; }
@@ -71,6 +76,7 @@ class ParallelModel final : public UnitRunner {
   ParallelModel(DeviceMesh& mesh, bool sequence_parallel) : mesh_(mesh), tensor_(mesh.along(MeshDim::Tensor), sequence_parallel) {}
   DeviceMesh& mesh_;
   TensorParallel tensor_;
+  Recomputation recomputation_;
   std::unique_ptr<ZeroDataParallel> zero_;
   std::unique_ptr<PipelineStage> pipeline_;
   std::unique_ptr<ExpertParallel> experts_;  // null without expert parallelism

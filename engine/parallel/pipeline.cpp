@@ -105,7 +105,7 @@ void PipelineStage::communicate(const PipelineSchedule& s, const PipelineAction*
 void PipelineStage::send_tied_weight() {
   if (options_.tied_embedding_shape.empty()) return;
   TiedEmbedding tied = model_.tied_embedding();
-  if (tied.weight.defined()) zero_.await_parameters(static_cast<size_t>(local_.at(0).begin));  // offload: the update may still be going up
+  if (tied.weight.defined()) zero_.offload().await_parameters(static_cast<size_t>(local_.at(0).begin));  // offload: the update may still be going up
   if (tied.weight.defined()) sends_.push_back(pipeline_.send_async(tied.weight.detach(), stages() - 1, tied_weight_tag(options_.schedule)));
   if (tied.head_copy.defined()) {
     torch::Tensor w = torch::empty(options_.tied_embedding_shape, torch::TensorOptions().dtype(options_.dtype).device(options_.device));

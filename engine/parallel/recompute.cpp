@@ -1,6 +1,5 @@
 #include "engine/parallel/recompute.hpp"
 
-#include "engine/common/autograd_pointer.hpp"
 #include "engine/common/error.hpp"
 
 namespace dsrun {
@@ -13,11 +12,18 @@ namespace {
 
 thread_local bool recomputing_now = false;
 
-// Autograd functions take tensors and scalars, not callables: the unit's function travels as the
-// address of a UnitFn, and a missing second input as an undefined tensor.
+// The unit's function as an IValue (a capsule), so that the node's saved data owns it until its
+// backward has run; a missing second input travels as an undefined tensor.
+struct KeptUnitFn : torch::CustomClassHolder {
+  explicit KeptUnitFn(std::shared_ptr<UnitFn> fn) : fn(std::move(fn)) {}
+  std::shared_ptr<UnitFn> fn;
+};
+
+const UnitFn& kept_fn(const c10::IValue& capsule) { return *c10::static_intrusive_pointer_cast<KeptUnitFn>(capsule.toCapsule())->fn; }
+
 struct CheckpointedUnit : torch::autograd::Function<CheckpointedUnit> {
-  static variable_list forward(AutogradContext* ctx, Tensor a, Tensor b, int64_t fn_address) {
-    ctx->saved_data["fn"] = fn_address;
+  static variable_list forward(AutogradContext* ctx, Tensor a, Tensor b, c10::IValue fn) {
+    ctx->saved_data["fn"] = fn;
     ctx->saved_data["inputs"] = static_cast<int64_t>(b.defined() ? 2 : 1);
     ctx->save_for_backward({a, b});
     Tensors inputs{a};
@@ -25,7 +31,7 @@ struct CheckpointedUnit : torch::autograd::Function<CheckpointedUnit> {
     Tensors out;
     {
       torch::NoGradGuard no_grad;
-      out = (*pointer_from_argument<const UnitFn>(fn_address))(inputs);
+      out = kept_fn(fn)(inputs);
     }
     for (auto& o : out)  // an input passed straight through must still be a new output
       if (o.is_same(a) || (b.defined() && o.is_same(b))) o = o.clone();
@@ -33,7 +39,7 @@ struct CheckpointedUnit : torch::autograd::Function<CheckpointedUnit> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const UnitFn& fn = *saved_pointer<const UnitFn>(ctx, "fn");
+    const UnitFn& fn = kept_fn(ctx->saved_data["fn"]);
     const int64_t count = ctx->saved_data["inputs"].toInt();
     variable_list saved = ctx->get_saved_variables();
     Tensors inputs;
@@ -68,9 +74,19 @@ struct CheckpointedUnit : torch::autograd::Function<CheckpointedUnit> {
 
 bool recomputing() { return recomputing_now; }
 
-Tensors run_recomputed(const std::shared_ptr<UnitFn>& fn, const Tensors& inputs) {
+Tensors run_recomputed(std::shared_ptr<UnitFn> fn, const Tensors& inputs) {
   DSRUN_ASSERT(!inputs.empty() && inputs.size() <= 2, "checkpointed units take one or two tensors");
-  return CheckpointedUnit::apply(inputs[0], inputs.size() > 1 ? inputs[1] : Tensor(), pointer_argument(fn.get()));
+  return CheckpointedUnit::apply(inputs[0], inputs.size() > 1 ? inputs[1] : Tensor(), c10::IValue::make_capsule(c10::make_intrusive<KeptUnitFn>(std::move(fn))));
+}
+
+Recomputation::Recomputation(Model& model, bool enabled) {
+  for (const ParameterUnit& pu : model.parameter_units()) recomputed_.push_back(enabled && pu.checkpointable);
+}
+
+Tensors Recomputation::run(int unit, const UnitFn& fn, const Tensors& inputs) const {
+  const bool recompute = unit >= 0 && static_cast<size_t>(unit) < recomputed_.size() && recomputed_[static_cast<size_t>(unit)];
+  if (!recompute || !torch::GradMode::is_enabled()) return fn(inputs);
+  return run_recomputed(std::make_shared<UnitFn>(fn), inputs);
 }
 
 }  // namespace dsrun

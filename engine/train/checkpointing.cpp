@@ -139,15 +139,15 @@ enum class PieceUse {
 std::vector<ShardPiece> shard_pieces(RankTrainingState& s, PieceUse use) {
   Communicator& tensor = s.mesh.along(MeshDim::Tensor);
   const std::vector<ParameterUnit> units = s.model.parameter_units();  // ZeRO's order
-  DSRUN_ASSERT(units.size() == s.zero.unit_count(), "ZeRO holds the model's units");
+  DSRUN_ASSERT(units.size() == s.zero.units().size(), "ZeRO holds the model's units");
   const std::vector<std::vector<std::string>> names = unit_parameter_names(s.model, units);
   std::vector<ShardPiece> pieces;
   for (size_t k = 0; k < units.size(); ++k) {
-    const int64_t numel = s.zero.unit_numel(k), shard_begin = s.zero.master_begin(k);
+    const int64_t numel = s.zero.units().numel(k), shard_begin = s.zero.units().master_begin(k);
     const int64_t shard_end = std::min(numel, shard_begin + s.zero.shards()[k].master.numel());
     int64_t lo = shard_begin, hi = shard_end;
     if (use == PieceUse::Write) {
-      Communicator& group = s.zero.unit_group(k);
+      Communicator& group = s.zero.units().group(k);
       std::tie(lo, hi) = checkpoint_slice(numel, group.world_size(), group.rank());
       DSRUN_ASSERT(lo >= hi || (lo >= shard_begin && hi <= shard_end), "a rank writes only what its shard holds");
     }
@@ -155,8 +155,8 @@ std::vector<ShardPiece> shard_pieces(RankTrainingState& s, PieceUse use) {
       const TensorSplit split = i < units[k].splits.size() ? units[k].splits[i] : TensorSplit{};
       const bool replicated = split.kind == TensorSplit::Replicated || tensor.world_size() == 1;
       if (use == PieceUse::Write && replicated && tensor.rank() != 0) continue;
-      const std::vector<int64_t>& local_shape = s.zero.unit_shape(k, i);
-      const int64_t offset = s.zero.unit_offsets(k)[i];
+      const std::vector<int64_t>& local_shape = s.zero.units().shape(k, i);
+      const int64_t offset = s.zero.units().offsets(k)[i];
       const int64_t a = std::max(lo, offset), b = std::min(hi, offset + element_count(local_shape));
       if (a >= b) continue;
       ShardPiece p;
@@ -313,7 +313,7 @@ void CheckpointSaver::save(RankTrainingState& s, const CheckpointRunFacts& facts
   comm.barrier();
 
   // Stage: this rank's slices of the master weights and every optimizer state, back to back.
-  s.zero.wait_host_update();  // offload: the host step is done with the states
+  s.zero.offload().wait_host_update();  // offload: the host step is done with the states
   const std::vector<std::string> kinds = state_kinds(s);
   const std::vector<ShardPiece> pieces = shard_pieces(s, PieceUse::Write);
   if (o_.async) ensure_staging(staging_, s, kinds, pieces);
@@ -513,7 +513,7 @@ RestoredProgress restore_checkpoint(RankTrainingState& s, const std::string& dir
       const std::string& name = names[k][i];
       mine += name + "\n";
       const TensorSplit split = i < units[k].splits.size() ? units[k].splits[i] : TensorSplit{};
-      const std::vector<int64_t> whole = tensor_whole_shape(s.zero.unit_shape(k, i), split, tensor.world_size());
+      const std::vector<int64_t> whole = tensor_whole_shape(s.zero.units().shape(k, i), split, tensor.world_size());
       const StoredParam* p = reader.find(name);
       if (!p) problems.push_back("no parameter " + name);
       else if (p->shape != whole || !tensor_split_problem(p->shape, split, tensor.world_size()).empty())

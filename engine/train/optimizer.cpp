@@ -2,6 +2,7 @@
 
 #include "engine/common/error.hpp"
 #include "engine/common/torch_compat.hpp"
+#include "engine/parallel/copy_stream.hpp"
 
 #ifdef DSRUN_WITH_FUSED_KERNELS
 #include "engine/model/fused_kernels.h"

@@ -3,7 +3,7 @@
 // host memory (CPU ranks, offload) take the fused host step of host_optimizer.hpp.
 #pragma once
 
-#include "engine/parallel/zero.hpp"
+#include "engine/parallel/master_shards.hpp"
 #include "engine/recipe/recipe.hpp"
 #include "engine/train/host_optimizer.hpp"
 
@@ -28,7 +28,7 @@ class ShardOptimizer {
   ShardOptimizer(const OptimizerOptions& options, std::vector<MasterShard>& shards, int host_threads = 1, const std::vector<int>& host_cpus = {});
   void step(double lr);  // uses each shard's grad; updates master in place
   // Host masters: the same step as step(lr), returned as one task per shard to run later (on
-  // ZeroDataParallel's worker, shard by shard, while the next forward starts). It reads each
+  // the offload pipeline's worker, shard by shard, while the next forward starts). It reads each
   // shard's grad, factors and param_out as they are now; the step counter advances now.
   std::function<void(size_t)> host_update(double lr);
   double state_bytes() const;

@@ -159,7 +159,7 @@ class Trainer {
         break;
       }
     }
-    zero_->wait_host_update();  // the last host update's errors surface here, not in a destructor
+    zero_->offload().wait_host_update();  // the last host update's errors surface here, not in a destructor
     if (saver_) report_saved(saver_->wait());  // the last asynchronous save is complete before the run is
     if (hooks_ && !last.hook_failed)
       run_hook([&] { hooks_->on_end(hook_context(done, {}), {{"steps", done}, {"reason", last.stop ? last.why : "finished"}, {"loss", last_loss_}}); });
@@ -247,10 +247,10 @@ class Trainer {
       pipe.device = device_;
     }
     po.sequence_parallel = plan_.layout.sequence_parallel;
+    po.recomputation = plan_.layout.recomputation;
     ZeroOptions& zo = po.zero;
     zo.stage = plan_.layout.zero_stage;
     zo.dtype = plan_.dtype;
-    zo.activation_checkpointing = plan_.layout.recomputation;
     zo.offload = plan_.layout.offload != Offload::None;
     zo.offload_params = plan_.layout.offload == Offload::OptimizerAndParams;
     zo.delayed_update = plan_.layout.delayed_update;
@@ -667,10 +667,10 @@ class Trainer {
     g.update_on_device = plan_.modes.update_on_device && !hooks_active_ && !scaler_;
     if (scaler_) {
       g.overflow = scaler_->update(parallel_->gradients_overflowed());
-      if (!g.overflow) zero_->scale_gradients(1.0 / loss_scale);
+      if (!g.overflow) zero_->masters().scale_gradients(1.0 / loss_scale);
     }
     g.norm = g.overflow ? torch::zeros({}, torch::kFloat64) : parallel_->global_grad_norm_tensor();
-    if (g.update_on_device && r_.optimizer.grad_clip > 0) zero_->clip_on_device(g.norm, r_.optimizer.grad_clip);
+    if (g.update_on_device && r_.optimizer.grad_clip > 0) zero_->masters().clip_on_device(g.norm, r_.optimizer.grad_clip);
     return g;
   }
 
@@ -766,8 +766,8 @@ class Trainer {
   void update(const GradientState& g, const Decision& d, bool skipped, double grad_norm, const torch::Tensor& routing) {
     const bool applies = !skipped && !d.failed;
     if (!g.update_on_device && applies) {
-      if (r_.optimizer.grad_clip > 0 && grad_norm > r_.optimizer.grad_clip) zero_->scale_gradients(r_.optimizer.grad_clip / (grad_norm + 1e-6));
-      if (zero_->host_update_pipelined()) zero_->start_host_update(optimizer_->host_update(d.lr));
+      if (r_.optimizer.grad_clip > 0 && grad_norm > r_.optimizer.grad_clip) zero_->masters().scale_gradients(r_.optimizer.grad_clip / (grad_norm + 1e-6));
+      if (zero_->offload().enabled()) zero_->offload().start_host_update(optimizer_->host_update(d.lr));
       else optimizer_->step(d.lr);
     }
     if (applies) balance_experts(routing);
@@ -780,7 +780,7 @@ class Trainer {
   // (previous step's, beside this one's compute) and the time compute waited for it.
   void report(int64_t step, std::chrono::steady_clock::time_point t0, double backward_end_seconds, double loss, int64_t items, const Decision& d,
               bool skipped, nlohmann::json& metrics) {
-    const ZeroDataParallel::OffloadTimes offload_times = zero_->take_offload_times();
+    const OffloadPipeline::Times offload_times = zero_->offload().take_times();
     if (ctx_.rank != 0) return;
     const double step_seconds = seconds_since(t0);
     for (const auto& [name, value] : d.metrics) metrics[name] = value;
@@ -849,7 +849,8 @@ class Trainer {
   // Model states this rank holds, measured from its tensors, beside the plan's prediction; on a GPU
   // also the caching allocator's peak, beside the plan's total.
   void report_memory() {
-    const double measured = zero_->parameter_and_gradient_bytes() + zero_->master_bytes() + zero_->offload_buffer_bytes() + optimizer_->state_bytes();
+    const ZeroDataParallel::StateBytes held = zero_->state_bytes();
+    const double measured = held.parameters_and_gradients + held.masters + held.offload_buffers + optimizer_->state_bytes();
     // Every rank beside its own pipeline stage's prediction, not the fullest stage's.
     const StageMemory& stage = plan_.stage_memory.at(mesh_->coordinates().pipeline);
     const double predicted = stage.model_state_bytes;
