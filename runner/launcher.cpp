@@ -262,6 +262,30 @@ class Supervisor {
     return join(gone, "; ");
   }
 
+  // Several nodes, start-up timed out: the nodes that never joined (no row of theirs in the run),
+  // with the rendezvous they were to reach, and those whose launcher failed; "" when all are here.
+  std::string nodes_not_started() {
+    if (!o_.reports_node || o_.nnodes <= 1) return "";
+    std::vector<bool> seen(static_cast<size_t>(o_.nnodes), false);
+    std::vector<std::string> parts;
+    for (const NodeRecord& n : store_.nodes(run_id_)) {
+      if (n.node_rank < 0 || n.node_rank >= o_.nnodes) continue;
+      seen[static_cast<size_t>(n.node_rank)] = true;
+      if (n.status == "failed" || n.status == "lost")
+        parts.push_back("node " + std::to_string(n.node_rank) + " (" + n.host + ") " + n.status + (n.error.empty() ? "" : ": " + n.error));
+    }
+    const std::string rendezvous = o_.master_addr + ":" + std::to_string(o_.master_port);
+    std::vector<std::string> missing;
+    for (int k = 0; k < o_.nnodes; ++k)
+      if (!seen[static_cast<size_t>(k)]) missing.push_back(std::to_string(k));
+    if (!missing.empty())
+      parts.push_back("node " + join(missing, ", ") + " of " + std::to_string(o_.nnodes) + " never joined the rendezvous at " + rendezvous +
+                      " within run.startup_timeout_s = " + format_seconds(plan_.startup_timeout_seconds) + ": start `dsrun run RECIPE --nnodes " +
+                      std::to_string(o_.nnodes) + " --node-rank " + missing.front() + " --master-addr " + o_.master_addr + " --master-port " +
+                      std::to_string(o_.master_port) + "` there with this node's recipe and overrides, and check that it reaches " + rendezvous);
+    return parts.empty() ? "" : ": " + join(parts, "; ");
+  }
+
   // `dsrun watch` and `dsrun delete` on another terminal tell a dead launcher by this.
   void heartbeat() {
     const double now = now_seconds();
@@ -370,7 +394,7 @@ class Supervisor {
         std::string why = all_level ? (p.ready ? "all ranks stopped making progress in step " + std::to_string(p.step) + " for " +
                                                      format_seconds(now - p.last_progress) + " (a collective that never completed?) (run.step_timeout_s)"
                                                : "no rank finished start-up within " + format_seconds(now - p.last_progress) +
-                                                     " (rendezvous or model build; run.startup_timeout_s)")
+                                                     " (rendezvous or model build; run.startup_timeout_s)" + nodes_not_started())
                                     : describe_rank(culprit->rank) + " hung: " +
                                           (culprit->ready ? "it never started step " + std::to_string(culprit->step + 1) + " while others did (run.step_timeout_s)"
                                                           : "no progress during start-up (run.startup_timeout_s)");
@@ -434,11 +458,13 @@ class Supervisor {
   void on_report(RankProcess& p, const StepReport& r) {
     if (o_.config_pending && !config_recorded_) {  // training runs on the resume's overrides: they are the run's now
       config_recorded_ = true;
-      for (const auto& [from, to] : {std::pair<const char*, const char*>{"config.resume.toml", "config.toml"}, {"plan.resume.json", "plan.json"}})
-        if (::rename(path_join(o_.run_dir, from).c_str(), path_join(o_.run_dir, to).c_str()) != 0)
-          fail_at(__FILE__, __LINE__, std::string("rename ") + from + " to " + to + " in " + o_.run_dir + ": " + std::strerror(errno));
+      for (const auto& [from, to] : {std::pair<std::string, std::string>{"config.resume.toml", "config.toml"}, {"plan.resume.json", "plan.json"}}) {
+        const std::string source = node_file_name(from, o_.node_rank), target = node_file_name(to, o_.node_rank);
+        if (::rename(path_join(o_.run_dir, source).c_str(), path_join(o_.run_dir, target).c_str()) != 0)
+          fail_at(__FILE__, __LINE__, "rename " + source + " to " + target + " in " + o_.run_dir + ": " + std::strerror(errno));
+      }
       sync_directory(o_.run_dir);
-      config_path_ = absolute(path_join(o_.run_dir, "config.toml"));  // (what a restart starts from)
+      config_path_ = absolute(path_join(o_.run_dir, node_file_name("config.toml", o_.node_rank)));  // (what a restart starts from)
       if (o_.on_started) o_.on_started();
     }
     record_metrics(p, r.step, r.metrics);
@@ -661,6 +687,12 @@ std::string tail_of_file(const std::string& path, int lines) {
   return join(std::vector<std::string>(all.begin() + static_cast<long>(from), all.end()), "\n");
 }
 
+std::string node_file_name(const std::string& name, int node_rank) {
+  if (node_rank <= 0) return name;
+  const size_t dot = name.find('.');
+  return name.substr(0, dot) + "-node" + std::to_string(node_rank) + name.substr(dot);
+}
+
 std::string rank_config_toml(const LoadedRecipe& loaded, const Plan& plan) {
   Config c = loaded.config;
   const Recipe& r = loaded.recipe;
@@ -736,9 +768,9 @@ RunStatus launch_run(const LoadedRecipe& loaded, const Plan& plan, Store& store,
     check_host_memory_available(plan);
     make_directories(options.run_dir);
     const std::string pending = options.config_pending ? ".resume" : "";
-    const std::string config_path = absolute(path_join(options.run_dir, "config" + pending + ".toml"));
+    const std::string config_path = absolute(path_join(options.run_dir, node_file_name("config" + pending + ".toml", options.node_rank)));
     write_file_atomic(config_path, rank_config_toml(loaded, plan));
-    write_file_atomic(path_join(options.run_dir, "plan" + pending + ".json"), plan_to_json(plan));
+    write_file_atomic(path_join(options.run_dir, node_file_name("plan" + pending + ".json", options.node_rank)), plan_to_json(plan));
     // Training never stops for the store: what it cannot take waits, in order, beside the run.
     store.journal_writes_to(path_join(options.run_dir, "store_journal-node" + std::to_string(options.node_rank) + ".jsonl"), store_reconnect_seconds());
     if (options.owns_run) {

@@ -46,6 +46,12 @@ struct LaunchOptions {
 // when the recipe names a directory (so runs sharing it never mix their checkpoints).
 std::string checkpoint_root_of(const Recipe& recipe, const std::string& run_dir, const std::string& run_id);
 
+// A file of the run directory as node `node_rank` writes it: node 0 (and a one-node run) under
+// its own name, node k as NAME-nodeK.EXT, so that nodes sharing one run directory (a shared file
+// system, or one host) never read each other's config: each runs what it was started with, and the
+// rendezvous compares them (config.resume.toml -> config-node1.resume.toml).
+std::string node_file_name(const std::string& name, int node_rank);
+
 // The resolved config that ranks load: the recipe's config with every "auto" replaced by the
 // plan's choice and every relative path made absolute, so all ranks run exactly the plan.
 std::string rank_config_toml(const LoadedRecipe& loaded, const Plan& plan);

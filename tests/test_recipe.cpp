@@ -300,6 +300,20 @@ TEST_CASE("did-you-mean distance", "[recipe][text]") {
   CHECK(nearest("zzzzzz", {"optimizer.lr", "run.steps"}).empty());
 }
 
+TEST_CASE("settings_differences names each key two configs set differently, and only those", "[recipe][text]") {
+  const std::string here = "[batch]\nglobal = 12\nmicro = 2\n\n[optimizer]\nlr = 0.001\n[build]\ncuda = false\n";
+  const std::string there = "[batch]\nglobal = 12\nmicro = 4\n\n[optimizer]\nlr = 0.001\nbeta1 = 0.9\n[build]\ncuda = true\n";
+  CHECK(settings_differences(here, here).empty());
+  const std::vector<std::string> d = settings_differences(here, there);
+  REQUIRE(d.size() == 3);
+  CHECK(d[0] == "batch.micro = 2 here, 4 there");
+  CHECK(d[1] == "build.cuda = false here, true there");
+  CHECK(d[2] == "optimizer.beta1 unset here, 0.9 there");
+  const std::vector<std::string> cut = settings_differences(here, there, 1);
+  REQUIRE(cut.size() == 2);
+  CHECK(cut[1] == "... and 2 more");
+}
+
 TEST_CASE("a rule that spans keys is located at the key the user set, the later one when both are", "[recipe][rules]") {
   // hidden set, heads default: the error is about heads, at hidden's line.
   const Diagnostic& odd = only_error(load_text("[run]\nsteps = 5\n[model]\nhidden = 12\n"));

@@ -479,6 +479,55 @@ TEST_CASE("a node whose launcher is killed is named in the run's error and its r
   }
 }
 
+TEST_CASE("a second node that never comes: node 0 fails within run.startup_timeout_s, naming the rendezvous and the node", "[training][nodes][reliability]") {
+  dsrun::test::TempDir dir;
+  const int port = 20000 + static_cast<int>((::getpid() + 104729) % 20000);
+  const std::string db = dir.file("nodes.db");
+  const auto t0 = std::chrono::steady_clock::now();
+  dsrun::test::CommandOutput out = dsrun::test::run_command(
+      "cd '" + dsrun::test::source_dir() + "' && '" DSRUN_BINARY "' run tests/recipes/tiny_train.toml --nnodes 2 --node-rank 0 --master-port " + std::to_string(port) +
+      " --db '" + db + "' " + layout(0, 2) + " --set hardware.devices_per_node=1 --set hardware.nodes=2 --set hardware.inter_node_bandwidth_gbs=10 --set run.startup_timeout_s=6");
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  INFO(out.text);
+  CHECK(out.code == 1);
+  CHECK(seconds < 6 + 20);  // the timeout, then the ranks' stop
+  dsrun::Store store(db);
+  const auto runs = store.list_runs({});
+  REQUIRE(runs.size() == 1);
+  const dsrun::RunRecord r = store.get_run(runs[0].id);
+  CHECK(r.status == dsrun::RunStatus::Failed);
+  CHECK(contains(r.error, "no rank finished start-up"));
+  CHECK(contains(r.error, "node 1 of 2 never joined the rendezvous at 127.0.0.1:" + std::to_string(port) + " within run.startup_timeout_s"));
+  CHECK(contains(r.error, "--node-rank 1 --master-addr 127.0.0.1 --master-port " + std::to_string(port)));
+}
+
+TEST_CASE("two nodes started with different settings are refused at the rendezvous, naming the key, before any step", "[training][nodes][reliability]") {
+  dsrun::test::TempDir dir;
+  const int port = 20000 + static_cast<int>((::getpid() + 15485863) % 20000);
+  const std::string db = dir.file("nodes.db");
+  const std::string sets = layout(0, 2) + " --set hardware.devices_per_node=1 --set hardware.nodes=2 --set hardware.inter_node_bandwidth_gbs=10 --set run.steps=3";
+  auto launcher = [&](int node, const std::string& more) {
+    return "'" DSRUN_BINARY "' run tests/recipes/tiny_train.toml --nnodes 2 --node-rank " + std::to_string(node) + " --master-port " + std::to_string(port) +
+           " --db '" + db + "' " + sets + more;
+  };
+  // Node 1 was given another learning rate: its rank and rank 0 both see it as they rendezvous.
+  const auto t0 = std::chrono::steady_clock::now();
+  dsrun::test::CommandOutput out = dsrun::test::run_command("cd '" + dsrun::test::source_dir() + "' && (" + launcher(1, " --set optimizer.lr=0.002") + " > '" +
+                                                            dir.file("node1.log") + "' 2>&1 &) && " + launcher(0, "") + "; sleep 2; cat '" + dir.file("node1.log") + "'");
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  INFO(out.text);
+  CHECK(seconds < 60);  // refused at once, not at run.startup_timeout_s (300 s)
+  dsrun::Store store(db);
+  const auto runs = store.list_runs({});
+  REQUIRE(runs.size() == 1);
+  const dsrun::RunRecord r = store.get_run(runs[0].id);
+  CHECK(r.status == dsrun::RunStatus::Failed);
+  CHECK(contains(r.error, "runs other settings than this rank"));
+  CHECK(contains(r.error, "optimizer.lr = "));
+  CHECK(contains(r.error, "same recipe, the same --set overrides and the same dsrun build"));
+  CHECK(store.metric_history(r.id, "loss").empty());
+}
+
 TEST_CASE("a recipe whose layout is \"auto\" runs the layout its plan chose", "[training][search]") {
   dsrun::test::TempDir dir;
   Run run = train(dir, " --set run.steps=3 --set hardware.devices_per_node=2 --set parallel.data_parallel=\\\"auto\\\" --set parallel.tensor=\\\"auto\\\""

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <map>
 #include <sstream>
 
 namespace dsrun {
@@ -172,6 +173,48 @@ std::string TextTable::render(const std::string& indent) const {
   std::string out = line(header_);
   for (const auto& r : rows_) out += line(r);
   return out;
+}
+
+namespace {
+
+// "section.key" -> the value's text, in the order the text sets them.
+std::vector<std::pair<std::string, std::string>> settings_of(const std::string& toml) {
+  std::vector<std::pair<std::string, std::string>> out;
+  std::string section;
+  for (const std::string& raw : split(toml, '\n')) {
+    const std::string line = trim(raw);
+    if (line.empty() || line[0] == '#') continue;
+    if (line.front() == '[' && line.back() == ']') {
+      section = trim(line.substr(1, line.size() - 2));
+      continue;
+    }
+    const size_t eq = line.find('=');
+    if (eq == std::string::npos) continue;
+    const std::string key = trim(line.substr(0, eq));
+    out.push_back({section.empty() ? key : section + "." + key, trim(line.substr(eq + 1))});
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<std::string> settings_differences(const std::string& here, const std::string& there, size_t max) {
+  const auto mine = settings_of(here), theirs = settings_of(there);
+  std::map<std::string, std::string> their_value(theirs.begin(), theirs.end()), my_value(mine.begin(), mine.end());
+  std::vector<std::string> found;
+  for (const auto& [key, value] : mine) {
+    auto it = their_value.find(key);
+    if (it == their_value.end()) found.push_back(key + " = " + value + " here, unset there");
+    else if (it->second != value) found.push_back(key + " = " + value + " here, " + it->second + " there");
+  }
+  for (const auto& [key, value] : theirs)
+    if (!my_value.count(key)) found.push_back(key + " unset here, " + value + " there");
+  if (found.size() > max) {
+    const size_t more = found.size() - max;
+    found.resize(max);
+    found.push_back("... and " + std::to_string(more) + " more");
+  }
+  return found;
 }
 
 }  // namespace dsrun

@@ -24,6 +24,11 @@ std::string trim(const std::string& s);
 bool starts_with(const std::string& s, const std::string& prefix);
 bool ends_with(const std::string& s, const std::string& suffix);
 
+// Where two TOML texts of "key = value" lines under [section] headers (config_to_toml's form)
+// set something differently: "section.key = A here, B there" for each key whose value differs or
+// that only one sets, in the first text's order, at most `max` of them (then "... and N more").
+std::vector<std::string> settings_differences(const std::string& here, const std::string& there, size_t max = 8);
+
 // Left-aligned text table with a header row; columns sized to their widest cell.
 class TextTable {
  public:

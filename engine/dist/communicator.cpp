@@ -1,6 +1,7 @@
 #include "engine/dist/communicator.hpp"
 
 #include "engine/common/error.hpp"
+#include "engine/common/text.hpp"
 #include "engine/common/torch_compat.hpp"
 
 #ifdef DSRUN_WITH_NCCL
@@ -241,6 +242,28 @@ class SingleProcessRendezvous final : public Rendezvous {
   }
 };
 
+// Every rank posts its identity; rank 0 reads every other's, the others read rank 0's. Whoever
+// finds a difference refuses to go on, naming it, so both nodes of a mismatch stop at once (the
+// other side's wait ends with its own error, or with the launcher's when the run stops).
+void agree_on_identity(c10d::Store& store, const RendezvousOptions& o) {
+  auto as_bytes = [](const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); };
+  auto key = [](int rank) { return "dsrun/identity/" + std::to_string(rank); };
+  store.set(key(o.rank), as_bytes(o.identity));
+  auto refuse = [&](int other, const std::string& theirs) {
+    ErrorContext c;
+    c.rank = o.rank;
+    c.hint = "start every node with the same recipe, the same --set overrides and the same dsrun build";
+    throw Error("rank " + std::to_string(other) + " runs other settings than this rank (" + std::to_string(o.rank) +
+                    "), so the run cannot start: " + join(settings_differences(o.identity, theirs), "; "),
+                c);
+  };
+  for (int other = o.rank == 0 ? 1 : 0; other < (o.rank == 0 ? o.world_size : 1); ++other) {
+    const std::vector<uint8_t> bytes = store.get(key(other));
+    const std::string theirs(bytes.begin(), bytes.end());
+    if (theirs != o.identity) refuse(other, theirs);
+  }
+}
+
 }  // namespace
 
 std::unique_ptr<Rendezvous> open_rendezvous(const RendezvousOptions& o) {
@@ -252,14 +275,17 @@ std::unique_ptr<Rendezvous> open_rendezvous(const RendezvousOptions& o) {
   store_options.numWorkers = o.world_size;
   store_options.waitWorkers = true;
   store_options.timeout = timeout;
+  c10::intrusive_ptr<c10d::Store> store;
   try {
-    return std::make_unique<StoreRendezvous>(c10::make_intrusive<c10d::TCPStore>(o.master_addr, store_options), o);
+    store = c10::make_intrusive<c10d::TCPStore>(o.master_addr, store_options);
   } catch (const std::exception& e) {
     ErrorContext c;
     c.rank = o.rank;
     c.hint = "check MASTER_ADDR/MASTER_PORT and that every rank started";
     throw Error("rendezvous at " + o.master_addr + ":" + std::to_string(o.master_port) + " failed: " + e.what(), c);
   }
+  if (!o.identity.empty()) agree_on_identity(*store, o);
+  return std::make_unique<StoreRendezvous>(store, o);
 }
 
 std::unique_ptr<Communicator> connect_communicator(const RendezvousOptions& o) {

@@ -19,6 +19,10 @@ struct RendezvousOptions {
   double timeout_s = 300;   // for rendezvous and for every collective
   bool use_nccl = false;    // CUDA tensors; needs a libtorch built with NCCL
   int cuda_device = 0;      // with NCCL: this rank's GPU (LOCAL_RANK)
+  // What every rank must agree on (the run's settings and this build), as "key = value" lines under
+  // [section] headers; checked against rank 0's as the rendezvous opens, before any group forms,
+  // and refused on both sides naming what differs. Empty: not checked.
+  std::string identity;
 };
 
 // A collective started but not waited for. wait() makes its result usable by what follows: on

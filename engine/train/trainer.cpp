@@ -1,5 +1,6 @@
 #include "engine/train/trainer.hpp"
 
+#include "engine/common/build_kernels.hpp"
 #include "engine/common/environment.hpp"
 #include "engine/common/host_cores.hpp"
 #include "engine/common/error.hpp"
@@ -82,6 +83,29 @@ Metrics to_metrics(const nlohmann::json& metrics) {
   Metrics out;
   for (const auto& [name, value] : metrics.items())
     out.emplace_back(name, value.is_number() ? value.get<double>() : std::numeric_limits<double>::quiet_NaN());
+  return out;
+}
+
+// What every rank checks against rank 0's at the rendezvous (RendezvousOptions::identity): the
+// resolved settings it runs, less those each node resolves for itself (its memory with "auto", paths
+// made absolute from its own directory), and this build's torch and kernels. Two nodes started with
+// different recipes, overrides or builds are refused there, naming the keys.
+std::string rank_identity(const std::string& config_toml) {
+  static const char* const kPerNode[] = {"hardware.memory_gib", "hardware.host_memory_gib", "data.path", "data.val_path", "data.blend",
+                                         "hooks.script", "model.init_from", "checkpoint.dir"};
+  std::string out, section;
+  for (const std::string& line : split(config_toml, '\n')) {
+    const std::string t = trim(line);
+    if (!t.empty() && t.front() == '[' && t.back() == ']') section = t.substr(1, t.size() - 2);
+    const size_t eq = t.find('=');
+    const std::string key = section + "." + trim(t.substr(0, eq));
+    if (eq != std::string::npos && std::any_of(std::begin(kPerNode), std::end(kPerNode), [&](const char* k) { return key == k; })) continue;
+    out += line + "\n";
+  }
+  const BuildKernels k = this_build_kernels();
+  out += "\n[build]\ntorch = \"" + std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." + std::to_string(TORCH_VERSION_PATCH) +
+         "\"\ncuda = " + (k.cuda ? "true" : "false") + "\ndevice_adam = " + (k.device_adam ? "true" : "false") + "\nfused_adam = " + (k.fused_adam ? "true" : "false") +
+         "\nvarlen_attention = " + (k.varlen_attention ? "true" : "false") + "\n";
   return out;
 }
 
@@ -199,6 +223,7 @@ class Trainer {
     rv.rank = ctx_.rank;
     rv.world_size = ctx_.world;
     rv.timeout_s = plan_.startup_timeout_seconds;
+    rv.identity = rank_identity(ctx_.config_toml);
     mesh_ = connect_mesh(rv, plan_.layout.mesh_shape());
   }
 
