@@ -178,7 +178,9 @@ class Planner {
   // `op` over `members` ranks of one node.
   double intra_node_bandwidth(Collective op, int members) const;
   double point_to_point_bandwidth() const;
-  double inter_node_share() const { return r_.hardware.inter_node_bandwidth / placement_.ranks_per_node * r_.hardware.comm_efficiency; }
+  // A node's network link shared by its ranks, at the network's own efficiency (not the node
+  // link's comm_efficiency, which a probed template measures on NVLink or PCIe).
+  double inter_node_share() const { return r_.hardware.inter_node_bandwidth / placement_.ranks_per_node * r_.hardware.network_efficiency; }
   // A mesh dimension's group of rank 0 (ranks 0, stride, ..., count of them) running `op`.
   GroupLink group_link(Collective op, int64_t stride, int64_t count) const;
   static std::string where(const GroupLink& g) { return g.nodes > 1 ? "across " + std::to_string(g.nodes) + " nodes" : "within a node"; }

@@ -90,6 +90,7 @@ struct HardwareSpec {
   double grouped_matmul_efficiency = 0.6;  // GPUs: the routed experts' grouped products, fraction of peak
   double attention_efficiency = 0;         // GPUs: the attention kernels, fraction of peak; 0: matmul_efficiency
   double comm_efficiency = 0.8;
+  double network_efficiency = 0.8;   // of inter_node_bandwidth: the network's own, not the node link's (comm_efficiency)
   CollectiveBandwidths collectives;  // probed; empty: link_bandwidth × comm_efficiency
   // GPUs: of a collective that runs beside compute (gradient reductions in backward, ZeRO-3's
   // gathers), the share of its time the step still pays, NCCL's kernels taking SMs and memory

@@ -121,6 +121,9 @@ std::vector<KeySpec> build_schema() {
              "GPUs: fraction of peak FLOP/s that the attention kernels (flash, forward and backward) reach, which prices attention's "
              "12·layers·hidden·seq FLOPs per token apart from the matrix products (it dominates long sequences). 0: as matmul_efficiency."),
       ranged("hardware.comm_efficiency", T::Float, "0.8", 0.001, 1, "Fraction of link bandwidth that collectives reach."),
+      ranged("hardware.network_efficiency", T::Float, "0.8", 0.001, 1,
+             "Fraction of inter_node_bandwidth_gbs that collectives between nodes reach. Apart from comm_efficiency, which `dsrun probe` "
+             "measures on the node's own link; 1 when inter_node_bandwidth_gbs is itself a measured bus bandwidth."),
       ranged("hardware.runtime_memory_gib", T::Float, "0.3", 0, 1e6, "Memory per rank in GiB taken before training starts (CUDA context, NCCL, libraries)."),
       ranged("hardware.host_runtime_memory_gib", T::Float, "1", 0, 1e6,
              "Host memory per GPU rank process in GiB once it trains (libraries, the CUDA context's host side), NCCL's apart; CPU ranks count runtime_memory_gib."),
