@@ -175,10 +175,7 @@ std::string TextTable::render(const std::string& indent) const {
   return out;
 }
 
-namespace {
-
-// "section.key" -> the value's text, in the order the text sets them.
-std::vector<std::pair<std::string, std::string>> settings_of(const std::string& toml) {
+std::vector<std::pair<std::string, std::string>> toml_settings(const std::string& toml) {
   std::vector<std::pair<std::string, std::string>> out;
   std::string section;
   for (const std::string& raw : split(toml, '\n')) {
@@ -196,10 +193,8 @@ std::vector<std::pair<std::string, std::string>> settings_of(const std::string& 
   return out;
 }
 
-}  // namespace
-
 std::vector<std::string> settings_differences(const std::string& here, const std::string& there, size_t max) {
-  const auto mine = settings_of(here), theirs = settings_of(there);
+  const auto mine = toml_settings(here), theirs = toml_settings(there);
   std::map<std::string, std::string> their_value(theirs.begin(), theirs.end()), my_value(mine.begin(), mine.end());
   std::vector<std::string> found;
   for (const auto& [key, value] : mine) {

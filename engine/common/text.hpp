@@ -24,6 +24,10 @@ std::string trim(const std::string& s);
 bool starts_with(const std::string& s, const std::string& prefix);
 bool ends_with(const std::string& s, const std::string& suffix);
 
+// The "key = value" lines of a TOML text under [section] headers (config_to_toml's form), as
+// ("section.key", value text) in the text's order.
+std::vector<std::pair<std::string, std::string>> toml_settings(const std::string& toml);
+
 // Where two TOML texts of "key = value" lines under [section] headers (config_to_toml's form)
 // set something differently: "section.key = A here, B there" for each key whose value differs or
 // that only one sets, in the first text's order, at most `max` of them (then "... and N more").

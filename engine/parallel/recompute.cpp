@@ -84,8 +84,7 @@ Recomputation::Recomputation(Model& model, bool enabled) {
 }
 
 Tensors Recomputation::run(int unit, const UnitFn& fn, const Tensors& inputs) const {
-  const bool recompute = unit >= 0 && static_cast<size_t>(unit) < recomputed_.size() && recomputed_[static_cast<size_t>(unit)];
-  if (!recompute || !torch::GradMode::is_enabled()) return fn(inputs);
+  if (!recomputed_.at(static_cast<size_t>(unit)) || !torch::GradMode::is_enabled()) return fn(inputs);
   return run_recomputed(std::make_shared<UnitFn>(fn), inputs);
 }
 

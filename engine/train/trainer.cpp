@@ -93,15 +93,9 @@ Metrics to_metrics(const nlohmann::json& metrics) {
 std::string rank_identity(const std::string& config_toml) {
   static const char* const kPerNode[] = {"hardware.memory_gib", "hardware.host_memory_gib", "data.path", "data.val_path", "data.blend",
                                          "hooks.script", "model.init_from", "checkpoint.dir"};
-  std::string out, section;
-  for (const std::string& line : split(config_toml, '\n')) {
-    const std::string t = trim(line);
-    if (!t.empty() && t.front() == '[' && t.back() == ']') section = t.substr(1, t.size() - 2);
-    const size_t eq = t.find('=');
-    const std::string key = section + "." + trim(t.substr(0, eq));
-    if (eq != std::string::npos && std::any_of(std::begin(kPerNode), std::end(kPerNode), [&](const char* k) { return key == k; })) continue;
-    out += line + "\n";
-  }
+  std::string out;
+  for (const auto& [key, value] : toml_settings(config_toml))
+    if (std::none_of(std::begin(kPerNode), std::end(kPerNode), [&](const char* k) { return key == k; })) out += key + " = " + value + "\n";
   const BuildKernels k = this_build_kernels();
   out += "\n[build]\ntorch = \"" + std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." + std::to_string(TORCH_VERSION_PATCH) +
          "\"\ncuda = " + (k.cuda ? "true" : "false") + "\ndevice_adam = " + (k.device_adam ? "true" : "false") + "\nfused_adam = " + (k.fused_adam ? "true" : "false") +
