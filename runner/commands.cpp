@@ -307,6 +307,10 @@ std::vector<std::string> smoke_overrides(const Recipe& r, const Plan& p, std::ve
   for (const auto& [key, value] : small.to_config_keys()) set(key + "=" + value.toml());
   set("parallel.tensor_across_nodes=true");  // one node now: nothing crosses
   changes.push_back(std::string(to_string(r.hardware.device)) + " \"" + r.hardware.name + "\" -> " + std::to_string(p.world_size) + " CPU ranks (" + l.describe() + ")");
+  if (r.precision.fp8 != Fp8Scaling::None) {
+    set("precision.fp8=none");
+    changes.push_back("precision.fp8 = \"" + std::string(to_string(r.precision.fp8)) + "\" -> \"none\" (CPU ranks have no FP8 products)");
+  }
   if (p.dtype == DType::Fp16) {
     set("precision.dtype=bf16");
     changes.push_back("fp16 -> bf16 (libtorch has no CPU fp16 matmul)");
@@ -401,6 +405,13 @@ int command_run(const RecipeArgs& given, const RunFlags& flags, const std::strin
   const std::string rejected = apply_plan_hook(args, loaded, plan, host);
   std::string plan_text = render_plan(plan);
   std::cout << plan_text;
+  if (!flags.smoke && loaded.recipe.precision.fp8 != Fp8Scaling::None && !host.kernels.fp8_products) {
+    ErrorContext c;
+    c.file = args.path;
+    c.key = "precision.fp8";
+    c.hint = "build dsrun against PyTorch 2.5 or later with CUDA (scripts/gpu_build.sh), or set precision.fp8 = \"none\"";
+    throw Error("precision.fp8 = \"" + std::string(to_string(loaded.recipe.precision.fp8)) + "\" needs torch's scaled FP8 products; this build has none (a CPU libtorch, or one older than 2.5)", c);
+  }
   if (flags.smoke) {
     std::vector<std::string> changes;
     RecipeArgs smoke = args;

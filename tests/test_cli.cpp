@@ -264,3 +264,18 @@ TEST_CASE("a validation split too small for one sequence is refused by dsrun pla
   // Without evaluation the split is not used: fine.
   CHECK(dsrun_cli("plan tests/recipes/tiny_train.toml --set data.val_fraction=1e-300 --set eval.every=0", dir).code == 0);
 }
+
+TEST_CASE("dsrun run refuses precision.fp8 before launch on a build without FP8 products, naming the key, and dsrun plan prices it", "[cli][fp8]") {
+  dsrun::test::TempDir dir;
+  // (a GPU recipe: the plan holds anywhere; a CPU build has no scaled FP8 products)
+  if (!dsrun::this_build_kernels().fp8_products) {
+    Output out = dsrun_cli("run recipes/gpu/small_gpu_check.toml --set precision.dtype=bf16 --set precision.fp8=tensorwise", dir);
+    INFO(out.text);
+    CHECK(out.code != 0);
+    CHECK(contains(out.text, "precision.fp8"));
+    CHECK(contains(out.text, "needs torch's scaled FP8 products; this build has none"));
+  }
+  Output plan = dsrun_cli("plan recipes/gpu/small_gpu_check.toml --set precision.dtype=bf16 --set precision.fp8=tensorwise", dir);
+  CHECK(plan.code == 0);  // the plan is about the recipe's GPUs, wherever it is made
+  CHECK(contains(plan.text, "FP8 products (tensorwise scaling)"));
+}

@@ -652,3 +652,24 @@ TEST_CASE("optimizer states in bf16 halve the states' memory and take 8 bytes pe
   CHECK(plan_of(one_gpu, {"optimizer.name=sgd", "optimizer.state_dtype=bf16"}).memory.states.optimizer ==
         Approx(plan_of(one_gpu, {"optimizer.name=sgd"}).memory.states.optimizer / 2));
 }
+
+TEST_CASE("precision.fp8 prices the blocks' linear layers at the FP8 peak and their operands' quantisation as memory traffic", "[plan][fp8]") {
+  const std::string recipe = "base = \"hardware/h100-80gb-x1\"\n[model]\nhidden = 2048\nlayers = 4\nheads = 16\nkv_heads = 16\nintermediate = 5504\nvocab = 32000\n"
+                             "max_seq_len = 2048\n[precision]\ndtype = \"bf16\"\n[batch]\nglobal = 8\nmicro = 8\nseq_len = 2048\n";
+  const Plan bf16 = plan_of(recipe);
+  const Plan fp8 = plan_of(recipe, {"precision.fp8=\"tensorwise\""});
+  CHECK(bf16.fp8_quantization_seconds == 0);
+  CHECK(fp8.fp8_quantization_seconds > 0);
+  CHECK(fp8.elementwise_seconds == Approx(bf16.elementwise_seconds + fp8.fp8_quantization_seconds));
+  // The FP8 share: 6 FLOPs per parameter of attention (4·h²) and the MLP (3·h·f) per token.
+  const double h = 2048, f = 5504, tokens = 8 * 2048.0, layers = 4;
+  const double fp8_flops = 6 * tokens * layers * (4 * h * h + 3 * h * f);
+  const double saved = fp8_flops / (989.4e12 * 0.52) - fp8_flops / (1978.9e12 * 0.55);
+  CHECK(bf16.compute_seconds - fp8.compute_seconds == Approx(saved).epsilon(1e-3));
+  CHECK(fp8.step_seconds < bf16.step_seconds);
+  CHECK(fp8.model_flops_per_step == Approx(bf16.model_flops_per_step));  // the same work, done faster
+  CHECK(contains(render_plan(fp8), "FP8 products (tensorwise scaling)"));
+  // Each token's operands: 3 bytes of bf16 traffic per element on each side (6·h + 2·kv + 3·f per layer), the weights per micro-batch.
+  const double widths = 6 * h + 2 * h + 3 * f, params = 4 * h * h + 3 * h * f;
+  CHECK(fp8.fp8_quantization_seconds == Approx((tokens * 3 * 2 * widths * layers + 2 * 5 * params * layers) / 2900e9).epsilon(1e-3));
+}

@@ -159,6 +159,24 @@ TEST_CASE("cross-field rules: precision the hardware supports", "[recipe][rules]
   CHECK(load_text("[hardware]\npeak_tflops_bf16 = 1\n[precision]\ndtype = \"bf16\"\n").ok());
 }
 
+TEST_CASE("cross-field rules: precision.fp8 needs FP8 tensor cores, bf16, a decoder and sizes in multiples of 16", "[recipe][rules][fp8]") {
+  const Diagnostic& cpu = only_error(load_text("[precision]\nfp8 = \"rowwise\"\n"));
+  CHECK(cpu.key == "precision.fp8");
+  CHECK(contains(cpu.message, "no FP8 tensor cores (CPU ranks)"));
+  // (the tiny decoder's MLP, 344 wide, made 352: a multiple of 16)
+  const std::string h100 = "base = [\"hardware/h100-80gb-x1\", \"models/deepseek-tiny\"]\n[model]\nintermediate = 352\n[precision]\ndtype = \"bf16\"\n";
+  CHECK(load_text(h100 + "fp8 = \"tensorwise\"\n").ok());
+  CHECK(load_text(h100 + "fp8 = \"rowwise\"\n").ok());
+  const Diagnostic& none = only_error(load_text(h100 + "fp8 = \"rowwise\"\n", {"hardware.peak_tflops_fp8=0"}));
+  CHECK(contains(none.message, "hardware.peak_tflops_fp8 = 0"));
+  const Diagnostic& fp16 = only_error(load_text(h100 + "fp8 = \"rowwise\"\n", {"precision.dtype=\"fp16\""}));
+  CHECK(fp16.key == "precision.fp8");
+  CHECK(contains(fp16.fix, "precision.dtype = \"bf16\""));
+  CHECK(contains(only_error(load_text(h100 + "fp8 = \"blockwise\"\n")).message, "not in this build yet"));
+  const Diagnostic& odd = only_error(load_text(h100 + "fp8 = \"tensorwise\"\n", {"model.intermediate=344"}));
+  CHECK(contains(odd.message, "model.intermediate gives a linear layer a size of 344"));
+}
+
 TEST_CASE("cross-field rules: ZeRO stage and offload combinations", "[recipe][rules]") {
   CHECK(contains(only_error(load_text("[parallel]\nzero_stage = 2\noffload = \"optimizer+params\"\n")).message, "stage 3"));
   CHECK(contains(only_error(load_text("[parallel]\nzero_stage = 0\noffload = \"optimizer\"\n")).message, "stage 1, 2 or 3"));

@@ -16,6 +16,9 @@ BuildKernels this_build_kernels() {
 #ifdef DSRUN_BUILD_VARLEN_ATTENTION
   k.varlen_attention = true;
 #endif
+#ifdef DSRUN_BUILD_FP8_PRODUCTS
+  k.fp8_products = true;
+#endif
   return k;
 }
 

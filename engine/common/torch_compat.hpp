@@ -257,4 +257,29 @@ std::vector<c10::intrusive_ptr<c10d::Work>> coalesced(CollectiveBackend& group, 
   return works;
 }
 
+
+// torch's scaled FP8 matrix product (PyTorch >= 2.5, CUDA: row scales need 2.5): a [M, K] row-major,
+// b [K, N] column-major, FP8; scale_a and scale_b fp32, one element each (tensorwise) or [M, 1] and
+// [1, N] (rowwise): out = (a · scale_a) (b · scale_b) in bf16, accumulated in fp32.
+constexpr bool kHasScaledMm = DSRUN_TORCH_AT_LEAST(2, 5);
+inline torch::Tensor scaled_mm(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& scale_a, const torch::Tensor& scale_b) {
+#if DSRUN_TORCH_AT_LEAST(2, 5)
+  return at::_scaled_mm(a, b, scale_a, scale_b, std::nullopt, std::nullopt, torch::kBFloat16, false);
+#else
+  (void)a, (void)b, (void)scale_a, (void)scale_b;
+  fail_at(__FILE__, __LINE__, "FP8 products need PyTorch 2.5 or later (precision.fp8)");
+#endif
+}
+
+// The two FP8 kinds of torch (PyTorch >= 2.1): E4M3 ("fn": finite, max 448) for weights and
+// activations, E5M2 (max 57344) for gradients.
+inline torch::ScalarType fp8_dtype(bool e5m2) {
+#if DSRUN_TORCH_AT_LEAST(2, 1)
+  return e5m2 ? torch::kFloat8_e5m2 : torch::kFloat8_e4m3fn;
+#else
+  (void)e5m2;
+  fail_at(__FILE__, __LINE__, "FP8 tensors need PyTorch 2.1 or later (precision.fp8)");
+#endif
+}
+
 }  // namespace dsrun::compat

@@ -4,6 +4,7 @@
 #include "engine/common/text.hpp"
 #include "engine/common/torch_compat.hpp"
 #include "engine/model/document_attention.hpp"
+#include "engine/model/fp8_linear.hpp"
 #include "engine/model/fused_ops.hpp"
 #include "engine/model/grouped_experts.hpp"
 #include "engine/model/model.hpp"
@@ -24,11 +25,15 @@ namespace nn = torch::nn;
 // 1.13 cannot set_data a meta tensor to a real one, or the meta device would do.)
 struct LinearImpl : nn::Module {
   LinearImpl(int64_t in, int64_t out, const torch::TensorOptions& o) { weight = register_parameter("weight", torch::empty({out, in}, o)); }
-  Tensor forward(const Tensor& x) { return torch::linear(x, weight); }
+  Tensor forward(const Tensor& x) { return fp8 == Fp8Scaling::None ? torch::linear(x, weight) : fp8_linear(x, weight, fp8); }
   // residual [rows, out] += x · weightᵀ in place: the matrix product's epilogue adds it (a
-  // residual add with no kernel of its own).
-  Tensor add_into(Tensor& residual, const Tensor& x) { return residual.addmm_(x.reshape({-1, weight.size(1)}), weight.t()); }
+  // residual add with no kernel of its own; an FP8 product's output is added after it).
+  Tensor add_into(Tensor& residual, const Tensor& x) {
+    const Tensor rows = x.reshape({-1, weight.size(1)});
+    return fp8 == Fp8Scaling::None ? residual.addmm_(rows, weight.t()) : residual.add_(fp8_linear(rows, weight, fp8));
+  }
   Tensor weight;
+  Fp8Scaling fp8 = Fp8Scaling::None;  // set by use_fp8 for the blocks' linear layers
 };
 TORCH_MODULE(Linear);
 
@@ -78,11 +83,14 @@ struct TokenPositions {
   TokenPositions(const Rotary& r, const Batch& batch, bool variable_length) : rope(&r) {
     if (batch.positions.defined()) documents = std::make_shared<const PackedDocuments>(batch.documents, batch.positions, batch.inputs.device(), variable_length);
   }
-  // {q, k rotated, v} from the q/k/v projection of x by `weight` (fused::project_qkv).
-  std::vector<Tensor> project_qkv(const Tensor& x, const Tensor& weight, int64_t q_width, int64_t k_width, int64_t head_dim) const {
+  // {q, k rotated, v} from the q/k/v projection of x by `projection` (fused::project_qkv; an FP8
+  // projection's product first, then the rotation).
+  std::vector<Tensor> project_qkv(const Tensor& x, Linear& projection, int64_t q_width, int64_t k_width, int64_t head_dim) const {
     rope->move_to(x.device());
-    return fused::project_qkv(x, weight, q_width, k_width, head_dim, rope->cos_on_device, rope->sin_on_device,
-                              documents ? documents->positions() : Tensor());
+    const Tensor positions = documents ? documents->positions() : Tensor();
+    if (projection->fp8 != Fp8Scaling::None)
+      return fused::rotate_qkv(projection(x), q_width, k_width, head_dim, rope->cos_on_device, rope->sin_on_device, positions);
+    return fused::project_qkv(x, projection->weight, q_width, k_width, head_dim, rope->cos_on_device, rope->sin_on_device, positions);
   }
 };
 
@@ -101,7 +109,7 @@ struct AttentionImpl : nn::Module {
     const int64_t kv_heads = wqkv->weight.size(0) / (head_dim * (group + 2)), heads = group * kv_heads;
     // q and k rotated, v passed through, from the one projection (fused::project_qkv: backward
     // never joins their gradients). [b, s, heads, d] viewed as [b, heads, s, d].
-    const std::vector<Tensor> qkv = where.project_qkv(x, wqkv->weight, heads * head_dim, kv_heads * head_dim, head_dim);
+    const std::vector<Tensor> qkv = where.project_qkv(x, wqkv, heads * head_dim, kv_heads * head_dim, head_dim);
     if (where.documents) {  // [b, s, heads, d] as they lie; grouped-query heads shared by the kernel or the mask path
       Tensor out = where.documents->attend(qkv[0].view({b, s, heads, head_dim}), qkv[1].view({b, s, kv_heads, head_dim}),
                                            qkv[2].view({b, s, kv_heads, head_dim}));
@@ -391,12 +399,27 @@ Named with_experts_stacked(const Named& n) {
   return out;
 }
 
+// precision.fp8 applied from outside the layers, as torchtitan's float8 converter does: the blocks'
+// linear layers (attention's projections, the dense MLPs, the shared experts) run FP8 products; the
+// embedding, the head, the norms, the router and the routed experts (grouped products) do not.
+void use_fp8(DecoderModule& net, Fp8Scaling fp8) {
+  auto mlp = [&](SwiGLU& s) {
+    if (s) s->gate_up->fp8 = s->down->fp8 = fp8;
+  };
+  for (Block& b : net.blocks) {
+    b->attn->wqkv->fp8 = b->attn->wo->fp8 = fp8;
+    mlp(b->mlp);
+    if (b->moe) mlp(b->moe->shared);
+  }
+}
+
 class DeepSeekModel final : public Model {
  public:
   DeepSeekModel(const ModelSpec& spec, int64_t seq_len, const ModelBuild& build)
       : spec_(spec), seed_(build.seed), build_(build),
         net_(std::make_shared<DecoderModule>(spec, torch::TensorOptions().dtype(torch::kFloat32))), rope_(spec.head_dim(), std::max(seq_len, spec.max_seq_len), spec.rope_theta),
         deferred_(build.deferred) {
+    use_fp8(*net_, build.fp8);
     if (deferred_) return;
     torch::NoGradGuard no_grad;
     for (auto& p : net_->named_parameters()) initialize_parameter(p.key(), p.value());

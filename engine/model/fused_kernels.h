@@ -71,6 +71,16 @@ void dsrun_scale(void* x, int64_t n, const float* factor, int dtype, cudaStream_
 // lse[r] = log Σ_c exp(z[r, c]) over each row of fp32 z [rows, cols], in one pass over z.
 void dsrun_row_logsumexp(const float* z, float* lse, int64_t rows, int64_t cols, cudaStream_t stream);
 
+// FP8 operands (engine/model/fp8_linear.cpp), of a bf16 matrix x [rows, cols] (cols even; rows even
+// where a transpose is written). dsrun_fp8_amax: the maxima of |x| asked for (null: not wanted) per row
+// [rows], per column [cols] and whole [1], zeroed first. dsrun_fp8_quantize: q = x · (max / amax) in
+// x's layout and qt the same of xᵀ ([cols, rows]), either null when not wanted, FP8 of `kind` (0 E4M3,
+// 1 E5M2; saturating); rowwise = 1: q's scale from amax_q per row, qt's from amax_t per column, inverse
+// scales to inv_q [rows] and inv_t [cols]; rowwise = 0: both from amax_q[0], its inverse to inv_q[0].
+void dsrun_fp8_amax(const void* x, int64_t rows, int64_t cols, float* row_amax, float* col_amax, float* tensor_amax, cudaStream_t stream);
+void dsrun_fp8_quantize(const void* x, int64_t rows, int64_t cols, int kind, int rowwise, const float* amax_q, const float* amax_t, void* q,
+                        void* qt, float* inv_q, float* inv_t, cudaStream_t stream);
+
 // A MoE layer's combine: out[t] = Σ_i w[t·k + i] · src[place[t·k + i]] for t < tokens, i < k,
 // accumulated in fp32 (place < 0: a dropped pair, skipped; w null: weights of 1). src [any, cols],
 // out [tokens, cols], cols a multiple of 4; w fp32 [tokens · k].

@@ -333,9 +333,13 @@ std::vector<torch::Tensor> project_qkv(const torch::Tensor& x, const torch::Tens
   if (rotary_kernel_runs(x, cos) && weight.scalar_type() == x.scalar_type() && x.is_contiguous() && weight.is_contiguous())
     return QkvProjectionFunction::apply(x, weight, q_width, k_width, head_dim, cos.contiguous(), sin.contiguous(), rotary_rows(x, positions));
 #endif
+  return rotate_qkv(torch::linear(x, weight), q_width, k_width, head_dim, cos, sin, positions);
+}
+
+std::vector<torch::Tensor> rotate_qkv(const torch::Tensor& qkv, int64_t q_width, int64_t k_width, int64_t head_dim, const torch::Tensor& cos,
+                                      const torch::Tensor& sin, const torch::Tensor& positions) {
   // q and k by one split, not two narrows: backward joins their gradients with one copy, where
   // each narrow's would fill a zero tensor of the whole width and add it.
-  const Tensor qkv = torch::linear(x, weight);
   std::vector<Tensor> qk_v = qkv.split_with_sizes({q_width + k_width, qkv.size(2) - q_width - k_width}, -1);
   std::vector<Tensor> q_k = rotary(qk_v[0], head_dim, cos, sin, positions).split_with_sizes({q_width, k_width}, -1);
   return {q_k[0], q_k[1], qk_v[1]};

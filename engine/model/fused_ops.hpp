@@ -29,6 +29,11 @@ torch::Tensor rotary(const torch::Tensor& qk, int64_t head_dim, const torch::Ten
 std::vector<torch::Tensor> project_qkv(const torch::Tensor& x, const torch::Tensor& weight, int64_t q_width, int64_t k_width, int64_t head_dim,
                                        const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& positions = {});
 
+// {q, k, v} of an already made projection qkv [b, s, q_width + k_width + v_width] (an FP8 one, which
+// project_qkv's fused backward does not take): q and k rotated as rotary() does, v its last columns.
+std::vector<torch::Tensor> rotate_qkv(const torch::Tensor& qkv, int64_t q_width, int64_t k_width, int64_t head_dim, const torch::Tensor& cos,
+                                      const torch::Tensor& sin, const torch::Tensor& positions = {});
+
 // silu(gate) · up where gate_up = [gate | up] along the last dimension.
 torch::Tensor swiglu(const torch::Tensor& gate_up);
 // The gradient of swiglu at gate_up for the output's gradient d_out (outside autograd: for

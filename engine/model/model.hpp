@@ -188,6 +188,7 @@ struct ModelBuild {
   // gradients made in forward, and attention within documents by the variable-length kernel.
   bool loss_gradients_in_forward = true;
   bool variable_length_attention = false;
+  Fp8Scaling fp8 = Fp8Scaling::None;  // precision.fp8: the blocks' linear layers' products
 };
 
 // Builds the recipe's model in fp32 on the CPU (DeepSeek deferred: no memory until ZeRO builds

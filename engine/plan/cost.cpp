@@ -111,6 +111,10 @@ ModelCost decoder_cost(const ModelSpec& m, double s, double e, AttentionKernel k
     u.largest_param = moe ? largest_moe : largest_dense;
     u.flops_per_sample = s * (6 * (attention + (moe ? moe_active : dense_mlp)) + 12.0 * h * s);
     u.attention_flops_per_sample = s * 12.0 * h * s;
+    const double fp8_inner = moe ? S * fe : f;  // the dense MLP's or the shared experts' width
+    u.fp8_params = attention + (moe ? S * expert : dense_mlp);
+    u.fp8_flops_per_sample = s * 6 * u.fp8_params;
+    u.fp8_widths = (h + h + 2 * kv) + (h + h) + (fp8_inner > 0 ? (h + 2 * fp8_inner) + (fp8_inner + h) : 0);  // qkv, o, gate|up, down
     u.activation_bytes_per_sample = e * s * (moe ? per_token_moe : per_token_dense);
     u.checkpointed_activation_bytes_per_sample = e * s * h;
     if (moe) {

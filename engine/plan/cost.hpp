@@ -60,6 +60,10 @@ struct ModelCost {
     // MoE blocks: what of the above the routed experts hold, compute and keep (expert parallelism
     // shards the parameters and sends the tokens; imbalance weighs on the activations and FLOPs).
     double routed_expert_params = 0, routed_flops_per_sample = 0, routed_activation_bytes_per_sample = 0;
+    // Of the above, the linear layers precision.fp8 runs as FP8 products (attention's projections,
+    // dense MLPs, shared experts): their FLOPs, parameters, and the input and output widths summed
+    // over those layers (each token's operands are quantised once per side and product).
+    double fp8_flops_per_sample = 0, fp8_params = 0, fp8_widths = 0;
   };
   std::vector<Unit> units;
 };

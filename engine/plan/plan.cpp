@@ -136,6 +136,7 @@ Plan Planner::plan() {
   p.global_batch = r_.batch.global;
   p.seq_len = r_.model.arch == ModelArch::DeepSeek ? r_.batch.seq_len : 0;
   p.dtype = r_.precision.dtype;
+  p.fp8 = r_.precision.fp8;
   p.attention = kernel_;
   p.attention_fraction = attention_fraction_;
   p.memory_capacity = capacity_;

@@ -143,6 +143,8 @@ struct Plan {
   double tokens_per_step = 0;  // samples per step for images
 
   DType dtype = DType::Fp32;
+  Fp8Scaling fp8 = Fp8Scaling::None;  // precision.fp8
+  double fp8_quantization_seconds = 0;  // of elementwise_seconds: its operands' quantisation
   AttentionKernel attention = AttentionKernel::Flash;
   // data.separate_documents: attention within documents, by the variable-length kernel (GPUs in
   // fp16/bf16) or a mask; what share of whole rows' attention the documents leave (measured).

@@ -21,6 +21,9 @@ void Planner::add_units(StageCost& st, int begin, int end) const {
     routed += degrees_.expert > 1 ? unit.routed_expert_params : 0;  // (without expert parallelism they are the blocks' like any weight)
     st.flops_per_sample += unit.flops_per_sample;
     st.attention_flops_per_sample += unit.attention_flops_per_sample;
+    st.fp8_flops_per_sample += unit.fp8_flops_per_sample;
+    st.fp8_params += unit.fp8_params;
+    st.fp8_widths += unit.fp8_widths;
     st.routed_flops_per_sample += unit.routed_flops_per_sample;
     st.activation_bytes_per_sample += unit.activation_bytes_per_sample;
     st.routed_activation_bytes_per_sample += unit.routed_activation_bytes_per_sample;

@@ -218,12 +218,16 @@ double Planner::compute_seconds(Plan& p) const {
   const bool apart = gpu && r_.hardware.attention_efficiency > 0;
   const double attention_efficiency = apart ? r_.hardware.attention_efficiency : r_.hardware.matmul_efficiency;
   const double attention_share = (p.modes.variable_length_attention ? attention_fraction_ : 1.0) * (apart ? 0.5 : 1.0);
+  // precision.fp8: the blocks' linear layers at the FP8 peak and their own measured efficiency.
+  const bool fp8 = r_.precision.fp8 != Fp8Scaling::None;
   double busiest = 0;
   for (const StageCost& st : stages_) {
     const double attention = per_flop * st.attention_flops_per_sample;
-    const double dense = per_flop * (st.flops_per_sample - st.routed_flops_per_sample) - attention, routed = per_flop * imbalance_ * st.routed_flops_per_sample;
+    const double in_fp8 = fp8 ? per_flop * st.fp8_flops_per_sample : 0;
+    const double dense = per_flop * (st.flops_per_sample - st.routed_flops_per_sample) - attention - in_fp8, routed = per_flop * imbalance_ * st.routed_flops_per_sample;
     busiest = std::max(busiest, dense / (p.peak_flops * r_.hardware.matmul_efficiency) + routed / (p.peak_flops * grouped_efficiency) +
-                                    attention * attention_share / (p.peak_flops * attention_efficiency));
+                                    attention * attention_share / (p.peak_flops * attention_efficiency) +
+                                    (fp8 ? in_fp8 / (r_.hardware.peak_flops_fp8 * r_.hardware.fp8_matmul_efficiency) : 0));
   }
   return busiest / (1 - bubble_fraction(p.accumulation));
 }
@@ -271,7 +275,25 @@ double Planner::elementwise_seconds(const Plan& p) const {
   const double loss = loss_bytes * static_cast<double>(r_.model.vocab) / degrees_.tensor;
   const double recomputed_logits = recomputed ? tokens * 2.0 * r_.model.hidden * r_.model.vocab / degrees_.tensor / (peak_flops() * r_.hardware.matmul_efficiency) : 0;
   const double permutation = 14.0 * r_.model.moe.top_k * r_.model.hidden * e * moe_layers;
-  return tokens * (loss + permutation) / r_.hardware.memory_bandwidth + recomputed_logits;
+  return tokens * (loss + permutation) / r_.hardware.memory_bandwidth + recomputed_logits + p.fp8_quantization_seconds;
+}
+
+// precision.fp8's operands, memory-bound: each linear layer's input and output gradient read twice
+// (the maximum, then the scaling) and written as two FP8 copies (its layout and its transpose):
+// 3·e bytes per element per side; its weight likewise each micro-batch, forward and backward.
+double Planner::fp8_quantization_seconds(const Plan& p) const {
+  if (r_.precision.fp8 == Fp8Scaling::None) return 0;
+  const double e = bytes_per_element(r_.precision.dtype);
+  const double tokens = static_cast<double>(r_.batch.global) * static_cast<double>(r_.batch.seq_len) / degrees_.data;
+  double widths = 0, params = 0;
+  for (const StageCost& st : stages_) {
+    widths = std::max(widths, st.fp8_widths);
+    params = std::max(params, st.fp8_params);
+  }
+  const double recompute = p.layout.recomputation ? 1.5 : 1.0;  // the forward's inputs again when recomputed
+  const double activations = tokens * recompute * 3 * e * widths / degrees_.tensor;
+  const double weights = static_cast<double>(p.accumulation) * 2 * (2 * e + 1) * params / degrees_.tensor;
+  return (activations + weights) / r_.hardware.memory_bandwidth;
 }
 
 void Planner::predict_time(Plan& p) {
@@ -302,6 +324,7 @@ void Planner::predict_time(Plan& p) {
   const double bandwidth = host_step ? host_bandwidth / ranks_per_node_ : r_.hardware.memory_bandwidth;
   p.optimizer_seconds = shard * touched / bandwidth;
   p.offload_hidden_seconds = host_step ? hidden_offload_seconds(p, shard, e) : 0;
+  p.fp8_quantization_seconds = fp8_quantization_seconds(p);
   p.elementwise_seconds = elementwise_seconds(p);
   p.step_seconds = p.compute_seconds + p.elementwise_seconds + p.exposed_comm_seconds + p.optimizer_seconds + p.offload_seconds - p.offload_hidden_seconds;
   p.tokens_per_second = p.tokens_per_step / p.step_seconds;

@@ -53,6 +53,7 @@ struct StageCost {
   bool tied_head_copy = false;  // tied embeddings: the head's copy of the embedding (not in ZeRO)
   double attention_flops_per_sample = 0;  // of flops_per_sample
   double largest_param = 0;  // elements of the stage's largest parameter, whole (before tensor parallelism's split)
+  double fp8_flops_per_sample = 0, fp8_params = 0, fp8_widths = 0;  // the FP8 linear layers' (ModelCost::Unit)
 };
 
 // A candidate of the layout search is planned without its schedule's simulation or suggestions
@@ -217,6 +218,7 @@ class Planner {
   // token's k rows through dispatch, the experts' return to pair order and the weighted sum, about
   // 14·k·h·e bytes per token forward and backward (docs/plan.md; measured in docs/benchmarks.md).
   double elementwise_seconds(const Plan& p) const;
+  double fp8_quantization_seconds(const Plan& p) const;
 
   void predict_time(Plan& p);
 

@@ -103,6 +103,9 @@ std::string render_plan(const Plan& p) {
   section("parallelism and precision");
   line("ZeRO stage " + std::to_string(p.layout.zero_stage) + ", offload " + to_string(p.layout.offload) + ", activation checkpointing " +
        (p.layout.recomputation ? "full" : "none") + ", " + to_string(p.dtype) + (images ? "" : std::string(", attention ") + kernel_name(p.attention)));
+  if (p.fp8 != Fp8Scaling::None)
+    line("FP8 products (" + std::string(to_string(p.fp8)) + " scaling) for the blocks' linear layers: " + format_seconds(p.fp8_quantization_seconds) +
+         " a step quantising their operands");
   if (!p.document_attention.empty())
     line("attention within documents (" + p.document_attention + "): " + format_double(100 * p.attention_fraction, 3) + "% of whole rows' attention FLOPs");
   if (p.modes.loss_chunk_tokens > 0) line("output projection and loss fused, " + std::to_string(p.modes.loss_chunk_tokens) + " tokens' logits at a time");
@@ -255,7 +258,7 @@ std::string plan_to_json(const Plan& p) {
   j["batch"] = {{"global", p.global_batch}, {"micro", p.layout.micro}, {"accumulation", p.accumulation},
                 {"seq_len", p.seq_len}, {"tokens_per_step", p.tokens_per_step}};
   j["parallel"] = {{"zero_stage", p.layout.zero_stage}, {"offload", to_string(p.layout.offload)},
-                   {"activation_checkpointing", p.layout.recomputation}, {"dtype", to_string(p.dtype)},
+                   {"activation_checkpointing", p.layout.recomputation}, {"dtype", to_string(p.dtype)}, {"fp8", to_string(p.fp8)},
                    {"attention", kernel_name(p.attention)}, {"document_attention", p.document_attention},
                    {"attention_fraction", p.attention_fraction}, {"loss_chunk_tokens", p.modes.loss_chunk_tokens}};
   j["memory_per_rank"] = {{"params", m.states.params}, {"grads", m.states.grads}, {"master", m.states.master},

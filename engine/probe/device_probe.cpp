@@ -7,6 +7,7 @@
 #include "engine/common/host.hpp"
 #include "engine/common/torch_compat.hpp"
 #include "engine/dist/communicator.hpp"
+#include "engine/model/fp8_linear.hpp"
 #include "engine/model/model.hpp"
 #include "engine/parallel/copy_stream.hpp"
 #include "engine/plan/cost.hpp"
@@ -228,6 +229,49 @@ ProbeFigure probe_matrix_products(const Recipe& r, const torch::Device& device, 
               std::to_string(tokens) + " tokens, forward and both backward products alone, " + probe_number(flops / seconds / 1e12, 2) + " TFLOP/s"};
 }
 
+// precision.fp8's products at the blocks' four shapes (q/k/v, output, gate/up, down), forward and both
+// backward products, alone, operands quantised beforehand (tensorwise), beside the same products in
+// bf16: {FP8 TFLOP/s over the FP8 peak, bf16's over the bf16 peak}. Training reaches a fraction of
+// products alone (kernel gaps, the rest of the layer): the caller scales by the bf16 layers' own.
+std::pair<double, double> probe_fp8_products(const Recipe& r, const torch::Device& device, int64_t tokens, const Repeats& repeats) {
+  const ModelSpec& m = r.model;
+  const int64_t h = m.hidden, d = m.head_dim();
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{h, (m.heads + 2 * m.kv_heads) * d}, {m.heads * d, h}, {h, 2 * m.intermediate}, {m.intermediate, h}};
+  struct Product {
+    Fp8Operand x, w, gy;
+    torch::Tensor xb, wb, gb;
+  };
+  std::vector<Product> products;
+  double flops = 0;
+  const auto o = torch::TensorOptions().dtype(torch::kBFloat16).device(device);
+  for (const auto& [k, n] : shapes) {
+    Product p;
+    p.xb = torch::randn({tokens, k}, o);
+    p.wb = torch::randn({n, k}, o) * 0.02;
+    p.gb = torch::randn({tokens, n}, o);
+    p.x = quantize_fp8(p.xb, Fp8Scaling::Tensorwise, false, true, true);
+    p.w = quantize_fp8(p.wb, Fp8Scaling::Tensorwise, false, true, true);
+    p.gy = quantize_fp8(p.gb, Fp8Scaling::Tensorwise, true, true, true);
+    products.push_back(std::move(p));
+    flops += 3 * 2.0 * static_cast<double>(tokens * k * n);
+  }
+  const double fp8_seconds = time_per_call(device, repeats, [&] {
+    for (const Product& p : products) {
+      compat::scaled_mm(p.x.q, p.w.q.t(), p.x.inv_q, p.w.inv_q);
+      compat::scaled_mm(p.gy.q, p.w.qt.t(), p.gy.inv_q, p.w.inv_t);
+      compat::scaled_mm(p.gy.qt, p.x.qt.t(), p.gy.inv_t, p.x.inv_t);
+    }
+  });
+  const double bf16_seconds = time_per_call(device, repeats, [&] {
+    for (const Product& p : products) {
+      torch::mm(p.xb, p.wb.t());
+      torch::mm(p.gb, p.wb);
+      torch::mm(p.gb.t(), p.xb);
+    }
+  });
+  return {flops / fp8_seconds / r.hardware.peak_flops_fp8, flops / bf16_seconds / r.hardware.peak_flops_bf16};
+}
+
 // The routed experts as training runs them on GPUs: each MoE layer's two grouped products
 // (gate/up, down) over the tokens' top_k rows spread evenly over the experts, forward and
 // backward (autograd's four products) -> hardware.grouped_matmul_efficiency.
@@ -430,6 +474,13 @@ void probe_compute(const Recipe& r, const Plan& plan, const torch::Device& devic
                      "the recipe's decoder cut to " + std::to_string(deep) + " and to 2 dense layers, forward and backward in " + std::string(to_string(dt)) + " at " + shape +
                          ": the " + std::to_string(extra) + " layers' difference (" + probe_number(t_deep - t2, 4) + " s)" + (attention_seconds > 0 ? ", less their attention (priced apart)" : ", attention included") +
                          ", " + probe_number(flops / dense_seconds / 1e12, 3) + " TFLOP/s"});
+  if (gpu && compat::kHasScaledMm && dt == DType::Bf16 && r.hardware.peak_flops_fp8 > 0) {
+    const auto [fp8_alone, bf16_alone] = probe_fp8_products(r, device, samples * seq, repeats);
+    const double in_training = flops / dense_seconds / peak;
+    figures.push_back({"hardware.fp8_matmul_efficiency", std::min(1.0, fp8_alone * in_training / bf16_alone),
+                       "the blocks' four products in FP8 (tensorwise) alone at " + shape + ": " + probe_number(fp8_alone, 3) + " of the FP8 peak, as the bf16 layers reach " +
+                           probe_number(in_training / bf16_alone, 3) + " of their products alone (" + probe_number(bf16_alone, 3) + ")"});
+  }
 }
 
 }  // namespace

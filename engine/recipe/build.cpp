@@ -187,6 +187,7 @@ void build_hardware(Builder& c, Recipe& r, const HostFacts& host) {
   h.peak_flops_fp32 = c.f("hardware.peak_tflops_fp32") * 1e12;
   h.peak_flops_bf16 = c.f("hardware.peak_tflops_bf16") * 1e12;
   h.peak_flops_fp16 = c.f("hardware.peak_tflops_fp16") * 1e12;
+  h.peak_flops_fp8 = c.f("hardware.peak_tflops_fp8") * 1e12;
   h.memory_bandwidth = c.f("hardware.memory_bandwidth_gbs") * GB;
   h.link = c.s("hardware.link");
   h.link_bandwidth = c.f("hardware.link_bandwidth_gbs") * GB;
@@ -201,6 +202,7 @@ void build_hardware(Builder& c, Recipe& r, const HostFacts& host) {
   h.matmul_efficiency = c.f("hardware.matmul_efficiency");
   h.grouped_matmul_efficiency = c.f("hardware.grouped_matmul_efficiency");
   h.attention_efficiency = c.f("hardware.attention_efficiency");
+  h.fp8_matmul_efficiency = c.f("hardware.fp8_matmul_efficiency");
   h.comm_efficiency = c.f("hardware.comm_efficiency");
   h.network_efficiency = c.f("hardware.network_efficiency");
   build_collectives(c, h.collectives);
@@ -308,6 +310,39 @@ void build_parallel(Builder& c, Recipe& r) {
   p.tensor_across_nodes = c.b("parallel.tensor_across_nodes");
 }
 
+// FP8 products: what the hardware, the working dtype and the layers' shapes must allow
+// (torch's scaled products take sizes that are multiples of 16; blocks of 128 need multiples of 128).
+void build_fp8(Builder& c, Recipe& r) {
+  const Fp8Scaling fp8 = r.precision.fp8 = c.kind<Fp8Scaling>("precision.fp8");
+  if (fp8 == Fp8Scaling::None) return;
+  const HardwareSpec& h = r.hardware;
+  if (h.device != Device::Cuda || h.peak_flops_fp8 <= 0) {
+    c.error("precision.fp8", "hardware \"" + h.name + "\" has no FP8 tensor cores" + (h.device != Device::Cuda ? " (CPU ranks)" : " (hardware.peak_tflops_fp8 = 0)"),
+            "use precision.fp8 = \"none\", or GPUs with FP8 (H100, H200, RTX 4090: set hardware.peak_tflops_fp8)", {"hardware.peak_tflops_fp8"});
+    return;
+  }
+  if (r.precision.dtype != DType::Bf16)
+    c.error("precision.fp8", std::string("FP8 products write bf16 and keep the rest of the model in bf16; precision.dtype is ") + to_string(r.precision.dtype),
+            "set precision.dtype = \"bf16\"", {"precision.dtype"});
+  if (r.model.arch != ModelArch::DeepSeek) {
+    c.error("precision.fp8", std::string("FP8 covers the decoders' linear layers; model.arch is ") + to_string(r.model.arch), "use precision.fp8 = \"none\"", {"model.arch"});
+    return;
+  }
+  if (fp8 == Fp8Scaling::Blockwise)
+    c.error("precision.fp8", "blockwise scaling (1x128 activations, 128x128 weights) is not in this build yet",
+            "use precision.fp8 = \"rowwise\" (one scale per row: the nearest accuracy) or \"tensorwise\" (the fastest)");
+  const ModelSpec& m = r.model;
+  const int64_t multiple = 16;
+  const int64_t head_dim = m.hidden / m.heads;
+  for (auto [what, size] : std::vector<std::pair<std::string, int64_t>>{{"model.hidden", m.hidden},
+                                                                      {"model.intermediate", m.intermediate},
+                                                                      {"model.kv_heads", m.kv_heads * head_dim},
+                                                                      {"model.moe.intermediate", m.moe.enabled() ? m.moe.intermediate : multiple}})
+    if (size % multiple != 0)
+      c.error("precision.fp8", what + " gives a linear layer a size of " + std::to_string(size) + ", not a multiple of " + std::to_string(multiple) +
+                                   " as FP8 products need", "use precision.fp8 = \"none\" or sizes that are multiples of 16", {what});
+}
+
 void build_precision(Builder& c, Recipe& r) {
   r.precision.dtype = c.kind<DType>("precision.dtype");
   LossScaleOptions& ls = r.precision.loss_scale;
@@ -322,6 +357,7 @@ void build_precision(Builder& c, Recipe& r) {
   if (r.precision.dtype == DType::Fp16 && h.peak_flops_fp16 <= 0)
     c.error("precision.dtype", "hardware \"" + h.name + "\" does not support fp16 (hardware.peak_tflops_fp16 = 0)",
             h.peak_flops_bf16 > 0 ? "use dtype = \"bf16\" or \"fp32\"" : "use dtype = \"fp32\"", {"hardware.peak_tflops_fp16"});
+  build_fp8(c, r);
   if (ls.min_scale > std::ldexp(1.0, ls.initial_power))
     c.error("precision.loss_scale.min_scale", "the minimum scale is above the initial scale 2^" + std::to_string(ls.initial_power),
             "lower min_scale or raise initial_power", {"precision.loss_scale.initial_power"});

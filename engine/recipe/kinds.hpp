@@ -29,6 +29,15 @@ struct EnumNames<DType> {
   static constexpr NameTable<DType, 3> table{{{DType::Fp32, "fp32"}, {DType::Bf16, "bf16"}, {DType::Fp16, "fp16"}}};
 };
 
+// FP8 products for the blocks' linear layers (engine/model/fp8_linear): one scale per tensor, per row
+// (and per column for the transposed operands of backward), or per 1x128 / 128x128 block.
+enum class Fp8Scaling { None, Tensorwise, Rowwise, Blockwise };
+template <>
+struct EnumNames<Fp8Scaling> {
+  static constexpr NameTable<Fp8Scaling, 4> table{
+      {{Fp8Scaling::None, "none"}, {Fp8Scaling::Tensorwise, "tensorwise"}, {Fp8Scaling::Rowwise, "rowwise"}, {Fp8Scaling::Blockwise, "blockwise"}}};
+};
+
 // The collectives the plan prices, named as their probed keys are (hardware.<name>_gbs).
 enum class Collective { AllReduce, AllGather, ReduceScatter, AllToAll };
 template <>

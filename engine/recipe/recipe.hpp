@@ -75,6 +75,7 @@ struct HardwareSpec {
   double peak_flops_fp32 = 0;     // per device, FLOP/s
   double peak_flops_bf16 = 0;     // 0: unsupported
   double peak_flops_fp16 = 0;
+  double peak_flops_fp8 = 0;  // dense FP8 tensor cores (fp32 accumulation); 0: none
   double memory_bandwidth = 0;    // bytes/s
   std::string link;               // shm | pcie | nvlink | ethernet | infiniband
   double link_bandwidth = 0;      // bytes/s per device per direction
@@ -89,6 +90,7 @@ struct HardwareSpec {
   double matmul_efficiency = 0.5;
   double grouped_matmul_efficiency = 0.6;  // GPUs: the routed experts' grouped products, fraction of peak
   double attention_efficiency = 0;         // GPUs: the attention kernels, fraction of peak; 0: matmul_efficiency
+  double fp8_matmul_efficiency = 0.6;      // GPUs: scaled FP8 products, fraction of peak_flops_fp8
   double comm_efficiency = 0.8;
   double network_efficiency = 0.8;   // of inter_node_bandwidth: the network's own, not the node link's (comm_efficiency)
   CollectiveBandwidths collectives;  // probed; empty: link_bandwidth × comm_efficiency
@@ -142,6 +144,7 @@ struct LossScaleOptions {
 
 struct PrecisionOptions {
   DType dtype = DType::Fp32;
+  Fp8Scaling fp8 = Fp8Scaling::None;  // the blocks' linear layers' products (bf16 outputs, fp32 accumulation)
   LossScaleOptions loss_scale;
 };
 

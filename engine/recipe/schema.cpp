@@ -94,6 +94,8 @@ std::vector<KeySpec> build_schema() {
       ranged("hardware.peak_tflops_fp32", T::Float, "0.03", 1e-6, 1e7, "Dense fp32 peak per device in TFLOP/s (TF32 where the GPU uses it for fp32 matmuls)."),
       ranged("hardware.peak_tflops_bf16", T::Float, "0", 0, 1e7, "Dense bf16 peak per device in TFLOP/s; 0: bf16 unsupported."),
       ranged("hardware.peak_tflops_fp16", T::Float, "0", 0, 1e7, "Dense fp16 peak per device in TFLOP/s; 0: fp16 unsupported."),
+      ranged("hardware.peak_tflops_fp8", T::Float, "0", 0, 1e7,
+             "Dense FP8 peak per device in TFLOP/s with fp32 accumulation (H100 and H200: 1979); 0: no FP8 tensor cores (precision.fp8 refused)."),
       ranged("hardware.memory_bandwidth_gbs", T::Float, "20", 1e-3, 1e7, "Device memory bandwidth in GB/s."),
       choice("hardware.link", "shm", {"shm", "pcie", "nvlink", "ethernet", "infiniband"},
              "How devices in a node talk: shared memory (cpu), PCIe, NVLink."),
@@ -117,6 +119,9 @@ std::vector<KeySpec> build_schema() {
              "0.61 measured on one H100 with DeepSeek-MoE 16B's experts in bf16 (docs/benchmarks.md)."),
       ranged("hardware.matmul_efficiency", T::Float, "0.5", 0.001, 1,
              "Fraction of peak FLOP/s that training reaches; calibrated by bench/ (docs/benchmarks.md)."),
+      ranged("hardware.fp8_matmul_efficiency", T::Float, "0.6", 0.001, 1,
+             "GPUs: fraction of peak_tflops_fp8 that the scaled FP8 products of precision.fp8 reach (their operands' quantisation is priced apart, "
+             "as memory traffic); `dsrun probe` measures it (0.62-0.72 on an H200 for the ~1B's and the 7B's shapes, tensorwise)."),
       ranged("hardware.attention_efficiency", T::Float, "0", 0, 1,
              "GPUs: fraction of peak FLOP/s that the attention kernels (flash, forward and backward) reach, which prices attention's "
              "12·layers·hidden·seq FLOPs per token apart from the matrix products (it dominates long sequences). 0: as matmul_efficiency."),
@@ -217,6 +222,11 @@ std::vector<KeySpec> build_schema() {
       // ---- precision
       choice("precision.dtype", "fp32", names_of<DType>(),
              "Compute dtype. bf16/fp16 keep fp32 master weights and optimizer states; fp16 adds dynamic loss scaling."),
+      choice("precision.fp8", "none", names_of<Fp8Scaling>(),
+             "FP8 products for the blocks' linear layers (attention's projections, the dense MLPs, the shared experts), forward and both gradients "
+             "(E4M3 operands, E5M2 gradients, fp32 accumulation, bf16 outputs): one scale per tensor, per row (rowwise), or per 1x128 / 128x128 block. "
+             "The embedding, output projection, norms, router and routed experts stay in precision.dtype, which must be bf16; masters stay fp32. "
+             "Needs GPUs with FP8 tensor cores (hardware.peak_tflops_fp8 > 0) and a PyTorch 2.x build."),
       ranged("precision.loss_scale.initial_power", T::Int, "16", 0, 64, "fp16: the loss scale starts at 2^this."),
       ranged("precision.loss_scale.window", T::Int, "1000", 1, 1e9, "fp16: steps without overflow before the scale doubles."),
       ranged("precision.loss_scale.hysteresis", T::Int, "2", 1, 1000, "fp16: overflows tolerated before the scale halves."),

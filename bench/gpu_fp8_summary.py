@@ -1,0 +1,75 @@
+"""The tables of bench/gpu_fp8.sh from dsrun's store: every run beside its plan and beside the bf16 run
+of the same shape, and the loss parity of the parity-* runs.
+
+    python3 bench/gpu_fp8_summary.py STORE.db [CURVES.csv]
+Step time: the mean of the steps after the first third. Speed-up: the bf16 run of the same name
+("-none") over this one. Parity: the mean loss of the last 10 steps against bf16's, and the largest
+gap of 25-step means along the way; CURVES.csv gets every parity run's loss per step.
+"""
+import json
+import sqlite3
+import statistics
+import sys
+
+db = sqlite3.connect(sys.argv[1])
+GiB = 2**30
+
+
+def series(run_id, key):
+    return dict(db.execute("SELECT step, value FROM metrics WHERE run_id=? AND key=? ORDER BY step", (run_id, key)).fetchall())
+
+
+def latest(run_id, name):
+    rows = db.execute("SELECT value FROM metrics_latest WHERE run_id=? AND key LIKE ?", (run_id, f"memory/rank%/{name}")).fetchall()
+    return max((v for (v,) in rows), default=float("nan"))
+
+
+runs = db.execute("SELECT id, name, status, plan_json FROM runs ORDER BY created_at").fetchall()
+by_name = {name: (run_id, status, json.loads(plan_json)) for run_id, name, status, plan_json in runs}
+print("| run | s/step (plan, error) | tokens/s | vs bf16 | MFU of bf16 peak | device peak (plan) |")
+print("|---|---|---|---|---|---|")
+step_of = {}
+for name, (run_id, status, plan) in by_name.items():
+    if name.startswith("parity-"):
+        continue
+    steps = list(series(run_id, "step_seconds").values())
+    if len(steps) < 3:
+        print(f"| {name} | {status}, {len(steps)} steps | | | | |")
+        continue
+    dt = statistics.mean(steps[len(steps) // 3:])
+    step_of[name] = dt
+    plan_dt = plan["speed"]["step_seconds"]
+    tps = plan["batch"]["tokens_per_step"] / dt
+    mfu = plan["speed"]["model_flops_per_step"] / (dt * plan["speed"]["peak_flops"])
+    ref = step_of.get(name.rsplit("-", 1)[0] + "-none")
+    versus = f"{ref / dt:.3f}x" if ref and not name.endswith("-none") else ""
+    runtime = plan["memory_per_rank"]["runtime"]
+    peak, planned = latest(run_id, "peak_allocated_bytes"), latest(run_id, "predicted_total_bytes") - runtime
+    print(f"| {name} | {dt:.4f} ({plan_dt:.4f}, {100 * (dt / plan_dt - 1):+.1f}%) | {tps:,.0f} | {versus} | {100 * mfu:.1f}% | "
+          f"{peak / GiB:.2f} GiB ({planned / GiB:.2f}, {100 * (peak / planned - 1):+.1f}%) |")
+
+parity = {name: series(run_id, "loss") for name, (run_id, _, _) in by_name.items() if name.startswith("parity-")}
+if "parity-none" in parity:
+    ref = parity["parity-none"]
+    last = max(ref)
+    tail = [s for s in ref if s > last - 10]
+    base = statistics.mean(ref[s] for s in tail)
+    print(f"\nloss parity over {last} steps (mean of the last 10 steps; largest gap of 25-step means):")
+    for name, loss in parity.items():
+        common = [s for s in loss if s in ref]
+        if not common:
+            continue
+        final = statistics.mean(loss[s] for s in tail if s in loss)
+        gaps = []
+        for start in range(1, last + 1, 25):
+            ss = [s for s in range(start, start + 25) if s in loss and s in ref]
+            if ss:
+                gaps.append(statistics.mean(loss[s] for s in ss) / statistics.mean(ref[s] for s in ss) - 1)
+        worst = max(gaps, key=abs)
+        print(f"  {name}: {final:.4f} ({100 * (final / base - 1):+.2f}% of bf16's {base:.4f}); largest gap {100 * worst:+.2f}%")
+    if len(sys.argv) > 2:
+        with open(sys.argv[2], "w") as f:
+            names = list(parity)
+            f.write("step," + ",".join(names) + "\n")
+            for s in sorted(ref):
+                f.write(f"{s}," + ",".join(f"{parity[n].get(s, float('nan')):.5f}" for n in names) + "\n")

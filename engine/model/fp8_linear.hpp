@@ -1,0 +1,31 @@
+// FP8 linear layers (precision.fp8): y = x · wᵀ with the forward product and both gradients' as
+// torch's scaled FP8 products (torchao's float8 training, three products in one autograd function).
+#pragma once
+
+#include "engine/recipe/kinds.hpp"
+
+#include <torch/torch.h>
+
+namespace dsrun {
+
+// y [..., N] = x [..., K] · weightᵀ (weight [N, K]), x and weight bf16, y bf16. x and weight as E4M3,
+// the output's gradient as E5M2 (tensorwise) or E4M3 (rowwise), each scaled from its own maximum now (per tensor, or per row for
+// the product's rows and per column for the transposed operands backward reads); fp32 accumulation.
+// Forward keeps x's transposed FP8 copy (half of x's bytes) and the weight itself. K, N and the rows
+// of x (its elements / K) must be multiples of 16. scaling None: torch::linear.
+torch::Tensor fp8_linear(const torch::Tensor& x, const torch::Tensor& weight, Fp8Scaling scaling);
+
+// One matrix's FP8 operands: q in its layout and qt of its transpose (either undefined when not
+// asked for), and the inverse scales the product multiplies back by: tensorwise one element for
+// both (inv_q; inv_t the same tensor); rowwise inv_q [rows, 1] for q's rows and inv_t [cols, 1] for
+// qt's rows (x's columns).
+struct Fp8Operand {
+  torch::Tensor q, qt, inv_q, inv_t;
+};
+
+// x [rows, cols] bf16 (contiguous) quantised: on CUDA builds two kernels (the maxima, then q and qt
+// in one pass: engine/model/kernels/fp8_quantize.cu); elsewhere, and with reference = true, the
+// libtorch expressions they compute.
+Fp8Operand quantize_fp8(const torch::Tensor& x, Fp8Scaling scaling, bool e5m2, bool want_q, bool want_qt, bool reference = false);
+
+}  // namespace dsrun

@@ -1,0 +1,79 @@
+// FP8 linear layers (precision.fp8) on GPU machines: the quantisation kernels against their
+// reference expressions, the scales, and the three scaled products against a bf16 linear's.
+#include "engine/common/torch_compat.hpp"
+#include "engine/model/fp8_linear.hpp"
+
+#include <catch2/catch.hpp>
+
+using namespace dsrun;
+
+namespace {
+
+bool fp8_runs_here() {
+  if (compat::kHasScaledMm && torch::cuda::is_available()) return true;
+  WARN("SKIPPED: no CUDA device visible, or a libtorch without scaled FP8 products (this test runs on GPU machines: scripts/gpu_build.sh)");
+  return false;
+}
+
+double relative_error(const torch::Tensor& got, const torch::Tensor& want) {
+  return ((got.to(torch::kFloat64) - want.to(torch::kFloat64)).norm() / want.to(torch::kFloat64).norm()).item<double>();
+}
+
+}  // namespace
+
+TEST_CASE("CUDA: the FP8 quantisation kernels equal their reference expressions, scales and transposes included", "[engine][cuda][fp8]") {
+  if (!fp8_runs_here()) return;
+  torch::manual_seed(5);
+  // Tiles of 64: one shape inside a tile, one across uneven tile edges, one of a layer's size.
+  for (auto [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{16, 32}, {80, 48}, {1024, 2048}})
+    for (Fp8Scaling scaling : {Fp8Scaling::Tensorwise, Fp8Scaling::Rowwise})
+      for (bool e5m2 : {false, true}) {
+        INFO(rows << " x " << cols << ", " << to_string(scaling) << (e5m2 ? ", E5M2" : ", E4M3"));
+        const torch::Tensor x = (torch::randn({rows, cols}, torch::kCUDA) * torch::rand({rows, 1}, torch::kCUDA) * 30).to(torch::kBFloat16);
+        const Fp8Operand k = quantize_fp8(x, scaling, e5m2, true, true);
+        const Fp8Operand r = quantize_fp8(x, scaling, e5m2, true, true, /*reference=*/true);
+        CHECK(torch::equal(k.q.view(torch::kUInt8), r.q.view(torch::kUInt8)));
+        CHECK(torch::equal(k.qt.view(torch::kUInt8), r.qt.view(torch::kUInt8)));
+        CHECK(torch::allclose(k.inv_q, r.inv_q, 1e-6, 0));
+        CHECK(torch::allclose(k.inv_t, r.inv_t, 1e-6, 0));
+        // The scales themselves: the largest magnitude of each row (or of all) maps to the format's largest value.
+        const double top = e5m2 ? 57344.0 : 448.0;
+        const torch::Tensor xf = x.to(torch::kFloat32).abs();
+        const torch::Tensor amax = scaling == Fp8Scaling::Rowwise ? xf.amax(1, true) : xf.amax();
+        CHECK(torch::allclose(k.inv_q, amax / top, 1e-6, 0));
+        CHECK(k.q.to(torch::kFloat32).abs().max().item<double>() == top);
+        // Dequantised, q is x within the format's rounding (3 mantissa bits: 1/16; 2: 1/8).
+        const torch::Tensor back = k.q.to(torch::kFloat32) * k.inv_q;
+        CHECK(relative_error(back, x) < (e5m2 ? 0.08 : 0.04));
+        const torch::Tensor back_t = k.qt.to(torch::kFloat32) * k.inv_t;
+        CHECK(relative_error(back_t, x.t()) < (e5m2 ? 0.08 : 0.04));
+      }
+}
+
+TEST_CASE("CUDA: an FP8 linear layer's output and both gradients track the bf16 layer's within FP8's error", "[engine][cuda][fp8]") {
+  if (!fp8_runs_here()) return;
+  torch::manual_seed(6);
+  const torch::Tensor x0 = torch::randn({4, 64, 512}, torch::kCUDA).to(torch::kBFloat16);
+  const torch::Tensor w0 = (torch::randn({384, 512}, torch::kCUDA) * 0.02).to(torch::kBFloat16);
+  const torch::Tensor g = torch::randn({4, 64, 384}, torch::kCUDA).to(torch::kBFloat16);
+  // The reference in fp32 from the same bf16 inputs.
+  torch::Tensor xr = x0.to(torch::kFloat32).requires_grad_(true), wr = w0.to(torch::kFloat32).requires_grad_(true);
+  torch::Tensor yr = torch::linear(xr, wr);
+  yr.backward(g.to(torch::kFloat32));
+  for (Fp8Scaling scaling : {Fp8Scaling::Tensorwise, Fp8Scaling::Rowwise}) {
+    INFO(to_string(scaling));
+    torch::Tensor x = x0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
+    torch::Tensor y = fp8_linear(x, w, scaling);
+    REQUIRE(y.sizes() == yr.sizes());
+    CHECK(y.scalar_type() == torch::kBFloat16);
+    y.backward(g);
+    // E4M3 operands forward (about 3.7% in a product of two), E5M2 gradients backward (about 6%).
+    CHECK(relative_error(y, yr) < 0.06);
+    CHECK(relative_error(x.grad(), xr.grad()) < 0.09);
+    CHECK(relative_error(w.grad(), wr.grad()) < 0.09);
+    // And not a bf16 product in disguise: FP8's error is there.
+    CHECK(relative_error(y, yr) > 0.005);
+  }
+  // None is torch's linear, bit for bit.
+  CHECK(torch::equal(fp8_linear(x0, w0, Fp8Scaling::None), torch::linear(x0, w0)));
+}
