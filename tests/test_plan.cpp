@@ -669,7 +669,7 @@ TEST_CASE("precision.fp8 prices the blocks' linear layers at the FP8 peak and th
   CHECK(fp8.step_seconds < bf16.step_seconds);
   CHECK(fp8.model_flops_per_step == Approx(bf16.model_flops_per_step));  // the same work, done faster
   CHECK(contains(render_plan(fp8), "FP8 products (tensorwise scaling)"));
-  // Each token's operands: 3 bytes of bf16 traffic per element on each side (6·h + 2·kv + 3·f per layer), the weights per micro-batch.
+  // Each token's operands: 6 bytes of traffic per element on each side (6·h + 2·kv + 3·f per layer), the weights' per micro-batch.
   const double widths = 6 * h + 2 * h + 3 * f, params = 4 * h * h + 3 * h * f;
-  CHECK(fp8.fp8_quantization_seconds == Approx((tokens * 3 * 2 * widths * layers + 2 * 5 * params * layers) / 2900e9).epsilon(1e-3));
+  CHECK(fp8.fp8_quantization_seconds == Approx((tokens * 6 * widths * layers + 6 * params * layers) / 2900e9).epsilon(1e-3));
 }

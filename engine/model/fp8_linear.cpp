@@ -92,9 +92,11 @@ struct Fp8LinearFunction : torch::autograd::Function<Fp8LinearFunction> {
     const int64_t k = weight.size(1), n = weight.size(0);
     const Tensor x2 = x.reshape({-1, k}).contiguous();
     const Fp8Operand xq = quantize_fp8(x2, scaling, false, true, weight.requires_grad());
-    const Fp8Operand wq = quantize_fp8(weight.contiguous(), scaling, false, true, false);
+    // The weight's transpose too, in the same pass: backward's input gradient takes it (one byte a
+    // parameter kept until then, against a second pass over the weight).
+    const Fp8Operand wq = quantize_fp8(weight.contiguous(), scaling, false, true, true);
     const Tensor y = compat::scaled_mm(xq.q, wq.q.t(), xq.inv_q, as_b_scale(wq.inv_q, scaling));
-    ctx->save_for_backward({xq.qt, xq.inv_t, weight});
+    ctx->save_for_backward({xq.qt, xq.inv_t, wq.qt, wq.inv_t});
     ctx->saved_data["scaling"] = scaling_index;
     std::vector<int64_t> shape = x.sizes().vec();
     shape.back() = n;
@@ -106,16 +108,15 @@ struct Fp8LinearFunction : torch::autograd::Function<Fp8LinearFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto scaling = static_cast<Fp8Scaling>(ctx->saved_data["scaling"].toInt());
     const std::vector<Tensor> saved = ctx->get_saved_variables();
-    const Tensor &xqt = saved[0], &x_inv_t = saved[1], &weight = saved[2];
-    const int64_t k = weight.size(1), n = weight.size(0);
+    const Tensor &xqt = saved[0], &x_inv_t = saved[1], &wqt = saved[2], &w_inv_t = saved[3];
+    const int64_t k = wqt.size(0), n = wqt.size(1);
     const Tensor g = grads[0].reshape({-1, n}).contiguous();
     const bool want_dw = xqt.defined();
     // Gradients as E5M2 under one scale per tensor (their range needs the exponent bits); per row,
     // as torchao's rowwise recipe, E4M3: each row's own scale covers its range, and cuBLAS's
     // E5M2 x E4M3 rowwise products ran slower (docs/benchmarks.md).
     const Fp8Operand gq = quantize_fp8(g, scaling, scaling == Fp8Scaling::Tensorwise, true, want_dw);
-    const Fp8Operand wq = quantize_fp8(weight.contiguous(), scaling, false, false, true);
-    Tensor dx = compat::scaled_mm(gq.q, wq.qt.t(), gq.inv_q, as_b_scale(wq.inv_t, scaling));
+    Tensor dx = compat::scaled_mm(gq.q, wqt.t(), gq.inv_q, as_b_scale(w_inv_t, scaling));
     std::vector<int64_t> shape = grads[0].sizes().vec();
     shape.back() = k;
     Tensor dw = want_dw ? compat::scaled_mm(gq.qt, xqt.t(), gq.inv_t, as_b_scale(x_inv_t, scaling)) : Tensor();
@@ -129,7 +130,9 @@ Fp8Operand quantize_fp8(const Tensor& x, Fp8Scaling scaling, bool e5m2, bool wan
   DSRUN_ASSERT(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), "FP8 operands come from a contiguous bf16 matrix");
   DSRUN_ASSERT(scaling == Fp8Scaling::Tensorwise || scaling == Fp8Scaling::Rowwise, "tensorwise or rowwise scaling (blockwise is refused by the recipe)");
 #ifdef DSRUN_WITH_FUSED_KERNELS
-  if (!reference && x.is_cuda() && x.size(1) % 2 == 0 && x.size(0) % 2 == 0) return quantize_kernels(x, scaling, e5m2, want_q, want_qt);
+  // (the kernels read 16 bytes and write 8 at a time)
+  if (!reference && x.is_cuda() && x.size(1) % 8 == 0 && x.size(0) % 8 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0)
+    return quantize_kernels(x, scaling, e5m2, want_q, want_qt);
 #endif
   return quantize_reference(x, scaling, e5m2, want_q, want_qt);
 }

@@ -11,7 +11,7 @@ namespace dsrun {
 // y [..., N] = x [..., K] · weightᵀ (weight [N, K]), x and weight bf16, y bf16. x and weight as E4M3,
 // the output's gradient as E5M2 (tensorwise) or E4M3 (rowwise), each scaled from its own maximum now (per tensor, or per row for
 // the product's rows and per column for the transposed operands backward reads); fp32 accumulation.
-// Forward keeps x's transposed FP8 copy (half of x's bytes) and the weight itself. K, N and the rows
+// Forward keeps x's and the weight's transposed FP8 copies (a byte an element) for backward. K, N and the rows
 // of x (its elements / K) must be multiples of 16. scaling None: torch::linear.
 torch::Tensor fp8_linear(const torch::Tensor& x, const torch::Tensor& weight, Fp8Scaling scaling);
 

@@ -71,8 +71,8 @@ void dsrun_scale(void* x, int64_t n, const float* factor, int dtype, cudaStream_
 // lse[r] = log Σ_c exp(z[r, c]) over each row of fp32 z [rows, cols], in one pass over z.
 void dsrun_row_logsumexp(const float* z, float* lse, int64_t rows, int64_t cols, cudaStream_t stream);
 
-// FP8 operands (engine/model/fp8_linear.cpp), of a bf16 matrix x [rows, cols] (cols even; rows even
-// where a transpose is written). dsrun_fp8_amax: the maxima of |x| asked for (null: not wanted) per row
+// FP8 operands (engine/model/fp8_linear.cpp), of a bf16 matrix x [rows, cols] (rows and cols
+// multiples of 8, x 16-byte aligned). dsrun_fp8_amax: the maxima of |x| asked for (null: not wanted) per row
 // [rows], per column [cols] and whole [1], zeroed first. dsrun_fp8_quantize: q = x · (max / amax) in
 // x's layout and qt the same of xᵀ ([cols, rows]), either null when not wanted, FP8 of `kind` (0 E4M3,
 // 1 E5M2; saturating); rowwise = 1: q's scale from amax_q per row, qt's from amax_t per column, inverse

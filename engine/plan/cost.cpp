@@ -115,6 +115,7 @@ ModelCost decoder_cost(const ModelSpec& m, double s, double e, AttentionKernel k
     u.fp8_params = attention + (moe ? S * expert : dense_mlp);
     u.fp8_flops_per_sample = s * 6 * u.fp8_params;
     u.fp8_widths = (h + h + 2 * kv) + (h + h) + (fp8_inner > 0 ? (h + 2 * fp8_inner) + (fp8_inner + h) : 0);  // qkv, o, gate|up, down
+    u.fp8_activation_saving_per_token = (e - 1) * (h + (fp8_inner > 0 ? h + fp8_inner : 0)) - h;
     u.activation_bytes_per_sample = e * s * (moe ? per_token_moe : per_token_dense);
     u.checkpointed_activation_bytes_per_sample = e * s * h;
     if (moe) {

@@ -64,6 +64,10 @@ struct ModelCost {
     // dense MLPs, shared experts): their FLOPs, parameters, and the input and output widths summed
     // over those layers (each token's operands are quantised once per side and product).
     double fp8_flops_per_sample = 0, fp8_params = 0, fp8_widths = 0;
+    // Bytes per token that precision.fp8 keeps fewer for backward: the q/k/v, gate/up and down
+    // projections keep their inputs as one FP8 byte instead of two (h + h + inner), the output
+    // projection its own FP8 copy beside the attention output its kernel keeps anyway (h more).
+    double fp8_activation_saving_per_token = 0;
   };
   std::vector<Unit> units;
 };

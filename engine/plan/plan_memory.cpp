@@ -24,6 +24,7 @@ void Planner::add_units(StageCost& st, int begin, int end) const {
     st.fp8_flops_per_sample += unit.fp8_flops_per_sample;
     st.fp8_params += unit.fp8_params;
     st.fp8_widths += unit.fp8_widths;
+    st.fp8_activation_saving_per_token += unit.fp8_activation_saving_per_token;
     st.routed_flops_per_sample += unit.routed_flops_per_sample;
     st.activation_bytes_per_sample += unit.activation_bytes_per_sample;
     st.routed_activation_bytes_per_sample += unit.routed_activation_bytes_per_sample;
@@ -127,6 +128,11 @@ Evaluation Planner::evaluate_stage(const Choice& l, int stage) const {
   // layer's 34·sbh activation bytes, 24·sbh are split over t ranks and 10·sbh (norms, dropout-free
   // residuals, the region inputs) stay whole. Applied to the total until the terms are split one by one.
   // With sequence parallelism the 10·sbh are split too (eq. 4): everything is 1/t.
+  // precision.fp8 (without checkpointing; with it only the recomputed layer's): the FP8 layers keep
+  // their inputs in one byte, and each its weight's transposed FP8 copy (one byte a parameter)
+  // until its backward (measured on an H200: the ~1B's peak 1.85 GiB under bf16's; this counts 1.84).
+  if (r_.precision.fp8 != Fp8Scaling::None && !l.checkpointing)
+    m.activations += live * (st.fp8_params - l.micro * static_cast<double>(r_.batch.seq_len) * st.fp8_activation_saving_per_token);
   if (degrees_.tensor > 1 && !l.checkpointing) m.activations *= r_.parallel.sequence_parallel ? 1.0 / degrees_.tensor : (10.0 + 24.0 / degrees_.tensor) / 34.0;
   if (r_.data.separate_documents) {
     const double s = static_cast<double>(r_.batch.seq_len);

@@ -278,9 +278,9 @@ double Planner::elementwise_seconds(const Plan& p) const {
   return tokens * (loss + permutation) / r_.hardware.memory_bandwidth + recomputed_logits + p.fp8_quantization_seconds;
 }
 
-// precision.fp8's operands, memory-bound: each linear layer's input and output gradient read twice
-// (the maximum, then the scaling) and written as two FP8 copies (its layout and its transpose):
-// 3·e bytes per element per side; its weight likewise each micro-batch, forward and backward.
+// precision.fp8's operands, memory-bound: each linear layer's input, output gradient and weight
+// (once a micro-batch) read twice (the maximum, then the scaling) and written as two FP8 copies (its
+// layout and its transpose): 2·e + 2 bytes an element.
 double Planner::fp8_quantization_seconds(const Plan& p) const {
   if (r_.precision.fp8 == Fp8Scaling::None) return 0;
   const double e = bytes_per_element(r_.precision.dtype);
@@ -291,8 +291,8 @@ double Planner::fp8_quantization_seconds(const Plan& p) const {
     params = std::max(params, st.fp8_params);
   }
   const double recompute = p.layout.recomputation ? 1.5 : 1.0;  // the forward's inputs again when recomputed
-  const double activations = tokens * recompute * 3 * e * widths / degrees_.tensor;
-  const double weights = static_cast<double>(p.accumulation) * 2 * (2 * e + 1) * params / degrees_.tensor;
+  const double activations = tokens * recompute * (2 * e + 2) * widths / degrees_.tensor;
+  const double weights = static_cast<double>(p.accumulation) * (2 * e + 2) * params / degrees_.tensor;
   return (activations + weights) / r_.hardware.memory_bandwidth;
 }
 

@@ -54,6 +54,7 @@ struct StageCost {
   double attention_flops_per_sample = 0;  // of flops_per_sample
   double largest_param = 0;  // elements of the stage's largest parameter, whole (before tensor parallelism's split)
   double fp8_flops_per_sample = 0, fp8_params = 0, fp8_widths = 0;  // the FP8 linear layers' (ModelCost::Unit)
+  double fp8_activation_saving_per_token = 0;
 };
 
 // A candidate of the layout search is planned without its schedule's simulation or suggestions

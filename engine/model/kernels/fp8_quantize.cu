@@ -12,60 +12,92 @@ namespace {
 
 using namespace dsrun_kernels;
 
-// A 64 x 64 tile a block: 8 warps of 32 threads, each thread two adjacent columns (one 4-byte
-// load: a warp reads a row's 128 bytes) of every 8th row.
-constexpr int kTile = 64, kWarps = 8;
+// A tile of 64 rows x 64 columns a block of 256 threads: 8 threads a row, each 8 adjacent
+// elements (one 16-byte load; a row's 64 elements are 128 contiguous bytes), 32 rows at a time. The
+// first versions (two elements a thread) ran far below memory bandwidth: 32 ms of the ~1B's 150 ms
+// FP8 step on an H200, most of the quantisation's cost.
+constexpr int kTile = 64, kThreads = 256, kVec = 8, kRowsAtOnce = kThreads / (kTile / kVec);
 
 // Maxima of |x| of non-negative floats: their bit patterns order as unsigned integers do.
 __device__ inline void atomic_max_nonnegative(float* at, float v) { atomicMax(reinterpret_cast<unsigned int*>(at), __float_as_uint(v)); }
 
-__device__ inline float warp_max(float v) {
+// Eight bf16 from x (16-byte aligned: cols a multiple of 8, checked by the caller) as floats.
+__device__ inline void load8(const __nv_bfloat16* x, float* v) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(x);
+  const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
-  for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = __bfloat1622float2(pairs[j]);
+    v[2 * j] = f.x;
+    v[2 * j + 1] = f.y;
+  }
 }
 
-__global__ void __launch_bounds__(256) amax_kernel(const __nv_bfloat16* x, int64_t rows, int64_t cols, float* row_amax, float* col_amax,
-                                                   float* tensor_amax) {
-  __shared__ float columns[kWarps][kTile];
-  __shared__ float warps[kWarps];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int64_t r0 = blockIdx.y * int64_t{kTile}, c = blockIdx.x * int64_t{kTile} + 2 * lane;
-  float col0 = 0, col1 = 0, all = 0;
-  for (int i = warp; i < kTile; i += kWarps) {
-    const int64_t r = r0 + i;
-    float a = 0, b = 0;
-    if (r < rows && c < cols) {  // cols is even (checked by the caller)
-      const __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(x + r * cols + c);
-      a = fabsf(__bfloat162float(v.x));
-      b = fabsf(__bfloat162float(v.y));
-    }
-    col0 = fmaxf(col0, a);
-    col1 = fmaxf(col1, b);
-    if (row_amax) {
-      const float m = warp_max(fmaxf(a, b));
-      if (lane == 0 && r < rows) atomic_max_nonnegative(row_amax + r, m);
+// The tile's elements, each thread's eight of its rows r0 + i·32 + t/8, columns c0 + (t%8)·8 (zeros outside).
+struct TileLoad {
+  float v[kTile / kRowsAtOnce][kVec];
+};
+
+__device__ inline void load_tile(const __nv_bfloat16* x, int64_t rows, int64_t cols, int64_t r0, int64_t c0, TileLoad& t) {
+  const int row_in = threadIdx.x / (kTile / kVec), col_in = (threadIdx.x % (kTile / kVec)) * kVec;
+#pragma unroll
+  for (int i = 0; i < kTile / kRowsAtOnce; ++i) {
+    const int64_t r = r0 + i * kRowsAtOnce + row_in, c = c0 + col_in;
+    if (r < rows && c < cols) {
+      load8(x + r * cols + c, t.v[i]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) t.v[i][j] = 0;
     }
   }
-  all = fmaxf(col0, col1);
+}
+
+__global__ void __launch_bounds__(kThreads) amax_kernel(const __nv_bfloat16* x, int64_t rows, int64_t cols, float* row_amax, float* col_amax,
+                                                        float* tensor_amax) {
+  __shared__ float columns[kRowsAtOnce][kTile + 1];
+  __shared__ float warps[kThreads / 32];
+  const int64_t r0 = blockIdx.y * int64_t{kTile}, c0 = blockIdx.x * int64_t{kTile};
+  TileLoad t;
+  load_tile(x, rows, cols, r0, c0, t);
+  const int row_in = threadIdx.x / (kTile / kVec), col_in = (threadIdx.x % (kTile / kVec)) * kVec;
+  float col[kVec], all = 0;
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) col[j] = 0;
+#pragma unroll
+  for (int i = 0; i < kTile / kRowsAtOnce; ++i) {
+    float m = 0;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const float a = fabsf(t.v[i][j]);
+      m = fmaxf(m, a);
+      col[j] = fmaxf(col[j], a);
+    }
+    all = fmaxf(all, m);
+    if (row_amax) {  // the row's 8 threads are adjacent lanes of one warp
+#pragma unroll
+      for (int o = 1; o < kTile / kVec; o *= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+      const int64_t r = r0 + i * kRowsAtOnce + row_in;
+      if (threadIdx.x % (kTile / kVec) == 0 && r < rows) atomic_max_nonnegative(row_amax + r, m);
+    }
+  }
   if (col_amax) {
-    columns[warp][2 * lane] = col0;
-    columns[warp][2 * lane + 1] = col1;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) columns[row_in][col_in + j] = col[j];
     __syncthreads();
-    if (warp == 0)
-      for (int j = lane; j < kTile; j += 32) {
-        float m = 0;
-        for (int w = 0; w < kWarps; ++w) m = fmaxf(m, columns[w][j]);
-        if (blockIdx.x * int64_t{kTile} + j < cols) atomic_max_nonnegative(col_amax + blockIdx.x * int64_t{kTile} + j, m);
-      }
+    if (threadIdx.x < kTile && c0 + threadIdx.x < cols) {
+      float m = 0;
+      for (int w = 0; w < kRowsAtOnce; ++w) m = fmaxf(m, columns[w][threadIdx.x]);
+      atomic_max_nonnegative(col_amax + c0 + threadIdx.x, m);
+    }
   }
   if (tensor_amax) {
-    all = warp_max(all);
-    if (lane == 0) warps[warp] = all;
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) all = fmaxf(all, __shfl_xor_sync(0xffffffffu, all, o));
+    if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = all;
     __syncthreads();
     if (threadIdx.x == 0) {
       float m = 0;
-      for (int w = 0; w < kWarps; ++w) m = fmaxf(m, warps[w]);
+      for (int w = 0; w < kThreads / 32; ++w) m = fmaxf(m, warps[w]);
       atomic_max_nonnegative(tensor_amax, m);
     }
   }
@@ -80,47 +112,56 @@ __device__ inline uint16_t to_fp8x2(float a, float b, int kind) {
   return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kind == 0 ? __NV_E4M3 : __NV_E5M2);
 }
 
-// q = x · (max / amax) as FP8 in x's layout and qT the same of xᵀ; rowwise: q's scale per row of x
-// (amax_q[r]) and qT's per column (amax_t[c]); tensorwise: both amax_q[0]. Inverse scales (what the
-// product multiplies back by) go to inv_q and inv_t (tensorwise: inv_q[0] alone).
-__global__ void __launch_bounds__(256) quantize_kernel(const __nv_bfloat16* x, int64_t rows, int64_t cols, int kind, int rowwise,
-                                                       const float* amax_q, const float* amax_t, uint8_t* q, uint8_t* qt, float* inv_q, float* inv_t) {
+// Eight values scaled, as eight FP8 bytes in one 8-byte word.
+__device__ inline uint2 to_fp8x8(const float* v, float s, int kind) {
+  uint2 out;
+  out.x = to_fp8x2(v[0] * s, v[1] * s, kind) | (static_cast<uint32_t>(to_fp8x2(v[2] * s, v[3] * s, kind)) << 16);
+  out.y = to_fp8x2(v[4] * s, v[5] * s, kind) | (static_cast<uint32_t>(to_fp8x2(v[6] * s, v[7] * s, kind)) << 16);
+  return out;
+}
+
+// q = x · (max / amax) as FP8 in x's layout and qt the same of xᵀ; rowwise: q's scale per row of x
+// (amax_q[r]) and qt's per column (amax_t[c]); tensorwise: both amax_q[0]. Inverse scales (what the
+// product multiplies back by) go to inv_q and inv_t (tensorwise: inv_q[0] alone). qt's rows are
+// written 8 bytes a thread (8 rows of one column of x), 64 contiguous bytes by 8 adjacent threads.
+__global__ void __launch_bounds__(kThreads) quantize_kernel(const __nv_bfloat16* x, int64_t rows, int64_t cols, int kind, int rowwise,
+                                                            const float* amax_q, const float* amax_t, uint8_t* q, uint8_t* qt, float* inv_q, float* inv_t) {
   __shared__ float tile[kTile][kTile + 1];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t r0 = blockIdx.y * int64_t{kTile}, c0 = blockIdx.x * int64_t{kTile};
-  const int64_t c = c0 + 2 * lane;
+  const int row_in = threadIdx.x / (kTile / kVec), col_in = (threadIdx.x % (kTile / kVec)) * kVec;
   const float top = fp8_max(kind);
   const float whole = rowwise ? 0.0f : top / fmaxf(amax_q[0], kAmaxFloor);
   if (!rowwise && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) inv_q[0] = fmaxf(amax_q[0], kAmaxFloor) / top;
-  for (int i = warp; i < kTile; i += kWarps) {
-    const int64_t r = r0 + i;
-    float a = 0, b = 0;
-    if (r < rows && c < cols) {
-      const __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(x + r * cols + c);
-      a = __bfloat162float(v.x);
-      b = __bfloat162float(v.y);
-      if (q) {
-        const float s = rowwise ? top / fmaxf(amax_q[r], kAmaxFloor) : whole;
-        *reinterpret_cast<uint16_t*>(q + r * cols + c) = to_fp8x2(a * s, b * s, kind);
-      }
-      if (rowwise && c0 == 0 && lane == 0 && inv_q) inv_q[r] = fmaxf(amax_q[r], kAmaxFloor) / top;
+  TileLoad t;
+  load_tile(x, rows, cols, r0, c0, t);
+#pragma unroll
+  for (int i = 0; i < kTile / kRowsAtOnce; ++i) {
+    const int64_t r = r0 + i * kRowsAtOnce + row_in, c = c0 + col_in;
+    if (q && r < rows && c < cols) {
+      const float s = rowwise ? top / fmaxf(amax_q[r], kAmaxFloor) : whole;
+      *reinterpret_cast<uint2*>(q + r * cols + c) = to_fp8x8(t.v[i], s, kind);
     }
-    tile[i][2 * lane] = a;
-    tile[i][2 * lane + 1] = b;
+    if (rowwise && inv_q && c0 == 0 && col_in == 0 && r < rows) inv_q[r] = fmaxf(amax_q[r], kAmaxFloor) / top;
+    if (qt) {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) tile[i * kRowsAtOnce + row_in][col_in + j] = t.v[i][j];
+    }
   }
   if (!qt) return;
   __syncthreads();
-  // qT [cols, rows]: row j of the tile's transpose is column c0 + j of x; a thread writes two rows' values.
-  for (int j = warp; j < kTile; j += kWarps) {
-    const int64_t cc = c0 + j, rr = r0 + 2 * lane;
+  // qt [cols, rows]: thread t takes column c0 + t/8 (and + 32), rows r0 + (t%8)·8 .. + 8.
+  const int rows_in = (threadIdx.x % (kTile / kVec)) * kVec;
+#pragma unroll
+  for (int k = 0; k < kTile / kRowsAtOnce; ++k) {
+    const int j = k * kRowsAtOnce + threadIdx.x / (kTile / kVec);
+    const int64_t cc = c0 + j, rr = r0 + rows_in;
     if (cc >= cols || rr >= rows) continue;
     const float s = rowwise ? top / fmaxf(amax_t[cc], kAmaxFloor) : whole;
-    if (rr + 1 < rows) {
-      *reinterpret_cast<uint16_t*>(qt + cc * rows + rr) = to_fp8x2(tile[2 * lane][j] * s, tile[2 * lane + 1][j] * s, kind);
-    } else {
-      qt[cc * rows + rr] = static_cast<uint8_t>(to_fp8x2(tile[2 * lane][j] * s, 0.0f, kind) & 0xff);
-    }
-    if (rowwise && r0 == 0 && lane == 0 && inv_t) inv_t[cc] = fmaxf(amax_t[cc], kAmaxFloor) / top;
+    float v[kVec];
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) v[e] = tile[rows_in + e][j];
+    *reinterpret_cast<uint2*>(qt + cc * rows + rr) = to_fp8x8(v, s, kind);  // rows a multiple of 8: checked by the caller
+    if (rowwise && inv_t && r0 == 0 && rows_in == 0) inv_t[cc] = fmaxf(amax_t[cc], kAmaxFloor) / top;
   }
 }
 
@@ -137,14 +178,14 @@ void dsrun_fp8_amax(const void* x, int64_t rows, int64_t cols, float* row_amax, 
   if (col_amax) cudaMemsetAsync(col_amax, 0, sizeof(float) * cols, stream);
   if (tensor_amax) cudaMemsetAsync(tensor_amax, 0, sizeof(float), stream);
   if (rows > 0 && cols > 0)
-    amax_kernel<<<tiles(rows, cols), 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), rows, cols, row_amax, col_amax, tensor_amax);
+    amax_kernel<<<tiles(rows, cols), kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), rows, cols, row_amax, col_amax, tensor_amax);
   note_launch();
 }
 
 void dsrun_fp8_quantize(const void* x, int64_t rows, int64_t cols, int kind, int rowwise, const float* amax_q, const float* amax_t, void* q,
                         void* qt, float* inv_q, float* inv_t, cudaStream_t stream) {
   if (rows > 0 && cols > 0)
-    quantize_kernel<<<tiles(rows, cols), 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), rows, cols, kind, rowwise, amax_q, amax_t,
+    quantize_kernel<<<tiles(rows, cols), kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), rows, cols, kind, rowwise, amax_q, amax_t,
                                                            static_cast<uint8_t*>(q), static_cast<uint8_t*>(qt), inv_q, inv_t);
   note_launch();
 }
