@@ -7,6 +7,7 @@
 #include "engine/common/text.hpp"
 #include "engine/recipe/mesh_shape.hpp"
 #include "engine/protocol/rank_reports.hpp"
+#include "runner/alerts.hpp"
 #include "storage/tensorboard.hpp"
 
 #include <nlohmann/json.hpp>
@@ -58,6 +59,9 @@ char process_state(int64_t pid) {
   return paren == std::string::npos || paren + 2 >= stat.size() ? 0 : stat[paren + 2];
 }
 
+// How long a launcher that ends waits for alerts still undelivered (a receiver down, then back).
+constexpr double kAlertDrainSeconds = 30;
+
 // How long a failure that only echoes a peer's (lost_peer) waits for the cause to report.
 constexpr double kCauseWaitSeconds = 3;
 
@@ -87,8 +91,11 @@ bool lost_peer(const RankProcess& p) {
 
 class Supervisor {
  public:
-  Supervisor(const LoadedRecipe& loaded, const Plan& plan, Store& store, const std::string& run_id, const LaunchOptions& options)
-      : r_(loaded.recipe), plan_(plan), store_(store), run_id_(run_id), o_(options) {}
+  Supervisor(const LoadedRecipe& loaded, const Plan& plan, Store& store, const std::string& run_id, const LaunchOptions& options,
+             std::vector<AlertRule> alert_rules)
+      : r_(loaded.recipe), plan_(plan), store_(store), run_id_(run_id), o_(options) {
+    if (!alert_rules.empty()) alerts_ = std::make_unique<RunAlerts>(std::move(alert_rules), run_id, loaded.recipe.run.name, store);
+  }
 
   RunStatus run(const std::string& config_path) {
     config_path_ = config_path;
@@ -142,6 +149,8 @@ class Supervisor {
 
   RunStatus record(const Ending& end) {
     finish_progress();
+    // A failed run's alert goes out before the launcher exits: deliveries get up to 30 s more.
+    if (alerts_) alerts_->on_end(end.status, end.why, kAlertDrainSeconds);
     node_status(to_string(end.status), end.why);
     if (!o_.owns_run) {
       // Another node owns the run's status; this node's ending is its row and, when it failed, an event.
@@ -298,6 +307,7 @@ class Supervisor {
   Ending watch() {
     while (true) {
       heartbeat();
+      if (alerts_) alerts_->tick(now_seconds());
       std::vector<pollfd> fds;
       for (auto& p : ranks_)
         if (p.fd >= 0) fds.push_back({p.fd, POLLIN, 0});
@@ -524,6 +534,7 @@ class Supervisor {
       else store_.add_event(run_id_, "metric", p.rank, name + " is not a finite number at step " + std::to_string(step));
     }
     store_.add_metrics(run_id_, step, values);
+    if (alerts_) alerts_->on_metrics(step, metrics);  // (NaN included: alerts watch for it; conditions read the store)
     if (tensorboard_) {
       try {
         tensorboard_->add_scalars(step, values);
@@ -627,6 +638,7 @@ class Supervisor {
   bool config_recorded_ = false;  // LaunchOptions::config_pending: the resume's config made the run's
   std::string config_path_;       // what the ranks load
   std::unique_ptr<TensorBoardWriter> tensorboard_;  // logging.tensorboard: RUN_DIR/tensorboard/
+  std::unique_ptr<RunAlerts> alerts_;               // the run's [[alerts]] and the user's (owning node only)
   bool progress_open_ = false;
   std::string stopped_early_;  // why, when a rank stopped before the last step
   std::string hostname_ = read_host_facts().hostname;
@@ -781,7 +793,7 @@ RunStatus launch_run(const LoadedRecipe& loaded, const Plan& plan, Store& store,
     LaunchOptions o = options;
     if (o.checkpoint_root.empty()) o.checkpoint_root = checkpoint_root_of(loaded.recipe, options.run_dir, run_id);
     make_directories(o.checkpoint_root);
-    Supervisor supervisor(loaded, plan, store, run_id, o);
+    Supervisor supervisor(loaded, plan, store, run_id, o, options.owns_run ? alert_rules_for_run(loaded.alerts) : std::vector<AlertRule>{});
     const RunStatus status = supervisor.run(config_path);
     flush_store_journal(store);
     return status;

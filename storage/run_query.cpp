@@ -93,6 +93,11 @@ class WhereParser {
       f.params.push_back({false, 0, "$.\"" + t.text + "\""});
       return f;
     }
+    if (names_.bare_names_are_metrics) {
+      f.sql = "(SELECT ml.value FROM metrics_latest ml WHERE ml.run_id = runs.id AND ml.key = ?)";
+      f.params.push_back({false, 0, t.text});
+      return f;
+    }
     std::vector<std::string> known = names_.known_names;
     for (const auto& [k, v] : columns()) known.push_back(k);
     std::string best;

@@ -28,6 +28,7 @@ struct QueryNames {
   std::function<bool(const std::string&)> is_config_key;
   std::vector<std::string> known_names;
   SqlDialect dialect = SqlDialect::Sqlite;  // the store's: config values are read from JSON differently
+  bool bare_names_are_metrics = false;      // alert conditions: "val_loss > 3" means metrics.val_loss
 };
 
 // "optimizer.lr > 1e-4 and metrics.val_loss < 2.5 and status = finished" -> a WHERE condition.

@@ -2,6 +2,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "engine/common/environment.hpp"
 #include "engine/common/error.hpp"
 #include "engine/common/files.hpp"
 #include "engine/common/text.hpp"
@@ -154,6 +155,96 @@ Value to_value(const toml::node& node) {
   return other;
 }
 
+// ---------------------------------------------------------------- [[alerts]]
+
+// Each table of an [[alerts]] array as an AlertRule; every problem an error naming file, line and key.
+void parse_alert_rules(const toml::node& node, Layer layer, const std::string& file, std::vector<AlertRule>& out, std::vector<Diagnostic>& diagnostics) {
+  auto where = [&](const toml::node& n) {
+    Source s;
+    s.layer = layer;
+    s.file = file;
+    s.line = static_cast<int>(n.source().begin.line);
+    s.column = static_cast<int>(n.source().begin.column);
+    return s;
+  };
+  auto error = [&](const toml::node& n, const std::string& key, const std::string& message, const std::string& fix) {
+    diagnostics.push_back({Diagnostic::Severity::Error, where(n), key, message, fix});
+  };
+  const toml::array* rules = node.as_array();
+  if (!rules || !rules->is_array_of_tables()) {
+    error(node, "alerts", "alerts is a list of rules, one table each", "write each rule as [[alerts]] followed by its keys (docs/alerts.md)");
+    return;
+  }
+  static const std::vector<std::string> keys = {"on", "name", "when", "minutes", "url", "run"};
+  for (const toml::node& each : *rules) {
+    const toml::table& t = *each.as_table();
+    AlertRule r;
+    r.written_at = where(each).describe();
+    bool ok = true;
+    for (auto&& [k, v] : t) {
+      const std::string key(k.str());
+      if (std::find(keys.begin(), keys.end(), key) == keys.end()) {
+        const std::string guess = nearest(key, keys);
+        error(v, "alerts." + key, "unknown key in an alert rule", (guess.empty() ? std::string() : "did you mean " + guess + "? ") + "an alert rule takes on, name, when, minutes, url and run");
+        ok = false;
+      }
+    }
+    const toml::node* on = t.get("on");
+    const std::optional<AlertOn> kind = on && on->is_string() ? enum_from_string<AlertOn>(**on->as_string()) : std::nullopt;
+    if (!kind) {
+      const std::string given = on && on->is_string() ? **on->as_string() : "";
+      error(on ? *on : each, "alerts.on", on ? "unknown alert \"" + given + "\"" : "an alert rule needs `on`",
+            "on = one of: " + join(enum_names<AlertOn>(), ", ") + (given.empty() ? "" : " (did you mean " + nearest(given, enum_names<AlertOn>()) + "?)"));
+      ok = false;
+    } else {
+      r.on = *kind;
+    }
+    if (const toml::node* n = t.get("name")) {
+      if (n->is_string()) r.name = **n->as_string();
+      else error(*n, "alerts.name", "name is a string", "name = \"loss diverged\""), ok = false;
+    }
+    if (const toml::node* w = t.get("when")) {
+      if (w->is_string() && !(**w->as_string()).empty()) r.when = **w->as_string();
+      else error(*w, "alerts.when", "when is a condition as `dsrun history --where` takes it", "when = \"val_loss > 3.0\""), ok = false;
+    }
+    if (const toml::node* m = t.get("minutes")) {
+      const std::optional<double> v = m->value<double>();
+      if (v && std::isfinite(*v) && *v > 0) r.minutes = *v;
+      else error(*m, "alerts.minutes", "minutes is a positive number", "minutes = 10"), ok = false;
+    }
+    if (const toml::node* u = t.get("url")) {
+      const std::string url = u->is_string() ? **u->as_string() : "";
+      if (url.rfind("http://", 0) == 0 || url.rfind("https://", 0) == 0) r.url = url;
+      else error(*u, "alerts.url", "url is an http:// or https:// address to POST the alert to", "url = \"https://hooks.slack.com/services/...\""), ok = false;
+    }
+    if (const toml::node* c = t.get("run")) {
+      const toml::array* argv = c->as_array();
+      if (argv && !argv->empty())
+        for (const toml::node& a : *argv)
+          if (a.is_string()) r.command.push_back(**a.as_string());
+      if (!argv || argv->empty() || r.command.size() != argv->size()) {
+        error(*c, "alerts.run", "run is a program and its arguments, a list of strings (run without a shell; the alert comes on its stdin as JSON)",
+              "run = [\"notify-send\", \"dsrun\"]");
+        ok = false;
+      }
+    }
+    if (kind && ok) {
+      if (r.on == AlertOn::Metric && r.when.empty()) error(each, "alerts.when", "an `on = \"metric\"` rule needs `when`", "when = \"val_loss > 3.0\""), ok = false;
+      if (r.on != AlertOn::Metric && !r.when.empty()) error(*t.get("when"), "alerts.when", "only `on = \"metric\"` rules take `when`", "remove when, or set on = \"metric\""), ok = false;
+      if (r.on == AlertOn::Stalled && r.minutes <= 0) error(each, "alerts.minutes", "an `on = \"stalled\"` rule needs `minutes`", "minutes = 10"), ok = false;
+      if (r.on != AlertOn::Stalled && r.minutes > 0) error(*t.get("minutes"), "alerts.minutes", "only `on = \"stalled\"` rules take `minutes`", "remove minutes"), ok = false;
+      if (r.url.empty() && r.command.empty()) error(each, "alerts", "an alert rule needs somewhere to go: url (a webhook) or run (a program)", "url = \"https://...\" or run = [\"program\", \"arg\"]"), ok = false;
+    }
+    if (!ok) continue;
+    if (r.name.empty()) {
+      std::ostringstream minutes;
+      minutes << r.minutes;
+      r.name = r.on == AlertOn::Metric ? r.when : r.on == AlertOn::Stalled ? "no step for " + minutes.str() + " min" : to_string(r.on);
+    }
+    out.push_back(std::move(r));
+  }
+}
+
 struct Parser {
   const LoadOptions& options;
   Config config;
@@ -161,6 +252,7 @@ struct Parser {
   std::vector<std::string> files;
   std::vector<std::string> stack;  // bases being loaded, for cycle detection
   bool has_sweep = false;          // a [sweep] section was seen (and left to dsrun sweep)
+  std::vector<AlertRule> alerts;   // [[alerts]], checked here (parse_alert_rules)
 
   void error(Source src, std::string key, std::string message, std::string fix = "") {
     diagnostics.push_back({Diagnostic::Severity::Error, std::move(src), std::move(key), std::move(message), std::move(fix)});
@@ -180,6 +272,10 @@ struct Parser {
       // A [sweep] section belongs to `dsrun sweep` (engine/sweep reads it); the recipe is the rest.
       if (prefix.empty() && k.str() == "sweep" && node.is_table()) {
         has_sweep = true;
+        continue;
+      }
+      if (prefix.empty() && k.str() == "alerts") {  // rules for the launcher, not config keys
+        parse_alert_rules(node, layer, file, alerts, diagnostics);
         continue;
       }
       std::string key = prefix.empty() ? std::string(k.str()) : prefix + "." + std::string(k.str());
@@ -414,7 +510,7 @@ Value default_value(const std::string& key) {
   Setting raw{to_value(*t.get("v")), Source{}};
   Value normalised;
   LoadOptions none;
-  Parser p{none, {}, {}, {}, {}};
+  Parser p{none, {}, {}, {}, {}, false, {}};
   DSRUN_ASSERT(check_value(*spec, raw, normalised, p), "the schema's default for " + key + " is valid");
   return normalised;
 }
@@ -512,13 +608,47 @@ LoadedRecipe finish(Parser& p, const std::string& name, std::string text) {
   out.diagnostics = std::move(p.diagnostics);
   out.files = std::move(p.files);
   out.has_sweep = p.has_sweep;
+  out.alerts = std::move(p.alerts);
   return out;
 }
 
 }  // namespace
 
+std::vector<AlertRule> load_user_alert_rules(std::vector<Diagnostic>& diagnostics) {
+  std::string path = env_string("DSRUN_ALERTS", "");
+  if (path.empty()) {
+    const std::string home = env_string("HOME", "");
+    if (home.empty()) return {};
+    path = path_join(home, ".config/dsrun/alerts.toml");
+    if (!file_exists(path)) return {};
+  }
+  std::vector<AlertRule> rules;
+  Source file;
+  file.file = path;
+  if (!file_exists(path)) {
+    diagnostics.push_back({Diagnostic::Severity::Error, file, "DSRUN_ALERTS", "no such file", "point DSRUN_ALERTS at a file of [[alerts]] rules, or unset it"});
+    return rules;
+  }
+  try {
+    const toml::table doc = toml::parse(read_file(path), path);
+    for (auto&& [k, node] : doc) {
+      if (k.str() == "alerts") {
+        parse_alert_rules(node, Layer::Recipe, path, rules, diagnostics);
+      } else {
+        Source s = file;
+        s.line = static_cast<int>(node.source().begin.line);
+        diagnostics.push_back({Diagnostic::Severity::Error, s, std::string(k.str()), "an alerts file holds [[alerts]] rules only", "move other keys to a recipe"});
+      }
+    }
+  } catch (const toml::parse_error& e) {
+    file.line = static_cast<int>(e.source().begin.line);
+    diagnostics.push_back({Diagnostic::Severity::Error, file, "alerts", std::string(e.description()), "fix the TOML syntax"});
+  }
+  return rules;
+}
+
 LoadedRecipe load_recipe_text(const std::string& text, const std::string& name, const LoadOptions& options) {
-  Parser p{options, {}, {}, {}, {}};
+  Parser p{options, {}, {}, {}, {}, false, {}};
   p.load_document(text, name, Layer::Recipe);
   return finish(p, name, text);
 }

@@ -3,6 +3,8 @@
 // collecting every error; resolve into the Recipe struct and check the rules that span keys.
 #pragma once
 
+#include "engine/recipe/alert_rules.hpp"
+
 #include "engine/common/host.hpp"
 #include "engine/recipe/recipe.hpp"
 
@@ -72,6 +74,7 @@ struct LoadedRecipe {
   std::string text;                     // the recipe file's own text, as written
   std::vector<std::string> files;       // the recipe and every base it pulled in
   bool has_sweep = false;               // the file has a [sweep] section (for `dsrun sweep`; `run` ignores it)
+  std::vector<AlertRule> alerts;        // its [[alerts]] (and its bases'), checked; the launcher's, not the ranks'
 
   bool ok() const;
   std::string report() const;           // every diagnostic, formatted, errors first
@@ -80,6 +83,11 @@ struct LoadedRecipe {
 LoadedRecipe load_recipe_file(const std::string& path, const LoadOptions& options);
 // For tests and the fuzzer: `name` is used in messages and to resolve relative bases.
 LoadedRecipe load_recipe_text(const std::string& text, const std::string& name, const LoadOptions& options);
+// The user's own alert rules for every run: the file $DSRUN_ALERTS names, else
+// ~/.config/dsrun/alerts.toml if it exists ([[alerts]] and nothing else). Problems go to
+// `diagnostics`, naming that file, line and key.
+std::vector<AlertRule> load_user_alert_rules(std::vector<Diagnostic>& diagnostics);
+
 // Throws dsrun::Error carrying the full report when the recipe has errors.
 void require_valid(const LoadedRecipe& loaded);
 

@@ -14,6 +14,7 @@ const char* variable_of(Fault fault) {
     case Fault::HangAt: return "DSRUN_TEST_HANG_AT";
     case Fault::StopAt: return "DSRUN_TEST_STOP_AT";
     case Fault::CrashInSave: return "DSRUN_TEST_CRASH_IN_SAVE";
+    case Fault::NanLossAt: return "DSRUN_TEST_NAN_LOSS_AT";
   }
   return "";
 }

@@ -11,6 +11,7 @@ enum class Fault {
   HangAt,       // DSRUN_TEST_HANG_AT: no progress from the step on
   StopAt,       // DSRUN_TEST_STOP_AT: SIGSTOP at the step (0: during start-up)
   CrashInSave,  // DSRUN_TEST_CRASH_IN_SAVE: SIGKILL after the rank's shard of the step's save, before its commit
+  NanLossAt,    // DSRUN_TEST_NAN_LOSS_AT: the step's reported loss is NaN (training itself goes on)
 };
 
 // The fault's variable says "RANK:STEP" for this rank and step. Only in the first attempt: ranks the

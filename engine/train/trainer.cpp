@@ -833,9 +833,15 @@ class Trainer {
     metrics["tokens_per_second"] = static_cast<double>(items) * plan_.layout.data / step_seconds;
     if (scaler_) metrics["skipped_steps"] = static_cast<double>(scaler_->skipped_steps());
     if (hooks_active_) metrics["hook_skipped_steps"] = static_cast<double>(hook_skipped_steps_);
+    Metrics reported = to_metrics(metrics);
+    if (fault_requested(Fault::NanLossAt, ctx_.rank, step + 1))  // a test's diverged loss, as the launcher sees one
+      for (auto& [name, value] : reported)
+        if (name == "loss") value = std::numeric_limits<double>::quiet_NaN();
+    // The step is reported first, its loss too when it is not finite: the launcher names it (and
+    // alerts on it) before the rank's error ends the run.
+    report_.send(StepReport{step + 1, r_.run.steps, std::move(reported), skipped});
     if (!std::isfinite(loss) && !d.skip)
       throw Error("loss is " + std::to_string(loss) + " at step " + std::to_string(step + 1), ErrorContext{"", 0, 0, "optimizer.lr", 0, "lower the learning rate or enable clipping"});
-    report_.send(StepReport{step + 1, r_.run.steps, to_metrics(metrics), skipped});
   }
 
   StepOutcome evaluate(int64_t step) {

@@ -1,0 +1,319 @@
+#include "runner/alerts.hpp"
+
+#include "engine/common/error.hpp"
+#include "engine/common/file_descriptor.hpp"
+#include "engine/recipe/load.hpp"
+#include "engine/recipe/schema.hpp"
+#include "storage/run_query.hpp"
+
+#ifdef DSRUN_WITH_CURL
+#include <curl/curl.h>
+#endif
+#include <fcntl.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <ctime>
+#include <iostream>
+
+extern char** environ;
+
+namespace dsrun {
+
+namespace {
+
+double clock_seconds() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+std::string describe(const AlertRule& r) {
+  return r.url.empty() ? r.command.front() : r.command.empty() ? r.url : r.url + " and " + r.command.front();
+}
+
+#ifdef DSRUN_WITH_CURL
+// RAII owners of curl's handles.
+struct CurlEasy {
+  CURL* handle = curl_easy_init();
+  ~CurlEasy() {
+    if (handle) curl_easy_cleanup(handle);
+  }
+};
+struct CurlHeaders {
+  curl_slist* list = nullptr;
+  ~CurlHeaders() {
+    if (list) curl_slist_free_all(list);
+  }
+};
+size_t discard(char*, size_t size, size_t count, void*) { return size * count; }
+#endif
+
+// POSTs `body` as JSON; true on a 2xx answer. 10 s at most: the delivery thread's only wait.
+bool post_json(const std::string& url, const std::string& body, std::string& why) {
+#ifdef DSRUN_WITH_CURL
+  CurlEasy curl;
+  CurlHeaders headers;
+  if (!curl.handle) return why = "curl_easy_init failed", false;
+  headers.list = curl_slist_append(nullptr, "Content-Type: application/json");
+  curl_easy_setopt(curl.handle, CURLOPT_URL, url.c_str());
+  curl_easy_setopt(curl.handle, CURLOPT_HTTPHEADER, headers.list);
+  curl_easy_setopt(curl.handle, CURLOPT_POSTFIELDS, body.c_str());
+  curl_easy_setopt(curl.handle, CURLOPT_POSTFIELDSIZE, static_cast<long>(body.size()));
+  curl_easy_setopt(curl.handle, CURLOPT_TIMEOUT, 10L);
+  curl_easy_setopt(curl.handle, CURLOPT_NOSIGNAL, 1L);  // a thread of its own: no SIGALRM for timeouts
+  curl_easy_setopt(curl.handle, CURLOPT_WRITEFUNCTION, discard);
+  const CURLcode rc = curl_easy_perform(curl.handle);
+  if (rc != CURLE_OK) return why = std::string("POST ") + url + ": " + curl_easy_strerror(rc), false;
+  long status = 0;
+  curl_easy_getinfo(curl.handle, CURLINFO_RESPONSE_CODE, &status);
+  if (status < 200 || status >= 300) return why = "POST " + url + ": HTTP " + std::to_string(status), false;
+  return true;
+#else
+  (void)body;
+  why = "this dsrun was built without libcurl: webhook " + url + " cannot be sent";
+  return false;
+#endif
+}
+
+// Runs argv[0] (found on PATH, no shell) with `input` on its stdin, its output discarded; true when
+// it exits 0 within 30 s (it is killed after that).
+bool run_with_input(const std::vector<std::string>& argv, const std::string& input, std::string& why) {
+  int fds[2];
+  if (::pipe2(fds, O_CLOEXEC) != 0) return why = std::string("pipe: ") + std::strerror(errno), false;
+  FileDescriptor read_end(fds[0]), write_end(fds[1]);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, read_end.get(), 0);
+  posix_spawn_file_actions_addopen(&actions, 1, "/dev/null", O_WRONLY, 0);
+  posix_spawn_file_actions_addopen(&actions, 2, "/dev/null", O_WRONLY, 0);
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  pid_t pid = -1;
+  const int rc = posix_spawnp(&pid, args[0], &actions, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  if (rc != 0) return why = "run " + argv[0] + ": " + std::strerror(rc), false;
+  read_end.close();
+  for (size_t done = 0; done < input.size();) {  // a program that does not read its stdin gets EPIPE: not an error of ours
+    const ssize_t n = ::write(write_end.get(), input.data() + done, input.size() - done);
+    if (n <= 0) break;
+    done += static_cast<size_t>(n);
+  }
+  write_end.close();
+  int status = 0;
+  for (const double until = clock_seconds() + 30;;) {
+    const pid_t got = ::waitpid(pid, &status, WNOHANG);
+    if (got == pid) break;
+    if (got < 0) return why = "run " + argv[0] + ": waitpid: " + std::strerror(errno), false;
+    if (clock_seconds() > until) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      return why = "run " + argv[0] + ": still running after 30 s, killed", false;
+    }
+    ::usleep(20000);
+  }
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+    return why = "run " + argv[0] + ": " + (WIFEXITED(status) ? "exit code " + std::to_string(WEXITSTATUS(status)) : "killed by signal " + std::to_string(WTERMSIG(status))), false;
+  return true;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- AlertDelivery
+
+AlertDelivery::AlertDelivery() {
+#ifdef DSRUN_WITH_CURL
+  static const bool curl_ready = curl_global_init(CURL_GLOBAL_DEFAULT) == CURLE_OK;  // once, before any thread uses curl
+  (void)curl_ready;
+#endif
+  thread_ = std::thread([this] { loop(); });
+}
+
+AlertDelivery::~AlertDelivery() {
+  finish(0);
+  if (thread_.joinable()) thread_.join();
+}
+
+void AlertDelivery::send(const AlertRule& rule, const nlohmann::json& alert) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (stopping_) return;
+  queue_.push_back({rule, alert.dump(), rule.url.empty(), rule.command.empty(), 0, 0});
+  wake_.notify_all();
+}
+
+void AlertDelivery::finish(double seconds) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (!stopping_) {
+    stopping_ = true;
+    deadline_ = clock_seconds() + seconds;
+  }
+  wake_.notify_all();
+  wake_.wait_until(lock, std::chrono::steady_clock::now() + std::chrono::duration<double>(std::max(0.0, deadline_ - clock_seconds()) + 1),
+                   [this] { return queue_.empty(); });
+}
+
+std::vector<std::string> AlertDelivery::take_notes() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::string> out;
+  out.swap(notes_);
+  return out;
+}
+
+bool AlertDelivery::try_deliver(Item& item, std::string& why) {
+  std::string url_why, command_why;
+  if (!item.url_done) item.url_done = post_json(item.rule.url, item.body, url_why);
+  if (!item.command_done) item.command_done = run_with_input(item.rule.command, item.body, command_why);
+  why = url_why + (url_why.empty() || command_why.empty() ? "" : "; ") + command_why;
+  return item.url_done && item.command_done;
+}
+
+void AlertDelivery::loop() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (true) {
+    if (queue_.empty()) {
+      if (stopping_) return;
+      wake_.wait(lock);
+      continue;
+    }
+    const double now = clock_seconds();
+    auto next = std::min_element(queue_.begin(), queue_.end(), [](const Item& a, const Item& b) { return a.next_try < b.next_try; });
+    if (stopping_ && now > deadline_) {
+      for (const Item& left : queue_) notes_.push_back("alert \"" + left.rule.name + "\" not delivered to " + describe(left.rule) + " by the launcher's exit, after " +
+                                                       std::to_string(left.attempts) + " attempt(s)");
+      queue_.clear();
+      wake_.notify_all();
+      return;
+    }
+    if (next->next_try > now) {
+      const double until = stopping_ ? std::min(next->next_try, deadline_ + 0.01) : next->next_try;
+      wake_.wait_for(lock, std::chrono::duration<double>(until - now));
+      continue;
+    }
+    Item item = *next;
+    queue_.erase(next);
+    lock.unlock();  // deliveries run without the lock: send() never waits for a slow receiver
+    std::string why;
+    const bool delivered = try_deliver(item, why);
+    lock.lock();
+    ++item.attempts;
+    if (delivered) {
+      if (item.attempts > 1) notes_.push_back("alert \"" + item.rule.name + "\" delivered to " + describe(item.rule) + " at attempt " + std::to_string(item.attempts));
+    } else {
+      if (item.attempts == 1) notes_.push_back("alert \"" + item.rule.name + "\" not delivered yet (retrying in the background): " + why);
+      item.next_try = clock_seconds() + std::min(60.0, std::pow(2.0, item.attempts - 1));
+      queue_.push_back(std::move(item));
+    }
+    wake_.notify_all();
+  }
+}
+
+// ---------------------------------------------------------------- RunAlerts
+
+RunAlerts::RunAlerts(std::vector<AlertRule> rules, std::string run_id, std::string run_name, Store& store)
+    : rules_(std::move(rules)), fired_(rules_.size(), false), run_id_(std::move(run_id)), run_name_(std::move(run_name)), store_(store),
+      last_step_at_(clock_seconds()) {}
+
+void RunAlerts::fire(size_t i, int64_t step, const std::string& message) {
+  if (fired_[i]) return;
+  fired_[i] = true;
+  const AlertRule& r = rules_[i];
+  const std::string text = "dsrun: run " + run_id_ + (run_name_.empty() ? "" : " (" + run_name_ + ")") + ": " + message;
+  store_.add_event(run_id_, "alert", -1, "alert \"" + r.name + "\": " + message + " (to " + describe(r) + ")");
+  nlohmann::json alert = {{"run_id", run_id_}, {"run_name", run_name_}, {"rule", r.name}, {"on", to_string(r.on)}, {"step", step}, {"message", message},
+                          {"time", static_cast<int64_t>(std::time(nullptr))}};
+  delivery_.send(r, {{"text", text}, {"alert", alert}});
+}
+
+void RunAlerts::on_metrics(int64_t step, const std::vector<std::pair<std::string, double>>& metrics) {
+  bool has_loss = false;
+  for (const auto& [name, value] : metrics) {
+    if (name != "loss" && name != "val_loss") continue;
+    has_loss = has_loss || name == "loss";
+    if (!std::isfinite(value))
+      for (size_t i = 0; i < rules_.size(); ++i)
+        if (rules_[i].on == AlertOn::NanLoss) fire(i, step, name + " is " + (std::isnan(value) ? "NaN" : "infinite") + " at step " + std::to_string(step));
+  }
+  if (has_loss) {
+    last_step_at_ = clock_seconds();
+    last_step_ = step;
+  }
+  metrics_unchecked_ = true;
+  check_conditions(false);
+}
+
+// Metric conditions through the store, as `dsrun history --where` asks it (the values are the
+// run's latest metrics, just written): at most once a second, and once more when the run ends.
+void RunAlerts::check_conditions(bool now_or_never) {
+  const double now = clock_seconds();
+  if (!metrics_unchecked_ || (!now_or_never && now - last_metric_check_ < 1.0)) return;
+  last_metric_check_ = now;
+  metrics_unchecked_ = false;
+  for (size_t i = 0; i < rules_.size(); ++i) {
+    if (fired_[i] || rules_[i].on != AlertOn::Metric) continue;
+    RunQuery q;
+    q.limit = 1;
+    q.where = "(" + rules_[i].when + ") and id = '" + run_id_ + "'";  // (run ids are hexadecimal: nothing to escape)
+    q.names.is_config_key = [](const std::string& k) { return find_key_spec(k) != nullptr; };
+    q.names.bare_names_are_metrics = true;
+    q.names.dialect = store_.dialect();
+    try {
+      if (!store_.query_runs(q).empty()) fire(i, last_step_, rules_[i].when + " at step " + std::to_string(last_step_));
+    } catch (const Error& e) {  // the store away (its writes wait in the journal): the condition is asked again later
+      metrics_unchecked_ = true;
+      std::cerr << "dsrun: alert \"" << rules_[i].name << "\" not checked now: " << e.describe() << "\n";
+      return;
+    }
+  }
+}
+
+void RunAlerts::record_notes() {
+  for (const std::string& note : delivery_.take_notes()) store_.add_event(run_id_, "alert_delivery", -1, note);
+}
+
+void RunAlerts::tick(double) {
+  const double now = clock_seconds();
+  for (size_t i = 0; i < rules_.size(); ++i)
+    if (rules_[i].on == AlertOn::Stalled && now - last_step_at_ > 60 * rules_[i].minutes)
+      fire(i, last_step_, "no step completed for " + std::to_string(static_cast<int64_t>(now - last_step_at_)) + " s (the last: step " + std::to_string(last_step_) + ")");
+  record_notes();
+}
+
+void RunAlerts::on_end(RunStatus status, const std::string& why, double drain_seconds) {
+  check_conditions(true);
+  if (status == RunStatus::Failed || status == RunStatus::Killed)
+    for (size_t i = 0; i < rules_.size(); ++i)
+      if (rules_[i].on == AlertOn::Failed) fire(i, last_step_, std::string(to_string(status)) + ": " + why);
+  delivery_.finish(drain_seconds);
+  record_notes();
+}
+
+std::vector<AlertRule> alert_rules_for_run(const std::vector<AlertRule>& recipe_rules) {
+  std::vector<AlertRule> rules = recipe_rules;
+  std::vector<Diagnostic> problems;
+  for (AlertRule& r : load_user_alert_rules(problems)) rules.push_back(std::move(r));
+  std::string report;
+  for (const Diagnostic& d : problems)
+    if (d.severity == Diagnostic::Severity::Error) report += d.format();
+  if (!report.empty()) throw Error("the user's alert rules have errors:\n" + report, ErrorContext{"", 0, 0, "alerts", -1, "fix the rules (docs/alerts.md)"});
+  QueryNames names;
+  names.is_config_key = [](const std::string& k) { return find_key_spec(k) != nullptr; };
+  names.bare_names_are_metrics = true;
+  for (const AlertRule& r : rules) {
+#ifndef DSRUN_WITH_CURL
+    if (!r.url.empty())
+      throw Error("the alert rule at " + r.written_at + " posts to " + r.url + ", and this dsrun was built without libcurl",
+                  ErrorContext{r.written_at, 0, 0, "alerts.url", -1, "use run = [...] (a program), or build dsrun with libcurl4-openssl-dev (setup.sh installs it)"});
+#endif
+    if (r.on != AlertOn::Metric) continue;
+    try {
+      parse_where(r.when, names);
+    } catch (const Error& e) {
+      throw Error("the alert rule at " + r.written_at + ": when: " + e.describe(), ErrorContext{r.written_at, 0, 0, "alerts.when", -1, "write when as `dsrun history --where` takes it, e.g. \"val_loss > 3.0\""});
+    }
+  }
+  return rules;
+}
+
+}  // namespace dsrun

@@ -1,0 +1,92 @@
+// A run's alerts (its recipe's [[alerts]] and the user's file, engine/recipe/alert_rules.hpp): each
+// rule fires at most once per run, is recorded as an event, and is delivered in the background.
+#pragma once
+
+#include "engine/recipe/alert_rules.hpp"
+#include "storage/store.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace dsrun {
+
+// Delivers alerts on a thread of its own, so that a receiver that is down or slow never stops or
+// slows training: a webhook gets a POST of the alert's JSON ({"text": ..., which Slack and similar
+// receivers show, and "alert": the fields}); a command runs without a shell with the JSON on its
+// stdin. Each is retried (1 s, 2 s, 4 s ... at most a minute apart) until it succeeds.
+class AlertDelivery {
+ public:
+  AlertDelivery();
+  ~AlertDelivery();  // waits for what is still undelivered up to the drain deadline (finish())
+  AlertDelivery(const AlertDelivery&) = delete;
+  AlertDelivery& operator=(const AlertDelivery&) = delete;
+
+  void send(const AlertRule& rule, const nlohmann::json& alert);
+  // Stop taking more; wait up to `seconds` for what is queued to get through.
+  void finish(double seconds);
+  // What happened to deliveries since the last call (a failure that will be retried, a delivery
+  // after retries, one given up at the deadline), for the run's events.
+  std::vector<std::string> take_notes();
+
+ private:
+  struct Item {
+    AlertRule rule;
+    std::string body;
+    bool url_done = false, command_done = false;
+    int attempts = 0;
+    double next_try = 0;
+  };
+  void loop();
+  bool try_deliver(Item& item, std::string& why);
+
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::deque<Item> queue_;
+  std::vector<std::string> notes_;
+  bool stopping_ = false;
+  double deadline_ = 0;  // set by finish(): give up on what is left after it
+  std::thread thread_;
+};
+
+// One run's rules, evaluated by the launcher as reports arrive (its own thread: the store is not
+// shared with the delivery thread).
+class RunAlerts {
+ public:
+  RunAlerts(std::vector<AlertRule> rules, std::string run_id, std::string run_name, Store& store);
+  bool empty() const { return rules_.empty(); }
+  // A step's or an evaluation's metrics, finite or not: NaN and metric rules.
+  void on_metrics(int64_t step, const std::vector<std::pair<std::string, double>>& metrics);
+  // Every watch-loop turn: stalled rules, and delivery notes recorded as events.
+  void tick(double now);
+  // The run ended (failed or killed fire `failed`), then deliveries get up to `drain_seconds`.
+  void on_end(RunStatus status, const std::string& why, double drain_seconds);
+
+ private:
+  void fire(size_t rule, int64_t step, const std::string& message);
+  void check_conditions(bool now_or_never);
+  void record_notes();
+
+  std::vector<AlertRule> rules_;
+  std::vector<bool> fired_;
+  std::string run_id_, run_name_;
+  Store& store_;
+  AlertDelivery delivery_;
+  double last_step_at_ = 0;
+  int64_t last_step_ = 0;
+  double last_metric_check_ = 0;
+  bool metrics_unchecked_ = false;
+};
+
+// The rules a run is watched by: its recipe's, then the user's (load_user_alert_rules). Each
+// metric rule's `when` is checked as `dsrun history --where` would parse it (bare names are
+// metrics); a problem throws dsrun::Error naming the file, line and key.
+std::vector<AlertRule> alert_rules_for_run(const std::vector<AlertRule>& recipe_rules);
+
+}  // namespace dsrun

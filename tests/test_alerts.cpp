@@ -1,0 +1,112 @@
+// Alerts ([[alerts]]): rules checked where they are written, and a real run's alerts fired once each
+// to a real HTTP receiver (down at first) and to a program, recorded as events.
+#include "storage/store.hpp"
+#include "test_util.hpp"
+#include "train_util.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <fstream>
+#include <random>
+#include <sstream>
+
+using namespace dsrun;
+using dsrun::test::contains;
+using dsrun::test::load_text;
+
+namespace {
+
+const Diagnostic& only_alert_error(const LoadedRecipe& r) {
+  std::vector<Diagnostic> errors = dsrun::test::errors_of(r);
+  INFO(r.report());
+  REQUIRE(errors.size() == 1);
+  static Diagnostic kept;
+  kept = errors[0];
+  return kept;
+}
+
+int count_lines_with(const std::string& path, const std::string& needle) {
+  std::ifstream in(path);
+  int n = 0;
+  for (std::string line; std::getline(in, line);) n += contains(line, needle) ? 1 : 0;
+  return n;
+}
+
+}  // namespace
+
+TEST_CASE("alert rules are checked where they are written: file, line, key and a fix", "[alerts][recipe]") {
+  const LoadedRecipe good = load_text("[[alerts]]\non = \"nan\"\nurl = \"https://hooks.example/x\"\n\n[[alerts]]\non = \"metric\"\nwhen = \"val_loss > 3.0\"\n"
+                                      "run = [\"notify-send\", \"dsrun\"]\n\n[[alerts]]\non = \"stalled\"\nminutes = 10\nrun = [\"true\"]\n");
+  INFO(good.report());
+  REQUIRE(good.ok());
+  REQUIRE(good.alerts.size() == 3);
+  CHECK(good.alerts[0].on == AlertOn::NanLoss);
+  CHECK(good.alerts[0].url == "https://hooks.example/x");
+  CHECK(good.alerts[1].when == "val_loss > 3.0");
+  CHECK(good.alerts[1].name == "val_loss > 3.0");
+  CHECK(good.alerts[1].command == std::vector<std::string>{"notify-send", "dsrun"});
+  CHECK(good.alerts[2].minutes == 10);
+  CHECK(contains(good.alerts[2].written_at, "test.toml:"));
+
+  const Diagnostic& typo = only_alert_error(load_text("[[alerts]]\non = \"nan\"\nurl = \"http://x\"\nmniutes = 3\n"));
+  CHECK(typo.key == "alerts.mniutes");
+  CHECK(typo.source.line == 4);
+  CHECK(contains(typo.fix, "did you mean minutes?"));
+  const Diagnostic& on = only_alert_error(load_text("[[alerts]]\non = \"stalle\"\nrun = [\"true\"]\n"));
+  CHECK(on.key == "alerts.on");
+  CHECK(contains(on.fix, "did you mean stalled?"));
+  CHECK(only_alert_error(load_text("[[alerts]]\non = \"metric\"\nrun = [\"true\"]\n")).key == "alerts.when");
+  CHECK(only_alert_error(load_text("[[alerts]]\non = \"stalled\"\nrun = [\"true\"]\n")).key == "alerts.minutes");
+  CHECK(contains(only_alert_error(load_text("[[alerts]]\non = \"failed\"\n")).message, "somewhere to go"));
+  CHECK(only_alert_error(load_text("[[alerts]]\non = \"failed\"\nurl = \"ftp://x\"\n")).key == "alerts.url");
+  const Diagnostic& shell = only_alert_error(load_text("[[alerts]]\non = \"failed\"\nrun = \"notify-send dsrun\"\n"));
+  CHECK(shell.key == "alerts.run");
+  CHECK(contains(shell.message, "without a shell"));
+  CHECK(only_alert_error(load_text("[alerts]\non = \"failed\"\n")).key == "alerts");
+}
+
+TEST_CASE("a run's alerts fire once each, to a webhook that is down at first and to a program, and are recorded, and training goes on", "[alerts][slow]") {
+  dsrun::test::TempDir dir;
+  const int port = 20000 + static_cast<int>(std::random_device{}() % 10000);
+  const std::string hook = "http://127.0.0.1:" + std::to_string(port) + "/hook";
+  std::ofstream(dir.file("alerts.toml")) << "base = [\"" << dsrun::test::source_dir() << "/tests/recipes/tiny_train.toml\"]\n"
+                                         << "[[alerts]]\non = \"nan\"\nurl = \"" << hook << "\"\nrun = [\"tee\", \"-a\", \"" << dir.file("command.jsonl") << "\"]\n\n"
+                                         << "[[alerts]]\non = \"stalled\"\nminutes = 0.05\nurl = \"" << hook << "\"\n\n"
+                                         << "[[alerts]]\nname = \"never\"\non = \"metric\"\nwhen = \"loss > 1000\"\nurl = \"" << hook << "\"\n";
+  // The receiver listens 8 s from now: the NaN alert (step 5, a few seconds in) finds it down.
+  const std::string receiver = "python3 '" + dsrun::test::source_dir() + "/tests/alert_receiver.py' " + std::to_string(port) + " '" + dir.file("received.jsonl") + "' 8";
+  const std::string pid_file = dir.file("receiver.pid");
+  REQUIRE(std::system(("(" + receiver + " & echo $! > '" + pid_file + "')").c_str()) == 0);
+  // Rank 0 reports a NaN loss at step 5 (training itself goes on); rank 1 stops at step 10: no step
+  // completes after it (the stalled alert after 3 s), and run.step_timeout_s fails the run.
+  dsrun::test::Run run = dsrun::test::train(dir, "--set run.steps=60 --set run.step_timeout_s=7 --set parallel.data_parallel=2 --set checkpoint.every=0",
+                                            "HOME='" + dir.file("home") + "' DSRUN_TEST_NAN_LOSS_AT=0:5 DSRUN_TEST_STOP_AT=1:10", dir.file("alerts.toml"));
+  std::system(("kill $(cat '" + pid_file + "') 2>/dev/null").c_str());
+  INFO(run.text);
+  CHECK(run.code != 0);
+  CHECK(contains(run.text, "rank 1"));  // the stopped rank is named: the run failed for it, not for its alerts
+  REQUIRE_FALSE(run.id.empty());
+  // Training went on past the NaN while the receiver was down: steps 1-9 but 5, whose NaN is an
+  // event, not a value (rank 1 stops at the start of step 10).
+  CHECK(run.losses.size() >= 8);
+
+  CHECK(count_lines_with(dir.file("received.jsonl"), "\"on\":\"nan\"") == 1);
+  CHECK(count_lines_with(dir.file("received.jsonl"), "\"on\":\"stalled\"") == 1);
+  CHECK(count_lines_with(dir.file("received.jsonl"), "never") == 0);
+  CHECK(count_lines_with(dir.file("received.jsonl"), "\"text\":\"dsrun: run " + run.id) == 2);  // Slack's field
+  CHECK(count_lines_with(dir.file("command.jsonl"), "\"on\":\"nan\"") == 1);
+  CHECK(count_lines_with(dir.file("command.jsonl"), "loss is NaN at step 5") == 1);
+
+  Store store(dir.file("runs.db"));
+  int alerts = 0, retried = 0, delivered_later = 0, nan_named = 0;
+  for (const EventRecord& e : store.events(run.id)) {
+    nan_named += e.kind == "metric" && e.message == "loss is not a finite number at step 5" ? 1 : 0;
+    alerts += e.kind == "alert" ? 1 : 0;
+    retried += e.kind == "alert_delivery" && contains(e.message, "not delivered yet") ? 1 : 0;
+    delivered_later += e.kind == "alert_delivery" && contains(e.message, "delivered to") && contains(e.message, "at attempt") ? 1 : 0;
+  }
+  CHECK(nan_named == 1);
+  CHECK(alerts == 2);
+  CHECK(retried >= 1);          // the receiver was down: said so, and retried
+  CHECK(delivered_later >= 1);  // and got them once it answered
+}
