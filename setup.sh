@@ -12,6 +12,7 @@ packages=(
   libgloo-dev                         # headers that c10d's ProcessGroupGloo.hpp includes
   libtomlplusplus-dev liblua5.4-dev libsqlite3-dev libspdlog-dev libcli11-dev catch2
   libcurl4-openssl-dev                # alert webhooks: HTTPS POSTs with timeouts and proxies
+  libcpp-httplib-dev                  # dsrun ui: a small threaded HTTP server, one header
   libpq-dev                           # the run store on a PostgreSQL server (--db postgresql://...), for teams and clusters
   nlohmann-json3-dev                  # plan --json, stored plans and configs
   libxxhash-dev                       # XXH3 checksums of checkpoint files (GB/s; zlib's crc32 is ~10x slower)
@@ -30,6 +31,7 @@ if [ "${1:-}" = "--with-test-tools" ]; then
   packages+=(postgresql)              # a real server for the store tests (started by the tests, as its own user)
   packages+=(slurm-wlm munge)         # a real one-node Slurm cluster for the --slurm tests (tests/servers/slurm_cluster.sh)
   packages+=(python3)                 # scripts/code_figures.py --check: includes run only down the layers
+  packages+=(curl)                    # the dsrun ui test asks the server over HTTP
 fi
 missing=()
 for p in "${packages[@]}"; do

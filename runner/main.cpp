@@ -4,6 +4,7 @@
 #include "engine/data/prepare.hpp"
 #include "runner/data_commands.hpp"
 #include "runner/history.hpp"
+#include "runner/ui.hpp"
 #include "runner/probe.hpp"
 #include "runner/report.hpp"
 #include "runner/sweep.hpp"
@@ -19,7 +20,7 @@
 
 namespace {
 
-const char* const kCommands[] = {"run", "plan", "history", "show", "resume", "rollback", "export", "sweep", "compare", "watch", "delete", "restore", "gc", "report", "init", "templates", "docs", "worker", "tokenize", "prepare", "store", "cancel", "probe"};
+const char* const kCommands[] = {"run", "plan", "history", "show", "resume", "rollback", "export", "sweep", "compare", "watch", "delete", "restore", "gc", "report", "init", "templates", "docs", "worker", "tokenize", "prepare", "store", "cancel", "probe", "ui"};
 
 // `dsrun recipes/x.toml ...` means `dsrun run recipes/x.toml ...`.
 std::vector<std::string> with_default_command(int argc, char** argv) {
@@ -131,6 +132,12 @@ int main(int argc, char** argv) {
 
   std::string watch_run;
   double watch_interval = 1.0;
+  dsrun::UiOptions ui_options;
+  CLI::App* ui = app.add_subcommand("ui", "Serve the store read-only on the web: runs (with --where), /api/runs, /metrics for Prometheus");
+  ui->add_option("--host", ui_options.host, "Address to listen on (default 127.0.0.1; any other needs --token)");
+  ui->add_option("--port", ui_options.port, "Port (default 8321; 0: any free one, printed)")->check(CLI::Range(0, 65535));
+  ui->add_option("--token", ui_options.token, "A token every request must carry (Authorization: Bearer TOKEN, or ?token=)");
+  ui->add_option("--token-file", ui_options.token_file, "Read the token from this file (it stays out of `ps`)");
   CLI::App* watch = app.add_subcommand("watch", "Follow a running run from the store until it ends");
   watch->add_option("run", watch_run, "Run id, prefix or name")->required();
   watch->add_option("--interval", watch_interval, "Seconds between polls")->check(CLI::Range(0.05, 3600.0));
@@ -254,6 +261,10 @@ int main(int argc, char** argv) {
     if (*gc) return dsrun::command_gc(dry_run, db);
     if (*compare) return dsrun::command_compare(cmp, db);
     if (*watch) return dsrun::command_watch(watch_run, watch_interval, db);
+    if (*ui) {
+      ui_options.db_path = db;
+      return dsrun::command_ui(ui_options);
+    }
     if (*report) return dsrun::command_report(report_runs, report_out, db);
     if (*sweep) return dsrun::command_sweep(sweep_args, db);
     if (*show) return dsrun::command_show(db, run_id, json);

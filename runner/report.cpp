@@ -14,9 +14,7 @@
 
 namespace dsrun {
 
-namespace {
-
-std::string escape(const std::string& s) {
+std::string html_escape(const std::string& s) {
   std::string out;
   for (char c : s) {
     switch (c) {
@@ -29,6 +27,10 @@ std::string escape(const std::string& s) {
   }
   return out;
 }
+
+namespace {
+
+std::string escape(const std::string& s) { return html_escape(s); }
 
 const char* const kColors[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"};
 

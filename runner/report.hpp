@@ -13,4 +13,7 @@ class Store;
 std::string render_report_html(const Store& store, const std::vector<std::string>& run_ids);
 int command_report(const std::vector<std::string>& runs, const std::string& output, const std::string& db_path);
 
+// Text made safe inside HTML (elements and quoted attributes): & < > " escaped.
+std::string html_escape(const std::string& s);
+
 }  // namespace dsrun

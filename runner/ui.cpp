@@ -1,0 +1,217 @@
+#include "runner/ui.hpp"
+
+#include "engine/common/error.hpp"
+#include "engine/common/files.hpp"
+#include "engine/common/text.hpp"
+#include "engine/recipe/schema.hpp"
+#include "runner/report.hpp"
+#include "storage/run_query.hpp"
+#include "storage/store.hpp"
+
+#ifdef DSRUN_WITH_HTTPLIB
+#include <httplib.h>
+#endif
+#include <nlohmann/json.hpp>
+
+#include <csignal>
+#include <iostream>
+#include <mutex>
+#include <sstream>
+
+namespace dsrun {
+
+namespace {
+
+// A Prometheus label value: backslash, double quote and newline escaped.
+std::string label(const std::string& v) {
+  std::string out;
+  for (char c : v) {
+    if (c == '\\' || c == '"') out += '\\';
+    if (c == '\n') {
+      out += "\\n";
+      continue;
+    }
+    out += c;
+  }
+  return out;
+}
+
+}  // namespace
+
+#ifdef DSRUN_WITH_HTTPLIB
+namespace {
+
+httplib::Server* serving = nullptr;
+void on_stop(int) {
+  if (serving) serving->stop();
+}
+
+bool loopback(const std::string& host) { return host == "127.0.0.1" || host == "::1" || host == "localhost"; }
+
+
+QueryNames ui_query_names(const Store& store) {
+  QueryNames n;
+  n.is_config_key = [](const std::string& k) { return find_key_spec(k) != nullptr || is_open_table_key(k); };
+  for (const auto& s : recipe_schema()) n.known_names.push_back(s.key);
+  n.dialect = store.dialect();
+  return n;
+}
+
+std::string format_time(double unix_seconds) {
+  if (unix_seconds <= 0) return "";
+  const std::time_t t = static_cast<std::time_t>(unix_seconds);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M", std::localtime(&t));
+  return buf;
+}
+
+// The runs a request asks for: ?where= (the history language, bound values only) and ?limit=.
+std::vector<RunRecord> runs_of(const Store& store, const httplib::Request& req) {
+  RunQuery q;
+  q.limit = req.has_param("limit") ? std::max(1, std::min(10000, std::atoi(req.get_param_value("limit").c_str()))) : 200;
+  q.where = req.has_param("where") ? req.get_param_value("where") : "";
+  q.names = ui_query_names(store);
+  return store.query_runs(q);
+}
+
+nlohmann::json run_json(const Store& store, const RunRecord& r) {
+  nlohmann::json j = {{"id", r.id}, {"name", r.name}, {"status", to_string(r.status)}, {"model", r.model}, {"hardware", r.hardware},
+                      {"world_size", r.world_size}, {"created_at", r.created_at}, {"ended_at", r.ended_at}, {"error", r.error}};
+  for (const auto& [key, m] : store.latest_metrics(r.id))
+    if (key.find('/') == std::string::npos) j["metrics"][key] = {{"step", m.step}, {"value", m.value}};
+  return j;
+}
+
+std::string page(const std::string& title, const std::string& body) {
+  return "<!doctype html><html><head><meta charset=\"utf-8\"><title>" + html_escape(title) +
+         "</title><style>body{font:14px sans-serif;margin:2em}table{border-collapse:collapse}td,th{padding:3px 10px;border-bottom:1px solid #ddd;text-align:left}"
+         ".failed,.lost{color:#b00}.running{color:#06c}input[name=where]{width:40em}</style></head><body>" +
+         body + "</body></html>";
+}
+
+}  // namespace
+#endif
+
+std::string prometheus_metrics(const Store& store) {
+  struct Series {
+    const char* name;
+    const char* help;
+    std::vector<std::string> keys;  // the metric keys it reads, the first present wins
+  };
+  static const Series kSeries[] = {{"dsrun_run_step", "The latest step of each running run.", {"loss"}},
+                                   {"dsrun_run_loss", "The latest training loss of each running run.", {"loss"}},
+                                   {"dsrun_run_val_loss", "The latest validation loss of each running run.", {"val_loss"}},
+                                   {"dsrun_run_tokens_per_second", "Tokens (images for ResNet) per second at the latest step.", {"tokens_per_second"}},
+                                   {"dsrun_run_mfu", "Model FLOPs utilisation at the latest step (0-1).", {"mfu"}},
+                                   {"dsrun_run_step_seconds", "Seconds the latest step took.", {"step_seconds"}}};
+  RunListOptions running;
+  running.limit = 100000;
+  running.status = "running";
+  const std::vector<RunRecord> runs = store.list_runs(running);
+  std::ostringstream out;
+  auto labels = [](const RunRecord& r) { return "{run_id=\"" + label(r.id) + "\",name=\"" + label(r.name) + "\",node=\"" + label(r.host) + "\"}"; };
+  std::vector<std::map<std::string, MetricValue>> latest;
+  for (const RunRecord& r : runs) latest.push_back(store.latest_metrics(r.id));
+  for (const Series& s : kSeries) {
+    out << "# HELP " << s.name << " " << s.help << "\n# TYPE " << s.name << " gauge\n";
+    for (size_t i = 0; i < runs.size(); ++i)
+      for (const std::string& key : s.keys)
+        if (auto it = latest[i].find(key); it != latest[i].end()) {
+          const double v = std::string(s.name) == "dsrun_run_step" ? static_cast<double>(it->second.step) : it->second.value;
+          out << s.name << labels(runs[i]) << " " << v << "\n";
+          break;
+        }
+  }
+  out << "# HELP dsrun_run_device_peak_bytes The largest device peak over a running run's ranks.\n# TYPE dsrun_run_device_peak_bytes gauge\n";
+  for (size_t i = 0; i < runs.size(); ++i) {
+    double peak = -1;
+    for (const auto& [key, m] : latest[i])
+      if (key.rfind("memory/rank", 0) == 0 && key.size() > 21 && key.compare(key.size() - 21, 21, "/peak_allocated_bytes") == 0) peak = std::max(peak, m.value);
+    if (peak >= 0) out << "dsrun_run_device_peak_bytes" << labels(runs[i]) << " " << peak << "\n";
+  }
+  out << "# HELP dsrun_run_running 1 for each run the store has running.\n# TYPE dsrun_run_running gauge\n";
+  for (const RunRecord& r : runs) out << "dsrun_run_running" << labels(r) << " 1\n";
+  return out.str();
+}
+
+#ifndef DSRUN_WITH_HTTPLIB
+int command_ui(const UiOptions&) {
+  throw Error("this dsrun was built without cpp-httplib: no dsrun ui", ErrorContext{"", 0, 0, "", -1, "install libcpp-httplib-dev (setup.sh does) and rebuild"});
+}
+#else
+int command_ui(const UiOptions& o) {
+  std::string token = o.token;
+  if (!o.token_file.empty()) token = trim(read_file(o.token_file));
+  if (!loopback(o.host) && token.empty()) {
+    ErrorContext c;
+    c.key = "--host";
+    c.hint = "give --token TOKEN (or --token-file FILE), which every request must then carry, or keep the default 127.0.0.1";
+    throw Error("--host " + o.host + " would serve every run's recipe, config and metrics to the network without a token", c);
+  }
+  if (!store_exists(o.db_path)) throw Error("no run store here", ErrorContext{o.db_path, 0, 0, "", -1, "run a recipe first, or pass --db"});
+  Store store(o.db_path);
+  std::mutex store_mutex;  // one connection: requests take turns
+  httplib::Server server;
+  // Read-only: GET alone, every request with the token when there is one.
+  server.set_pre_routing_handler([&](const httplib::Request& req, httplib::Response& res) {
+    if (req.method != "GET" && req.method != "HEAD") {
+      res.status = 405;
+      res.set_content("dsrun ui is read-only\n", "text/plain");
+      return httplib::Server::HandlerResponse::Handled;
+    }
+    if (token.empty()) return httplib::Server::HandlerResponse::Unhandled;
+    const std::string bearer = req.get_header_value("Authorization");
+    if (bearer == "Bearer " + token || (req.has_param("token") && req.get_param_value("token") == token)) return httplib::Server::HandlerResponse::Unhandled;
+    res.status = 401;
+    res.set_content("a token is required (Authorization: Bearer TOKEN, or ?token=TOKEN)\n", "text/plain");
+    return httplib::Server::HandlerResponse::Handled;
+  });
+  auto guarded = [&](auto&& handler) {
+    return [&, handler](const httplib::Request& req, httplib::Response& res) {
+      std::lock_guard<std::mutex> lock(store_mutex);
+      try {
+        handler(req, res);
+      } catch (const Error& e) {  // a bad --where, above all: the page says what, as the CLI does
+        res.status = 400;
+        res.set_content(e.describe() + "\n", "text/plain");
+      }
+    };
+  };
+  server.Get("/metrics", guarded([&](const httplib::Request&, httplib::Response& res) {
+    res.set_content(prometheus_metrics(store), "text/plain; version=0.0.4");
+  }));
+  server.Get("/api/runs", guarded([&](const httplib::Request& req, httplib::Response& res) {
+    nlohmann::json runs = nlohmann::json::array();
+    for (const RunRecord& r : runs_of(store, req)) runs.push_back(run_json(store, r));
+    res.set_content(runs.dump(), "application/json");
+  }));
+  server.Get("/", guarded([&](const httplib::Request& req, httplib::Response& res) {
+    const std::string where = req.has_param("where") ? req.get_param_value("where") : "";
+    std::string rows;
+    for (const RunRecord& r : runs_of(store, req)) {
+      const auto latest = store.latest_metrics(r.id);
+      const auto loss = latest.find("loss");
+      rows += "<tr><td>" + html_escape(r.id) + "</td><td>" + html_escape(r.name) + "</td><td class=\"" + to_string(r.status) + "\">" + to_string(r.status) +
+              "</td><td>" + html_escape(r.model) + "</td><td>" + html_escape(r.hardware) + "</td><td>" + (loss != latest.end() ? std::to_string(loss->second.step) : "") +
+              "</td><td>" + (loss != latest.end() ? html_escape(std::to_string(loss->second.value)) : "") + "</td><td>" + format_time(r.created_at) + "</td></tr>";
+    }
+    res.set_content(page("dsrun runs", "<h1>Runs</h1><form><input name=\"where\" value=\"" + html_escape(where) +
+                                           "\" placeholder=\"optimizer.lr > 1e-4 and metrics.val_loss < 2.5\"> <button>filter</button></form><table><tr><th>id</th><th>name</th>"
+                                           "<th>status</th><th>model</th><th>hardware</th><th>step</th><th>loss</th><th>created</th></tr>" +
+                                           rows + "</table><p><a href=\"/metrics\">/metrics</a> · <a href=\"/api/runs\">/api/runs</a></p>"),
+                    "text/html; charset=utf-8");
+  }));
+  const int port = o.port == 0 ? server.bind_to_any_port(o.host) : (server.bind_to_port(o.host, o.port) ? o.port : -1);
+  if (port < 0) throw Error("cannot listen on " + o.host + ":" + std::to_string(o.port), ErrorContext{"", 0, 0, "--port", -1, "choose another --port, or stop what holds it"});
+  serving = &server;
+  std::signal(SIGINT, on_stop);
+  std::signal(SIGTERM, on_stop);
+  std::cout << "dsrun ui: http://" << o.host << ":" << port << "/ (runs), /metrics (Prometheus), /api/runs; read-only; Ctrl-C stops" << std::endl;
+  server.listen_after_bind();
+  serving = nullptr;
+  return 0;
+}
+
+#endif
+
+}  // namespace dsrun
