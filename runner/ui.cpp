@@ -82,6 +82,37 @@ nlohmann::json run_json(const Store& store, const RunRecord& r) {
   return j;
 }
 
+// A run's page: what it is, its plan, its events, and charts drawn here (SVG, no library fetched)
+// that poll /api/runs/ID/metrics while the run trains.
+const char* const kRunScript = R"JS(
+const run = document.body.dataset.run, token = new URLSearchParams(location.search).get('token');
+const q = token ? '&token=' + encodeURIComponent(token) : '';
+const series = {};
+async function poll(key) {
+  const s = series[key] || (series[key] = {points: [], after: 0});
+  const r = await fetch('/api/runs/' + run + '/metrics?key=' + key + '&after=' + s.after + q);
+  if (!r.ok) return;
+  for (const [step, value] of await r.json()) { s.points.push([step, value]); s.after = step; }
+  draw(key, s.points);
+}
+function draw(key, pts) {
+  const svg = document.getElementById('chart-' + key);
+  if (!svg || pts.length == 0) return;
+  const W = 560, H = 180, xs = pts.map(p => p[0]), ys = pts.map(p => p[1]);
+  const x0 = Math.min(...xs), x1 = Math.max(...xs, x0 + 1), y0 = Math.min(...ys), y1 = Math.max(...ys, y0 + 1e-9);
+  const px = p => 40 + (p[0] - x0) / (x1 - x0) * (W - 50), py = p => H - 20 - (p[1] - y0) / (y1 - y0) * (H - 30);
+  svg.innerHTML = '<polyline fill="none" stroke="#1f77b4" stroke-width="1.5" points="' + pts.map(p => px(p) + ',' + py(p)).join(' ') + '"/>' +
+    '<text x="2" y="12" font-size="11">' + y1.toPrecision(4) + '</text><text x="2" y="' + (H - 22) + '" font-size="11">' + y0.toPrecision(4) + '</text>' +
+    '<text x="40" y="' + (H - 4) + '" font-size="11">step ' + x0 + '</text><text x="' + (W - 80) + '" y="' + (H - 4) + '" font-size="11">step ' + x1 + '</text>';
+  document.getElementById('points-' + key).textContent = pts.length + ' points, latest ' + pts[pts.length - 1][1].toPrecision(5);
+}
+async function tick() {
+  for (const key of ['loss', 'val_loss', 'tokens_per_second']) await poll(key);
+  if (document.body.dataset.status == 'running') setTimeout(tick, 2000);
+}
+tick();
+)JS";
+
 std::string page(const std::string& title, const std::string& body) {
   return "<!doctype html><html><head><meta charset=\"utf-8\"><title>" + html_escape(title) +
          "</title><style>body{font:14px sans-serif;margin:2em}table{border-collapse:collapse}td,th{padding:3px 10px;border-bottom:1px solid #ddd;text-align:left}"
@@ -152,6 +183,10 @@ int command_ui(const UiOptions& o) {
   Store store(o.db_path);
   std::mutex store_mutex;  // one connection: requests take turns
   httplib::Server server;
+  // Browsers keep idle connections open, each holding a worker: more workers, shorter keep-alive,
+  // so that a few open tabs never leave a scraper or a poll waiting.
+  server.new_task_queue = [] { return new httplib::ThreadPool(32); };
+  server.set_keep_alive_timeout(2);
   // Read-only: GET alone, every request with the token when there is one.
   server.set_pre_routing_handler([&](const httplib::Request& req, httplib::Response& res) {
     if (req.method != "GET" && req.method != "HEAD") {
@@ -169,6 +204,7 @@ int command_ui(const UiOptions& o) {
   auto guarded = [&](auto&& handler) {
     return [&, handler](const httplib::Request& req, httplib::Response& res) {
       std::lock_guard<std::mutex> lock(store_mutex);
+      res.set_header("Cache-Control", "no-store");  // live figures: a browser never shows a stale one
       try {
         handler(req, res);
       } catch (const Error& e) {  // a bad --where, above all: the page says what, as the CLI does
@@ -185,13 +221,49 @@ int command_ui(const UiOptions& o) {
     for (const RunRecord& r : runs_of(store, req)) runs.push_back(run_json(store, r));
     res.set_content(runs.dump(), "application/json");
   }));
+  server.Get(R"(/api/runs/([0-9a-zA-Z_.-]+)/metrics)", guarded([&](const httplib::Request& req, httplib::Response& res) {
+    const std::string id = store.resolve_run(req.matches[1]);
+    const std::string key = req.has_param("key") ? req.get_param_value("key") : "loss";
+    const int64_t after = req.has_param("after") ? std::atoll(req.get_param_value("after").c_str()) : -1;
+    nlohmann::json points = nlohmann::json::array();
+    for (const MetricValue& m : store.metric_history(id, key))
+      if (m.step > after) points.push_back({m.step, m.value});
+    res.set_content(points.dump(), "application/json");
+  }));
+  server.Get(R"(/api/runs/([0-9a-zA-Z_.-]+))", guarded([&](const httplib::Request& req, httplib::Response& res) {
+    const RunRecord r = store.get_run(store.resolve_run(req.matches[1]));
+    nlohmann::json j = run_json(store, r);
+    j["config_toml"] = r.config_toml;
+    j["plan_text"] = r.plan_text;
+    for (const EventRecord& e : store.events(r.id)) j["events"].push_back({{"time", e.time}, {"kind", e.kind}, {"rank", e.rank}, {"message", e.message}});
+    for (const NodeRecord& n : store.nodes(r.id)) j["nodes"].push_back({{"node", n.node_rank}, {"host", n.host}, {"status", n.status}, {"restarts", n.restarts}});
+    res.set_content(j.dump(), "application/json");
+  }));
+  server.Get(R"(/run/([0-9a-zA-Z_.-]+))", guarded([&](const httplib::Request& req, httplib::Response& res) {
+    const RunRecord r = store.get_run(store.resolve_run(req.matches[1]));
+    std::string events;
+    for (const EventRecord& e : store.events(r.id))
+      events += "<tr><td>" + format_time(e.time) + "</td><td>" + html_escape(e.kind) + "</td><td>" + html_escape(e.message) + "</td></tr>";
+    std::string charts;
+    for (const char* key : {"loss", "val_loss", "tokens_per_second"})
+      charts += std::string("<h3>") + key + " <small id=\"points-" + key + "\"></small></h3><svg id=\"chart-" + key + "\" width=\"560\" height=\"180\"></svg>";
+    const std::string body = "<p><a href=\"/\">runs</a></p><h1>" + html_escape(r.id) + " " + html_escape(r.name) + " <span class=\"" + to_string(r.status) + "\">" +
+                             to_string(r.status) + "</span></h1>" + (r.error.empty() ? "" : "<pre class=\"failed\">" + html_escape(r.error) + "</pre>") + charts +
+                             "<h2>Plan</h2><pre>" + html_escape(r.plan_text) + "</pre><h2>Events</h2><table>" + events + "</table><h2>Config</h2><pre>" +
+                             html_escape(r.config_toml) + "</pre><script>" + kRunScript + "</script>";
+    std::string html = page("dsrun " + r.id, body);
+    html.replace(html.find("<body>"), 6, "<body data-run=\"" + html_escape(r.id) + "\" data-status=\"" + to_string(r.status) + "\">");
+    res.set_content(html, "text/html; charset=utf-8");
+  }));
   server.Get("/", guarded([&](const httplib::Request& req, httplib::Response& res) {
     const std::string where = req.has_param("where") ? req.get_param_value("where") : "";
+    // (a token given in the address travels with the links; escaped for the attribute)
+    const std::string token_query = req.has_param("token") ? "?token=" + html_escape(req.get_param_value("token")) : "";
     std::string rows;
     for (const RunRecord& r : runs_of(store, req)) {
       const auto latest = store.latest_metrics(r.id);
       const auto loss = latest.find("loss");
-      rows += "<tr><td>" + html_escape(r.id) + "</td><td>" + html_escape(r.name) + "</td><td class=\"" + to_string(r.status) + "\">" + to_string(r.status) +
+      rows += "<tr><td><a href=\"/run/" + html_escape(r.id) + token_query + "\">" + html_escape(r.id) + "</a></td><td>" + html_escape(r.name) + "</td><td class=\"" + to_string(r.status) + "\">" + to_string(r.status) +
               "</td><td>" + html_escape(r.model) + "</td><td>" + html_escape(r.hardware) + "</td><td>" + (loss != latest.end() ? std::to_string(loss->second.step) : "") +
               "</td><td>" + (loss != latest.end() ? html_escape(std::to_string(loss->second.value)) : "") + "</td><td>" + format_time(r.created_at) + "</td></tr>";
     }

@@ -81,6 +81,30 @@ TEST_CASE("dsrun ui serves /metrics for Prometheus while a run trains, the runs 
   CHECK(contains(run_command("curl -s '" + base + "/api/runs'").text, "\"status\":\"running\""));
   CHECK(run_command("curl -s -o /dev/null -w '%{http_code}' -X POST " + base + "/").text == "405");  // read-only
 
+  // The run's page in a real browser (Debian's Chromium, headless): its own script fetches the
+  // loss and draws it, and the points grow while the run trains.
+  const std::string listed = run_command("curl -s '" + base + "/api/runs?limit=1'").text;
+  const size_t id_at = listed.find("\"id\":\"");
+  REQUIRE(id_at != std::string::npos);
+  const std::string id = listed.substr(id_at + 6, 8);
+  REQUIRE(run_command("command -v chromium").code == 0);  // ./setup.sh --with-test-tools installs it
+  auto chrome = [&](const std::string& profile) {
+    return "chromium --headless --no-sandbox --disable-gpu --disable-dev-shm-usage --user-data-dir='" + dir.file(profile) +
+           "' --virtual-time-budget=3000 --dump-dom '" + base + "/run/" + id + "' 2>/dev/null";
+  };
+  auto points_in = [](const std::string& dom) {
+    const std::string marker = "id=\"points-loss\">";
+    const size_t at = dom.find(marker);
+    return at == std::string::npos ? -1 : std::atoi(dom.c_str() + at + marker.size());
+  };
+  const std::string dom = run_command(chrome("chrome1")).text;
+  INFO(dom.substr(0, 2000));
+  CHECK(contains(dom, "<svg id=\"chart-loss\" width=\"560\" height=\"180\"><polyline"));
+  const int seen = points_in(dom);
+  CHECK(seen >= 3);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  CHECK(points_in(run_command(chrome("chrome2")).text) > seen);
+
   // Off loopback with a token: every request must carry it.
   const int port2 = port + 1;
   REQUIRE(std::system(("('" + dsrun_binary() + "' ui --host 0.0.0.0 --token s3cret --port " + std::to_string(port2) + " --db '" + db + "' > '" + dir.file("ui2.log") +
