@@ -1,9 +1,10 @@
 #include "runner/alerts.hpp"
 
+#include "engine/common/clock.hpp"
 #include "engine/common/error.hpp"
 #include "engine/common/file_descriptor.hpp"
 #include "engine/recipe/load.hpp"
-#include "engine/recipe/schema.hpp"
+#include "runner/history.hpp"
 #include "storage/run_query.hpp"
 
 #ifdef DSRUN_WITH_CURL
@@ -26,8 +27,6 @@ extern char** environ;
 namespace dsrun {
 
 namespace {
-
-double clock_seconds() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 std::string describe(const AlertRule& r) {
   return r.url.empty() ? r.command.front() : r.command.empty() ? r.url : r.url + " and " + r.command.front();
@@ -103,11 +102,11 @@ bool run_with_input(const std::vector<std::string>& argv, const std::string& inp
   }
   write_end.close();
   int status = 0;
-  for (const double until = clock_seconds() + 30;;) {
+  for (const double until = steady_seconds() + 30;;) {
     const pid_t got = ::waitpid(pid, &status, WNOHANG);
     if (got == pid) break;
     if (got < 0) return why = "run " + argv[0] + ": waitpid: " + std::strerror(errno), false;
-    if (clock_seconds() > until) {
+    if (steady_seconds() > until) {
       ::kill(pid, SIGKILL);
       ::waitpid(pid, &status, 0);
       return why = "run " + argv[0] + ": still running after 30 s, killed", false;
@@ -117,6 +116,13 @@ bool run_with_input(const std::vector<std::string>& argv, const std::string& inp
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
     return why = "run " + argv[0] + ": " + (WIFEXITED(status) ? "exit code " + std::to_string(WEXITSTATUS(status)) : "killed by signal " + std::to_string(WTERMSIG(status))), false;
   return true;
+}
+
+// A `when` is --where's language over the run, its bare names being metrics.
+QueryNames alert_query_names() {
+  QueryNames n = query_names();
+  n.bare_names_are_metrics = true;
+  return n;
 }
 
 }  // namespace
@@ -147,10 +153,10 @@ void AlertDelivery::finish(double seconds) {
   std::unique_lock<std::mutex> lock(mutex_);
   if (!stopping_) {
     stopping_ = true;
-    deadline_ = clock_seconds() + seconds;
+    deadline_ = steady_seconds() + seconds;
   }
   wake_.notify_all();
-  wake_.wait_until(lock, std::chrono::steady_clock::now() + std::chrono::duration<double>(std::max(0.0, deadline_ - clock_seconds()) + 1),
+  wake_.wait_until(lock, std::chrono::steady_clock::now() + std::chrono::duration<double>(std::max(0.0, deadline_ - steady_seconds()) + 1),
                    [this] { return queue_.empty(); });
 }
 
@@ -177,7 +183,7 @@ void AlertDelivery::loop() {
       wake_.wait(lock);
       continue;
     }
-    const double now = clock_seconds();
+    const double now = steady_seconds();
     auto next = std::min_element(queue_.begin(), queue_.end(), [](const Item& a, const Item& b) { return a.next_try < b.next_try; });
     if (stopping_ && now > deadline_) {
       for (const Item& left : queue_) notes_.push_back("alert \"" + left.rule.name + "\" not delivered to " + describe(left.rule) + " by the launcher's exit, after " +
@@ -202,7 +208,7 @@ void AlertDelivery::loop() {
       if (item.attempts > 1) notes_.push_back("alert \"" + item.rule.name + "\" delivered to " + describe(item.rule) + " at attempt " + std::to_string(item.attempts));
     } else {
       if (item.attempts == 1) notes_.push_back("alert \"" + item.rule.name + "\" not delivered yet (retrying in the background): " + why);
-      item.next_try = clock_seconds() + std::min(60.0, std::pow(2.0, item.attempts - 1));
+      item.next_try = steady_seconds() + std::min(60.0, std::pow(2.0, item.attempts - 1));
       queue_.push_back(std::move(item));
     }
     wake_.notify_all();
@@ -213,7 +219,7 @@ void AlertDelivery::loop() {
 
 RunAlerts::RunAlerts(std::vector<AlertRule> rules, std::string run_id, std::string run_name, Store& store)
     : rules_(std::move(rules)), fired_(rules_.size(), false), run_id_(std::move(run_id)), run_name_(std::move(run_name)), store_(store),
-      last_step_at_(clock_seconds()) {}
+      names_(alert_query_names()), last_step_at_(steady_seconds()) {}
 
 void RunAlerts::fire(size_t i, int64_t step, const std::string& message) {
   if (fired_[i]) return;
@@ -236,7 +242,7 @@ void RunAlerts::on_metrics(int64_t step, const std::vector<std::pair<std::string
         if (rules_[i].on == AlertOn::NanLoss) fire(i, step, name + " is " + (std::isnan(value) ? "NaN" : "infinite") + " at step " + std::to_string(step));
   }
   if (has_loss) {
-    last_step_at_ = clock_seconds();
+    last_step_at_ = steady_seconds();
     last_step_ = step;
   }
   metrics_unchecked_ = true;
@@ -246,7 +252,7 @@ void RunAlerts::on_metrics(int64_t step, const std::vector<std::pair<std::string
 // Metric conditions through the store, as `dsrun history --where` asks it (the values are the
 // run's latest metrics, just written): at most once a second, and once more when the run ends.
 void RunAlerts::check_conditions(bool now_or_never) {
-  const double now = clock_seconds();
+  const double now = steady_seconds();
   if (!metrics_unchecked_ || (!now_or_never && now - last_metric_check_ < 1.0)) return;
   last_metric_check_ = now;
   metrics_unchecked_ = false;
@@ -255,9 +261,7 @@ void RunAlerts::check_conditions(bool now_or_never) {
     RunQuery q;
     q.limit = 1;
     q.where = "(" + rules_[i].when + ") and id = '" + run_id_ + "'";  // (run ids are hexadecimal: nothing to escape)
-    q.names.is_config_key = [](const std::string& k) { return find_key_spec(k) != nullptr; };
-    q.names.bare_names_are_metrics = true;
-    q.names.dialect = store_.dialect();
+    q.names = names_;
     try {
       if (!store_.query_runs(q).empty()) fire(i, last_step_, rules_[i].when + " at step " + std::to_string(last_step_));
     } catch (const Error& e) {  // the store away (its writes wait in the journal): the condition is asked again later
@@ -272,8 +276,7 @@ void RunAlerts::record_notes() {
   for (const std::string& note : delivery_.take_notes()) store_.add_event(run_id_, "alert_delivery", -1, note);
 }
 
-void RunAlerts::tick(double) {
-  const double now = clock_seconds();
+void RunAlerts::tick(double now) {
   for (size_t i = 0; i < rules_.size(); ++i)
     if (rules_[i].on == AlertOn::Stalled && now - last_step_at_ > 60 * rules_[i].minutes)
       fire(i, last_step_, "no step completed for " + std::to_string(static_cast<int64_t>(now - last_step_at_)) + " s (the last: step " + std::to_string(last_step_) + ")");
@@ -297,9 +300,7 @@ std::vector<AlertRule> alert_rules_for_run(const std::vector<AlertRule>& recipe_
   for (const Diagnostic& d : problems)
     if (d.severity == Diagnostic::Severity::Error) report += d.format();
   if (!report.empty()) throw Error("the user's alert rules have errors:\n" + report, ErrorContext{"", 0, 0, "alerts", -1, "fix the rules (docs/alerts.md)"});
-  QueryNames names;
-  names.is_config_key = [](const std::string& k) { return find_key_spec(k) != nullptr; };
-  names.bare_names_are_metrics = true;
+  const QueryNames names = alert_query_names();
   for (const AlertRule& r : rules) {
 #ifndef DSRUN_WITH_CURL
     if (!r.url.empty())

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "engine/recipe/alert_rules.hpp"
+#include "storage/run_query.hpp"
 #include "storage/store.hpp"
 
 #include <nlohmann/json.hpp>
@@ -60,10 +61,9 @@ class AlertDelivery {
 class RunAlerts {
  public:
   RunAlerts(std::vector<AlertRule> rules, std::string run_id, std::string run_name, Store& store);
-  bool empty() const { return rules_.empty(); }
   // A step's or an evaluation's metrics, finite or not: NaN and metric rules.
   void on_metrics(int64_t step, const std::vector<std::pair<std::string, double>>& metrics);
-  // Every watch-loop turn: stalled rules, and delivery notes recorded as events.
+  // Every watch-loop turn (now: steady_seconds()): stalled rules, and delivery notes recorded as events.
   void tick(double now);
   // The run ended (failed or killed fire `failed`), then deliveries get up to `drain_seconds`.
   void on_end(RunStatus status, const std::string& why, double drain_seconds);
@@ -77,6 +77,7 @@ class RunAlerts {
   std::vector<bool> fired_;
   std::string run_id_, run_name_;
   Store& store_;
+  QueryNames names_;  // what `when` conditions' names mean (alert_query_names)
   AlertDelivery delivery_;
   double last_step_at_ = 0;
   int64_t last_step_ = 0;

@@ -34,15 +34,6 @@ Store open_store(const std::string& db_path) {
   return Store(db_path);
 }
 
-QueryNames query_names() {
-  QueryNames n;
-  n.is_config_key = [](const std::string& k) { return find_key_spec(k) != nullptr || is_open_table_key(k); };
-  for (const auto& s : recipe_schema()) n.known_names.push_back(s.key);
-  for (const char* m : {"metrics.loss", "metrics.val_loss", "metrics.tokens_per_second", "metrics.step_seconds", "metrics.grad_norm", "metrics.lr"})
-    n.known_names.push_back(m);
-  return n;
-}
-
 // Bytes under a path (files and directories, not following links).
 int64_t tree_bytes(const std::string& path) {
   struct stat st {};
@@ -182,6 +173,15 @@ std::string percent_text(double e) {
 nlohmann::json number_or_null(double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(); }
 
 }  // namespace
+
+QueryNames query_names() {
+  QueryNames n;
+  n.is_config_key = [](const std::string& k) { return find_key_spec(k) != nullptr || is_open_table_key(k); };
+  for (const auto& s : recipe_schema()) n.known_names.push_back(s.key);
+  for (const char* m : {"metrics.loss", "metrics.val_loss", "metrics.tokens_per_second", "metrics.step_seconds", "metrics.grad_norm", "metrics.lr"})
+    n.known_names.push_back(m);
+  return n;
+}
 
 int command_history(const HistoryArgs& a, const std::string& db_path) {
   if (!a.status.empty()) run_status_from_string(a.status);  // a typo is an error, not an empty list

@@ -2,6 +2,8 @@
 // `restore` and `gc`; `compare` (config, plan, metrics, predicted vs measured); `watch`.
 #pragma once
 
+#include "storage/run_query.hpp"
+
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -14,6 +16,9 @@ struct HistoryArgs {
   bool ascending = false, deleted = false, json = false, csv = false;
 };
 int command_history(const HistoryArgs& args, const std::string& db_path);
+// What names mean in --where and --sort (run columns, schema and hook-option config keys,
+// metrics.KEY), with the schema's keys for did-you-mean: history's, the ui's and alerts'.
+QueryNames query_names();
 
 // A run marked running is refused, unless its launcher is gone (launcher_gone) and `force` is set.
 int command_delete(const std::vector<std::string>& runs, bool force, const std::string& db_path);

@@ -1,6 +1,7 @@
 #include "runner/launcher.hpp"
 
 #include "engine/checkpoint/checkpoint.hpp"
+#include "engine/common/clock.hpp"
 #include "engine/common/error.hpp"
 #include "engine/common/files.hpp"
 #include "engine/common/host.hpp"
@@ -42,8 +43,6 @@ volatile sig_atomic_t checkpoint_requested = 0;  // SIGUSR1: forwarded to every 
 void on_checkpoint_request(int) { checkpoint_requested = 1; }
 volatile sig_atomic_t prune_requested = 0;  // SIGUSR2: the sweep pruned this trial
 void on_prune_request(int) { prune_requested = 1; }
-
-double now_seconds() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 // How often the launcher records that it is alive (runs.heartbeat_at). launcher_gone() allows
 // kLauncherSilentSeconds, many times this, so a busy store or a slow shutdown never looks dead.
@@ -184,7 +183,7 @@ class Supervisor {
     const int port = o_.master_port > 0 ? o_.master_port : free_port();
     const std::string rank_binary = path_join(executable_directory(), "dsrun-rank");
     const HostFacts host = read_host_facts();
-    started_ = now_seconds();
+    started_ = steady_seconds();
     first_step_ = 1;
 
     for (int local = first_local; local < end_local && first_rank + local < plan_.world_size; ++local) {
@@ -233,7 +232,7 @@ class Supervisor {
       ::close(pipe_fds[1]);
       p.pid = pid;
       p.fd = pipe_fds[0];
-      p.last_progress = now_seconds();
+      p.last_progress = steady_seconds();
       ranks_.push_back(p);
     }
     if (single && !o_.owns_run) return;  // one launch event per run under an outside launcher, from rank 0's worker
@@ -297,7 +296,7 @@ class Supervisor {
 
   // `dsrun watch` and `dsrun delete` on another terminal tell a dead launcher by this.
   void heartbeat() {
-    const double now = now_seconds();
+    const double now = steady_seconds();
     if (now - last_heartbeat_ < kHeartbeatSeconds) return;
     last_heartbeat_ = now;
     if (o_.owns_run) store_.run_heartbeat(run_id_, hostname_, ::getpid());
@@ -307,7 +306,7 @@ class Supervisor {
   Ending watch() {
     while (true) {
       heartbeat();
-      if (alerts_) alerts_->tick(now_seconds());
+      if (alerts_) alerts_->tick(steady_seconds());
       std::vector<pollfd> fds;
       for (auto& p : ranks_)
         if (p.fd >= 0) fds.push_back({p.fd, POLLIN, 0});
@@ -339,8 +338,8 @@ class Supervisor {
         if (!p.running && p.exit_code != 0 && (!failed || (lost_peer(*failed) && !lost_peer(p)))) failed = &p;
       if (failed && lost_peer(*failed)) {
         const bool others_running = std::any_of(ranks_.begin(), ranks_.end(), [](const RankProcess& p) { return p.running; });
-        if (echo_seen_at_ == 0) echo_seen_at_ = now_seconds();
-        if (others_running && now_seconds() - echo_seen_at_ < kCauseWaitSeconds) continue;
+        if (echo_seen_at_ == 0) echo_seen_at_ = steady_seconds();
+        if (others_running && steady_seconds() - echo_seen_at_ < kCauseWaitSeconds) continue;
       }
       if (failed) {
         const RankProcess& p = *failed;
@@ -368,7 +367,7 @@ class Supervisor {
       // Hangs: no progress within the step timeout (start-up has its own, longer one). When one
       // rank hangs the others soon wait for it in a collective, so all go quiet: the culprit is the
       // rank that got least far (started the fewest steps, or never became ready).
-      const double now = now_seconds();
+      const double now = steady_seconds();
       // A rank the kernel shows stopped (SIGSTOP, a debugger) is the culprit by definition, and the
       // others' silence is only their wait for it: once anyone is past the step timeout (start-up
       // included), it is the one named.
@@ -451,7 +450,7 @@ class Supervisor {
       store_.add_event(run_id_, "garbled", p.rank, "unreadable report line", line.substr(0, 200));
       return;
     }
-    p.last_progress = now_seconds();
+    p.last_progress = steady_seconds();
     std::visit([&](const auto& body) { on_report(p, body); }, report->body);
   }
 
@@ -459,8 +458,8 @@ class Supervisor {
   void on_report(RankProcess& p, const ReadyReport& r) {
     p.ready = true;
     first_step_ = r.first_step;
-    if (p.rank == 0) store_.add_event(run_id_, "ready", -1, "ranks started in " + format_seconds(now_seconds() - started_));
-    if (p.rank == 0) store_.add_metrics(run_id_, 0, {{"startup_seconds", r.startup_seconds}, {"launch_to_ready_seconds", now_seconds() - started_}});
+    if (p.rank == 0) store_.add_event(run_id_, "ready", -1, "ranks started in " + format_seconds(steady_seconds() - started_));
+    if (p.rank == 0) store_.add_metrics(run_id_, 0, {{"startup_seconds", r.startup_seconds}, {"launch_to_ready_seconds", steady_seconds() - started_}});
   }
 
   void on_report(RankProcess& p, const BeatReport& r) { p.step = r.step; }
@@ -572,8 +571,8 @@ class Supervisor {
     const int culprit = end.culprit;
     for (auto& p : ranks_)
       if (p.running) ::kill(p.pid, SIGTERM);
-    const double deadline = now_seconds() + grace;
-    while (now_seconds() < deadline) {
+    const double deadline = steady_seconds() + grace;
+    while (steady_seconds() < deadline) {
       heartbeat();  // the grace period may be minutes (checkpoint.at_end)
       for (auto& p : ranks_) drain(p);  // checkpoints saved while stopping are still recorded
       reap();
@@ -601,7 +600,7 @@ class Supervisor {
   }
 
   void show_progress(int64_t step, int64_t total, const nlohmann::json& metrics) {
-    const double elapsed = now_seconds() - started_;
+    const double elapsed = steady_seconds() - started_;
     const int64_t done_here = step - first_step_ + 1;  // steps this attempt ran (a resumed run starts later)
     const double eta = done_here > 0 ? elapsed / static_cast<double>(done_here) * static_cast<double>(total - step) : 0;
     std::string line = "step " + std::to_string(step) + "/" + std::to_string(total) + "  loss " + format_double(metrics.value("loss", 0.0), 5) +
@@ -763,9 +762,9 @@ static double store_reconnect_seconds() {
 static void flush_store_journal(Store& store) {
   if (!store.journal_pending()) return;
   std::fprintf(stderr, "dsrun: waiting up to 10 min for the run store to take the run's last writes\n");
-  const double deadline = now_seconds() + 600;
+  const double deadline = steady_seconds() + 600;
   while (!store.replay_journal(/*now=*/true)) {
-    if (now_seconds() > deadline) {
+    if (steady_seconds() > deadline) {
       std::fprintf(stderr, "dsrun: warning: the run store stayed away: the run's last writes wait in its journal; `dsrun resume` replays them\n");
       return;
     }

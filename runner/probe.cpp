@@ -203,8 +203,8 @@ std::string template_text(const LoadedRecipe& loaded, const std::string& name, c
 }  // namespace
 
 int command_probe(const ProbeArgs& args) {
-  const double start = probe_clock();
-  auto progress = [&](const std::string& line) { std::cerr << "probe [" << format_seconds(probe_clock() - start) << "] " << line << std::endl; };
+  const double start = steady_seconds();
+  auto progress = [&](const std::string& line) { std::cerr << "probe [" << format_seconds(steady_seconds() - start) << "] " << line << std::endl; };
   HostFacts host = read_host_facts();
   LoadedRecipe loaded = load_or_report(args.recipe, host);
   const Recipe& r = loaded.recipe;
@@ -267,7 +267,7 @@ int command_probe(const ProbeArgs& args) {
     std::cout << text;
   } else {
     write_file_atomic(output, text);
-    std::cout << "wrote " << output << " (" << figures.size() << " figures in " << format_seconds(probe_clock() - start) << ")\n";
+    std::cout << "wrote " << output << " (" << figures.size() << " figures in " << format_seconds(steady_seconds() - start) << ")\n";
     if (starts_with(output, templates_directory() + "/hardware/")) std::cout << "use it: base = [\"hardware/" << file_stem(output) << "\", ...] in a recipe\n";
   }
   return 0;

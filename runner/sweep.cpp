@@ -1,5 +1,6 @@
 #include "runner/sweep.hpp"
 
+#include "engine/common/clock.hpp"
 #include "engine/common/error.hpp"
 #include "engine/common/files.hpp"
 #include "engine/common/host.hpp"
@@ -36,8 +37,6 @@ namespace {
 
 volatile sig_atomic_t sweep_interrupted = 0;
 void on_sweep_interrupt(int) { sweep_interrupted = 1; }
-
-double now_seconds() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 // What a trial is: `dsrun run` of the sweep's recipe with the trial's values, its log in `log`,
 // told which sweep, trial and values it is (and, for a Slurm task's claimed trial, which run).
@@ -280,7 +279,7 @@ class SweepDriver {
     log_dir_ = path_join(runs_directory(db_path_), "sweeps/" + sweep_.id);
     make_directories(log_dir_);
     const int64_t budget = trial_budget(spec_);
-    const double deadline = spec_.max_minutes > 0 ? now_seconds() + spec_.max_minutes * 60 : 0;
+    const double deadline = spec_.max_minutes > 0 ? steady_seconds() + spec_.max_minutes * 60 : 0;
 
     // What earlier attempts of this sweep finished stays; failed and killed trials run again.
     std::vector<bool> done(static_cast<size_t>(budget), false);
@@ -308,7 +307,7 @@ class SweepDriver {
         stop_reason = "target reached";
         prune_all("the sweep's target " + format_double(*spec_.target, 6) + " was reached by run " + best_run_);
       }
-      if (stop_reason.empty() && deadline > 0 && now_seconds() > deadline) {
+      if (stop_reason.empty() && deadline > 0 && steady_seconds() > deadline) {
         stop_reason = "time budget";
         prune_all("the sweep's time budget of " + format_double(spec_.max_minutes, 4) + " min ran out");
       }

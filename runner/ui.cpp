@@ -3,8 +3,9 @@
 #include "engine/common/error.hpp"
 #include "engine/common/files.hpp"
 #include "engine/common/text.hpp"
-#include "engine/recipe/schema.hpp"
+#include "runner/history.hpp"
 #include "runner/report.hpp"
+#include "runner/terminal.hpp"
 #include "storage/run_query.hpp"
 #include "storage/store.hpp"
 
@@ -49,28 +50,14 @@ void on_stop(int) {
 bool loopback(const std::string& host) { return host == "127.0.0.1" || host == "::1" || host == "localhost"; }
 
 
-QueryNames ui_query_names(const Store& store) {
-  QueryNames n;
-  n.is_config_key = [](const std::string& k) { return find_key_spec(k) != nullptr || is_open_table_key(k); };
-  for (const auto& s : recipe_schema()) n.known_names.push_back(s.key);
-  n.dialect = store.dialect();
-  return n;
-}
 
-std::string format_time(double unix_seconds) {
-  if (unix_seconds <= 0) return "";
-  const std::time_t t = static_cast<std::time_t>(unix_seconds);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M", std::localtime(&t));
-  return buf;
-}
 
 // The runs a request asks for: ?where= (the history language, bound values only) and ?limit=.
 std::vector<RunRecord> runs_of(const Store& store, const httplib::Request& req) {
   RunQuery q;
   q.limit = req.has_param("limit") ? std::max(1, std::min(10000, std::atoi(req.get_param_value("limit").c_str()))) : 200;
   q.where = req.has_param("where") ? req.get_param_value("where") : "";
-  q.names = ui_query_names(store);
+  q.names = query_names();  // (the store sets its dialect)
   return store.query_runs(q);
 }
 

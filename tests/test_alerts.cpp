@@ -13,17 +13,9 @@
 using namespace dsrun;
 using dsrun::test::contains;
 using dsrun::test::load_text;
+using dsrun::test::only_error;
 
 namespace {
-
-const Diagnostic& only_alert_error(const LoadedRecipe& r) {
-  std::vector<Diagnostic> errors = dsrun::test::errors_of(r);
-  INFO(r.report());
-  REQUIRE(errors.size() == 1);
-  static Diagnostic kept;
-  kept = errors[0];
-  return kept;
-}
 
 int count_lines_with(const std::string& path, const std::string& needle) {
   std::ifstream in(path);
@@ -48,21 +40,21 @@ TEST_CASE("alert rules are checked where they are written: file, line, key and a
   CHECK(good.alerts[2].minutes == 10);
   CHECK(contains(good.alerts[2].written_at, "test.toml:"));
 
-  const Diagnostic& typo = only_alert_error(load_text("[[alerts]]\non = \"nan\"\nurl = \"http://x\"\nmniutes = 3\n"));
+  const Diagnostic& typo = only_error(load_text("[[alerts]]\non = \"nan\"\nurl = \"http://x\"\nmniutes = 3\n"));
   CHECK(typo.key == "alerts.mniutes");
   CHECK(typo.source.line == 4);
   CHECK(contains(typo.fix, "did you mean minutes?"));
-  const Diagnostic& on = only_alert_error(load_text("[[alerts]]\non = \"stalle\"\nrun = [\"true\"]\n"));
+  const Diagnostic& on = only_error(load_text("[[alerts]]\non = \"stalle\"\nrun = [\"true\"]\n"));
   CHECK(on.key == "alerts.on");
   CHECK(contains(on.fix, "did you mean stalled?"));
-  CHECK(only_alert_error(load_text("[[alerts]]\non = \"metric\"\nrun = [\"true\"]\n")).key == "alerts.when");
-  CHECK(only_alert_error(load_text("[[alerts]]\non = \"stalled\"\nrun = [\"true\"]\n")).key == "alerts.minutes");
-  CHECK(contains(only_alert_error(load_text("[[alerts]]\non = \"failed\"\n")).message, "somewhere to go"));
-  CHECK(only_alert_error(load_text("[[alerts]]\non = \"failed\"\nurl = \"ftp://x\"\n")).key == "alerts.url");
-  const Diagnostic& shell = only_alert_error(load_text("[[alerts]]\non = \"failed\"\nrun = \"notify-send dsrun\"\n"));
+  CHECK(only_error(load_text("[[alerts]]\non = \"metric\"\nrun = [\"true\"]\n")).key == "alerts.when");
+  CHECK(only_error(load_text("[[alerts]]\non = \"stalled\"\nrun = [\"true\"]\n")).key == "alerts.minutes");
+  CHECK(contains(only_error(load_text("[[alerts]]\non = \"failed\"\n")).message, "somewhere to go"));
+  CHECK(only_error(load_text("[[alerts]]\non = \"failed\"\nurl = \"ftp://x\"\n")).key == "alerts.url");
+  const Diagnostic& shell = only_error(load_text("[[alerts]]\non = \"failed\"\nrun = \"notify-send dsrun\"\n"));
   CHECK(shell.key == "alerts.run");
   CHECK(contains(shell.message, "without a shell"));
-  CHECK(only_alert_error(load_text("[alerts]\non = \"failed\"\n")).key == "alerts");
+  CHECK(only_error(load_text("[alerts]\non = \"failed\"\n")).key == "alerts");
 }
 
 TEST_CASE("a run's alerts fire once each, to a webhook that is down at first and to a program, and are recorded, and training goes on", "[alerts][slow]") {

@@ -18,7 +18,6 @@
 #include "engine_util.hpp"
 #include "test_util.hpp"
 
-#define CATCH_CONFIG_MAIN
 #include <catch2/catch.hpp>
 
 #include <cstring>

@@ -15,17 +15,9 @@
 using namespace dsrun;
 using dsrun::test::errors_of;
 using dsrun::test::load_text;
+using dsrun::test::only_error;
 
 namespace {
-
-const Diagnostic& only_error(const LoadedRecipe& r) {
-  auto errors = errors_of(r);
-  INFO(r.report());
-  REQUIRE(errors.size() == 1);
-  static Diagnostic keep;
-  keep = errors[0];
-  return keep;
-}
 
 bool contains(const std::string& haystack, const std::string& needle) { return haystack.find(needle) != std::string::npos; }
 

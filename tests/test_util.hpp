@@ -6,6 +6,7 @@
 #include "engine/common/host.hpp"
 #include "engine/recipe/load.hpp"
 
+#include <catch2/catch.hpp>
 #include <sys/wait.h>
 
 #include <cstdio>
@@ -99,6 +100,16 @@ inline std::vector<Diagnostic> errors_of(const LoadedRecipe& r) {
   for (const auto& d : r.diagnostics)
     if (d.severity == Diagnostic::Severity::Error) out.push_back(d);
   return out;
+}
+
+// The recipe's one error (the test fails, with the report, if it has none or several).
+inline const Diagnostic& only_error(const LoadedRecipe& r) {
+  static Diagnostic kept;
+  const std::vector<Diagnostic> errors = errors_of(r);
+  INFO(r.report());
+  REQUIRE(errors.size() == 1);
+  kept = errors[0];
+  return kept;
 }
 
 }  // namespace dsrun::test

@@ -1,5 +1,6 @@
 #include "engine/hooks/lua_sandbox.hpp"
 
+#include "engine/common/clock.hpp"
 #include "engine/common/error.hpp"
 
 #include <lua.hpp>
@@ -18,8 +19,6 @@ namespace {
 constexpr int kCountStep = 1000;       // instructions between budget checks
 constexpr int kMaxDepth = 32;          // nesting of converted tables (a cycle ends here)
 constexpr double kPatternSteps = 1e9;  // worst-case steps one pattern call may take (about a second)
-
-double steady_now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 LuaSandbox::Budget& budget_of(lua_State* L) {
   void* ud = nullptr;
@@ -40,7 +39,7 @@ void* capped_alloc(void* ud, void* ptr, size_t osize, size_t nsize) {
   }
   if (static_cast<double>(nsize) > old) {
     if (b->memory_used + (static_cast<double>(nsize) - old) > b->limits.memory_limit_bytes) return nullptr;
-    if (b->deadline > 0 && (b->timed_out || steady_now() > b->deadline)) {
+    if (b->deadline > 0 && (b->timed_out || steady_seconds() > b->deadline)) {
       b->timed_out = true;
       return nullptr;
     }
@@ -58,7 +57,7 @@ void count_hook(lua_State* L, lua_Debug*) {
   b.used += lua_gethookcount(L);
   const bool over = b.used > b.limits.instruction_limit;
   if (!over && !b.timed_out) {
-    if (b.deadline <= 0 || steady_now() <= b.deadline) return;
+    if (b.deadline <= 0 || steady_seconds() <= b.deadline) return;
     b.timed_out = true;
   }
   lua_sethook(L, count_hook, LUA_MASKCOUNT, 1);
@@ -554,7 +553,7 @@ LuaSandbox::LuaSandbox(const std::string& script_path, const LuaSandboxOptions& 
   if (!L_) throw Error("cannot create a Lua state (memory cap too small?)", ErrorContext{script_, 0, 0, "hooks.memory_limit_mb", -1, "raise hooks.memory_limit_mb"});
   lua_State* L = L_.get();
   lua_sethook(L, count_hook, LUA_MASKCOUNT, kCountStep);
-  budget_->deadline = steady_now() + options.time_limit_seconds;
+  budget_->deadline = steady_seconds() + options.time_limit_seconds;
   lua_pushcfunction(L, open_sandbox);
   const int rc = lua_pcall(L, 0, 0, 0);
   budget_->deadline = 0;
@@ -576,7 +575,7 @@ void LuaSandbox::run_protected(Op op, const std::string& name, const std::vector
   b.timed_out = false;
   b.printed_call = 0;
   b.call_notice_given = false;
-  b.deadline = steady_now() + b.limits.time_limit_seconds;
+  b.deadline = steady_seconds() + b.limits.time_limit_seconds;
   lua_sethook(L, count_hook, LUA_MASKCOUNT, kCountStep);  // re-armed: a spent budget fired on every instruction
   Request req{op, &name, &args};
   lua_pushcfunction(L, trampoline);

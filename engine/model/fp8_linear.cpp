@@ -48,11 +48,6 @@ Fp8Operand quantize_reference(const Tensor& x, Fp8Scaling scaling, bool e5m2, bo
 }
 
 #ifdef DSRUN_WITH_FUSED_KERNELS
-#define DSRUN_CHECK_FP8_LAUNCH()                                                                                               \
-  do {                                                                                                                          \
-    if (const char* e = dsrun_fused_last_error()) ::dsrun::fail_at(__FILE__, __LINE__, std::string("FP8 kernel launch failed: ") + e); \
-  } while (0)
-
 Fp8Operand quantize_kernels(const Tensor& x, Fp8Scaling scaling, bool e5m2, bool want_q, bool want_qt) {
   const int64_t rows = x.size(0), cols = x.size(1);
   const bool rowwise = scaling == Fp8Scaling::Rowwise;
@@ -63,7 +58,7 @@ Fp8Operand quantize_kernels(const Tensor& x, Fp8Scaling scaling, bool e5m2, bool
   Tensor amax = rowwise ? Tensor() : torch::empty({1}, f32);
   auto ptr = [](const Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
   dsrun_fp8_amax(x.data_ptr(), rows, cols, ptr(row_amax), ptr(col_amax), ptr(amax), stream);
-  DSRUN_CHECK_FP8_LAUNCH();
+  DSRUN_CHECK_LAUNCH();
   Fp8Operand o;
   const auto fp8 = x.options().dtype(compat::fp8_dtype(e5m2));
   if (want_q) o.q = torch::empty({rows, cols}, fp8);
@@ -78,7 +73,7 @@ Fp8Operand quantize_kernels(const Tensor& x, Fp8Scaling scaling, bool e5m2, bool
   dsrun_fp8_quantize(x.data_ptr(), rows, cols, e5m2 ? 1 : 0, rowwise ? 1 : 0, rowwise ? ptr(row_amax) : ptr(amax), ptr(col_amax),
                      want_q ? o.q.data_ptr() : nullptr, want_qt ? o.qt.data_ptr() : nullptr, ptr(o.inv_q),
                      rowwise ? ptr(o.inv_t) : nullptr, stream);
-  DSRUN_CHECK_FP8_LAUNCH();
+  DSRUN_CHECK_LAUNCH();
   return o;
 }
 #endif

@@ -93,3 +93,10 @@ void dsrun_combine_rows_backward(const void* d_out, const void* src, const int64
 // The last launch error as text, or nullptr: callers turn it into an exception with file:line.
 const char* dsrun_fused_last_error(void);
 }
+
+// For the C++ callers (with engine/common/error.hpp): after a call above, its launch error as a
+// dsrun::Error naming the caller's file:line.
+#define DSRUN_CHECK_LAUNCH()                                                                                                   \
+  do {                                                                                                                        \
+    if (const char* e = dsrun_fused_last_error()) ::dsrun::fail_at(__FILE__, __LINE__, std::string("CUDA kernel launch failed: ") + e); \
+  } while (0)

@@ -57,11 +57,6 @@ Tensor swiglu_reference(const Tensor& gate_up) {
 
 #ifdef DSRUN_WITH_FUSED_KERNELS
 
-#define DSRUN_CHECK_LAUNCH()                                                                         \
-  do {                                                                                               \
-    if (const char* e = dsrun_fused_last_error()) ::dsrun::fail_at(__FILE__, __LINE__, std::string("CUDA kernel launch failed: ") + e); \
-  } while (0)
-
 int kernel_dtype(const Tensor& t) {
   switch (t.scalar_type()) {
     case torch::kBFloat16: return DSRUN_BF16;

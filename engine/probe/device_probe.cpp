@@ -52,10 +52,10 @@ std::vector<double> call_seconds(const torch::Device& device, const Repeats& n, 
   drain();
   std::vector<double> seconds;
   for (int i = 0; i < n.timed; ++i) {
-    const double start = probe_clock();
+    const double start = steady_seconds();
     work();
     drain();
-    seconds.push_back(probe_clock() - start);
+    seconds.push_back(steady_seconds() - start);
   }
   return seconds;
 }

@@ -1,5 +1,6 @@
 #include "engine/probe/host_probe.hpp"
 
+#include "engine/common/clock.hpp"
 #include "engine/common/error.hpp"
 #include "engine/common/file_descriptor.hpp"
 #include "engine/common/files.hpp"
@@ -33,14 +34,14 @@ double time_triad(int64_t n, HostThreadPool& pool, int repeats) {
   const int64_t tasks = (n + block - 1) / block;
   double best = 1e30;
   for (int r = 0; r < repeats + 1; ++r) {
-    const double start = probe_clock();
+    const double start = steady_seconds();
     pool.run(tasks, [&](int64_t t) {
       const int64_t begin = t * block, end = std::min(n, begin + block);
       float* pa = a.data();
       const float *pb = b.data(), *pc = c.data();
       for (int64_t i = begin; i < end; ++i) pa[i] = pb[i] + 3.f * pc[i];
     });
-    if (r > 0) best = std::min(best, probe_clock() - start);
+    if (r > 0) best = std::min(best, steady_seconds() - start);
   }
   return best;
 }
@@ -104,9 +105,9 @@ void HostStepBench::run_once() {
 double HostStepBench::median_seconds(int repeats) {
   std::vector<double> seconds;
   for (int r = 0; r < std::max(1, repeats); ++r) {
-    const double start = probe_clock();
+    const double start = steady_seconds();
     run_once();
-    seconds.push_back(probe_clock() - start);
+    seconds.push_back(steady_seconds() - start);
   }
   return probe_median(std::move(seconds));
 }
@@ -121,8 +122,6 @@ double probe_median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0 : v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
 }
-
-double probe_clock() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 std::string probe_number(double v, int digits) {
   std::ostringstream s;
@@ -144,7 +143,7 @@ std::vector<ProbeFigure> probe_disk(const std::string& directory, int64_t bytes)
   const int64_t block = int64_t{8} << 20;
   std::vector<char> buffer(static_cast<size_t>(block));
   for (size_t i = 0; i < buffer.size(); ++i) buffer[i] = static_cast<char>(i * 2654435761u >> 13);  // not compressible to nothing
-  const double write_start = probe_clock();
+  const double write_start = steady_seconds();
   for (int64_t done = 0; done < bytes;) {
     const ssize_t n = ::write(fd.get(), buffer.data(), static_cast<size_t>(std::min(block, bytes - done)));
     if (n < 0) {
@@ -154,18 +153,18 @@ std::vector<ProbeFigure> probe_disk(const std::string& directory, int64_t bytes)
     done += n;
   }
   DSRUN_PROBE_SYSCALL(::fsync(fd.get()), "cannot fsync a file in", directory);
-  const double write_seconds = probe_clock() - write_start;
+  const double write_seconds = steady_seconds() - write_start;
   // Reads from the disk, not from the page cache the writes filled.
   ::posix_fadvise(fd.get(), 0, 0, POSIX_FADV_DONTNEED);
   DSRUN_PROBE_SYSCALL(::lseek(fd.get(), 0, SEEK_SET), "cannot seek in a file in", directory);
-  const double read_start = probe_clock();
+  const double read_start = steady_seconds();
   for (int64_t done = 0; done < bytes;) {
     const ssize_t n = ::read(fd.get(), buffer.data(), static_cast<size_t>(std::min(block, bytes - done)));
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) disk_failure("cannot read back", directory, n < 0 ? errno : EIO);
     done += n;
   }
-  const double read_seconds = probe_clock() - read_start;
+  const double read_seconds = steady_seconds() - read_start;
   const std::string size = probe_number(static_cast<double>(bytes) / (1 << 20), 0) + " MiB";
   return {
       {"hardware.disk_write_gbs", bytes / write_seconds / 1e9, size + " in 8 MiB writes and one fsync under " + directory},

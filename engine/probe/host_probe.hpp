@@ -2,6 +2,8 @@
 // throughput (the fused host step ranks run), host memory bandwidth, and the disk under checkpoint.dir.
 #pragma once
 
+#include "engine/common/clock.hpp"
+
 #include "engine/recipe/recipe.hpp"
 #include "engine/train/host_optimizer.hpp"
 
@@ -36,8 +38,7 @@ struct HostProbeOptions {
 
 using ProbeProgress = std::function<void(const std::string& line)>;
 
-// Both halves of the probe time with this clock (seconds) and print numbers with fixed digits.
-double probe_clock();
+// Both halves of the probe time with steady_seconds (engine/common/clock.hpp) and print numbers with fixed digits.
 // The median of measured call times: what training sustains (the fastest flatters, a mean takes in bursts of load).
 double probe_median(std::vector<double> seconds);
 std::string probe_number(double v, int digits);

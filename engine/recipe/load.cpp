@@ -155,18 +155,21 @@ Value to_value(const toml::node& node) {
   return other;
 }
 
+// Where a TOML node was written.
+Source source_of(const toml::node& node, Layer layer, const std::string& file) {
+  Source s;
+  s.layer = layer;
+  s.file = file;
+  s.line = static_cast<int>(node.source().begin.line);
+  s.column = static_cast<int>(node.source().begin.column);
+  return s;
+}
+
 // ---------------------------------------------------------------- [[alerts]]
 
 // Each table of an [[alerts]] array as an AlertRule; every problem an error naming file, line and key.
 void parse_alert_rules(const toml::node& node, Layer layer, const std::string& file, std::vector<AlertRule>& out, std::vector<Diagnostic>& diagnostics) {
-  auto where = [&](const toml::node& n) {
-    Source s;
-    s.layer = layer;
-    s.file = file;
-    s.line = static_cast<int>(n.source().begin.line);
-    s.column = static_cast<int>(n.source().begin.column);
-    return s;
-  };
+  auto where = [&](const toml::node& n) { return source_of(n, layer, file); };
   auto error = [&](const toml::node& n, const std::string& key, const std::string& message, const std::string& fix) {
     diagnostics.push_back({Diagnostic::Severity::Error, where(n), key, message, fix});
   };
@@ -256,15 +259,6 @@ struct Parser {
 
   void error(Source src, std::string key, std::string message, std::string fix = "") {
     diagnostics.push_back({Diagnostic::Severity::Error, std::move(src), std::move(key), std::move(message), std::move(fix)});
-  }
-
-  static Source source_of(const toml::node& node, Layer layer, const std::string& file) {
-    Source s;
-    s.layer = layer;
-    s.file = file;
-    s.line = static_cast<int>(node.source().begin.line);
-    s.column = static_cast<int>(node.source().begin.column);
-    return s;
   }
 
   void flatten(const toml::table& table, const std::string& prefix, Layer layer, const std::string& file) {
