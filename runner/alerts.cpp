@@ -157,7 +157,7 @@ void AlertDelivery::finish(double seconds) {
   }
   wake_.notify_all();
   wake_.wait_until(lock, std::chrono::steady_clock::now() + std::chrono::duration<double>(std::max(0.0, deadline_ - steady_seconds()) + 1),
-                   [this] { return queue_.empty(); });
+                   [this] { return queue_.empty() && in_flight_ == 0; });
 }
 
 std::vector<std::string> AlertDelivery::take_notes() {
@@ -199,10 +199,12 @@ void AlertDelivery::loop() {
     }
     Item item = *next;
     queue_.erase(next);
+    ++in_flight_;   // (finish() waits for it too: its note must reach the run's events)
     lock.unlock();  // deliveries run without the lock: send() never waits for a slow receiver
     std::string why;
     const bool delivered = try_deliver(item, why);
     lock.lock();
+    --in_flight_;
     ++item.attempts;
     if (delivered) {
       if (item.attempts > 1) notes_.push_back("alert \"" + item.rule.name + "\" delivered to " + describe(item.rule) + " at attempt " + std::to_string(item.attempts));

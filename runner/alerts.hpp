@@ -50,6 +50,7 @@ class AlertDelivery {
   std::mutex mutex_;
   std::condition_variable wake_;
   std::deque<Item> queue_;
+  int in_flight_ = 0;  // taken off the queue, being delivered
   std::vector<std::string> notes_;
   bool stopping_ = false;
   double deadline_ = 0;  // set by finish(): give up on what is left after it
