@@ -12,6 +12,7 @@
 #     pipelines  the same shape under pipeline 2 and 4 (1F1B, interleaved) and tensor 2 x pipeline 2
 #     peer7b   the FSDP2 peer of the 7B shape: FSDP over every GPU, and tensor 2 x FSDP
 #     moe      recipes/gpu/deepseek_moe_h100.toml under expert 1, 2 and every GPU (data parallel too)
+#     one-micro  pipelines with one micro-batch a step (pipeline 2 x data 2, pipeline 4), bounded
 #     ckpt     synchronous and asynchronous saves of the ~1B on every GPU (CKPT_EVERY, CKPT_STEPS)
 #     faults   SIGKILL of rank 2 mid-run (restart, resume), SIGSTOP of rank 1 (named), too many GPUs
 #   Env: STEPS (default 12 for the 1B, 8 for the 7B shape), GPU_TESTS (ctest regex after the build),
@@ -113,6 +114,19 @@ for phase in "$@"; do
       for ep in 1 2 $gpus; do
         run moe-ep$ep-dp$gpus $moe --set run.steps=$steps --set hardware.devices_per_node=$gpus --set parallel.data_parallel=$gpus \
           --set parallel.expert=$ep --set batch.global=$((4 * gpus))
+      done ;;
+    one-micro)
+      # Pipelines with one micro-batch a step (fewer than stages), which stopped NCCL's set-up with
+      # "Message truncated" (pipeline 2 x data 2) or hung (pipeline 4): the plan now refuses them on
+      # GPUs, which this phase checks (the ~1B, 3 steps each, bounded).
+      for shape in "pp2-dp2:2:2:8:16" "pp4:4:1:16:16"; do
+        IFS=: read -r name pp dp micro global <<< "$shape"
+        t0=$(date +%s)
+        timeout 120 env NCCL_DEBUG=WARN build-gpu/dsrun run $one_b "${common[@]}" --set run.steps=3 --set schedule.warmup_steps=1 \
+          --set hardware.devices_per_node=$gpus --set parallel.pipeline=$pp --set parallel.data_parallel=$dp --set parallel.tensor=1 \
+          --set batch.micro=$micro --set batch.global=$global --set run.name=\"one-micro-$name\" > "$out/one-micro-$name.log" 2>&1
+        echo "one micro-batch a step, $name -> $? in $(( $(date +%s) - t0 )) s"
+        grep -hiE "truncated|mismatch|error" "$out/one-micro-$name.log" | head -3
       done ;;
     ckpt)
       for async in false true; do

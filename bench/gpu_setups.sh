@@ -20,6 +20,8 @@
 #           the GPU machine) on 3 GPUs without peer access: recipes/rtx4090x3_resnet50_cifar10.toml
 #           beside torchvision's ResNet-50 under DistributedDataParallel (bench/resnet_peer_gpu.py),
 #           RESNET_STEPS steps (130 an epoch) each; images/s and test accuracy.
+#   resnet-profile  dsrun's ResNet-50 step on those 3 GPUs traced (DSRUN_PROFILE, steps 100-104):
+#           $out/trace-resnet.txt (bench/trace_summary.py).
 # Env: STEPS (default 20). Results: $out/summary*.txt (bench/gpu_setups_summary.py), logs in $out.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
@@ -90,7 +92,7 @@ for phase in "$@"; do
       tail -1 "$out/prepare.log" 2>/dev/null
       for dtype in bf16 fp16; do
         build-gpu/dsrun run $one_b --db "$fdb" --set precision.dtype="\"$dtype\"" --set run.name="\"1b-$dtype\"" --set run.steps=${FP16_STEPS:-200} \
-          --set parallel.data_parallel=4 --set parallel.zero_stage=2 --set batch.global=16 --set batch.micro=4 --set schedule.warmup_steps=20 \
+          --set hardware.devices_per_node=4 --set parallel.data_parallel=4 --set parallel.zero_stage=2 --set batch.global=16 --set batch.micro=4 --set schedule.warmup_steps=20 \
           --set data.kind='"tokens"' --set data.path="\"$PWD/data/fortunes_llama2\"" --set checkpoint.every=0 --set checkpoint.at_end=false \
           --set hardware.host_memory_gib=$gib > "$out/fp16-$dtype.log" 2>&1
         echo "1B $dtype on 4 GPUs -> $?"
@@ -100,20 +102,34 @@ for phase in "$@"; do
     resnet)
       rdb=/tmp/resnet.db
       steps_r=${RESNET_STEPS:-1300}
+      # The recipe's peak rate (0.15, for CIFAR-10's photographs) made both programs diverge on the
+      # gratings (dsrun near the peak, the peer before step 100, in fp16): both run at RESNET_LR.
+      lr_r=${RESNET_LR:-0.05}
       [ -f /tmp/cifar_like/test_batch.bin ] || python3 "$(dirname "$0")/cifar_like.py" /tmp/cifar_like
       base_r=recipes/rtx4090x3_resnet50_cifar10.toml
       [ -f /tmp/nop2p_probe.toml ] && base_r=/tmp/resnet.toml &&
         printf 'base = ["%s/recipes/rtx4090x3_resnet50_cifar10.toml", "/tmp/nop2p_probe.toml"]\n' "$PWD" > /tmp/resnet.toml
       t0=$(date +%s)
       env NCCL_P2P_DISABLE=1 CUDA_VISIBLE_DEVICES=0,1,2 build-gpu/dsrun run $base_r --db "$rdb" --set hardware.memory_gib=24 --set hardware.p2p=false \
-        --set hardware.devices_per_node=3 --set hardware.host_memory_gib=$gib --set run.steps=$steps_r --set eval.every=$steps_r --set eval.batches=26 \
+        --set hardware.devices_per_node=3 --set hardware.host_memory_gib=$gib --set run.steps=$steps_r --set eval.every=$steps_r --set eval.batches=26 --set optimizer.lr=$lr_r \
         --set data.path='"/tmp/cifar_like"' --set checkpoint.every=0 --set checkpoint.at_end=false > "$out/resnet-dsrun.log" 2>&1
       echo "dsrun ResNet-50 on 3 GPUs -> $? in $(( $(date +%s) - t0 )) s"
       t0=$(date +%s)
       env NCCL_P2P_DISABLE=1 CUDA_VISIBLE_DEVICES=0,1,2 python3 -m torch.distributed.run --standalone --nproc-per-node 3 \
-        "$(dirname "$0")/resnet_peer_gpu.py" --data /tmp/cifar_like --steps $steps_r --out "$out/resnet-peer.json" > "$out/resnet-peer.log" 2>&1
+        "$(dirname "$0")/resnet_peer_gpu.py" --data /tmp/cifar_like --steps $steps_r --lr $lr_r --out "$out/resnet-peer.json" > "$out/resnet-peer.log" 2>&1
       echo "torchvision peer on 3 GPUs -> $? in $(( $(date +%s) - t0 )) s"
       python3 "$(dirname "$0")/gpu_setups_summary.py" resnet "$rdb" "$out/resnet-peer.json" | tee "$out/summary-resnet.txt" ;;
+    resnet-profile)
+      # Where a ResNet-50 step goes on 3 GPUs without peer access: steps 100-104 traced on every rank.
+      [ -f /tmp/cifar_like/test_batch.bin ] || python3 "$(dirname "$0")/cifar_like.py" /tmp/cifar_like
+      rm -rf /tmp/trace-resnet
+      env DSRUN_PROFILE=/tmp/trace-resnet:100:104 NCCL_P2P_DISABLE=1 CUDA_VISIBLE_DEVICES=0,1,2 build-gpu/dsrun run recipes/rtx4090x3_resnet50_cifar10.toml \
+        --db /tmp/resnet-profile.db --set hardware.memory_gib=24 --set hardware.p2p=false --set hardware.devices_per_node=3 --set hardware.host_memory_gib=$gib \
+        --set run.steps=110 --set schedule.warmup_steps=10 --set eval.every=0 --set data.path='"/tmp/cifar_like"' --set optimizer.lr=0.05 \
+        --set checkpoint.every=0 --set checkpoint.at_end=false > "$out/resnet-profile.log" 2>&1
+      echo "ResNet-50 profile run -> $?"
+      trace=$(ls /tmp/trace-resnet/*.json 2>/dev/null | head -1)
+      [ -n "$trace" ] && python3 "$(dirname "$0")/trace_summary.py" "$trace" 40 > "$out/trace-resnet.txt" && head -60 "$out/trace-resnet.txt" ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
 done

@@ -11,7 +11,7 @@ dimensions only, one-cycle rate (linear rise over the first 25% from peak/25, co
 peak/25/1e4, momentum not cycled); fp16 autocast with a dynamic loss scale; every image of the
 epoch once, the epoch's order one permutation shared by the ranks.
 What a careful user adds and dsrun does too: channels-last memory, the images and their augmentation
-on the GPU (no DataLoader workers to starve), the fused SGD step, bucket views for the gradients.
+on the GPU (no DataLoader workers to starve), the foreach SGD step (see below why not fused), bucket views for the gradients.
 Images per second are timed over the steps after the first tenth (cuDNN autotuning, NCCL set-up);
 accuracy is on the whole test batch after the last step, in eval mode, on rank 0.
 """
@@ -84,8 +84,11 @@ def main():
     ddp = nn.parallel.DistributedDataParallel(net, device_ids=[device.index], gradient_as_bucket_view=True)
     decay = [p for p in net.parameters() if p.ndim >= 2]
     no_decay = [p for p in net.parameters() if p.ndim < 2]
+    # foreach, not fused: torch 2.11's fused SGD lets GradScaler hand it the overflow check, and on a
+    # skipped (overflowed) step it still advances the momentum buffer, so the early fp16 overflows write
+    # inf into the momentum and the weights turn NaN (seen here by step 100; LibreYOLO/libreyolo#771).
     opt = torch.optim.SGD([{"params": decay, "weight_decay": 5e-4}, {"params": no_decay, "weight_decay": 0}],
-                          lr=a.lr, momentum=0.9, nesterov=True, fused=True)
+                          lr=a.lr, momentum=0.9, nesterov=True, foreach=True)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=a.lr, total_steps=a.steps, pct_start=0.25, anneal_strategy="cos",
                                                 div_factor=25, final_div_factor=1e4, cycle_momentum=False)
     scaler = torch.amp.GradScaler("cuda")
@@ -115,7 +118,7 @@ def main():
         scaler.step(opt)
         scaler.update()
         sched.step()
-        if step % 100 == 0 or step == a.steps - 1:
+        if step % 100 == 0 or step == a.steps - 1 or (step < 300 and step % 10 == 0):
             losses.append((step, loss.item()))
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0

@@ -414,6 +414,23 @@ TEST_CASE("pipeline parallelism: impossible layouts are refused at once, naming 
   CHECK(only_error(load_text("base = [\"models/resnet50-cifar10\"]\n[hardware]\ndevices_per_node = 2\n[parallel]\npipeline = 2\n")).key == "parallel.pipeline");
 }
 
+TEST_CASE("on GPUs a pipeline with fewer micro-batches a step than stages is refused with the fix, on CPU ranks it runs", "[recipe][plan][pipeline]") {
+  auto plan_of = [](const std::string& hardware, int micro) {
+    LoadedRecipe r = load_text("base = [\"" + hardware + "\", \"models/deepseek-tiny\"]\n[hardware]\ndevices_per_node = 4\n[parallel]\npipeline = 2\ndata_parallel = 2\n"
+                               "[precision]\ndtype = \"bf16\"\n[batch]\nglobal = 16\nmicro = " + std::to_string(micro) + "\n");
+    INFO(r.report());
+    REQUIRE(errors_of(r).empty());
+    return make_plan(r.recipe, dsrun::test::small_host());
+  };
+  const Plan one = plan_of("hardware/h100-80gb-x8", 8), two = plan_of("hardware/h100-80gb-x8", 4), cpu = plan_of("hardware/cpu", 8);
+  CHECK(one.accumulation == 1);
+  CHECK(!one.fits);
+  CHECK(contains(one.pipeline_problem, "fewer micro-batches a step (1) than pipeline stages (2)"));
+  CHECK(contains(one.pipeline_problem, "fix: a batch.micro"));
+  CHECK(two.pipeline_problem.empty());
+  CHECK(cpu.pipeline_problem.empty());
+}
+
 TEST_CASE("pipeline parallelism in the plan: stages split by FLOPs, each rank's states, live micro-batches and the bubble", "[recipe][plan][pipeline]") {
   auto plan_of = [](const std::string& schedule) {
     LoadedRecipe r = load_text("base = [\"models/deepseek-tiny\"]\n[hardware]\ndevices_per_node = 4\n[parallel]\npipeline = 2\npipeline_schedule = \"" + schedule +

@@ -12,6 +12,8 @@
 
 #include <catch2/catch.hpp>
 
+#include <limits>
+
 using namespace dsrun;
 namespace {
 
@@ -123,26 +125,31 @@ TEST_CASE("a deferred model built unit by unit has the eager model's weights on 
     }
 }
 
-TEST_CASE("gradient reductions start during backward, as soon as a unit's gradients are complete", "[engine][overlap]") {
+TEST_CASE("gradient reductions start during backward, as soon as a unit's gradients (or stage 0's bucket) are complete", "[engine][overlap]") {
   // 2 Gloo ranks, one micro-batch: every unit starts its reduction from autograd's hooks, MoE
   // blocks too (the grouped experts give an expert no token chose a zero gradient). Gradients
   // stay right: the same batch on both ranks averages to the one-process gradient.
   CHECK(in_processes(2, [](int rank, Communicator& comm) {
     bool ok = true;
     for (bool moe : {false, true}) {
-      for (int stage : {0, 1, 2, 3}) {
+      // Stage 0 twice: buckets of 8 KB, which every tiny unit fills alone (each all-reduce issued
+      // from the hooks), and the default 25 MB, which joins them all into one all-reduce issued
+      // after backward (DDP's buckets): none overlapped, the gradients the same.
+      for (int variant : {0, 1, 2, 3, 4}) {
+        const int stage = variant == 4 ? 0 : variant;
         ModelSpec m = moe ? tiny_moe_decoder(4) : tiny_decoder();
         torch::manual_seed(21);
         auto model = build_model(m, 16, {21});
         ZeroOptions zo;
         zo.stage = stage;
+        if (variant == 0) zo.bucket_bytes = 8192;
         ZeroDataParallel zero(*model, comm, zo);
         one_rank_loss(*model, token_batch(2, 16, m.vocab, 22), zero).loss.backward();
         const int64_t during_backward = zero.overlapped_reductions();
         zero.after_backward();
         zero.reduce_gradients();
-        const int64_t units = static_cast<int64_t>(zero.units().size());
-        if (during_backward != units) {
+        const int64_t units = static_cast<int64_t>(zero.units().size()), expected = variant == 4 ? 0 : units;
+        if (during_backward != expected) {
           std::fprintf(stderr, "rank %d stage %d moe %d: %lld of %lld units overlapped\n", rank, stage, moe ? 1 : 0,
                        static_cast<long long>(during_backward), static_cast<long long>(units));
           ok = false;
@@ -169,6 +176,22 @@ TEST_CASE("global-norm clipping sees every shard", "[engine][clip]") {
 
     const double ref = reference_grad_norm(m, 7, 8);
     return std::fabs(sharded - ref) < 1e-4 * ref && rank >= 0;
+  }));
+}
+
+TEST_CASE("an inf in one rank's gradient shard is every rank's fp16 overflow, and a clean step is none", "[engine][fp16]") {
+  CHECK(in_processes(2, [](int rank, Communicator& comm) {
+    ModelSpec m = tiny_decoder();
+    torch::manual_seed(7);
+    auto model = build_model(m, 16, {7});
+    ZeroOptions zo;
+    zo.stage = 2;
+    ZeroDataParallel zero(*model, comm, zo);
+    reduced_micro_batch(*model, zero, token_batch(2, 16, m.vocab, 8));
+    const bool clean = zero.gradients_overflowed();
+    if (rank == 1) zero.shards().back().flat_grad().narrow(0, 0, 1).fill_(std::numeric_limits<float>::infinity());
+    const bool overflowed = zero.gradients_overflowed();
+    return !clean && overflowed;
   }));
 }
 

@@ -13,6 +13,17 @@ nn::Conv2d conv(int64_t in, int64_t out, int64_t k, int64_t stride) {
   return nn::Conv2d(nn::Conv2dOptions(in, out, k).stride(stride).padding(k / 2).bias(false));
 }
 
+// cuDNN's batch norm takes fp16 or bf16 activations only with fp32 weights and statistics; given
+// half-precision weights PyTorch falls back to its own, slower kernels. So the statistics stay fp32
+// (the trainer keeps running_mean/var so on a GPU) and the weights are widened here, as autocast runs it.
+Tensor batch_norm(nn::BatchNorm2d& bn, const Tensor& x) {
+  if (x.scalar_type() == bn->running_mean.scalar_type()) return bn(x);
+  const bool training = bn->is_training();
+  if (training) bn->num_batches_tracked.add_(1);  // (what the module's forward counts)
+  return torch::batch_norm(x, bn->weight.to(torch::kFloat), bn->bias.to(torch::kFloat), bn->running_mean, bn->running_var,
+                           training, bn->options.momentum().value_or(0.1), bn->options.eps(), /*cudnn_enabled=*/true);
+}
+
 struct ResidualBlockImpl : nn::Module {
   ResidualBlockImpl(int64_t in, int64_t width, int64_t stride, bool bottleneck) {
     const int64_t out = bottleneck ? width * 4 : width;
@@ -35,10 +46,10 @@ struct ResidualBlockImpl : nn::Module {
   Tensor forward(const Tensor& x) {
     Tensor h = x;
     for (size_t i = 0; i < convs.size(); ++i) {
-      h = norms[i](convs[i](h));
+      h = batch_norm(norms[i], convs[i](h));
       if (i + 1 < convs.size()) h = torch::relu(h);
     }
-    Tensor skip = shortcut_conv ? shortcut_bn(shortcut_conv(x)) : x;
+    Tensor skip = shortcut_conv ? batch_norm(shortcut_bn, shortcut_conv(x)) : x;
     return torch::relu(h + skip);
   }
   std::vector<nn::Conv2d> convs;
@@ -97,7 +108,7 @@ class ResNetModel final : public Model {
     // run in that layout, and every later activation keeps it.
     const Tensor images = batch.inputs.is_cuda() ? batch.inputs.contiguous(at::MemoryFormat::ChannelsLast) : batch.inputs;
     Tensors x = runner.run(0, [this](const Tensors& in) {
-      Tensor h = torch::relu(net_->stem_bn(net_->stem_conv(in[0])));
+      Tensor h = torch::relu(batch_norm(net_->stem_bn, net_->stem_conv(in[0])));
       if (!net_->small) h = torch::max_pool2d(h, 3, 2, 1);
       return Tensors{h};
     }, {images});

@@ -52,9 +52,20 @@ void GradientSync::start_reduction(FlatUnit& u, bool during_backward) {
   s.reduction_started = true;
   torch::NoGradGuard no_grad;
   if (options_.stage <= 1 && !last_micro_batch_) return;  // keep accumulating in grad_acc; reduced once per step
-  if (during_backward) ++overlapped_reductions_;
+  if (during_backward && options_.stage > 0) ++overlapped_reductions_;
   if (options_.stage <= 1) {
     if (options_.stage == 0) {
+      const double bytes = static_cast<double>(u.grad_acc.numel()) * static_cast<double>(u.grad_acc.element_size());
+      if (!bucket_.empty() && (bucket_.front()->group != u.group || bucket_.front()->grad_acc.scalar_type() != u.grad_acc.scalar_type()))
+        flush_bucket(during_backward);
+      if (bytes < options_.bucket_bytes) {  // joins the bucket, which goes once full
+        bucket_.push_back(&u);
+        bucket_fill_ += bytes;
+        if (bucket_fill_ >= options_.bucket_bytes) flush_bucket(during_backward);
+        return;
+      }
+      flush_bucket(during_backward);  // (the order of the reductions stays the order the units became ready)
+      if (during_backward) ++overlapped_reductions_;
       const int64_t bucket = std::max<int64_t>(1, static_cast<int64_t>(options_.bucket_bytes / u.grad_acc.element_size()));
       for (int64_t begin = 0; begin < u.layout.padded; begin += bucket) {
         Tensor slice = u.grad_acc.narrow(0, begin, std::min(bucket, u.layout.padded - begin));
@@ -94,6 +105,32 @@ void GradientSync::start_reduction(FlatUnit& u, bool during_backward) {
                   static_cast<double>(flat.numel()) * static_cast<double>(flat.element_size()));
 }
 
+// One all-reduce for the bucket's units: their gradients joined into one buffer, reduced, and
+// copied back when it is waited for. A bucket of one unit is reduced in place. Each unit counts
+// as overlapped where its all-reduce was issued while backward ran.
+void GradientSync::flush_bucket(bool during_backward) {
+  if (bucket_.empty()) return;
+  std::vector<FlatUnit*> units = std::exchange(bucket_, {});
+  bucket_fill_ = 0;
+  if (during_backward) overlapped_reductions_ += static_cast<int64_t>(units.size());
+  if (units.size() == 1) {
+    pending_.push_back(units[0]->group->all_reduce_sum_async(units[0]->grad_acc));
+    return;
+  }
+  std::vector<Tensor> accs;
+  for (FlatUnit* u : units) accs.push_back(u->grad_acc);
+  Tensor joined = torch::cat(accs);
+  PendingCollective reduce = units[0]->group->all_reduce_sum_async(joined);
+  pending_.push_back(PendingCollective([reduce, joined, accs]() mutable {
+    reduce.wait();
+    int64_t begin = 0;
+    for (Tensor& acc : accs) {
+      acc.copy_(joined.narrow(0, begin, acc.numel()));
+      begin += acc.numel();
+    }
+  }));
+}
+
 // At most two buckets of gradient in flight (DeepSpeed's reduce_bucket_size with overlap_comm).
 // Unbounded, every unit's gradient copy (stage 2's flat buffer; on Gloo, which has no
 // reduce-scatter, the copy it all-reduces) lived until the end of backward: the whole model's
@@ -126,6 +163,7 @@ void GradientSync::after_backward(UnitRange range) {
   for (int k = range.begin; k < range.end; ++k)
     for (size_t e : units_[k].experts) done.push_back(&units_[e]);
   for (FlatUnit* u : done) start_reduction(*u, /*during_backward=*/false);  // units the hooks did not start, in unit order
+  flush_bucket(/*during_backward=*/false);  // the rest of stage 0's units (empty otherwise)
   if (options_.stage >= 2) wait_pending();
   // The gradients that came down were read on the down stream: what follows (zeroing them, the
   // norm) waits for it.

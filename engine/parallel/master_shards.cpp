@@ -163,10 +163,13 @@ void MasterShards::scale_gradients(double factor) {
   }
 }
 
-bool MasterShards::any_nonfinite() const {
-  for (const auto& s : shards_)
-    if (s.flat_grad().isfinite().logical_not().any().item<bool>()) return true;
-  return false;
+Tensor MasterShards::nonfinite_flag() const {
+  Tensor flag;
+  for (const auto& s : shards_) {
+    const Tensor bad = s.flat_grad().isfinite().logical_not().any();
+    flag = flag.defined() ? flag.logical_or(bad.to(flag.device())) : bad;
+  }
+  return flag.defined() ? flag.to(torch::kFloat64) : torch::zeros({}, torch::kFloat64);
 }
 
 void MasterShards::clear_gradients() {

@@ -82,8 +82,9 @@ class MasterShards {
   // max(1, (norm + 1e-6) / max_norm) where norm > max_norm, norm a scalar tensor on the masters' device.
   void clip_on_device(const torch::Tensor& norm, double max_norm);
   void scale_gradients(double factor);
-  // Whether any of this rank's gradients has an inf or NaN.
-  bool any_nonfinite() const;
+  // 1 where any of this rank's gradients has an inf or NaN, else 0: a float64 scalar on the
+  // gradients' device, not read, so the check costs the host one read after the all-reduce.
+  torch::Tensor nonfinite_flag() const;
   // After the step: the gradients and their factors are gone.
   void clear_gradients();
 

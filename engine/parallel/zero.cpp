@@ -100,7 +100,7 @@ void ZeroDataParallel::reduce_gradients() {
 
 bool ZeroDataParallel::gradients_overflowed() {
   offload_.synchronize_gradients();
-  Tensor t = torch::tensor({masters_.any_nonfinite() ? 1.0 : 0.0}, torch::kFloat64);
+  Tensor t = masters_.nonfinite_flag().reshape({1});
   comm_.all_reduce_sum(t);
   return t.item<double>() > 0;
 }

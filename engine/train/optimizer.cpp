@@ -243,12 +243,17 @@ void ShardOptimizer::step(double lr) {
     torch::Tensor g = shards_[k].flat_grad();
     if (const double factor = shards_[k].grad_scale * shards_[k].clip_scale; factor != 1) g.mul_(factor);  // (left to the step: ZeroOptions::step_applies_scales)
     // Weight decay only where decay_ranges say (matrices), as a mask-free loop over ranges.
+    // One multi-tensor call for all ranges: a ResNet's shard has one range per convolution, and a
+    // call each cost the host more than the GPU's work.
     auto decay = [&](double factor_per_param, bool into_grad) {
+      std::vector<torch::Tensor> ps, gs;
       for (auto [begin, end] : shards_[k].decay_ranges) {
-        torch::Tensor pr = p.narrow(0, begin, end - begin);
-        if (into_grad) g.narrow(0, begin, end - begin).add_(pr, factor_per_param);
-        else pr.mul_(1 - factor_per_param);
+        ps.push_back(p.narrow(0, begin, end - begin));
+        if (into_grad) gs.push_back(g.narrow(0, begin, end - begin));
       }
+      if (ps.empty()) return;
+      if (into_grad) torch::_foreach_add_(gs, ps, factor_per_param);
+      else torch::_foreach_mul_(ps, 1 - factor_per_param);
     };
     switch (o_.kind) {
       case OptimizerKind::AdamW:

@@ -267,6 +267,8 @@ class Trainer {
     // The MoE selection bias stays fp32 (its steps of 1e-3 would round away in bf16), on the device.
     for (auto& b : model_->module().named_buffers()) {
       if (ends_with(b.key(), "moe.expert_bias")) b.value().set_data(b.value().to(device_));
+      // BatchNorm statistics stay fp32 on a GPU, where cuDNN's batch norm wants them so (resnet.cpp).
+      else if (device_.is_cuda() && (ends_with(b.key(), "running_mean") || ends_with(b.key(), "running_var"))) b.value().set_data(b.value().to(device_));
       else if (b.value().is_floating_point()) b.value().set_data(b.value().to(compute_dtype_));
     }
   }
