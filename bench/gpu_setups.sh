@@ -15,7 +15,8 @@
 #           of these three GPUs as NCCL reaches them without peer access.
 #   fp16    the 8 x A100 setup's mode on 4 GPUs: the ~1B at ZeRO-2, fp16 with dynamic loss scaling beside
 #           bf16, FP16_STEPS steps on real text (the fortunes, tokenized here by `dsrun prepare` with
-#           Llama 2's tokenizer, build/npm carried), the same seed and data order.
+#           Llama 2's tokenizer, build/npm carried), the same seed and data order. FP16_WINDOW: clean
+#           steps before fp16's scale doubles (default the recipe's 1000).
 #   resnet  ResNet-50 on a CIFAR-shaped data set (bench/cifar_like.py; the real files cannot reach
 #           the GPU machine) on 3 GPUs without peer access: recipes/rtx4090x3_resnet50_cifar10.toml
 #           beside torchvision's ResNet-50 under DistributedDataParallel (bench/resnet_peer_gpu.py),
@@ -70,7 +71,10 @@ for phase in "$@"; do
       cdb=/tmp/consumer.db
       t0=$(date +%s)
       # The three GPUs as NCCL reaches them without peer access (through host memory), probed.
-      env NCCL_P2P_DISABLE=1 CUDA_VISIBLE_DEVICES=0,1,2 build-gpu/dsrun probe recipes/rtx4090x3_deepseek7b.toml \
+      # The stand-in computes as this machine's GPU (an H100 or H200), not as an RTX 4090: the probe
+      # measures its efficiencies against the GPU's own peaks (against the 4090's they clamp at 1).
+      peaks=(--set hardware.peak_tflops_bf16=989.4 --set hardware.peak_tflops_fp16=989.4 --set hardware.peak_tflops_fp32=494.7 --set hardware.peak_tflops_fp8=1978.9)
+      env NCCL_P2P_DISABLE=1 CUDA_VISIBLE_DEVICES=0,1,2 build-gpu/dsrun probe recipes/rtx4090x3_deepseek7b.toml "${peaks[@]}" \
         --set hardware.devices_per_node=3 -o /tmp/nop2p_probe.toml --disk /tmp > "$out/nop2p_probe.log" 2>&1 || tail -20 "$out/nop2p_probe.log"
       cp /tmp/nop2p_probe.toml "$out/" 2>/dev/null
       echo "probe without peer access: $(( $(date +%s) - t0 )) s"
@@ -91,7 +95,9 @@ for phase in "$@"; do
           > "$out/prepare.log" 2>&1 || tail -5 "$out/prepare.log"
       tail -1 "$out/prepare.log" 2>/dev/null
       for dtype in bf16 fp16; do
-        build-gpu/dsrun run $one_b --db "$fdb" --set precision.dtype="\"$dtype\"" --set run.name="\"1b-$dtype\"" --set run.steps=${FP16_STEPS:-200} \
+        # FP16_WINDOW: the clean steps before fp16's scale doubles (default the recipe's, 1000).
+        window=(); [ $dtype = fp16 ] && [ -n "${FP16_WINDOW:-}" ] && window=(--set precision.loss_scale.window=$FP16_WINDOW)
+        build-gpu/dsrun run $one_b --db "$fdb" --set precision.dtype="\"$dtype\"" --set run.name="\"1b-$dtype\"" --set run.steps=${FP16_STEPS:-200} "${window[@]}" \
           --set hardware.devices_per_node=4 --set parallel.data_parallel=4 --set parallel.zero_stage=2 --set batch.global=16 --set batch.micro=4 --set schedule.warmup_steps=20 \
           --set data.kind='"tokens"' --set data.path="\"$PWD/data/fortunes_llama2\"" --set checkpoint.every=0 --set checkpoint.at_end=false \
           --set hardware.host_memory_gib=$gib > "$out/fp16-$dtype.log" 2>&1

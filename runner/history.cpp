@@ -75,35 +75,6 @@ std::vector<std::string> outermost_paths(const std::vector<std::string>& paths) 
   return out;
 }
 
-// A TOML document flattened to "a.b" -> value text.
-std::map<std::string, std::string> flat_toml(const std::string& text) {
-  std::map<std::string, std::string> out;
-  toml::table t;
-  try {
-    t = toml::parse(text);
-  } catch (const toml::parse_error&) {
-    return out;
-  }
-  std::function<void(const toml::table&, const std::string&)> walk = [&](const toml::table& table, const std::string& prefix) {
-    for (auto&& [k, node] : table) {
-      const std::string key = prefix.empty() ? std::string(k.str()) : prefix + "." + std::string(k.str());
-      if (auto sub = node.as_table()) {
-        walk(*sub, key);
-        continue;
-      }
-      std::ostringstream os;
-      if (auto s = node.as_string()) os << s->get();
-      else if (auto i = node.as_integer()) os << i->get();
-      else if (auto f = node.as_floating_point()) os << format_double(f->get(), 6);
-      else if (auto b = node.as_boolean()) os << (b->get() ? "true" : "false");
-      else os << toml::toml_formatter(node);
-      out[key] = os.str();
-    }
-  };
-  walk(t, "");
-  return out;
-}
-
 // A JSON document flattened to "a.b" -> scalar text (arrays kept whole).
 void flat_json(const nlohmann::json& j, const std::string& prefix, std::map<std::string, std::string>& out) {
   if (j.is_object()) {
@@ -113,24 +84,6 @@ void flat_json(const nlohmann::json& j, const std::string& prefix, std::map<std:
   if (j.is_number_float()) out[prefix] = format_double(j.get<double>(), 6);
   else if (j.is_string()) out[prefix] = j.get<std::string>();
   else out[prefix] = j.dump();
-}
-
-// Keys where the runs differ (or all), as rows: key, value per run.
-std::vector<std::vector<std::string>> differences(const std::vector<std::map<std::string, std::string>>& maps, bool all) {
-  std::set<std::string> keys;
-  for (const auto& m : maps)
-    for (const auto& [k, v] : m) keys.insert(k);
-  std::vector<std::vector<std::string>> rows;
-  for (const auto& k : keys) {
-    std::vector<std::string> row{k};
-    bool differ = false;
-    for (const auto& m : maps) {
-      row.push_back(m.count(k) ? m.at(k) : "-");
-      differ |= row.back() != row[1];
-    }
-    if (differ || all) rows.push_back(row);
-  }
-  return rows;
 }
 
 // Which way a metric improves. Settings and diagnostics (the learning rate, the fp16 loss scale,
@@ -173,6 +126,54 @@ std::string percent_text(double e) {
 nlohmann::json number_or_null(double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(); }
 
 }  // namespace
+
+// A TOML document flattened to "a.b" -> value text.
+std::map<std::string, std::string> flat_toml(const std::string& text) {
+  std::map<std::string, std::string> out;
+  toml::table t;
+  try {
+    t = toml::parse(text);
+  } catch (const toml::parse_error&) {
+    return out;
+  }
+  std::function<void(const toml::table&, const std::string&)> walk = [&](const toml::table& table, const std::string& prefix) {
+    for (auto&& [k, node] : table) {
+      const std::string key = prefix.empty() ? std::string(k.str()) : prefix + "." + std::string(k.str());
+      if (auto sub = node.as_table()) {
+        walk(*sub, key);
+        continue;
+      }
+      std::ostringstream os;
+      if (auto s = node.as_string()) os << s->get();
+      else if (auto i = node.as_integer()) os << i->get();
+      else if (auto f = node.as_floating_point()) os << format_double(f->get(), 6);
+      else if (auto b = node.as_boolean()) os << (b->get() ? "true" : "false");
+      else os << toml::toml_formatter(node);
+      out[key] = os.str();
+    }
+  };
+  walk(t, "");
+  return out;
+}
+
+// Keys where the runs differ (or all), as rows: key, value per run.
+std::vector<std::vector<std::string>> differences(const std::vector<std::map<std::string, std::string>>& maps, bool all) {
+  std::set<std::string> keys;
+  for (const auto& m : maps)
+    for (const auto& [k, v] : m) keys.insert(k);
+  std::vector<std::vector<std::string>> rows;
+  for (const auto& k : keys) {
+    std::vector<std::string> row{k};
+    bool differ = false;
+    for (const auto& m : maps) {
+      row.push_back(m.count(k) ? m.at(k) : "-");
+      differ |= row.back() != row[1];
+    }
+    if (differ || all) rows.push_back(row);
+  }
+  return rows;
+}
+
 
 QueryNames query_names() {
   QueryNames n;

@@ -5,6 +5,7 @@
 #include "storage/run_query.hpp"
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -27,6 +28,11 @@ int command_restore(const std::vector<std::string>& runs, const std::string& db_
 int command_store_copy(const std::string& from, const std::string& to);
 // Removes the files (run directory, checkpoints) of soft-deleted runs; reports the bytes freed.
 int command_gc(bool dry_run, const std::string& db_path);
+
+// A TOML document flattened to "a.b" -> value text (a table's keys dotted; arrays as TOML).
+std::map<std::string, std::string> flat_toml(const std::string& text);
+// Keys where the maps differ (or every key, with `all`), as rows: the key, then each map's value ("-" where absent).
+std::vector<std::vector<std::string>> differences(const std::vector<std::map<std::string, std::string>>& maps, bool all);
 
 struct CompareArgs {
   std::vector<std::string> runs;

@@ -118,18 +118,26 @@ std::string duration_text(const RunRecord& r) {
   return format_seconds((r.ended_at > 0 ? r.ended_at : unix_now()) - r.started_at);
 }
 
+// The leaderboard as `dsrun sweep --show --json` prints it and `dsrun ui` draws it.
+nlohmann::json leaderboard_json(const SweepSpec& spec, const SweepRecord& sweep, const std::vector<Row>& rows) {
+  nlohmann::json out = {{"sweep", sweep.id}, {"name", sweep.name}, {"status", sweep.status}, {"metric", spec.metric},
+                        {"goal", spec.maximize ? "maximize" : "minimize"}, {"best_run", sweep.best_run}, {"parameters", nlohmann::json::array()},
+                        {"trials", nlohmann::json::array()}};
+  for (const auto& p : spec.parameters)
+    for (const auto& k : p.keys) out["parameters"].push_back(k);
+  for (const auto& r : rows)
+    out["trials"].push_back({{"trial", r.run.trial_index + 1}, {"run", r.run.id}, {"status", to_string(r.run.status)},
+                             {"objective", r.objective ? nlohmann::json(*r.objective) : nlohmann::json()},
+                             {"params", nlohmann::json::parse(r.run.trial_params.empty() ? "{}" : r.run.trial_params)},
+                             {"seconds", r.run.started_at > 0 ? (r.run.ended_at > 0 ? r.run.ended_at : unix_now()) - r.run.started_at : 0.0},
+                             {"error", r.run.error}});
+  return out;
+}
+
 void print_leaderboard(const Store& store, const SweepSpec& spec, const SweepRecord& sweep, bool json, bool csv) {
   std::vector<Row> rows = leaderboard(store, spec, sweep.id);
   if (json) {
-    nlohmann::json out = {{"sweep", sweep.id}, {"name", sweep.name}, {"status", sweep.status}, {"metric", spec.metric},
-                          {"goal", spec.maximize ? "maximize" : "minimize"}, {"best_run", sweep.best_run}, {"trials", nlohmann::json::array()}};
-    for (const auto& r : rows)
-      out["trials"].push_back({{"trial", r.run.trial_index + 1}, {"run", r.run.id}, {"status", to_string(r.run.status)},
-                               {"objective", r.objective ? nlohmann::json(*r.objective) : nlohmann::json()},
-                               {"params", nlohmann::json::parse(r.run.trial_params.empty() ? "{}" : r.run.trial_params)},
-                               {"seconds", r.run.started_at > 0 ? (r.run.ended_at > 0 ? r.run.ended_at : unix_now()) - r.run.started_at : 0.0},
-                               {"error", r.run.error}});
-    std::cout << out.dump(2) << "\n";
+    std::cout << leaderboard_json(spec, sweep, rows).dump(2) << "\n";
     return;
   }
   if (csv) {
@@ -607,6 +615,12 @@ int run_slurm_sweep_task(Store& store, const std::string& sweep_query, const std
 }
 
 }  // namespace
+
+nlohmann::json sweep_leaderboard(const Store& store, const std::string& sweep_query) {
+  const SweepRecord sweep = store.get_sweep(sweep_query);
+  const SweepSpec spec = sweep_spec_from_json(nlohmann::json::parse(sweep.spec_json));
+  return leaderboard_json(spec, sweep, leaderboard(store, spec, sweep.id));
+}
 
 int command_sweep(const SweepArgs& args, const std::string& db_path) {
   if (!args.slurm_task.empty()) {

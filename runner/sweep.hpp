@@ -2,6 +2,8 @@
 // its share of the devices, prunes poor trials from their metrics in the store, and can resume.
 #pragma once
 
+#include <nlohmann/json.hpp>
+
 #include <string>
 #include <vector>
 
@@ -18,5 +20,10 @@ struct SweepArgs {
 };
 
 int command_sweep(const SweepArgs& args, const std::string& db_path);
+
+class Store;
+// A sweep's trials, best first (`dsrun sweep --show S --json`): its parameters' keys, each trial's
+// run, status, objective and values, the best run. Throws naming the matches for an unknown sweep.
+nlohmann::json sweep_leaderboard(const Store& store, const std::string& sweep_query);
 
 }  // namespace dsrun

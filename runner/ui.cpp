@@ -5,6 +5,7 @@
 #include "engine/common/text.hpp"
 #include "runner/history.hpp"
 #include "runner/report.hpp"
+#include "runner/sweep.hpp"
 #include "runner/terminal.hpp"
 #include "storage/run_query.hpp"
 #include "storage/store.hpp"
@@ -98,6 +99,74 @@ async function tick() {
   if (document.body.dataset.status == 'running') setTimeout(tick, 2000);
 }
 tick();
+)JS";
+
+// Compare: each run's loss and val_loss overlaid, one colour a run (the legend's), polling while
+// any of them trains.
+const char* const kCompareScript = R"JS(
+const runs = document.body.dataset.runs.split(','), token = new URLSearchParams(location.search).get('token');
+const q = token ? '&token=' + encodeURIComponent(token) : '';
+const colours = ['#1f77b4', '#d62728', '#2ca02c', '#9467bd', '#ff7f0e', '#8c564b', '#e377c2', '#17becf'];
+async function chart(key) {
+  const all = [];
+  for (const run of runs) {
+    const r = await fetch('/api/runs/' + run + '/metrics?key=' + key + q);
+    all.push(r.ok ? await r.json() : []);
+  }
+  const svg = document.getElementById('chart-' + key), pts = all.flat();
+  if (!svg || pts.length == 0) return;
+  const W = 560, H = 200, xs = pts.map(p => p[0]), ys = pts.map(p => p[1]);
+  const x0 = Math.min(...xs), x1 = Math.max(...xs, x0 + 1), y0 = Math.min(...ys), y1 = Math.max(...ys, y0 + 1e-9);
+  const px = p => 40 + (p[0] - x0) / (x1 - x0) * (W - 50), py = p => H - 20 - (p[1] - y0) / (y1 - y0) * (H - 30);
+  svg.innerHTML = all.map((s, i) => s.length ? '<polyline class="run-' + runs[i] + '" fill="none" stroke="' + colours[i % colours.length] +
+      '" stroke-width="1.5" points="' + s.map(p => px(p) + ',' + py(p)).join(' ') + '"/>' : '').join('') +
+    '<text x="2" y="12" font-size="11">' + y1.toPrecision(4) + '</text><text x="2" y="' + (H - 22) + '" font-size="11">' + y0.toPrecision(4) + '</text>' +
+    '<text x="40" y="' + (H - 4) + '" font-size="11">step ' + x0 + '</text><text x="' + (W - 80) + '" y="' + (H - 4) + '" font-size="11">step ' + x1 + '</text>';
+}
+async function tick() {
+  for (const key of ['loss', 'val_loss']) await chart(key);
+  if (document.body.dataset.running == '1') setTimeout(tick, 2000);
+}
+tick();
+)JS";
+
+// A sweep's trials as parallel coordinates: an axis for each parameter the sweep varies (log-spaced
+// where its values are positive and span more than 100x; strings and booleans as categories),
+// the objective last (missing for trials without one); pruned trials dashed grey, failed ones
+// red, the best thick; each line links to its run.
+const char* const kSweepScript = R"JS(
+const data = JSON.parse(document.getElementById('sweep-data').textContent);
+const token = new URLSearchParams(location.search).get('token'), tq = token ? '?token=' + encodeURIComponent(token) : '';
+const axes = data.parameters.map(k => ({key: k, get: t => t.params[k]})).concat([{key: data.metric + ' (' + data.goal + ')', get: t => t.objective}]);
+const W = Math.max(400, 160 * axes.length), H = 320, axis_top = 30, axis_bottom = H - 40;  // (not `top`: a browser's window.top)
+for (const a of axes) {
+  const vals = data.trials.map(a.get).filter(v => v !== null && v !== undefined);
+  a.categorical = vals.some(v => typeof v !== 'number');
+  if (a.categorical) { a.cats = [...new Set(vals.map(String))]; a.pos = v => a.cats.length < 2 ? 0.5 : a.cats.indexOf(String(v)) / (a.cats.length - 1); continue; }
+  const lo = Math.min(...vals), hi = Math.max(...vals);
+  a.log = lo > 0 && hi / lo > 100;
+  const f = a.log ? Math.log : (v => v);
+  a.lo = lo; a.hi = hi;
+  a.pos = v => hi == lo ? 0.5 : (f(v) - f(lo)) / (f(hi) - f(lo));
+}
+const x = i => 60 + i * (W - 120) / Math.max(1, axes.length - 1), y = p => axis_bottom - p * (axis_bottom - axis_top);
+let svg = '';
+axes.forEach((a, i) => {
+  svg += '<line x1="' + x(i) + '" y1="' + axis_top + '" x2="' + x(i) + '" y2="' + axis_bottom + '" stroke="#999"/>' +
+    '<text x="' + (x(i) - 50) + '" y="' + (H - 22) + '" font-size="11">' + a.key + (a.log ? ' (log)' : '') + '</text>';
+  const ends = a.categorical ? [a.cats[0], a.cats[a.cats.length - 1]] : [a.lo, a.hi].map(v => v === undefined ? '' : Number(v).toPrecision(3));
+  svg += '<text x="' + (x(i) + 4) + '" y="' + (axis_bottom + 12) + '" font-size="10">' + ends[0] + '</text><text x="' + (x(i) + 4) + '" y="' + (axis_top - 4) + '" font-size="10">' + ends[1] + '</text>';
+});
+for (const t of data.trials) {
+  const pts = [];
+  axes.forEach((a, i) => { const v = a.get(t); if (v !== null && v !== undefined) pts.push(x(i) + ',' + y(a.pos(v))); });
+  const best = t.run == data.best_run, cls = 'trial ' + t.status + (best ? ' best' : '');
+  const stroke = best ? '#ff7f0e' : t.status == 'pruned' ? '#aaa' : t.status == 'finished' ? '#1f77b4' : '#d62728';
+  svg += '<a href="/run/' + t.run + tq + '"><polyline class="' + cls + '" data-run="' + t.run + '" fill="none" stroke="' + stroke + '" stroke-width="' + (best ? 3 : 1.5) + '"' +
+    (t.status == 'pruned' ? ' stroke-dasharray="4 3"' : '') + ' points="' + pts.join(' ') + '"><title>trial ' + t.trial + ' (' + t.status + ')</title></polyline></a>';
+}
+const el = document.getElementById('coordinates');
+el.setAttribute('width', W); el.setAttribute('height', H); el.innerHTML = svg;
 )JS";
 
 std::string page(const std::string& title, const std::string& body) {
@@ -242,6 +311,71 @@ int command_ui(const UiOptions& o) {
     html.replace(html.find("<body>"), 6, "<body data-run=\"" + html_escape(r.id) + "\" data-status=\"" + to_string(r.status) + "\">");
     res.set_content(html, "text/html; charset=utf-8");
   }));
+  // Two or more runs: their curves overlaid and the config keys where they differ.
+  server.Get("/compare", guarded([&](const httplib::Request& req, httplib::Response& res) {
+    std::vector<RunRecord> runs;
+    for (size_t i = 0; i < req.get_param_value_count("run"); ++i) runs.push_back(store.get_run(store.resolve_run(req.get_param_value("run", i))));
+    if (runs.size() < 2) throw Error("compare needs at least two runs", ErrorContext{"", 0, 0, "run", -1, "/compare?run=ID&run=ID, or tick two runs on the runs page"});
+    std::vector<std::map<std::string, std::string>> configs;
+    std::string ids, head = "<tr><th>key</th>", finals, running = "0";
+    static const char* const kColours[] = {"#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"};
+    for (size_t i = 0; i < runs.size(); ++i) {
+      const RunRecord& r = runs[i];
+      configs.push_back(flat_toml(r.config_toml));
+      ids += (i ? "," : "") + r.id;
+      head += "<th style=\"color:" + std::string(kColours[i % 8]) + "\">" + html_escape(r.id) + " " + html_escape(r.name) + "</th>";
+      finals += "<td class=\"" + std::string(to_string(r.status)) + "\">" + to_string(r.status) + "</td>";
+      if (r.status == RunStatus::Running) running = "1";
+    }
+    std::string diff;
+    for (const auto& row : differences(configs, false)) {
+      diff += "<tr class=\"differs\"><td>" + html_escape(row[0]) + "</td>";
+      for (size_t i = 1; i < row.size(); ++i) diff += "<td>" + html_escape(row[i]) + "</td>";
+      diff += "</tr>";
+    }
+    std::string metrics;
+    for (const char* key : {"loss", "val_loss", "tokens_per_second", "step_seconds"}) {
+      metrics += std::string("<tr><td>") + key + " (latest)</td>";
+      for (const RunRecord& r : runs) {
+        const auto latest = store.latest_metrics(r.id);
+        const auto it = latest.find(key);
+        metrics += "<td>" + (it == latest.end() ? std::string("-") : html_escape(format_double(it->second.value, 5)) + " @" + std::to_string(it->second.step)) + "</td>";
+      }
+      metrics += "</tr>";
+    }
+    std::string charts;
+    for (const char* key : {"loss", "val_loss"}) charts += std::string("<h3>") + key + "</h3><svg id=\"chart-" + key + "\" width=\"560\" height=\"200\"></svg>";
+    const std::string body = "<p><a href=\"/\">runs</a></p><h1>Compare</h1><table>" + head + "</tr><tr><td>status</td>" + finals + "</tr>" + metrics + "</table>" + charts +
+                             "<h2>Config: the keys that differ</h2><table id=\"config-diff\">" + head + "</tr>" +
+                             (diff.empty() ? "<tr><td>(the configs are the same)</td></tr>" : diff) + "</table><script>" + kCompareScript + "</script>";
+    std::string html = page("dsrun compare", body);
+    html.replace(html.find("<body>"), 6, "<body data-runs=\"" + html_escape(ids) + "\" data-running=\"" + running + "\">");
+    res.set_content(html, "text/html; charset=utf-8");
+  }));
+  server.Get(R"(/api/sweeps/([0-9a-zA-Z_.-]+))", guarded([&](const httplib::Request& req, httplib::Response& res) {
+    res.set_content(sweep_leaderboard(store, req.matches[1]).dump(), "application/json");
+  }));
+  server.Get(R"(/sweep/([0-9a-zA-Z_.-]+))", guarded([&](const httplib::Request& req, httplib::Response& res) {
+    const nlohmann::json board = sweep_leaderboard(store, req.matches[1]);
+    const std::string token_query = req.has_param("token") ? "?token=" + html_escape(req.get_param_value("token")) : "";
+    std::string rows;
+    for (const auto& t : board["trials"]) {
+      const std::string run = t["run"].get<std::string>();
+      rows += "<tr><td>" + std::to_string(t["trial"].get<int64_t>()) + "</td><td><a href=\"/run/" + html_escape(run) + token_query + "\">" + html_escape(run) + "</a></td><td class=\"" +
+              html_escape(t["status"].get<std::string>()) + "\">" + html_escape(t["status"].get<std::string>()) + "</td><td>" +
+              (t["objective"].is_null() ? "-" : html_escape(format_double(t["objective"].get<double>(), 5))) + "</td><td>" + html_escape(t["params"].dump()) + "</td></tr>";
+    }
+    std::string data = board.dump();
+    for (size_t at = data.find("</"); at != std::string::npos; at = data.find("</", at + 3)) data.replace(at, 2, "<\\/");  // (inside a script element)
+    const std::string best = board["best_run"].get<std::string>();
+    const std::string body = "<p><a href=\"/\">runs</a></p><h1>Sweep " + html_escape(board["sweep"].get<std::string>()) + " " + html_escape(board["name"].get<std::string>()) +
+                             " <span class=\"" + html_escape(board["status"].get<std::string>()) + "\">" + html_escape(board["status"].get<std::string>()) + "</span></h1>" +
+                             (best.empty() ? "" : "<p>best run: <a id=\"best\" href=\"/run/" + html_escape(best) + token_query + "\">" + html_escape(best) + "</a></p>") +
+                             "<svg id=\"coordinates\"></svg><p><small>pruned trials dashed grey, failed red, the best thick orange</small></p>"
+                             "<table><tr><th>trial</th><th>run</th><th>status</th><th>" + html_escape(board["metric"].get<std::string>()) + "</th><th>values</th></tr>" + rows +
+                             "</table><script type=\"application/json\" id=\"sweep-data\">" + data + "</script><script>" + kSweepScript + "</script>";
+    res.set_content(page("dsrun sweep " + board["sweep"].get<std::string>(), body), "text/html; charset=utf-8");
+  }));
   server.Get("/", guarded([&](const httplib::Request& req, httplib::Response& res) {
     const std::string where = req.has_param("where") ? req.get_param_value("where") : "";
     // (a token given in the address travels with the links; escaped for the attribute)
@@ -250,14 +384,18 @@ int command_ui(const UiOptions& o) {
     for (const RunRecord& r : runs_of(store, req)) {
       const auto latest = store.latest_metrics(r.id);
       const auto loss = latest.find("loss");
-      rows += "<tr><td><a href=\"/run/" + html_escape(r.id) + token_query + "\">" + html_escape(r.id) + "</a></td><td>" + html_escape(r.name) + "</td><td class=\"" + to_string(r.status) + "\">" + to_string(r.status) +
-              "</td><td>" + html_escape(r.model) + "</td><td>" + html_escape(r.hardware) + "</td><td>" + (loss != latest.end() ? std::to_string(loss->second.step) : "") +
+      const std::string sweep = r.sweep_id.empty() ? "" : "<a href=\"/sweep/" + html_escape(r.sweep_id) + token_query + "\">" + html_escape(r.sweep_id) + "</a>";
+      rows += "<tr><td><input type=\"checkbox\" name=\"run\" value=\"" + html_escape(r.id) + "\"></td><td><a href=\"/run/" + html_escape(r.id) + token_query + "\">" + html_escape(r.id) +
+              "</a></td><td>" + html_escape(r.name) + "</td><td class=\"" + to_string(r.status) + "\">" + to_string(r.status) +
+              "</td><td>" + html_escape(r.model) + "</td><td>" + html_escape(r.hardware) + "</td><td>" + sweep + "</td><td>" + (loss != latest.end() ? std::to_string(loss->second.step) : "") +
               "</td><td>" + (loss != latest.end() ? html_escape(std::to_string(loss->second.value)) : "") + "</td><td>" + format_time(r.created_at) + "</td></tr>";
     }
+    const std::string token_field = req.has_param("token") ? "<input type=\"hidden\" name=\"token\" value=\"" + html_escape(req.get_param_value("token")) + "\">" : "";
     res.set_content(page("dsrun runs", "<h1>Runs</h1><form><input name=\"where\" value=\"" + html_escape(where) +
-                                           "\" placeholder=\"optimizer.lr > 1e-4 and metrics.val_loss < 2.5\"> <button>filter</button></form><table><tr><th>id</th><th>name</th>"
-                                           "<th>status</th><th>model</th><th>hardware</th><th>step</th><th>loss</th><th>created</th></tr>" +
-                                           rows + "</table><p><a href=\"/metrics\">/metrics</a> · <a href=\"/api/runs\">/api/runs</a></p>"),
+                                           "\" placeholder=\"optimizer.lr > 1e-4 and metrics.val_loss < 2.5\"> <button>filter</button>" + token_field +
+                                           "</form><form action=\"/compare\">" + token_field + "<table><tr><th></th><th>id</th><th>name</th>"
+                                           "<th>status</th><th>model</th><th>hardware</th><th>sweep</th><th>step</th><th>loss</th><th>created</th></tr>" +
+                                           rows + "</table><button>compare the ticked runs</button></form><p><a href=\"/metrics\">/metrics</a> · <a href=\"/api/runs\">/api/runs</a></p>"),
                     "text/html; charset=utf-8");
   }));
   const int port = o.port == 0 ? server.bind_to_any_port(o.host) : (server.bind_to_port(o.host, o.port) ? o.port : -1);

@@ -1,9 +1,11 @@
 // `dsrun ui`: a real server on a real store while a run trains: /metrics in Prometheus' format,
-// the runs page and its --where (injections refused as the CLI refuses them), the token rule.
+// the runs page and its --where (injections refused as the CLI refuses them), the token rule; a
+// real sweep's parallel coordinates and two of its trials compared, drawn in headless Chromium.
 #include "storage/store.hpp"
 #include "test_util.hpp"
 
 #include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
 
 #include <chrono>
 #include <random>
@@ -117,4 +119,82 @@ TEST_CASE("dsrun ui serves /metrics for Prometheus while a run trains, the runs 
 
   for (const char* pid : {"ui.pid", "ui2.pid", "run.pid"}) std::system(("kill $(cat '" + dir.file(pid) + "') 2>/dev/null").c_str());
   std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // the run, interrupted, ends killed
+}
+
+TEST_CASE("dsrun ui draws a sweep's trials as parallel coordinates (pruned marked, the best linked) and compares runs: curves overlaid, only differing keys", "[ui][slow]") {
+  dsrun::test::TempDir dir;
+  const std::string db = dir.file("runs.db");
+  // 4 trials over two parameters; ASHA prunes the ones whose rate cannot learn.
+  const std::string sweep = dir.write("sweep.toml", "base = \"" + dsrun::test::source_dir() + "/tests/recipes/tiny_train.toml\"\n"
+                                      "[run]\nsteps = 30\n[checkpoint]\nat_end = false\n[parallel]\ndata_parallel = 1\n[schedule]\nname = \"constant\"\n"
+                                      "[sweep]\nmethod = \"grid\"\n[sweep.objective]\nmetric = \"loss\"\n"
+                                      "[sweep.pruning]\nmethod = \"asha\"\ngrace_steps = 2\nreduction_factor = 2\n"
+                                      "[sweep.parameters]\n\"optimizer.lr\" = [3e-3, 1e-7]\n\"optimizer.weight_decay\" = [0.0, 0.1]\n");
+  const auto swept = run_command("'" + dsrun_binary() + "' sweep '" + sweep + "' --db '" + db + "'");
+  INFO(swept.text);
+  REQUIRE(swept.code == 0);
+  const size_t at = swept.text.find("sweep s");
+  REQUIRE(at != std::string::npos);
+  const std::string sweep_id = swept.text.substr(at + 6, 8);
+  dsrun::Store store(db);
+  const auto trials = store.sweep_trials(sweep_id);
+  REQUIRE(trials.size() == 4);
+  int pruned = 0;
+  for (const auto& t : trials) pruned += t.status == dsrun::RunStatus::Pruned;
+  REQUIRE(pruned >= 1);
+
+  const int port = 30000 + static_cast<int>(std::random_device{}() % 10000);
+  const std::string base = "http://127.0.0.1:" + std::to_string(port);
+  REQUIRE(std::system(("('" + dsrun_binary() + "' ui --port " + std::to_string(port) + " --db '" + db + "' > '" + dir.file("ui.log") + "' 2>&1 & echo $! > '" +
+                       dir.file("ui.pid") + "')").c_str()) == 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(800));
+  auto chrome = [&](const std::string& profile, const std::string& path) {
+    return run_command("chromium --headless --no-sandbox --disable-gpu --disable-dev-shm-usage --user-data-dir='" + dir.file(profile) +
+                       "' --virtual-time-budget=3000 --dump-dom '" + base + path + "' 2>/dev/null").text;
+  };
+  auto count = [](const std::string& text, const std::string& what) {
+    int n = 0;
+    for (size_t i = text.find(what); i != std::string::npos; i = text.find(what, i + 1)) ++n;
+    return n;
+  };
+  REQUIRE(run_command("command -v chromium").code == 0);
+
+  // The sweep: one line per trial, the pruned ones marked, exactly one best, linked to its run.
+  const std::string coordinates = chrome("chrome1", "/sweep/" + sweep_id);
+  INFO(coordinates.substr(0, 3000));
+  CHECK(count(coordinates, "<polyline class=\"trial ") == 4);
+  CHECK(count(coordinates, "<polyline class=\"trial pruned") == pruned);
+  CHECK(count(coordinates, " best\"") == 1);
+  const std::string best = store.get_sweep(sweep_id).best_run;
+  REQUIRE(!best.empty());
+  CHECK(contains(coordinates, "<a href=\"/run/" + best + "\"><polyline class=\"trial finished best\""));
+  CHECK(contains(coordinates, ">optimizer.lr (log)</text>"));
+  CHECK(contains(coordinates, ">optimizer.weight_decay</text>"));
+  CHECK(contains(run_command("curl -s " + base + "/api/sweeps/" + sweep_id).text, "\"parameters\":[\"optimizer.lr\",\"optimizer.weight_decay\"]"));
+  // The runs page links the sweep and offers the comparison.
+  const std::string runs_page = run_command("curl -s " + base + "/").text;
+  CHECK(contains(runs_page, "<a href=\"/sweep/" + sweep_id + "\">"));
+  CHECK(contains(runs_page, "<form action=\"/compare\">"));
+
+  // Two trials that differ in the rate alone: both curves drawn, the diff lists that key only.
+  std::string a, b;
+  for (const auto& t : trials) {
+    const auto p = nlohmann::json::parse(t.trial_params);
+    if (p["optimizer.weight_decay"].get<double>() != 0.0) continue;
+    (a.empty() ? a : b) = t.id;
+  }
+  REQUIRE(!b.empty());
+  const std::string compared = chrome("chrome2", "/compare?run=" + a + "&run=" + b);
+  INFO(compared.substr(0, 3000));
+  CHECK(contains(compared, "<polyline class=\"run-" + a + "\""));
+  CHECK(contains(compared, "<polyline class=\"run-" + b + "\""));
+  const std::string diff = compared.substr(compared.find("id=\"config-diff\""));
+  CHECK(count(diff, "<tr class=\"differs\">") == 1);
+  CHECK(contains(diff, "<td>optimizer.lr</td>"));
+  CHECK(!contains(diff, "<td>optimizer.weight_decay</td>"));
+  // One run is not a comparison: the page says what to give.
+  const auto one = run_command("curl -s -w ' %{http_code}' '" + base + "/compare?run=" + a + "'");
+  CHECK(contains(one.text, "compare needs at least two runs"));
+  CHECK(contains(one.text, " 400"));
+  std::system(("kill $(cat '" + dir.file("ui.pid") + "') 2>/dev/null").c_str());
 }
