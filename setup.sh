@@ -32,6 +32,7 @@ if [ "${1:-}" = "--with-test-tools" ]; then
   packages+=(slurm-wlm munge)         # a real one-node Slurm cluster for the --slurm tests (tests/servers/slurm_cluster.sh)
   packages+=(python3)                 # scripts/code_figures.py --check: includes run only down the layers
   packages+=(curl)                    # the dsrun ui test asks the server over HTTP
+  packages+=(prometheus)              # a real Prometheus server scrapes dsrun ui's /metrics in its test
 fi
 missing=()
 for p in "${packages[@]}"; do

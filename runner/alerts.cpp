@@ -294,6 +294,26 @@ void RunAlerts::on_end(RunStatus status, const std::string& why, double drain_se
   record_notes();
 }
 
+void alert_sweep_finished(const std::vector<AlertRule>& rules, const SweepRecord& sweep, const std::string& message, const std::string& event_run,
+                          Store& store, double drain_seconds) {
+  AlertDelivery delivery;
+  bool any = false;
+  for (const AlertRule& r : rules) {
+    if (r.on != AlertOn::SweepFinished) continue;
+    any = true;
+    if (!event_run.empty()) store.add_event(event_run, "alert", -1, "alert \"" + r.name + "\": sweep " + sweep.id + ": " + message + " (to " + describe(r) + ")");
+    nlohmann::json alert = {{"sweep_id", sweep.id}, {"sweep_name", sweep.name}, {"rule", r.name}, {"on", to_string(r.on)}, {"message", message},
+                            {"best_run", sweep.best_run}, {"time", static_cast<int64_t>(std::time(nullptr))}};
+    delivery.send(r, {{"text", "dsrun: sweep " + sweep.id + (sweep.name.empty() ? "" : " (" + sweep.name + ")") + ": " + message}, {"alert", alert}});
+  }
+  if (!any) return;
+  delivery.finish(drain_seconds);
+  for (const std::string& note : delivery.take_notes()) {
+    std::cerr << "sweep " << sweep.id << ": " << note << "\n";
+    if (!event_run.empty()) store.add_event(event_run, "alert_delivery", -1, note);
+  }
+}
+
 std::vector<AlertRule> alert_rules_for_run(const std::vector<AlertRule>& recipe_rules) {
   std::vector<AlertRule> rules = recipe_rules;
   std::vector<Diagnostic> problems;

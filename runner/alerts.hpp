@@ -86,6 +86,12 @@ class RunAlerts {
   bool metrics_unchecked_ = false;
 };
 
+// A sweep finished (every trial ended, no interruption): its `sweep_finished` rules fire, each once
+// (a sweep finishes once), recorded as an `alert` event on `event_run` (its best run, else its last
+// trial) and delivered, the driver waiting up to `drain_seconds` for them.
+void alert_sweep_finished(const std::vector<AlertRule>& rules, const SweepRecord& sweep, const std::string& message, const std::string& event_run,
+                          Store& store, double drain_seconds);
+
 // The rules a run is watched by: its recipe's, then the user's (load_user_alert_rules). Each
 // metric rule's `when` is checked as `dsrun history --where` would parse it (bare names are
 // metrics); a problem throws dsrun::Error naming the file, line and key.

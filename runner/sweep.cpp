@@ -7,6 +7,7 @@
 #include "engine/common/text.hpp"
 #include "engine/recipe/load.hpp"
 #include "engine/sweep/sweep.hpp"
+#include "runner/alerts.hpp"
 #include "runner/launcher.hpp"
 #include "runner/slurm.hpp"
 #include "runner/terminal.hpp"
@@ -132,6 +133,30 @@ nlohmann::json leaderboard_json(const SweepSpec& spec, const SweepRecord& sweep,
                              {"seconds", r.run.started_at > 0 ? (r.run.ended_at > 0 ? r.run.ended_at : unix_now()) - r.run.started_at : 0.0},
                              {"error", r.run.error}});
   return out;
+}
+
+// Once a sweep has finished (not stopped): its recipe's and the user's `sweep_finished` alerts,
+// with how its trials ended and the best one. The rules are read from the recipe file again (a
+// task of a Slurm sweep has only the store).
+void alert_if_finished(Store& store, const std::string& sweep_id) {
+  const SweepRecord sweep = store.get_sweep(sweep_id);
+  if (sweep.status != "finished") return;
+  if (!file_exists(sweep.recipe_path)) {
+    std::cerr << "sweep " << sweep.id << ": its recipe " << sweep.recipe_path << " is gone: no sweep_finished alert evaluated\n";
+    return;
+  }
+  const std::vector<AlertRule> rules = alert_rules_for_run(load_recipe_file(sweep.recipe_path, LoadOptions{}).alerts);
+  const SweepSpec spec = sweep_spec_from_json(nlohmann::json::parse(sweep.spec_json));
+  const std::vector<Row> rows = leaderboard(store, spec, sweep.id);
+  std::map<std::string, int> ended;
+  for (const Row& r : rows) ++ended[to_string(r.run.status)];
+  std::string how;
+  for (const auto& [status, n] : ended) how += (how.empty() ? "" : ", ") + std::to_string(n) + " " + status;
+  std::string message = "finished: " + std::to_string(rows.size()) + " trial(s) (" + how + ")";
+  if (!sweep.best_run.empty() && !rows.empty() && rows[0].objective)
+    message += "; best run " + sweep.best_run + ", " + spec.metric + " " + format_double(*rows[0].objective, 6);
+  const std::string event_run = !sweep.best_run.empty() ? sweep.best_run : rows.empty() ? "" : rows.back().run.id;
+  alert_sweep_finished(rules, sweep, message, event_run, store, 30);
 }
 
 void print_leaderboard(const Store& store, const SweepSpec& spec, const SweepRecord& sweep, bool json, bool csv) {
@@ -603,13 +628,19 @@ int run_slurm_sweep_task(Store& store, const std::string& sweep_query, const std
     std::cout << "task " << job_id << ": trial " << claim->index + 1 << " " << to_string(r.status) << (r.error.empty() ? "" : ": " + r.error) << "\n" << std::flush;
   }
   // Nothing left to claim: when no trial is still planned or running, the sweep is complete.
+  bool finished_here = false;
   store.transaction([&] {
+    finished_here = false;  // (a retried transaction decides again)
     const std::vector<Row> rows = leaderboard(store, spec, sweep.id);
     for (const auto& row : rows)
       if (row.run.status == RunStatus::Planned || row.run.status == RunStatus::Running) return;
     const bool has_best = !rows.empty() && rows[0].run.status == RunStatus::Finished && rows[0].objective;
-    if (!sweep_interrupted && store.get_sweep(sweep.id).status == "running") store.update_sweep(sweep.id, "finished", has_best ? rows[0].run.id : "", "", 0);
+    if (!sweep_interrupted && store.get_sweep(sweep.id).status == "running") {
+      store.update_sweep(sweep.id, "finished", has_best ? rows[0].run.id : "", "", 0);
+      finished_here = true;
+    }
   });
+  if (finished_here) alert_if_finished(store, sweep.id);  // (once: the task that finished it)
   std::cout << "task " << job_id << ": " << trials << " trial(s) run, nothing left to claim\n";
   return sweep_interrupted ? 130 : 0;
 }
@@ -719,7 +750,9 @@ int command_sweep(const SweepArgs& args, const std::string& db_path) {
   if (stored.contains("base_sets") && args.resume.size()) sets = stored["base_sets"].get<std::vector<std::string>>();
   if (args.slurm) return submit_sweep_to_slurm(spec, store, sweep, db_path, sets);
   SweepDriver driver(spec, store, sweep, db_path, sets);
-  return driver.run();
+  const int code = driver.run();
+  alert_if_finished(store, sweep.id);
+  return code;
 }
 
 }  // namespace dsrun

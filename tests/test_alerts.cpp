@@ -102,3 +102,27 @@ TEST_CASE("a run's alerts fire once each, to a webhook that is down at first and
   CHECK(retried >= 1);          // the receiver was down: said so, and retried
   CHECK(delivered_later >= 1);  // and got them once it answered
 }
+
+TEST_CASE("a sweep's sweep_finished alert fires once when every trial has ended, with the best run, and its trials do not fire it", "[alerts][sweep][slow]") {
+  dsrun::test::TempDir dir;
+  const std::string sweep = dir.write("sweep.toml", "base = \"" + dsrun::test::source_dir() + "/tests/recipes/tiny_train.toml\"\n"
+                                      "[run]\nsteps = 4\n[checkpoint]\nat_end = false\n[parallel]\ndata_parallel = 1\n"
+                                      "[[alerts]]\non = \"sweep_finished\"\nrun = [\"tee\", \"-a\", \"" + dir.file("sweep.jsonl") + "\"]\n"
+                                      "[sweep]\nmethod = \"grid\"\n[sweep.objective]\nmetric = \"loss\"\n[sweep.parameters]\n\"optimizer.lr\" = [1e-3, 3e-3]\n");
+  const auto out = dsrun::test::run_command("HOME='" + dir.file("home") + "' '" + std::string(DSRUN_BINARY) + "' sweep '" + sweep + "' --db '" + dir.file("runs.db") + "'");
+  INFO(out.text);
+  REQUIRE(out.code == 0);
+  const size_t at = out.text.find("sweep s");
+  REQUIRE(at != std::string::npos);
+  const std::string sweep_id = out.text.substr(at + 6, 8);
+  Store store(dir.file("runs.db"));
+  const std::string best = store.get_sweep(sweep_id).best_run;
+  REQUIRE(!best.empty());
+  CHECK(count_lines_with(dir.file("sweep.jsonl"), "\"on\":\"sweep_finished\"") == 1);
+  CHECK(count_lines_with(dir.file("sweep.jsonl"), "\"sweep_id\":\"" + sweep_id + "\"") == 1);
+  CHECK(count_lines_with(dir.file("sweep.jsonl"), "finished: 2 trial(s) (2 finished); best run " + best) == 1);
+  int alerts = 0;
+  for (const auto& trial : store.sweep_trials(sweep_id))
+    for (const EventRecord& e : store.events(trial.id)) alerts += e.kind == "alert" && contains(e.message, "sweep " + sweep_id) && trial.id == best ? 1 : e.kind == "alert" ? 100 : 0;
+  CHECK(alerts == 1);  // on the best run only; no trial's own launcher fired it
+}

@@ -1,6 +1,8 @@
 // `dsrun ui`: a real server on a real store while a run trains: /metrics in Prometheus' format,
 // the runs page and its --where (injections refused as the CLI refuses them), the token rule; a
-// real sweep's parallel coordinates and two of its trials compared, drawn in headless Chromium.
+// real sweep's parallel coordinates and two of its trials compared, drawn in headless Chromium;
+// /metrics scraped by a real Prometheus server.
+#include "engine/common/files.hpp"
 #include "storage/store.hpp"
 #include "test_util.hpp"
 
@@ -197,4 +199,49 @@ TEST_CASE("dsrun ui draws a sweep's trials as parallel coordinates (pruned marke
   CHECK(contains(one.text, "compare needs at least two runs"));
   CHECK(contains(one.text, " 400"));
   std::system(("kill $(cat '" + dir.file("ui.pid") + "') 2>/dev/null").c_str());
+}
+
+TEST_CASE("a real Prometheus server scrapes dsrun ui's /metrics: the target is up and a running run's step is queryable by its labels", "[ui][slow][prometheus]") {
+  REQUIRE(run_command("command -v prometheus").code == 0);  // ./setup.sh --with-test-tools installs Debian's
+  dsrun::test::TempDir dir;
+  const std::string db = dir.file("runs.db");
+  const int port = 30000 + static_cast<int>(std::random_device{}() % 10000), prom_port = port + 1;
+  REQUIRE(std::system(("cd '" + dsrun::test::source_dir() + "' && ('" + dsrun_binary() + "' run recipes/quickstart.toml --set run.steps=3000 --set eval.every=0 --db '" + db +
+                       "' > '" + dir.file("run.log") + "' 2>&1 & echo $! > '" + dir.file("run.pid") + "')").c_str()) == 0);
+  for (int i = 0; i < 600 && latest_step(db) < 3; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  REQUIRE(latest_step(db) >= 3);
+  REQUIRE(std::system(("('" + dsrun_binary() + "' ui --port " + std::to_string(port) + " --db '" + db + "' > '" + dir.file("ui.log") + "' 2>&1 & echo $! > '" +
+                       dir.file("ui.pid") + "')").c_str()) == 0);
+  const std::string config = dir.write("prometheus.yml", "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n  - job_name: dsrun\n"
+                                                         "    static_configs:\n      - targets: ['127.0.0.1:" + std::to_string(port) + "']\n");
+  REQUIRE(std::system(("(prometheus --config.file='" + config + "' --storage.tsdb.path='" + dir.file("tsdb") + "' --web.listen-address=127.0.0.1:" +
+                       std::to_string(prom_port) + " > '" + dir.file("prometheus.log") + "' 2>&1 & echo $! > '" + dir.file("prometheus.pid") + "')").c_str()) == 0);
+  const std::string api = "http://127.0.0.1:" + std::to_string(prom_port) + "/api/v1/";
+  // Until the server has scraped twice (or 20 s).
+  std::string targets, steps;
+  for (int i = 0; i < 40; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    targets = run_command("curl -s " + api + "targets").text;
+    steps = run_command("curl -s '" + api + "query?query=dsrun_run_step'").text;
+    if (contains(targets, "\"health\":\"up\"") && contains(steps, "\"name\":\"quickstart\"")) break;
+  }
+  INFO(targets);
+  INFO(steps);
+  INFO(dsrun::read_file(dir.file("prometheus.log")).substr(0, 3000));
+  // Prometheus' own parser took the exposition: the target is up, with no parse error.
+  CHECK(contains(targets, "\"health\":\"up\""));
+  CHECK(contains(targets, "\"lastError\":\"\""));
+  // The running run's series, found by its labels, with a step past the first ones.
+  CHECK(contains(steps, "\"__name__\":\"dsrun_run_step\""));
+  CHECK(contains(steps, "\"name\":\"quickstart\""));
+  CHECK(contains(steps, "\"run_id\":\""));
+  const size_t value_at = steps.find("\"value\":[");
+  REQUIRE(value_at != std::string::npos);
+  const size_t quote = steps.find(",\"", value_at);
+  CHECK(std::stod(steps.substr(quote + 2)) >= 3);
+  const std::string running = run_command("curl -s '" + api + "query?query=sum(dsrun_run_running)'").text;
+  CHECK(contains(running, "\"value\":["));
+  CHECK(contains(running, ",\"1\"]"));
+  for (const char* pid : {"prometheus.pid", "ui.pid", "run.pid"}) std::system(("kill $(cat '" + dir.file(pid) + "') 2>/dev/null").c_str());
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
 }
