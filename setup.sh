@@ -47,7 +47,7 @@ fi
 
 launcher=()
 command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "${launcher[@]}" >/dev/null
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release "${launcher[@]}" >/dev/null
 # The main job needs dsrun and dsrun-rank alone; the test binaries (a third of a fresh build's time
 # on 2 cores) are built by the test command, which passes --with-test-tools.
 targets=(--target dsrun dsrun-rank)
