@@ -108,7 +108,7 @@ fi
 
 # --- Configure, build, test ----------------------------------------------------------------------
 cmake -S "$root" -B "$build" -G Ninja \
-  -DCMAKE_BUILD_TYPE="${BUILD_TYPE:-RelWithDebInfo}" \
+  -DCMAKE_BUILD_TYPE="${BUILD_TYPE:-RelWithDebInfo}" -DDSRUN_UNITY_BUILD=OFF \
   -DCMAKE_PREFIX_PATH="$prefixes$torch_cmake" \
   -DCMAKE_CUDA_COMPILER="$nvcc" -DCMAKE_CUDA_ARCHITECTURES=90 -DCUDAToolkit_ROOT="$cuda_home" \
   -DCMAKE_POLICY_VERSION_MINIMUM=3.5 \

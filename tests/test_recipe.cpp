@@ -414,6 +414,27 @@ TEST_CASE("pipeline parallelism: impossible layouts are refused at once, naming 
   CHECK(only_error(load_text("base = [\"models/resnet50-cifar10\"]\n[hardware]\ndevices_per_node = 2\n[parallel]\npipeline = 2\n")).key == "parallel.pipeline");
 }
 
+TEST_CASE("a GPU rank's host memory counts NCCL for each communicator it uses: two in a data-parallel job, more under expert or tensor groups", "[recipe][plan][memory]") {
+  auto process_of = [](const std::string& model, const std::string& parallel) {
+    LoadedRecipe r = load_text("base = [\"hardware/h100-80gb-x8\", \"models/" + model + "\"]\n[hardware]\ndevices_per_node = 4\n[parallel]\n" + parallel +
+                               "\n[precision]\ndtype = \"bf16\"\n[batch]\nglobal = 16\nmicro = 4\n");
+    INFO(r.report());
+    REQUIRE(errors_of(r).empty());
+    const Plan p = make_plan(r.recipe, dsrun::test::small_host());
+    return std::make_pair(p.host.process, r.recipe.hardware.host_nccl_memory_bytes);
+  };
+  const auto [dense, nccl] = process_of("deepseek-tiny", "data_parallel = 4");
+  const auto [tensor, _t] = process_of("deepseek-tiny", "data_parallel = 2\ntensor = 2");
+  const auto [moe_ep1, _1] = process_of("deepseek-moe-tiny", "data_parallel = 4\nexpert = 1");
+  const auto [moe_ep2, _2] = process_of("deepseek-moe-tiny", "data_parallel = 4\nexpert = 2");
+  const auto [moe_ep4, _4] = process_of("deepseek-moe-tiny", "data_parallel = 4\nexpert = 4");
+  REQUIRE(nccl > 0);
+  CHECK(tensor - dense == Approx(nccl / 4));    // + the tensor group
+  CHECK(moe_ep1 - dense == Approx(nccl / 4));   // + the expert replicas' reduction
+  CHECK(moe_ep2 - dense == Approx(nccl / 2));   // + the shards' all-to-all and the replicas
+  CHECK(moe_ep4 - dense == Approx(nccl / 4));   // + the shards (each shard held once: no replicas)
+}
+
 TEST_CASE("on GPUs a pipeline with fewer micro-batches a step than stages is refused with the fix, on CPU ranks it runs", "[recipe][plan][pipeline]") {
   auto plan_of = [](const std::string& hardware, int micro) {
     LoadedRecipe r = load_text("base = [\"" + hardware + "\", \"models/deepseek-tiny\"]\n[hardware]\ndevices_per_node = 4\n[parallel]\npipeline = 2\ndata_parallel = 2\n"

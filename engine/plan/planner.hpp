@@ -148,6 +148,7 @@ class Planner {
   // (each rank writes its slice). One that cannot fit on the disk is refused before launch; the
   // ones the retention keeps at once not fitting is said.
   double checkpoint_bytes() const;
+  int extra_communicators() const;  // NCCL communicators past the two host_nccl_memory covers
   int64_t checkpoint_saves() const;
 
   void plan_checkpoint_disk(Plan& p);

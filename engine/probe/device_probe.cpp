@@ -10,6 +10,7 @@
 #include "engine/model/fp8_linear.hpp"
 #include "engine/model/model.hpp"
 #include "engine/parallel/copy_stream.hpp"
+#include "engine/parallel/zero_options.hpp"  // torch_dtype
 #include "engine/plan/cost.hpp"
 #include "engine/plan/plan.hpp"
 #include "engine/probe/host_probe.hpp"
@@ -64,8 +65,6 @@ std::vector<double> call_seconds(const torch::Device& device, const Repeats& n, 
 double median(std::vector<double> v) { return probe_median(std::move(v)); }
 
 double time_per_call(const torch::Device& device, const Repeats& n, const std::function<void()>& work) { return median(call_seconds(device, n, work)); }
-
-torch::ScalarType torch_dtype(DType d) { return d == DType::Bf16 ? torch::kBFloat16 : d == DType::Fp16 ? torch::kFloat16 : torch::kFloat32; }
 
 double peak_for(const HardwareSpec& hw, DType d) { return d == DType::Bf16 ? hw.peak_flops_bf16 : d == DType::Fp16 ? hw.peak_flops_fp16 : hw.peak_flops_fp32; }
 

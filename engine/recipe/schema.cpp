@@ -137,7 +137,7 @@ std::vector<KeySpec> build_schema() {
              "(its largest parameter; whole and this rank's slice under tensor parallelism) come on top of this, not of host_runtime_memory_gib. "
              "0.5 measured on 4 H200 (docs/benchmarks.md)."),
       ranged("hardware.host_nccl_memory_gib", T::Float, "0.4", 0, 1e6,
-             "Host memory NCCL adds to each GPU rank of a job of several ranks (its proxy threads and host buffers), in GiB; 0.4 measured on 4 H200."),
+             "Host memory NCCL adds to each GPU rank of a job of several ranks (its proxy threads and host buffers) for its first two communicators (the world's and the data group's), in GiB; each further group it uses (tensor, pipeline, expert shards, expert replicas) adds a quarter of this. 0.4 measured on 4 H200."),
       ranged("hardware.fragmentation", T::Float, "0.05", 0, 0.9, "Allocator slack: fraction of the allocated bytes lost to fragmentation and caching."),
 
       // ---- model
