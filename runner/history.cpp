@@ -174,6 +174,46 @@ std::vector<std::vector<std::string>> differences(const std::vector<std::map<std
   return rows;
 }
 
+std::vector<PlanBesideMeasured> plan_beside_measured(const Store& store, const RunRecord& r) {
+  std::vector<PlanBesideMeasured> rows;
+  const nlohmann::json plan = nlohmann::json::parse(r.plan_json.empty() ? "{}" : r.plan_json, nullptr, false);
+  // memory/rankN/KEY -> rank -> KEY -> value
+  std::map<int, std::map<std::string, double>> by_rank;
+  for (const auto& [k, m] : store.latest_metrics(r.id)) {
+    if (k.rfind("memory/rank", 0) != 0) continue;
+    const size_t slash = k.find('/', 11);
+    if (slash == std::string::npos || slash == 11 || k.find_first_not_of("0123456789", 11) != slash) continue;
+    by_rank[std::stoi(k.substr(11, slash - 11))][k.substr(slash + 1)] = m.value;
+  }
+  auto largest = [&](const std::string& key) {  // over ranks
+    double v = NAN;
+    for (const auto& [rank, values] : by_rank)
+      if (values.count(key)) v = std::isnan(v) ? values.at(key) : std::max(v, values.at(key));
+    return v;
+  };
+  auto text = [](double v, bool bytes) { return !std::isfinite(v) ? std::string("-") : bytes ? format_bytes(v) : format_double(v, 4); };
+  auto add = [&](const std::string& quantity, double measured, double predicted, bool bytes, int rank, const std::string& kind, bool host) {
+    rows.push_back({quantity, predicted, measured, error_percent(measured, predicted), text(predicted, bytes), text(measured, bytes), rank, kind, host});
+  };
+  add("model states per rank", largest("model_state_bytes"), largest("predicted_model_state_bytes"), true, -1, "", false);
+  for (const auto& [rank, values] : by_rank) {
+    // GPU ranks report the CUDA allocator's peak; CPU ranks only the process's peak RSS.
+    const bool gpu = values.count("peak_allocated_bytes") > 0;
+    if (!gpu && !values.count("peak_rss_bytes")) continue;
+    const std::string kind = gpu ? "GPU allocated" : "CPU RSS";
+    add("peak memory rank " + std::to_string(rank) + " (" + kind + ")", values.at(gpu ? "peak_allocated_bytes" : "peak_rss_bytes"),
+        values.count("predicted_total_bytes") ? values.at("predicted_total_bytes") : NAN, true, rank, kind, false);
+  }
+  for (const auto& [rank, values] : by_rank)  // a GPU rank's host memory, against the plan's host figure
+    if (values.count("peak_allocated_bytes") && values.count("peak_rss_bytes") && values.count("predicted_host_bytes"))
+      add("host peak RSS rank " + std::to_string(rank), values.at("peak_rss_bytes"), values.at("predicted_host_bytes"), true, rank, "host RSS", true);
+  const double step_predicted = plan.is_object() ? plan.value("/speed/step_seconds"_json_pointer, NAN) : NAN;
+  const double tps_predicted = plan.is_object() ? plan.value("/speed/tokens_per_second"_json_pointer, NAN) : NAN;
+  add("step seconds", mean_after_first(store.metric_history(r.id, "step_seconds")), step_predicted, false, -1, "", false);
+  add("tokens/s", mean_after_first(store.metric_history(r.id, "tokens_per_second")), tps_predicted, false, -1, "", false);
+  return rows;
+}
+
 
 QueryNames query_names() {
   QueryNames n;
@@ -380,54 +420,24 @@ int command_compare(const CompareArgs& a, const std::string& db_path) {
     if (a.at_step >= 0) metric_rows.push_back(at_row);
   }
 
-  // The plan's predictions beside what was measured. Peak memory is one row per rank: ranks
-  // differ (uneven shards, rank 0's extra work), and the largest alone hides which one.
+  // The plan's predictions beside what was measured (plan_beside_measured).
   std::vector<std::vector<std::string>> predicted;
   nlohmann::json predicted_json = nlohmann::json::object();
   for (const auto& r : runs) {
-    nlohmann::json plan = nlohmann::json::parse(r.plan_json.empty() ? "{}" : r.plan_json, nullptr, false);
-    // memory/rankN/KEY -> rank -> KEY -> value
-    std::map<int, std::map<std::string, double>> by_rank;
-    for (const auto& [k, m] : store.latest_metrics(r.id)) {
-      if (k.rfind("memory/rank", 0) != 0) continue;
-      const size_t slash = k.find('/', 11);
-      if (slash == std::string::npos || slash == 11 || k.find_first_not_of("0123456789", 11) != slash) continue;
-      by_rank[std::stoi(k.substr(11, slash - 11))][k.substr(slash + 1)] = m.value;
-    }
-    auto largest = [&](const std::string& key) {  // over ranks
-      double v = NAN;
-      for (const auto& [rank, values] : by_rank)
-        if (values.count(key)) v = std::isnan(v) ? values.at(key) : std::max(v, values.at(key));
-      return v;
-    };
-    auto text = [](double v, bool bytes) { return !std::isfinite(v) ? std::string("-") : bytes ? format_bytes(v) : format_double(v, 4); };
-    auto entry = [](double pred, double measured) {
-      return nlohmann::json{{"predicted", number_or_null(pred)}, {"measured", number_or_null(measured)}, {"error_pct", number_or_null(error_percent(measured, pred))}};
-    };
-    auto row = [&](const std::string& what, double measured, double pred, bool bytes) {
-      predicted.push_back({r.id, what, text(pred, bytes), text(measured, bytes), percent_text(error_percent(measured, pred))});
-      predicted_json[r.id][what] = entry(pred, measured);
-    };
-    row("model states per rank", largest("model_state_bytes"), largest("predicted_model_state_bytes"), true);
+    predicted_json[r.id] = nlohmann::json::object();
     predicted_json[r.id]["peak memory per rank"] = nlohmann::json::array();
-    for (const auto& [rank, values] : by_rank) {
-      // GPU ranks report the CUDA allocator's peak; CPU ranks only the process's peak RSS.
-      const bool gpu = values.count("peak_allocated_bytes") > 0;
-      if (!gpu && !values.count("peak_rss_bytes")) continue;
-      const std::string kind = gpu ? "GPU allocated" : "CPU RSS";
-      const double measured = values.at(gpu ? "peak_allocated_bytes" : "peak_rss_bytes");
-      const double pred = values.count("predicted_total_bytes") ? values.at("predicted_total_bytes") : NAN;
-      predicted.push_back({r.id, "peak memory rank " + std::to_string(rank) + " (" + kind + ")", text(pred, true), text(measured, true),
-                           percent_text(error_percent(measured, pred))});
-      nlohmann::json e = entry(pred, measured);
-      e["rank"] = rank;
-      e["kind"] = kind;
+    for (const PlanBesideMeasured& row : plan_beside_measured(store, r)) {
+      predicted.push_back({r.id, row.quantity, row.predicted_text, row.measured_text, percent_text(row.error_percent)});
+      nlohmann::json e = {{"predicted", number_or_null(row.predicted)}, {"measured", number_or_null(row.measured)}, {"error_pct", number_or_null(row.error_percent)}};
+      if (row.rank < 0) {
+        predicted_json[r.id][row.quantity] = e;
+        continue;
+      }
+      if (row.host) continue;  // (the JSON keeps its earlier shape: device peaks per rank)
+      e["rank"] = row.rank;
+      e["kind"] = row.kind;
       predicted_json[r.id]["peak memory per rank"].push_back(e);
     }
-    const double step_predicted = plan.is_object() ? plan.value("/speed/step_seconds"_json_pointer, NAN) : NAN;
-    const double tps_predicted = plan.is_object() ? plan.value("/speed/tokens_per_second"_json_pointer, NAN) : NAN;
-    row("step seconds", mean_after_first(store.metric_history(r.id, "step_seconds")), step_predicted, false);
-    row("tokens/s", mean_after_first(store.metric_history(r.id, "tokens_per_second")), tps_predicted, false);
   }
 
   if (a.json) {

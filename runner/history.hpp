@@ -11,6 +11,9 @@
 
 namespace dsrun {
 
+class Store;
+struct RunRecord;
+
 struct HistoryArgs {
   int limit = 50;
   std::string status, sweep, model, hardware, recipe, since, where, sort;
@@ -33,6 +36,19 @@ int command_gc(bool dry_run, const std::string& db_path);
 std::map<std::string, std::string> flat_toml(const std::string& text);
 // Keys where the maps differ (or every key, with `all`), as rows: the key, then each map's value ("-" where absent).
 std::vector<std::vector<std::string>> differences(const std::vector<std::map<std::string, std::string>>& maps, bool all);
+
+// The plan's figures beside what a run measured: model states, each rank's device peak (the GPU
+// allocator's; a CPU rank's RSS), each GPU rank's host peak, the step time and tokens/s (means after
+// the first step). `dsrun compare` prints them; `dsrun ui`'s run page shows them.
+struct PlanBesideMeasured {
+  std::string quantity;
+  double predicted = 0, measured = 0, error_percent = 0;  // NaN where missing
+  std::string predicted_text, measured_text;
+  int rank = -1;         // a per-rank row's rank
+  std::string kind;      // "GPU allocated", "CPU RSS", "host RSS"
+  bool host = false;     // a GPU rank's host row
+};
+std::vector<PlanBesideMeasured> plan_beside_measured(const Store& store, const RunRecord& run);
 
 struct CompareArgs {
   std::vector<std::string> runs;

@@ -15,6 +15,7 @@
 #endif
 #include <nlohmann/json.hpp>
 
+#include <cmath>
 #include <csignal>
 #include <iostream>
 #include <mutex>
@@ -303,8 +304,24 @@ int command_ui(const UiOptions& o) {
     std::string charts;
     for (const char* key : {"loss", "val_loss", "tokens_per_second"})
       charts += std::string("<h3>") + key + " <small id=\"points-" + key + "\"></small></h3><svg id=\"chart-" + key + "\" width=\"560\" height=\"180\"></svg>";
+    std::string beside = "<table id=\"plan-beside-measured\"><tr><th>quantity</th><th>plan</th><th>measured</th><th>error</th></tr>";
+    for (const PlanBesideMeasured& row : plan_beside_measured(store, r))
+      beside += "<tr><td>" + html_escape(row.quantity) + "</td><td>" + html_escape(row.predicted_text) + "</td><td>" + html_escape(row.measured_text) + "</td><td>" +
+                (std::isfinite(row.error_percent) ? html_escape(format_double(row.error_percent, 3)) + "%" : "-") + "</td></tr>";
+    beside += "</table>";
+    std::string checkpoints;
+    for (const CheckpointRecord& c : store.checkpoints(r.id))
+      checkpoints += "<tr><td>" + std::to_string(c.step) + "</td><td>" + html_escape(c.path) + "</td><td>" + format_bytes(static_cast<double>(c.bytes)) + "</td><td>" +
+                     format_time(c.created_at) + "</td></tr>";
+    std::string nodes;
+    for (const NodeRecord& n : store.nodes(r.id))
+      nodes += "<tr><td>" + std::to_string(n.node_rank) + "</td><td>" + html_escape(n.host) + "</td><td class=\"" + html_escape(n.status) + "\">" + html_escape(n.status) +
+               "</td><td>" + std::to_string(n.restarts) + "</td><td>" + html_escape(n.error) + "</td></tr>";
     const std::string body = "<p><a href=\"/\">runs</a></p><h1>" + html_escape(r.id) + " " + html_escape(r.name) + " <span class=\"" + to_string(r.status) + "\">" +
                              to_string(r.status) + "</span></h1>" + (r.error.empty() ? "" : "<pre class=\"failed\">" + html_escape(r.error) + "</pre>") + charts +
+                             "<h2>The plan beside what was measured</h2>" + beside +
+                             "<h2>Nodes <small>(a row for each node of a run over several)</small></h2><table id=\"nodes\"><tr><th>node</th><th>host</th><th>status</th><th>restarts</th><th>error</th></tr>" + nodes + "</table>" +
+                             "<h2>Checkpoints</h2><table id=\"checkpoints\"><tr><th>step</th><th>path</th><th>size</th><th>saved</th></tr>" + checkpoints + "</table>" +
                              "<h2>Plan</h2><pre>" + html_escape(r.plan_text) + "</pre><h2>Events</h2><table>" + events + "</table><h2>Config</h2><pre>" +
                              html_escape(r.config_toml) + "</pre><script>" + kRunScript + "</script>";
     std::string html = page("dsrun " + r.id, body);

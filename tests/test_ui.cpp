@@ -91,6 +91,15 @@ TEST_CASE("dsrun ui serves /metrics for Prometheus while a run trains, the runs 
   const size_t id_at = listed.find("\"id\":\"");
   REQUIRE(id_at != std::string::npos);
   const std::string id = listed.substr(id_at + 6, 8);
+  // The run's page puts the plan beside what was measured, a row for every rank, and the tables of
+  // nodes (rows from runs over several nodes) and checkpoints.
+  const std::string run_page = run_command("curl -s " + base + "/run/" + id).text;
+  const std::string beside = run_page.substr(std::min(run_page.size(), run_page.find("<table id=\"plan-beside-measured\">")));
+  CHECK(contains(beside, "<td>step seconds</td>"));
+  CHECK(contains(beside, "<td>peak memory rank 0 (CPU RSS)</td>"));
+  CHECK(contains(beside, "<td>peak memory rank 1 (CPU RSS)</td>"));
+  CHECK(contains(run_page, "<table id=\"nodes\">"));
+  CHECK(contains(run_page, "<table id=\"checkpoints\">"));
   REQUIRE(run_command("command -v chromium").code == 0);  // ./setup.sh --with-test-tools installs it
   auto chrome = [&](const std::string& profile) {
     return "chromium --headless --no-sandbox --disable-gpu --disable-dev-shm-usage --user-data-dir='" + dir.file(profile) +
