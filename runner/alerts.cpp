@@ -3,6 +3,7 @@
 #include "engine/common/clock.hpp"
 #include "engine/common/error.hpp"
 #include "engine/common/file_descriptor.hpp"
+#include "engine/common/files.hpp"
 #include "engine/recipe/load.hpp"
 #include "runner/history.hpp"
 #include "storage/run_query.hpp"
@@ -312,6 +313,56 @@ void alert_sweep_finished(const std::vector<AlertRule>& rules, const SweepRecord
     std::cerr << "sweep " << sweep.id << ": " << note << "\n";
     if (!event_run.empty()) store.add_event(event_run, "alert_delivery", -1, note);
   }
+}
+
+void alert_lost_run(Store& store, const RunRecord& run, const std::string& why, int64_t last_step) {
+  if (run.recipe_path.empty()) return;
+  if (!file_exists(run.recipe_path)) {
+    std::cerr << "run " << run.id << " is lost; its recipe " << run.recipe_path << " is not here, so its failed alerts were not sent\n";
+    return;
+  }
+  std::vector<AlertRule> rules;
+  try {
+    for (AlertRule& r : alert_rules_for_run(load_recipe_file(run.recipe_path, LoadOptions{}).alerts))
+      if (r.on == AlertOn::Failed) rules.push_back(std::move(r));
+  } catch (const Error& e) {  // (the command that noticed goes on; the user learns why no alert went)
+    std::cerr << "run " << run.id << " is lost; its alert rules could not be read, so none were sent: " << e.describe() << "\n";
+    return;
+  }
+  if (rules.empty()) return;
+  // The events first, here: the process that delivers opens no store (SQLite's connections must
+  // not cross a fork), so how each delivery went is not recorded for a lost run.
+  const std::string message = "lost: " + why;
+  std::vector<nlohmann::json> bodies;
+  for (const AlertRule& r : rules) {
+    store.add_event(run.id, "alert", -1, "alert \"" + r.name + "\": " + message + " (to " + describe(r) + ")");
+    nlohmann::json alert = {{"run_id", run.id}, {"run_name", run.name}, {"rule", r.name}, {"on", to_string(r.on)}, {"step", last_step}, {"message", message},
+                            {"time", static_cast<int64_t>(std::time(nullptr))}};
+    bodies.push_back({{"text", "dsrun: run " + run.id + (run.name.empty() ? "" : " (" + run.name + ")") + ": " + message}, {"alert", alert}});
+  }
+  // Two forks: the grandchild delivers (retrying up to a minute) on its own, and the child is
+  // reaped at once. The commands that call this are single-threaded, so fork is safe here.
+  const pid_t child = ::fork();
+  if (child < 0) fail_at(__FILE__, __LINE__, std::string("fork failed: ") + std::strerror(errno));
+  if (child > 0) {
+    int status = 0;
+    ::waitpid(child, &status, 0);
+    return;
+  }
+  if (::fork() != 0) ::_exit(0);
+  ::setsid();
+  const int null = ::open("/dev/null", O_RDWR);  // (a pipe the caller reads must not wait for us)
+  if (null >= 0) {
+    ::dup2(null, STDIN_FILENO);
+    ::dup2(null, STDOUT_FILENO);
+    ::dup2(null, STDERR_FILENO);
+  }
+  {
+    AlertDelivery delivery;
+    for (size_t i = 0; i < rules.size(); ++i) delivery.send(rules[i], bodies[i]);
+    delivery.finish(60);
+  }
+  ::_exit(0);
 }
 
 std::vector<AlertRule> alert_rules_for_run(const std::vector<AlertRule>& recipe_rules) {

@@ -92,6 +92,12 @@ class RunAlerts {
 void alert_sweep_finished(const std::vector<AlertRule>& rules, const SweepRecord& sweep, const std::string& message, const std::string& event_run,
                           Store& store, double drain_seconds);
 
+// A run that another command found lost (its launcher dead, or its Slurm job gone): its `failed`
+// rules (the recipe's, read again from its file, and the user's) are recorded as the run's events
+// and delivered from a detached process, so that the command which noticed never waits for a
+// receiver (how each delivery went is not recorded). A recipe file that is gone is said on stderr.
+void alert_lost_run(Store& store, const RunRecord& run, const std::string& why, int64_t last_step);
+
 // The rules a run is watched by: its recipe's, then the user's (load_user_alert_rules). Each
 // metric rule's `when` is checked as `dsrun history --where` would parse it (bare names are
 // metrics); a problem throws dsrun::Error naming the file, line and key.

@@ -1,11 +1,14 @@
 // Alerts ([[alerts]]): rules checked where they are written, and a real run's alerts fired once each
-// to a real HTTP receiver (down at first) and to a program, recorded as events.
+// to a real HTTP receiver (down at first) and to a program, recorded as events; a sweep's
+// sweep_finished; a run whose launcher was killed, alerted by the command that finds it lost.
 #include "storage/store.hpp"
 #include "test_util.hpp"
 #include "train_util.hpp"
 
 #include <catch2/catch.hpp>
 
+#include <chrono>
+#include <thread>
 #include <fstream>
 #include <random>
 #include <sstream>
@@ -125,4 +128,48 @@ TEST_CASE("a sweep's sweep_finished alert fires once when every trial has ended,
   for (const auto& trial : store.sweep_trials(sweep_id))
     for (const EventRecord& e : store.events(trial.id)) alerts += e.kind == "alert" && contains(e.message, "sweep " + sweep_id) && trial.id == best ? 1 : e.kind == "alert" ? 100 : 0;
   CHECK(alerts == 1);  // on the best run only; no trial's own launcher fired it
+}
+
+TEST_CASE("a run found lost by another command (its launcher killed) sends its failed alerts from a detached process, and the command does not wait", "[alerts][slow]") {
+  dsrun::test::TempDir dir;
+  const std::string db = dir.file("runs.db"), sent = dir.file("lost.jsonl");
+  // The program answers after 3 s: `history` must not wait for it.
+  std::ofstream(dir.file("lost.toml")) << "base = [\"" << dsrun::test::source_dir() << "/tests/recipes/tiny_train.toml\"]\n"
+                                       << "[[alerts]]\non = \"failed\"\nrun = [\"sh\", \"-c\", \"sleep 3; cat >> '" << sent << "'\"]\n";
+  const std::string env = "HOME='" + dir.file("home") + "' ";
+  REQUIRE(std::system(("(" + env + "'" + std::string(DSRUN_BINARY) + "' run '" + dir.file("lost.toml") + "' --set run.steps=100000 --set checkpoint.every=0 --db '" + db +
+                       "' > '" + dir.file("run.log") + "' 2>&1 & echo $! > '" + dir.file("run.pid") + "')").c_str()) == 0);
+  std::string id;
+  for (int i = 0; i < 600 && id.empty(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    if (!store_exists(db)) continue;
+    Store store(db);
+    RunListOptions o;
+    o.limit = 1;
+    const auto runs = store.list_runs(o);
+    if (!runs.empty() && store.latest_metrics(runs[0].id).count("loss")) id = runs[0].id;
+  }
+  REQUIRE(!id.empty());
+  REQUIRE(std::system(("kill -9 $(cat '" + dir.file("run.pid") + "')").c_str()) == 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto history = dsrun::test::run_command(env + "'" + std::string(DSRUN_BINARY) + "' history --db '" + db + "'");
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  INFO(history.text);
+  CHECK(history.code == 0);
+  CHECK(contains(history.text, "lost"));
+  CHECK(seconds < 2.5);  // it did not wait for the program's 3 s
+  for (int i = 0; i < 100 && count_lines_with(sent, "\"on\":\"failed\"") == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  CHECK(count_lines_with(sent, "\"on\":\"failed\"") == 1);
+  CHECK(count_lines_with(sent, "lost: its launcher, process") == 1);
+  CHECK(count_lines_with(sent, "\"run_id\":\"" + id + "\"") == 1);
+  Store store(db);
+  CHECK(store.get_run(id).status == RunStatus::Lost);
+  int alerts = 0;
+  for (const EventRecord& e : store.events(id)) alerts += e.kind == "alert" && contains(e.message, "lost") ? 1 : 0;
+  CHECK(alerts == 1);
+  // Asked again, the run is already lost: no second alert.
+  dsrun::test::run_command(env + "'" + std::string(DSRUN_BINARY) + "' history --db '" + db + "'");
+  std::this_thread::sleep_for(std::chrono::milliseconds(3500));
+  CHECK(count_lines_with(sent, "\"on\":\"failed\"") == 1);
 }
