@@ -137,6 +137,8 @@ tick();
 // red, the best thick; each line links to its run.
 const char* const kSweepScript = R"JS(
 const data = JSON.parse(document.getElementById('sweep-data').textContent);
+// Keys and values come from a sweep's recipe, which a shared store's other users wrote: escaped.
+const esc = v => String(v).replace(/[&<>"']/g, c => ({'&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;', "'": '&#39;'})[c]);
 const token = new URLSearchParams(location.search).get('token'), tq = token ? '?token=' + encodeURIComponent(token) : '';
 const axes = data.parameters.map(k => ({key: k, get: t => t.params[k]})).concat([{key: data.metric + ' (' + data.goal + ')', get: t => t.objective}]);
 const W = Math.max(400, 160 * axes.length), H = 320, axis_top = 30, axis_bottom = H - 40;  // (not `top`: a browser's window.top)
@@ -154,17 +156,17 @@ const x = i => 60 + i * (W - 120) / Math.max(1, axes.length - 1), y = p => axis_
 let svg = '';
 axes.forEach((a, i) => {
   svg += '<line x1="' + x(i) + '" y1="' + axis_top + '" x2="' + x(i) + '" y2="' + axis_bottom + '" stroke="#999"/>' +
-    '<text x="' + (x(i) - 50) + '" y="' + (H - 22) + '" font-size="11">' + a.key + (a.log ? ' (log)' : '') + '</text>';
+    '<text x="' + (x(i) - 50) + '" y="' + (H - 22) + '" font-size="11">' + esc(a.key) + (a.log ? ' (log)' : '') + '</text>';
   const ends = a.categorical ? [a.cats[0], a.cats[a.cats.length - 1]] : [a.lo, a.hi].map(v => v === undefined ? '' : Number(v).toPrecision(3));
-  svg += '<text x="' + (x(i) + 4) + '" y="' + (axis_bottom + 12) + '" font-size="10">' + ends[0] + '</text><text x="' + (x(i) + 4) + '" y="' + (axis_top - 4) + '" font-size="10">' + ends[1] + '</text>';
+  svg += '<text x="' + (x(i) + 4) + '" y="' + (axis_bottom + 12) + '" font-size="10">' + esc(ends[0]) + '</text><text x="' + (x(i) + 4) + '" y="' + (axis_top - 4) + '" font-size="10">' + esc(ends[1]) + '</text>';
 });
 for (const t of data.trials) {
   const pts = [];
   axes.forEach((a, i) => { const v = a.get(t); if (v !== null && v !== undefined) pts.push(x(i) + ',' + y(a.pos(v))); });
   const best = t.run == data.best_run, cls = 'trial ' + t.status + (best ? ' best' : '');
   const stroke = best ? '#ff7f0e' : t.status == 'pruned' ? '#aaa' : t.status == 'finished' ? '#1f77b4' : '#d62728';
-  svg += '<a href="/run/' + t.run + tq + '"><polyline class="' + cls + '" data-run="' + t.run + '" fill="none" stroke="' + stroke + '" stroke-width="' + (best ? 3 : 1.5) + '"' +
-    (t.status == 'pruned' ? ' stroke-dasharray="4 3"' : '') + ' points="' + pts.join(' ') + '"><title>trial ' + t.trial + ' (' + t.status + ')</title></polyline></a>';
+  svg += '<a href="/run/' + esc(t.run) + tq + '"><polyline class="' + esc(cls) + '" data-run="' + esc(t.run) + '" fill="none" stroke="' + stroke + '" stroke-width="' + (best ? 3 : 1.5) + '"' +
+    (t.status == 'pruned' ? ' stroke-dasharray="4 3"' : '') + ' points="' + pts.join(' ') + '"><title>trial ' + esc(t.trial) + ' (' + esc(t.status) + ')</title></polyline></a>';
 }
 const el = document.getElementById('coordinates');
 el.setAttribute('width', W); el.setAttribute('height', H); el.innerHTML = svg;
