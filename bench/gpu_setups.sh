@@ -97,6 +97,9 @@ for phase in "$@"; do
       for dtype in bf16 fp16; do
         # FP16_WINDOW: the clean steps before fp16's scale doubles (default the recipe's, 1000).
         window=(); [ $dtype = fp16 ] && [ -n "${FP16_WINDOW:-}" ] && window=(--set precision.loss_scale.window=$FP16_WINDOW)
+        # BF16_SETS / FP16_SETS: more --set arguments for that run (e.g. BF16_SETS="--set
+        # execution.loss_gradients_in_forward=false": bf16 on fp16's recomputing loss path).
+        extra_var=${dtype^^}_SETS; read -r -a extra <<< "${!extra_var:-}"; window+=("${extra[@]}")
         build-gpu/dsrun run $one_b --db "$fdb" --set precision.dtype="\"$dtype\"" --set run.name="\"1b-$dtype\"" --set run.steps=${FP16_STEPS:-200} "${window[@]}" \
           --set hardware.devices_per_node=4 --set parallel.data_parallel=4 --set parallel.zero_stage=2 --set batch.global=16 --set batch.micro=4 --set schedule.warmup_steps=20 \
           --set data.kind='"tokens"' --set data.path="\"$PWD/data/fortunes_llama2\"" --set checkpoint.every=0 --set checkpoint.at_end=false \

@@ -224,19 +224,22 @@ TEST_CASE("CUDA: the variable-length flash kernel matches the masked path, and t
   const torch::Tensor h0 = torch::randn({n, h}, torch::TensorOptions().device(gpu)), w0 = 0.2 * torch::randn({vocab, h}, torch::TensorOptions().device(gpu));
   const torch::Tensor targets = torch::randint(vocab, {n}, torch::TensorOptions().device(gpu).dtype(torch::kInt64));
   // Gradients in forward (one kernel per chunk, scaled in backward) and recomputed in backward;
-  // a loss scale of 3 reaches both.
-  for (auto [dtype, in_forward] : {std::pair{torch::kFloat32, true}, {torch::kBFloat16, true}, {torch::kFloat32, false}, {torch::kBFloat16, false}}) {
+  // a loss scale of 3 reaches both. fp16 as its runs take it (recomputed, under a dynamic scale
+  // of 4096) and in forward: its kernels' half instantiations (issue 48's fp16 gap).
+  for (auto [dtype, in_forward] : {std::pair{torch::kFloat32, true}, {torch::kBFloat16, true}, {torch::kFloat32, false}, {torch::kBFloat16, false},
+                                   {torch::kFloat16, false}, {torch::kFloat16, true}}) {
+    const double scale = dtype == torch::kFloat16 ? 4096 : 3;
     INFO(c10::toString(dtype) << (in_forward ? ", gradients in forward" : ", gradients in backward"));
     torch::Tensor x = h0.to(dtype).clone().requires_grad_(true), w = w0.to(dtype).clone().requires_grad_(true);
     torch::Tensor want = torch::nn::functional::cross_entropy(torch::linear(x, w).to(torch::kFloat32), targets);
-    (want * 3).backward();
+    (want * scale).backward();
     torch::Tensor xs = h0.to(dtype).clone().requires_grad_(true), ws = w0.to(dtype).clone().requires_grad_(true);
     LinearCrossEntropyOptions o;
     o.chunk_tokens = 64;
     o.gradient_in_forward = in_forward;
     torch::Tensor loss = linear_cross_entropy(xs, ws, targets, o);
-    (loss * 3).backward();
-    const double tol = dtype == torch::kFloat32 ? 1e-5 : 2e-2;
+    (loss * scale).backward();
+    const double tol = dtype == torch::kFloat32 ? 1e-5 : dtype == torch::kFloat16 ? 5e-3 : 2e-2;
     CHECK(std::fabs(loss.item<double>() - want.item<double>()) <= tol * std::max(1.0, std::fabs(want.item<double>())));
     auto close = [&](const torch::Tensor& a, const torch::Tensor& b) {  // within tol of the largest entry
       return (a.to(torch::kFloat32) - b.to(torch::kFloat32)).abs().max().item<double>() <= tol * b.to(torch::kFloat32).abs().max().item<double>();
