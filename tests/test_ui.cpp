@@ -254,3 +254,27 @@ TEST_CASE("a real Prometheus server scrapes dsrun ui's /metrics: the target is u
   for (const char* pid : {"prometheus.pid", "ui.pid", "run.pid"}) std::system(("kill $(cat '" + dir.file(pid) + "') 2>/dev/null").c_str());
   std::this_thread::sleep_for(std::chrono::milliseconds(1500));
 }
+
+TEST_CASE("dsrun ui driven in Chromium by puppeteer: a filter typed and submitted, two runs ticked and compared", "[ui][slow][browser]") {
+  const std::string modules = dsrun::parent_directory(DSRUN_BINARY) + "/npm/node_modules";
+  REQUIRE(run_command("test -d '" + modules + "/puppeteer-core'").code == 0);  // ./setup.sh --with-test-tools installs it
+  dsrun::test::TempDir dir;
+  const std::string db = dir.file("runs.db");
+  for (const char* lr : {"1e-3", "3e-3"})
+    REQUIRE(run_command("'" + dsrun_binary() + "' run '" + dsrun::test::source_dir() + "/tests/recipes/tiny_train.toml' --set run.steps=6 --set optimizer.lr=" + lr +
+                        " --set checkpoint.at_end=false --db '" + db + "'").code == 0);
+  const int port = 30000 + static_cast<int>(std::random_device{}() % 10000);
+  REQUIRE(std::system(("('" + dsrun_binary() + "' ui --port " + std::to_string(port) + " --db '" + db + "' > '" + dir.file("ui.log") + "' 2>&1 & echo $! > '" +
+                       dir.file("ui.pid") + "')").c_str()) == 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(800));
+  const auto driven = run_command("NODE_PATH='" + modules + "' timeout 60 node '" + dsrun::test::source_dir() + "/tests/ui_driver.js' http://127.0.0.1:" + std::to_string(port));
+  std::system(("kill $(cat '" + dir.file("ui.pid") + "') 2>/dev/null").c_str());
+  INFO(driven.text);
+  REQUIRE(driven.code == 0);
+  const auto seen = nlohmann::json::parse(driven.text.substr(driven.text.rfind("{\"runs\"")));
+  CHECK(seen["runs"] == 2);
+  CHECK(seen["filtered"] == 1);  // optimizer.lr > 0.002: the second run alone
+  CHECK(dsrun::test::contains(seen["url"].get<std::string>(), "/compare?run="));
+  CHECK(seen["curves"] == 2);
+  CHECK(seen["differs"] == nlohmann::json::array({"optimizer.lr"}));
+}
