@@ -33,6 +33,16 @@ std::string describe(const AlertRule& r) {
   return r.url.empty() ? r.command.front() : r.command.empty() ? r.url : r.url + " and " + r.command.front();
 }
 
+// The event an alert leaves on its run.
+std::string alert_event(const AlertRule& r, const std::string& message) { return "alert \"" + r.name + "\": " + message + " (to " + describe(r) + ")"; }
+
+// What a run's alert delivers: `text` (what Slack and similar receivers show) and its fields.
+nlohmann::json run_alert_body(const AlertRule& r, const std::string& run_id, const std::string& run_name, int64_t step, const std::string& message) {
+  nlohmann::json alert = {{"run_id", run_id}, {"run_name", run_name}, {"rule", r.name}, {"on", to_string(r.on)}, {"step", step}, {"message", message},
+                          {"time", static_cast<int64_t>(std::time(nullptr))}};
+  return {{"text", "dsrun: run " + run_id + (run_name.empty() ? "" : " (" + run_name + ")") + ": " + message}, {"alert", alert}};
+}
+
 #ifdef DSRUN_WITH_CURL
 // RAII owners of curl's handles.
 struct CurlEasy {
@@ -228,11 +238,8 @@ void RunAlerts::fire(size_t i, int64_t step, const std::string& message) {
   if (fired_[i]) return;
   fired_[i] = true;
   const AlertRule& r = rules_[i];
-  const std::string text = "dsrun: run " + run_id_ + (run_name_.empty() ? "" : " (" + run_name_ + ")") + ": " + message;
-  store_.add_event(run_id_, "alert", -1, "alert \"" + r.name + "\": " + message + " (to " + describe(r) + ")");
-  nlohmann::json alert = {{"run_id", run_id_}, {"run_name", run_name_}, {"rule", r.name}, {"on", to_string(r.on)}, {"step", step}, {"message", message},
-                          {"time", static_cast<int64_t>(std::time(nullptr))}};
-  delivery_.send(r, {{"text", text}, {"alert", alert}});
+  store_.add_event(run_id_, "alert", -1, alert_event(r, message));
+  delivery_.send(r, run_alert_body(r, run_id_, run_name_, step, message));
 }
 
 void RunAlerts::on_metrics(int64_t step, const std::vector<std::pair<std::string, double>>& metrics) {
@@ -302,7 +309,7 @@ void alert_sweep_finished(const std::vector<AlertRule>& rules, const SweepRecord
   for (const AlertRule& r : rules) {
     if (r.on != AlertOn::SweepFinished) continue;
     any = true;
-    if (!event_run.empty()) store.add_event(event_run, "alert", -1, "alert \"" + r.name + "\": sweep " + sweep.id + ": " + message + " (to " + describe(r) + ")");
+    if (!event_run.empty()) store.add_event(event_run, "alert", -1, alert_event(r, "sweep " + sweep.id + ": " + message));
     nlohmann::json alert = {{"sweep_id", sweep.id}, {"sweep_name", sweep.name}, {"rule", r.name}, {"on", to_string(r.on)}, {"message", message},
                             {"best_run", sweep.best_run}, {"time", static_cast<int64_t>(std::time(nullptr))}};
     delivery.send(r, {{"text", "dsrun: sweep " + sweep.id + (sweep.name.empty() ? "" : " (" + sweep.name + ")") + ": " + message}, {"alert", alert}});
@@ -315,16 +322,22 @@ void alert_sweep_finished(const std::vector<AlertRule>& rules, const SweepRecord
   }
 }
 
-void alert_lost_run(Store& store, const RunRecord& run, const std::string& why, int64_t last_step) {
-  if (run.recipe_path.empty()) return;
-  if (!file_exists(run.recipe_path)) {
-    std::cerr << "run " << run.id << " is lost; its recipe " << run.recipe_path << " is not here, so its failed alerts were not sent\n";
-    return;
+std::vector<AlertRule> alert_rules_in_recipe(const std::string& recipe_path, AlertOn on, const std::string& whose) {
+  std::vector<AlertRule> rules;
+  if (recipe_path.empty()) return rules;
+  if (!file_exists(recipe_path)) {
+    std::cerr << whose << ": its recipe " << recipe_path << " is not here, so its " << to_string(on) << " alerts were not evaluated\n";
+    return rules;
   }
+  for (AlertRule& r : alert_rules_for_run(load_recipe_file(recipe_path, LoadOptions{}).alerts))
+    if (r.on == on) rules.push_back(std::move(r));
+  return rules;
+}
+
+void alert_lost_run(Store& store, const RunRecord& run, const std::string& why) {
   std::vector<AlertRule> rules;
   try {
-    for (AlertRule& r : alert_rules_for_run(load_recipe_file(run.recipe_path, LoadOptions{}).alerts))
-      if (r.on == AlertOn::Failed) rules.push_back(std::move(r));
+    rules = alert_rules_in_recipe(run.recipe_path, AlertOn::Failed, "run " + run.id + " is lost");
   } catch (const Error& e) {  // (the command that noticed goes on; the user learns why no alert went)
     std::cerr << "run " << run.id << " is lost; its alert rules could not be read, so none were sent: " << e.describe() << "\n";
     return;
@@ -332,13 +345,13 @@ void alert_lost_run(Store& store, const RunRecord& run, const std::string& why, 
   if (rules.empty()) return;
   // The events first, here: the process that delivers opens no store (SQLite's connections must
   // not cross a fork), so how each delivery went is not recorded for a lost run.
+  const auto latest = store.latest_metrics(run.id);
+  const int64_t last_step = latest.count("loss") ? latest.at("loss").step : 0;
   const std::string message = "lost: " + why;
   std::vector<nlohmann::json> bodies;
   for (const AlertRule& r : rules) {
-    store.add_event(run.id, "alert", -1, "alert \"" + r.name + "\": " + message + " (to " + describe(r) + ")");
-    nlohmann::json alert = {{"run_id", run.id}, {"run_name", run.name}, {"rule", r.name}, {"on", to_string(r.on)}, {"step", last_step}, {"message", message},
-                            {"time", static_cast<int64_t>(std::time(nullptr))}};
-    bodies.push_back({{"text", "dsrun: run " + run.id + (run.name.empty() ? "" : " (" + run.name + ")") + ": " + message}, {"alert", alert}});
+    store.add_event(run.id, "alert", -1, alert_event(r, message));
+    bodies.push_back(run_alert_body(r, run.id, run.name, last_step, message));
   }
   // Two forks: the grandchild delivers (retrying up to a minute) on its own, and the child is
   // reaped at once. The commands that call this are single-threaded, so fork is safe here.

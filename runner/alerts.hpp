@@ -96,7 +96,12 @@ void alert_sweep_finished(const std::vector<AlertRule>& rules, const SweepRecord
 // rules (the recipe's, read again from its file, and the user's) are recorded as the run's events
 // and delivered from a detached process, so that the command which noticed never waits for a
 // receiver (how each delivery went is not recorded). A recipe file that is gone is said on stderr.
-void alert_lost_run(Store& store, const RunRecord& run, const std::string& why, int64_t last_step);
+void alert_lost_run(Store& store, const RunRecord& run, const std::string& why);
+
+// The rules of kind `on` that a recipe file (its [[alerts]]) and the user's file hold, read again
+// after the fact (a sweep that finished, a run found lost); none, said on stderr naming `whose`,
+// where the file is gone. A problem in the rules throws dsrun::Error.
+std::vector<AlertRule> alert_rules_in_recipe(const std::string& recipe_path, AlertOn on, const std::string& whose);
 
 // The rules a run is watched by: its recipe's, then the user's (load_user_alert_rules). Each
 // metric rule's `when` is checked as `dsrun history --where` would parse it (bare names are

@@ -876,8 +876,7 @@ void mark_lost_runs(Store& store) {
     const std::string why = "lost: " + gone + "; last known" + last_step_text(store, r.id);
     if (!store.set_status_if(r.id, RunStatus::Running, RunStatus::Lost, why)) continue;
     store.add_event(r.id, "lost", -1, why);
-    const auto latest = store.latest_metrics(r.id);
-    alert_lost_run(store, r, gone, latest.count("loss") ? latest.at("loss").step : 0);
+    alert_lost_run(store, r, gone);
   }
 }
 

@@ -260,8 +260,7 @@ void refresh_slurm_runs(Store& store) {
       const std::string why = "Slurm job " + r.job_id + " is gone from Slurm's queue with no final report from the run (last known" + last_step_text(store, r.id) + ")";
       store.add_event(r.id, "lost", -1, why);
       store.set_status(r.id, RunStatus::Lost, why);
-      const auto latest = store.latest_metrics(r.id);
-      alert_lost_run(store, r, why, latest.count("loss") ? latest.at("loss").step : 0);
+      alert_lost_run(store, r, why);
       continue;
     }
     const SlurmJobState& job = it->second;

@@ -141,11 +141,8 @@ nlohmann::json leaderboard_json(const SweepSpec& spec, const SweepRecord& sweep,
 void alert_if_finished(Store& store, const std::string& sweep_id) {
   const SweepRecord sweep = store.get_sweep(sweep_id);
   if (sweep.status != "finished") return;
-  if (!file_exists(sweep.recipe_path)) {
-    std::cerr << "sweep " << sweep.id << ": its recipe " << sweep.recipe_path << " is gone: no sweep_finished alert evaluated\n";
-    return;
-  }
-  const std::vector<AlertRule> rules = alert_rules_for_run(load_recipe_file(sweep.recipe_path, LoadOptions{}).alerts);
+  const std::vector<AlertRule> rules = alert_rules_in_recipe(sweep.recipe_path, AlertOn::SweepFinished, "sweep " + sweep.id);
+  if (rules.empty()) return;
   const SweepSpec spec = sweep_spec_from_json(nlohmann::json::parse(sweep.spec_json));
   const std::vector<Row> rows = leaderboard(store, spec, sweep.id);
   std::map<std::string, int> ended;

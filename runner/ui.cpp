@@ -107,7 +107,7 @@ tick();
 const char* const kCompareScript = R"JS(
 const runs = document.body.dataset.runs.split(','), token = new URLSearchParams(location.search).get('token');
 const q = token ? '&token=' + encodeURIComponent(token) : '';
-const colours = ['#1f77b4', '#d62728', '#2ca02c', '#9467bd', '#ff7f0e', '#8c564b', '#e377c2', '#17becf'];
+const colours = document.body.dataset.colours.split(',');  // (the table's headings are in the same colours)
 async function chart(key) {
   const all = [];
   for (const run of runs) {
@@ -172,10 +172,18 @@ const el = document.getElementById('coordinates');
 el.setAttribute('width', W); el.setAttribute('height', H); el.innerHTML = svg;
 )JS";
 
-std::string page(const std::string& title, const std::string& body) {
+// A token given in the address travels with the page's links and forms (escaped for attributes).
+std::string token_query(const httplib::Request& req) { return req.has_param("token") ? "?token=" + html_escape(req.get_param_value("token")) : ""; }
+std::string token_field(const httplib::Request& req) {
+  return req.has_param("token") ? "<input type=\"hidden\" name=\"token\" value=\"" + html_escape(req.get_param_value("token")) + "\">" : "";
+}
+
+// `body_attributes`: what the page's script reads (data-run=..., already escaped).
+std::string page(const std::string& title, const std::string& body, const std::string& body_attributes = "") {
   return "<!doctype html><html><head><meta charset=\"utf-8\"><title>" + html_escape(title) +
          "</title><style>body{font:14px sans-serif;margin:2em}table{border-collapse:collapse}td,th{padding:3px 10px;border-bottom:1px solid #ddd;text-align:left}"
-         ".failed,.lost{color:#b00}.running{color:#06c}input[name=where]{width:40em}</style></head><body>" +
+         ".failed,.lost{color:#b00}.running{color:#06c}input[name=where]{width:40em}</style></head><body" +
+         body_attributes + ">" +
          body + "</body></html>";
 }
 
@@ -326,9 +334,7 @@ int command_ui(const UiOptions& o) {
                              "<h2>Checkpoints</h2><table id=\"checkpoints\"><tr><th>step</th><th>path</th><th>size</th><th>saved</th></tr>" + checkpoints + "</table>" +
                              "<h2>Plan</h2><pre>" + html_escape(r.plan_text) + "</pre><h2>Events</h2><table>" + events + "</table><h2>Config</h2><pre>" +
                              html_escape(r.config_toml) + "</pre><script>" + kRunScript + "</script>";
-    std::string html = page("dsrun " + r.id, body);
-    html.replace(html.find("<body>"), 6, "<body data-run=\"" + html_escape(r.id) + "\" data-status=\"" + to_string(r.status) + "\">");
-    res.set_content(html, "text/html; charset=utf-8");
+    res.set_content(page("dsrun " + r.id, body, " data-run=\"" + html_escape(r.id) + "\" data-status=\"" + to_string(r.status) + "\""), "text/html; charset=utf-8");
   }));
   // Two or more runs: their curves overlaid and the config keys where they differ.
   server.Get("/compare", guarded([&](const httplib::Request& req, httplib::Response& res) {
@@ -336,12 +342,15 @@ int command_ui(const UiOptions& o) {
     for (size_t i = 0; i < req.get_param_value_count("run"); ++i) runs.push_back(store.get_run(store.resolve_run(req.get_param_value("run", i))));
     if (runs.size() < 2) throw Error("compare needs at least two runs", ErrorContext{"", 0, 0, "run", -1, "/compare?run=ID&run=ID, or tick two runs on the runs page"});
     std::vector<std::map<std::string, std::string>> configs;
-    std::string ids, head = "<tr><th>key</th>", finals, running = "0";
+    std::string ids, head = "<tr><th>key</th>", finals, running = "0", colours;
     static const char* const kColours[] = {"#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"};
+    std::vector<std::map<std::string, MetricValue>> latest;  // each run's, read once
     for (size_t i = 0; i < runs.size(); ++i) {
       const RunRecord& r = runs[i];
       configs.push_back(flat_toml(r.config_toml));
+      latest.push_back(store.latest_metrics(r.id));
       ids += (i ? "," : "") + r.id;
+      colours += (i ? "," : "") + std::string(kColours[i % 8]);
       head += "<th style=\"color:" + std::string(kColours[i % 8]) + "\">" + html_escape(r.id) + " " + html_escape(r.name) + "</th>";
       finals += "<td class=\"" + std::string(to_string(r.status)) + "\">" + to_string(r.status) + "</td>";
       if (r.status == RunStatus::Running) running = "1";
@@ -355,10 +364,9 @@ int command_ui(const UiOptions& o) {
     std::string metrics;
     for (const char* key : {"loss", "val_loss", "tokens_per_second", "step_seconds"}) {
       metrics += std::string("<tr><td>") + key + " (latest)</td>";
-      for (const RunRecord& r : runs) {
-        const auto latest = store.latest_metrics(r.id);
-        const auto it = latest.find(key);
-        metrics += "<td>" + (it == latest.end() ? std::string("-") : html_escape(format_double(it->second.value, 5)) + " @" + std::to_string(it->second.step)) + "</td>";
+      for (const auto& run_latest : latest) {
+        const auto it = run_latest.find(key);
+        metrics += "<td>" + (it == run_latest.end() ? std::string("-") : html_escape(format_double(it->second.value, 5)) + " @" + std::to_string(it->second.step)) + "</td>";
       }
       metrics += "</tr>";
     }
@@ -367,16 +375,15 @@ int command_ui(const UiOptions& o) {
     const std::string body = "<p><a href=\"/\">runs</a></p><h1>Compare</h1><table>" + head + "</tr><tr><td>status</td>" + finals + "</tr>" + metrics + "</table>" + charts +
                              "<h2>Config: the keys that differ</h2><table id=\"config-diff\">" + head + "</tr>" +
                              (diff.empty() ? "<tr><td>(the configs are the same)</td></tr>" : diff) + "</table><script>" + kCompareScript + "</script>";
-    std::string html = page("dsrun compare", body);
-    html.replace(html.find("<body>"), 6, "<body data-runs=\"" + html_escape(ids) + "\" data-running=\"" + running + "\">");
-    res.set_content(html, "text/html; charset=utf-8");
+    res.set_content(page("dsrun compare", body, " data-runs=\"" + html_escape(ids) + "\" data-running=\"" + running + "\" data-colours=\"" + colours + "\""),
+                    "text/html; charset=utf-8");
   }));
   server.Get(R"(/api/sweeps/([0-9a-zA-Z_.-]+))", guarded([&](const httplib::Request& req, httplib::Response& res) {
     res.set_content(sweep_leaderboard(store, req.matches[1]).dump(), "application/json");
   }));
   server.Get(R"(/sweep/([0-9a-zA-Z_.-]+))", guarded([&](const httplib::Request& req, httplib::Response& res) {
     const nlohmann::json board = sweep_leaderboard(store, req.matches[1]);
-    const std::string token_query = req.has_param("token") ? "?token=" + html_escape(req.get_param_value("token")) : "";
+    const std::string token_query = dsrun::token_query(req);
     std::string rows;
     for (const auto& t : board["trials"]) {
       const std::string run = t["run"].get<std::string>();
@@ -397,8 +404,7 @@ int command_ui(const UiOptions& o) {
   }));
   server.Get("/", guarded([&](const httplib::Request& req, httplib::Response& res) {
     const std::string where = req.has_param("where") ? req.get_param_value("where") : "";
-    // (a token given in the address travels with the links; escaped for the attribute)
-    const std::string token_query = req.has_param("token") ? "?token=" + html_escape(req.get_param_value("token")) : "";
+    const std::string token_query = dsrun::token_query(req);
     std::string rows;
     for (const RunRecord& r : runs_of(store, req)) {
       const auto latest = store.latest_metrics(r.id);
@@ -409,7 +415,7 @@ int command_ui(const UiOptions& o) {
               "</td><td>" + html_escape(r.model) + "</td><td>" + html_escape(r.hardware) + "</td><td>" + sweep + "</td><td>" + (loss != latest.end() ? std::to_string(loss->second.step) : "") +
               "</td><td>" + (loss != latest.end() ? html_escape(std::to_string(loss->second.value)) : "") + "</td><td>" + format_time(r.created_at) + "</td></tr>";
     }
-    const std::string token_field = req.has_param("token") ? "<input type=\"hidden\" name=\"token\" value=\"" + html_escape(req.get_param_value("token")) + "\">" : "";
+    const std::string token_field = dsrun::token_field(req);
     res.set_content(page("dsrun runs", "<h1>Runs</h1><form><input name=\"where\" value=\"" + html_escape(where) +
                                            "\" placeholder=\"optimizer.lr > 1e-4 and metrics.val_loss < 2.5\"> <button>filter</button>" + token_field +
                                            "</form><form action=\"/compare\">" + token_field + "<table><tr><th></th><th>id</th><th>name</th>"

@@ -33,6 +33,23 @@ int64_t latest_step(const std::string& db) {
   return it == latest.end() ? 0 : it->second.step;
 }
 
+
+// In the background, until `pid_file` is killed: a quickstart run long enough to be watched
+// (true once its store has its third step), and `dsrun ui` on a store (`args` added), its pid in
+// NAME.pid and its output in NAME.log.
+bool start_quickstart(const dsrun::test::TempDir& dir, const std::string& db) {
+  if (std::system(("cd '" + dsrun::test::source_dir() + "' && ('" + dsrun_binary() + "' run recipes/quickstart.toml --set run.steps=3000 --set eval.every=0 --db '" + db +
+                   "' > '" + dir.file("run.log") + "' 2>&1 & echo $! > '" + dir.file("run.pid") + "')").c_str()) != 0)
+    return false;
+  for (int i = 0; i < 600 && latest_step(db) < 3; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  return latest_step(db) >= 3;
+}
+bool start_ui(const dsrun::test::TempDir& dir, const std::string& db, int port, const std::string& name, const std::string& args = "") {
+  const bool started = std::system(("('" + dsrun_binary() + "' ui " + args + " --port " + std::to_string(port) + " --db '" + db + "' > '" + dir.file(name + ".log") +
+                                    "' 2>&1 & echo $! > '" + dir.file(name + ".pid") + "')").c_str()) == 0;
+  std::this_thread::sleep_for(std::chrono::milliseconds(800));
+  return started;
+}
 }  // namespace
 
 TEST_CASE("dsrun ui refuses a non-loopback host without a token, before anything listens", "[ui]") {
@@ -49,13 +66,8 @@ TEST_CASE("dsrun ui serves /metrics for Prometheus while a run trains, the runs 
   const int port = 30000 + static_cast<int>(std::random_device{}() % 10000);
   const std::string base = "http://127.0.0.1:" + std::to_string(port);
   // A quickstart run long enough to be watched, in the background.
-  REQUIRE(std::system(("cd '" + dsrun::test::source_dir() + "' && ('" + dsrun_binary() + "' run recipes/quickstart.toml --set run.steps=3000 --set eval.every=0 --db '" + db +
-                       "' > '" + dir.file("run.log") + "' 2>&1 & echo $! > '" + dir.file("run.pid") + "')").c_str()) == 0);
-  for (int i = 0; i < 600 && latest_step(db) < 3; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  REQUIRE(latest_step(db) >= 3);
-  REQUIRE(std::system(("('" + dsrun_binary() + "' ui --port " + std::to_string(port) + " --db '" + db + "' > '" + dir.file("ui.log") + "' 2>&1 & echo $! > '" +
-                       dir.file("ui.pid") + "')").c_str()) == 0);
-  std::this_thread::sleep_for(std::chrono::milliseconds(800));
+  REQUIRE(start_quickstart(dir, db));
+  REQUIRE(start_ui(dir, db, port, "ui"));
 
   const auto metrics = run_command("curl -s " + base + "/metrics");
   INFO(metrics.text);
@@ -120,9 +132,7 @@ TEST_CASE("dsrun ui serves /metrics for Prometheus while a run trains, the runs 
 
   // Off loopback with a token: every request must carry it.
   const int port2 = port + 1;
-  REQUIRE(std::system(("('" + dsrun_binary() + "' ui --host 0.0.0.0 --token s3cret --port " + std::to_string(port2) + " --db '" + db + "' > '" + dir.file("ui2.log") +
-                       "' 2>&1 & echo $! > '" + dir.file("ui2.pid") + "')").c_str()) == 0);
-  std::this_thread::sleep_for(std::chrono::milliseconds(800));
+  REQUIRE(start_ui(dir, db, port2, "ui2", "--host 0.0.0.0 --token s3cret"));
   const std::string base2 = "http://127.0.0.1:" + std::to_string(port2);
   CHECK(run_command("curl -s -o /dev/null -w '%{http_code}' " + base2 + "/metrics").text == "401");
   CHECK(run_command("curl -s -o /dev/null -w '%{http_code}' -H 'Authorization: Bearer s3cret' " + base2 + "/metrics").text == "200");
@@ -156,9 +166,7 @@ TEST_CASE("dsrun ui draws a sweep's trials as parallel coordinates (pruned marke
 
   const int port = 30000 + static_cast<int>(std::random_device{}() % 10000);
   const std::string base = "http://127.0.0.1:" + std::to_string(port);
-  REQUIRE(std::system(("('" + dsrun_binary() + "' ui --port " + std::to_string(port) + " --db '" + db + "' > '" + dir.file("ui.log") + "' 2>&1 & echo $! > '" +
-                       dir.file("ui.pid") + "')").c_str()) == 0);
-  std::this_thread::sleep_for(std::chrono::milliseconds(800));
+  REQUIRE(start_ui(dir, db, port, "ui"));
   auto chrome = [&](const std::string& profile, const std::string& path) {
     return run_command("chromium --headless --no-sandbox --disable-gpu --disable-dev-shm-usage --user-data-dir='" + dir.file(profile) +
                        "' --virtual-time-budget=3000 --dump-dom '" + base + path + "' 2>/dev/null").text;
@@ -215,12 +223,8 @@ TEST_CASE("a real Prometheus server scrapes dsrun ui's /metrics: the target is u
   dsrun::test::TempDir dir;
   const std::string db = dir.file("runs.db");
   const int port = 30000 + static_cast<int>(std::random_device{}() % 10000), prom_port = port + 1;
-  REQUIRE(std::system(("cd '" + dsrun::test::source_dir() + "' && ('" + dsrun_binary() + "' run recipes/quickstart.toml --set run.steps=3000 --set eval.every=0 --db '" + db +
-                       "' > '" + dir.file("run.log") + "' 2>&1 & echo $! > '" + dir.file("run.pid") + "')").c_str()) == 0);
-  for (int i = 0; i < 600 && latest_step(db) < 3; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  REQUIRE(latest_step(db) >= 3);
-  REQUIRE(std::system(("('" + dsrun_binary() + "' ui --port " + std::to_string(port) + " --db '" + db + "' > '" + dir.file("ui.log") + "' 2>&1 & echo $! > '" +
-                       dir.file("ui.pid") + "')").c_str()) == 0);
+  REQUIRE(start_quickstart(dir, db));
+  REQUIRE(start_ui(dir, db, port, "ui"));
   const std::string config = dir.write("prometheus.yml", "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n  - job_name: dsrun\n"
                                                          "    static_configs:\n      - targets: ['127.0.0.1:" + std::to_string(port) + "']\n");
   REQUIRE(std::system(("(prometheus --config.file='" + config + "' --storage.tsdb.path='" + dir.file("tsdb") + "' --web.listen-address=127.0.0.1:" +
@@ -264,9 +268,7 @@ TEST_CASE("dsrun ui driven in Chromium by puppeteer: a filter typed and submitte
     REQUIRE(run_command("'" + dsrun_binary() + "' run '" + dsrun::test::source_dir() + "/tests/recipes/tiny_train.toml' --set run.steps=6 --set optimizer.lr=" + lr +
                         " --set checkpoint.at_end=false --db '" + db + "'").code == 0);
   const int port = 30000 + static_cast<int>(std::random_device{}() % 10000);
-  REQUIRE(std::system(("('" + dsrun_binary() + "' ui --port " + std::to_string(port) + " --db '" + db + "' > '" + dir.file("ui.log") + "' 2>&1 & echo $! > '" +
-                       dir.file("ui.pid") + "')").c_str()) == 0);
-  std::this_thread::sleep_for(std::chrono::milliseconds(800));
+  REQUIRE(start_ui(dir, db, port, "ui"));
   const auto driven = run_command("NODE_PATH='" + modules + "' timeout 60 node '" + dsrun::test::source_dir() + "/tests/ui_driver.js' http://127.0.0.1:" + std::to_string(port));
   std::system(("kill $(cat '" + dir.file("ui.pid") + "') 2>/dev/null").c_str());
   INFO(driven.text);

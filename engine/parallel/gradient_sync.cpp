@@ -106,7 +106,8 @@ void GradientSync::start_reduction(FlatUnit& u, bool during_backward) {
 }
 
 // One all-reduce for the bucket's units: their gradients joined into one buffer, reduced, and
-// copied back when it is waited for. A bucket of one unit is reduced in place. Each unit counts
+// copied back when it is waited for (at most two such copies in flight). A bucket of one unit is
+// reduced in place. Each unit counts
 // as overlapped where its all-reduce was issued while backward ran.
 void GradientSync::flush_bucket(bool during_backward) {
   if (bucket_.empty()) return;
@@ -121,14 +122,16 @@ void GradientSync::flush_bucket(bool during_backward) {
   for (FlatUnit* u : units) accs.push_back(u->grad_acc);
   Tensor joined = torch::cat(accs);
   PendingCollective reduce = units[0]->group->all_reduce_sum_async(joined);
-  pending_.push_back(PendingCollective([reduce, joined, accs]() mutable {
-    reduce.wait();
-    int64_t begin = 0;
-    for (Tensor& acc : accs) {
-      acc.copy_(joined.narrow(0, begin, acc.numel()));
-      begin += acc.numel();
-    }
-  }));
+  // The joined copy counts against the two buckets in flight, as the plan's stage-0 buffers do.
+  track_reduction(PendingCollective([reduce, joined, accs]() mutable {
+                    reduce.wait();
+                    int64_t begin = 0;
+                    for (Tensor& acc : accs) {
+                      acc.copy_(joined.narrow(0, begin, acc.numel()));
+                      begin += acc.numel();
+                    }
+                  }),
+                  static_cast<double>(joined.numel()) * static_cast<double>(joined.element_size()));
 }
 
 // At most two buckets of gradient in flight (DeepSpeed's reduce_bucket_size with overlap_comm).

@@ -62,8 +62,9 @@ class GradientSync {
   // access); joined, they pay it once a bucket.
   std::vector<FlatUnit*> bucket_;
   double bucket_fill_ = 0;
-  // Stage 1-3: each reduction in flight with the bytes of gradient it copies, oldest first; at
-  // most two buckets' worth (parallel.bucket_bytes), as the plan counts (track_reduction).
+  // Each reduction in flight with the bytes of gradient it copies, oldest first (stage 0's joined
+  // buckets, stage 1-3's reductions); at most two buckets' worth (parallel.bucket_bytes), as the
+  // plan counts (track_reduction).
   struct Reduction {
     PendingCollective done;
     double bytes = 0;

@@ -264,11 +264,12 @@ class Trainer {
     compute_dtype_ = torch_dtype(plan_.dtype);
     torch::NoGradGuard no_grad;
     // BatchNorm statistics stay per rank (not synchronised), as with PyTorch's DDP.
-    // The MoE selection bias stays fp32 (its steps of 1e-3 would round away in bf16), on the device.
+    // Kept fp32, on the device: the MoE selection bias (its steps of 1e-3 would round away in
+    // bf16), and on a GPU BatchNorm's statistics (cuDNN's batch norm wants them so, resnet.cpp).
     for (auto& b : model_->module().named_buffers()) {
-      if (ends_with(b.key(), "moe.expert_bias")) b.value().set_data(b.value().to(device_));
-      // BatchNorm statistics stay fp32 on a GPU, where cuDNN's batch norm wants them so (resnet.cpp).
-      else if (device_.is_cuda() && (ends_with(b.key(), "running_mean") || ends_with(b.key(), "running_var"))) b.value().set_data(b.value().to(device_));
+      const bool fp32 = ends_with(b.key(), "moe.expert_bias") ||
+                        (device_.is_cuda() && (ends_with(b.key(), "running_mean") || ends_with(b.key(), "running_var")));
+      if (fp32) b.value().set_data(b.value().to(device_));
       else if (b.value().is_floating_point()) b.value().set_data(b.value().to(compute_dtype_));
     }
   }
