@@ -11,7 +11,9 @@
 #     layouts  DeepSeek-LLM-7B's shape (30 layers, seq 4096): the plan's own pick, ZeRO-3, tensor 2 and 4
 #     pipelines  the same shape under pipeline 2 and 4 (1F1B, interleaved) and tensor 2 x pipeline 2
 #     peer7b   the FSDP2 peer of the 7B shape: FSDP over every GPU, and tensor 2 x FSDP
-#     moe      recipes/gpu/deepseek_moe_h100.toml under expert 1, 2 and every GPU (data parallel too)
+#     moe      recipes/gpu/deepseek_moe_h100.toml under expert 1, 2 and every GPU (data parallel too);
+#              (MOE_EP: the expert degrees, default "1 2 GPUS"), and expert over every GPU with the shared
+#              experts before the exchange; MOE_TRACE=1 traces expert over every GPU too ($out/moe_trace.txt)
 #     one-micro  pipelines with one micro-batch a step (pipeline 2 x data 2, pipeline 4), bounded
 #     ckpt     synchronous and asynchronous saves of the ~1B on every GPU (CKPT_EVERY, CKPT_STEPS)
 #     faults   SIGKILL of rank 2 mid-run (restart, resume), SIGSTOP of rank 1 (named), too many GPUs
@@ -111,10 +113,22 @@ for phase in "$@"; do
       peer 7b-tp2-fsdp$((gpus / 2)) $gpus --model 7b --tensor 2 --micro 4 --accumulation $((16 / (4 * gpus / 2))) --seq 4096 --steps ${STEPS:-8} --warmup 3 --compile --grad-sync every ;;
     moe)
       run moe-ep1-dp1 $moe --set run.steps=$steps
-      for ep in 1 2 $gpus; do
+      for ep in ${MOE_EP:-1 2 $gpus}; do
         run moe-ep$ep-dp$gpus $moe --set run.steps=$steps --set hardware.devices_per_node=$gpus --set parallel.data_parallel=$gpus \
           --set parallel.expert=$ep --set batch.global=$((4 * gpus))
-      done ;;
+      done
+      # Expert over every GPU with the shared experts computed before the exchange, not beside it
+      # (execution.shared_experts_beside_dispatch = false): what the overlap gives.
+      run moe-ep$gpus-dp$gpus-shared-first $moe --set run.steps=$steps --set hardware.devices_per_node=$gpus --set parallel.data_parallel=$gpus \
+        --set parallel.expert=$gpus --set batch.global=$((4 * gpus)) --set execution.shared_experts_beside_dispatch=false
+      # MOE_TRACE=1: expert over every GPU once more under torch's profiler (steps 6-7, rank 0's
+      # trace summarised into $out/moe_trace.txt): the all-to-alls beside the compute.
+      if [ -n "${MOE_TRACE:-}" ]; then
+        rm -rf /tmp/moe_trace
+        DSRUN_PROFILE=/tmp/moe_trace:6:7 run moe-ep$gpus-traced $moe --set run.steps=8 --set hardware.devices_per_node=$gpus --set parallel.data_parallel=$gpus \
+          --set parallel.expert=$gpus --set batch.global=$((4 * gpus))
+        python3 bench/trace_summary.py /tmp/moe_trace/trace_rank0.json 30 > "$out/moe_trace.txt" 2>&1; head -50 "$out/moe_trace.txt"
+      fi ;;
     one-micro)
       # Pipelines with one micro-batch a step (fewer than stages), which stopped NCCL's set-up with
       # "Message truncated" (pipeline 2 x data 2) or hung (pipeline 4): the plan now refuses them on

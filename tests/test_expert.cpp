@@ -82,6 +82,7 @@ struct ExpertCase {
   MeshShape shape;
   int stage = 0;
   bool recompute = false;
+  bool shared_beside_dispatch = true;  // ExecutionModes::shared_experts_beside_dispatch
 };
 
 // Data rank d trains on rows [2d, 2d + 2) of one batch: the mean loss over the data ranks, the
@@ -98,6 +99,7 @@ bool expert_parallel_matches(const ModelSpec& m, const ExpertCase& c) {
     ParallelizeOptions options;
     options.zero.stage = c.stage;
     options.recomputation = c.recompute;
+    options.shared_experts_beside_dispatch = c.shared_beside_dispatch;
     auto parallel = parallelize(*model, mesh, options);
     Batch mine = batch;
     mine.inputs = batch.inputs.narrow(0, d * kRowsPerRank, kRowsPerRank);
@@ -115,9 +117,10 @@ bool expert_parallel_matches(const ModelSpec& m, const ExpertCase& c) {
 
 }  // namespace
 
-TEST_CASE("expert parallelism: ep2 and ep2 × dp2 give one process's loss, gradients and norm", "[engine][expert]") {
+TEST_CASE("expert parallelism: ep2 and ep2 × dp2 give one process's loss, gradients and norm, shared experts beside the dispatch or before", "[engine][expert]") {
   const ModelSpec m = dsrun::test::tiny_moe_decoder(4);
   CHECK(expert_parallel_matches(m, {{1, 2, 1, 2}, 0}));
+  CHECK(expert_parallel_matches(m, {{1, 2, 1, 2}, 0, false, false}));
   CHECK(expert_parallel_matches(m, {{1, 4, 1, 2}, 1}));
 }
 

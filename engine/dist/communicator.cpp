@@ -46,7 +46,10 @@ class SingleProcess final : public Communicator {
   void all_gather(const torch::Tensor& shard, torch::Tensor& full) override { full.copy_(shard); }
   void broadcast(torch::Tensor&, int) override {}
   void barrier() override {}
-  void all_to_all(const torch::Tensor& input, torch::Tensor& output, const std::vector<int64_t>&, const std::vector<int64_t>&) override { output.copy_(input); }
+  PendingCollective all_to_all_async(const torch::Tensor& input, torch::Tensor& output, const std::vector<int64_t>&, const std::vector<int64_t>&) override {
+    output.copy_(input);
+    return {};
+  }
   PendingCollective send_async(const torch::Tensor&, int, int) override {
     DSRUN_ASSERT(false, "send in a group of one");
     return {};
@@ -123,14 +126,18 @@ class ProcessGroupCommunicator final : public Communicator {
 
   void barrier() override { group_->barrier()->wait(); }
 
-  void all_to_all(const torch::Tensor& input, torch::Tensor& output, const std::vector<int64_t>& input_rows, const std::vector<int64_t>& output_rows) override {
+  PendingCollective all_to_all_async(const torch::Tensor& input, torch::Tensor& output, const std::vector<int64_t>& input_rows,
+                                     const std::vector<int64_t>& output_rows) override {
     DSRUN_ASSERT(input_rows.size() == output_rows.size() && (input_rows.empty() || static_cast<int>(input_rows.size()) == world_), "all_to_all: one row count per rank");
     DSRUN_ASSERT(!input_rows.empty() || (input.numel() == output.numel() && input.size(0) % world_ == 0), "all_to_all: equal slices per rank");
     torch::Tensor in = on_wire(input).contiguous(), out = on_wire(output);
     if (!out.is_contiguous()) out = out.contiguous();
     std::vector<int64_t> in_rows = input_rows, out_rows = output_rows;  // (c10d takes them by reference)
-    group_->alltoall_base(out, in, out_rows, in_rows)->wait();
-    if (!out.is_same(output)) output.copy_(out);
+    auto work = group_->alltoall_base(out, in, out_rows, in_rows);
+    return PendingCollective([work, in, out, output]() mutable {
+      work->wait();
+      if (!out.is_same(output)) output.copy_(out);
+    });
   }
 
   PendingCollective send_async(const torch::Tensor& tensor, int to, int tag) override {

@@ -77,8 +77,13 @@ class Communicator {
   // Slice r of input (along dim 0) goes to rank r, slice r of output comes from rank r. Empty
   // row counts: world_size equal slices; otherwise input_rows[r] and output_rows[r] rows each (the
   // receiver must know them: expert parallelism sends its counts first).
-  virtual void all_to_all(const torch::Tensor& input, torch::Tensor& output, const std::vector<int64_t>& input_rows = {},
-                          const std::vector<int64_t>& output_rows = {}) = 0;
+  void all_to_all(const torch::Tensor& input, torch::Tensor& output, const std::vector<int64_t>& input_rows = {}, const std::vector<int64_t>& output_rows = {}) {
+    all_to_all_async(input, output, input_rows, output_rows).wait();
+  }
+  // The same, started now: output is filled once wait() returns (expert parallelism computes the
+  // shared experts while the routed rows travel).
+  virtual PendingCollective all_to_all_async(const torch::Tensor& input, torch::Tensor& output, const std::vector<int64_t>& input_rows = {},
+                                             const std::vector<int64_t>& output_rows = {}) = 0;
   // Point to point within the group (ranks are group ranks); the receiver's tensor has the
   // sender's shape and dtype. `tag` tells apart streams of messages between the same two ranks
   // (Gloo matches by it; NCCL delivers in order). A send is done once wait() returns; recv blocks.

@@ -185,9 +185,6 @@ struct MoEImpl : nn::Module {
     Tensor chosen = std::get<1>(choice_scores(scores).topk(top_k, -1));       // [T, k]
     Tensor weights = runner.enter_split(scores.gather(1, chosen));
     Tensor expert_in = runner.enter_split(tokens);
-    // The shared experts first: under expert parallelism the device computes them while the host
-    // waits for the routed counts the exchange needs.
-    Tensor shared_out = shared ? shared(expert_in) : Tensor();
 
     // Pair p = t·k + i is token t's i-th choice. A capacity keeps each expert's first pairs in token order.
     Tensor pair_expert = chosen.reshape({-1});
@@ -210,7 +207,10 @@ struct MoEImpl : nn::Module {
     // Each pair's row among the kept ones (-1: dropped), the inverse of `pairs`.
     Tensor place = torch::full({T * top_k}, -1, pairs.options()).scatter_(0, pairs, torch::arange(pairs.numel(), pairs.options()));
     Tensor rows = DispatchTokens::apply(expert_in, pairs, place, top_k);
-    Tensor outputs = runner.routed_experts(rows, counts, [this](const Tensor& r, const Tensor& c) { return local_experts(r, c); });
+    // The shared experts run while the routed rows travel (expert parallelism; DeepSeek-V3's overlap).
+    Tensor shared_out;
+    Tensor outputs = runner.routed_experts(rows, counts, [this](const Tensor& r, const Tensor& c) { return local_experts(r, c); },
+                                           [&] { if (shared) shared_out = shared(expert_in); });
     // Back to the tokens, weighted and summed over each token's choices (dropped pairs: nothing),
     // in one kernel on a GPU. (Before: the outputs copied into pair order, multiplied by the
     // weights and summed, three passes over [T·k, h]; a batched product [T, 1, k] x [T, k, h] ran

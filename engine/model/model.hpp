@@ -56,8 +56,12 @@ class UnitRunner {
   // expert, counts[e] for expert e of all the layer's ([experts] int64 on the device: here they
   // stay there); returns their outputs in the same order. `local` runs the experts this rank keeps
   // (Model::keep_experts): all of them here; under expert parallelism the rows travel to the ranks
-  // that keep theirs and back, which needs the counts on the host once.
-  virtual torch::Tensor routed_experts(const torch::Tensor& rows, const torch::Tensor& counts, const ExpertsFn& local) { return local(rows, counts); }
+  // that keep theirs and back, which needs the counts on the host once. `meanwhile` is work of the
+  // layer's own that needs no routed output (the shared experts): called once, while the rows travel.
+  virtual torch::Tensor routed_experts(const torch::Tensor& rows, const torch::Tensor& counts, const ExpertsFn& local, const std::function<void()>& meanwhile) {
+    meanwhile();
+    return local(rows, counts);
+  }
   // One MoE layer's routing in one forward: pairs routed to each expert (before any capacity,
   // [experts] int64) and pairs the capacity dropped. For metrics; recomputation does not repeat it.
   virtual void record_routing(int layer, const torch::Tensor& routed, int64_t dropped) {}

@@ -23,6 +23,7 @@ struct ParallelizeOptions {
   PipelineOptions pipeline;
   bool sequence_parallel = false;  // activations between tensor-parallel regions split along the sequence
   bool recomputation = false;      // checkpointable units recompute their activations in backward
+  bool shared_experts_beside_dispatch = false;  // ExecutionModes::shared_experts_beside_dispatch
   ZeroOptions zero;                // ZeRO on the data dimension: stage, dtype, offload
 };
 
@@ -48,8 +49,10 @@ class ParallelModel final : public UnitRunner {
                                bool gradients_in_forward) override {
     return tensor_.projected_loss(hidden, weight, targets, chunk_tokens, gradients_in_forward);
   }
-  torch::Tensor routed_experts(const torch::Tensor& rows, const torch::Tensor& counts, const ExpertsFn& local) override {
-    return experts_ ? experts_->run(rows, counts, local) : local(rows, counts);
+  torch::Tensor routed_experts(const torch::Tensor& rows, const torch::Tensor& counts, const ExpertsFn& local, const std::function<void()>& meanwhile) override {
+    if (experts_) return experts_->run(rows, counts, local, meanwhile);
+    meanwhile();
+    return local(rows, counts);
   }
   void record_routing(int layer, const torch::Tensor& routed, int64_t dropped) override;
 

@@ -5,8 +5,8 @@
 
 namespace dsrun {
 
-const std::array<ExecutionModeRow, 5>& execution_mode_rows() {
-  static const std::array<ExecutionModeRow, 5> rows{{
+const std::array<ExecutionModeRow, 6>& execution_mode_rows() {
+  static const std::array<ExecutionModeRow, 6> rows{{
       {"loss_gradients_in_forward", &ExecutionModes::loss_gradients_in_forward, "the fused loss's gradients made in forward",
        "Decoders with the fused output projection and loss: its gradients computed in forward, in the same pass as the loss (one tensor rank, "
        "not fp16). `auto`: where that holds; false: backward recomputes each chunk's logits."},
@@ -22,6 +22,9 @@ const std::array<ExecutionModeRow, 5>& execution_mode_rows() {
       {"variable_length_attention", &ExecutionModes::variable_length_attention, "variable-length attention",
        "data.separate_documents on GPUs in bf16/fp16 with PyTorch >= 2.2: attention within documents by FlashAttention-2's "
        "variable-length kernel (head_dim a multiple of 8, at most 256). `auto`: where that holds; false: an additive mask."},
+      {"shared_experts_beside_dispatch", &ExecutionModes::shared_experts_beside_dispatch, "shared experts beside the dispatch",
+       "Expert parallelism with shared experts: a MoE layer computes its shared experts while its routed rows travel to their ranks "
+       "(DeepSeek-V3's overlap), not before the exchange. `auto`: where that holds."},
   }};
   return rows;
 }
@@ -94,6 +97,10 @@ ExecutionModes decide_execution_modes(const Recipe& r, const Layout& l, int64_t 
          : !k.varlen_attention           ? "this build's PyTorch has no variable-length kernel (2.2 or later)"
          : head_dim % 8 != 0 || head_dim > 256 ? "head_dim " + std::to_string(head_dim) + " is not a multiple of 8 up to 256"
                                          : "");
+  decide(&ExecutionModes::shared_experts_beside_dispatch, "shared_experts_beside_dispatch",
+         r.model.moe.routed_experts == 0 || r.model.moe.shared_experts == 0 ? "no MoE layer with shared experts"
+         : l.expert <= 1               ? "no expert parallelism (parallel.expert = 1)"
+                                       : "");
   return m;
 }
 
