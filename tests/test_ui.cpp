@@ -145,12 +145,12 @@ TEST_CASE("dsrun ui serves /metrics for Prometheus while a run trains, the runs 
 TEST_CASE("dsrun ui draws a sweep's trials as parallel coordinates (pruned marked, the best linked) and compares runs: curves overlaid, only differing keys", "[ui][slow]") {
   dsrun::test::TempDir dir;
   const std::string db = dir.file("runs.db");
-  // 4 trials over two parameters; ASHA prunes the ones whose rate cannot learn.
+  // 6 trials over two parameters (the issue's sweep); ASHA prunes the ones whose rate cannot learn.
   const std::string sweep = dir.write("sweep.toml", "base = \"" + dsrun::test::source_dir() + "/tests/recipes/tiny_train.toml\"\n"
                                       "[run]\nsteps = 30\n[checkpoint]\nat_end = false\n[parallel]\ndata_parallel = 1\n[schedule]\nname = \"constant\"\n"
                                       "[sweep]\nmethod = \"grid\"\n[sweep.objective]\nmetric = \"loss\"\n"
                                       "[sweep.pruning]\nmethod = \"asha\"\ngrace_steps = 2\nreduction_factor = 2\n"
-                                      "[sweep.parameters]\n\"optimizer.lr\" = [3e-3, 1e-7]\n\"optimizer.weight_decay\" = [0.0, 0.1]\n");
+                                      "[sweep.parameters]\n\"optimizer.lr\" = [3e-3, 3e-4, 1e-7]\n\"optimizer.weight_decay\" = [0.0, 0.1]\n");
   const auto swept = run_command("'" + dsrun_binary() + "' sweep '" + sweep + "' --db '" + db + "'");
   INFO(swept.text);
   REQUIRE(swept.code == 0);
@@ -159,7 +159,7 @@ TEST_CASE("dsrun ui draws a sweep's trials as parallel coordinates (pruned marke
   const std::string sweep_id = swept.text.substr(at + 6, 8);
   dsrun::Store store(db);
   const auto trials = store.sweep_trials(sweep_id);
-  REQUIRE(trials.size() == 4);
+  REQUIRE(trials.size() == 6);
   int pruned = 0;
   for (const auto& t : trials) pruned += t.status == dsrun::RunStatus::Pruned;
   REQUIRE(pruned >= 1);
@@ -181,7 +181,7 @@ TEST_CASE("dsrun ui draws a sweep's trials as parallel coordinates (pruned marke
   // The sweep: one line per trial, the pruned ones marked, exactly one best, linked to its run.
   const std::string coordinates = chrome("chrome1", "/sweep/" + sweep_id);
   INFO(coordinates.substr(0, 3000));
-  CHECK(count(coordinates, "<polyline class=\"trial ") == 4);
+  CHECK(count(coordinates, "<polyline class=\"trial ") == 6);
   CHECK(count(coordinates, "<polyline class=\"trial pruned") == pruned);
   CHECK(count(coordinates, " best\"") == 1);
   const std::string best = store.get_sweep(sweep_id).best_run;
@@ -200,7 +200,8 @@ TEST_CASE("dsrun ui draws a sweep's trials as parallel coordinates (pruned marke
   for (const auto& t : trials) {
     const auto p = nlohmann::json::parse(t.trial_params);
     if (p["optimizer.weight_decay"].get<double>() != 0.0) continue;
-    (a.empty() ? a : b) = t.id;
+    if (a.empty()) a = t.id;
+    else if (b.empty()) b = t.id;
   }
   REQUIRE(!b.empty());
   const std::string compared = chrome("chrome2", "/compare?run=" + a + "&run=" + b);
