@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include <chrono>
+#include <cmath>
 #include <random>
 #include <thread>
 
@@ -219,7 +220,7 @@ TEST_CASE("dsrun ui draws a sweep's trials as parallel coordinates (pruned marke
   std::system(("kill $(cat '" + dir.file("ui.pid") + "') 2>/dev/null").c_str());
 }
 
-TEST_CASE("a real Prometheus server scrapes dsrun ui's /metrics: the target is up and a running run's step is queryable by its labels", "[ui][slow][prometheus]") {
+TEST_CASE("a real Prometheus server scrapes dsrun ui's /metrics: the target is up, a running run's step and loss are queryable by its labels", "[ui][slow][prometheus]") {
   REQUIRE(run_command("command -v prometheus").code == 0);  // ./setup.sh --with-test-tools installs Debian's
   dsrun::test::TempDir dir;
   const std::string db = dir.file("runs.db");
@@ -253,6 +254,17 @@ TEST_CASE("a real Prometheus server scrapes dsrun ui's /metrics: the target is u
   REQUIRE(value_at != std::string::npos);
   const size_t quote = steps.find(",\"", value_at);
   CHECK(std::stod(steps.substr(quote + 2)) >= 3);
+  // The loss read back through Prometheus' query API, by the run's id: one the store recorded.
+  const std::string run_id = dsrun::Store(db).resolve_run("quickstart");
+  const std::string loss = run_command("curl -s '" + api + "query?query=dsrun_run_loss%7Brun_id%3D%22" + run_id + "%22%7D'").text;
+  INFO(loss);
+  const size_t loss_at = loss.find("\"value\":[");
+  REQUIRE(loss_at != std::string::npos);
+  const double scraped = std::stod(loss.substr(loss.find(",\"", loss_at) + 2));
+  bool recorded = false;
+  for (const dsrun::MetricValue& m : dsrun::Store(db).metric_history(run_id, "loss")) recorded |= std::fabs(m.value - scraped) <= 1e-6 * std::fabs(m.value);
+  CHECK(recorded);
+  CHECK(scraped > 0);
   const std::string running = run_command("curl -s '" + api + "query?query=sum(dsrun_run_running)'").text;
   CHECK(contains(running, "\"value\":["));
   CHECK(contains(running, ",\"1\"]"));
