@@ -55,6 +55,28 @@ TEST_CASE("all-to-all with uneven rows: each rank receives what every rank had f
   }));
 }
 
+TEST_CASE("expert parallelism's started exchange keeps its gradient when the wire format differs: bf16 rows over Gloo", "[engine][comm][expert]") {
+  // Gloo carries bf16 as fp32, so finishing the dispatch copies into the exchange's result, and the
+  // wait runs where autograd records; the rows' gradient must still come back through it.
+  CHECK(in_mesh({1, 2, 1, 2}, [](DeviceMesh& mesh) {
+    ExpertParallel experts(mesh.experts(ExpertGroup::Shards), /*beside_dispatch=*/true);
+    const int rank = mesh.rank();
+    // 2 experts a rank, 4 in all: this rank's 6 rows go 1, 2, 0, 3 to experts 0-3.
+    const torch::Tensor counts = torch::tensor({int64_t{1}, int64_t{2}, int64_t{0}, int64_t{3}});
+    torch::Tensor rows = (torch::arange(12, torch::kFloat32).reshape({6, 2}) + 100 * rank).to(torch::kBFloat16).requires_grad_(true);
+    bool ran_meanwhile = false;
+    // Expert e multiplies its rows by e + 1 (the counts say which rows are whose).
+    const torch::Tensor out = experts.run(rows, counts, [&](const torch::Tensor& r, const torch::Tensor& c) {
+      const torch::Tensor factor = torch::repeat_interleave(torch::arange(1, c.numel() + 1, torch::kFloat32) + 2 * mesh.experts(ExpertGroup::Shards).rank(), c);
+      return r * factor.unsqueeze(1).to(r.scalar_type());
+    }, [&] { ran_meanwhile = true; });
+    out.sum().backward();
+    const torch::Tensor want = torch::tensor({1.f, 2.f, 2.f, 4.f, 4.f, 4.f}).unsqueeze(1).expand({6, 2});
+    return ran_meanwhile && rows.grad().defined() && torch::equal(rows.grad().to(torch::kFloat32), want) &&
+           torch::equal(out.to(torch::kFloat32), rows.detach().to(torch::kFloat32) * want);
+  }));
+}
+
 namespace {
 
 constexpr int64_t kRowsPerRank = 2, kSeq = 16;

@@ -36,6 +36,10 @@ class PendingCollective {
     if (!finish_) return;
     auto f = std::move(finish_);
     finish_ = nullptr;
+    // Finishing is no step of autograd's graph, wherever it is waited for: a copy back from the
+    // wire format recorded in place would turn the result of an autograd function (expert
+    // parallelism's started exchange) into a copy whose gradient to that function is zero.
+    torch::NoGradGuard not_recorded;
     f();
   }
 
