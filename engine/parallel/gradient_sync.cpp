@@ -107,8 +107,7 @@ void GradientSync::start_reduction(FlatUnit& u, bool during_backward) {
 
 // One all-reduce for the bucket's units: their gradients joined into one buffer, reduced, and
 // copied back when it is waited for (at most two such copies in flight). A bucket of one unit is
-// reduced in place. Each unit counts
-// as overlapped where its all-reduce was issued while backward ran.
+// reduced in place. Each unit counts as overlapped where its all-reduce was issued while backward ran.
 void GradientSync::flush_bucket(bool during_backward) {
   if (bucket_.empty()) return;
   std::vector<FlatUnit*> units = std::exchange(bucket_, {});

@@ -50,9 +50,7 @@ class ParallelModel final : public UnitRunner {
     return tensor_.projected_loss(hidden, weight, targets, chunk_tokens, gradients_in_forward);
   }
   torch::Tensor routed_experts(const torch::Tensor& rows, const torch::Tensor& counts, const ExpertsFn& local, const std::function<void()>& meanwhile) override {
-    if (experts_) return experts_->run(rows, counts, local, meanwhile);
-    meanwhile();
-    return local(rows, counts);
+    return experts_ ? experts_->run(rows, counts, local, meanwhile) : UnitRunner::routed_experts(rows, counts, local, meanwhile);
   }
   void record_routing(int layer, const torch::Tensor& routed, int64_t dropped) override;
 
