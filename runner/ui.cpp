@@ -190,6 +190,16 @@ std::string page(const std::string& title, const std::string& body, const std::s
 }  // namespace
 #endif
 
+namespace {
+// A sample's value as the exposition format writes it: exact (a program reads it back; six digits
+// would round a loss and a byte count), with the format's own spellings of NaN and infinities.
+std::string sample_value(double v) {
+  if (std::isnan(v)) return "NaN";
+  if (std::isinf(v)) return v > 0 ? "+Inf" : "-Inf";
+  return format_double_exact(v);
+}
+}  // namespace
+
 std::string prometheus_metrics(const Store& store) {
   struct Series {
     const char* name;
@@ -216,7 +226,7 @@ std::string prometheus_metrics(const Store& store) {
       for (const std::string& key : s.keys)
         if (auto it = latest[i].find(key); it != latest[i].end()) {
           const double v = std::string(s.name) == "dsrun_run_step" ? static_cast<double>(it->second.step) : it->second.value;
-          out << s.name << labels(runs[i]) << " " << v << "\n";
+          out << s.name << labels(runs[i]) << " " << sample_value(v) << "\n";
           break;
         }
   }
@@ -225,7 +235,7 @@ std::string prometheus_metrics(const Store& store) {
     double peak = -1;
     for (const auto& [key, m] : latest[i])
       if (key.rfind("memory/rank", 0) == 0 && key.size() > 21 && key.compare(key.size() - 21, 21, "/peak_allocated_bytes") == 0) peak = std::max(peak, m.value);
-    if (peak >= 0) out << "dsrun_run_device_peak_bytes" << labels(runs[i]) << " " << peak << "\n";
+    if (peak >= 0) out << "dsrun_run_device_peak_bytes" << labels(runs[i]) << " " << sample_value(peak) << "\n";
   }
   out << "# HELP dsrun_run_running 1 for each run the store has running.\n# TYPE dsrun_run_running gauge\n";
   for (const RunRecord& r : runs) out << "dsrun_run_running" << labels(r) << " 1\n";

@@ -53,6 +53,34 @@ bool start_ui(const dsrun::test::TempDir& dir, const std::string& db, int port, 
 }
 }  // namespace
 
+TEST_CASE("dsrun ui's /metrics writes each sample exactly: a running run's loss and device peak read back as the store holds them", "[ui]") {
+  dsrun::test::TempDir dir;
+  dsrun::Store store(dir.file("runs.db"));
+  dsrun::NewRun run;
+  run.name = "exact";
+  run.status = dsrun::RunStatus::Running;
+  const std::string id = store.create_run(run);
+  // Seven significant digits and more: six would round both (4.12346, 1.23457e+10).
+  const double loss = 4.123456789012345, peak = 12345678901.0, mfu = 0.58765432;
+  store.add_metrics(id, 17, {{"loss", loss}, {"mfu", mfu}, {"memory/rank0/peak_allocated_bytes", peak}});
+  const int port = 30000 + static_cast<int>(std::random_device{}() % 10000);
+  REQUIRE(start_ui(dir, dir.file("runs.db"), port, "ui"));
+  const std::string text = run_command("curl -s http://127.0.0.1:" + std::to_string(port) + "/metrics").text;
+  std::system(("kill $(cat '" + dir.file("ui.pid") + "') 2>/dev/null").c_str());
+  INFO(text);
+  auto sample = [&](const std::string& name) {
+    const size_t at = text.find("\n" + name + "{");
+    REQUIRE(at != std::string::npos);
+    const std::string line = text.substr(at + 1, text.find('\n', at + 1) - at - 1);
+    return std::stod(line.substr(line.rfind(' ') + 1));
+  };
+  CHECK(sample("dsrun_run_loss") == loss);
+  CHECK(sample("dsrun_run_mfu") == mfu);
+  CHECK(sample("dsrun_run_device_peak_bytes") == peak);
+  CHECK(sample("dsrun_run_step") == 17);
+  CHECK(contains(text, "dsrun_run_running{run_id=\"" + id + "\",name=\"exact\""));
+}
+
 TEST_CASE("dsrun ui refuses a non-loopback host without a token, before anything listens", "[ui]") {
   dsrun::test::TempDir dir;
   const auto out = run_command("'" + dsrun_binary() + "' ui --host 0.0.0.0 --db '" + dir.file("runs.db") + "'");
@@ -262,7 +290,7 @@ TEST_CASE("a real Prometheus server scrapes dsrun ui's /metrics: the target is u
   REQUIRE(loss_at != std::string::npos);
   const double scraped = std::stod(loss.substr(loss.find(",\"", loss_at) + 2));
   bool recorded = false;
-  for (const dsrun::MetricValue& m : dsrun::Store(db).metric_history(run_id, "loss")) recorded |= std::fabs(m.value - scraped) <= 1e-6 * std::fabs(m.value);
+  for (const dsrun::MetricValue& m : dsrun::Store(db).metric_history(run_id, "loss")) recorded |= m.value == scraped;  // exact: /metrics writes the shortest text that reads back
   CHECK(recorded);
   CHECK(scraped > 0);
   const std::string running = run_command("curl -s '" + api + "query?query=sum(dsrun_run_running)'").text;

@@ -5,6 +5,7 @@
 #include "engine/common/error.hpp"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <map>
@@ -112,6 +113,11 @@ std::string format_double(double v, int precision) {
   os.precision(precision);
   os << v;
   return os.str();
+}
+
+std::string format_double_exact(double v) {
+  char buf[64];
+  return std::string(buf, std::to_chars(buf, buf + sizeof buf, v).ptr);
 }
 
 std::string join(const std::vector<std::string>& parts, const std::string& sep) {

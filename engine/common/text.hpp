@@ -18,6 +18,9 @@ std::string format_count(double n);              // "6.91 B", "870.4 K"
 std::string format_seconds(double seconds);      // "1.25 s", "3 h 12 min"
 std::string csv_field(const std::string& s);     // quoted (RFC 4180) when it holds a comma, quote or newline
 std::string format_double(double v, int precision = 6);  // shortest round-trip-ish form, no trailing zeros
+// The shortest text that reads back as exactly `v` ("0.1", "12345678901", "4.1234567e-05"; "nan",
+// "inf", "-inf"): for values a program reads back, where six digits would lose a loss or a byte count.
+std::string format_double_exact(double v);
 std::string join(const std::vector<std::string>& parts, const std::string& sep);
 std::vector<std::string> split(const std::string& s, char sep);
 std::string trim(const std::string& s);

@@ -11,7 +11,6 @@
 #include <toml++/toml.h>
 
 #include <algorithm>
-#include <charconv>
 #include <climits>
 #include <cmath>
 #include <cstdlib>
@@ -56,9 +55,7 @@ std::string Value::toml() const {
     case Kind::Float: {
       if (std::isnan(f)) return "nan";
       if (std::isinf(f)) return f > 0 ? "inf" : "-inf";
-      char buf[64];
-      auto end = std::to_chars(buf, buf + sizeof buf, f).ptr;  // shortest text that reads back exactly
-      std::string t(buf, end);
+      std::string t = format_double_exact(f);
       if (t.find_first_of(".e") == std::string::npos) t += ".0";  // stays a TOML float
       return t;
     }
