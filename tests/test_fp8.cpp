@@ -1,6 +1,7 @@
 // FP8 linear layers (precision.fp8) on GPU machines: the quantisation kernels against their
 // reference expressions, the scales, and the three scaled products against a bf16 linear's.
 #include "engine/common/torch_compat.hpp"
+#include "engine/common/error.hpp"
 #include "engine/model/fp8_linear.hpp"
 
 #include <catch2/catch.hpp>
@@ -14,6 +15,8 @@ bool fp8_runs_here() {
   WARN("SKIPPED: no CUDA device visible, or a libtorch without scaled FP8 products (this test runs on GPU machines: scripts/gpu_build.sh)");
   return false;
 }
+
+bool contains_text(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
 double relative_error(const torch::Tensor& got, const torch::Tensor& want) {
   return ((got.to(torch::kFloat64) - want.to(torch::kFloat64)).norm() / want.to(torch::kFloat64).norm()).item<double>();
@@ -60,14 +63,16 @@ TEST_CASE("CUDA: an FP8 linear layer's output and both gradients track the bf16 
   torch::Tensor xr = x0.to(torch::kFloat32).requires_grad_(true), wr = w0.to(torch::kFloat32).requires_grad_(true);
   torch::Tensor yr = torch::linear(xr, wr);
   yr.backward(g.to(torch::kFloat32));
-  for (Fp8Scaling scaling : {Fp8Scaling::Tensorwise, Fp8Scaling::Rowwise}) {
+  for (Fp8Scaling scaling : {Fp8Scaling::Tensorwise, Fp8Scaling::Rowwise, Fp8Scaling::Blockwise}) {
     INFO(to_string(scaling));
+    if (scaling == Fp8Scaling::Blockwise && !compat::kHasBlockwiseScaledMm) continue;
     torch::Tensor x = x0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
     torch::Tensor y = fp8_linear(x, w, scaling);
     REQUIRE(y.sizes() == yr.sizes());
     CHECK(y.scalar_type() == torch::kBFloat16);
     y.backward(g);
-    // E4M3 operands forward (about 3.7% in a product of two), E5M2 gradients backward (about 6%).
+    // E4M3 operands forward (about 3.7% in a product of two), E5M2 gradients backward (about 6%;
+    // rowwise and blockwise E4M3, under finer scales).
     CHECK(relative_error(y, yr) < 0.06);
     CHECK(relative_error(x.grad(), xr.grad()) < 0.09);
     CHECK(relative_error(w.grad(), wr.grad()) < 0.09);
@@ -76,4 +81,58 @@ TEST_CASE("CUDA: an FP8 linear layer's output and both gradients track the bf16 
   }
   // None is torch's linear, bit for bit.
   CHECK(torch::equal(fp8_linear(x0, w0, Fp8Scaling::None), torch::linear(x0, w0)));
+}
+
+TEST_CASE("CUDA: blockwise FP8 operands: each 1 x 128 and 128 x 128 block scaled from its own maximum, scales laid out as torch's product reads them", "[engine][cuda][fp8]") {
+  if (!fp8_runs_here()) return;
+  torch::manual_seed(7);
+  const double top = 448.0;
+  // Rows of very different magnitudes, and within a row blocks that differ too.
+  const torch::Tensor x = (torch::randn({256, 384}, torch::kCUDA) * torch::rand({256, 1}, torch::kCUDA) * torch::rand({1, 384}, torch::kCUDA) * 30).to(torch::kBFloat16);
+  const torch::Tensor xf = x.to(torch::kFloat32);
+  const Fp8Operand a = quantize_fp8(x, Fp8Scaling::Blockwise, false, true, true);
+  // 1 x 128: [rows, cols / 128], column-major (strides 1, rows); qt's the same for the transpose.
+  REQUIRE(a.inv_q.sizes() == torch::IntArrayRef({256, 3}));
+  CHECK(a.inv_q.strides() == torch::IntArrayRef({1, 256}));
+  REQUIRE(a.inv_t.sizes() == torch::IntArrayRef({384, 2}));
+  CHECK(a.inv_t.strides() == torch::IntArrayRef({1, 384}));
+  CHECK(torch::allclose(a.inv_q, xf.view({256, 3, 128}).abs().amax(2) / top, 1e-6, 0));
+  CHECK(torch::allclose(a.inv_t, xf.t().contiguous().view({384, 2, 128}).abs().amax(2) / top, 1e-6, 0));
+  // Each block's largest magnitude maps to the format's largest value; dequantised, q is x within E4M3's rounding.
+  CHECK(torch::equal(a.q.to(torch::kFloat32).abs().view({256, 3, 128}).amax(2), torch::full({256, 3}, top, torch::kCUDA)));
+  const torch::Tensor back = (a.q.to(torch::kFloat32).view({256, 3, 128}) * a.inv_q.unsqueeze(2)).view({256, 384});
+  CHECK(relative_error(back, x) < 0.04);
+  // 128 x 128 of a weight: [rows / 128, cols / 128] row-major, the transpose's the transposed blocks.
+  const Fp8Operand w = quantize_fp8_weight_blocks(x);
+  REQUIRE(w.inv_q.sizes() == torch::IntArrayRef({2, 3}));
+  CHECK(w.inv_q.is_contiguous());
+  CHECK(torch::allclose(w.inv_q, xf.view({2, 128, 3, 128}).abs().amax(c10::IntArrayRef{1, 3}) / top, 1e-6, 0));
+  CHECK(torch::equal(w.inv_t, w.inv_q.t()));
+  CHECK(torch::equal(w.qt.view(torch::kUInt8), w.q.t().contiguous().view(torch::kUInt8)));
+}
+
+TEST_CASE("blockwise FP8 refuses a layer not in whole blocks of 128, naming precision.fp8 (no padding)", "[engine][fp8]") {
+  // Runs on every build: the sizes are checked before any FP8 product.
+  const torch::Tensor w = torch::zeros({256, 128}, torch::kBFloat16);
+  for (int64_t tokens : {64, 200}) {
+    INFO(tokens << " rows");
+    try {
+      fp8_linear(torch::zeros({tokens, 128}, torch::kBFloat16), w, Fp8Scaling::Blockwise);
+      FAIL("not refused");
+    } catch (const Error& e) {
+      CHECK(e.context().key == "precision.fp8");
+      CHECK(contains_text(e.what(), "not all multiples of 128"));
+      CHECK(contains_text(e.context().hint, "precision.fp8 = \"rowwise\""));
+    }
+  }
+  // Whole blocks pass the sizes; a torch without block scales says so instead of failing inside it.
+  if (!compat::kHasBlockwiseScaledMm) {
+    try {
+      fp8_linear(torch::zeros({128, 128}, torch::kBFloat16), w, Fp8Scaling::Blockwise);
+      FAIL("not refused");
+    } catch (const Error& e) {
+      CHECK(e.context().key == "precision.fp8");
+      CHECK(contains_text(e.what(), "PyTorch 2.9"));
+    }
+  }
 }

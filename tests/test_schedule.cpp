@@ -16,6 +16,17 @@ LrScheduleOptions schedule(ScheduleKind kind, int64_t warmup, int64_t total = 10
   o.total_steps = total;
   return o;
 }
+// Scale 2^power, doubling after `window` clean steps, two overflows of hysteresis.
+LossScaleOptions scaler_options(int power, int64_t window, double min_scale, int overflow_retries) {
+  LossScaleOptions o;
+  o.initial_power = power;
+  o.window = window;
+  o.hysteresis = 2;
+  o.min_scale = min_scale;
+  o.overflow_retries = overflow_retries;
+  return o;
+}
+
 }  // namespace
 
 TEST_CASE("warmup rises linearly to the peak", "[schedule]") {
@@ -69,12 +80,7 @@ TEST_CASE("OneCycle rises from peak/div_factor and ends at initial/final_div_fac
 }
 
 TEST_CASE("the fp16 loss scaler backs off on overflow and recovers (DeepSpeed's hysteresis)", "[scaler]") {
-  LossScaleOptions o;
-  o.initial_power = 4;  // 16
-  o.window = 3;
-  o.hysteresis = 2;
-  o.min_scale = 2;
-  DynamicLossScaler s(o);
+  DynamicLossScaler s(scaler_options(4, 3, 2, 0));  // 16
   CHECK(s.scale() == 16);
   CHECK(s.update(true));   // overflow: skipped, the hysteresis absorbs the first
   CHECK(s.scale() == 16);
@@ -95,4 +101,34 @@ TEST_CASE("the fp16 loss scaler backs off on overflow and recovers (DeepSpeed's 
   CHECK(s.update(true));
   CHECK(s.scale() == 2);
   CHECK_THROWS_WITH(s.update(true), Catch::Contains("below the minimum"));  // diverging
+}
+
+TEST_CASE("an fp16 step that overflowed runs again at half the scale, up to overflow_retries times, then is skipped", "[scaler]") {
+  const LossScaleOptions o = scaler_options(5, 2, 2, 2);  // 32, two retries a step
+  DynamicLossScaler s(o);
+  // Step 1 overflows at 32 and 16, and is clean at 8: applied, nothing skipped.
+  CHECK(s.retry_overflow());
+  CHECK(s.scale() == 16);  // halved at once, hysteresis or not: the same batch would overflow again
+  CHECK(s.retry_overflow());
+  CHECK(s.scale() == 8);
+  CHECK_FALSE(s.update(false));
+  CHECK(s.skipped_steps() == 0);
+  CHECK(s.retried_steps() == 2);
+  // Step 2 overflows three times: two retries, then the skip (the hysteresis absorbs its halving).
+  CHECK(s.retry_overflow());
+  CHECK(s.retry_overflow());
+  CHECK(s.scale() == 2);
+  CHECK_FALSE(s.retry_overflow());  // this step's retries are spent
+  CHECK(s.update(true));
+  CHECK(s.scale() == 2);
+  CHECK(s.skipped_steps() == 1);
+  // A new step may retry again, but never below min_scale: then the skip path decides, and its
+  // halving below the minimum is the divergence error.
+  CHECK_FALSE(s.retry_overflow());
+  CHECK_THROWS_WITH(s.update(true), Catch::Contains("below the minimum"));
+  // The retries travel with a checkpoint's state.
+  DynamicLossScaler restored(o);
+  restored.restore(s.state());
+  CHECK(restored.retried_steps() == 4);
+  CHECK(restored.scale() == s.scale());
 }

@@ -575,3 +575,31 @@ TEST_CASE("recipes whose layout is all \"auto\" start as planned on CPU ranks, a
   CHECK(contains(refused.text, "batch.seq_len: sequence length 64 exceeds model.max_seq_len = 32"));
   CHECK(refused.id.empty());
 }
+
+TEST_CASE("CUDA: fp16 steps that overflow run again at half the scale: none skipped, and the losses of a run started at the scale they settled on", "[training][cuda][fp16]") {
+  if (dsrun::test::run_command("nvidia-smi -L").code != 0) {
+    WARN("SKIPPED: no GPU visible (fp16 needs one: libtorch 1.13's CPU build has no half kernels; runs on GPU machines: scripts/gpu_build.sh)");
+    return;
+  }
+  dsrun::test::TempDir dir;
+  const std::string recipe = "recipes/gpu/small_gpu_check.toml", common = " --set precision.dtype=fp16 --set run.steps=6 --set checkpoint.at_end=false";
+  // 2^40 overflows at once (fp16 ends at 65504): the first step halves until its gradients are finite.
+  const Run retried = train(dir, common + " --set precision.loss_scale.initial_power=40 --set precision.loss_scale.overflow_retries=40", "", recipe);
+  INFO(retried.text);
+  REQUIRE(retried.code == 0);
+  dsrun::Store store(dir.file("runs.db"));
+  const auto scales = store.metric_history(retried.id, "loss_scale"), retries = store.metric_history(retried.id, "overflow_retries"),
+             skipped = store.metric_history(retried.id, "skipped_steps");
+  REQUIRE(scales.size() == 6);
+  CHECK(scales[0].value < std::ldexp(1.0, 40));
+  CHECK(retries[0].value == std::log2(std::ldexp(1.0, 40) / scales[0].value));  // one retry per halving
+  CHECK(skipped.back().value == 0);
+  // The same run started at the scale the first step settled on: its first step retries nothing, and
+  // from there the two are the same run (retries stay on in both, so a later overflow at the edge
+  // the first step found is met alike).
+  const int settled = static_cast<int>(std::lround(std::log2(scales[0].value)));
+  const Run direct = train(dir, common + " --set precision.loss_scale.initial_power=" + std::to_string(settled) + " --set precision.loss_scale.overflow_retries=40", "", recipe);
+  check_same_trajectory(retried.losses, direct, 1e-3);
+  CHECK(store.metric_history(direct.id, "overflow_retries").front().value == 0);
+  CHECK(store.metric_history(direct.id, "overflow_retries").back().value == retries.back().value - retries.front().value);
+}

@@ -262,6 +262,9 @@ std::vector<c10::intrusive_ptr<c10d::Work>> coalesced(CollectiveBackend& group, 
 // b [K, N] column-major, FP8; scale_a and scale_b fp32, one element each (tensorwise) or [M, 1] and
 // [1, N] (rowwise): out = (a · scale_a) (b · scale_b) in bf16, accumulated in fp32.
 constexpr bool kHasScaledMm = DSRUN_TORCH_AT_LEAST(2, 5);
+// DeepSeek-V3's block scales (a's [M, K/128], b's per 128 x 128 or 1 x 128; cuBLASLt, CUDA 12.9 and
+// Hopper) through the same entry point: PyTorch 2.9.
+constexpr bool kHasBlockwiseScaledMm = DSRUN_TORCH_AT_LEAST(2, 9);
 inline torch::Tensor scaled_mm(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& scale_a, const torch::Tensor& scale_b) {
 #if DSRUN_TORCH_AT_LEAST(2, 5)
   return at::_scaled_mm(a, b, scale_a, scale_b, std::nullopt, std::nullopt, torch::kBFloat16, false);

@@ -47,6 +47,25 @@ Fp8Operand quantize_reference(const Tensor& x, Fp8Scaling scaling, bool e5m2, bo
   return o;
 }
 
+// Blockwise 1 x 128: each row's blocks of 128 columns scaled apart (x [rows, cols] fp32); the
+// scales [rows, cols / 128] column-major, the layout torch's scaled product asks of them.
+std::pair<Tensor, Tensor> quantize_row_blocks(const Tensor& xf, bool e5m2) {
+  const double top = fp8_max(e5m2);
+  const int64_t rows = xf.size(0), cols = xf.size(1);
+  const Tensor blocks = xf.view({rows, cols / 128, 128});
+  const Tensor amax = blocks.abs().amax(2, true).clamp_min(kAmaxFloor);
+  const Tensor q = (blocks * (top / amax)).clamp(-top, top).to(compat::fp8_dtype(e5m2)).view({rows, cols});
+  return {q, (amax / top).view({rows, cols / 128}).t().contiguous().t()};
+}
+
+Fp8Operand quantize_blockwise(const Tensor& x, bool e5m2, bool want_q, bool want_qt) {
+  const Tensor xf = x.to(torch::kFloat32);
+  Fp8Operand o;
+  if (want_q) std::tie(o.q, o.inv_q) = quantize_row_blocks(xf, e5m2);
+  if (want_qt) std::tie(o.qt, o.inv_t) = quantize_row_blocks(xf.t().contiguous(), e5m2);
+  return o;
+}
+
 #ifdef DSRUN_WITH_FUSED_KERNELS
 Fp8Operand quantize_kernels(const Tensor& x, Fp8Scaling scaling, bool e5m2, bool want_q, bool want_qt) {
   const int64_t rows = x.size(0), cols = x.size(1);
@@ -78,8 +97,14 @@ Fp8Operand quantize_kernels(const Tensor& x, Fp8Scaling scaling, bool e5m2, bool
 }
 #endif
 
-// A product's scales as _scaled_mm takes them: tensorwise as they are, rowwise a's [M, 1] and b's [1, N].
-Tensor as_b_scale(const Tensor& inv, Fp8Scaling scaling) { return scaling == Fp8Scaling::Rowwise ? inv.view({1, -1}) : inv; }
+// A product's scales as _scaled_mm takes them for its second operand b [K, N] (column-major, the
+// transpose of the operand quantised): tensorwise as they are, rowwise [1, N], blockwise the
+// transpose of the quantised operand's (torch checks b's scales transposed against bᵀ).
+Tensor as_b_scale(const Tensor& inv, Fp8Scaling scaling) {
+  if (scaling == Fp8Scaling::Rowwise) return inv.view({1, -1});
+  if (scaling == Fp8Scaling::Blockwise) return inv.t();
+  return inv;
+}
 
 struct Fp8LinearFunction : torch::autograd::Function<Fp8LinearFunction> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, int64_t scaling_index) {
@@ -89,7 +114,7 @@ struct Fp8LinearFunction : torch::autograd::Function<Fp8LinearFunction> {
     const Fp8Operand xq = quantize_fp8(x2, scaling, false, true, weight.requires_grad());
     // The weight's transpose too, in the same pass: backward's input gradient takes it (one byte a
     // parameter kept until then, against a second pass over the weight).
-    const Fp8Operand wq = quantize_fp8(weight.contiguous(), scaling, false, true, true);
+    const Fp8Operand wq = scaling == Fp8Scaling::Blockwise ? quantize_fp8_weight_blocks(weight.contiguous()) : quantize_fp8(weight.contiguous(), scaling, false, true, true);
     const Tensor y = compat::scaled_mm(xq.q, wq.q.t(), xq.inv_q, as_b_scale(wq.inv_q, scaling));
     ctx->save_for_backward({xq.qt, xq.inv_t, wq.qt, wq.inv_t});
     ctx->saved_data["scaling"] = scaling_index;
@@ -109,7 +134,7 @@ struct Fp8LinearFunction : torch::autograd::Function<Fp8LinearFunction> {
     const bool want_dw = xqt.defined();
     // Gradients as E5M2 under one scale per tensor (their range needs the exponent bits); per row,
     // as torchao's rowwise recipe, E4M3: each row's own scale covers its range, and cuBLAS's
-    // E5M2 x E4M3 rowwise products ran slower (docs/benchmarks.md).
+    // E5M2 x E4M3 rowwise products ran slower (docs/benchmarks.md); per block, as DeepSeek-V3, E4M3.
     const Fp8Operand gq = quantize_fp8(g, scaling, scaling == Fp8Scaling::Tensorwise, true, want_dw);
     Tensor dx = compat::scaled_mm(gq.q, wqt.t(), gq.inv_q, as_b_scale(w_inv_t, scaling));
     std::vector<int64_t> shape = grads[0].sizes().vec();
@@ -123,7 +148,11 @@ struct Fp8LinearFunction : torch::autograd::Function<Fp8LinearFunction> {
 
 Fp8Operand quantize_fp8(const Tensor& x, Fp8Scaling scaling, bool e5m2, bool want_q, bool want_qt, bool reference) {
   DSRUN_ASSERT(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), "FP8 operands come from a contiguous bf16 matrix");
-  DSRUN_ASSERT(scaling == Fp8Scaling::Tensorwise || scaling == Fp8Scaling::Rowwise, "tensorwise or rowwise scaling (blockwise is refused by the recipe)");
+  DSRUN_ASSERT(scaling != Fp8Scaling::None, "an FP8 scaling");
+  if (scaling == Fp8Scaling::Blockwise) {
+    DSRUN_ASSERT((!want_q || x.size(1) % 128 == 0) && (!want_qt || x.size(0) % 128 == 0), "blocks of 128 along the summed dimension (fp8_linear checks)");
+    return quantize_blockwise(x, e5m2, want_q, want_qt);
+  }
 #ifdef DSRUN_WITH_FUSED_KERNELS
   // (the kernels read 16 bytes and write 8 at a time)
   if (!reference && x.is_cuda() && x.size(1) % 8 == 0 && x.size(0) % 8 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0)
@@ -132,14 +161,40 @@ Fp8Operand quantize_fp8(const Tensor& x, Fp8Scaling scaling, bool e5m2, bool wan
   return quantize_reference(x, scaling, e5m2, want_q, want_qt);
 }
 
+Fp8Operand quantize_fp8_weight_blocks(const Tensor& weight) {
+  DSRUN_ASSERT(weight.dim() == 2 && weight.size(0) % 128 == 0 && weight.size(1) % 128 == 0, "a weight in whole 128 x 128 blocks (fp8_linear checks)");
+  const double top = fp8_max(false);
+  const int64_t rows = weight.size(0), cols = weight.size(1);
+  const Tensor blocks = weight.to(torch::kFloat32).view({rows / 128, 128, cols / 128, 128});
+  const Tensor amax = blocks.abs().amax({1, 3}, true).clamp_min(kAmaxFloor);
+  Fp8Operand o;
+  o.q = (blocks * (top / amax)).clamp(-top, top).to(compat::fp8_dtype(false)).view({rows, cols});
+  o.qt = o.q.t().contiguous();
+  o.inv_q = (amax / top).view({rows / 128, cols / 128});
+  o.inv_t = o.inv_q.t().contiguous();
+  return o;
+}
+
 Tensor fp8_linear(const Tensor& x, const Tensor& weight, Fp8Scaling scaling) {
   if (scaling == Fp8Scaling::None) return torch::linear(x, weight);
   const int64_t k = weight.size(1), n = weight.size(0), rows = x.numel() / std::max<int64_t>(1, k);
-  if (k % 16 != 0 || n % 16 != 0 || rows % 16 != 0) {
+  const bool blockwise = scaling == Fp8Scaling::Blockwise;
+  const int64_t multiple = blockwise ? 128 : 16;
+  if (k % multiple != 0 || n % multiple != 0 || rows % multiple != 0) {
     ErrorContext c;
     c.key = "precision.fp8";
-    c.hint = "FP8 products need sizes in multiples of 16: tokens per micro-batch (batch.micro x batch.seq_len) and the layer's sizes";
-    throw Error("an FP8 linear layer of [" + std::to_string(n) + ", " + std::to_string(k) + "] got " + std::to_string(rows) + " rows", c);
+    c.hint = blockwise ? "blockwise FP8 scales whole blocks of 128 (no padding): tokens per micro-batch (batch.micro x batch.seq_len) and each layer's sizes "
+                         "(after the tensor split) in multiples of 128, or precision.fp8 = \"rowwise\""
+                       : "FP8 products need sizes in multiples of 16: tokens per micro-batch (batch.micro x batch.seq_len) and the layer's sizes";
+    throw Error("an FP8 linear layer of [" + std::to_string(n) + ", " + std::to_string(k) + "] got " + std::to_string(rows) + " rows, not all multiples of " +
+                    std::to_string(multiple),
+                c);
+  }
+  if (blockwise && !compat::kHasBlockwiseScaledMm) {
+    ErrorContext c;
+    c.key = "precision.fp8";
+    c.hint = "use precision.fp8 = \"rowwise\", or build against PyTorch 2.9 or later (scripts/gpu_build.sh)";
+    throw Error("blockwise FP8 products need PyTorch 2.9 or later (this build's scaled products take tensor and row scales only)", c);
   }
   return Fp8LinearFunction::apply(x, weight, static_cast<int64_t>(scaling));
 }

@@ -9,23 +9,31 @@
 namespace dsrun {
 
 // y [..., N] = x [..., K] · weightᵀ (weight [N, K]), x and weight bf16, y bf16. x and weight as E4M3,
-// the output's gradient as E5M2 (tensorwise) or E4M3 (rowwise), each scaled from its own maximum now (per tensor, or per row for
-// the product's rows and per column for the transposed operands backward reads); fp32 accumulation.
-// Forward keeps x's and the weight's transposed FP8 copies (a byte an element) for backward. K, N and the rows
-// of x (its elements / K) must be multiples of 16. scaling None: torch::linear.
+// the output's gradient as E5M2 (tensorwise) or E4M3 (rowwise, blockwise), each scaled from its own
+// maximum now (per tensor; per row for the product's rows and per column for the transposed
+// operands backward reads; blockwise, DeepSeek-V3's: per 128 elements of a row for activations and
+// gradients, along the summed dimension of each product, and per 128 x 128 block for the weight);
+// fp32 accumulation. Forward keeps x's and the weight's transposed FP8 copies (a byte an element)
+// for backward. K, N and the rows of x (its elements / K) must be multiples of 16 (blockwise: 128,
+// refused otherwise, naming precision.fp8). scaling None: torch::linear.
 torch::Tensor fp8_linear(const torch::Tensor& x, const torch::Tensor& weight, Fp8Scaling scaling);
 
 // One matrix's FP8 operands: q in its layout and qt of its transpose (either undefined when not
 // asked for), and the inverse scales the product multiplies back by: tensorwise one element for
 // both (inv_q; inv_t the same tensor); rowwise inv_q [rows, 1] for q's rows and inv_t [cols, 1] for
-// qt's rows (x's columns).
+// qt's rows (x's columns); blockwise 1 x 128 (quantize_fp8) inv_q [rows, cols / 128] and inv_t
+// [cols, rows / 128], each column-major as torch's scaled product reads them; blockwise 128 x 128
+// (quantize_fp8_weight_blocks) inv_q [rows / 128, cols / 128] and inv_t its transpose, row-major.
 struct Fp8Operand {
   torch::Tensor q, qt, inv_q, inv_t;
 };
 
 // x [rows, cols] bf16 (contiguous) quantised: on CUDA builds two kernels (the maxima, then q and qt
-// in one pass: engine/model/kernels/fp8_quantize.cu); elsewhere, and with reference = true, the
-// libtorch expressions they compute.
+// in one pass: engine/model/kernels/fp8_quantize.cu); elsewhere, with reference = true, and
+// blockwise (no kernel yet), the libtorch expressions they compute.
 Fp8Operand quantize_fp8(const torch::Tensor& x, Fp8Scaling scaling, bool e5m2, bool want_q, bool want_qt, bool reference = false);
+// A weight [rows, cols] (multiples of 128) as E4M3 in 128 x 128 blocks, q and qt both: the blocks of
+// the transpose are the same blocks, so one quantisation serves forward and backward.
+Fp8Operand quantize_fp8_weight_blocks(const torch::Tensor& weight);
 
 }  // namespace dsrun

@@ -4,6 +4,7 @@
 
 #include <iostream>
 #include <map>
+#include <set>
 #include <sstream>
 
 namespace dsrun {
@@ -28,6 +29,32 @@ PipelineStage::PipelineStage(Model& model, UnitRunner& runner, ZeroDataParallel&
     local_.push_back({next, next + c.size()});
     next += c.size();
   }
+  open_connections();
+}
+
+// NCCL opens a pair's connections at their first use and swaps both sides' connection details in
+// one message, which each side takes to mirror its own (NVIDIA/nccl pull request 2407 describes
+// it). A schedule with fewer micro-batches than stages broke that: the first stage's first group
+// sends activations and receives their gradient, while the second stage's first group only
+// receives ("Message truncated: received 16384 bytes instead of 8192" in bootstrap.cc with
+// pipeline 2 x data 2, a hang with pipeline 4, on 4 H200s). So every pair opens both directions
+// here, together: each rank sends to and receives from every peer of its schedule in one group,
+// messages of the schedule's own shape. Gloo needs none of it and takes it as two messages.
+void PipelineStage::open_connections() {
+  std::set<int> peers;
+  for (const PipelineAction& a : options_.schedule.actions.at(stage()))
+    if (a.communicates()) peers.insert(a.peer);
+  const int tag = tied_gradient_tag(options_.schedule) + 1;
+  const auto like = torch::TensorOptions().dtype(options_.dtype).device(options_.device);
+  std::vector<PointToPoint> operations;
+  for (int peer : peers) {
+    operations.push_back({PointToPoint::Send, torch::zeros(options_.activation_shape, like), peer, tag});
+    operations.push_back({PointToPoint::Receive, torch::empty(options_.activation_shape, like), peer, tag});
+  }
+  if (operations.empty()) return;
+  Exchange opened = pipeline_.exchange(operations);
+  opened.received.wait();
+  opened.sent.wait();
 }
 
 PipelineTotals PipelineStage::train_step(const BatchFn& batch, const LossFn& loss, double loss_multiplier) {

@@ -60,6 +60,7 @@ class PipelineStage {
   // One communication group of the schedule (communication_groups): its sends and receives issued together.
   void communicate(const PipelineSchedule& s, const PipelineAction* begin, const PipelineAction* end, LiveMap& live);
   torch::Tensor as_message(const torch::Tensor& t, const PipelineAction& a);
+  void open_connections();       // every pair of neighbours, both ways at once, before any schedule runs
   void send_tied_weight();       // first stage → last, before the step's first forward
   void receive_tied_gradient();  // last stage → first: the first stage's, before its last backward
   void send_tied_gradient();     // the last stage's, after its step's last action

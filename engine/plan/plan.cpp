@@ -169,14 +169,6 @@ void Planner::check_pipeline(Plan& p) {
   const PipelineTransport transport = r_.hardware.device == Device::Cuda ? PipelineTransport::RendezvousCoalesced : PipelineTransport::Queued;
   const std::string problem = pipeline_schedule_problem(p.layout.schedule, degrees_.pipeline, static_cast<int>(p.accumulation), degrees_.virtual_stages);
   p.pipeline_problem = problem.empty() && options_.full ? pipeline_deadlock_problem(p.layout.schedule, degrees_.pipeline, static_cast<int>(p.accumulation), degrees_.virtual_stages, transport) : problem;
-  // Measured, not simulated: on 4 H200s a pipeline with fewer micro-batches a step than stages
-  // stopped in NCCL's own communicator set-up (pipeline 2 x data 2: "Message truncated" in
-  // bootstrap.cc, twice) or hung (pipeline 4), while the same layouts ran with as many
-  // micro-batches as stages. The cause is not found; such a step also idles every stage most of the time.
-  if (p.pipeline_problem.empty() && r_.hardware.device == Device::Cuda && p.accumulation < degrees_.pipeline)
-    p.pipeline_problem = "fewer micro-batches a step (" + std::to_string(p.accumulation) + ") than pipeline stages (" + std::to_string(degrees_.pipeline) +
-                         ") stops NCCL's communicator set-up on GPUs (docs/benchmarks.md); fix: a batch.micro that gives at least " +
-                         std::to_string(degrees_.pipeline) + " micro-batches a step, or a larger batch.global";
   p.bubble_fraction = bubble_fraction(p.accumulation);
   if (!p.pipeline_problem.empty()) {
     p.fits = false;
@@ -205,9 +197,15 @@ void Planner::check_hardware_present(Plan& p) {
 
 void Planner::add_notes(Plan& p) {
   const HardwareSpec& hw = r_.hardware;
-  if (degrees_.pipeline > 1 && p.accumulation < degrees_.pipeline && r_.hardware.device != Device::Cuda)
+  // On 4 H200s such a step stopped in NCCL's connection set-up ("Message truncated" in
+  // bootstrap.cc, or a hang): the first stage opened both directions to the second at once, the
+  // second one. PipelineStage now opens every pair both ways before the schedule runs.
+  if (degrees_.pipeline > 1 && p.accumulation < degrees_.pipeline)
     p.notes.push_back("fewer micro-batches a step (" + std::to_string(p.accumulation) + ") than pipeline stages (" + std::to_string(degrees_.pipeline) + "): each stage idles " +
-                      format_double(100 * p.bubble_fraction, 3) + "% of the step; on GPUs such a layout is refused (the pipeline schedule)");
+                      format_double(100 * p.bubble_fraction, 3) + "% of the step (a batch.micro giving at least " + std::to_string(degrees_.pipeline) + " micro-batches shrinks it)" +
+                      (hw.device == Device::Cuda ? "; on GPUs such a step stopped NCCL's connection set-up until the stages opened their connections both ways at start "
+                                                   "(2026-11-27), not yet run on GPUs since (docs/benchmarks.md)"
+                                                 : ""));
   if (hw.ranks_share_memory())
     p.notes.push_back("CPU ranks share the node's " + format_bytes(hw.memory_bytes) + "; each rank's share is " + format_bytes(capacity_));
   if (kernel_ == AttentionKernel::Math && r_.model.arch == ModelArch::DeepSeek)

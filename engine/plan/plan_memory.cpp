@@ -258,13 +258,14 @@ void Planner::plan_checkpoint_disk(Plan& p) {
   d.bytes = checkpoint_bytes();
   const int64_t steps = r_.run.steps;
   d.saves = checkpoint_saves();
-  // The pause: every rank copies its share to host staging memory (over PCIe from a GPU; a memory
-  // copy, read and write, on CPU ranks and of offloaded states), then the files are written at the disk's bandwidth,
-  // the node's ranks sharing it. Asynchronous saves pause for the copy alone.
+  // The pause: every rank copies its share to host staging memory (over PCIe from a GPU, at
+  // host_link_bandwidth: each GPU's rate while the node's all copy at once, as they do here; a
+  // memory copy, read and write, on CPU ranks and of offloaded states), then the files are written
+  // at the disk's bandwidth, the node's ranks sharing it. Asynchronous saves pause for the copy alone.
   d.async = ck.async;
   d.staging_per_rank = d.bytes / p.world_size;
   d.staging_pinned = hw.device == Device::Cuda && p.layout.offload == Offload::None;
-  d.copy_seconds = d.staging_per_rank / (d.staging_pinned ? hw.host_link_bandwidth * r_.hardware.comm_efficiency : hw.host_memory_bandwidth / 2);
+  d.copy_seconds = d.staging_per_rank / (d.staging_pinned ? hw.host_link_bandwidth : hw.host_memory_bandwidth / 2);
   d.write_seconds = d.staging_per_rank * ranks_per_node_ / hw.disk_write_bandwidth;
   d.read_seconds = d.staging_per_rank * ranks_per_node_ / hw.disk_read_bandwidth;
   // Synchronous saves copy nothing from host memory (they write the shards as they stand);

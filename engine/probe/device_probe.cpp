@@ -44,8 +44,9 @@ struct Repeats {
   int warmup = 2, timed = 5;
 };
 
-// Seconds of each timed call of `work`, the device drained around each.
-std::vector<double> call_seconds(const torch::Device& device, const Repeats& n, const std::function<void()>& work) {
+// Seconds of each timed call of `work`, the device drained around each; `before` (untimed, then
+// drained) ahead of every timed call: a barrier, where the node's ranks start each call together.
+std::vector<double> call_seconds(const torch::Device& device, const Repeats& n, const std::function<void()>& work, const std::function<void()>& before = {}) {
   auto drain = [&] {
     if (device.is_cuda()) torch::cuda::synchronize(device.index());
   };
@@ -53,6 +54,10 @@ std::vector<double> call_seconds(const torch::Device& device, const Repeats& n, 
   drain();
   std::vector<double> seconds;
   for (int i = 0; i < n.timed; ++i) {
+    if (before) {
+      before();
+      drain();
+    }
     const double start = steady_seconds();
     work();
     drain();
@@ -328,28 +333,47 @@ class CutDecoder {
   Batch batch_;
 };
 
-// Copies between host and GPU, each way, from pinned and from pageable host memory.
-void probe_copies(const torch::Device& device, bool quick, std::vector<ProbeFigure>& figures) {
+// Copies between host and GPU, each way, from pinned and from pageable host memory, by one GPU
+// alone (the node's other ranks wait). Where the node has several (`node`), the pinned copies
+// again with every GPU's at once, each started together: training makes them so (offload's
+// traffic every step, checkpoint staging), through one host's memory and PCIe switches, and
+// hardware.host_link_bandwidth_gbs is that rate per GPU. (Alone, an H200 moved 55 GB/s; four at
+// once into one host's memory paused a checkpoint as if each moved about 30.)
+void probe_copies(const torch::Device& device, bool quick, Communicator* node, std::vector<ProbeFigure>& figures) {
   const int64_t bytes = quick ? int64_t{32} << 20 : int64_t{256} << 20;
   const Repeats repeats = quick ? Repeats{1, 3} : Repeats{2, 10};
   torch::Tensor on_device = torch::empty({bytes}, torch::TensorOptions().dtype(torch::kUInt8).device(device));
   torch::Tensor pinned = pinned_host_tensor(bytes, torch::kUInt8);
   torch::Tensor pageable = torch::empty({bytes}, torch::TensorOptions().dtype(torch::kUInt8));
   pageable.fill_(1);
+  auto up = [&](torch::Tensor& host, bool is_pinned) { on_device.copy_(host, /*non_blocking=*/is_pinned); };
+  auto down = [&](torch::Tensor& host, bool is_pinned) { host.copy_(on_device, /*non_blocking=*/is_pinned); };
   double pinned_up = 0, pinned_down = 0;
-  for (bool is_pinned : {true, false}) {
-    torch::Tensor& host = is_pinned ? pinned : pageable;
-    const double up = bytes / time_per_call(device, repeats, [&] { on_device.copy_(host, /*non_blocking=*/is_pinned); });
-    const double down = bytes / time_per_call(device, repeats, [&] { host.copy_(on_device, /*non_blocking=*/is_pinned); });
-    const std::string kind = is_pinned ? "pinned" : "pageable";
-    figures.push_back({"", up / 1e9, "GB/s: host to GPU, " + mib(static_cast<double>(bytes)) + " from " + kind + " memory"});
-    figures.push_back({"", down / 1e9, "GB/s: GPU to host, " + mib(static_cast<double>(bytes)) + " into " + kind + " memory"});
-    if (is_pinned) pinned_up = up, pinned_down = down;
+  if (!node || node->rank() == 0) {
+    for (bool is_pinned : {true, false}) {
+      torch::Tensor& host = is_pinned ? pinned : pageable;
+      const double rate_up = bytes / time_per_call(device, repeats, [&] { up(host, is_pinned); });
+      const double rate_down = bytes / time_per_call(device, repeats, [&] { down(host, is_pinned); });
+      const std::string kind = is_pinned ? "pinned" : "pageable";
+      figures.push_back({"", rate_up / 1e9, "GB/s: host to GPU, " + mib(static_cast<double>(bytes)) + " from " + kind + " memory, one GPU alone"});
+      figures.push_back({"", rate_down / 1e9, "GB/s: GPU to host, " + mib(static_cast<double>(bytes)) + " into " + kind + " memory, one GPU alone"});
+      if (is_pinned) pinned_up = rate_up, pinned_down = rate_down;
+    }
+  }
+  std::string together;
+  if (node) {
+    node->barrier();  // rank 0 measured alone
+    auto start_together = [&] { node->barrier(); };
+    const double alone_up = pinned_up, alone_down = pinned_down;
+    pinned_up = bytes / median(call_seconds(device, repeats, [&] { up(pinned, true); }, start_together));
+    pinned_down = bytes / median(call_seconds(device, repeats, [&] { down(pinned, true); }, start_together));
+    together = ", every one of the node's " + std::to_string(node->world_size()) + " GPUs copying at once (one GPU alone: " + probe_number(alone_up / 1e9, 1) + " and " +
+               probe_number(alone_down / 1e9, 1) + ")";
   }
   // Offload moves as many bytes each way (gradients down, parameters up): the harmonic mean.
   figures.push_back({"hardware.host_link_bandwidth_gbs", 2 / (1 / pinned_up + 1 / pinned_down) / 1e9,
                      "pinned copies of " + mib(static_cast<double>(bytes)) + ", the harmonic mean of host to GPU (" + probe_number(pinned_up / 1e9, 1) + " GB/s) and back (" +
-                         probe_number(pinned_down / 1e9, 1) + ")"});
+                         probe_number(pinned_down / 1e9, 1) + ")" + together});
 }
 
 // The GPU's memory: its size as the driver reports it, and what a large device-to-device copy
@@ -507,6 +531,8 @@ int probe_rank_main(const std::string& config_path, const std::string& out_path,
       torch::set_num_threads(std::max(1, host.cpu_cores / std::max(1, world)));
     }
     std::vector<ProbeFigure> figures;
+    std::unique_ptr<Rendezvous> rendezvous;
+    std::unique_ptr<Communicator> node;  // the node's ranks (the probe runs on one node)
     if (world > 1) {
       RendezvousOptions rv;
       rv.use_nccl = gpu;
@@ -516,19 +542,19 @@ int probe_rank_main(const std::string& config_path, const std::string& out_path,
       rv.rank = rank;
       rv.world_size = world;
       rv.timeout_s = 300;
-      std::unique_ptr<Rendezvous> rendezvous = open_rendezvous(rv);
-      std::unique_ptr<Communicator> comm = rendezvous->group("world", rank, world);
-      probe_collectives(r, *rendezvous, *comm, device, gpu ? torch_dtype(r.precision.dtype) : torch::kFloat32, quick, figures);
-      comm->barrier();
+      rendezvous = open_rendezvous(rv);
+      node = rendezvous->group("world", rank, world);
+      probe_collectives(r, *rendezvous, *node, device, gpu ? torch_dtype(r.precision.dtype) : torch::kFloat32, quick, figures);
+      node->barrier();
     }
-    // Every rank computes and copies at once, as they train: the cores' caches and memory, the
-    // host's PCIe and the launch threads are shared then. Rank 0's figures are kept.
+    // Every rank computes at once, as they train: the cores' caches and memory and the launch
+    // threads are shared then (the copies start together by barrier). Rank 0's figures are kept.
     // The host step's threads as an offloaded rank runs it (the trainer's rule), or a CPU rank's cores.
     const int host_threads = gpu ? host_step_threads(rank_host_cores(usable_cpus(), pci_local_cpus(cuda_pci_bus_id(device)), local_rank, world)).threads
                                  : std::max(1, host.cpu_cores / std::max(1, world));
     probe_compute(r, plan, device, quick, host_threads, figures);
     if (gpu) {
-      probe_copies(device, quick, figures);
+      probe_copies(device, quick, node.get(), figures);
       probe_device_memory(device, quick, figures);
     }
     if (rank != 0) return 0;

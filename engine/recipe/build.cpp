@@ -328,11 +328,11 @@ void build_fp8(Builder& c, Recipe& r) {
     c.error("precision.fp8", std::string("FP8 covers the decoders' linear layers; model.arch is ") + to_string(r.model.arch), "use precision.fp8 = \"none\"", {"model.arch"});
     return;
   }
-  if (fp8 == Fp8Scaling::Blockwise)
-    c.error("precision.fp8", "blockwise scaling (1x128 activations, 128x128 weights) is not in this build yet",
-            "use precision.fp8 = \"rowwise\" (one scale per row: the nearest accuracy) or \"tensorwise\" (the fastest)");
   const ModelSpec& m = r.model;
-  const int64_t multiple = 16;
+  // Blockwise scales whole blocks of 128 (1 x 128 along each product's summed dimension, 128 x 128
+  // of the weights), unpadded; the tokens of a micro-batch and the tensor split are checked when
+  // the layer runs (fp8_linear).
+  const int64_t multiple = fp8 == Fp8Scaling::Blockwise ? 128 : 16;
   const int64_t head_dim = m.hidden / m.heads;
   for (auto [what, size] : std::vector<std::pair<std::string, int64_t>>{{"model.hidden", m.hidden},
                                                                       {"model.intermediate", m.intermediate},
@@ -340,7 +340,8 @@ void build_fp8(Builder& c, Recipe& r) {
                                                                       {"model.moe.intermediate", m.moe.enabled() ? m.moe.intermediate : multiple}})
     if (size % multiple != 0)
       c.error("precision.fp8", what + " gives a linear layer a size of " + std::to_string(size) + ", not a multiple of " + std::to_string(multiple) +
-                                   " as FP8 products need", "use precision.fp8 = \"none\" or sizes that are multiples of 16", {what});
+                                   (multiple == 128 ? " as blockwise FP8's blocks need" : " as FP8 products need"),
+              multiple == 128 ? "use precision.fp8 = \"rowwise\" or sizes that are multiples of 128" : "use precision.fp8 = \"none\" or sizes that are multiples of 16", {what});
 }
 
 void build_precision(Builder& c, Recipe& r) {
@@ -350,6 +351,7 @@ void build_precision(Builder& c, Recipe& r) {
   ls.window = c.i("precision.loss_scale.window");
   ls.hysteresis = static_cast<int>(c.i("precision.loss_scale.hysteresis"));
   ls.min_scale = c.f("precision.loss_scale.min_scale");
+  ls.overflow_retries = static_cast<int>(c.i("precision.loss_scale.overflow_retries"));
   const HardwareSpec& h = r.hardware;
   if (r.precision.dtype == DType::Bf16 && h.peak_flops_bf16 <= 0)
     c.error("precision.dtype", "hardware \"" + h.name + "\" does not support bf16 (hardware.peak_tflops_bf16 = 0)",

@@ -140,6 +140,7 @@ struct LossScaleOptions {
   int64_t window = 1000;
   int hysteresis = 2;
   double min_scale = 1;
+  int overflow_retries = 8;  // runs again on the same batch at half the scale before a skip
 };
 
 struct PrecisionOptions {

@@ -102,7 +102,8 @@ std::vector<KeySpec> build_schema() {
       ranged("hardware.link_bandwidth_gbs", T::Float, "5", 1e-3, 1e7, "Per-device, per-direction bandwidth of `link` in GB/s."),
       key("hardware.p2p", T::Bool, "true", "Whether GPUs reach each other directly. false: traffic bounces through host memory (consumer GPUs on PCIe)."),
       ranged("hardware.inter_node_bandwidth_gbs", T::Float, "0", 0, 1e7, "Per-node network bandwidth in GB/s; required when nodes > 1."),
-      ranged("hardware.host_link_bandwidth_gbs", T::Float, "25", 1e-3, 1e7, "Device-to-host bandwidth in GB/s (PCIe), used by offload."),
+      ranged("hardware.host_link_bandwidth_gbs", T::Float, "25", 1e-3, 1e7, "Host-to-device bandwidth in GB/s (PCIe, pinned memory), each way, per GPU while every GPU of the node copies at once, "
+             "as offload's traffic and checkpoint staging do; `dsrun probe` measures it so."),
       ranged("hardware.host_memory_bandwidth_gbs", T::Float, "50", 1e-3, 1e7, "Host memory bandwidth in GB/s; an offloaded optimizer step is bound by it."),
       ranged("hardware.host_optimizer_gbs", T::Float, "0", 0, 1e7,
              "The offloaded optimizer step's own throughput on a node, in GB/s of the bytes it reads and writes (24 + 2 bytes per parameter with bf16), "
@@ -224,13 +225,17 @@ std::vector<KeySpec> build_schema() {
              "Compute dtype. bf16/fp16 keep fp32 master weights and optimizer states; fp16 adds dynamic loss scaling."),
       choice("precision.fp8", "none", names_of<Fp8Scaling>(),
              "FP8 products for the blocks' linear layers (attention's projections, the dense MLPs, the shared experts), forward and both gradients "
-             "(E4M3 operands, E5M2 gradients, fp32 accumulation, bf16 outputs): one scale per tensor, per row (rowwise), or per 1x128 / 128x128 block. "
+             "(E4M3 operands, gradients E5M2 under one scale per tensor and E4M3 under finer ones, fp32 accumulation, bf16 outputs): one scale per tensor, "
+             "per row (rowwise), or per 1x128 block of activations and gradients and 128x128 block of weights (blockwise, DeepSeek-V3's; sizes in multiples of 128). "
              "The embedding, output projection, norms, router and routed experts stay in precision.dtype, which must be bf16; masters stay fp32. "
              "Needs GPUs with FP8 tensor cores (hardware.peak_tflops_fp8 > 0) and a PyTorch 2.x build."),
       ranged("precision.loss_scale.initial_power", T::Int, "16", 0, 64, "fp16: the loss scale starts at 2^this."),
       ranged("precision.loss_scale.window", T::Int, "1000", 1, 1e9, "fp16: steps without overflow before the scale doubles."),
       ranged("precision.loss_scale.hysteresis", T::Int, "2", 1, 1000, "fp16: overflows tolerated before the scale halves."),
       ranged("precision.loss_scale.min_scale", T::Float, "1", 1e-30, 1e30, "fp16: the scale never drops below this; reaching it is an error."),
+      ranged("precision.loss_scale.overflow_retries", T::Int, "8", 0, 64,
+             "fp16: a step whose gradients overflowed runs again on the same batch at half the scale, up to this many times, before it is skipped "
+             "(so warm-up's overflows cost compute, not updates); 0: skip at once, DeepSpeed's rule."),
 
       // ---- batch
       ranged("batch.global", T::Int, "8", 1, 1e12, "Sequences (or images) per optimizer step, over all ranks."),

@@ -358,7 +358,7 @@ void CheckpointSaver::save(RankTrainingState& s, const CheckpointRunFacts& facts
   nlohmann::json rank_state = {{"rank", rank_}, {"world_size", world_}, {"step", step}, {"optimizer_steps", s.optimizer.steps_taken()}, {"hook_state", hook_state}};
   if (s.scaler) {
     LossScalerState st = s.scaler->state();
-    rank_state["loss_scaler"] = {{"scale", st.scale}, {"hysteresis_left", st.hysteresis_left}, {"clean_steps", st.clean_steps}, {"skipped", st.skipped}};
+    rank_state["loss_scaler"] = {{"scale", st.scale}, {"hysteresis_left", st.hysteresis_left}, {"clean_steps", st.clean_steps}, {"skipped", st.skipped}, {"retried", st.retried}};
   }
   job->file.set_metadata("format", "dsrun-rank-state");
   job->file.set_metadata("dsrun.rank_state", rank_state.dump());
@@ -574,7 +574,9 @@ RestoredProgress restore_checkpoint(RankTrainingState& s, const std::string& dir
   }
   if (s.scaler && rank_state.contains("loss_scaler")) {
     const auto& j = rank_state["loss_scaler"];
-    s.scaler->restore({j.at("scale").get<double>(), j.at("hysteresis_left").get<int>(), j.at("clean_steps").get<int64_t>(), j.at("skipped").get<int64_t>()});
+    // ("retried": since 2026-11-27; earlier checkpoints had no retries)
+    s.scaler->restore({j.at("scale").get<double>(), j.at("hysteresis_left").get<int>(), j.at("clean_steps").get<int64_t>(), j.at("skipped").get<int64_t>(),
+                       j.value("retried", int64_t{0})});
   }
   s.zero.publish_master();
   torch::Tensor bytes = torch::tensor({static_cast<int64_t>(reader.bytes_read())}, torch::kInt64);

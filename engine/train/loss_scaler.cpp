@@ -9,7 +9,17 @@ namespace dsrun {
 DynamicLossScaler::DynamicLossScaler(const LossScaleOptions& options)
     : options_(options), scale_(std::ldexp(1.0, options.initial_power)), hysteresis_left_(options.hysteresis) {}
 
+bool DynamicLossScaler::retry_overflow() {
+  if (retries_this_step_ >= options_.overflow_retries || scale_ / 2 < options_.min_scale) return false;
+  ++retries_this_step_;
+  ++retried_;
+  clean_steps_ = 0;
+  scale_ /= 2;
+  return true;
+}
+
 bool DynamicLossScaler::update(bool overflowed) {
+  retries_this_step_ = 0;
   if (!overflowed) {
     if (++clean_steps_ % options_.window == 0) {
       scale_ *= 2;

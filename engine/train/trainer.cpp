@@ -625,7 +625,8 @@ class Trainer {
   // The reduced gradients: whether they overflowed (fp16), their global norm (on the device), and
   // whether their update is decided on the device and queued before the host reads anything.
   struct GradientState {
-    bool overflow = false;
+    bool overflow = false;  // fp16: the step is skipped
+    bool retry = false;     // fp16: overflowed; run the step again (DynamicLossScaler::retry_overflow)
     torch::Tensor norm;
     bool update_on_device = false;
   };
@@ -648,8 +649,13 @@ class Trainer {
   // agreed before the update, so that a hook can see them and skip the update.
   StepOutcome train_step(int64_t step, double lr) {
     const auto t0 = std::chrono::steady_clock::now();
-    const StepLosses losses = forward_backward(step);
-    const GradientState gradients = finish_gradients(losses.loss_scale);
+    StepLosses losses = forward_backward(step);
+    GradientState gradients = finish_gradients(losses.loss_scale);
+    while (gradients.retry) {  // fp16: overflowed; the same batch again at half the scale
+      zero_->after_step();     // the overflowed gradients dropped, as a skipped step drops them
+      losses = forward_backward(step);
+      gradients = finish_gradients(losses.loss_scale);
+    }
     const RankNumbers mine = read_step_numbers(losses, gradients, lr);
     const double backward_end_seconds = seconds_since(t0);  // the norm waited for the device
     const StepTotals totals = agree(losses, mine);
@@ -713,7 +719,12 @@ class Trainer {
     GradientState g;
     g.update_on_device = plan_.modes.update_on_device && !hooks_active_ && !scaler_;
     if (scaler_) {
-      g.overflow = scaler_->update(parallel_->gradients_overflowed());
+      const bool overflowed = parallel_->gradients_overflowed();  // every rank's answer alike
+      if (overflowed && scaler_->retry_overflow()) {
+        g.retry = true;
+        return g;
+      }
+      g.overflow = scaler_->update(overflowed);
       if (!g.overflow) zero_->masters().scale_gradients(1.0 / loss_scale);
     }
     g.norm = g.overflow ? torch::zeros({}, torch::kFloat64) : parallel_->global_grad_norm_tensor();
@@ -839,7 +850,10 @@ class Trainer {
     metrics["lr"] = d.lr;
     metrics["step_seconds"] = step_seconds;
     metrics["tokens_per_second"] = static_cast<double>(items) * plan_.layout.data / step_seconds;
-    if (scaler_) metrics["skipped_steps"] = static_cast<double>(scaler_->skipped_steps());
+    if (scaler_) {
+      metrics["skipped_steps"] = static_cast<double>(scaler_->skipped_steps());
+      metrics["overflow_retries"] = static_cast<double>(scaler_->retried_steps());
+    }
     if (hooks_active_) metrics["hook_skipped_steps"] = static_cast<double>(hook_skipped_steps_);
     Metrics reported = to_metrics(metrics);
     if (fault_requested(Fault::NanLossAt, ctx_.rank, step + 1))  // a test's diverged loss, as the launcher sees one
