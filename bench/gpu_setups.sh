@@ -12,7 +12,9 @@
 #           = false), each capped at 24 GiB (hardware.memory_gib; the rank caps its allocator to match),
 #           the three ranks' optimizer and parameters offloaded into the one host's memory:
 #           recipes/rtx4090x3_deepseek7b.toml, all 30 layers, CONSUMER_STEPS steps, planned under a probe
-#           of these three GPUs as NCCL reaches them without peer access.
+#           of these three GPUs as NCCL reaches them without peer access (its host copies timed with
+#           the three at once). CONSUMER_TRACE=1: a traced run too (steps 4-5, rank 0), summarised in
+#           $out/consumer_trace.txt, for where the step's time beyond the plan goes.
 #   fp16    the 8 x A100 setup's mode on 4 GPUs: the ~1B at ZeRO-2, fp16 with dynamic loss scaling beside
 #           bf16, FP16_STEPS steps on real text (the fortunes, tokenized here by `dsrun prepare` with
 #           Llama 2's tokenizer, build/npm carried), the same seed and data order. FP16_WINDOW: clean
@@ -93,7 +95,13 @@ for phase in "$@"; do
       CUDA_VISIBLE_DEVICES=0,1,2 build-gpu/dsrun run /tmp/consumer.toml "${consumer[@]}" > "$out/consumer.log" 2>&1
       echo "consumer 7B on 3 GPUs -> $? in $(( $(date +%s) - t0 )) s"
       grep -h "memory_cap\|allocator capped" "$out/consumer.log" | head -2
-      python3 "$(dirname "$0")/gpu_multi_summary.py" "$cdb" | tee "$out/summary-consumer.txt" ;;
+      python3 "$(dirname "$0")/gpu_multi_summary.py" "$cdb" | tee "$out/summary-consumer.txt"
+      if [ -n "${CONSUMER_TRACE:-}" ]; then
+        rm -rf /tmp/consumer_trace
+        CUDA_VISIBLE_DEVICES=0,1,2 DSRUN_PROFILE=/tmp/consumer_trace:4:5 build-gpu/dsrun run /tmp/consumer.toml "${consumer[@]}" --set run.name='"consumer-traced"' \
+          > "$out/consumer-traced.log" 2>&1
+        python3 "$(dirname "$0")/trace_summary.py" /tmp/consumer_trace/trace_rank0.json 30 > "$out/consumer_trace.txt" 2>&1; head -50 "$out/consumer_trace.txt"
+      fi ;;
     fp16)
       fdb=/tmp/fp16.db
       [ -f data/fortunes_llama2/manifest.json ] ||
