@@ -111,6 +111,24 @@ TEST_CASE("CUDA: blockwise FP8 operands: each 1 x 128 and 128 x 128 block scaled
   CHECK(torch::equal(w.qt.view(torch::kUInt8), w.q.t().contiguous().view(torch::kUInt8)));
 }
 
+TEST_CASE("CUDA: blockwise FP8 with the weight in 128 x 128 blocks (its sizes / 128 multiples of 4) tracks the bf16 layer too", "[engine][cuda][fp8]") {
+  if (!fp8_runs_here() || !compat::kHasBlockwiseScaledMm) return;
+  torch::manual_seed(8);
+  // [1024, 512]: 8 x 4 blocks, whose scales cuBLASLt reads unpadded both ways (the [384, 512] above
+  // took the 1 x 128 path: 3 blocks a row of the transpose's scales).
+  const torch::Tensor x0 = torch::randn({2, 128, 512}, torch::kCUDA).to(torch::kBFloat16);
+  const torch::Tensor w0 = (torch::randn({1024, 512}, torch::kCUDA) * 0.02).to(torch::kBFloat16);
+  const torch::Tensor g = torch::randn({2, 128, 1024}, torch::kCUDA).to(torch::kBFloat16);
+  torch::Tensor xr = x0.to(torch::kFloat32).requires_grad_(true), wr = w0.to(torch::kFloat32).requires_grad_(true);
+  torch::linear(xr, wr).backward(g.to(torch::kFloat32));
+  torch::Tensor x = x0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
+  torch::Tensor y = fp8_linear(x, w, Fp8Scaling::Blockwise);
+  y.backward(g);
+  CHECK(relative_error(y, torch::linear(x0.to(torch::kFloat32), w0.to(torch::kFloat32))) < 0.06);
+  CHECK(relative_error(x.grad(), xr.grad()) < 0.09);
+  CHECK(relative_error(w.grad(), wr.grad()) < 0.09);
+}
+
 TEST_CASE("blockwise FP8 refuses a layer not in whole blocks of 128, naming precision.fp8 (no padding)", "[engine][fp8]") {
   // Runs on every build: the sizes are checked before any FP8 product.
   const torch::Tensor w = torch::zeros({256, 128}, torch::kBFloat16);

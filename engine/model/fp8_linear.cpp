@@ -106,6 +106,13 @@ Tensor as_b_scale(const Tensor& inv, Fp8Scaling scaling) {
   return inv;
 }
 
+// Blockwise: the weight [n, k] in 128 x 128 blocks where cuBLASLt reads their scales as laid out.
+// It takes no leading dimension for them and reads rows padded to 16 bytes (PyTorch's tests pad
+// them; its _scaled_mm accepts no padding), so both n / 128 and k / 128 must be multiples of 4
+// (forward reads the weight's scales, the input gradient its transpose's). Otherwise the weight is
+// quantised like the activations, 1 x 128 along each product's summed dimension (two passes).
+bool square_weight_blocks(Fp8Scaling scaling, int64_t n, int64_t k) { return scaling == Fp8Scaling::Blockwise && (n / 128) % 4 == 0 && (k / 128) % 4 == 0; }
+
 struct Fp8LinearFunction : torch::autograd::Function<Fp8LinearFunction> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, int64_t scaling_index) {
     const auto scaling = static_cast<Fp8Scaling>(scaling_index);
@@ -114,7 +121,7 @@ struct Fp8LinearFunction : torch::autograd::Function<Fp8LinearFunction> {
     const Fp8Operand xq = quantize_fp8(x2, scaling, false, true, weight.requires_grad());
     // The weight's transpose too, in the same pass: backward's input gradient takes it (one byte a
     // parameter kept until then, against a second pass over the weight).
-    const Fp8Operand wq = scaling == Fp8Scaling::Blockwise ? quantize_fp8_weight_blocks(weight.contiguous()) : quantize_fp8(weight.contiguous(), scaling, false, true, true);
+    const Fp8Operand wq = square_weight_blocks(scaling, n, k) ? quantize_fp8_weight_blocks(weight.contiguous()) : quantize_fp8(weight.contiguous(), scaling, false, true, true);
     const Tensor y = compat::scaled_mm(xq.q, wq.q.t(), xq.inv_q, as_b_scale(wq.inv_q, scaling));
     ctx->save_for_backward({xq.qt, xq.inv_t, wq.qt, wq.inv_t});
     ctx->saved_data["scaling"] = scaling_index;

@@ -12,7 +12,8 @@ namespace dsrun {
 // the output's gradient as E5M2 (tensorwise) or E4M3 (rowwise, blockwise), each scaled from its own
 // maximum now (per tensor; per row for the product's rows and per column for the transposed
 // operands backward reads; blockwise, DeepSeek-V3's: per 128 elements of a row for activations and
-// gradients, along the summed dimension of each product, and per 128 x 128 block for the weight);
+// gradients, along the summed dimension of each product, and per 128 x 128 block for the weight
+// where its sizes / 128 are multiples of 4, as cuBLASLt reads those scales; per 1 x 128 otherwise);
 // fp32 accumulation. Forward keeps x's and the weight's transposed FP8 copies (a byte an element)
 // for backward. K, N and the rows of x (its elements / K) must be multiples of 16 (blockwise: 128,
 // refused otherwise, naming precision.fp8). scaling None: torch::linear.
