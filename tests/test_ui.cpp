@@ -65,7 +65,11 @@ TEST_CASE("dsrun ui's /metrics writes each sample exactly: a running run's loss 
   store.add_metrics(id, 17, {{"loss", loss}, {"mfu", mfu}, {"memory/rank0/peak_allocated_bytes", peak}});
   const int port = 30000 + static_cast<int>(std::random_device{}() % 10000);
   REQUIRE(start_ui(dir, dir.file("runs.db"), port, "ui"));
-  const std::string text = run_command("curl -s http://127.0.0.1:" + std::to_string(port) + "/metrics").text;
+  std::string text;
+  for (int i = 0; i < 40 && !contains(text, "dsrun_run_running"); ++i) {  // (a loaded machine may take a while to listen)
+    if (i > 0) std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    text = run_command("curl -s http://127.0.0.1:" + std::to_string(port) + "/metrics").text;
+  }
   std::system(("kill $(cat '" + dir.file("ui.pid") + "') 2>/dev/null").c_str());
   INFO(text);
   auto sample = [&](const std::string& name) {
