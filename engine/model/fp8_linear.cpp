@@ -21,27 +21,29 @@ constexpr double kAmaxFloor = 1e-12;  // the kernels' floor too: an all-zero row
 
 double fp8_max(bool e5m2) { return e5m2 ? 57344.0 : 448.0; }
 
+// fp32 values scaled by max / amax (amax broadcast against them, floored), saturated and rounded to
+// FP8, with the inverse scale amax / max the product multiplies back by. Every scaling's expressions.
+std::pair<Tensor, Tensor> quantize(const Tensor& values, const Tensor& amax, bool e5m2) {
+  const double top = fp8_max(e5m2);
+  const Tensor a = amax.clamp_min(kAmaxFloor);
+  return {(values * (top / a)).clamp(-top, top).to(compat::fp8_dtype(e5m2)), a / top};
+}
+
 // The expressions the kernels compute: scale = max / amax in fp32, x · scale saturated and rounded.
 Fp8Operand quantize_reference(const Tensor& x, Fp8Scaling scaling, bool e5m2, bool want_q, bool want_qt) {
-  const double top = fp8_max(e5m2);
   const Tensor xf = x.to(torch::kFloat32);
-  const torch::ScalarType kind = compat::fp8_dtype(e5m2);
-  auto quantize = [&](const Tensor& values, const Tensor& amax) {
-    const Tensor a = amax.clamp_min(kAmaxFloor);
-    return std::make_pair((values * (top / a)).clamp(-top, top).to(kind), a / top);
-  };
   Fp8Operand o;
   if (scaling == Fp8Scaling::Rowwise) {
-    if (want_q) std::tie(o.q, o.inv_q) = quantize(xf, xf.abs().amax(1, true));
+    if (want_q) std::tie(o.q, o.inv_q) = quantize(xf, xf.abs().amax(1, true), e5m2);
     if (want_qt) {
       const Tensor t = xf.t().contiguous();
-      std::tie(o.qt, o.inv_t) = quantize(t, t.abs().amax(1, true));
+      std::tie(o.qt, o.inv_t) = quantize(t, t.abs().amax(1, true), e5m2);
     }
   } else {
     const Tensor amax = xf.abs().amax();
     Tensor inv;
-    if (want_q) std::tie(o.q, inv) = quantize(xf, amax);
-    if (want_qt) std::tie(o.qt, inv) = quantize(xf.t().contiguous(), amax);
+    if (want_q) std::tie(o.q, inv) = quantize(xf, amax, e5m2);
+    if (want_qt) std::tie(o.qt, inv) = quantize(xf.t().contiguous(), amax, e5m2);
     o.inv_q = o.inv_t = inv.reshape({});
   }
   return o;
@@ -50,12 +52,10 @@ Fp8Operand quantize_reference(const Tensor& x, Fp8Scaling scaling, bool e5m2, bo
 // Blockwise 1 x 128: each row's blocks of 128 columns scaled apart (x [rows, cols] fp32); the
 // scales [rows, cols / 128] column-major, the layout torch's scaled product asks of them.
 std::pair<Tensor, Tensor> quantize_row_blocks(const Tensor& xf, bool e5m2) {
-  const double top = fp8_max(e5m2);
   const int64_t rows = xf.size(0), cols = xf.size(1);
   const Tensor blocks = xf.view({rows, cols / 128, 128});
-  const Tensor amax = blocks.abs().amax(2, true).clamp_min(kAmaxFloor);
-  const Tensor q = (blocks * (top / amax)).clamp(-top, top).to(compat::fp8_dtype(e5m2)).view({rows, cols});
-  return {q, (amax / top).view({rows, cols / 128}).t().contiguous().t()};
+  const auto [q, inv] = quantize(blocks, blocks.abs().amax(2, true), e5m2);
+  return {q.view({rows, cols}), inv.view({rows, cols / 128}).t().contiguous().t()};
 }
 
 Fp8Operand quantize_blockwise(const Tensor& x, bool e5m2, bool want_q, bool want_qt) {
@@ -170,14 +170,13 @@ Fp8Operand quantize_fp8(const Tensor& x, Fp8Scaling scaling, bool e5m2, bool wan
 
 Fp8Operand quantize_fp8_weight_blocks(const Tensor& weight) {
   DSRUN_ASSERT(weight.dim() == 2 && weight.size(0) % 128 == 0 && weight.size(1) % 128 == 0, "a weight in whole 128 x 128 blocks (fp8_linear checks)");
-  const double top = fp8_max(false);
   const int64_t rows = weight.size(0), cols = weight.size(1);
   const Tensor blocks = weight.to(torch::kFloat32).view({rows / 128, 128, cols / 128, 128});
-  const Tensor amax = blocks.abs().amax({1, 3}, true).clamp_min(kAmaxFloor);
+  const auto [q, inv] = quantize(blocks, blocks.abs().amax({1, 3}, true), false);
   Fp8Operand o;
-  o.q = (blocks * (top / amax)).clamp(-top, top).to(compat::fp8_dtype(false)).view({rows, cols});
+  o.q = q.view({rows, cols});
   o.qt = o.q.t().contiguous();
-  o.inv_q = (amax / top).view({rows / 128, cols / 128});
+  o.inv_q = inv.view({rows / 128, cols / 128});
   o.inv_t = o.inv_q.t().contiguous();
   return o;
 }
