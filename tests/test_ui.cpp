@@ -46,10 +46,17 @@ bool start_quickstart(const dsrun::test::TempDir& dir, const std::string& db) {
   return latest_step(db) >= 3;
 }
 bool start_ui(const dsrun::test::TempDir& dir, const std::string& db, int port, const std::string& name, const std::string& args = "") {
-  const bool started = std::system(("('" + dsrun_binary() + "' ui " + args + " --port " + std::to_string(port) + " --db '" + db + "' > '" + dir.file(name + ".log") +
-                                    "' 2>&1 & echo $! > '" + dir.file(name + ".pid") + "')").c_str()) == 0;
-  std::this_thread::sleep_for(std::chrono::milliseconds(800));
-  return started;
+  if (std::system(("('" + dsrun_binary() + "' ui " + args + " --port " + std::to_string(port) + " --db '" + db + "' > '" + dir.file(name + ".log") +
+                   "' 2>&1 & echo $! > '" + dir.file(name + ".pid") + "')").c_str()) != 0)
+    return false;
+  // Until it answers at all (401 with a token is an answer), up to 15 s: a loaded machine (CI's two
+  // cores under -j 2) took more than the 800 ms once slept here.
+  const std::string probe = "curl -s -o /dev/null -w '%{http_code}' http://127.0.0.1:" + std::to_string(port) + "/";
+  for (int i = 0; i < 60; ++i) {
+    if (run_command(probe).text != "000") return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+  }
+  return false;
 }
 }  // namespace
 
@@ -65,11 +72,7 @@ TEST_CASE("dsrun ui's /metrics writes each sample exactly: a running run's loss 
   store.add_metrics(id, 17, {{"loss", loss}, {"mfu", mfu}, {"memory/rank0/peak_allocated_bytes", peak}});
   const int port = 30000 + static_cast<int>(std::random_device{}() % 10000);
   REQUIRE(start_ui(dir, dir.file("runs.db"), port, "ui"));
-  std::string text;
-  for (int i = 0; i < 40 && !contains(text, "dsrun_run_running"); ++i) {  // (a loaded machine may take a while to listen)
-    if (i > 0) std::this_thread::sleep_for(std::chrono::milliseconds(250));
-    text = run_command("curl -s http://127.0.0.1:" + std::to_string(port) + "/metrics").text;
-  }
+  const std::string text = run_command("curl -s http://127.0.0.1:" + std::to_string(port) + "/metrics").text;
   std::system(("kill $(cat '" + dir.file("ui.pid") + "') 2>/dev/null").c_str());
   INFO(text);
   auto sample = [&](const std::string& name) {
