@@ -14,7 +14,8 @@
 #     moe      recipes/gpu/deepseek_moe_h100.toml under expert 1, 2 and every GPU (data parallel too);
 #              (MOE_EP: the expert degrees, default "1 2 GPUS"), and expert over every GPU with the shared
 #              experts before the exchange; MOE_TRACE=1 traces expert over every GPU too ($out/moe_trace.txt)
-#     one-micro  pipelines with one micro-batch a step (pipeline 2 x data 2, pipeline 4), bounded: they run
+#     one-micro  pipelines with one micro-batch a step (pipeline 2 x data 2, pipeline 4; on 2 GPUs pipeline 2),
+#              bounded: they run
 #     ckpt     synchronous and asynchronous saves of the ~1B on every GPU (CKPT_EVERY, CKPT_STEPS)
 #     faults   SIGKILL of rank 2 mid-run (restart, resume), SIGSTOP of rank 1 (named), too many GPUs
 #   Env: STEPS (default 12 for the 1B, 8 for the 7B shape), GPU_TESTS (ctest regex after the build),
@@ -133,7 +134,9 @@ for phase in "$@"; do
       # Pipelines with one micro-batch a step (fewer than stages), which stopped NCCL's set-up with
       # "Message truncated" (pipeline 2 x data 2) or hung (pipeline 4) until the stages opened their
       # connections both ways at start: this phase checks that they run (the ~1B, 3 steps each, bounded).
-      for shape in "pp2-dp2:2:2:8:16" "pp4:4:1:16:16"; do
+      # NAME:PIPELINE:DATA:MICRO:GLOBAL; on 2 GPUs pipeline 2 alone.
+      shapes="pp2-dp2:2:2:8:16 pp4:4:1:16:16"; [ "$gpus" -lt 4 ] && shapes="pp2:2:1:8:8"
+      for shape in $shapes; do
         IFS=: read -r name pp dp micro global <<< "$shape"
         t0=$(date +%s)
         timeout 120 env NCCL_DEBUG=WARN build-gpu/dsrun run $one_b "${common[@]}" --set run.steps=3 --set schedule.warmup_steps=1 \
