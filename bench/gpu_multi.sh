@@ -139,7 +139,7 @@ for phase in "$@"; do
       for shape in $shapes; do
         IFS=: read -r name pp dp micro global <<< "$shape"
         t0=$(date +%s)
-        timeout 120 env NCCL_DEBUG=WARN build-gpu/dsrun run $one_b "${common[@]}" --set run.steps=3 --set schedule.warmup_steps=1 \
+        timeout 120 env NCCL_DEBUG=WARN build-gpu/dsrun run "$(with_probed $one_b)" "${common[@]}" --set run.steps=3 --set schedule.warmup_steps=1 \
           --set hardware.devices_per_node=$gpus --set parallel.pipeline=$pp --set parallel.data_parallel=$dp --set parallel.tensor=1 \
           --set batch.micro=$micro --set batch.global=$global --set run.name=\"one-micro-$name\" > "$out/one-micro-$name.log" 2>&1
         echo "one micro-batch a step, $name -> $? in $(( $(date +%s) - t0 )) s"

@@ -53,6 +53,36 @@ TEST_CASE("CUDA: the FP8 quantisation kernels equal their reference expressions,
       }
 }
 
+TEST_CASE("CUDA: the blockwise FP8 kernel equals its reference expressions: 1 x 128 blocks both ways, a weight's 128 x 128, scales' layouts", "[engine][cuda][fp8]") {
+  if (!fp8_runs_here()) return;
+  torch::manual_seed(8);
+  // One tile, tiles of uneven shape, a layer's size; rows and blocks of very different magnitudes.
+  for (auto [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{128, 128}, {256, 384}, {1024, 2048}}) {
+    const torch::Tensor x = (torch::randn({rows, cols}, torch::kCUDA) * torch::rand({rows, 1}, torch::kCUDA) * torch::rand({1, cols}, torch::kCUDA) * 30)
+                                .to(torch::kBFloat16);
+    for (bool e5m2 : {false, true}) {
+      INFO(rows << " x " << cols << (e5m2 ? ", E5M2" : ", E4M3"));
+      const Fp8Operand k = quantize_fp8(x, Fp8Scaling::Blockwise, e5m2, true, true);
+      const Fp8Operand r = quantize_fp8(x, Fp8Scaling::Blockwise, e5m2, true, true, /*reference=*/true);
+      CHECK(torch::equal(k.q.view(torch::kUInt8), r.q.view(torch::kUInt8)));
+      CHECK(torch::equal(k.qt.view(torch::kUInt8), r.qt.view(torch::kUInt8)));
+      CHECK(k.inv_q.strides() == r.inv_q.strides());
+      CHECK(k.inv_t.strides() == r.inv_t.strides());
+      CHECK(torch::allclose(k.inv_q, r.inv_q, 1e-6, 0));
+      CHECK(torch::allclose(k.inv_t, r.inv_t, 1e-6, 0));
+    }
+    INFO(rows << " x " << cols << ", 128 x 128");
+    const Fp8Operand k = quantize_fp8_weight_blocks(x);
+    const Fp8Operand r = quantize_fp8_weight_blocks(x, /*reference=*/true);
+    CHECK(torch::equal(k.q.view(torch::kUInt8), r.q.view(torch::kUInt8)));
+    CHECK(torch::equal(k.qt.view(torch::kUInt8), r.qt.view(torch::kUInt8)));
+    CHECK(k.inv_q.is_contiguous());
+    CHECK(k.inv_t.is_contiguous());
+    CHECK(torch::allclose(k.inv_q, r.inv_q, 1e-6, 0));
+    CHECK(torch::allclose(k.inv_t, r.inv_t, 1e-6, 0));
+  }
+}
+
 TEST_CASE("CUDA: an FP8 linear layer's output and both gradients track the bf16 layer's within FP8's error", "[engine][cuda][fp8]") {
   if (!fp8_runs_here()) return;
   torch::manual_seed(6);

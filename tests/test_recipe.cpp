@@ -457,7 +457,7 @@ TEST_CASE("a pipeline with fewer micro-batches a step than stages is planned, on
   CHECK(one.fits);
   CHECK(one.pipeline_problem.empty());
   CHECK(contains(note(one), "each stage idles 50% of the step"));
-  CHECK(contains(note(one), "not yet run on GPUs"));
+  CHECK(contains(note(one), "the layouts that failed (pipeline 2 x data 2, pipeline 4) not yet"));
   CHECK(note(two).empty());
   CHECK(two.pipeline_problem.empty());
   CHECK(cpu.pipeline_problem.empty());

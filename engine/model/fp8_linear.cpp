@@ -95,6 +95,31 @@ Fp8Operand quantize_kernels(const Tensor& x, Fp8Scaling scaling, bool e5m2, bool
   DSRUN_CHECK_LAUNCH();
   return o;
 }
+
+// Blockwise in one kernel: 1 x 128 blocks both ways (square = false), or 128 x 128 (a weight's).
+Fp8Operand quantize_blocks_kernel(const Tensor& x, bool square, bool e5m2, bool want_q, bool want_qt) {
+  const int64_t rows = x.size(0), cols = x.size(1);
+  const auto f32 = x.options().dtype(torch::kFloat32), fp8 = x.options().dtype(compat::fp8_dtype(e5m2));
+  Fp8Operand o;
+  if (want_q) {
+    o.q = torch::empty({rows, cols}, fp8);
+    o.inv_q = square ? torch::empty({rows / 128, cols / 128}, f32) : torch::empty({cols / 128, rows}, f32).t();
+  }
+  if (want_qt) {
+    o.qt = torch::empty({cols, rows}, fp8);
+    o.inv_t = square ? torch::empty({cols / 128, rows / 128}, f32) : torch::empty({rows / 128, cols}, f32).t();
+  }
+  auto ptr = [](const Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; };
+  dsrun_fp8_quantize_blocks(x.data_ptr(), rows, cols, e5m2 ? 1 : 0, square ? 1 : 0, ptr(o.q), ptr(o.qt), static_cast<float*>(ptr(o.inv_q)),
+                            static_cast<float*>(ptr(o.inv_t)), at::cuda::getCurrentCUDAStream(x.device().index()).stream());
+  DSRUN_CHECK_LAUNCH();
+  return o;
+}
+
+// Where the kernels take x as it is: a CUDA bf16 matrix read 16 bytes at a time (and written 8).
+bool kernels_take(const Tensor& x, int64_t multiple) {
+  return x.is_cuda() && x.size(0) % multiple == 0 && x.size(1) % multiple == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
+}
 #endif
 
 // A product's scales as _scaled_mm takes them for its second operand b [K, N] (column-major, the
@@ -158,18 +183,23 @@ Fp8Operand quantize_fp8(const Tensor& x, Fp8Scaling scaling, bool e5m2, bool wan
   DSRUN_ASSERT(scaling != Fp8Scaling::None, "an FP8 scaling");
   if (scaling == Fp8Scaling::Blockwise) {
     DSRUN_ASSERT((!want_q || x.size(1) % 128 == 0) && (!want_qt || x.size(0) % 128 == 0), "blocks of 128 along the summed dimension (fp8_linear checks)");
+#ifdef DSRUN_WITH_FUSED_KERNELS
+    if (!reference && kernels_take(x, 128)) return quantize_blocks_kernel(x, /*square=*/false, e5m2, want_q, want_qt);
+#endif
     return quantize_blockwise(x, e5m2, want_q, want_qt);
   }
 #ifdef DSRUN_WITH_FUSED_KERNELS
-  // (the kernels read 16 bytes and write 8 at a time)
-  if (!reference && x.is_cuda() && x.size(1) % 8 == 0 && x.size(0) % 8 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0)
-    return quantize_kernels(x, scaling, e5m2, want_q, want_qt);
+  if (!reference && kernels_take(x, 8)) return quantize_kernels(x, scaling, e5m2, want_q, want_qt);
 #endif
   return quantize_reference(x, scaling, e5m2, want_q, want_qt);
 }
 
-Fp8Operand quantize_fp8_weight_blocks(const Tensor& weight) {
+Fp8Operand quantize_fp8_weight_blocks(const Tensor& weight, bool reference) {
   DSRUN_ASSERT(weight.dim() == 2 && weight.size(0) % 128 == 0 && weight.size(1) % 128 == 0, "a weight in whole 128 x 128 blocks (fp8_linear checks)");
+  DSRUN_ASSERT(weight.scalar_type() == torch::kBFloat16 && weight.is_contiguous(), "FP8 operands come from a contiguous bf16 matrix");
+#ifdef DSRUN_WITH_FUSED_KERNELS
+  if (!reference && kernels_take(weight, 128)) return quantize_blocks_kernel(weight, /*square=*/true, false, true, true);
+#endif
   const int64_t rows = weight.size(0), cols = weight.size(1);
   const Tensor blocks = weight.to(torch::kFloat32).view({rows / 128, 128, cols / 128, 128});
   const auto [q, inv] = quantize(blocks, blocks.abs().amax({1, 3}, true), false);

@@ -29,12 +29,13 @@ struct Fp8Operand {
   torch::Tensor q, qt, inv_q, inv_t;
 };
 
-// x [rows, cols] bf16 (contiguous) quantised: on CUDA builds two kernels (the maxima, then q and qt
-// in one pass: engine/model/kernels/fp8_quantize.cu); elsewhere, with reference = true, and
-// blockwise (no kernel yet), the libtorch expressions they compute.
+// x [rows, cols] bf16 (contiguous) quantised: on CUDA builds by engine/model/kernels/fp8_quantize.cu
+// (tensorwise and rowwise: the maxima, then q and qt in one pass; blockwise: one pass); elsewhere,
+// and with reference = true, the libtorch expressions the kernels compute.
 Fp8Operand quantize_fp8(const torch::Tensor& x, Fp8Scaling scaling, bool e5m2, bool want_q, bool want_qt, bool reference = false);
-// A weight [rows, cols] (multiples of 128) as E4M3 in 128 x 128 blocks, q and qt both: the blocks of
-// the transpose are the same blocks, so one quantisation serves forward and backward.
-Fp8Operand quantize_fp8_weight_blocks(const torch::Tensor& weight);
+// A weight [rows, cols] (bf16, contiguous, multiples of 128) as E4M3 in 128 x 128 blocks, q and qt
+// both: the blocks of the transpose are the same blocks, so one quantisation serves forward and
+// backward. reference as above.
+Fp8Operand quantize_fp8_weight_blocks(const torch::Tensor& weight, bool reference = false);
 
 }  // namespace dsrun

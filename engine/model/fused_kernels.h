@@ -80,6 +80,12 @@ void dsrun_row_logsumexp(const float* z, float* lse, int64_t rows, int64_t cols,
 void dsrun_fp8_amax(const void* x, int64_t rows, int64_t cols, float* row_amax, float* col_amax, float* tensor_amax, cudaStream_t stream);
 void dsrun_fp8_quantize(const void* x, int64_t rows, int64_t cols, int kind, int rowwise, const float* amax_q, const float* amax_t, void* q,
                         void* qt, float* inv_q, float* inv_t, cudaStream_t stream);
+// Blockwise, in one pass (rows and cols multiples of 128): square = 0: q's scales per 1 x 128 block of
+// a row to inv_q [rows, cols / 128] column-major, qt's per 128 rows of a column to inv_t [cols, rows /
+// 128] column-major; square = 1: one scale per 128 x 128 block for both, inv_q [rows / 128, cols /
+// 128] row-major and inv_t its transpose. q, qt, inv_q and inv_t may be null when not wanted (in pairs).
+void dsrun_fp8_quantize_blocks(const void* x, int64_t rows, int64_t cols, int kind, int square, void* q, void* qt, float* inv_q, float* inv_t,
+                               cudaStream_t stream);
 
 // A MoE layer's combine: out[t] = Σ_i w[t·k + i] · src[place[t·k + i]] for t < tokens, i < k,
 // accumulated in fp32 (place < 0: a dropped pair, skipped; w null: weights of 1). src [any, cols],

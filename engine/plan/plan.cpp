@@ -204,7 +204,8 @@ void Planner::add_notes(Plan& p) {
     p.notes.push_back("fewer micro-batches a step (" + std::to_string(p.accumulation) + ") than pipeline stages (" + std::to_string(degrees_.pipeline) + "): each stage idles " +
                       format_double(100 * p.bubble_fraction, 3) + "% of the step (a batch.micro giving at least " + std::to_string(degrees_.pipeline) + " micro-batches shrinks it)" +
                       (hw.device == Device::Cuda ? "; on GPUs such a step stopped NCCL's connection set-up until the stages opened their connections both ways at start "
-                                                   "(2026-11-27), not yet run on GPUs since (docs/benchmarks.md)"
+                                                   "(2026-11-27); since, pipeline 2 alone has run so on 2 H200s, the layouts that failed (pipeline 2 x data 2, pipeline 4) not yet "
+                                                   "(docs/benchmarks.md)"
                                                  : ""));
   if (hw.ranks_share_memory())
     p.notes.push_back("CPU ranks share the node's " + format_bytes(hw.memory_bytes) + "; each rank's share is " + format_bytes(capacity_));
