@@ -676,4 +676,13 @@ TEST_CASE("precision.fp8 prices the blocks' linear layers at the FP8 peak and th
   // Each token's operands: 6 bytes of traffic per element on each side (6·h + 2·kv + 3·f per layer), the weights' per micro-batch.
   const double widths = 6 * h + 2 * h + 3 * f, params = 4 * h * h + 3 * h * f;
   CHECK(fp8.fp8_quantization_seconds == Approx((tokens * 6 * widths * layers + 6 * params * layers) / 2900e9).epsilon(1e-3));
+  // Each scaling's products at its own rate beside tensorwise's (rowwise 0.95, blockwise 0.78,
+  // measured on an H200); blockwise reads each operand once (4 bytes an element, not 6).
+  const Plan rowwise = plan_of(recipe, {"precision.fp8=\"rowwise\""}), blockwise = plan_of(recipe, {"precision.fp8=\"blockwise\""});
+  const double at_tensorwise = fp8_flops / (1978.9e12 * 0.55);
+  CHECK(rowwise.compute_seconds - fp8.compute_seconds == Approx(at_tensorwise / 0.95 - at_tensorwise).epsilon(1e-3));
+  CHECK(blockwise.compute_seconds - fp8.compute_seconds == Approx(at_tensorwise / 0.78 - at_tensorwise).epsilon(1e-3));
+  CHECK(rowwise.fp8_quantization_seconds == Approx(fp8.fp8_quantization_seconds));
+  CHECK(blockwise.fp8_quantization_seconds == Approx(fp8.fp8_quantization_seconds * 4 / 6));
+  CHECK(blockwise.step_seconds < bf16.step_seconds);
 }

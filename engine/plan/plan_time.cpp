@@ -197,6 +197,19 @@ double Planner::peak_flops() const {
   return hw.peak_flops_fp32;
 }
 
+// Each FP8 scaling's products at a rate beside tensorwise's (the probe's figure), on one H200 with
+// PyTorch 2.11: rowwise products alone ran at 0.95 of tensorwise's (bench/fp8_probe_gpu.py, 1184-1338
+// against 1230-1424 TFLOP/s); blockwise at 0.85 alone and 0.78 in training, where most weights take
+// the 1 x 128 path (square_weight_blocks): the rate that puts the ~1B at seq 2048 and 8192 and the 7B's
+// layers within 10% of their measured steps (docs/benchmarks.md, 2026-11-27; set from those rows).
+static double fp8_product_rate(Fp8Scaling scaling) {
+  switch (scaling) {
+    case Fp8Scaling::Rowwise: return 0.95;
+    case Fp8Scaling::Blockwise: return 0.78;
+    default: return 1.0;
+  }
+}
+
 double Planner::compute_seconds(Plan& p) const {
   double per_sample = cost_.model_flops_per_sample + (p.layout.recomputation ? cost_.recompute_flops_per_sample : 0);
   p.hardware_flops_per_step = per_sample * static_cast<double>(r_.batch.global);
@@ -218,8 +231,10 @@ double Planner::compute_seconds(Plan& p) const {
   const bool apart = gpu && r_.hardware.attention_efficiency > 0;
   const double attention_efficiency = apart ? r_.hardware.attention_efficiency : r_.hardware.matmul_efficiency;
   const double attention_share = (p.modes.variable_length_attention ? attention_fraction_ : 1.0) * (apart ? 0.5 : 1.0);
-  // precision.fp8: the blocks' linear layers at the FP8 peak and their own measured efficiency.
+  // precision.fp8: the blocks' linear layers at the FP8 peak and their own measured efficiency
+  // (the probe's, of tensorwise products), at the recipe's scaling's rate beside tensorwise's.
   const bool fp8 = r_.precision.fp8 != Fp8Scaling::None;
+  const double fp8_efficiency = r_.hardware.fp8_matmul_efficiency * fp8_product_rate(r_.precision.fp8);
   double busiest = 0;
   for (const StageCost& st : stages_) {
     const double attention = per_flop * st.attention_flops_per_sample;
@@ -227,7 +242,7 @@ double Planner::compute_seconds(Plan& p) const {
     const double dense = per_flop * (st.flops_per_sample - st.routed_flops_per_sample) - attention - in_fp8, routed = per_flop * imbalance_ * st.routed_flops_per_sample;
     busiest = std::max(busiest, dense / (p.peak_flops * r_.hardware.matmul_efficiency) + routed / (p.peak_flops * grouped_efficiency) +
                                     attention * attention_share / (p.peak_flops * attention_efficiency) +
-                                    (fp8 ? in_fp8 / (r_.hardware.peak_flops_fp8 * r_.hardware.fp8_matmul_efficiency) : 0));
+                                    (fp8 ? in_fp8 / (r_.hardware.peak_flops_fp8 * fp8_efficiency) : 0));
   }
   return busiest / (1 - bubble_fraction(p.accumulation));
 }
@@ -279,11 +294,13 @@ double Planner::elementwise_seconds(const Plan& p) const {
 }
 
 // precision.fp8's operands, memory-bound: each linear layer's input, output gradient and weight
-// (once a micro-batch) read twice (the maximum, then the scaling) and written as two FP8 copies (its
-// layout and its transpose): 2·e + 2 bytes an element.
+// (once a micro-batch) read twice (the maximum, then the scaling; blockwise once, its kernel keeping
+// a 128 x 128 tile) and written as two FP8 copies (its layout and its transpose): 2·e + 2 bytes an
+// element (blockwise e + 2).
 double Planner::fp8_quantization_seconds(const Plan& p) const {
   if (r_.precision.fp8 == Fp8Scaling::None) return 0;
   const double e = bytes_per_element(r_.precision.dtype);
+  const double per_element = r_.precision.fp8 == Fp8Scaling::Blockwise ? e + 2 : 2 * e + 2;
   const double tokens = static_cast<double>(r_.batch.global) * static_cast<double>(r_.batch.seq_len) / degrees_.data;
   double widths = 0, params = 0;
   for (const StageCost& st : stages_) {
@@ -291,8 +308,8 @@ double Planner::fp8_quantization_seconds(const Plan& p) const {
     params = std::max(params, st.fp8_params);
   }
   const double recompute = p.layout.recomputation ? 1.5 : 1.0;  // the forward's inputs again when recomputed
-  const double activations = tokens * recompute * (2 * e + 2) * widths / degrees_.tensor;
-  const double weights = static_cast<double>(p.accumulation) * (2 * e + 2) * params / degrees_.tensor;
+  const double activations = tokens * recompute * per_element * widths / degrees_.tensor;
+  const double weights = static_cast<double>(p.accumulation) * per_element * params / degrees_.tensor;
   return (activations + weights) / r_.hardware.memory_bandwidth;
 }
 
