@@ -55,25 +55,67 @@ TEST_CASE("all-to-all with uneven rows: each rank receives what every rank had f
   }));
 }
 
-TEST_CASE("expert parallelism's started exchange keeps its gradient when the wire format differs: bf16 rows over Gloo", "[engine][comm][expert]") {
+TEST_CASE("expert parallelism's started exchange keeps its gradient when the wire format differs: bf16 rows over Gloo, pairs' rows or tokens once per rank", "[engine][comm][expert]") {
   // Gloo carries bf16 as fp32, so finishing the dispatch copies into the exchange's result, and the
   // wait runs where autograd records; the rows' gradient must still come back through it.
+  for (bool once : {false, true}) {
+    INFO((once ? "tokens once per rank" : "every pair's row"));
+    CHECK(in_mesh({1, 2, 1, 2}, [once](DeviceMesh& mesh) {
+      ExpertParallel experts(mesh.experts(ExpertGroup::Shards), ExpertExchange{true, once});
+      const int rank = mesh.rank();
+      // 2 experts a rank, 4 in all: this rank's 6 pairs go 1, 2, 0, 3 to experts 0-3, each its own token.
+      const torch::Tensor counts = torch::tensor({int64_t{1}, int64_t{2}, int64_t{0}, int64_t{3}});
+      torch::Tensor rows = (torch::arange(12, torch::kFloat32).reshape({6, 2}) + 100 * rank).to(torch::kBFloat16).requires_grad_(true);
+      const RoutedPairs pairs{rows, torch::arange(6, torch::kInt64), 1, [&] { return rows * 1; }};
+      bool ran_meanwhile = false;
+      // Expert e multiplies its rows by e + 1 (the counts say which rows are whose).
+      const torch::Tensor out = experts.run(pairs, counts, [&](const torch::Tensor& r, const torch::Tensor& c) {
+        const torch::Tensor factor = torch::repeat_interleave(torch::arange(1, c.numel() + 1, torch::kFloat32) + 2 * mesh.experts(ExpertGroup::Shards).rank(), c);
+        return r * factor.unsqueeze(1).to(r.scalar_type());
+      }, [&] { ran_meanwhile = true; });
+      out.sum().backward();
+      const torch::Tensor want = torch::tensor({1.f, 2.f, 2.f, 4.f, 4.f, 4.f}).unsqueeze(1).expand({6, 2});
+      return ran_meanwhile && rows.grad().defined() && torch::equal(rows.grad().to(torch::kFloat32), want) &&
+             torch::equal(out.to(torch::kFloat32), rows.detach().to(torch::kFloat32) * want);
+    }));
+  }
+}
+
+TEST_CASE("tokens once per rank: a token chosen by several experts of one rank travels there once; outputs per pair and the summed gradient match every pair's row travelling", "[engine][comm][expert]") {
   CHECK(in_mesh({1, 2, 1, 2}, [](DeviceMesh& mesh) {
-    ExpertParallel experts(mesh.experts(ExpertGroup::Shards), /*beside_dispatch=*/true);
     const int rank = mesh.rank();
-    // 2 experts a rank, 4 in all: this rank's 6 rows go 1, 2, 0, 3 to experts 0-3.
-    const torch::Tensor counts = torch::tensor({int64_t{1}, int64_t{2}, int64_t{0}, int64_t{3}});
-    torch::Tensor rows = (torch::arange(12, torch::kFloat32).reshape({6, 2}) + 100 * rank).to(torch::kBFloat16).requires_grad_(true);
-    bool ran_meanwhile = false;
-    // Expert e multiplies its rows by e + 1 (the counts say which rows are whose).
-    const torch::Tensor out = experts.run(rows, counts, [&](const torch::Tensor& r, const torch::Tensor& c) {
-      const torch::Tensor factor = torch::repeat_interleave(torch::arange(1, c.numel() + 1, torch::kFloat32) + 2 * mesh.experts(ExpertGroup::Shards).rank(), c);
-      return r * factor.unsqueeze(1).to(r.scalar_type());
-    }, [&] { ran_meanwhile = true; });
-    out.sum().backward();
-    const torch::Tensor want = torch::tensor({1.f, 2.f, 2.f, 4.f, 4.f, 4.f}).unsqueeze(1).expand({6, 2});
-    return ran_meanwhile && rows.grad().defined() && torch::equal(rows.grad().to(torch::kFloat32), want) &&
-           torch::equal(out.to(torch::kFloat32), rows.detach().to(torch::kFloat32) * want);
+    // 3 experts a rank, 6 in all, top-3 choices of 4 tokens: token t chooses experts listed below,
+    // so that some tokens go to one rank with two or three choices and others to both.
+    const std::vector<std::vector<int64_t>> choices = {{0, 1, 2}, {0, 3, 4}, {5, 4, 3}, {1, 5, 2}};
+    std::vector<int64_t> pair_expert, pair_token;
+    for (int64_t t = 0; t < 4; ++t)
+      for (int64_t e : choices[t]) pair_expert.push_back((e + 3 * rank) % 6), pair_token.push_back(t);  // the ranks route differently
+    const torch::Tensor experts_of = torch::tensor(pair_expert);
+    const torch::Tensor by_expert = std::get<1>(experts_of.sort(/*stable=*/true, 0, false));
+    const torch::Tensor token = torch::tensor(pair_token).index_select(0, by_expert);
+    const torch::Tensor counts = torch::zeros({6}, torch::kInt64).scatter_add_(0, experts_of, torch::ones_like(experts_of));
+    const torch::Tensor x = torch::randn({4, 8}, torch::TensorOptions().dtype(torch::kFloat64)).add(rank).to(torch::kFloat32);
+    const torch::Tensor upstream = torch::arange(token.numel() * 8, torch::kFloat32).reshape({-1, 8}).sin();
+    // Expert e: rows · (e + 1) + e, its local index from the counts.
+    auto local = [&](const torch::Tensor& r, const torch::Tensor& c) {
+      const torch::Tensor e = torch::repeat_interleave(torch::arange(c.numel(), torch::kFloat32) + 3 * mesh.experts(ExpertGroup::Shards).rank(), c).unsqueeze(1);
+      return r * (e + 1) + e;
+    };
+    std::vector<torch::Tensor> outs, grads;
+    std::vector<int64_t> dispatched;
+    for (bool once : {false, true}) {
+      ExpertParallel experts(mesh.experts(ExpertGroup::Shards), ExpertExchange{true, once});
+      torch::Tensor tokens = x.clone().requires_grad_(true);
+      const RoutedPairs pairs{tokens, token, 3, [&] { return tokens.index_select(0, token); }};
+      torch::Tensor out = experts.run(pairs, counts, local, [] {});
+      (out * upstream).sum().backward();
+      outs.push_back(out.detach());
+      grads.push_back(tokens.grad());
+      dispatched.push_back(experts.rows_sent());
+    }
+    // This rank's 12 pairs: 6 to the other rank as rows; as tokens, only the distinct ones.
+    // (On both ranks tokens 1, 2 and 3 have choices on the other rank: 2 + 3 + 1 pairs.)
+    return torch::allclose(outs[0], outs[1]) && torch::allclose(grads[0], grads[1], 1e-6, 1e-6) && dispatched[0] == 6 && dispatched[1] == 3;
   }));
 }
 
@@ -105,6 +147,7 @@ struct ExpertCase {
   int stage = 0;
   bool recompute = false;
   bool shared_beside_dispatch = true;  // ExecutionModes::shared_experts_beside_dispatch
+  bool once = true;                    // ExecutionModes::tokens_once_per_rank
 };
 
 // Data rank d trains on rows [2d, 2d + 2) of one batch: the mean loss over the data ranks, the
@@ -122,6 +165,7 @@ bool expert_parallel_matches(const ModelSpec& m, const ExpertCase& c) {
     options.zero.stage = c.stage;
     options.recomputation = c.recompute;
     options.shared_experts_beside_dispatch = c.shared_beside_dispatch;
+    options.tokens_once_per_rank = c.once;
     auto parallel = parallelize(*model, mesh, options);
     Batch mine = batch;
     mine.inputs = batch.inputs.narrow(0, d * kRowsPerRank, kRowsPerRank);
@@ -143,6 +187,7 @@ TEST_CASE("expert parallelism: ep2 and ep2 × dp2 give one process's loss, gradi
   const ModelSpec m = dsrun::test::tiny_moe_decoder(4);
   CHECK(expert_parallel_matches(m, {{1, 2, 1, 2}, 0}));
   CHECK(expert_parallel_matches(m, {{1, 2, 1, 2}, 0, false, false}));
+  CHECK(expert_parallel_matches(m, {{1, 2, 1, 2}, 0, false, true, false}));  // every pair's row travels
   CHECK(expert_parallel_matches(m, {{1, 4, 1, 2}, 1}));
 }
 

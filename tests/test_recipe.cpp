@@ -597,11 +597,23 @@ TEST_CASE("expert parallelism in the plan: each rank's experts, their ZeRO repli
   CHECK(one.memory.states.device_total() - two.memory.states.device_total() == Approx(routed * 8 + routed / 4 * 8 - two.memory.routed_expert_states).epsilon(1e-6));
   // All-to-all: micro · s · k rows of h fp32 each way, forward and backward, 3 layers, one
   // micro-batch per step, half of them leaving the rank, for the busiest rank (1.25 × the mean).
-  double all_to_all = 0;
-  for (const CommTerm& c : two.comm)
-    if (contains(c.collective, "all-to-all")) all_to_all = c.bytes;
+  auto all_to_all = [](const Plan& p) {
+    for (const CommTerm& c : p.comm)
+      if (contains(c.collective, "all-to-all")) return c.bytes;
+    return 0.0;
+  };
   CHECK(two.accumulation == 1);
-  CHECK(all_to_all == Approx(3 * 4 * (2.0 * 64 * 2) * 128 * 4 * 0.5 * 1.25));
+  const Plan every_pair = plan_of("expert = 2\n[execution]\ntokens_once_per_rank = false");
+  CHECK_FALSE(every_pair.modes.tokens_once_per_rank);
+  CHECK(all_to_all(every_pair) == Approx(3 * 4 * (2.0 * 64 * 2) * 128 * 4 * 0.5 * 1.25));
+  // Tokens once per rank (on by default): the dispatch and its gradient carry each token once to
+  // each rank its 2 choices of 8 experts are on, 2 · (1 - 4/8 · 3/7) ranks on average, and 8
+  // bytes per pair forward say which token each reads; the combine both ways still per pair.
+  CHECK(two.modes.tokens_once_per_rank);
+  const double tokens = 2.0 * 64, distinct = 2 * (1 - 4.0 / 8 * 3.0 / 7);
+  CHECK(all_to_all(two) == Approx(3 * (2 * (2 * tokens + tokens * distinct) * 128 * 4 + 2 * tokens * 8) * 0.5 * 1.25));
+  CHECK(all_to_all(two) < 0.9 * all_to_all(every_pair));
+  CHECK(contains(render_plan(two), "each token once to each rank its choices are on"));
   CHECK(contains(render_plan(two), "expert parallel 2 within the data ranks: each keeps 4 of 8 routed experts"));
   // A larger headroom costs activations and time.
   const Plan lopsided = plan_of("expert = 2\nexpert_imbalance = 3");

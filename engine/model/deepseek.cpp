@@ -142,15 +142,15 @@ struct SwiGLUImpl : nn::Module {
 };
 TORCH_MODULE(SwiGLU);
 
-// The token rows of the (token, choice) pairs `pairs` lists (pair p = t·k + i is token t's i-th
-// choice), in that order; `place` is its inverse ([T·k]: each pair's row, -1 where a capacity
-// dropped it). Backward sums each token's row gradients by gathering them (fused::combine_rows
-// with weights of 1): no atomic adds, so the sum is deterministic.
+// The token rows of the (token, choice) pairs whose tokens `token` lists (pair p = t·k + i is
+// token t's i-th choice), in that order; `place` is the pairs' inverse ([T·k]: each pair's row, -1
+// where a capacity dropped it). Backward sums each token's row gradients by gathering them
+// (fused::combine_rows with weights of 1): no atomic adds, so the sum is deterministic.
 struct DispatchTokens : torch::autograd::Function<DispatchTokens> {
-  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& tokens, const Tensor& pairs, const Tensor& place, int64_t top_k) {
+  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& tokens, const Tensor& token, const Tensor& place, int64_t top_k) {
     ctx->save_for_backward({place});
     ctx->saved_data["top_k"] = top_k;
-    return tokens.index_select(0, pairs.div(top_k, "floor"));
+    return tokens.index_select(0, token);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
     const Tensor place = ctx->get_saved_variables()[0];
@@ -206,10 +206,11 @@ struct MoEImpl : nn::Module {
     runner.record_routing(layer, routed, dropped);
     // Each pair's row among the kept ones (-1: dropped), the inverse of `pairs`.
     Tensor place = torch::full({T * top_k}, -1, pairs.options()).scatter_(0, pairs, torch::arange(pairs.numel(), pairs.options()));
-    Tensor rows = DispatchTokens::apply(expert_in, pairs, place, top_k);
+    RoutedPairs routed_pairs{expert_in, pairs.div(top_k, "floor"), top_k, {}};
+    routed_pairs.rows = [&] { return DispatchTokens::apply(expert_in, routed_pairs.token, place, top_k); };
     // The shared experts run while the routed rows travel (expert parallelism; DeepSeek-V3's overlap).
     Tensor shared_out;
-    Tensor outputs = runner.routed_experts(rows, counts, [this](const Tensor& r, const Tensor& c) { return local_experts(r, c); },
+    Tensor outputs = runner.routed_experts(routed_pairs, counts, [this](const Tensor& r, const Tensor& c) { return local_experts(r, c); },
                                            [&] { if (shared) shared_out = shared(expert_in); });
     // Back to the tokens, weighted and summed over each token's choices (dropped pairs: nothing),
     // in one kernel on a GPU. (Before: the outputs copied into pair order, multiplied by the

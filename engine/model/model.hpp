@@ -23,6 +23,15 @@ using UnitFn = std::function<Tensors(const Tensors&)>;
 // Runs some of a MoE layer's routed experts: `rows` grouped expert by expert, counts[j] rows for
 // the j-th of them ([experts] int64 on the rows' device); returns each row's output in the same order.
 using ExpertsFn = std::function<torch::Tensor(const torch::Tensor& rows, const torch::Tensor& counts)>;
+// A MoE layer's (token, choice) pairs as the runner takes them, grouped by expert: `token` [P]
+// int64, the row of `tokens` [T, H] each pair reads; `rows()` makes the pairs' rows [P, H] (with
+// the layer's deterministic backward). An exchange that sends each token once per rank reads
+// tokens and token; otherwise rows() is called once.
+struct RoutedPairs {
+  torch::Tensor tokens, token;
+  int64_t choices = 1;  // the layer's top_k: at most this many pairs read one token
+  std::function<torch::Tensor()> rows;
+};
 
 // The seam through which parallelism reaches into a model. run() runs one unit's computation:
 // the default just calls it; ZeRO-3 gathers the unit's parameters around it, activation
@@ -52,15 +61,15 @@ class UnitRunner {
     o.gradient_in_forward = gradients_in_forward;
     return linear_cross_entropy(hidden, weight, targets, o);
   }
-  // Routed experts: `rows` are the inputs of every (token, choice) pair of a MoE layer, grouped by
-  // expert, counts[e] for expert e of all the layer's ([experts] int64 on the device: here they
-  // stay there); returns their outputs in the same order. `local` runs the experts this rank keeps
+  // Routed experts: `pairs` are every (token, choice) pair of a MoE layer, grouped by expert,
+  // counts[e] for expert e of all the layer's ([experts] int64 on the device: here they stay
+  // there); returns the pairs' outputs in that order. `local` runs the experts this rank keeps
   // (Model::keep_experts): all of them here; under expert parallelism the rows travel to the ranks
   // that keep theirs and back, which needs the counts on the host once. `meanwhile` is work of the
   // layer's own that needs no routed output (the shared experts): called once, while the rows travel.
-  virtual torch::Tensor routed_experts(const torch::Tensor& rows, const torch::Tensor& counts, const ExpertsFn& local, const std::function<void()>& meanwhile) {
+  virtual torch::Tensor routed_experts(const RoutedPairs& pairs, const torch::Tensor& counts, const ExpertsFn& local, const std::function<void()>& meanwhile) {
     meanwhile();
-    return local(rows, counts);
+    return local(pairs.rows(), counts);
   }
   // One MoE layer's routing in one forward: pairs routed to each expert (before any capacity,
   // [experts] int64) and pairs the capacity dropped. For metrics; recomputation does not repeat it.

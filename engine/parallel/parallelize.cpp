@@ -61,7 +61,8 @@ std::unique_ptr<ParallelModel> parallelize(Model& model, DeviceMesh& mesh, const
   const int expert_shards = mesh.shape().expert;
   if (expert_shards > 1) {
     model.keep_experts(mesh.shape().expert_shard(mesh.rank()), expert_shards);
-    pm->experts_ = std::make_unique<ExpertParallel>(mesh.experts(ExpertGroup::Shards), options.shared_experts_beside_dispatch);
+    pm->experts_ = std::make_unique<ExpertParallel>(mesh.experts(ExpertGroup::Shards),
+                                                   ExpertExchange{options.shared_experts_beside_dispatch, options.tokens_once_per_rank});
     zero.expert_replicas = &mesh.experts(ExpertGroup::Replicas);
   }
   // 3. Tensor sharding: split weights become this rank's slices (with sequence parallelism,

@@ -24,6 +24,7 @@ struct ParallelizeOptions {
   bool sequence_parallel = false;  // activations between tensor-parallel regions split along the sequence
   bool recomputation = false;      // checkpointable units recompute their activations in backward
   bool shared_experts_beside_dispatch = false;  // ExecutionModes::shared_experts_beside_dispatch
+  bool tokens_once_per_rank = false;            // ExecutionModes::tokens_once_per_rank
   ZeroOptions zero;                // ZeRO on the data dimension: stage, dtype, offload
 };
 
@@ -49,8 +50,8 @@ class ParallelModel final : public UnitRunner {
                                bool gradients_in_forward) override {
     return tensor_.projected_loss(hidden, weight, targets, chunk_tokens, gradients_in_forward);
   }
-  torch::Tensor routed_experts(const torch::Tensor& rows, const torch::Tensor& counts, const ExpertsFn& local, const std::function<void()>& meanwhile) override {
-    return experts_ ? experts_->run(rows, counts, local, meanwhile) : UnitRunner::routed_experts(rows, counts, local, meanwhile);
+  torch::Tensor routed_experts(const RoutedPairs& pairs, const torch::Tensor& counts, const ExpertsFn& local, const std::function<void()>& meanwhile) override {
+    return experts_ ? experts_->run(pairs, counts, local, meanwhile) : UnitRunner::routed_experts(pairs, counts, local, meanwhile);
   }
   void record_routing(int layer, const torch::Tensor& routed, int64_t dropped) override;
 

@@ -88,17 +88,29 @@ void Planner::add_expert_terms(Plan& p) const {
   // Each MoE layer sends every (token, choice) pair's row to its expert's rank and back, in
   // forward and again in backward (and once more when recomputed): [micro · s · k, h] each
   // way, of which (ep-1)/ep leaves the rank; the busiest rank's share is `imbalance` times
-  // the mean. The ep ranks are consecutive data ranks: what goes to members on other nodes
-  // crosses the network, the rest the node's link, both at once.
+  // the mean. Tokens once per rank (execution.tokens_once_per_rank): the dispatch and its
+  // gradient carry each token once per rank its choices are on, D of the ep ranks for k distinct
+  // experts chosen uniformly, and 8 bytes per pair say which token each reads (forward only). The
+  // ep ranks are consecutive data ranks: what goes to members on other nodes crosses the network,
+  // the rest the node's link, both at once.
   const int moe_layers = busiest_stage_moe_layers();
-  const double pairs = static_cast<double>(p.layout.micro) * r_.batch.seq_len * r_.model.moe.top_k;
-  const double passes = p.layout.recomputation ? 6 : 4;
-  const double rows = a * moe_layers * passes * pairs * r_.model.hidden * e * imbalance_;
+  const int k = r_.model.moe.top_k, experts = r_.model.moe.routed_experts, ep = degrees_.expert;
+  const double tokens = static_cast<double>(p.layout.micro) * r_.batch.seq_len, pairs = tokens * k;
+  const double passes = p.layout.recomputation ? 6 : 4, forward_dispatches = p.layout.recomputation ? 2 : 1;
+  double rows = passes * pairs * r_.model.hidden * e;
+  if (p.modes.tokens_once_per_rank) {
+    double none_here = 1;  // the chance that none of a token's k choices is on a given rank
+    for (int i = 0; i < k; ++i) none_here *= static_cast<double>(experts - experts / ep - i) / (experts - i);
+    const double distinct = ep * (1 - none_here);
+    rows = passes / 2 * (pairs + tokens * distinct) * r_.model.hidden * e + forward_dispatches * pairs * 8;
+  }
+  rows *= a * moe_layers * imbalance_;
   const GroupLink link = group_link(Collective::AllToAll, degrees_.tensor, degrees_.expert);
   const double local = static_cast<double>(degrees_.expert) / link.nodes;  // members on this rank's node
   const double intra = rows * (local - 1) / degrees_.expert, inter = rows * (degrees_.expert - local) / degrees_.expert;
   const double seconds = std::max(intra / intra_node_bandwidth(Collective::AllToAll, static_cast<int>(local)), inter > 0 ? inter / inter_node_share() : 0.0);
-  p.comm.push_back({"all-to-all tokens to their experts and back (expert, " + std::to_string(static_cast<int>(passes)) + " per MoE layer, every micro-batch, " +
+  p.comm.push_back({"all-to-all tokens to their experts and back (expert, " + std::to_string(static_cast<int>(passes)) + " per MoE layer, every micro-batch" +
+                        (p.modes.tokens_once_per_rank ? ", each token once to each rank its choices are on" : "") + ", " +
                         (link.nodes > 1 ? format_double(100 * inter / (intra + inter), 3) + "% across nodes" : "within a node") + ")",
                     intra + inter, seconds});
 }

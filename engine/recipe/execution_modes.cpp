@@ -5,8 +5,8 @@
 
 namespace dsrun {
 
-const std::array<ExecutionModeRow, 6>& execution_mode_rows() {
-  static const std::array<ExecutionModeRow, 6> rows{{
+const std::array<ExecutionModeRow, 7>& execution_mode_rows() {
+  static const std::array<ExecutionModeRow, 7> rows{{
       {"loss_gradients_in_forward", &ExecutionModes::loss_gradients_in_forward, "the fused loss's gradients made in forward",
        "Decoders with the fused output projection and loss: its gradients computed in forward, in the same pass as the loss (one tensor rank, "
        "not fp16). `auto`: where that holds; false: backward recomputes each chunk's logits."},
@@ -25,6 +25,10 @@ const std::array<ExecutionModeRow, 6>& execution_mode_rows() {
       {"shared_experts_beside_dispatch", &ExecutionModes::shared_experts_beside_dispatch, "shared experts beside the dispatch",
        "Expert parallelism with shared experts: a MoE layer computes its shared experts while its routed rows travel to their ranks "
        "(DeepSeek-V3's overlap), not before the exchange. `auto`: where that holds."},
+      {"tokens_once_per_rank", &ExecutionModes::tokens_once_per_rank, "each token once to each expert rank",
+       "Expert parallelism with top_k > 1: a token whose choices are on one rank travels there once, not once per choice; the rank "
+       "makes the choices' rows, and their gradient comes back summed (DeepSeek-V3's dispatch). The outputs come back per choice. "
+       "`auto`: where that holds; false: every (token, choice) pair travels."},
   }};
   return rows;
 }
@@ -100,6 +104,11 @@ ExecutionModes decide_execution_modes(const Recipe& r, const Layout& l, int64_t 
   decide(&ExecutionModes::shared_experts_beside_dispatch, "shared_experts_beside_dispatch",
          r.model.moe.routed_experts == 0 || r.model.moe.shared_experts == 0 ? "no MoE layer with shared experts"
          : l.expert <= 1               ? "no expert parallelism (parallel.expert = 1)"
+                                       : "");
+  decide(&ExecutionModes::tokens_once_per_rank, "tokens_once_per_rank",
+         r.model.moe.routed_experts == 0 ? "no MoE layer"
+         : l.expert <= 1               ? "no expert parallelism (parallel.expert = 1)"
+         : r.model.moe.top_k <= 1      ? "one choice per token (model.moe.top_k = 1)"
                                        : "");
   return m;
 }

@@ -294,6 +294,7 @@ class Trainer {
     }
     po.sequence_parallel = plan_.layout.sequence_parallel;
     po.shared_experts_beside_dispatch = plan_.modes.shared_experts_beside_dispatch;
+    po.tokens_once_per_rank = plan_.modes.tokens_once_per_rank;
     po.recomputation = plan_.layout.recomputation;
     ZeroOptions& zo = po.zero;
     zo.stage = plan_.layout.zero_stage;
