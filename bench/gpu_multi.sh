@@ -13,7 +13,8 @@
 #     peer7b   the FSDP2 peer of the 7B shape: FSDP over every GPU, and tensor 2 x FSDP
 #     moe      recipes/gpu/deepseek_moe_h100.toml under expert 1, 2 and every GPU (data parallel too);
 #              (MOE_EP: the expert degrees, default "1 2 GPUS"), and expert over every GPU with the shared
-#              experts before the exchange; MOE_TRACE=1 traces expert over every GPU too ($out/moe_trace.txt)
+#              experts before the exchange, and expert 2 and every GPU with every pair's row travelling
+#              (execution.tokens_once_per_rank = false); MOE_TRACE=1 traces expert over every GPU too ($out/moe_trace.txt)
 #     one-micro  pipelines with one micro-batch a step (pipeline 2 x data 2, pipeline 4; on 2 GPUs pipeline 2),
 #              bounded: they run
 #     ckpt     synchronous and asynchronous saves of the ~1B on every GPU (CKPT_EVERY, CKPT_STEPS)
@@ -122,6 +123,12 @@ for phase in "$@"; do
       # (execution.shared_experts_beside_dispatch = false): what the overlap gives.
       run moe-ep$gpus-dp$gpus-shared-first $moe --set run.steps=$steps --set hardware.devices_per_node=$gpus --set parallel.data_parallel=$gpus \
         --set parallel.expert=$gpus --set batch.global=$((4 * gpus)) --set execution.shared_experts_beside_dispatch=false
+      # Every (token, choice) pair's row travelling (execution.tokens_once_per_rank = false), at expert 2 and
+      # over every GPU: what sending each token once per rank gives.
+      for ep in $(printf '%s\n' 2 $gpus | sort -u); do
+        run moe-ep$ep-dp$gpus-every-pair $moe --set run.steps=$steps --set hardware.devices_per_node=$gpus --set parallel.data_parallel=$gpus \
+          --set parallel.expert=$ep --set batch.global=$((4 * gpus)) --set execution.tokens_once_per_rank=false
+      done
       # MOE_TRACE=1: expert over every GPU once more under torch's profiler (steps 6-7, rank 0's
       # trace summarised into $out/moe_trace.txt): the all-to-alls beside the compute.
       if [ -n "${MOE_TRACE:-}" ]; then

@@ -81,7 +81,7 @@ TEST_CASE("expert parallelism's started exchange keeps its gradient when the wir
   }
 }
 
-TEST_CASE("tokens once per rank: a token chosen by several experts of one rank travels there once; outputs per pair and the summed gradient match every pair's row travelling", "[engine][comm][expert]") {
+TEST_CASE("tokens once per rank: a token chosen by several experts of one rank travels there once, and outputs per pair and the summed gradient match every pair's row travelling", "[engine][comm][expert]") {
   CHECK(in_mesh({1, 2, 1, 2}, [](DeviceMesh& mesh) {
     const int rank = mesh.rank();
     // 3 experts a rank, 6 in all, top-3 choices of 4 tokens: token t chooses experts listed below,
