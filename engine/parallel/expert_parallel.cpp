@@ -75,6 +75,8 @@ struct GatherRows : torch::autograd::Function<GatherRows> {
 };
 
 // `place` for GatherRows from its index: each source row's readers in order, [sources · width].
+// No row may have more than `width` readers (a token's top-k experts are distinct, so at most
+// min(k, experts here) of its pairs read it); more would be written into the next row's places.
 Tensor readers_of(const Tensor& index, int64_t sources, int64_t width) {
   const auto longs = index.options().dtype(torch::kInt64);
   const auto [sorted, order] = index.sort(/*stable=*/true, 0, false);
