@@ -60,6 +60,9 @@ struct PermuteRows : torch::autograd::Function<PermuteRows> {
   }
 };
 
+// Where each block begins when blocks of these sizes lie one after another (an exclusive running sum).
+Tensor block_starts(const Tensor& sizes) { return sizes.cumsum(0) - sizes; }
+
 // Rows read from `source` by index, each source row by up to `width` readers; `place` [N · width]
 // lists source row n's readers (-1: none), so the gradient sums back by gathering (fused::
 // combine_rows with weights of 1): deterministic, no atomic adds (index_select's backward has them).
@@ -81,8 +84,7 @@ Tensor readers_of(const Tensor& index, int64_t sources, int64_t width) {
   const auto longs = index.options().dtype(torch::kInt64);
   const auto [sorted, order] = index.sort(/*stable=*/true, 0, false);
   const Tensor readers = torch::zeros({sources}, longs).scatter_add_(0, index, torch::ones_like(index));
-  const Tensor first = readers.cumsum(0) - readers;
-  const Tensor rank = torch::arange(index.numel(), longs) - first.index_select(0, sorted);  // among its source row's readers
+  const Tensor rank = torch::arange(index.numel(), longs) - block_starts(readers).index_select(0, sorted);  // among its source row's readers
   return torch::full({sources * width}, -1, longs).scatter_(0, sorted * width + rank, order);
 }
 
@@ -91,9 +93,9 @@ Tensor readers_of(const Tensor& index, int64_t sources, int64_t width) {
 // for local expert j at q·P + j, the order they arrive in; `total` their sum (the host knows it).
 Tensor expert_major_places(const Tensor& from, int shards, int64_t per_shard, int64_t total) {
   const auto longs = from.options().dtype(torch::kInt64);
-  const Tensor arrival_start = from.cumsum(0) - from;  // where block (q, j) begins as arrived
+  const Tensor arrival_start = block_starts(from);  // where block (q, j) begins as arrived
   const Tensor by_expert = from.view({shards, per_shard}).t().reshape({-1});  // blocks (j, q)
-  const Tensor expert_start = (by_expert.cumsum(0) - by_expert).view({per_shard, shards}).t().reshape({-1});  // back to (q, j)
+  const Tensor expert_start = block_starts(by_expert).view({per_shard, shards}).t().reshape({-1});  // back to (q, j)
   // Each arrived row's block (q, j). (The optional names the overload that takes the output size,
   // so the device is not asked for it; a plain integer picks the one repeating each count.)
   const Tensor block = torch::repeat_interleave(from, c10::optional<int64_t>(total));
@@ -112,11 +114,12 @@ Tensor ExpertParallel::run(const RoutedPairs& pairs, const Tensor& counts_on_dev
   const Tensor counts = counts_on_device.to(torch::kInt64);
   // Tokens once per rank: which (shard, token) pairs exist (reads[s·T + t]), each one's row among
   // the rows sent (shard by shard, tokens in order), and how many go to each shard.
-  Tensor reads, slot, distinct, pair_shard;
+  Tensor reads, slot, distinct, pair_shard, pair_key;
   const int64_t T = pairs.tokens.size(0), P = pairs.token.numel();
   if (once) {
     pair_shard = torch::repeat_interleave(counts, c10::optional<int64_t>(P)).div(per_shard, "floor");  // pairs come grouped by expert
-    reads = torch::zeros({shards * T}, longs).index_fill_(0, pair_shard * T + pairs.token, 1);
+    pair_key = pair_shard * T + pairs.token;  // each pair's (shard, token)
+    reads = torch::zeros({shards * T}, longs).index_fill_(0, pair_key, 1);
     slot = reads.cumsum(0) - 1;
     distinct = reads.view({shards, T}).sum(1);
   }
@@ -129,27 +132,26 @@ Tensor ExpertParallel::run(const RoutedPairs& pairs, const Tensor& counts_on_dev
   Tensor got = torch::empty_like(sent);
   group_.all_to_all(sent, got);
   const Tensor from = got.narrow(1, 0, per_shard).contiguous().view({-1});  // source q's pairs for local expert j at q·per_shard + j
-  std::vector<Tensor> exchanged{sent.narrow(1, 0, per_shard).sum(1), got.narrow(1, 0, per_shard).sum(1)};
+  const Tensor pairs_from = from.view({shards, per_shard}).sum(1);            // pairs from each source
+  std::vector<Tensor> exchanged{sent.narrow(1, 0, per_shard).sum(1), pairs_from};
   if (once) exchanged.insert(exchanged.end(), {distinct, got.select(1, per_shard)});
   const Tensor per_rank = torch::stack(exchanged).to(torch::kCPU).contiguous();
   const int64_t* sizes = per_rank.data_ptr<int64_t>();
   auto row = [&](int i) { return std::vector<int64_t>(sizes + i * shards, sizes + (i + 1) * shards); };
   const std::vector<int64_t> send_rows = row(0), recv_rows = row(1);
+  const std::vector<int64_t> send_tokens = once ? row(2) : std::vector<int64_t>(), recv_tokens = once ? row(3) : std::vector<int64_t>();
   const int64_t arrived_rows = std::accumulate(recv_rows.begin(), recv_rows.end(), int64_t{0});
   // 3's regrouping, queued before the rows leave: arrival[i] is where arrived row i goes, order its inverse.
   const Tensor arrival = expert_major_places(from, shards, per_shard, arrived_rows);
   const Tensor order = torch::empty_like(arrival).scatter_(0, arrival, torch::arange(arrived_rows, arrival.options()));
   const Tensor local_counts = from.view({shards, per_shard}).sum(0);
-  const std::vector<int64_t> dispatched = once ? row(2) : send_rows;
+  const std::vector<int64_t>& dispatched = once ? send_tokens : send_rows;
   rows_sent_ += std::accumulate(dispatched.begin(), dispatched.end(), int64_t{0}) - dispatched[rank()];
   // 2. Dispatch, and the layer's own work while the rows travel.
   const int64_t address = pointer_argument(&group_);
   PendingCollective in_flight, pair_reads_in_flight;
   Tensor arrived, arrived_tokens, pair_reads;
-  std::vector<int64_t> send_tokens, recv_tokens;
   if (once) {
-    send_tokens = row(2);
-    recv_tokens = row(3);
     const int64_t sent_tokens = std::accumulate(send_tokens.begin(), send_tokens.end(), int64_t{0});
     // The token of each row sent ((shard, token) pairs that do not exist go to a spare last slot),
     // and each token's rows, one per shard, for the gradient's sum.
@@ -159,7 +161,7 @@ Tensor ExpertParallel::run(const RoutedPairs& pairs, const Tensor& counts_on_dev
     const Tensor token_rows = torch::where(exists, slot, torch::full_like(slot, -1)).view({shards, T}).t().contiguous().view({-1});
     const Tensor outgoing = GatherRows::apply(pairs.tokens, which.narrow(0, 0, sent_tokens), token_rows, int64_t{shards});
     // Each pair's token as a row of what its shard receives from this rank.
-    const Tensor pair_slot = slot.index_select(0, pair_shard * T + pairs.token) - (distinct.cumsum(0) - distinct).index_select(0, pair_shard);
+    const Tensor pair_slot = slot.index_select(0, pair_key) - block_starts(distinct).index_select(0, pair_shard);
     pair_reads = torch::empty({arrived_rows}, longs);
     pair_reads_in_flight = group_.all_to_all_async(pair_slot, pair_reads, send_rows, recv_rows);
     arrived_tokens = ExchangeRows::apply(outgoing, address, send_tokens, recv_tokens, pointer_argument(&in_flight));
@@ -173,9 +175,8 @@ Tensor ExpertParallel::run(const RoutedPairs& pairs, const Tensor& counts_on_dev
     // Arrived pair i reads arrived token (source q's first) + pair_reads[i]; a token has at most
     // min(choices, per_shard) pairs here.
     const int64_t arrived_token_count = std::accumulate(recv_tokens.begin(), recv_tokens.end(), int64_t{0});
-    const Tensor from_tokens = got.select(1, per_shard);
-    const Tensor source = torch::repeat_interleave(got.narrow(1, 0, per_shard).sum(1), c10::optional<int64_t>(arrived_rows));
-    const Tensor read = (from_tokens.cumsum(0) - from_tokens).index_select(0, source) + pair_reads;
+    const Tensor source = torch::repeat_interleave(pairs_from, c10::optional<int64_t>(arrived_rows));
+    const Tensor read = block_starts(got.select(1, per_shard)).index_select(0, source) + pair_reads;
     const int64_t width = std::min<int64_t>(pairs.choices, per_shard);
     arrived = GatherRows::apply(arrived_tokens, read, readers_of(read, arrived_token_count, width), width);
   }
