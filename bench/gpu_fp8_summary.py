@@ -49,15 +49,20 @@ for name, (run_id, status, plan) in by_name.items():
           f"{peak / GiB:.2f} GiB ({planned / GiB:.2f}, {100 * (peak / planned - 1):+.1f}%) |")
 
 parity = {name: series(run_id, "loss") for name, (run_id, _, _) in by_name.items() if name.startswith("parity-")}
-if "parity-none" in parity:
-    ref = parity["parity-none"]
+# One group per seed: parity-<scaling> (the run's seed) and parity-s<SEED>-<scaling>, each against its own bf16.
+groups = sorted({name.rsplit("-", 1)[0] for name in parity})
+ref = {}
+gaps_by_scaling = {}
+for group in groups:
+    if group + "-none" not in parity:
+        continue
+    ref = parity[group + "-none"]
     last = max(ref)
     tail = [s for s in ref if s > last - 10]
     base = statistics.mean(ref[s] for s in tail)
-    print(f"\nloss parity over {last} steps (mean of the last 10 steps; largest gap of 25-step means):")
+    print(f"\n{group}: loss parity over {last} steps (mean of the last 10 steps; largest gap of 25-step means):")
     for name, loss in parity.items():
-        common = [s for s in loss if s in ref]
-        if not common:
+        if name.rsplit("-", 1)[0] != group or not [s for s in loss if s in ref]:
             continue
         final = statistics.mean(loss[s] for s in tail if s in loss)
         gaps = []
@@ -66,10 +71,19 @@ if "parity-none" in parity:
             if ss:
                 gaps.append(statistics.mean(loss[s] for s in ss) / statistics.mean(ref[s] for s in ss) - 1)
         worst = max(gaps, key=abs)
+        gaps_by_scaling.setdefault(name.rsplit("-", 1)[1], []).append(final / base - 1)
         print(f"  {name}: {final:.4f} ({100 * (final / base - 1):+.2f}% of bf16's {base:.4f}); largest gap {100 * worst:+.2f}%")
+bf16_finals = {g: statistics.mean(list(parity[g + "-none"].values())[-10:]) for g in groups if g + "-none" in parity}
+if len(bf16_finals) > 1:
+    spread = (max(bf16_finals.values()) / min(bf16_finals.values()) - 1) * 100
+    print(f"\nbf16 alone over {len(bf16_finals)} seeds: last-10 means {', '.join(f'{v:.4f}' for v in bf16_finals.values())} (spread {spread:.2f}%)")
+    for scaling, gaps in gaps_by_scaling.items():
+        if scaling != "none":
+            print(f"  {scaling}: mean gap over seeds {100 * statistics.mean(gaps):+.2f}% ({', '.join(f'{100 * g:+.2f}%' for g in gaps)})")
+if parity:
     if len(sys.argv) > 2:
         with open(sys.argv[2], "w") as f:
             names = list(parity)
             f.write("step," + ",".join(names) + "\n")
-            for s in sorted(ref):
+            for s in sorted(set().union(*parity.values())):
                 f.write(f"{s}," + ",".join(f"{parity[n].get(s, float('nan')):.5f}" for n in names) + "\n")

@@ -15,6 +15,9 @@
 #              (MOE_EP: the expert degrees, default "1 2 GPUS"), and expert over every GPU with the shared
 #              experts before the exchange, and expert 2 and every GPU with every pair's row travelling
 #              (execution.tokens_once_per_rank = false); MOE_TRACE=1 traces expert over every GPU too ($out/moe_trace.txt)
+#     fp8      DeepSeek-LLM-7B's shape in FP8 (issue 49): bf16 and tensorwise with every degree "auto" (the
+#              plan's pick), under ZeRO-3 over every GPU and tensor 2; rowwise and blockwise under ZeRO-3
+#              (FP8_LAYOUT_SCALINGS, default "rowwise blockwise"); FP8_MORE=0: the first two of each only
 #     one-micro  pipelines with one micro-batch a step (pipeline 2 x data 2, pipeline 4; on 2 GPUs pipeline 2),
 #              bounded: they run
 #     ckpt     synchronous and asynchronous saves of the ~1B on every GPU (CKPT_EVERY, CKPT_STEPS)
@@ -136,6 +139,23 @@ for phase in "$@"; do
         DSRUN_PROFILE=/tmp/moe_trace:6:7 run moe-ep$gpus-traced $moe --set run.steps=8 --set hardware.devices_per_node=$gpus --set parallel.data_parallel=$gpus \
           --set parallel.expert=$gpus --set batch.global=$((4 * gpus))
         python3 bench/trace_summary.py /tmp/moe_trace/trace_rank0.json 30 > "$out/moe_trace.txt" 2>&1; head -50 "$out/moe_trace.txt"
+      fi ;;
+    fp8)
+      s7=${STEPS:-8}
+      sets=(--set run.steps=$s7 --set parallel.zero_stage=auto --set batch.micro=auto --set parallel.activation_checkpointing=auto)
+      zero3=(--set parallel.tensor=1 --set parallel.pipeline=1 --set parallel.data_parallel=$gpus --set parallel.zero_stage=3)
+      tp2=(--set parallel.tensor=2 --set parallel.pipeline=1 --set parallel.data_parallel=$((gpus / 2)))
+      for fp8 in none tensorwise; do
+        build-gpu/dsrun plan "$(with_probed $seven_b)" --set hardware.host_memory_gib=$gib --set precision.fp8=\"$fp8\" --layouts > "$out/layouts-7b-$fp8.txt" 2>&1
+        grep -A3 "chosen automatically" "$out/layouts-7b-$fp8.txt"
+        run 7b-auto-$fp8 $seven_b "${sets[@]}" --set precision.fp8=\"$fp8\"
+        run 7b-zero3-$fp8 $seven_b "${sets[@]}" "${zero3[@]}" --set precision.fp8=\"$fp8\"
+        [ "${FP8_MORE:-1}" = 1 ] && run 7b-tp2-$fp8 $seven_b "${sets[@]}" "${tp2[@]}" --set precision.fp8=\"$fp8\"
+      done
+      if [ "${FP8_MORE:-1}" = 1 ]; then
+        for fp8 in ${FP8_LAYOUT_SCALINGS:-rowwise blockwise}; do
+          run 7b-zero3-$fp8 $seven_b "${sets[@]}" "${zero3[@]}" --set precision.fp8=\"$fp8\"
+        done
       fi ;;
     one-micro)
       # Pipelines with one micro-batch a step (fewer than stages), which stopped NCCL's set-up with

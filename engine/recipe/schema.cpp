@@ -209,7 +209,7 @@ std::vector<KeySpec> build_schema() {
              "Planning headroom for routing imbalance under expert parallelism: the busiest rank's routed tokens over the mean. The plan "
              "scales that rank's routed-expert activations, all-to-all bytes and expert FLOPs by it (metric expert_load_max shows what a run sees)."),
       ranged("parallel.zero_stage", T::IntOrAuto, "\"auto\"", 0, 3,
-             "ZeRO stage: 0 replicate all, 1 shard optimizer states, 2 also gradients, 3 also parameters. `auto`: the lowest that fits."),
+             "ZeRO stage: 0 replicate all, 1 shard optimizer states, 2 also gradients, 3 also parameters. `auto`: the lowest that fits, or a higher one that plans at least 1% faster (a larger micro batch fits under it, or its optimizer step is sharded)."),
       choice("parallel.offload", "none", names_of<Offload>({}, {"auto"}),
              "Keep optimizer states (and with ZeRO-3 parameters) in host memory. `auto`: the least that fits, searched with the rest of the layout: "
              "none, then the optimizer, then the parameters too (offload costs time; the plan says why it chose)."),
