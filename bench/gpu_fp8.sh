@@ -16,6 +16,8 @@
 #           apart runs of other seeds land says what a gap at one seed means.
 #   repeat  bf16 and tensorwise twice each at seed 1, all four at once (one GPU each), as
 #           repeat<N>-<SCALING>: how far apart two runs of the same seed land.
+#   graphs  the ~1B at seq 2048 (micro 8, one micro-batch a step) eager and replayed as a CUDA graph
+#           (execution.cuda_graphs), in bf16 and tensorwise FP8: graphs-<FP8>-<eager|graph>.
 # Results: $out/summary-fp8.txt (bench/gpu_fp8_summary.py), logs in $out.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
@@ -98,6 +100,24 @@ for phase in "$@"; do
           wait
         done
       fi ;;
+    graphs)
+      for fp8 in none tensorwise; do
+        for mode in eager graph; do
+          run "graphs-$fp8-$mode" $base --set run.steps=$steps --set precision.fp8="\"$fp8\"" --set batch.global=8 --set batch.micro=8 \
+            --set execution.cuda_graphs=$([ $mode = graph ] && echo true || echo false)
+        done
+      done
+      python3 - "$db" <<'PY'
+import sqlite3, statistics, sys
+db = sqlite3.connect(sys.argv[1])
+for rid, name in db.execute("SELECT id, name FROM runs WHERE name LIKE 'graphs-%' ORDER BY created_at"):
+    steps = [v for (v,) in db.execute("SELECT value FROM metrics WHERE run_id=? AND key='step_seconds' ORDER BY step", (rid,))]
+    losses = [v for (v,) in db.execute("SELECT value FROM metrics WHERE run_id=? AND key='loss' ORDER BY step", (rid,))]
+    events = [m for (m,) in db.execute("SELECT message FROM events WHERE run_id=? AND kind='cuda_graphs'", (rid,))]
+    if steps:
+        print(f"{name}: {statistics.mean(steps[len(steps) // 3:]):.4f} s/step, loss at end {losses[-1]:.4f}; {events}")
+PY
+      ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
 done

@@ -235,6 +235,40 @@ TEST_CASE("smoke plans of every recipe keep each degree and choice of its plan, 
   }
 }
 
+TEST_CASE("execution.cuda_graphs: asked for, on for one bf16 decoder rank with one micro-batch a step, refused with a reason otherwise", "[layout][execution][graphs]") {
+  const std::string one_gpu =
+      "base = [\"hardware/h100-80gb-x1\", \"models/deepseek-tiny\"]\n[parallel]\nzero_stage = 2\n[precision]\ndtype = \"bf16\"\n"
+      "[batch]\nglobal = 4\nmicro = 4\nseq_len = 128\n";
+  auto plan_with = [&](std::vector<std::string> sets) {
+    LoadedRecipe r = load_text(one_gpu, std::move(sets));
+    INFO(r.report());
+    REQUIRE(r.ok());
+    return make_plan(r.recipe, dsrun::test::small_host());
+  };
+  // Asked for only, until a GPU run has replayed it: "auto" leaves it off and says nothing.
+  CHECK_FALSE(plan_with({}).modes.cuda_graphs);
+  const Plan asked = plan_with({"execution.cuda_graphs=true"});
+  CHECK(asked.modes.cuda_graphs);
+  CHECK(contains(asked.modes.describe(), "forward and backward replayed as one CUDA graph"));
+  CHECK_FALSE(plan_with({"execution.cuda_graphs=false"}).modes.cuda_graphs);
+  // Each rule, asked for by true: refused, and the plan says why.
+  const std::vector<std::pair<std::vector<std::string>, std::string>> refusals = {
+      {{"batch.micro=2"}, "more than one micro-batch a step"},
+      {{"precision.dtype=\"fp16\""}, "only bf16"},
+      {{"parallel.activation_checkpointing=\"full\""}, "recomputation"},
+      {{"hardware.devices_per_node=2", "parallel.data_parallel=2", "batch.micro=2"}, "several ranks"},
+      {{"execution.update_on_device=false"}, "gradients are not left to autograd"},
+  };
+  for (const auto& [sets, why] : refusals) {
+    std::vector<std::string> asked = sets;
+    asked.push_back("execution.cuda_graphs=true");
+    const Plan p = plan_with(asked);
+    INFO(why);
+    CHECK_FALSE(p.modes.cuda_graphs);
+    CHECK(std::any_of(p.notes.begin(), p.notes.end(), [&](const std::string& n) { return contains(n, "execution.cuda_graphs = true does not hold here: " + why); }));
+  }
+}
+
 TEST_CASE("execution modes: one rule each, from the layout and the build's kernels, pinned for the ranks", "[layout][execution]") {
   const std::string one_gpu =
       "base = [\"hardware/h100-80gb-x1\", \"models/deepseek-tiny\"]\n[parallel]\nzero_stage = 2\n[precision]\ndtype = \"bf16\"\n"

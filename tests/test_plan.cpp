@@ -721,4 +721,11 @@ TEST_CASE("under ZeRO-3 the FP8 layers' gathered weights are not held until back
   CHECK(bf16.memory.comm_buffers - fp8.memory.comm_buffers == Approx(2 * fp8_params).epsilon(1e-6));
   // Measured (bench/gpu_multi.sh fp8, 4 H200): bf16's peak 108.41 GiB, FP8's 95.86 GiB.
   CHECK(bf16.memory.total() - fp8.memory.total() > 11.0 * (1 << 30));
+  // A MoE block's bf16 router and grouped experts keep views of its gathered buffer: only the dense
+  // first layer's FP8 weights are freed (DeepSeek-MoE-16B: one dense layer, hidden 2048, MLP 10944).
+  const std::string moe = "base = [\"hardware/4x-nvidia-h200-probed\", \"models/deepseek-moe-16b\"]\n[precision]\ndtype = \"bf16\"\n"
+                          "[parallel]\nzero_stage = 3\n[batch]\nglobal = 16\nmicro = 1\nseq_len = 2048\n[hardware]\nhost_memory_gib = 500\n";
+  const Plan moe_bf16 = plan_of(moe), moe_fp8 = plan_of(moe, {"precision.fp8=\"tensorwise\""});
+  const double dense_layer = 4.0 * 2048 * 2048 + 3.0 * 2048 * 10944;
+  CHECK(moe_bf16.memory.comm_buffers - moe_fp8.memory.comm_buffers == Approx(2 * dense_layer).epsilon(1e-6));
 }

@@ -603,3 +603,25 @@ TEST_CASE("CUDA: fp16 steps that overflow run again at half the scale: none skip
   CHECK(store.metric_history(direct.id, "overflow_retries").front().value == 0);
   CHECK(store.metric_history(direct.id, "overflow_retries").back().value == retries.back().value - retries.front().value);
 }
+
+TEST_CASE("CUDA: a step replayed as a CUDA graph gives the eager step's losses for 10 steps, and the run says it was captured", "[training][cuda][graphs]") {
+  if (dsrun::test::run_command("nvidia-smi -L").code != 0) {
+    WARN("SKIPPED: no GPU visible (CUDA graphs need one; runs on GPU machines: scripts/gpu_build.sh)");
+    return;
+  }
+  dsrun::test::TempDir dir;
+  // One micro-batch a step in bf16 on one GPU: what execution.cuda_graphs needs.
+  const std::string recipe = "recipes/gpu/small_gpu_check.toml",
+                    common = " --set precision.dtype=bf16 --set batch.micro=16 --set run.steps=10 --set checkpoint.at_end=false";
+  const Run eager = train(dir, common + " --set execution.cuda_graphs=false", "", recipe);
+  INFO(eager.text);
+  REQUIRE(eager.code == 0);
+  const Run graphed = train(dir, common + " --set execution.cuda_graphs=true", "", recipe);
+  check_same_trajectory(eager.losses, graphed, 1e-3);
+  dsrun::Store store(dir.file("runs.db"));
+  bool captured = false;
+  for (const auto& e : store.events(graphed.id))
+    if (e.kind == "cuda_graphs") captured = contains(e.message, "captured as one CUDA graph");
+  CHECK(captured);
+  for (const auto& e : store.events(eager.id)) CHECK(e.kind != "cuda_graphs");
+}

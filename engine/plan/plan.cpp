@@ -272,12 +272,16 @@ Plan plan_fastest_stage(const Recipe& recipe, const HostFacts& host, PlanningOpt
   }
   if (!faster) return lowest;
   Plan p = Planner(*faster, host, o).plan();
+  if (!p.fits) return lowest;  // (planned whole, as the quick plan was: the same memory)
   const std::string why = "stage " + std::to_string(lowest.layout.zero_stage) + " is the lowest that fits, at micro batch " + std::to_string(lowest.layout.micro) +
                           ", " + format_seconds(lowest.step_seconds) + " a step; stage " + std::to_string(p.layout.zero_stage) + " fits micro batch " +
                           std::to_string(p.layout.micro) + ", " + format_seconds(p.step_seconds) + " a step (" + format_bytes(p.memory.total()) + " of " +
                           format_bytes(p.memory_capacity) + ")";
-  auto micro = std::find_if(p.choices.begin(), p.choices.end(), [](const AutoChoice& c) { return c.key == "batch.micro"; });
-  p.choices.insert(micro, {"parallel.zero_stage", std::to_string(p.layout.zero_stage), why});
+  // Where the planner puts the stage's choice: first of its own (before recomputation, the micro batch, the loss chunk).
+  auto own = std::find_if(p.choices.begin(), p.choices.end(), [](const AutoChoice& c) {
+    return c.key == "parallel.activation_checkpointing" || c.key == "batch.micro" || c.key == "batch.loss_chunk_tokens";
+  });
+  p.choices.insert(own, {"parallel.zero_stage", std::to_string(p.layout.zero_stage), why});
   return p;
 }
 
@@ -295,7 +299,12 @@ PlannedData planned_data(const Recipe& recipe) { return {planning::data_bytes(re
 
 Plan plan_fixed_layout(const Recipe& recipe, const HostFacts& host) {
   DSRUN_ASSERT(!recipe.parallel.search.any(), "the search fixes every degree before planning");
-  return plan_fastest_stage(recipe, host, {});
+  // The data measured once for every stage planned (it reads the corpus).
+  const PlannedData data = planned_data(recipe);
+  PlanningOptions o;
+  o.data_bytes = data.bytes;
+  o.attention_fraction = data.attention_fraction;
+  return plan_fastest_stage(recipe, host, o);
 }
 
 }  // namespace dsrun

@@ -23,6 +23,7 @@ void Planner::add_units(StageCost& st, int begin, int end) const {
     st.attention_flops_per_sample += unit.attention_flops_per_sample;
     st.fp8_flops_per_sample += unit.fp8_flops_per_sample;
     st.fp8_params += unit.fp8_params;
+    if (unit.routed_expert_params == 0) st.fp8_params_dense_units += unit.fp8_params;
     st.fp8_widths += unit.fp8_widths;
     st.fp8_activation_saving_per_token += unit.fp8_activation_saving_per_token;
     st.routed_flops_per_sample += unit.routed_flops_per_sample;
@@ -170,10 +171,11 @@ Evaluation Planner::evaluate_stage(const Choice& l, int stage) const {
     m.comm_buffers = 3 * e * cost_.largest_unit_params / degrees_.tensor;
     // Without recomputation autograd keeps every layer's gathered weights (matmuls save them for
     // backward) until that layer's backward has run: the whole model, gathered, at the end of forward.
-    // FP8 layers save their weight's FP8 transpose instead (counted with the activations), so the
-    // gathered weight is freed after forward (DeepSeek-LLM-7B's shape on 4 H200: FP8's peak 12.55
-    // GiB under bf16's, of which 11.3 are these weights).
-    const double fp8_weights = r_.precision.fp8 != Fp8Scaling::None ? st.fp8_params / degrees_.tensor : 0;
+    // FP8 layers save their weight's FP8 transpose instead (counted with the activations), so a
+    // dense block's gathered weights are freed after forward (DeepSeek-LLM-7B's shape on 4 H200:
+    // FP8's peak 12.55 GiB under bf16's, of which 11.3 are these weights). A MoE block's bf16
+    // router and grouped experts keep views of its gathered buffer, so all of it stays.
+    const double fp8_weights = r_.precision.fp8 != Fp8Scaling::None ? st.fp8_params_dense_units / degrees_.tensor : 0;
     if (!l.checkpointing) m.comm_buffers += e * (st.rank_params + st.rank_expert_params - fp8_weights);
   } else if (degrees_.data > 1 && (l.stage == 2 || (l.stage == 1 && hw.device != Device::Cuda))) {
     // Reductions in flight: at most two buckets, or one unit larger than that (zero.cpp). Stage

@@ -54,6 +54,9 @@ struct StageCost {
   double attention_flops_per_sample = 0;  // of flops_per_sample
   double largest_param = 0;  // elements of the stage's largest parameter, whole (before tensor parallelism's split)
   double fp8_flops_per_sample = 0, fp8_params = 0, fp8_widths = 0;  // the FP8 linear layers' (ModelCost::Unit)
+  // Of fp8_params, those of units without routed experts: under ZeRO-3 only their gathered weights are
+  // freed after forward (a MoE unit's bf16 router and grouped experts keep views of its gathered buffer).
+  double fp8_params_dense_units = 0;
   double fp8_activation_saving_per_token = 0;
 };
 

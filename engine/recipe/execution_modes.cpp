@@ -5,8 +5,8 @@
 
 namespace dsrun {
 
-const std::array<ExecutionModeRow, 7>& execution_mode_rows() {
-  static const std::array<ExecutionModeRow, 7> rows{{
+const std::array<ExecutionModeRow, 8>& execution_mode_rows() {
+  static const std::array<ExecutionModeRow, 8> rows{{
       {"loss_gradients_in_forward", &ExecutionModes::loss_gradients_in_forward, "the fused loss's gradients made in forward",
        "Decoders with the fused output projection and loss: its gradients computed in forward, in the same pass as the loss (one tensor rank, "
        "not fp16). `auto`: where that holds; false: backward recomputes each chunk's logits."},
@@ -29,6 +29,12 @@ const std::array<ExecutionModeRow, 7>& execution_mode_rows() {
        "Expert parallelism with top_k > 1: a token whose choices are on one rank travels there once, not once per choice; the rank "
        "makes the choices' rows, and their gradient comes back summed (DeepSeek-V3's dispatch). The outputs come back per choice. "
        "`auto`: where that holds; false: every (token, choice) pair travels."},
+      {"cuda_graphs", &ExecutionModes::cuda_graphs, "forward and backward replayed as one CUDA graph",
+       "A decoder on one GPU rank in bf16, one micro-batch a step, gradients left to autograd, no recomputation, no MoE layer, no "
+       "separate documents and no hooks: the step's forward and backward captured once as a CUDA graph after two steps, then replayed "
+       "with each batch copied into its inputs (no launch gaps); the update stays outside it. A capture that fails falls back to the "
+       "eager step and says why. `auto`: off until a GPU run of dsrun's test has replayed it (the first captured nothing: "
+       "docs/benchmarks.md); true: where that holds."},
   }};
   return rows;
 }
@@ -110,6 +116,24 @@ ExecutionModes decide_execution_modes(const Recipe& r, const Layout& l, int64_t 
          : l.expert <= 1               ? "no expert parallelism (parallel.expert = 1)"
          : r.model.moe.top_k <= 1      ? "one choice per token (model.moe.top_k = 1)"
                                        : "");
+  // The capture replays fixed shapes and addresses with no host work inside: every rule below is
+  // something that would change between steps, read the device from the host, or talk to other ranks.
+  const int64_t accumulation = l.micro * l.data > 0 ? r.batch.global / (l.micro * l.data) : 0;
+  const auto graphs = r.execution.forced.find("cuda_graphs");
+  const bool graphs_asked = graphs != r.execution.forced.end() && graphs->second;
+  decide(&ExecutionModes::cuda_graphs, "cuda_graphs",
+         !graphs_asked                    ? "asked for only (execution.cuda_graphs = true) until a GPU run has replayed it"
+         : !gpu || !k.cuda                ? "CPU ranks"
+         : r.model.arch != ModelArch::DeepSeek ? "not a decoder"
+         : l.world() != 1                 ? "several ranks (collectives inside backward)"
+         : !m.gradients_left_to_autograd  ? "gradients are not left to autograd (execution.gradients_left_to_autograd)"
+         : r.precision.dtype != DType::Bf16 ? "only bf16 (fp16's loss scale is decided on the host)"
+         : accumulation != 1              ? "more than one micro-batch a step"
+         : l.recomputation                ? "recomputation"
+         : r.model.moe.routed_experts > 0 ? "MoE layers (routing decides shapes each step)"
+         : r.data.separate_documents      ? "separate documents (each batch's document lengths)"
+         : !r.hooks.script.empty()        ? "hooks read tensors between steps"
+                                          : "");
   return m;
 }
 

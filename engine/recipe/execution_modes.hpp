@@ -26,6 +26,7 @@ struct ExecutionModes {
   bool variable_length_attention = false;   // attention within documents by the variable-length kernel, not a mask
   bool shared_experts_beside_dispatch = false;  // expert parallelism: the shared experts run while the routed rows travel
   bool tokens_once_per_rank = false;            // expert parallelism: a token travels once to each rank its choices are on
+  bool cuda_graphs = false;                     // the steady step's forward and backward replayed as one captured CUDA graph
 
   // The keys that pin these in a rank's config, beside the layout's (Layout::to_config_keys).
   std::vector<std::pair<std::string, Value>> to_config_keys() const;
@@ -43,7 +44,7 @@ struct ExecutionModeRow {
   const char* words;                // as the plan says it is on
   const char* doc;                  // the schema's text
 };
-const std::array<ExecutionModeRow, 7>& execution_mode_rows();
+const std::array<ExecutionModeRow, 8>& execution_mode_rows();
 
 // The kernels a plan assumes: this build's where it can run the recipe's device; for a GPU recipe
 // planned by a build without CUDA (a laptop, a login node), those of dsrun's GPU build

@@ -26,6 +26,7 @@
 #include "engine/train/optimizer.hpp"
 #include "engine/protocol/rank_reports.hpp"
 #include "engine/train/schedule.hpp"
+#include "engine/train/step_graph.hpp"
 
 #ifdef DSRUN_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -208,6 +209,12 @@ class Trainer {
     }
 #ifdef DSRUN_WITH_CUDA
     c10::cuda::set_device(static_cast<c10::DeviceIndex>(ctx_.local_rank));
+    // execution.cuda_graphs: every step on a stream of its own, not the legacy default stream. A
+    // graph is captured on the stream the step runs on, and autograd's gradient accumulators keep
+    // the stream they were made on: made on the default stream, the captured backward would make
+    // it wait on the capture ("operation would make the legacy stream depend on a capturing
+    // blocking stream", the first GPU run of this mode).
+    if (plan_.modes.cuda_graphs) c10::cuda::setCurrentCUDAStream(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, static_cast<c10::DeviceIndex>(ctx_.local_rank)));
 #endif
     device_ = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(ctx_.local_rank));
     cap_device_memory();
@@ -332,6 +339,12 @@ class Trainer {
     }
     optimizer_ = std::make_unique<ShardOptimizer>(r_.optimizer, zero_->shards(), host_threads, host_cores);
     if (plan_.dtype == DType::Fp16) scaler_ = std::make_unique<DynamicLossScaler>(r_.precision.loss_scale);
+    if (plan_.modes.cuda_graphs) {
+      std::vector<torch::Tensor> params;
+      for (const auto& p : model_->module().parameters())
+        if (p.requires_grad()) params.push_back(p);
+      step_graph_ = std::make_unique<StepGraph>(std::move(params));
+    }
   }
 
   void open_data() {
@@ -694,6 +707,14 @@ class Trainer {
       out.items = t.items;
       return out;
     }
+    if (step_graph_ && ++graph_eager_steps_ > kEagerStepsBeforeCapture) {  // execution.cuda_graphs: one micro-batch a step
+      Batch batch = batch_of(0);
+      zero_->begin_micro_batch(true);
+      out.loss_values = graph_step(batch, backward_scale).reshape({1});
+      zero_->after_backward();
+      out.items = batch.items;
+      return out;
+    }
     std::vector<torch::Tensor> task_values, aux_values;  // read once, after every backward
     for (int64_t m = 0; m < accumulation; ++m) {
       Batch batch = batch_of(m);
@@ -709,6 +730,28 @@ class Trainer {
     out.loss_values = torch::cat(task_values);
     if (!aux_values.empty()) out.aux_values = torch::cat(aux_values);
     return out;
+  }
+
+  // The step's forward and backward through its CUDA graph: captured at the first call (the steps
+  // before ran eagerly: lazy initialisation and autotuning happen outside the capture), replayed at
+  // the next. A capture that fails says why and the run goes on eagerly.
+  torch::Tensor graph_step(const Batch& batch, double backward_scale) {
+    auto pass = [this, backward_scale](const Batch& b) {
+      MicroBatchLoss loss = micro_batch_loss(model_->forward(b, *parallel_), b, parallel_->tensor(), /*read_now=*/false);
+      (loss.loss * backward_scale).backward();
+      return loss.task_value;
+    };
+    if (step_graph_->captured()) return step_graph_->replay(batch);
+    try {
+      torch::Tensor value = step_graph_->capture(batch, pass);
+      report_.send(EventReport{"cuda_graphs", "rank " + std::to_string(ctx_.rank) + ": forward and backward captured as one CUDA graph after " +
+                                                  std::to_string(kEagerStepsBeforeCapture) + " eager steps, replayed from now on"});
+      return value;
+    } catch (const Error& e) {
+      report_.send(EventReport{"cuda_graphs", "rank " + std::to_string(ctx_.rank) + ": eager steps from now on: " + e.what()});
+      step_graph_.reset();
+      return pass(batch);
+    }
   }
 
   // Reduction, the fp16 overflow check and unscaling, the global norm. Without hooks or loss
@@ -963,6 +1006,10 @@ class Trainer {
   std::unique_ptr<Error> pending_hook_error_;
   int64_t hook_skipped_steps_ = 0;
   double last_loss_ = 0;
+  // execution.cuda_graphs: the graph, and the steps run eagerly before it is captured.
+  static constexpr int64_t kEagerStepsBeforeCapture = 2;
+  std::unique_ptr<StepGraph> step_graph_;
+  int64_t graph_eager_steps_ = 0;
 };
 
 }  // namespace
