@@ -611,13 +611,25 @@ TEST_CASE("CUDA: a step replayed as a CUDA graph gives the eager step's losses f
   }
   dsrun::test::TempDir dir;
   // One micro-batch a step in bf16 on one GPU: what execution.cuda_graphs needs.
+  // An evaluation and a save between replays: the graph's inputs, parameters and pool outlive both.
   const std::string recipe = "recipes/gpu/small_gpu_check.toml",
-                    common = " --set precision.dtype=bf16 --set batch.micro=16 --set run.steps=10 --set checkpoint.at_end=false";
+                    common = " --set precision.dtype=bf16 --set batch.micro=16 --set run.steps=10 --set checkpoint.at_end=false"
+                             " --set checkpoint.every=5 --set eval.every=4 --set eval.batches=1";
   const Run eager = train(dir, common + " --set execution.cuda_graphs=false", "", recipe);
   INFO(eager.text);
   REQUIRE(eager.code == 0);
   const Run graphed = train(dir, common + " --set execution.cuda_graphs=true", "", recipe);
   check_same_trajectory(eager.losses, graphed, 1e-3);
+  // The gradients the replays hand back are the step's: their norms follow the eager run's.
+  const std::vector<double> norms = dsrun::test::recorded_metric(dir, eager.id, "grad_norm"),
+                            replayed = dsrun::test::recorded_metric(dir, graphed.id, "grad_norm");
+  REQUIRE(norms.size() == replayed.size());
+  for (size_t i = 0; i < norms.size(); ++i) {
+    INFO("gradient norm at step " << i + 1);
+    CHECK(replayed[i] == Approx(norms[i]).epsilon(1e-2));
+  }
+  // ZeRO-2 on one rank leaves the gradients to autograd as ZeRO-0 does: the same replay, the same losses.
+  check_same_trajectory(eager.losses, train(dir, common + " --set execution.cuda_graphs=true --set parallel.zero_stage=2", "", recipe), 1e-3);
   dsrun::Store store(dir.file("runs.db"));
   bool captured = false;
   for (const auto& e : store.events(graphed.id))

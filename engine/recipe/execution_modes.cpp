@@ -33,8 +33,9 @@ const std::array<ExecutionModeRow, 8>& execution_mode_rows() {
        "A decoder on one GPU rank in bf16, one micro-batch a step, gradients left to autograd, no recomputation, no MoE layer, no "
        "separate documents and no hooks: the step's forward and backward captured once as a CUDA graph after two steps, then replayed "
        "with each batch copied into its inputs (no launch gaps); the update stays outside it. A capture that fails falls back to the "
-       "eager step and says why. `auto`: off until a GPU run of dsrun's test has replayed it (the first captured nothing: "
-       "docs/benchmarks.md); true: where that holds."},
+       "eager step and says why. The graph keeps its activations' memory between steps, which evaluation and checkpoint staging "
+       "cannot reuse (the plan does not count that yet). `auto`: off until a GPU run of dsrun's test has replayed it (the first "
+       "captured nothing: docs/benchmarks.md); true: where that holds."},
   }};
   return rows;
 }

@@ -1,10 +1,12 @@
 #include "engine/train/step_graph.hpp"
 
 #include "engine/common/error.hpp"
+#include "engine/common/torch_compat.hpp"
 
 #ifdef DSRUN_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGraph.h>
+#include <ATen/core/CachingHostAllocator.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #endif
@@ -56,34 +58,52 @@ torch::Tensor StepGraph::capture(const Batch& batch, const Pass& pass) {
   // Blocks the eager steps cached go back to the device first: the graph's activations come from
   // its own pool, and both at once would hold them twice.
   c10::cuda::CUDACachingAllocator::emptyCache();
+  const c10::DeviceIndex device = c10::cuda::current_device();
+  const at::cuda::MempoolId_t pool = at::cuda::graph_pool_handle();
+  bool ended = false;  // the capture ended cleanly: the graph releases its pool itself
   try {
-    cuda_->graph.capture_begin();
+    cuda_->graph.capture_begin(pool);
     try {
       loss_ = pass(inputs_);
     } catch (const std::exception& e) {
       // The capture is invalid; ending it frees the stream (its own error, if any, is the same cause).
-      std::string ended;
+      std::string why = first_line(e);
       try {
         cuda_->graph.capture_end();
       } catch (const std::exception& end) {
-        ended = " (ending the capture: " + first_line(end) + ")";
+        why += " (ending the capture: " + first_line(end) + ")";
       }
-      throw Error(first_line(e) + ended);
+      throw Error(why);
     }
     cuda_->graph.capture_end();
+    ended = true;
     for (const auto& p : params_) {
       if (!p.grad().defined()) throw Error("a parameter got no gradient in the captured backward");
       grads_.push_back(p.grad());
     }
+    captured_ = true;
+    return replay(batch);  // (a capture runs nothing: this step's values come from the first replay)
   } catch (const std::exception& e) {
+    // The gradients are the graph's outputs, never written unless a replay ran: none is kept.
     for (auto& p : params_) p.mutable_grad() = torch::Tensor();
     grads_.clear();
     loss_ = torch::Tensor();
+    captured_ = false;
+    // A capture that did not end cleanly leaves its pool routed to by the allocators (PyTorch's
+    // capture_end throws before it ends that): ended here, then released, so the eager steps after
+    // it allocate, free and retry on out-of-memory as before.
+    if (!ended) {
+      c10::cuda::CUDACachingAllocator::endAllocateToPool(device, pool);
+      c10::cuda::CUDACachingAllocator::releasePool(device, pool);
+#if DSRUN_TORCH_AT_LEAST(2, 11)
+      at::getHostAllocator(at::kCUDA)->end_allocate_to_pool(pool);
+      at::getHostAllocator(at::kCUDA)->release_pool(pool);
+#endif
+    }
     cuda_.reset();
+    c10::cuda::CUDACachingAllocator::emptyCache();
     throw Error("the step could not be captured as a CUDA graph: " + first_line(e));
   }
-  captured_ = true;
-  return replay(batch);
 #else
   (void)batch, (void)pass;
   throw Error("CUDA graphs need a CUDA build (execution.cuda_graphs)");
