@@ -8,7 +8,6 @@
 #include <ATen/cuda/CUDAGraph.h>
 #include <ATen/core/CachingHostAllocator.h>
 #include <c10/cuda/CUDACachingAllocator.h>
-#include <c10/cuda/CUDAGuard.h>
 #endif
 
 namespace dsrun {

@@ -1,5 +1,5 @@
 // The steady step's forward and backward as one CUDA graph (execution.cuda_graphs): captured once
-// on a side stream, then replayed with each step's batch copied into the inputs it was captured on.
+// on the step's own stream, then replayed with each step's batch copied into the inputs it was captured on.
 #pragma once
 
 #include "engine/model/model.hpp"
@@ -34,7 +34,7 @@ class StepGraph {
   torch::Tensor replay(const Batch& batch);
 
  private:
-  struct Cuda;  // the graph and its stream, on CUDA builds
+  struct Cuda;  // the graph, on CUDA builds
   std::unique_ptr<Cuda> cuda_;
   std::vector<torch::Tensor> params_, grads_;
   Batch inputs_;
