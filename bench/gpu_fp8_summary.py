@@ -26,15 +26,15 @@ def latest(run_id, name):
 
 runs = db.execute("SELECT id, name, status, plan_json FROM runs ORDER BY created_at").fetchall()
 by_name = {name: (run_id, status, json.loads(plan_json)) for run_id, name, status, plan_json in runs}
-print("| run | s/step (plan, error) | tokens/s | vs bf16 | MFU of bf16 peak | device peak (plan) |")
-print("|---|---|---|---|---|---|")
+print("| run | s/step (plan, error) | tokens/s | vs bf16 | MFU of bf16 peak | device peak (plan) | reserved (plan) |")
+print("|---|---|---|---|---|---|---|")
 step_of = {}
 for name, (run_id, status, plan) in by_name.items():
     if name.startswith("parity-"):
         continue
     steps = list(series(run_id, "step_seconds").values())
     if len(steps) < 3:
-        print(f"| {name} | {status}, {len(steps)} steps | | | | |")
+        print(f"| {name} | {status}, {len(steps)} steps | | | | | |")
         continue
     dt = statistics.mean(steps[len(steps) // 3:])
     step_of[name] = dt
@@ -44,9 +44,11 @@ for name, (run_id, status, plan) in by_name.items():
     ref = step_of.get(name.rsplit("-", 1)[0] + "-none")
     versus = f"{ref / dt:.3f}x" if ref and not name.endswith("-none") else ""
     runtime = plan["memory_per_rank"]["runtime"]
-    peak, planned = latest(run_id, "peak_allocated_bytes"), latest(run_id, "predicted_total_bytes") - runtime
+    # Over the whole run (the ranks report again at the end); reserved counts what a CUDA graph's pool keeps.
+    peak, reserved = latest(run_id, "peak_allocated_bytes"), latest(run_id, "peak_reserved_bytes")
+    planned = latest(run_id, "predicted_total_bytes") - runtime
     print(f"| {name} | {dt:.4f} ({plan_dt:.4f}, {100 * (dt / plan_dt - 1):+.1f}%) | {tps:,.0f} | {versus} | {100 * mfu:.1f}% | "
-          f"{peak / GiB:.2f} GiB ({planned / GiB:.2f}, {100 * (peak / planned - 1):+.1f}%) |")
+          f"{peak / GiB:.2f} GiB ({planned / GiB:.2f}, {100 * (peak / planned - 1):+.1f}%) | {reserved / GiB:.2f} GiB ({100 * (reserved / planned - 1):+.1f}%) |")
 
 parity = {name: series(run_id, "loss") for name, (run_id, _, _) in by_name.items() if name.startswith("parity-")}
 # One group per seed: parity-<scaling> (the run's seed) and parity-s<SEED>-<scaling>, each against its own bf16.
