@@ -235,7 +235,7 @@ TEST_CASE("smoke plans of every recipe keep each degree and choice of its plan, 
   }
 }
 
-TEST_CASE("execution.cuda_graphs: asked for, on for one bf16 decoder rank with one micro-batch a step, refused with a reason otherwise", "[layout][execution][graphs]") {
+TEST_CASE("execution.cuda_graphs: on for one bf16 decoder rank with one micro-batch a step, refused with a reason otherwise, an evaluation beside the graph counted", "[layout][execution][graphs]") {
   const std::string one_gpu =
       "base = [\"hardware/h100-80gb-x1\", \"models/deepseek-tiny\"]\n[parallel]\nzero_stage = 2\n[precision]\ndtype = \"bf16\"\n"
       "[batch]\nglobal = 4\nmicro = 4\nseq_len = 128\n";
@@ -245,12 +245,19 @@ TEST_CASE("execution.cuda_graphs: asked for, on for one bf16 decoder rank with o
     REQUIRE(r.ok());
     return make_plan(r.recipe, dsrun::test::small_host());
   };
-  // Asked for only, until a GPU run has replayed it: "auto" leaves it off and says nothing.
-  CHECK_FALSE(plan_with({}).modes.cuda_graphs);
+  // "auto" takes it where the rule holds, as true does.
+  CHECK(plan_with({}).modes.cuda_graphs);
   const Plan asked = plan_with({"execution.cuda_graphs=true"});
   CHECK(asked.modes.cuda_graphs);
   CHECK(contains(asked.modes.describe(), "forward and backward replayed as one CUDA graph"));
   CHECK_FALSE(plan_with({"execution.cuda_graphs=false"}).modes.cuda_graphs);
+  // The graph's pool keeps the step's peak between steps: an evaluation's forward is counted on top,
+  // and only where both hold.
+  const Plan graphed = plan_with({"eval.every=5"}), eager = plan_with({"eval.every=5", "execution.cuda_graphs=false"});
+  CHECK(graphed.memory.evaluation_beside_graph > 0);
+  CHECK(eager.memory.evaluation_beside_graph == 0);
+  CHECK(plan_with({}).memory.evaluation_beside_graph == 0);
+  CHECK(graphed.memory.total() == Approx(eager.memory.total() + graphed.memory.evaluation_beside_graph).epsilon(1e-9));
   // Each rule, asked for by true: refused, and the plan says why.
   const std::vector<std::pair<std::vector<std::string>, std::string>> refusals = {
       {{"batch.micro=2"}, "more than one micro-batch a step"},

@@ -165,6 +165,15 @@ Evaluation Planner::evaluate_stage(const Choice& l, int stage) const {
   // Gradients left to autograd come as backward frees activations, except that one: held at the peak.
   if (modes.gradients_left_to_autograd)
     m.gradients_after_peak = std::min(std::max(0.0, m.states.grads - head_gradient_in_forward), m.activations + m.backward_peak);
+  // A CUDA graph's private pool is never handed back between replays: what an evaluation's forward
+  // allocates cannot reuse the step's activations, as an eager step's would. Its largest piece is
+  // the head's fp32 logits for a loss chunk (the micro-batch where unchunked); measured on the ~1B at
+  // micro 8 on an H200, 1.88 GiB more reserved than eager, against 1.95 counted (docs/benchmarks.md).
+  if (modes.cuda_graphs && r_.eval.every > 0 && st.has_head) {
+    const double micro_tokens = static_cast<double>(l.micro * r_.batch.seq_len);
+    const double chunk = cost_.loss_chunk_tokens > 0 ? std::min(static_cast<double>(cost_.loss_chunk_tokens), micro_tokens) : micro_tokens;
+    m.evaluation_beside_graph = chunk * 4.0 * static_cast<double>(r_.model.vocab / degrees_.tensor);
+  }
   const double e = bytes_per_element(r_.precision.dtype);
   if (l.stage == 3 && degrees_.data > 1) {
     // The layer being computed, the prefetched next one, and one layer's full gradient before reduce-scatter.

@@ -131,6 +131,9 @@ std::string render_plan(const Plan& p) {
   if (m.gradients_after_peak > 0)
     t.add({"gradients after the peak", format_bytes(m.gradients_after_peak),
            "subtracted from the total: one rank's autograd makes them as backward frees activations (no gradient buffer)"});
+  if (m.evaluation_beside_graph > 0)
+    t.add({"evaluation beside the graph", format_bytes(m.evaluation_beside_graph),
+           "execution.cuda_graphs keeps the step's memory between steps: an evaluation's forward comes on top"});
   t.add({"communication buffers", format_bytes(m.comm_buffers), p.layout.zero_stage == 3 ? "gathered layers" : "gradient buckets"});
   t.add({"runtime", format_bytes(m.runtime), "context, libraries"});
   t.add({"allocator slack", format_bytes(m.fragmentation), "fragmentation"});
@@ -262,7 +265,8 @@ std::string plan_to_json(const Plan& p) {
                    {"attention", kernel_name(p.attention)}, {"document_attention", p.document_attention},
                    {"attention_fraction", p.attention_fraction}, {"loss_chunk_tokens", p.modes.loss_chunk_tokens}};
   j["memory_per_rank"] = {{"params", m.states.params}, {"grads", m.states.grads}, {"master", m.states.master},
-                          {"optimizer", m.states.optimizer}, {"activations", m.activations}, {"backward_peak", m.backward_peak}, {"gradients_after_peak", m.gradients_after_peak}, {"comm_buffers", m.comm_buffers},
+                          {"optimizer", m.states.optimizer}, {"activations", m.activations}, {"backward_peak", m.backward_peak}, {"gradients_after_peak", m.gradients_after_peak},
+                          {"evaluation_beside_graph", m.evaluation_beside_graph}, {"comm_buffers", m.comm_buffers},
                           {"routed_expert_states", m.routed_expert_states}, {"runtime", m.runtime}, {"fragmentation", m.fragmentation}, {"offloaded_to_host", m.states.host},
                           {"total", m.total() + (p.device == Device::Cpu ? m.states.host : 0)}, {"capacity", p.memory_capacity}};
   j["host_memory_per_rank"] = {{"process", p.host.process}, {"device", p.host.device}, {"offloaded", p.host.offloaded},
