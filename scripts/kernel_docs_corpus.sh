@@ -11,7 +11,7 @@ out=data/kernel_docs/documentation.jsonl.zst
 [ -f "$out" ] && { echo "kernel_docs_corpus: $out is there"; exit 0; }
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-(cd "$work" && apt-get download -qq linux-source-6.1 2>/dev/null)
+(cd "$work" && apt-get download -qq linux-source-6.1)  # as root apt warns it cannot drop to _apt here: harmless
 dpkg-deb -x "$work"/linux-source-6.1_*.deb "$work/deb"
 tar -xJf "$work"/deb/usr/src/linux-source-6.1.tar.xz -C "$work" --wildcards 'linux-source-6.1/Documentation/*'
 mkdir -p data/kernel_docs
