@@ -258,6 +258,13 @@ TEST_CASE("execution.cuda_graphs: on for one bf16 decoder rank with one micro-ba
   CHECK(eager.memory.evaluation_beside_graph == 0);
   CHECK(plan_with({}).memory.evaluation_beside_graph == 0);
   CHECK(graphed.memory.total() == Approx(eager.memory.total() + graphed.memory.evaluation_beside_graph).epsilon(1e-9));
+  // Unchunked, the whole micro-batch's logits in bf16, their fp32 copy and its log-softmax: 10 bytes
+  // a token and vocabulary entry against a chunk's 4.
+  const Plan whole = plan_with({"eval.every=5", "batch.loss_chunk_tokens=0"});
+  REQUIRE(whole.modes.cuda_graphs);
+  REQUIRE(graphed.modes.loss_chunk_tokens > 0);
+  const double chunk = std::min<double>(static_cast<double>(graphed.modes.loss_chunk_tokens), 4 * 128);
+  CHECK(whole.memory.evaluation_beside_graph == Approx(graphed.memory.evaluation_beside_graph * (10.0 * 4 * 128) / (4.0 * chunk)));
   // Each rule, asked for by true: refused, and the plan says why.
   const std::vector<std::pair<std::vector<std::string>, std::string>> refusals = {
       {{"batch.micro=2"}, "more than one micro-batch a step"},

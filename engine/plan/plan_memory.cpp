@@ -167,12 +167,14 @@ Evaluation Planner::evaluate_stage(const Choice& l, int stage) const {
     m.gradients_after_peak = std::min(std::max(0.0, m.states.grads - head_gradient_in_forward), m.activations + m.backward_peak);
   // A CUDA graph's private pool is never handed back between replays: what an evaluation's forward
   // allocates cannot reuse the step's activations, as an eager step's would. Its largest piece is
-  // the head's fp32 logits for a loss chunk (the micro-batch where unchunked); measured on the ~1B at
-  // micro 8 on an H200, 1.88 GiB more reserved than eager, against 1.95 counted (docs/benchmarks.md).
+  // the head's logits: with the fused loss a chunk's, in fp32 (measured on the ~1B at micro 8 on an
+  // H200, 1.88 GiB more reserved than eager, against 1.95 counted: docs/benchmarks.md); unchunked,
+  // the micro-batch's in the compute dtype, their fp32 copy and its log-softmax (4 + 4 + e bytes).
   if (modes.cuda_graphs && r_.eval.every > 0 && st.has_head) {
     const double micro_tokens = static_cast<double>(l.micro * r_.batch.seq_len);
-    const double chunk = cost_.loss_chunk_tokens > 0 ? std::min(static_cast<double>(cost_.loss_chunk_tokens), micro_tokens) : micro_tokens;
-    m.evaluation_beside_graph = chunk * 4.0 * static_cast<double>(r_.model.vocab / degrees_.tensor);
+    const double local_vocab = static_cast<double>(r_.model.vocab / degrees_.tensor);
+    m.evaluation_beside_graph = cost_.loss_chunk_tokens > 0 ? std::min(static_cast<double>(cost_.loss_chunk_tokens), micro_tokens) * 4.0 * local_vocab
+                                                            : micro_tokens * (8.0 + bytes_per_element(r_.precision.dtype)) * local_vocab;
   }
   const double e = bytes_per_element(r_.precision.dtype);
   if (l.stage == 3 && degrees_.data > 1) {
