@@ -89,12 +89,11 @@ for phase in "$@"; do
         --set data.kind='"tokens"' --set data.path="\"$PWD/data/${corpus}_llama2\"")
       if [ "$phase" = parity ]; then
         # One GPU a run, as many at once as the machine has GPUs; PARITY_REPEAT=1 runs bf16 once more.
-        ngpu=$gpus
         i=0
         for fp8 in none $scalings $([ "${PARITY_REPEAT:-0}" = 1 ] && echo again); do
-          CUDA_VISIBLE_DEVICES=$((i % ngpu)) run "parity-$fp8" $base "${parity_sets[@]}" --set precision.fp8="\"${fp8/again/none}\"" &
+          CUDA_VISIBLE_DEVICES=$((i % gpus)) run "parity-$fp8" $base "${parity_sets[@]}" --set precision.fp8="\"${fp8/again/none}\"" &
           i=$((i + 1))
-          [ $((i % ngpu)) = 0 ] && wait
+          [ $((i % gpus)) = 0 ] && wait
         done
         wait
       elif [ "$phase" = repeat ]; then

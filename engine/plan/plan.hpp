@@ -51,7 +51,7 @@ struct MemoryBreakdown {
   // so the peak is the larger of the two, not their sum.
   double gradients_after_peak = 0;
   // execution.cuda_graphs with evaluation: the graph's pool keeps the step's peak between steps, so
-  // an evaluation's forward (one block's activations, the head's chunk) comes on top of it.
+  // an evaluation's forward (its largest piece: the head's logits) comes on top of it.
   double evaluation_beside_graph = 0;
   double total() const {
     return states.device_total() - gradients_after_peak + activations + backward_peak + evaluation_beside_graph + comm_buffers + runtime + fragmentation;

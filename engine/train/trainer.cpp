@@ -187,8 +187,7 @@ class Trainer {
     if (saver_) report_saved(saver_->wait());  // the last asynchronous save is complete before the run is
     // The GPU allocator's peaks again, over the whole run: evaluations, saves and a CUDA graph's pool
     // come after the first step (the store keeps the latest report: after a resume, the resumed
-    // launch's peaks). The host's peak RSS
-    // stays the first step's: over a whole CPU run with the optimizer offloaded it grew 20% past the
+    // launch's peaks). The host's peak RSS stays the first step's: over a whole CPU run with the optimizer offloaded it grew 20% past the
     // plan's host term (found here, not yet planned: docs/benchmarks.md, 2026-11-28).
     if (done > first_step) report_device_peaks();
     if (hooks_ && !last.hook_failed)
