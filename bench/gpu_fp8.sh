@@ -21,6 +21,11 @@
 #   graphs  the ~1B at seq 2048 (micro 8, one micro-batch a step) eager and replayed as a CUDA graph
 #           (execution.cuda_graphs), in bf16 and tensorwise FP8: graphs-<FP8>-<eager|graph>; bf16 with an
 #           evaluation every 5 steps: graphs-eval-<eager|graph>.
+#   moeprobe `dsrun probe` with the MoE recipe (recipes/gpu/deepseek_moe_h100.toml): its grouped
+#           products' efficiencies, bf16 and FP8 (hardware.fp8_grouped_matmul_efficiency); moe plans under it.
+#   moe     the MoE recipe at each micro-batch of MOE_MICROS (default "4 16": 768 and 3072 rows an
+#           expert a step): bf16, rowwise FP8 with the routed experts in bf16, and with them in FP8
+#           too (execution.fp8_routed_experts = true): moe<MICRO>-<none|rowwise|experts>.
 # Results: $out/summary-fp8.txt (bench/gpu_fp8_summary.py), logs in $out.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
@@ -33,6 +38,8 @@ scalings=${FP8_SCALINGS:-tensorwise rowwise blockwise}
 gib=$(awk '/MemTotal/ {printf "%.0f", $2 / 1048576}' /proc/meminfo)
 base=$one_b
 [ -f /tmp/fp8_probe.toml ] && base=/tmp/fp8_1b.toml
+moe=recipes/gpu/deepseek_moe_h100.toml
+[ -f /tmp/moe_probe.toml ] && moe=/tmp/fp8_moe.toml
 common=(--db "$db" --set checkpoint.at_end=false --set checkpoint.every=0 --set hardware.host_memory_gib=$gib --set run.seed=1)
 
 run() {  # NAME RECIPE ARGS...: one run, its exit status and wall time printed
@@ -53,6 +60,21 @@ for phase in "$@"; do
       printf 'base = ["%s/%s", "/tmp/fp8_probe.toml"]\n' "$PWD" "$one_b" > /tmp/fp8_1b.toml
       base=/tmp/fp8_1b.toml
       echo "probe: $(( $(date +%s) - t0 )) s" ;;
+    moeprobe)
+      t0=$(date +%s)
+      build-gpu/dsrun probe recipes/gpu/deepseek_moe_h100.toml -o /tmp/moe_probe.toml --disk /tmp > "$out/moe_probe.log" 2>&1 || tail -20 "$out/moe_probe.log"
+      cp /tmp/moe_probe.toml "$out/" 2>/dev/null
+      grep -E "grouped_matmul_efficiency|fp8_matmul_efficiency|^matmul_efficiency" /tmp/moe_probe.toml
+      printf 'base = ["%s/%s", "/tmp/moe_probe.toml"]\n' "$PWD" recipes/gpu/deepseek_moe_h100.toml > /tmp/fp8_moe.toml
+      moe=/tmp/fp8_moe.toml
+      echo "moe probe: $(( $(date +%s) - t0 )) s" ;;
+    moe)
+      for micro in ${MOE_MICROS:-4 16}; do
+        for variant in none rowwise experts; do
+          run "moe$micro-$variant" $moe --set run.steps=$steps --set precision.fp8="\"$([ $variant = none ] && echo none || echo rowwise)\"" \
+            --set batch.global=$micro --set batch.micro=$micro --set execution.fp8_routed_experts=$([ $variant = experts ] && echo true || echo false)
+        done
+      done ;;
     speed)
       # The 7B's layers on the probed GPU: the 1B recipe's hardware and settings, the 7B's model, cut.
       printf 'base = ["%s", "%s/templates/models/deepseek-llm-7b.toml"]\n' "$( [ "$base" = "$one_b" ] && echo "$PWD/$one_b" || echo "$base")" "$PWD" > /tmp/fp8_7b.toml

@@ -3,6 +3,7 @@
 #include "engine/common/torch_compat.hpp"
 #include "engine/common/error.hpp"
 #include "engine/model/fp8_linear.hpp"
+#include "engine/model/grouped_experts.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -111,6 +112,99 @@ TEST_CASE("CUDA: an FP8 linear layer's output and both gradients track the bf16 
   }
   // None is torch's linear, bit for bit.
   CHECK(torch::equal(fp8_linear(x0, w0, Fp8Scaling::None), torch::linear(x0, w0)));
+}
+
+TEST_CASE("CUDA: a MoE layer's expert weights quantised each expert on its own: the batched kernel equals its reference, row and column scales per expert", "[engine][cuda][fp8][moe]") {
+  if (!fp8_runs_here()) return;
+  torch::manual_seed(9);
+  // Three experts of very different magnitudes; 40 rows cross a tile's edge.
+  for (auto [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{40, 64}, {128, 96}}) {
+    INFO(rows << " x " << cols);
+    const torch::Tensor w = (torch::randn({3, rows, cols}, torch::kCUDA) * torch::tensor({1.0, 30.0, 0.01}, torch::kCUDA).view({3, 1, 1})).to(torch::kBFloat16);
+    const Fp8Operand k = quantize_fp8_experts(w, true, true);
+    const Fp8Operand r = quantize_fp8_experts(w, true, true, /*reference=*/true);
+    REQUIRE(k.q.sizes() == torch::IntArrayRef({3, rows, cols}));
+    REQUIRE(k.qt.sizes() == torch::IntArrayRef({3, cols, rows}));
+    REQUIRE(k.inv_q.sizes() == torch::IntArrayRef({3, rows}));
+    REQUIRE(k.inv_t.sizes() == torch::IntArrayRef({3, cols}));
+    CHECK(torch::equal(k.q.view(torch::kUInt8), r.q.view(torch::kUInt8)));
+    CHECK(torch::equal(k.qt.view(torch::kUInt8), r.qt.view(torch::kUInt8)));
+    CHECK(torch::allclose(k.inv_q, r.inv_q, 1e-6, 0));
+    CHECK(torch::allclose(k.inv_t, r.inv_t, 1e-6, 0));
+    // Each expert's own maxima: its rows' and its columns', not the stack's.
+    const torch::Tensor wf = w.to(torch::kFloat32).abs();
+    CHECK(torch::allclose(k.inv_q, wf.amax(2) / 448.0, 1e-6, 0));
+    CHECK(torch::allclose(k.inv_t, wf.amax(1) / 448.0, 1e-6, 0));
+    for (int64_t e = 0; e < 3; ++e) {
+      CHECK(relative_error(k.q[e].to(torch::kFloat32) * k.inv_q[e].unsqueeze(1), w[e]) < 0.04);
+      CHECK(relative_error(k.qt[e].to(torch::kFloat32) * k.inv_t[e].unsqueeze(1), w[e].t()) < 0.04);
+    }
+  }
+}
+
+TEST_CASE("CUDA: rowwise FP8 without a transpose in one pass (a warp a row) equals the reference, across its register sizes and past them", "[engine][cuda][fp8][moe]") {
+  if (!fp8_runs_here()) return;
+  torch::manual_seed(11);
+  // 4, 8 and 16 words a lane (48, 1408, 2816 columns: the experts' widths), and 8192 (two passes).
+  for (int64_t cols : {48, 1408, 2816, 8192}) {
+    INFO(cols << " columns");
+    const torch::Tensor x = (torch::randn({37, cols}, torch::kCUDA) * torch::rand({37, 1}, torch::kCUDA) * 30).to(torch::kBFloat16);
+    const Fp8Operand k = quantize_fp8(x, Fp8Scaling::Rowwise, false, true, false);
+    const Fp8Operand r = quantize_fp8(x, Fp8Scaling::Rowwise, false, true, false, /*reference=*/true);
+    CHECK_FALSE(k.qt.defined());
+    REQUIRE(k.inv_q.sizes() == torch::IntArrayRef({37, 1}));
+    CHECK(torch::equal(k.q.view(torch::kUInt8), r.q.view(torch::kUInt8)));
+    CHECK(torch::allclose(k.inv_q, r.inv_q, 1e-6, 0));
+    CHECK(torch::allclose(k.inv_q, x.to(torch::kFloat32).abs().amax(1, true) / 448.0, 1e-6, 0));
+  }
+}
+
+TEST_CASE("CUDA: FP8 routed experts (grouped scaled products) track the bf16 grouped experts' output and gradients within FP8's error", "[engine][cuda][fp8][moe]") {
+  if (!fp8_runs_here() || !compat::kHasScaledGroupedMm) return;
+  torch::manual_seed(10);
+  const int64_t experts = 4, hidden = 256, inner = 128;
+  // Uneven groups, one expert with no rows.
+  const torch::Tensor counts = torch::tensor({40, 0, 88, 64}, torch::TensorOptions().dtype(torch::kInt64).device(torch::kCUDA));
+  const int64_t rows = 192;
+  const torch::Tensor x0 = torch::randn({rows, hidden}, torch::kCUDA).to(torch::kBFloat16);
+  const torch::Tensor g = torch::randn({rows, hidden}, torch::kCUDA).to(torch::kBFloat16);
+  // The weights one after another in one buffer, as ZeRO lays them out (stacking copies nothing).
+  const torch::Tensor gate_up_all = (torch::randn({experts, 2 * inner, hidden}, torch::kCUDA) * 0.05).to(torch::kBFloat16);
+  const torch::Tensor down_all = (torch::randn({experts, hidden, inner}, torch::kCUDA) * 0.05).to(torch::kBFloat16);
+  auto leaves = [](const torch::Tensor& all) {
+    std::vector<torch::Tensor> out;
+    for (int64_t e = 0; e < all.size(0); ++e) out.push_back(all[e].detach().clone().requires_grad_(true));
+    return out;
+  };
+  // The reference: the looped experts in fp32 from the same bf16 values.
+  auto to_f32 = [](std::vector<torch::Tensor> v) {
+    for (auto& t : v) t = t.detach().to(torch::kFloat32).requires_grad_(true);
+    return v;
+  };
+  std::vector<torch::Tensor> gu_r = to_f32(leaves(gate_up_all)), dn_r = to_f32(leaves(down_all));
+  torch::Tensor xr = x0.to(torch::kFloat32).requires_grad_(true);
+  torch::Tensor yr = looped_swiglu_experts(xr, counts, gu_r, dn_r);
+  yr.backward(g.to(torch::kFloat32));
+
+  std::vector<torch::Tensor> gu = leaves(gate_up_all), dn = leaves(down_all);
+  torch::Tensor x = x0.clone().requires_grad_(true);
+  torch::Tensor y = grouped_swiglu_experts(x, counts, gu, dn, /*fp8=*/true);
+  REQUIRE(y.sizes() == yr.sizes());
+  CHECK(y.scalar_type() == torch::kBFloat16);
+  y.backward(g);
+  // Two FP8 products in a row each way (E4M3, row scales): a few percent, as the linear layer's.
+  CHECK(relative_error(y, yr) < 0.08);
+  CHECK(relative_error(x.grad(), xr.grad()) < 0.12);
+  for (int64_t e : {0, 2, 3}) {
+    INFO("expert " << e);
+    CHECK(relative_error(gu[e].grad(), gu_r[e].grad()) < 0.12);
+    CHECK(relative_error(dn[e].grad(), dn_r[e].grad()) < 0.12);
+  }
+  // The expert without rows: gradients of zero.
+  CHECK(gu[1].grad().abs().max().item<double>() == 0);
+  CHECK(dn[1].grad().abs().max().item<double>() == 0);
+  // FP8's error is there: not the bf16 path.
+  CHECK(relative_error(y, yr) > 0.005);
 }
 
 TEST_CASE("CUDA: blockwise FP8 operands: each 1 x 128 and 128 x 128 block scaled from its own maximum, scales laid out as torch's product reads them", "[engine][cuda][fp8]") {

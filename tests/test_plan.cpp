@@ -711,6 +711,52 @@ TEST_CASE("precision.fp8 prices the blocks' linear layers at the FP8 peak and th
   CHECK(blockwise.step_seconds < bf16.step_seconds);
 }
 
+TEST_CASE("execution.fp8_routed_experts: auto where the hardware's figures say FP8 pays for its quantisation, priced as two thirds of the experts' FLOPs in FP8, their quantisation and their kept transposes", "[plan][fp8][moe]") {
+  // The MoE benchmark's shape (recipes/gpu/deepseek_moe_h100.toml): 4 MoE layers of 64 experts, top-6.
+  const std::string recipe = "base = [\"hardware/h100-80gb-x1\", \"models/deepseek-moe-16b\"]\n[model]\nlayers = 5\nmax_seq_len = 2048\n"
+                             "[precision]\ndtype = \"bf16\"\nfp8 = \"rowwise\"\n[parallel]\nzero_stage = 0\n[batch]\nglobal = 4\nmicro = 4\nseq_len = 2048\n";
+  const Recipe loaded = load_text(recipe).recipe;
+  const HardwareSpec hw = loaded.hardware;
+  // micro 4 x 2048 tokens x 6 choices / 64 experts = 768 rows an expert.
+  const Plan off = plan_of(recipe), on = plan_of(recipe, {"execution.fp8_routed_experts=true"});
+  REQUIRE(on.modes.fp8_routed_experts);
+  CHECK(contains(on.modes.describe(), "the routed experts' grouped products in FP8"));
+  // `auto`: per row the products' saving against its four operands' quantisation, per expert its
+  // weights' quantisation, from the hardware's figures.
+  const double h = 2048, i = 1408;
+  auto gain = [&](const HardwareSpec& x, double rows) {
+    const double saved = 12 * h * i * (1 / (x.peak_flops_bf16 * x.grouped_matmul_efficiency) - 1 / (x.peak_flops_fp8 * x.fp8_grouped_matmul_efficiency));
+    return rows * (saved - 3 * (2 * h + 3 * i) / x.memory_bandwidth) - 12 * 3 * h * i / x.memory_bandwidth;
+  };
+  CHECK(fp8_routed_expert_gain_seconds(loaded, 768) == Approx(gain(hw, 768)).epsilon(1e-9));
+  CHECK(off.modes.fp8_routed_experts == (gain(hw, 768) > 0));
+  // A grouped FP8 kernel at 0.9 of its peak pays from about 1500 rows; at the bf16 kernel's rate never.
+  const std::vector<std::string> fast = {"hardware.fp8_grouped_matmul_efficiency=0.9", "batch.micro=16", "batch.global=16"};
+  CHECK(plan_of(recipe, fast).modes.fp8_routed_experts);
+  std::vector<std::string> fast_off = fast;
+  fast_off.push_back("execution.fp8_routed_experts=false");
+  CHECK_FALSE(plan_of(recipe, fast_off).modes.fp8_routed_experts);
+  CHECK_FALSE(plan_of(recipe, {"hardware.fp8_grouped_matmul_efficiency=0.3", "hardware.grouped_matmul_efficiency=0.6", "batch.micro=64", "batch.global=64"})
+                  .modes.fp8_routed_experts);
+  // Forward's and the input gradients' products (4 of 6) at the FP8 peak and the grouped FP8 efficiency.
+  const double tokens = 4 * 2048.0, moe_layers = 4, routed_params = moe_layers * 64 * 3 * h * i;
+  const double routed_flops = 6 * tokens * 6 * 3 * h * i * moe_layers;
+  const double saved = 2.0 / 3 * routed_flops * (1 / (hw.peak_flops_bf16 * hw.grouped_matmul_efficiency) - 1 / (hw.peak_flops_fp8 * hw.fp8_grouped_matmul_efficiency));
+  CHECK(off.compute_seconds - on.compute_seconds == Approx(saved).epsilon(1e-3));
+  // Every local expert weight each micro-batch (12 bytes a parameter: 6 move, at what measured as
+  // half the bandwidth), and four rowwise operands of each routed row per layer (3 bytes an element
+  // of 2·h + 3·i, in one pass).
+  const double bytes = 12 * routed_params + tokens * 6 * moe_layers * 3 * (2 * h + 3 * i);
+  CHECK(on.fp8_quantization_seconds - off.fp8_quantization_seconds == Approx(bytes / hw.memory_bandwidth).epsilon(1e-6));
+  // The transposed FP8 weights held until backward: a byte a parameter and a scale a column.
+  CHECK(on.memory.activations - off.memory.activations == Approx(routed_params * (1 + 4 * (h + i) / (3 * h * i))).epsilon(1e-6));
+  CHECK(contains(render_plan(on), "hardware.fp8_grouped_matmul_efficiency"));
+  // Without FP8 there is nothing to turn on: true is refused with the reason.
+  const Plan none = plan_of(recipe, {"precision.fp8=\"none\"", "execution.fp8_routed_experts=true"});
+  CHECK_FALSE(none.modes.fp8_routed_experts);
+  CHECK(std::any_of(none.notes.begin(), none.notes.end(), [](const std::string& n) { return contains(n, "execution.fp8_routed_experts = true does not hold here"); }));
+}
+
 TEST_CASE("under ZeRO-3 the FP8 layers' gathered weights are not held until backward: their FP8 transposes are", "[plan][fp8][memory]") {
   const std::string recipe = "base = [\"hardware/4x-nvidia-h200-probed\", \"models/deepseek-llm-7b\"]\n[precision]\ndtype = \"bf16\"\n"
                              "[parallel]\nzero_stage = 3\n[batch]\nglobal = 16\nmicro = 4\nseq_len = 4096\n[hardware]\nhost_memory_gib = 500\n";

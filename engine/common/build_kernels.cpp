@@ -19,6 +19,9 @@ BuildKernels this_build_kernels() {
 #ifdef DSRUN_BUILD_FP8_PRODUCTS
   k.fp8_products = true;
 #endif
+#ifdef DSRUN_BUILD_FP8_GROUPED_PRODUCTS
+  k.fp8_grouped_products = true;
+#endif
   return k;
 }
 

@@ -274,6 +274,24 @@ inline torch::Tensor scaled_mm(const torch::Tensor& a, const torch::Tensor& b, c
 #endif
 }
 
+// torch's grouped scaled FP8 product with row scales (CUTLASS on Hopper; PyTorch 2.8 has it, 2.9 is
+// the first dsrun relies on, 2.11 the one measured): a [M, K] row-major E4M3 with rows grouped as
+// grouped_mm's `offs` says, b [G, K, N] column-major in each group (the transpose of a contiguous
+// [G, N, K]) E4M3; scale_a [M] and scale_b [G, N] fp32: out [M, N] in bf16, accumulated in fp32.
+// K and N multiples of 16. fast_accum: CUTLASS's FP8 schedule that adds the tensor cores' partial
+// sums without promoting them to fp32 every few steps (faster, less exact; torchao takes it for
+// forward's products and not for gradients').
+constexpr bool kHasScaledGroupedMm = DSRUN_TORCH_AT_LEAST(2, 9);
+inline torch::Tensor scaled_grouped_mm(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& scale_a, const torch::Tensor& scale_b,
+                                       const torch::Tensor& offs, bool fast_accum = false) {
+#if DSRUN_TORCH_AT_LEAST(2, 9)
+  return at::_scaled_grouped_mm(a, b, scale_a, scale_b, offs, std::nullopt, std::nullopt, torch::kBFloat16, fast_accum);
+#else
+  (void)a, (void)b, (void)scale_a, (void)scale_b, (void)offs, (void)fast_accum;
+  fail_at(__FILE__, __LINE__, "grouped FP8 products need PyTorch 2.9 or later (execution.fp8_routed_experts)");
+#endif
+}
+
 // The two FP8 kinds of torch (PyTorch >= 2.1): E4M3 ("fn": finite, max 448) for weights and
 // activations, E5M2 (max 57344) for gradients.
 inline torch::ScalarType fp8_dtype(bool e5m2) {

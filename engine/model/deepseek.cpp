@@ -247,7 +247,7 @@ struct MoEImpl : nn::Module {
       gate_up.push_back(experts[e]->gate_up->weight);
       down.push_back(experts[e]->down->weight);
     }
-    return grouped_swiglu_experts(rows, counts, gate_up, down);
+    return grouped_swiglu_experts(rows, counts, gate_up, down, routed_fp8);
   }
   // Pairs per expert, [E] int64, without a device sync (torch::bincount reads the maximum back).
   Tensor per_expert_counts(const Tensor& pair_expert) const {
@@ -271,6 +271,7 @@ struct MoEImpl : nn::Module {
   }
   int layer, top_k, experts_count;
   int first_local = 0, local_count;  // the routed experts this rank keeps
+  bool routed_fp8 = false;           // execution.fp8_routed_experts: their grouped products in FP8 (set by use_fp8)
   double aux_weight, capacity_factor;
   Tensor route_bias;   // [E] fp32, or undefined
   Tensor expert_bias;  // [E] fp32 buffer with balance = "bias", or undefined
@@ -401,16 +402,20 @@ Named with_experts_stacked(const Named& n) {
 }
 
 // precision.fp8 applied from outside the layers, as torchtitan's float8 converter does: the blocks'
-// linear layers (attention's projections, the dense MLPs, the shared experts) run FP8 products; the
-// embedding, the head, the norms, the router and the routed experts (grouped products) do not.
-void use_fp8(DecoderModule& net, Fp8Scaling fp8) {
+// linear layers (attention's projections, the dense MLPs, the shared experts) run FP8 products, and
+// the routed experts' grouped products where the plan says (execution.fp8_routed_experts); the
+// embedding, the head, the norms and the router do not.
+void use_fp8(DecoderModule& net, Fp8Scaling fp8, bool routed_experts) {
   auto mlp = [&](SwiGLU& s) {
     if (s) s->gate_up->fp8 = s->down->fp8 = fp8;
   };
   for (Block& b : net.blocks) {
     b->attn->wqkv->fp8 = b->attn->wo->fp8 = fp8;
     mlp(b->mlp);
-    if (b->moe) mlp(b->moe->shared);
+    if (b->moe) {
+      mlp(b->moe->shared);
+      b->moe->routed_fp8 = routed_experts && fp8 != Fp8Scaling::None;
+    }
   }
 }
 
@@ -420,7 +425,7 @@ class DeepSeekModel final : public Model {
       : spec_(spec), seed_(build.seed), build_(build),
         net_(std::make_shared<DecoderModule>(spec, torch::TensorOptions().dtype(torch::kFloat32))), rope_(spec.head_dim(), std::max(seq_len, spec.max_seq_len), spec.rope_theta),
         deferred_(build.deferred) {
-    use_fp8(*net_, build.fp8);
+    use_fp8(*net_, build.fp8, build.fp8_routed_experts);
     if (deferred_) return;
     torch::NoGradGuard no_grad;
     for (auto& p : net_->named_parameters()) initialize_parameter(p.key(), p.value());

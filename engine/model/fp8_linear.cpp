@@ -67,31 +67,35 @@ Fp8Operand quantize_blockwise(const Tensor& x, bool e5m2, bool want_q, bool want
 }
 
 #ifdef DSRUN_WITH_FUSED_KERNELS
+// x [rows, cols], or rowwise [batch, rows, cols]: each matrix its own scales, shaped as quantize_fp8
+// and quantize_fp8_experts return them.
 Fp8Operand quantize_kernels(const Tensor& x, Fp8Scaling scaling, bool e5m2, bool want_q, bool want_qt) {
-  const int64_t rows = x.size(0), cols = x.size(1);
+  const bool batched = x.dim() == 3;
+  const int64_t batch = batched ? x.size(0) : 1, rows = x.size(-2), cols = x.size(-1);
   const bool rowwise = scaling == Fp8Scaling::Rowwise;
+  DSRUN_ASSERT(rowwise || !batched, "matrices one after another are quantised rowwise");
   const auto f32 = x.options().dtype(torch::kFloat32);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.device().index()).stream();
-  Tensor row_amax = rowwise && want_q ? torch::empty({rows}, f32) : Tensor();
-  Tensor col_amax = rowwise && want_qt ? torch::empty({cols}, f32) : Tensor();
+  Tensor row_amax = rowwise && want_q ? torch::empty({batch * rows}, f32) : Tensor();
+  Tensor col_amax = rowwise && want_qt ? torch::empty({batch * cols}, f32) : Tensor();
   Tensor amax = rowwise ? Tensor() : torch::empty({1}, f32);
   auto ptr = [](const Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
-  dsrun_fp8_amax(x.data_ptr(), rows, cols, ptr(row_amax), ptr(col_amax), ptr(amax), stream);
+  dsrun_fp8_amax(x.data_ptr(), batch, rows, cols, ptr(row_amax), ptr(col_amax), ptr(amax), stream);
   DSRUN_CHECK_LAUNCH();
   Fp8Operand o;
   const auto fp8 = x.options().dtype(compat::fp8_dtype(e5m2));
-  if (want_q) o.q = torch::empty({rows, cols}, fp8);
-  if (want_qt) o.qt = torch::empty({cols, rows}, fp8);
+  auto shaped = [&](int64_t a, int64_t b) { return batched ? std::vector<int64_t>{batch, a, b} : std::vector<int64_t>{a, b}; };
+  if (want_q) o.q = torch::empty(shaped(rows, cols), fp8);
+  if (want_qt) o.qt = torch::empty(shaped(cols, rows), fp8);
   if (rowwise) {
-    if (want_q) o.inv_q = torch::empty({rows, 1}, f32);
-    if (want_qt) o.inv_t = torch::empty({cols, 1}, f32);
+    if (want_q) o.inv_q = torch::empty(batched ? std::vector<int64_t>{batch, rows} : std::vector<int64_t>{rows, 1}, f32);
+    if (want_qt) o.inv_t = torch::empty(batched ? std::vector<int64_t>{batch, cols} : std::vector<int64_t>{cols, 1}, f32);
   } else {
     o.inv_q = torch::empty({}, f32);
     o.inv_t = o.inv_q;
   }
-  dsrun_fp8_quantize(x.data_ptr(), rows, cols, e5m2 ? 1 : 0, rowwise ? 1 : 0, rowwise ? ptr(row_amax) : ptr(amax), ptr(col_amax),
-                     want_q ? o.q.data_ptr() : nullptr, want_qt ? o.qt.data_ptr() : nullptr, ptr(o.inv_q),
-                     rowwise ? ptr(o.inv_t) : nullptr, stream);
+  dsrun_fp8_quantize(x.data_ptr(), batch, rows, cols, e5m2 ? 1 : 0, rowwise ? 1 : 0, rowwise ? ptr(row_amax) : ptr(amax), ptr(col_amax),
+                     want_q ? o.q.data_ptr() : nullptr, want_qt ? o.qt.data_ptr() : nullptr, ptr(o.inv_q), rowwise ? ptr(o.inv_t) : nullptr, stream);
   DSRUN_CHECK_LAUNCH();
   return o;
 }
@@ -118,7 +122,7 @@ Fp8Operand quantize_blocks_kernel(const Tensor& x, bool square, bool e5m2, bool 
 
 // Where the kernels take x as it is: a CUDA bf16 matrix read 16 bytes at a time (and written 8).
 bool kernels_take(const Tensor& x, int64_t multiple) {
-  return x.is_cuda() && x.size(0) % multiple == 0 && x.size(1) % multiple == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
+  return x.is_cuda() && x.size(-2) % multiple == 0 && x.size(-1) % multiple == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
 }
 #endif
 
@@ -189,6 +193,17 @@ Fp8Operand quantize_fp8(const Tensor& x, Fp8Scaling scaling, bool e5m2, bool wan
     return quantize_blockwise(x, e5m2, want_q, want_qt);
   }
 #ifdef DSRUN_WITH_FUSED_KERNELS
+  if (!reference && scaling == Fp8Scaling::Rowwise && want_q && !want_qt && x.is_cuda() && x.size(1) % 8 == 0 &&
+      x.size(1) <= dsrun_fp8_quantize_rows_max_cols() && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0) {
+    // One pass: a row's maximum, then its scaling, from registers (the routed experts' operands).
+    Fp8Operand o;
+    o.q = torch::empty({x.size(0), x.size(1)}, x.options().dtype(compat::fp8_dtype(e5m2)));
+    o.inv_q = torch::empty({x.size(0), 1}, x.options().dtype(torch::kFloat32));
+    dsrun_fp8_quantize_rows(x.data_ptr(), x.size(0), x.size(1), e5m2 ? 1 : 0, o.q.data_ptr(), o.inv_q.data_ptr<float>(),
+                            at::cuda::getCurrentCUDAStream(x.device().index()).stream());
+    DSRUN_CHECK_LAUNCH();
+    return o;
+  }
   if (!reference && kernels_take(x, 8)) return quantize_kernels(x, scaling, e5m2, want_q, want_qt);
 #endif
   return quantize_reference(x, scaling, e5m2, want_q, want_qt);
@@ -208,6 +223,25 @@ Fp8Operand quantize_fp8_weight_blocks(const Tensor& weight, bool reference) {
   o.qt = o.q.t().contiguous();
   o.inv_q = inv.view({rows / 128, cols / 128});
   o.inv_t = o.inv_q.t().contiguous();
+  return o;
+}
+
+Fp8Operand quantize_fp8_experts(const Tensor& w, bool want_q, bool want_qt, bool reference) {
+  DSRUN_ASSERT(w.dim() == 3 && w.scalar_type() == torch::kBFloat16 && w.is_contiguous(), "FP8 expert operands come from contiguous bf16 [experts, rows, cols]");
+#ifdef DSRUN_WITH_FUSED_KERNELS
+  if (!reference && kernels_take(w, 8)) return quantize_kernels(w, Fp8Scaling::Rowwise, false, want_q, want_qt);
+#endif
+  const Tensor wf = w.to(torch::kFloat32);
+  Fp8Operand o;
+  if (want_q) {
+    std::tie(o.q, o.inv_q) = quantize(wf, wf.abs().amax(2, true), false);
+    o.inv_q = o.inv_q.squeeze(2);
+  }
+  if (want_qt) {
+    const Tensor t = wf.transpose(1, 2).contiguous();
+    std::tie(o.qt, o.inv_t) = quantize(t, t.abs().amax(2, true), false);
+    o.inv_t = o.inv_t.squeeze(2);
+  }
   return o;
 }
 

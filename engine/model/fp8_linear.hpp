@@ -37,5 +37,10 @@ Fp8Operand quantize_fp8(const torch::Tensor& x, Fp8Scaling scaling, bool e5m2, b
 // both: the blocks of the transpose are the same blocks, so one quantisation serves forward and
 // backward. reference as above.
 Fp8Operand quantize_fp8_weight_blocks(const torch::Tensor& weight, bool reference = false);
+// A MoE layer's routed expert weights w [E, rows, cols] (bf16, contiguous) as E4M3, each expert
+// rowwise on its own: q [E, rows, cols] with inv_q [E, rows] (per row), qt [E, cols, rows] (each
+// expert's transpose) with inv_t [E, cols] (per column of w), the layouts and scales torch's grouped
+// scaled product takes. One pass for the maxima and one for both copies. reference as above.
+Fp8Operand quantize_fp8_experts(const torch::Tensor& w, bool want_q, bool want_qt, bool reference = false);
 
 }  // namespace dsrun

@@ -72,14 +72,19 @@ void dsrun_scale(void* x, int64_t n, const float* factor, int dtype, cudaStream_
 void dsrun_row_logsumexp(const float* z, float* lse, int64_t rows, int64_t cols, cudaStream_t stream);
 
 // FP8 operands (engine/model/fp8_linear.cpp), of a bf16 matrix x [rows, cols] (rows and cols
-// multiples of 8, x 16-byte aligned). dsrun_fp8_amax: the maxima of |x| asked for (null: not wanted) per row
+// multiples of 8, x 16-byte aligned), or of `batch` of them one after another (rowwise only: each
+// its own maxima and scales, the outputs likewise one after another; a MoE layer's experts). dsrun_fp8_amax: the maxima of |x| asked for (null: not wanted) per row
 // [rows], per column [cols] and whole [1], zeroed first. dsrun_fp8_quantize: q = x · (max / amax) in
 // x's layout and qt the same of xᵀ ([cols, rows]), either null when not wanted, FP8 of `kind` (0 E4M3,
 // 1 E5M2; saturating); rowwise = 1: q's scale from amax_q per row, qt's from amax_t per column, inverse
 // scales to inv_q [rows] and inv_t [cols]; rowwise = 0: both from amax_q[0], its inverse to inv_q[0].
-void dsrun_fp8_amax(const void* x, int64_t rows, int64_t cols, float* row_amax, float* col_amax, float* tensor_amax, cudaStream_t stream);
-void dsrun_fp8_quantize(const void* x, int64_t rows, int64_t cols, int kind, int rowwise, const float* amax_q, const float* amax_t, void* q,
-                        void* qt, float* inv_q, float* inv_t, cudaStream_t stream);
+void dsrun_fp8_amax(const void* x, int64_t batch, int64_t rows, int64_t cols, float* row_amax, float* col_amax, float* tensor_amax, cudaStream_t stream);
+void dsrun_fp8_quantize(const void* x, int64_t batch, int64_t rows, int64_t cols, int kind, int rowwise, const float* amax_q, const float* amax_t,
+                        void* q, void* qt, float* inv_q, float* inv_t, cudaStream_t stream);
+// Rowwise q alone (no transpose) in one pass, a warp a row kept in registers: x [rows, cols] with cols
+// a multiple of 8 and at most dsrun_fp8_quantize_rows_max_cols(); inv_q [rows].
+int64_t dsrun_fp8_quantize_rows_max_cols(void);
+void dsrun_fp8_quantize_rows(const void* x, int64_t rows, int64_t cols, int kind, void* q, float* inv_q, cudaStream_t stream);
 // Blockwise, in one pass (rows and cols multiples of 128): square = 0: q's scales per 1 x 128 block of
 // a row to inv_q [rows, cols / 128] column-major, qt's per 128 rows of a column to inv_t [cols, rows /
 // 128] column-major; square = 1: one scale per 128 x 128 block for both, inv_q [rows / 128, cols /

@@ -13,9 +13,11 @@ namespace dsrun {
 // gate_up[e]: [2 · inner, hidden] (gate rows, then up rows), down[e]: [hidden, inner], leaves of
 // the model. Returns [M, hidden]. Nothing is read back to the host where compat::grouped_mm runs
 // its kernel; backward keeps rows and the gate/up products, not the weights (ZeRO-3 gathers them
-// again for backward and the function reads them then).
+// again for backward and the function reads them then). fp8 (execution.fp8_routed_experts, CUDA,
+// bf16): forward's and the input gradients' products in FP8 with row scales, the weights' transposes
+// kept in FP8 for backward instead (grouped_experts.cpp); hidden and inner multiples of 16.
 torch::Tensor grouped_swiglu_experts(const torch::Tensor& rows, const torch::Tensor& counts, const std::vector<torch::Tensor>& gate_up,
-                                     const std::vector<torch::Tensor>& down);
+                                     const std::vector<torch::Tensor>& down, bool fp8 = false);
 
 // The same computation expert by expert through autograd's own ops: the reference the grouped
 // function is tested against.

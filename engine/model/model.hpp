@@ -202,6 +202,7 @@ struct ModelBuild {
   bool loss_gradients_in_forward = true;
   bool variable_length_attention = false;
   Fp8Scaling fp8 = Fp8Scaling::None;  // precision.fp8: the blocks' linear layers' products
+  bool fp8_routed_experts = false;    // and the routed experts' grouped products (execution.fp8_routed_experts)
 };
 
 // Builds the recipe's model in fp32 on the CPU (DeepSeek deferred: no memory until ZeRO builds

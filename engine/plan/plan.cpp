@@ -231,6 +231,10 @@ void Planner::add_notes(Plan& p) {
   if (hw.device == Device::Cuda && r_.model.moe.enabled())
     p.notes.push_back("routed experts run as grouped matrix products at " + format_double(100 * hw.grouped_matmul_efficiency, 3) + "% of peak FLOP/s (" +
                       std::to_string(r_.model.moe.routed_experts / degrees_.expert) + " per MoE layer on a rank; hardware.grouped_matmul_efficiency)");
+  if (p.modes.fp8_routed_experts)
+    p.notes.push_back("the routed experts' forward and input-gradient products run in FP8 at " + format_double(100 * hw.fp8_grouped_matmul_efficiency, 3) +
+                      "% of the FP8 peak (hardware.fp8_grouped_matmul_efficiency), their weights quantised each micro-batch (" +
+                      format_double(routed_rows_per_expert(r_, p.layout), 4) + " rows an expert a micro-batch) and kept transposed in FP8 until backward");
   const bool probed = !hw.collectives.ranks.empty();
   p.notes.push_back("speed assumes " + format_double(100 * hw.matmul_efficiency, 3) + "% of peak FLOP/s and " +
                     (probed ? "the probed bus bandwidth of each collective and group size within a node (hardware.collective_ranks, hardware.*_gbs)"

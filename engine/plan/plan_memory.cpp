@@ -13,12 +13,13 @@
 namespace dsrun::planning {
 
 void Planner::add_units(StageCost& st, int begin, int end) const {
-  double params = 0, replicated = 0, routed = 0;
+  double params = 0, replicated = 0, routed = 0, all_routed = 0;
   for (int u = begin; u < end; ++u) {
     const ModelCost::Unit& unit = cost_.units[u];
     params += unit.params;
     replicated += degrees_.tensor > 1 ? unit.tensor_replicated_params : 0;
     routed += degrees_.expert > 1 ? unit.routed_expert_params : 0;  // (without expert parallelism they are the blocks' like any weight)
+    all_routed += unit.routed_expert_params;
     st.flops_per_sample += unit.flops_per_sample;
     st.attention_flops_per_sample += unit.attention_flops_per_sample;
     st.fp8_flops_per_sample += unit.fp8_flops_per_sample;
@@ -36,6 +37,7 @@ void Planner::add_units(StageCost& st, int begin, int end) const {
   }
   st.rank_params += (params - routed - replicated) / degrees_.tensor + replicated;
   st.rank_expert_params += routed / (degrees_.tensor * degrees_.expert);
+  st.local_routed_params += all_routed / (degrees_.tensor * degrees_.expert);
 }
 
 void Planner::split_into_stages() {
@@ -134,6 +136,14 @@ Evaluation Planner::evaluate_stage(const Choice& l, int stage) const {
   // until its backward (measured on an H200: the ~1B's peak 1.85 GiB under bf16's; this counts 1.84).
   if (r_.precision.fp8 != Fp8Scaling::None && !l.checkpointing)
     m.activations += live * (st.fp8_params - l.micro * static_cast<double>(r_.batch.seq_len) * st.fp8_activation_saving_per_token);
+  // execution.fp8_routed_experts: each MoE layer keeps its experts' transposed FP8 weights (a byte a
+  // parameter, and an fp32 scale for each of an expert's h + i columns) until its backward
+  // (grouped_experts.cpp); with checkpointing only the recomputed layer's.
+  if (modes.fp8_routed_experts && st.moe_layers > 0) {
+    const double h = r_.model.hidden, i = r_.model.moe.intermediate;
+    const double kept = st.local_routed_params * (1 + 4 * (h + i) / (3 * h * i));
+    m.activations += live * (l.checkpointing ? kept / st.moe_layers : kept);
+  }
   if (degrees_.tensor > 1 && !l.checkpointing) m.activations *= r_.parallel.sequence_parallel ? 1.0 / degrees_.tensor : (10.0 + 24.0 / degrees_.tensor) / 34.0;
   if (r_.data.separate_documents) {
     const double s = static_cast<double>(r_.batch.seq_len);

@@ -247,12 +247,18 @@ double Planner::compute_seconds(Plan& p) const {
   // (the probe's, of tensorwise products), at the recipe's scaling's rate beside tensorwise's.
   const bool fp8 = r_.precision.fp8 != Fp8Scaling::None;
   const double fp8_efficiency = r_.hardware.fp8_matmul_efficiency * fp8_product_rate(r_.precision.fp8);
+  // execution.fp8_routed_experts: of the routed experts' six products, forward's two and the input
+  // gradients' two (two thirds of their FLOPs) at the FP8 peak and the grouped FP8 kernel's own
+  // measured efficiency; the weight gradients' two stay bf16.
+  const double routed_in_fp8 = p.modes.fp8_routed_experts ? 2.0 / 3.0 : 0;
+  const double routed_rate = (1 - routed_in_fp8) / (p.peak_flops * grouped_efficiency) +
+                             (routed_in_fp8 > 0 ? routed_in_fp8 / (r_.hardware.peak_flops_fp8 * r_.hardware.fp8_grouped_matmul_efficiency) : 0);
   double busiest = 0;
   for (const StageCost& st : stages_) {
     const double attention = per_flop * st.attention_flops_per_sample;
     const double in_fp8 = fp8 ? per_flop * st.fp8_flops_per_sample : 0;
     const double dense = per_flop * (st.flops_per_sample - st.routed_flops_per_sample) - attention - in_fp8, routed = per_flop * imbalance_ * st.routed_flops_per_sample;
-    busiest = std::max(busiest, dense / (p.peak_flops * r_.hardware.matmul_efficiency) + routed / (p.peak_flops * grouped_efficiency) +
+    busiest = std::max(busiest, dense / (p.peak_flops * r_.hardware.matmul_efficiency) + routed * routed_rate +
                                     attention * attention_share / (p.peak_flops * attention_efficiency) +
                                     (fp8 ? in_fp8 / (r_.hardware.peak_flops_fp8 * fp8_efficiency) : 0));
   }
@@ -322,7 +328,28 @@ double Planner::fp8_quantization_seconds(const Plan& p) const {
   const double recompute = p.layout.recomputation ? 1.5 : 1.0;  // the forward's inputs again when recomputed
   const double activations = tokens * recompute * per_element * widths / degrees_.tensor;
   const double weights = static_cast<double>(p.accumulation) * per_element * params / degrees_.tensor;
-  return (activations + weights) / r_.hardware.memory_bandwidth;
+  return (activations + weights + fp8_routed_quantization_bytes(p, tokens)) / r_.hardware.memory_bandwidth;
+}
+
+// execution.fp8_routed_experts: each micro-batch quantises the local experts' weights, each and its
+// transpose in one pass after one for the maxima (kFp8ExpertWeightBytes a parameter: 2·e + 2 move,
+// at what measured as half the bandwidth), and four operands
+// of each routed row per MoE layer, rowwise without a transpose in one pass (a row kept in
+// registers: e + 1 bytes an element): x and dy (h wide), a (i) and dh (2·i).
+double Planner::fp8_routed_quantization_bytes(const Plan& p, double tokens) const {
+  if (!p.modes.fp8_routed_experts) return 0;
+  const double e = bytes_per_element(r_.precision.dtype);
+  const double h = r_.model.hidden, i = r_.model.moe.intermediate;
+  double params = 0, layers = 0;
+  for (const StageCost& st : stages_) {
+    params = std::max(params, st.local_routed_params);
+    layers = std::max(layers, static_cast<double>(st.moe_layers));
+  }
+  const double widths = 2 * h + 3 * i + (p.layout.recomputation ? h + i : 0);  // forward's x and a again when recomputed
+  const double weights = static_cast<double>(p.accumulation) * kFp8ExpertWeightBytes * params * (p.layout.recomputation ? 2 : 1);
+  const double rows = tokens * r_.model.moe.top_k * imbalance_;
+  const double activations = rows * layers * (e + 1) * widths / degrees_.tensor;
+  return weights + activations;
 }
 
 void Planner::predict_time(Plan& p) {

@@ -58,6 +58,9 @@ struct StageCost {
   // freed after forward (a MoE unit's bf16 router and grouped experts keep views of its gathered buffer).
   double fp8_params_dense_units = 0;
   double fp8_activation_saving_per_token = 0;
+  // The routed experts' parameters one rank computes with (its 1/ep, split by tp), with or without
+  // expert parallelism: what execution.fp8_routed_experts quantises each micro-batch and keeps in FP8.
+  double local_routed_params = 0;
 };
 
 // A candidate of the layout search is planned without its schedule's simulation or suggestions
@@ -224,6 +227,7 @@ class Planner {
   // 14·k·h·e bytes per token forward and backward (docs/plan.md; measured in docs/benchmarks.md).
   double elementwise_seconds(const Plan& p) const;
   double fp8_quantization_seconds(const Plan& p) const;
+  double fp8_routed_quantization_bytes(const Plan& p, double tokens) const;
 
   void predict_time(Plan& p);
 

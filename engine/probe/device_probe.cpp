@@ -276,6 +276,36 @@ std::pair<double, double> probe_fp8_products(const Recipe& r, const torch::Devic
   return {flops / fp8_seconds / r.hardware.peak_flops_fp8, flops / bf16_seconds / r.hardware.peak_flops_bf16};
 }
 
+// execution.fp8_routed_experts' four FP8 grouped products (forward's gate/up and down, the input
+// gradients' through down and gate/up), their operands quantised beforehand (priced apart, as
+// memory traffic), at the shape probe_grouped_products takes -> hardware.fp8_grouped_matmul_efficiency.
+ProbeFigure probe_fp8_grouped_products(const Recipe& r, const torch::Device& device, int64_t tokens, const Repeats& repeats) {
+  const MoeSpec& moe = r.model.moe;
+  const int64_t h = r.model.hidden, inner = moe.intermediate, experts = moe.routed_experts;
+  const int64_t per_expert = std::max<int64_t>(16, tokens * moe.top_k / experts), rows = per_expert * experts;
+  const auto o = torch::TensorOptions().dtype(torch::kBFloat16).device(device);
+  auto operand = [&](int64_t m, int64_t k) { return quantize_fp8(torch::randn({m, k}, o), Fp8Scaling::Rowwise, false, true, false); };
+  const Fp8Operand x = operand(rows, h), a = operand(rows, inner), dy = operand(rows, h), dh = operand(rows, 2 * inner);
+  const Fp8Operand w1 = quantize_fp8_experts((torch::randn({experts, 2 * inner, h}, o) * 0.02).contiguous(), true, true);
+  const Fp8Operand w2 = quantize_fp8_experts((torch::randn({experts, h, inner}, o) * 0.02).contiguous(), true, true);
+  const torch::Tensor offs = torch::arange(1, experts + 1, torch::TensorOptions().dtype(torch::kInt32).device(device)) * static_cast<int32_t>(per_expert);
+  // As training runs them: forward's two with fast accumulation (grouped_experts.cpp), then all four without.
+  auto four = [&](bool fast_forward) {
+    return time_per_call(device, repeats, [&] {
+      compat::scaled_grouped_mm(x.q, w1.q.transpose(1, 2), x.inv_q.view({-1}), w1.inv_q, offs, fast_forward);
+      compat::scaled_grouped_mm(a.q, w2.q.transpose(1, 2), a.inv_q.view({-1}), w2.inv_q, offs, fast_forward);
+      compat::scaled_grouped_mm(dy.q, w2.qt.transpose(1, 2), dy.inv_q.view({-1}), w2.inv_t, offs);
+      compat::scaled_grouped_mm(dh.q, w1.qt.transpose(1, 2), dh.inv_q.view({-1}), w1.inv_t, offs);
+    });
+  };
+  const double seconds = four(true), exact = four(false);
+  const double flops = 2 * 2.0 * static_cast<double>(rows) * static_cast<double>(h * 2 * inner + inner * h);
+  return {"hardware.fp8_grouped_matmul_efficiency", std::min(1.0, flops / seconds / r.hardware.peak_flops_fp8),
+          "the routed experts' forward and input-gradient grouped products in FP8 (row scales, operands quantised beforehand, forward's with "
+          "fast accumulation) over " + std::to_string(experts) + " experts of " + std::to_string(per_expert) + " rows each, " +
+              probe_number(flops / seconds / 1e12, 3) + " TFLOP/s (" + probe_number(flops / exact / 1e12, 3) + " without fast accumulation)"};
+}
+
 // The routed experts as training runs them on GPUs: each MoE layer's two grouped products
 // (gate/up, down) over the tokens' top_k rows spread evenly over the experts, forward and
 // backward (autograd's four products) -> hardware.grouped_matmul_efficiency.
@@ -443,6 +473,9 @@ void probe_compute(const Recipe& r, const Plan& plan, const torch::Device& devic
   for (DType each : gpu ? std::vector<DType>{DType::Bf16, DType::Fp16, DType::Fp32} : std::vector<DType>{DType::Fp32})
     figures.push_back(probe_matrix_products(r, device, each, samples * seq, repeats));
   if (gpu && r.model.moe.enabled() && dt != DType::Fp32) figures.push_back(probe_grouped_products(r, device, dt, samples * seq, repeats));
+  if (gpu && compat::kHasScaledGroupedMm && r.model.moe.enabled() && dt == DType::Bf16 && r.hardware.peak_flops_fp8 > 0 && r.model.hidden % 16 == 0 &&
+      r.model.moe.intermediate % 16 == 0)
+    figures.push_back(probe_fp8_grouped_products(r, device, samples * seq, repeats));
   if (r.model.arch != ModelArch::DeepSeek) return;
 
   ModelSpec dense = r.model;

@@ -203,6 +203,7 @@ void build_hardware(Builder& c, Recipe& r, const HostFacts& host) {
   h.grouped_matmul_efficiency = c.f("hardware.grouped_matmul_efficiency");
   h.attention_efficiency = c.f("hardware.attention_efficiency");
   h.fp8_matmul_efficiency = c.f("hardware.fp8_matmul_efficiency");
+  h.fp8_grouped_matmul_efficiency = c.f("hardware.fp8_grouped_matmul_efficiency");
   h.comm_efficiency = c.f("hardware.comm_efficiency");
   h.network_efficiency = c.f("hardware.network_efficiency");
   build_collectives(c, h.collectives);

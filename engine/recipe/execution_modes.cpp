@@ -5,8 +5,8 @@
 
 namespace dsrun {
 
-const std::array<ExecutionModeRow, 8>& execution_mode_rows() {
-  static const std::array<ExecutionModeRow, 8> rows{{
+const std::array<ExecutionModeRow, 9>& execution_mode_rows() {
+  static const std::array<ExecutionModeRow, 9> rows{{
       {"loss_gradients_in_forward", &ExecutionModes::loss_gradients_in_forward, "the fused loss's gradients made in forward",
        "Decoders with the fused output projection and loss: its gradients computed in forward, in the same pass as the loss (one tensor rank, "
        "not fp16). `auto`: where that holds; false: backward recomputes each chunk's logits."},
@@ -36,6 +36,14 @@ const std::array<ExecutionModeRow, 8>& execution_mode_rows() {
        "eager step and says why. The graph keeps its activations' memory between steps, so an evaluation's forward comes on top "
        "(the plan counts it). Same losses as the eager step; on the ~1B on one H200, 0.5% faster on average (-0.7% to +1.1% over 10 pairs: docs/benchmarks.md). "
        "`auto` and true: where that holds."},
+      {"fp8_routed_experts", &ExecutionModes::fp8_routed_experts, "the routed experts' grouped products in FP8",
+       "precision.fp8 on a MoE model: the routed experts' forward and input-gradient grouped products in FP8 too (E4M3, scaled per row "
+       "whatever precision.fp8's scaling, the only scales torch's grouped kernel takes; PyTorch >= 2.9 on CUDA); their weight gradients stay "
+       "bf16. Each micro-batch quantises every local expert's weights and their transposes, so it pays only where an expert gets many rows: "
+       "`auto` turns it on where, at the rows an expert gets in a micro-batch (micro x seq_len x top_k x parallel.expert / routed_experts), "
+       "the products' saving priced by the hardware's figures (fp8_grouped_matmul_efficiency against grouped_matmul_efficiency, "
+       "memory_bandwidth) exceeds that quantisation; true wherever it can run. On one H100 with torch 2.11 the MoE benchmark's shape "
+       "ran 4.4% slower at 768 rows an expert and 1.4% faster at 3072 (docs/benchmarks.md, 2026-11-28)."},
   }};
   return rows;
 }
@@ -63,7 +71,7 @@ bool ExecutionModes::operator==(const ExecutionModes& o) const {
 BuildKernels planned_kernels(Device device, const BuildKernels& here) {
   if (device != Device::Cuda || here.cuda) return here;
   BuildKernels gpu;
-  gpu.cuda = gpu.device_adam = gpu.fused_adam = gpu.varlen_attention = true;
+  gpu.cuda = gpu.device_adam = gpu.fused_adam = gpu.varlen_attention = gpu.fp8_grouped_products = true;
   return gpu;
 }
 
@@ -132,7 +140,40 @@ ExecutionModes decide_execution_modes(const Recipe& r, const Layout& l, int64_t 
          : r.data.separate_documents      ? "separate documents (each batch's document lengths)"
          : !r.hooks.script.empty()        ? "hooks read tensors between steps"
                                           : "");
+  // FP8 routed experts quantise every local expert's weights each micro-batch, and four operands
+  // of every routed row: `auto` takes them only where the products' saving is the larger.
+  const auto forced_routed = r.execution.forced.find("fp8_routed_experts");
+  const bool routed_forced_on = forced_routed != r.execution.forced.end() && forced_routed->second;
+  const double rows_per_expert = routed_rows_per_expert(r, l);
+  decide(&ExecutionModes::fp8_routed_experts, "fp8_routed_experts",
+         r.precision.fp8 == Fp8Scaling::None ? "precision.fp8 = \"none\""
+         : r.model.moe.routed_experts == 0 ? "no MoE layer"
+         : !gpu || !k.fp8_grouped_products ? "this build has no grouped FP8 products (PyTorch 2.9 or later on CUDA: scripts/gpu_build.sh)"
+         : r.model.hidden % 16 != 0 || r.model.moe.intermediate % 16 != 0 ? "model.hidden and model.moe.intermediate must be multiples of 16"
+         : !routed_forced_on && fp8_routed_expert_gain_seconds(r, rows_per_expert) <= 0
+             ? "at about " + std::to_string(static_cast<int64_t>(rows_per_expert)) +
+                   " rows an expert a micro-batch, quantising the experts' weights and rows costs more than their FP8 products save on this hardware "
+                   "(hardware.fp8_grouped_matmul_efficiency against grouped_matmul_efficiency; true turns it on)"
+             : "");
   return m;
+}
+
+double fp8_routed_expert_gain_seconds(const Recipe& r, double rows) {
+  const HardwareSpec& hw = r.hardware;
+  if (hw.peak_flops_fp8 <= 0 || hw.memory_bandwidth <= 0) return -1;
+  const double h = r.model.hidden, i = r.model.moe.intermediate, e = 2;  // bf16
+  // Per row: forward's and the input gradients' products, 12·h·i FLOPs of the 18·h·i, against
+  // quantising x, a, dy and dh (2·h + 3·i elements, e + 1 bytes each). Per expert: its 3·h·i
+  // weights and their transposes (kFp8ExpertWeightBytes each). As Planner::fp8_routed_quantization_bytes.
+  const double saved = 12 * h * i * (1 / (hw.peak_flops_bf16 * hw.grouped_matmul_efficiency) - 1 / (hw.peak_flops_fp8 * hw.fp8_grouped_matmul_efficiency));
+  const double rows_cost = (e + 1) * (2 * h + 3 * i) / hw.memory_bandwidth;
+  const double weights_cost = kFp8ExpertWeightBytes * 3 * h * i / hw.memory_bandwidth;
+  return rows * (saved - rows_cost) - weights_cost;
+}
+
+double routed_rows_per_expert(const Recipe& r, const Layout& l) {
+  if (r.model.moe.routed_experts <= 0) return 0;
+  return static_cast<double>(l.micro) * static_cast<double>(r.batch.seq_len) * r.model.moe.top_k * std::max(1, l.expert) / r.model.moe.routed_experts;
 }
 
 }  // namespace dsrun

@@ -27,6 +27,7 @@ struct ExecutionModes {
   bool shared_experts_beside_dispatch = false;  // expert parallelism: the shared experts run while the routed rows travel
   bool tokens_once_per_rank = false;            // expert parallelism: a token travels once to each rank its choices are on
   bool cuda_graphs = false;                     // the steady step's forward and backward replayed as one captured CUDA graph
+  bool fp8_routed_experts = false;              // precision.fp8 for the routed experts' grouped products too
 
   // The keys that pin these in a rank's config, beside the layout's (Layout::to_config_keys).
   std::vector<std::pair<std::string, Value>> to_config_keys() const;
@@ -44,12 +45,24 @@ struct ExecutionModeRow {
   const char* words;                // as the plan says it is on
   const char* doc;                  // the schema's text
 };
-const std::array<ExecutionModeRow, 8>& execution_mode_rows();
+const std::array<ExecutionModeRow, 9>& execution_mode_rows();
 
 // The kernels a plan assumes: this build's where it can run the recipe's device; for a GPU recipe
 // planned by a build without CUDA (a laptop, a login node), those of dsrun's GPU build
 // (scripts/gpu_build.sh), where the ranks will run.
 BuildKernels planned_kernels(Device device, const BuildKernels& here);
+
+// Rows an expert of a MoE layer gets in a micro-batch on average: every (token, choice) pair of the
+// micro-batches of the expert-parallel group, spread over the routed experts.
+double routed_rows_per_expert(const Recipe& recipe, const Layout& layout);
+// The seconds of memory traffic quantising a routed expert parameter costs each micro-batch, in bytes
+// at hardware.memory_bandwidth: 6 bytes move (its maximum read, then it read again and its two FP8
+// copies written), but the MoE benchmark's steps on one H100 at 768, 1536 and 3072 rows an expert
+// fit twice that (the maxima's atomics and the transposed writes; docs/benchmarks.md, 2026-11-28).
+constexpr double kFp8ExpertWeightBytes = 12;
+// execution.fp8_routed_experts' `auto`, from the recipe's hardware figures: the seconds an expert's
+// FP8 products save at `rows` rows, less its rows' and its weights' quantisation (negative: a loss).
+double fp8_routed_expert_gain_seconds(const Recipe& recipe, double rows);
 
 // A mode the recipe (or the launcher's pin) set true that its rule refuses here, and why.
 struct RefusedMode {

@@ -91,6 +91,7 @@ struct HardwareSpec {
   double grouped_matmul_efficiency = 0.6;  // GPUs: the routed experts' grouped products, fraction of peak
   double attention_efficiency = 0;         // GPUs: the attention kernels, fraction of peak; 0: matmul_efficiency
   double fp8_matmul_efficiency = 0.6;      // GPUs: scaled FP8 products, fraction of peak_flops_fp8
+  double fp8_grouped_matmul_efficiency = 0.34;  // GPUs: the routed experts' grouped scaled FP8 products, likewise
   double comm_efficiency = 0.8;
   double network_efficiency = 0.8;   // of inter_node_bandwidth: the network's own, not the node link's (comm_efficiency)
   CollectiveBandwidths collectives;  // probed; empty: link_bandwidth × comm_efficiency

@@ -123,6 +123,10 @@ std::vector<KeySpec> build_schema() {
       ranged("hardware.fp8_matmul_efficiency", T::Float, "0.6", 0.001, 1,
              "GPUs: fraction of peak_tflops_fp8 that the scaled FP8 products of precision.fp8 reach (their operands' quantisation is priced apart, "
              "as memory traffic); `dsrun probe` measures it (0.62-0.72 on an H200 for the ~1B's and the 7B's shapes, tensorwise)."),
+      ranged("hardware.fp8_grouped_matmul_efficiency", T::Float, "0.34", 0.001, 1,
+             "GPUs: fraction of peak_tflops_fp8 that the routed experts' grouped FP8 products reach (execution.fp8_routed_experts: forward "
+             "with fast accumulation and input gradients; their operands' quantisation priced apart); `dsrun probe` measures it at the recipe's "
+             "expert shape (0.343 on one H100 with torch 2.11 and DeepSeek-MoE 16B's experts, 679 TFLOP/s, as its bf16 grouped products reach 0.471)."),
       ranged("hardware.attention_efficiency", T::Float, "0", 0, 1,
              "GPUs: fraction of peak FLOP/s that the attention kernels (flash, forward and backward) reach, which prices attention's "
              "12·layers·hidden·seq FLOPs per token apart from the matrix products (it dominates long sequences). 0: as matmul_efficiency."),
@@ -227,7 +231,8 @@ std::vector<KeySpec> build_schema() {
              "FP8 products for the blocks' linear layers (attention's projections, the dense MLPs, the shared experts), forward and both gradients "
              "(E4M3 operands, gradients E5M2 under one scale per tensor and E4M3 under finer ones, fp32 accumulation, bf16 outputs): one scale per tensor, "
              "per row (rowwise), or per 1x128 block of activations and gradients and 128x128 block of weights (blockwise, DeepSeek-V3's; sizes in multiples of 128). "
-             "The embedding, output projection, norms, router and routed experts stay in precision.dtype, which must be bf16; masters stay fp32. "
+             "The routed experts' grouped products follow where execution.fp8_routed_experts says (row scales). "
+             "The embedding, output projection, norms and router stay in precision.dtype, which must be bf16; masters stay fp32. "
              "Needs GPUs with FP8 tensor cores (hardware.peak_tflops_fp8 > 0) and a PyTorch 2.x build."),
       ranged("precision.loss_scale.initial_power", T::Int, "16", 0, 64, "fp16: the loss scale starts at 2^this."),
       ranged("precision.loss_scale.window", T::Int, "1000", 1, 1e9, "fp16: steps without overflow before the scale doubles."),

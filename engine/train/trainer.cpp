@@ -101,7 +101,8 @@ std::string rank_identity(const std::string& config_toml) {
   const BuildKernels k = this_build_kernels();
   out += "\n[build]\ntorch = \"" + std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." + std::to_string(TORCH_VERSION_PATCH) +
          "\"\ncuda = " + (k.cuda ? "true" : "false") + "\ndevice_adam = " + (k.device_adam ? "true" : "false") + "\nfused_adam = " + (k.fused_adam ? "true" : "false") +
-         "\nvarlen_attention = " + (k.varlen_attention ? "true" : "false") + "\nfp8_products = " + (k.fp8_products ? "true" : "false") + "\n";
+         "\nvarlen_attention = " + (k.varlen_attention ? "true" : "false") + "\nfp8_products = " + (k.fp8_products ? "true" : "false") +
+         "\nfp8_grouped_products = " + (k.fp8_grouped_products ? "true" : "false") + "\n";
   return out;
 }
 
@@ -268,6 +269,7 @@ class Trainer {
       build.loss_gradients_in_forward = plan_.modes.loss_gradients_in_forward;
       build.variable_length_attention = plan_.modes.variable_length_attention;
       build.fp8 = r_.precision.fp8;
+      build.fp8_routed_experts = plan_.modes.fp8_routed_experts;
     }
     model_ = build_model(r_.model, r_.batch.seq_len, build);
     if (!r_.model.init_from.empty()) {
@@ -1041,6 +1043,7 @@ BuildKernels compiled_kernels() {
   k.cuda = true;
   k.varlen_attention = DSRUN_TORCH_AT_LEAST(2, 2);
   k.fp8_products = compat::kHasScaledMm;
+  k.fp8_grouped_products = compat::kHasScaledGroupedMm;
 #endif
   k.device_adam = kHasDeviceAdamKernel;
   k.fused_adam = compat::kHasFusedAdam;

@@ -21,9 +21,8 @@ constexpr int kTile = 64, kThreads = 256, kVec = 8, kRowsAtOnce = kThreads / (kT
 // Maxima of |x| of non-negative floats: their bit patterns order as unsigned integers do.
 __device__ inline void atomic_max_nonnegative(float* at, float v) { atomicMax(reinterpret_cast<unsigned int*>(at), __float_as_uint(v)); }
 
-// Eight bf16 from x (16-byte aligned: cols a multiple of 8, checked by the caller) as floats.
-__device__ inline void load8(const __nv_bfloat16* x, float* v) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(x);
+// Eight bf16 of one 16-byte word as floats.
+__device__ inline void unpack8(const uint4& raw, float* v) {
   const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -32,6 +31,9 @@ __device__ inline void load8(const __nv_bfloat16* x, float* v) {
     v[2 * j + 1] = f.y;
   }
 }
+
+// Eight bf16 from x (16-byte aligned: cols a multiple of 8, checked by the caller) as floats.
+__device__ inline void load8(const __nv_bfloat16* x, float* v) { unpack8(*reinterpret_cast<const uint4*>(x), v); }
 
 // The tile's elements, each thread's eight of its rows r0 + i·32 + t/8, columns c0 + (t%8)·8 (zeros outside).
 struct TileLoad {
@@ -52,10 +54,14 @@ __device__ inline void load_tile(const __nv_bfloat16* x, int64_t rows, int64_t c
   }
 }
 
+// blockIdx.z: which of the matrices lying one after another (each its own row and column maxima).
 __global__ void __launch_bounds__(kThreads) amax_kernel(const __nv_bfloat16* x, int64_t rows, int64_t cols, float* row_amax, float* col_amax,
                                                         float* tensor_amax) {
   __shared__ float columns[kRowsAtOnce][kTile + 1];
   __shared__ float warps[kThreads / 32];
+  x += blockIdx.z * rows * cols;
+  if (row_amax) row_amax += blockIdx.z * rows;
+  if (col_amax) col_amax += blockIdx.z * cols;
   const int64_t r0 = blockIdx.y * int64_t{kTile}, c0 = blockIdx.x * int64_t{kTile};
   TileLoad t;
   load_tile(x, rows, cols, r0, c0, t);
@@ -124,9 +130,20 @@ __device__ inline uint2 to_fp8x8(const float* v, float s, int kind) {
 // (amax_q[r]) and qt's per column (amax_t[c]); tensorwise: both amax_q[0]. Inverse scales (what the
 // product multiplies back by) go to inv_q and inv_t (tensorwise: inv_q[0] alone). qt's rows are
 // written 8 bytes a thread (8 rows of one column of x), 64 contiguous bytes by 8 adjacent threads.
+// blockIdx.z (rowwise): which of the matrices lying one after another, each scaled by its own maxima.
 __global__ void __launch_bounds__(kThreads) quantize_kernel(const __nv_bfloat16* x, int64_t rows, int64_t cols, int kind, int rowwise,
                                                             const float* amax_q, const float* amax_t, uint8_t* q, uint8_t* qt, float* inv_q, float* inv_t) {
   __shared__ float tile[kTile][kTile + 1];
+  if (blockIdx.z > 0) {
+    const int64_t z = blockIdx.z;
+    x += z * rows * cols;
+    if (q) q += z * rows * cols;
+    if (qt) qt += z * rows * cols;
+    if (amax_q) amax_q += z * rows;
+    if (amax_t) amax_t += z * cols;
+    if (inv_q) inv_q += z * rows;
+    if (inv_t) inv_t += z * cols;
+  }
   const int64_t r0 = blockIdx.y * int64_t{kTile}, c0 = blockIdx.x * int64_t{kTile};
   const int row_in = threadIdx.x / (kTile / kVec), col_in = (threadIdx.x % (kTile / kVec)) * kVec;
   const float top = fp8_max(kind);
@@ -246,28 +263,83 @@ __global__ void __launch_bounds__(kThreads) quantize_blocks_kernel(const __nv_bf
   }
 }
 
-dim3 tiles(int64_t rows, int64_t cols) {
-  return dim3(static_cast<unsigned>((cols + kTile - 1) / kTile), static_cast<unsigned>((rows + kTile - 1) / kTile));
+// Rowwise without a transpose, in one pass: a warp a row, each lane keeping its 16-byte words of
+// the row in registers (at most kChunks of them: rows of up to 32 · 8 · kChunks elements) between the
+// maximum and the scaling. The two-pass pair above reads x twice (5 bytes an element against 3):
+// the routed experts' operands, quantised for every routed row of every MoE layer, are where that
+// showed (docs/benchmarks.md, 2026-11-28).
+template <int kChunks>
+__global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const __nv_bfloat16* x, int64_t rows, int64_t cols, int kind, uint8_t* q, float* inv_q) {
+  const int lane = threadIdx.x % 32;
+  const int64_t r = blockIdx.x * int64_t{kThreads / 32} + threadIdx.x / 32;
+  if (r >= rows) return;
+  const __nv_bfloat16* row = x + r * cols;
+  const int64_t words = cols / kVec;
+  uint4 raw[kChunks];
+  float m = 0;
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
+    const int64_t w = i * 32 + lane;
+    if (w < words) {
+      raw[i] = *reinterpret_cast<const uint4*>(row + w * kVec);
+      float v[kVec];
+      unpack8(raw[i], v);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) m = fmaxf(m, fabsf(v[j]));
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  const float top = fp8_max(kind), amax = fmaxf(m, kAmaxFloor), s = top / amax;
+  if (lane == 0) inv_q[r] = amax / top;
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
+    const int64_t w = i * 32 + lane;
+    if (w < words) {
+      float v[kVec];
+      unpack8(raw[i], v);
+      *reinterpret_cast<uint2*>(q + r * cols + w * kVec) = to_fp8x8(v, s, kind);
+    }
+  }
+}
+
+dim3 tiles(int64_t rows, int64_t cols, int64_t batch) {
+  return dim3(static_cast<unsigned>((cols + kTile - 1) / kTile), static_cast<unsigned>((rows + kTile - 1) / kTile), static_cast<unsigned>(batch));
 }
 
 }  // namespace
 
 extern "C" {
 
-void dsrun_fp8_amax(const void* x, int64_t rows, int64_t cols, float* row_amax, float* col_amax, float* tensor_amax, cudaStream_t stream) {
-  if (row_amax) cudaMemsetAsync(row_amax, 0, sizeof(float) * rows, stream);
-  if (col_amax) cudaMemsetAsync(col_amax, 0, sizeof(float) * cols, stream);
+void dsrun_fp8_amax(const void* x, int64_t batch, int64_t rows, int64_t cols, float* row_amax, float* col_amax, float* tensor_amax, cudaStream_t stream) {
+  if (row_amax) cudaMemsetAsync(row_amax, 0, sizeof(float) * batch * rows, stream);
+  if (col_amax) cudaMemsetAsync(col_amax, 0, sizeof(float) * batch * cols, stream);
   if (tensor_amax) cudaMemsetAsync(tensor_amax, 0, sizeof(float), stream);
-  if (rows > 0 && cols > 0)
-    amax_kernel<<<tiles(rows, cols), kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), rows, cols, row_amax, col_amax, tensor_amax);
+  if (batch > 0 && rows > 0 && cols > 0)
+    amax_kernel<<<tiles(rows, cols, batch), kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), rows, cols, row_amax, col_amax, tensor_amax);
   note_launch();
 }
 
-void dsrun_fp8_quantize(const void* x, int64_t rows, int64_t cols, int kind, int rowwise, const float* amax_q, const float* amax_t, void* q,
-                        void* qt, float* inv_q, float* inv_t, cudaStream_t stream) {
-  if (rows > 0 && cols > 0)
-    quantize_kernel<<<tiles(rows, cols), kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), rows, cols, kind, rowwise, amax_q, amax_t,
+void dsrun_fp8_quantize(const void* x, int64_t batch, int64_t rows, int64_t cols, int kind, int rowwise, const float* amax_q, const float* amax_t,
+                        void* q, void* qt, float* inv_q, float* inv_t, cudaStream_t stream) {
+  if (batch > 0 && rows > 0 && cols > 0)
+    quantize_kernel<<<tiles(rows, cols, rowwise ? batch : 1), kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), rows, cols, kind, rowwise, amax_q, amax_t,
                                                            static_cast<uint8_t*>(q), static_cast<uint8_t*>(qt), inv_q, inv_t);
+  note_launch();
+}
+
+int64_t dsrun_fp8_quantize_rows_max_cols(void) { return int64_t{32} * kVec * 16; }
+
+void dsrun_fp8_quantize_rows(const void* x, int64_t rows, int64_t cols, int kind, void* q, float* inv_q, cudaStream_t stream) {
+  if (rows > 0 && cols > 0) {
+    const unsigned blocks = static_cast<unsigned>((rows + kThreads / 32 - 1) / (kThreads / 32));
+    const int64_t per_lane = (cols / kVec + 31) / 32;
+    const auto* in = static_cast<const __nv_bfloat16*>(x);
+    auto* out = static_cast<uint8_t*>(q);
+    if (per_lane <= 4) quantize_rows_kernel<4><<<blocks, kThreads, 0, stream>>>(in, rows, cols, kind, out, inv_q);
+    else if (per_lane <= 8) quantize_rows_kernel<8><<<blocks, kThreads, 0, stream>>>(in, rows, cols, kind, out, inv_q);
+    else quantize_rows_kernel<16><<<blocks, kThreads, 0, stream>>>(in, rows, cols, kind, out, inv_q);
+  }
   note_launch();
 }
 
