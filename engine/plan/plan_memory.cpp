@@ -136,15 +136,16 @@ Evaluation Planner::evaluate_stage(const Choice& l, int stage) const {
   // until its backward (measured on an H200: the ~1B's peak 1.85 GiB under bf16's; this counts 1.84).
   if (r_.precision.fp8 != Fp8Scaling::None && !l.checkpointing)
     m.activations += live * (st.fp8_params - l.micro * static_cast<double>(r_.batch.seq_len) * st.fp8_activation_saving_per_token);
+  if (degrees_.tensor > 1 && !l.checkpointing) m.activations *= r_.parallel.sequence_parallel ? 1.0 / degrees_.tensor : (10.0 + 24.0 / degrees_.tensor) / 34.0;
   // execution.fp8_routed_experts: each MoE layer keeps its experts' transposed FP8 weights (a byte a
   // parameter, and an fp32 scale for each of an expert's h + i columns) until its backward
-  // (grouped_experts.cpp); with checkpointing only the recomputed layer's.
+  // (grouped_experts.cpp); with checkpointing only the recomputed layer's, of one micro-batch.
+  // Already per tensor rank (local_routed_params): added after the split above.
   if (modes.fp8_routed_experts && st.moe_layers > 0) {
     const double h = r_.model.hidden, i = r_.model.moe.intermediate;
     const double kept = st.local_routed_params * (1 + 4 * (h + i) / (3 * h * i));
-    m.activations += live * (l.checkpointing ? kept / st.moe_layers : kept);
+    m.activations += l.checkpointing ? kept / st.moe_layers : live * kept;
   }
-  if (degrees_.tensor > 1 && !l.checkpointing) m.activations *= r_.parallel.sequence_parallel ? 1.0 / degrees_.tensor : (10.0 + 24.0 / degrees_.tensor) / 34.0;
   if (r_.data.separate_documents) {
     const double s = static_cast<double>(r_.batch.seq_len);
     if (modes.variable_length_attention)  // each token's position (int64); the documents' starts are a few bytes

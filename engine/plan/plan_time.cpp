@@ -249,8 +249,10 @@ double Planner::compute_seconds(Plan& p) const {
   const double fp8_efficiency = r_.hardware.fp8_matmul_efficiency * fp8_product_rate(r_.precision.fp8);
   // execution.fp8_routed_experts: of the routed experts' six products, forward's two and the input
   // gradients' two (two thirds of their FLOPs) at the FP8 peak and the grouped FP8 kernel's own
-  // measured efficiency; the weight gradients' two stay bf16.
-  const double routed_in_fp8 = p.modes.fp8_routed_experts ? 2.0 / 3.0 : 0;
+  // measured efficiency (with recomputation its forward's too); the weight gradients' two stay bf16.
+  // Recomputation adds a forward (in FP8 too): 12 + 6 of 18 + 6 FLOPs a parameter and row.
+  const double recomputed = p.layout.recomputation ? 6 : 0;
+  const double routed_in_fp8 = p.modes.fp8_routed_experts ? (12 + recomputed) / (18 + recomputed) : 0;
   const double routed_rate = (1 - routed_in_fp8) / (p.peak_flops * grouped_efficiency) +
                              (routed_in_fp8 > 0 ? routed_in_fp8 / (r_.hardware.peak_flops_fp8 * r_.hardware.fp8_grouped_matmul_efficiency) : 0);
   double busiest = 0;

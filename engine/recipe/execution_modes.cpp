@@ -43,7 +43,7 @@ const std::array<ExecutionModeRow, 9>& execution_mode_rows() {
        "`auto` turns it on where, at the rows an expert gets in a micro-batch (micro x seq_len x top_k x parallel.expert / routed_experts), "
        "the products' saving priced by the hardware's figures (fp8_grouped_matmul_efficiency against grouped_matmul_efficiency, "
        "memory_bandwidth) exceeds that quantisation; true wherever it can run. On one H100 with torch 2.11 the MoE benchmark's shape "
-       "ran 4.4% slower at 768 rows an expert and 1.4% faster at 3072 (docs/benchmarks.md, 2026-11-28)."},
+       "ran 5.8% slower at 768 rows an expert and 1.4% faster at 3072 than with the routed experts in bf16 (docs/benchmarks.md, 2026-11-28)."},
   }};
   return rows;
 }
@@ -150,7 +150,7 @@ ExecutionModes decide_execution_modes(const Recipe& r, const Layout& l, int64_t 
          : r.model.moe.routed_experts == 0 ? "no MoE layer"
          : !gpu || !k.fp8_grouped_products ? "this build has no grouped FP8 products (PyTorch 2.9 or later on CUDA: scripts/gpu_build.sh)"
          : r.model.hidden % 16 != 0 || r.model.moe.intermediate % 16 != 0 ? "model.hidden and model.moe.intermediate must be multiples of 16"
-         : !routed_forced_on && fp8_routed_expert_gain_seconds(r, rows_per_expert) <= 0
+         : !routed_forced_on && fp8_routed_expert_gain_seconds(r, rows_per_expert, l.recomputation) <= 0
              ? "at about " + std::to_string(static_cast<int64_t>(rows_per_expert)) +
                    " rows an expert a micro-batch, quantising the experts' weights and rows costs more than their FP8 products save on this hardware "
                    "(hardware.fp8_grouped_matmul_efficiency against grouped_matmul_efficiency; true turns it on)"
@@ -158,16 +158,18 @@ ExecutionModes decide_execution_modes(const Recipe& r, const Layout& l, int64_t 
   return m;
 }
 
-double fp8_routed_expert_gain_seconds(const Recipe& r, double rows) {
+double fp8_routed_expert_gain_seconds(const Recipe& r, double rows, bool recomputation) {
   const HardwareSpec& hw = r.hardware;
   if (hw.peak_flops_fp8 <= 0 || hw.memory_bandwidth <= 0) return -1;
   const double h = r.model.hidden, i = r.model.moe.intermediate, e = 2;  // bf16
   // Per row: forward's and the input gradients' products, 12·h·i FLOPs of the 18·h·i, against
   // quantising x, a, dy and dh (2·h + 3·i elements, e + 1 bytes each). Per expert: its 3·h·i
   // weights and their transposes (kFp8ExpertWeightBytes each). As Planner::fp8_routed_quantization_bytes.
-  const double saved = 12 * h * i * (1 / (hw.peak_flops_bf16 * hw.grouped_matmul_efficiency) - 1 / (hw.peak_flops_fp8 * hw.fp8_grouped_matmul_efficiency));
-  const double rows_cost = (e + 1) * (2 * h + 3 * i) / hw.memory_bandwidth;
-  const double weights_cost = kFp8ExpertWeightBytes * 3 * h * i / hw.memory_bandwidth;
+  // Recomputation runs forward again: its products (6·h·i), its x and a (h + i), its weights' quantisation.
+  const double again = recomputation ? 1 : 0;
+  const double saved = (12 + 6 * again) * h * i * (1 / (hw.peak_flops_bf16 * hw.grouped_matmul_efficiency) - 1 / (hw.peak_flops_fp8 * hw.fp8_grouped_matmul_efficiency));
+  const double rows_cost = (e + 1) * (2 * h + 3 * i + again * (h + i)) / hw.memory_bandwidth;
+  const double weights_cost = (1 + again) * kFp8ExpertWeightBytes * 3 * h * i / hw.memory_bandwidth;
   return rows * (saved - rows_cost) - weights_cost;
 }
 

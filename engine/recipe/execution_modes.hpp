@@ -62,7 +62,7 @@ double routed_rows_per_expert(const Recipe& recipe, const Layout& layout);
 constexpr double kFp8ExpertWeightBytes = 12;
 // execution.fp8_routed_experts' `auto`, from the recipe's hardware figures: the seconds an expert's
 // FP8 products save at `rows` rows, less its rows' and its weights' quantisation (negative: a loss).
-double fp8_routed_expert_gain_seconds(const Recipe& recipe, double rows);
+double fp8_routed_expert_gain_seconds(const Recipe& recipe, double rows, bool recomputation = false);
 
 // A mode the recipe (or the launcher's pin) set true that its rule refuses here, and why.
 struct RefusedMode {

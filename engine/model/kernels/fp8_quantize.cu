@@ -331,6 +331,8 @@ void dsrun_fp8_quantize(const void* x, int64_t batch, int64_t rows, int64_t cols
 int64_t dsrun_fp8_quantize_rows_max_cols(void) { return int64_t{32} * kVec * 16; }
 
 void dsrun_fp8_quantize_rows(const void* x, int64_t rows, int64_t cols, int kind, void* q, float* inv_q, cudaStream_t stream) {
+  // Wider rows would not fit the registers: the caller takes the two-pass kernels (fp8_linear.cpp).
+  if (cols > dsrun_fp8_quantize_rows_max_cols()) __builtin_trap();
   if (rows > 0 && cols > 0) {
     const unsigned blocks = static_cast<unsigned>((rows + kThreads / 32 - 1) / (kThreads / 32));
     const int64_t per_lane = (cols / kVec + 31) / 32;
