@@ -335,22 +335,18 @@ double Planner::fp8_quantization_seconds(const Plan& p) const {
 
 // execution.fp8_routed_experts: each micro-batch quantises the local experts' weights, each and its
 // transpose in one pass after one for the maxima (kFp8ExpertWeightBytes a parameter: 2·e + 2 move,
-// at what measured as half the bandwidth), and four operands
-// of each routed row per MoE layer, rowwise without a transpose in one pass (a row kept in
-// registers: e + 1 bytes an element): x and dy (h wide), a (i) and dh (2·i).
+// at what measured as half the bandwidth), and the four operands of each routed row per MoE layer
+// (fp8_routed_row_bytes: rowwise without a transpose, in one pass).
 double Planner::fp8_routed_quantization_bytes(const Plan& p, double tokens) const {
   if (!p.modes.fp8_routed_experts) return 0;
-  const double e = bytes_per_element(r_.precision.dtype);
-  const double h = r_.model.hidden, i = r_.model.moe.intermediate;
   double params = 0, layers = 0;
   for (const StageCost& st : stages_) {
     params = std::max(params, st.local_routed_params);
     layers = std::max(layers, static_cast<double>(st.moe_layers));
   }
-  const double widths = 2 * h + 3 * i + (p.layout.recomputation ? h + i : 0);  // forward's x and a again when recomputed
   const double weights = static_cast<double>(p.accumulation) * kFp8ExpertWeightBytes * params * (p.layout.recomputation ? 2 : 1);
   const double rows = tokens * r_.model.moe.top_k * imbalance_;
-  const double activations = rows * layers * (e + 1) * widths / degrees_.tensor;
+  const double activations = rows * layers * fp8_routed_row_bytes(r_, p.layout.recomputation) / degrees_.tensor;
   return weights + activations;
 }
 

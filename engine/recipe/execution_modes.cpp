@@ -161,16 +161,21 @@ ExecutionModes decide_execution_modes(const Recipe& r, const Layout& l, int64_t 
 double fp8_routed_expert_gain_seconds(const Recipe& r, double rows, bool recomputation) {
   const HardwareSpec& hw = r.hardware;
   if (hw.peak_flops_fp8 <= 0 || hw.memory_bandwidth <= 0) return -1;
-  const double h = r.model.hidden, i = r.model.moe.intermediate, e = 2;  // bf16
+  const double h = r.model.hidden, i = r.model.moe.intermediate;
   // Per row: forward's and the input gradients' products, 12·h·i FLOPs of the 18·h·i, against
-  // quantising x, a, dy and dh (2·h + 3·i elements, e + 1 bytes each). Per expert: its 3·h·i
+  // quantising x, a, dy and dh (fp8_routed_row_bytes). Per expert: its 3·h·i
   // weights and their transposes (kFp8ExpertWeightBytes each). As Planner::fp8_routed_quantization_bytes.
-  // Recomputation runs forward again: its products (6·h·i), its x and a (h + i), its weights' quantisation.
+  // Recomputation runs forward again: its products (6·h·i), its x and a, its weights' quantisation.
   const double again = recomputation ? 1 : 0;
   const double saved = (12 + 6 * again) * h * i * (1 / (hw.peak_flops_bf16 * hw.grouped_matmul_efficiency) - 1 / (hw.peak_flops_fp8 * hw.fp8_grouped_matmul_efficiency));
-  const double rows_cost = (e + 1) * (2 * h + 3 * i + again * (h + i)) / hw.memory_bandwidth;
+  const double rows_cost = fp8_routed_row_bytes(r, recomputation) / hw.memory_bandwidth;
   const double weights_cost = (1 + again) * kFp8ExpertWeightBytes * 3 * h * i / hw.memory_bandwidth;
   return rows * (saved - rows_cost) - weights_cost;
+}
+
+double fp8_routed_row_bytes(const Recipe& r, bool recomputation) {
+  const double e = 2, h = r.model.hidden, i = r.model.moe.intermediate;  // bf16 (precision.fp8 needs it)
+  return (e + 1) * (2 * h + 3 * i + (recomputation ? h + i : 0));
 }
 
 double routed_rows_per_expert(const Recipe& r, const Layout& l) {

@@ -60,6 +60,10 @@ double routed_rows_per_expert(const Recipe& recipe, const Layout& layout);
 // copies written), but the MoE benchmark's steps on one H100 at 768, 1536 and 3072 rows an expert
 // fit twice that (the maxima's atomics and the transposed writes; docs/benchmarks.md, 2026-11-28).
 constexpr double kFp8ExpertWeightBytes = 12;
+// Bytes quantising one routed row's four operands moves in a micro-batch (x and dy h wide, a i, dh
+// 2·i; e + 1 bytes an element in one pass), forward's x and a again with recomputation. The plan's
+// total and `auto`'s rule both price with these two.
+double fp8_routed_row_bytes(const Recipe& recipe, bool recomputation);
 // execution.fp8_routed_experts' `auto`, from the recipe's hardware figures: the seconds an expert's
 // FP8 products save at `rows` rows, less its rows' and its weights' quantisation (negative: a loss).
 double fp8_routed_expert_gain_seconds(const Recipe& recipe, double rows, bool recomputation = false);
