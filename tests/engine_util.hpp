@@ -110,6 +110,41 @@ inline ModelSpec tiny_moe_decoder(int experts) {
   return m;
 }
 
+// A tiny DeepSeek-V3: MLA with a query latent, YaRN, one dense block then MoE blocks of 8 experts
+// in 4 groups (2 kept, top-2, sigmoid, normalised, scaled), one shared expert, a sequence-wise
+// balance loss and one MTP module.
+inline ModelSpec tiny_v3_decoder() {
+  ModelSpec m = tiny_decoder();
+  m.kv_heads = m.heads;
+  m.attention = AttentionKind::Mla;
+  m.mla.q_lora_rank = 16;
+  m.mla.kv_lora_rank = 16;
+  m.mla.qk_nope_head_dim = 8;
+  m.mla.qk_rope_head_dim = 4;
+  m.mla.v_head_dim = 8;
+  m.rope_scaling.kind = RopeScalingKind::Yarn;
+  m.rope_scaling.factor = 4;
+  m.rope_scaling.original_max_position_embeddings = 8;
+  m.rope_scaling.mscale = 1;
+  m.rope_scaling.mscale_all_dim = 0.8;
+  m.moe.routed_experts = 8;
+  m.moe.shared_experts = 1;
+  m.moe.top_k = 2;
+  m.moe.intermediate = 16;
+  m.moe.first_dense_layers = 1;
+  m.moe.scoring = RouterScore::Sigmoid;
+  m.moe.n_group = 4;
+  m.moe.topk_group = 2;
+  m.moe.norm_topk_prob = true;
+  m.moe.routed_scaling_factor = 2.5;
+  m.moe.balance = MoeBalance::Bias;
+  m.moe.seq_aux_loss_weight = 0.01;
+  m.mtp.depth = 1;
+  m.mtp.loss_weight = 0.3;
+  m.init_std = 0.1;  // routing decided by clear margins, not rounding
+  return m;
+}
+
 inline Batch token_batch(int64_t b, int64_t s, int64_t vocab, uint64_t seed) {
   torch::manual_seed(seed);
   Batch batch;

@@ -352,3 +352,9 @@ TEST_CASE("CUDA: the grouped matrix product kernel equals the loop, and the grou
     CHECK(close(down[e].grad(), down_ref[e].grad()));
   }
 }
+
+TEST_CASE("expert parallelism with V3's group-limited sigmoid routing, latent attention and MTP, recomputed under ZeRO-3", "[engine][expert][latent]") {
+  const ModelSpec m = dsrun::test::tiny_v3_decoder();  // the MTP module's MoE block's experts sharded too
+  CHECK(expert_parallel_matches(m, {{1, 2, 1, 2}, 0}));
+  CHECK(expert_parallel_matches(m, {{1, 2, 1, 2}, 3, true}));
+}

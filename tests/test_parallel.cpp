@@ -154,3 +154,9 @@ TEST_CASE("sequence parallelism: norms on a part of the sequence, the same loss,
   m.tie_embeddings = true;
   CHECK(tensor_parallel_matches(m, {1, 2, 2}, 1, true));
 }
+
+TEST_CASE("tensor parallelism with latent attention, V3 routing and MTP: heads split, latents replicated, ZeRO-3 over the data dimension", "[engine][tensor][latent]") {
+  const ModelSpec m = dsrun::test::tiny_v3_decoder();
+  CHECK(tensor_parallel_matches(m, {1, 1, 2}, 0));
+  CHECK(tensor_parallel_matches(m, {1, 2, 2}, 3, false, 5));  // and the fused projection and loss
+}

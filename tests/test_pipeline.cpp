@@ -71,8 +71,8 @@ bool pipeline_matches(const ModelSpec& m, const Layout& layout) {
     options.pipeline_pieces = layout.pieces;
     options.pipeline.schedule = build_pipeline_schedule(layout.schedule, layout.shape.pipeline, n, layout.virtual_stages);
     options.pipeline.activation_shape = {2, kSeq / (layout.sequence_parallel ? t : 1), m.hidden};
-    options.pipeline.carries_aux_loss = m.moe.enabled();
-    if (m.tie_embeddings) options.pipeline.tied_embedding_shape = {m.vocab / t, m.hidden};
+    options.pipeline.carries_aux_loss = m.moe.enabled() || m.mtp.enabled();
+    if (m.tie_embeddings || m.mtp.enabled()) options.pipeline.tied_embedding_shape = {m.vocab / t, m.hidden};
     auto parallel = parallelize(*model, mesh, options);
     PipelineTotals totals = parallel->pipeline()->train_step([&](int i) { return micro_batch(m, i); },
                                                              [&](const ModelOutput& o, const Batch& b) { return micro_batch_loss(o, b, parallel->tensor()); },
@@ -149,4 +149,12 @@ TEST_CASE("pipeline stages carry the MoE balance loss, and compose with tensor p
 TEST_CASE("pipeline × data parallelism with ZeRO-2: the norm over every stage and data rank", "[engine][pipeline][zero]") {
   Layout pp_dp{{2, 2, 1}, PipelineScheduleKind::OneFOneB, 1, {{0, 3}, {3, 5}}, 2};
   CHECK(pipeline_matches(three_layers(), pp_dp));
+}
+
+TEST_CASE("MTP on the last stage: the embedding copied there as tied embeddings are, its gradient sent back, with tensor parallelism too", "[engine][pipeline][latent][mtp]") {
+  const ModelSpec m = dsrun::test::tiny_v3_decoder();  // 2 blocks, latent attention, V3 routing, one MTP module
+  Layout pp{{2, 1, 1}, PipelineScheduleKind::OneFOneB, 1, {{0, 2}, {2, 4}}};
+  CHECK(pipeline_matches(m, pp));
+  Layout pp_tp{{2, 1, 2}, PipelineScheduleKind::OneFOneB, 1, {{0, 2}, {2, 4}}};
+  CHECK(pipeline_matches(m, pp_tp));
 }

@@ -729,3 +729,21 @@ TEST_CASE("checkpoint.dir must be a directory this user can write, or one that c
   CHECK(errors_of(load_text(base, {"checkpoint.dir=\"" + dir.path() + "\""})).empty());
 }
 
+
+TEST_CASE("DeepSeek-V2/V3 keys: groups, head widths and YaRN refused by name with a fix, the templates plan", "[recipe][rules][latent]") {
+  const std::string moe = "[model.moe]\nrouted_experts = 8\ntop_k = 2\nintermediate = 8\n";
+  const Diagnostic& groups = only_error(load_text(moe + "n_group = 3\n"));
+  CHECK(groups.key == "model.moe.n_group");
+  CHECK(groups.message.find("do not divide into 3 equal groups") != std::string::npos);
+  CHECK(only_error(load_text(moe + "n_group = 4\ntopk_group = 5\n")).key == "model.moe.topk_group");
+  CHECK(only_error(load_text(moe + "n_group = 8\ntopk_group = 1\n")).key == "model.moe.top_k");  // 2 experts from 1 group of 1
+  const std::string mla = "[model]\nattention = \"mla\"\n[model.mla]\nkv_lora_rank = 32\nqk_nope_head_dim = 32\n";
+  CHECK(only_error(load_text(mla + "qk_rope_head_dim = 6\n")).key == "model.mla.qk_nope_head_dim");  // 32 + 6 is no multiple of 8
+  CHECK(only_error(load_text(mla + "qk_rope_head_dim = 16\nv_head_dim = 12\n")).key == "model.mla.v_head_dim");
+  CHECK(only_error(load_text("[model.rope_scaling]\ntype = \"yarn\"\n")).key == "model.rope_scaling.factor");
+  const LoadedRecipe v3 = load_text("base = [\"hardware/h100-80gb-x1\", \"models/deepseek-v3-tiny\"]\n[batch]\nseq_len = 128\n");
+  CHECK(errors_of(v3).empty());
+  CHECK(v3.recipe.model.moe_layers() == 4);  // 3 MoE blocks and the MTP module's
+  for (const char* name : {"models/deepseek-v2-lite", "models/deepseek-v3"})
+    CHECK(errors_of(load_text(std::string("base = [\"hardware/h100-80gb-x8\", \"") + name + "\"]\n[batch]\nseq_len = 4096\n")).empty());
+}

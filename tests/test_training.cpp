@@ -170,7 +170,10 @@ TEST_CASE("expert parallelism follows one process: ep2, and ep2 within data 4 wi
 
 TEST_CASE("expert parallelism composed: ep2 x pipeline 2, and ep2 x tensor 2 with ZeRO-3", "[training][expert][pipeline][tensor]") {
   check_model_parallel(kMoe, " --set parallel.expert=2 --set parallel.pipeline=2", 1, 2, 4, kMoeNorms);
-  check_model_parallel(kMoe + " --set model.kv_heads=2", " --set parallel.expert=2 --set parallel.tensor=2", 3, 2, 4, kMoeNorms);
+  // (init_std 0.05: routing by clear margins. At the default 0.02 a near-tie choice flipped between
+  // the one-process and the tensor-parallel runs' last bits on this CI machine's CPU, with and
+  // without the latent-attention change, and the runs drifted 2e-4 apart by step 6.)
+  check_model_parallel(kMoe + " --set model.kv_heads=2 --set model.init_std=0.05", " --set parallel.expert=2 --set parallel.tensor=2", 3, 2, 4, kMoeNorms);
 }
 
 TEST_CASE("expert parallelism with lopsided routing follows one process: every token to one expert, a rank without tokens", "[training][expert]") {

@@ -32,41 +32,140 @@ std::vector<WeightPiece> swiglu_pieces(const std::string& prefix, const std::str
   return {};
 }
 
+// "mtp1.block.attn.wo.weight" -> 1 and "block.attn.wo.weight"; false for other names.
+bool split_mtp_name(const std::string& name, int& depth, std::string& rest) {
+  if (!starts_with(name, "mtp")) return false;
+  size_t dot = name.find('.');
+  if (dot == std::string::npos || dot == 3) return false;
+  depth = std::atoi(name.substr(3, dot - 3).c_str());
+  rest = name.substr(dot + 1);
+  return true;
+}
+
+// One block's parameter (its name inside the block) under the Hugging Face prefix `p`
+// ("model.layers.N."): Llama/DeepSeek names, and DeepSeek-V2/V3's for latent attention.
+std::vector<WeightPiece> block_pieces(const std::string& p, const std::string& rest, int64_t rows, const ModelSpec& spec) {
+  static const std::pair<const char*, const char*> same_rows[] = {
+      {"attn_norm.weight", "input_layernorm.weight"},          {"mlp_norm.weight", "post_attention_layernorm.weight"},
+      {"attn.wo.weight", "self_attn.o_proj.weight"},           {"attn.wq_a.weight", "self_attn.q_a_proj.weight"},
+      {"attn.q_norm.weight", "self_attn.q_a_layernorm.weight"}, {"attn.wq_b.weight", "self_attn.q_b_proj.weight"},
+      {"attn.wq.weight", "self_attn.q_proj.weight"},           {"attn.wkv_a.weight", "self_attn.kv_a_proj_with_mqa.weight"},
+      {"attn.kv_norm.weight", "self_attn.kv_a_layernorm.weight"}, {"attn.wkv_b.weight", "self_attn.kv_b_proj.weight"},
+      {"moe.router.weight", "mlp.gate.weight"}};
+  for (const auto& [ours, theirs] : same_rows)
+    if (rest == ours) return {{p + theirs, 0, rows}};
+  if (rest == "attn.wqkv.weight") {
+    const int64_t q = static_cast<int64_t>(spec.heads) * spec.head_dim(), kv = static_cast<int64_t>(spec.kv_heads) * spec.head_dim();
+    return {{p + "self_attn.q_proj.weight", 0, q}, {p + "self_attn.k_proj.weight", q, kv}, {p + "self_attn.v_proj.weight", q + kv, kv}};
+  }
+  if (starts_with(rest, "mlp.")) return swiglu_pieces(p + "mlp.", rest.substr(4), rows);
+  if (starts_with(rest, "moe.shared.")) return swiglu_pieces(p + "mlp.shared_experts.", rest.substr(11), rows);
+  if (starts_with(rest, "moe.expert")) {
+    size_t dot = rest.find('.', 10);
+    if (dot != std::string::npos) return swiglu_pieces(p + "mlp.experts." + rest.substr(10, dot - 10) + ".", rest.substr(dot + 1), rows);
+  }
+  return {};
+}
+
+// MTP module k's Hugging Face prefix: DeepSeek-V3 stores it as the layer after the last block.
+std::string mtp_prefix(const ModelSpec& spec, int depth) { return "model.layers." + std::to_string(spec.layers + depth) + "."; }
+
 }  // namespace
 
 std::vector<WeightPiece> hf_pieces(const std::string& param, const std::vector<int64_t>& shape, const ModelSpec& spec) {
   const int64_t rows = shape.empty() ? 1 : shape[0];
   if (spec.arch == ModelArch::ResNet) return {{param, 0, rows}};
-  if (param == "embedding.weight") return {{"model.embed_tokens.weight", 0, rows}};
+  // The embedding and the head, and their copies in the MTP layers (which share them).
+  auto with_mtp_copies = [&](const std::string& name, const std::string& mtp_leaf) {
+    std::vector<WeightPiece> pieces{{name, 0, rows}};
+    for (int k = 0; k < spec.mtp.depth; ++k) pieces.push_back({mtp_prefix(spec, k) + mtp_leaf, 0, rows, /*copy=*/true});
+    return pieces;
+  };
+  if (param == "embedding.weight") {
+    std::vector<WeightPiece> pieces = with_mtp_copies("model.embed_tokens.weight", "embed_tokens.weight");
+    if (spec.tie_embeddings)  // the head is this weight too
+      for (int k = 0; k < spec.mtp.depth; ++k) pieces.push_back({mtp_prefix(spec, k) + "shared_head.head.weight", 0, rows, true});
+    return pieces;
+  }
   if (param == "norm.weight") return {{"model.norm.weight", 0, rows}};
-  if (param == "head.weight") return {{"lm_head.weight", 0, rows}};
+  if (param == "head.weight") return with_mtp_copies("lm_head.weight", "shared_head.head.weight");
   int layer = 0;
   std::string rest;
+  if (split_mtp_name(param, layer, rest)) {
+    const std::string p = mtp_prefix(spec, layer);
+    if (rest == "enorm.weight" || rest == "hnorm.weight" || rest == "eh_proj.weight") return {{p + rest, 0, rows}};
+    if (rest == "norm.weight") return {{p + "shared_head.norm.weight", 0, rows}};
+    if (starts_with(rest, "block.")) {
+      std::vector<WeightPiece> pieces = block_pieces(p, rest.substr(6), rows, spec);
+      if (!pieces.empty()) return pieces;
+    }
+  }
   if (split_block_name(param, layer, rest)) {
-    const std::string p = "model.layers." + std::to_string(layer) + ".";
-    if (rest == "attn_norm.weight") return {{p + "input_layernorm.weight", 0, rows}};
-    if (rest == "mlp_norm.weight") return {{p + "post_attention_layernorm.weight", 0, rows}};
-    if (rest == "attn.wo.weight") return {{p + "self_attn.o_proj.weight", 0, rows}};
-    if (rest == "attn.wqkv.weight") {
-      const int64_t q = static_cast<int64_t>(spec.heads) * spec.head_dim(), kv = static_cast<int64_t>(spec.kv_heads) * spec.head_dim();
-      return {{p + "self_attn.q_proj.weight", 0, q}, {p + "self_attn.k_proj.weight", q, kv}, {p + "self_attn.v_proj.weight", q + kv, kv}};
-    }
-    if (starts_with(rest, "mlp.")) return swiglu_pieces(p + "mlp.", rest.substr(4), rows);
-    if (rest == "moe.router.weight") return {{p + "mlp.gate.weight", 0, rows}};
-    if (starts_with(rest, "moe.shared.")) return swiglu_pieces(p + "mlp.shared_experts.", rest.substr(11), rows);
-    if (starts_with(rest, "moe.expert")) {
-      size_t dot = rest.find('.', 10);
-      if (dot != std::string::npos) return swiglu_pieces(p + "mlp.experts." + rest.substr(10, dot - 10) + ".", rest.substr(dot + 1), rows);
-    }
+    std::vector<WeightPiece> pieces = block_pieces("model.layers." + std::to_string(layer) + ".", rest, rows, spec);
+    if (!pieces.empty()) return pieces;
   }
   fail_at(__FILE__, __LINE__, "no Hugging Face name for parameter " + param);
 }
 
-std::string hf_buffer_name(const std::string& buffer) {
+std::string hf_buffer_name(const std::string& buffer, const ModelSpec& spec) {
   int layer = 0;
   std::string rest;
   if (split_block_name(buffer, layer, rest) && rest == "moe.expert_bias") return "model.layers." + std::to_string(layer) + ".mlp.gate.e_score_correction_bias";
+  if (split_mtp_name(buffer, layer, rest) && rest == "block.moe.expert_bias") return mtp_prefix(spec, layer) + "mlp.gate.e_score_correction_bias";
   return "";
+}
+
+// DeepSeek-V2/V3's config.json (transformers' DeepseekV2Config / DeepseekV3Config): V3 where the
+// router is sigmoid (or there is none), V2 where it is softmax. MoE layers follow the dense ones.
+std::string deepseek_v2_v3_config(const ModelSpec& m, const std::string& torch_dtype) {
+  const bool moe = m.moe.enabled(), v3 = !moe || m.moe.scoring == RouterScore::Sigmoid;
+  nlohmann::ordered_json j;
+  j["architectures"] = {v3 ? "DeepseekV3ForCausalLM" : "DeepseekV2ForCausalLM"};
+  j["model_type"] = v3 ? "deepseek_v3" : "deepseek_v2";
+  j["vocab_size"] = m.vocab;
+  j["hidden_size"] = m.hidden;
+  j["intermediate_size"] = m.intermediate;
+  j["moe_intermediate_size"] = moe ? m.moe.intermediate : m.intermediate;
+  j["num_hidden_layers"] = m.layers;
+  j["num_attention_heads"] = m.heads;
+  j["num_key_value_heads"] = m.heads;
+  j["n_shared_experts"] = moe ? m.moe.shared_experts : 0;
+  j["n_routed_experts"] = moe ? m.moe.routed_experts : 0;
+  j["num_experts_per_tok"] = moe ? m.moe.top_k : 0;
+  j["first_k_dense_replace"] = moe ? m.moe.first_dense_layers : m.layers;
+  j["moe_layer_freq"] = 1;
+  j["n_group"] = m.moe.n_group;
+  j["topk_group"] = m.moe.topk_group;
+  j["norm_topk_prob"] = m.moe.norm_topk_prob;
+  j["routed_scaling_factor"] = m.moe.routed_scaling_factor;
+  j["scoring_func"] = v3 ? "sigmoid" : "softmax";
+  j["topk_method"] = v3 ? "noaux_tc" : m.moe.n_group > 1 ? "group_limited_greedy" : "greedy";
+  j["aux_loss_alpha"] = moe && !m.moe.learns_bias() ? m.moe.aux_loss_weight : m.moe.seq_aux_loss_weight;
+  j["seq_aux"] = m.moe.seq_aux_loss_weight > 0;
+  if (m.mla.q_lora_rank > 0) j["q_lora_rank"] = m.mla.q_lora_rank;
+  else j["q_lora_rank"] = nullptr;
+  j["kv_lora_rank"] = m.mla.kv_lora_rank;
+  j["qk_nope_head_dim"] = m.mla.qk_nope_head_dim;
+  j["qk_rope_head_dim"] = m.mla.qk_rope_head_dim;
+  j["v_head_dim"] = m.mla.v_head_dim;
+  j["head_dim"] = m.mla.qk_rope_head_dim;  // transformers' rotary tables are this wide
+  j["rope_interleave"] = true;             // the rotary pairs are (2i, 2i+1), as DeepSeek released them
+  j["hidden_act"] = "silu";
+  j["max_position_embeddings"] = m.max_seq_len;
+  j["rms_norm_eps"] = m.norm_eps;
+  j["rope_theta"] = m.rope_theta;
+  if (m.rope_scaling.kind == RopeScalingKind::Yarn) {
+    const RopeScaling& y = m.rope_scaling;
+    j["rope_scaling"] = {{"type", "yarn"}, {"rope_type", "yarn"}, {"factor", y.factor}, {"original_max_position_embeddings", y.original_max_position_embeddings},
+                         {"beta_fast", y.beta_fast}, {"beta_slow", y.beta_slow}, {"mscale", y.mscale}, {"mscale_all_dim", y.mscale_all_dim}};
+  } else {
+    j["rope_scaling"] = nullptr;
+  }
+  j["attention_bias"] = false;
+  j["tie_word_embeddings"] = m.tie_embeddings;
+  j["num_nextn_predict_layers"] = m.mtp.depth;
+  j["torch_dtype"] = torch_dtype;
+  return j.dump(2) + "\n";
 }
 
 std::string hf_config_json(const ModelSpec& m, const std::string& torch_dtype) {
@@ -81,6 +180,7 @@ std::string hf_config_json(const ModelSpec& m, const std::string& torch_dtype) {
     j["torch_dtype"] = torch_dtype;
     return j.dump(2) + "\n";
   }
+  if (m.latent_attention()) return deepseek_v2_v3_config(m, torch_dtype);
   const bool moe = m.moe.enabled();
   j["architectures"] = {moe ? "DeepseekForCausalLM" : "LlamaForCausalLM"};
   j["model_type"] = moe ? "deepseek" : "llama";
@@ -159,7 +259,7 @@ ExportResult export_checkpoint(const std::string& checkpoint_dir, const std::str
   const SafetensorsFile& rank0 = reader->rank_file(0);
   for (const SafetensorsEntry& e : rank0.entries()) {
     if (!starts_with(e.name, "buffer.")) continue;
-    const std::string name = hf_buffer_name(e.name.substr(7));
+    const std::string name = hf_buffer_name(e.name.substr(7), spec);
     if (name.empty()) continue;
     const SafetensorsFile* file = &rank0;
     const SafetensorsEntry* entry = &e;

@@ -15,6 +15,9 @@ namespace dsrun {
 struct WeightPiece {
   std::string name;
   int64_t row_begin = 0, rows = 0;
+  // A second copy of rows another piece already names (DeepSeek-V3 stores the embedding and the
+  // head again inside each MTP layer): written on export, not read on import.
+  bool copy = false;
 };
 
 // The Hugging Face tensors a dsrun parameter is made of (one piece for most; q/k/v and gate/up
@@ -23,9 +26,11 @@ std::vector<WeightPiece> hf_pieces(const std::string& param, const std::vector<i
 
 // The Hugging Face name of a model buffer that is model state, "" for the others (BatchNorm's
 // statistics stay per rank): the MoE selection bias is DeepSeek-V3's e_score_correction_bias.
-std::string hf_buffer_name(const std::string& buffer);
+std::string hf_buffer_name(const std::string& buffer, const ModelSpec& spec);
 
-// config.json for the model (LlamaForCausalLM for dense decoders, DeepseekForCausalLM for MoE).
+// config.json for the model: LlamaForCausalLM for dense decoders, DeepseekForCausalLM for MoE,
+// DeepseekV3ForCausalLM for latent attention with a sigmoid router (or none), DeepseekV2ForCausalLM
+// for latent attention with a softmax router.
 std::string hf_config_json(const ModelSpec& spec, const std::string& torch_dtype);
 
 struct ExportResult {

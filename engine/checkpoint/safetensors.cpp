@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <limits>
@@ -247,11 +248,62 @@ std::vector<float> SafetensorsFile::read_f32(const SafetensorsEntry& e, int64_t 
       double d;
       std::memcpy(&d, p, 8);
       out[static_cast<size_t>(i)] = static_cast<float>(d);
+    } else if (e.dtype == "F8_E4M3") {  // unscaled: read_fp8_blockwise applies the scales
+      out[static_cast<size_t>(i)] = e4m3_to_float(*p);
     } else {
-      bad_file(path_, "tensor \"" + e.name + "\" has dtype " + e.dtype + "; weights must be F32, BF16, F16 or F64", "convert the weights to a floating-point dtype");
+      bad_file(path_, "tensor \"" + e.name + "\" has dtype " + e.dtype + "; weights must be F32, BF16, F16, F64 or F8_E4M3 with block scales",
+               "convert the weights to a floating-point dtype");
     }
   }
   return out;
+}
+
+float e4m3_to_float(uint8_t v) {
+  const int sign = v >> 7, exponent = (v >> 3) & 0xf, mantissa = v & 0x7;
+  float magnitude;
+  if (exponent == 0xf && mantissa == 0x7) magnitude = std::numeric_limits<float>::quiet_NaN();
+  else if (exponent == 0) magnitude = std::ldexp(static_cast<float>(mantissa) / 8.0f, -6);  // subnormal
+  else magnitude = std::ldexp(1.0f + static_cast<float>(mantissa) / 8.0f, exponent - 7);
+  return sign ? -magnitude : magnitude;
+}
+
+uint8_t float_to_e4m3(float f) {
+  if (std::isnan(f)) return 0x7f;
+  const uint8_t sign = std::signbit(f) ? 0x80 : 0;
+  const float a = std::min(std::fabs(f), 448.0f);
+  // The nearest of the 127 finite magnitudes (codes 0..0x7e ascend), ties to the even code.
+  uint8_t best = 0;
+  for (uint8_t code = 1; code <= 0x7e; ++code) {
+    const float d = std::fabs(e4m3_to_float(code) - a), best_d = std::fabs(e4m3_to_float(best) - a);
+    if (d < best_d || (d == best_d && (code & 1) == 0)) best = code;
+  }
+  return sign | best;
+}
+
+namespace {
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string out;
+  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out;
+}
+}  // namespace
+
+std::vector<float> read_fp8_blockwise(const SafetensorsFile& weight_file, const SafetensorsEntry& weight, const SafetensorsFile& scale_file, const SafetensorsEntry& scale) {
+  constexpr int64_t block = 128;
+  const auto blocks = [](int64_t n) { return (n + block - 1) / block; };
+  if (weight.shape.size() != 2 || scale.shape.size() != 2 || scale.shape[0] != blocks(weight.shape[0]) || scale.shape[1] != blocks(weight.shape[1]) ||
+      (scale.dtype != "F32" && scale.dtype != "BF16"))
+    bad_file(weight_file.path(),
+             "FP8 tensor \"" + weight.name + "\" [" + shape_text(weight.shape) + "] has scales " + scale.name + " " + scale.dtype + " [" + shape_text(scale.shape) +
+                 "], not F32 [" + std::to_string(weight.shape.size() == 2 ? blocks(weight.shape[0]) : 0) + ", " +
+                 std::to_string(weight.shape.size() == 2 ? blocks(weight.shape[1]) : 0) + "] (one per 128 x 128 block)",
+             "use DeepSeek-V3's release format, or convert the weights to bf16 first");
+  std::vector<float> values = weight_file.read_f32(weight, 0, weight.numel());
+  const std::vector<float> scales = scale_file.read_f32(scale, 0, scale.numel());
+  const int64_t rows = weight.shape[0], cols = weight.shape[1], scale_cols = scale.shape[1];
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) values[static_cast<size_t>(r * cols + c)] *= scales[static_cast<size_t>((r / block) * scale_cols + c / block)];
+  return values;
 }
 
 uint16_t float_to_bf16(float f) {

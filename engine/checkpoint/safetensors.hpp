@@ -73,6 +73,16 @@ class SafetensorsFile {
   uint64_t data_start_ = 0;
 };
 
+// An FP8 weight [rows, cols] in DeepSeek-V3's release format dequantised to fp32: each 128 x 128
+// block (the last ones partial: ceil-divided) times its entry of `scale` ([ceil(rows/128),
+// ceil(cols/128)] F32, the weight's "_scale_inv"). Throws naming the tensor when the shapes disagree.
+std::vector<float> read_fp8_blockwise(const SafetensorsFile& weight_file, const SafetensorsEntry& weight, const SafetensorsFile& scale_file, const SafetensorsEntry& scale);
+
+// FP8 E4M3 (the "fn" variant: no infinities, 448 the largest) <-> fp32; encoding rounds to nearest
+// even and saturates at ±448.
+float e4m3_to_float(uint8_t v);
+uint8_t float_to_e4m3(float f);
+
 // fp32 <-> bf16 by bits: round to nearest even, NaN kept NaN (what torch's .to(bfloat16) does).
 uint16_t float_to_bf16(float f);
 float bf16_to_float(uint16_t h);

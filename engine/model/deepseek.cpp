@@ -1,6 +1,7 @@
-// DeepSeek/Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU, multi-head or grouped-query
-// attention, optional tied embeddings, and DeepSeek-MoE layers (fine-grained routed experts plus
-// shared experts, top-k softmax gating, expert-level load-balance loss, first layers dense).
+// DeepSeek/Llama-style decoder: RMSNorm, rotary embeddings (YaRN-scaled where asked), SwiGLU,
+// multi-head, grouped-query or DeepSeek-V2/V3's latent attention, optional tied embeddings,
+// DeepSeek-MoE layers (fine-grained routed experts plus shared experts; softmax or V3's sigmoid
+// router with group-limited choice; balance losses) and V3's multi-token prediction modules.
 #include "engine/common/text.hpp"
 #include "engine/common/torch_compat.hpp"
 #include "engine/model/document_attention.hpp"
@@ -10,6 +11,7 @@
 #include "engine/model/model.hpp"
 
 #include <cmath>
+#include <limits>
 #include <memory>
 
 namespace dsrun {
@@ -52,17 +54,38 @@ struct RMSNormImpl : nn::Module {
 };
 TORCH_MODULE(RMSNorm);
 
-// Rotary position embedding tables: cos and sin of every position's angles, [max_seq, head_dim]
-// fp32 with equal halves (Llama layout); fused::rotary applies them.
+// YaRN's mscale: the attention temperature of a context extended `factor` times (DeepSeek-V2 app. B).
+double yarn_mscale(double factor, double mscale) { return factor <= 1 ? 1.0 : 0.1 * mscale * std::log(factor) + 1.0; }
+
+// Rotary position embedding tables: cos and sin of every position's angles, [max_seq, dim] fp32
+// with equal halves (Llama layout); fused::rotary applies them. With YaRN each frequency blends its
+// trained value and its interpolation (factor times slower) by how many turns it makes over the
+// original length, and the tables carry the attention factor mscale(factor, mscale) /
+// mscale(factor, mscale_all_dim) (Hugging Face's _compute_yarn_parameters; DeepSeek-V3's
+// precompute_freqs_cis).
 struct Rotary {
   Tensor cos, sin;  // on the CPU
   mutable Tensor cos_on_device, sin_on_device;
-  Rotary(int64_t head_dim, int64_t max_seq, double theta) {
-    Tensor inv = 1.0 / torch::pow(theta, torch::arange(0, head_dim, 2, torch::kFloat64) / static_cast<double>(head_dim));
+  Rotary(int64_t dim, int64_t max_seq, double theta, const RopeScaling& scaling) {
+    Tensor inv = 1.0 / torch::pow(theta, torch::arange(0, dim, 2, torch::kFloat64) / static_cast<double>(dim));
+    double attention_factor = 1;
+    if (scaling.kind == RopeScalingKind::Yarn) {
+      const double original = static_cast<double>(scaling.original_max_position_embeddings);
+      // The dimension whose wavelength makes `turns` full turns over the original length.
+      auto correction_dim = [&](double turns) { return dim * std::log(original / (turns * 2 * M_PI)) / (2 * std::log(theta)); };
+      const double low = std::max(std::floor(correction_dim(scaling.beta_fast)), 0.0);
+      double high = std::min(std::ceil(correction_dim(scaling.beta_slow)), static_cast<double>(dim - 1));
+      if (low == high) high += 0.001;
+      Tensor ramp = ((torch::arange(dim / 2, torch::kFloat64) - low) / (high - low)).clamp(0, 1);
+      Tensor keep = 1 - ramp;  // 1: the trained frequency (fast dimensions), 0: interpolated
+      inv = inv / scaling.factor * (1 - keep) + inv * keep;
+      attention_factor = scaling.mscale_all_dim > 0 ? yarn_mscale(scaling.factor, scaling.mscale) / yarn_mscale(scaling.factor, scaling.mscale_all_dim)
+                                                    : yarn_mscale(scaling.factor, 1.0);
+    }
     Tensor angles = torch::outer(torch::arange(max_seq, torch::kFloat64), inv);
     Tensor full = torch::cat({angles, angles}, -1);
-    cos = full.cos().to(torch::kFloat32);
-    sin = full.sin().to(torch::kFloat32);
+    cos = (full.cos() * attention_factor).to(torch::kFloat32);
+    sin = (full.sin() * attention_factor).to(torch::kFloat32);
   }
   // The tables on `device`, copied once per device, not per call.
   void move_to(const torch::Device& device) const {
@@ -91,6 +114,35 @@ struct TokenPositions {
     if (projection->fp8 != Fp8Scaling::None)
       return fused::rotate_qkv(projection(x), q_width, k_width, head_dim, rope->cos_on_device, rope->sin_on_device, positions);
     return fused::project_qkv(x, projection->weight, q_width, k_width, head_dim, rope->cos_on_device, rope->sin_on_device, positions);
+  }
+  // x [b, s, n, d] with its rotary pairs interleaved (DeepSeek-V2/V3's released weights: pairs
+  // (2i, 2i+1)), rotated and returned in the halves layout (i, i + d/2), as Hugging Face's
+  // rope_interleave does: queries and keys take the same reordering, so their products are DeepSeek's.
+  Tensor rotate_interleaved(const Tensor& x) const {
+    rope->move_to(x.device());
+    const int64_t b = x.size(0), s = x.size(1), d = x.size(3);
+    Tensor halves = x.reshape({b, s, x.size(2), d / 2, 2}).transpose(3, 4).reshape(x.sizes());
+    Tensor cos, sin;
+    if (documents) {
+      const Tensor at = documents->positions().reshape({-1});
+      cos = rope->cos_on_device.index_select(0, at).view({b, s, 1, d});
+      sin = rope->sin_on_device.index_select(0, at).view({b, s, 1, d});
+    } else {
+      cos = rope->cos_on_device.narrow(0, 0, s).view({1, s, 1, d});
+      sin = rope->sin_on_device.narrow(0, 0, s).view({1, s, 1, d});
+    }
+    Tensor rotated_half = torch::cat({-halves.narrow(-1, d / 2, d / 2), halves.narrow(-1, 0, d / 2)}, -1);
+    return (halves * cos.to(x.scalar_type()) + rotated_half * sin.to(x.scalar_type()));
+  }
+  // Causal attention (within documents where there are some) of q, k [b, s, heads, dq] and v
+  // [b, s, heads, dv]; returns [b, s, heads · dv]. On a GPU values narrower than the keys are
+  // padded to their width, since the flash kernels take one head width (Hugging Face does the same).
+  Tensor attend(const Tensor& q, const Tensor& k, Tensor v) const {
+    const int64_t b = q.size(0), s = q.size(1), heads = q.size(2), dv = v.size(3);
+    if (q.is_cuda() && dv != q.size(3)) v = torch::constant_pad_nd(v, {0, q.size(3) - dv});
+    Tensor out = documents ? documents->attend(q, k, v) : compat::causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2);
+    if (out.size(-1) != dv) out = out.narrow(-1, 0, dv);
+    return out.reshape({b, s, heads * dv});
   }
 };
 
@@ -130,6 +182,58 @@ struct AttentionImpl : nn::Module {
 };
 TORCH_MODULE(Attention);
 
+// Multi-head latent attention (DeepSeek-V2 section 2.1; V3 section 2.1.1). The queries come
+// through a low-rank latent with its own norm (or one projection), the keys and values of every
+// head from one kv_lora_rank latent (kv_norm, then wkv_b to each head's qk_nope key part and its
+// value), and each head's key ends in one rotary key that all heads share (from wkv_a beside the
+// latent). Softmax scale 1/sqrt(qk_head_dim), times YaRN's mscale(factor, mscale_all_dim)².
+// Head counts are read from wkv_b, so the layer runs as it is on a tensor-parallel rank's heads;
+// the down-projections are replicated, and their outputs enter the split region (Megatron-Core's
+// MLA), so that their weights' gradients are summed over the tensor ranks.
+struct LatentAttentionImpl : nn::Module {
+  LatentAttentionImpl(const ModelSpec& m, const torch::TensorOptions& o) : a(m.mla) {
+    const int64_t heads = m.heads;
+    if (a.q_lora_rank > 0) {
+      wq_a = register_module("wq_a", Linear(m.hidden, a.q_lora_rank, o));
+      q_norm = register_module("q_norm", RMSNorm(a.q_lora_rank, m.norm_eps, o));
+      wq_b = register_module("wq_b", Linear(a.q_lora_rank, heads * a.qk_head_dim(), o));
+    } else {
+      wq = register_module("wq", Linear(m.hidden, heads * a.qk_head_dim(), o));
+    }
+    wkv_a = register_module("wkv_a", Linear(m.hidden, a.kv_lora_rank + a.qk_rope_head_dim, o));
+    kv_norm = register_module("kv_norm", RMSNorm(a.kv_lora_rank, m.norm_eps, o));
+    wkv_b = register_module("wkv_b", Linear(a.kv_lora_rank, heads * (a.qk_nope_head_dim + a.v_head_dim), o));
+    wo = register_module("wo", Linear(heads * a.v_head_dim, m.hidden, o));
+    if (m.rope_scaling.kind == RopeScalingKind::Yarn && m.rope_scaling.mscale_all_dim > 0) {
+      const double mscale = yarn_mscale(m.rope_scaling.factor, m.rope_scaling.mscale_all_dim);
+      query_scale = mscale * mscale;
+    }
+  }
+  // x [b, s, hidden] as it leaves the norm (not yet in the split region): attention's output before
+  // wo, [b, s, local heads · v_head_dim].
+  Tensor context(const Tensor& x, const TokenPositions& where, UnitRunner& runner) {
+    const int64_t nope = a.qk_nope_head_dim, rope = a.qk_rope_head_dim, dv = a.v_head_dim;
+    Tensor q = a.q_lora_rank > 0 ? wq_b(runner.enter_split(q_norm(wq_a(x)))) : wq(runner.enter_split(x));
+    const Tensor kv_a = wkv_a(x);
+    const Tensor latent = runner.enter_split(kv_norm(kv_a.narrow(-1, 0, a.kv_lora_rank)));
+    const Tensor k_rope = runner.enter_split(kv_a.narrow(-1, a.kv_lora_rank, rope));
+    const int64_t b = q.size(0), s = q.size(1), heads = wkv_b->weight.size(0) / (nope + dv);
+    q = q.view({b, s, heads, nope + rope});
+    const Tensor kv = wkv_b(latent).view({b, s, heads, nope + dv});
+    Tensor q_full = torch::cat({q.narrow(-1, 0, nope), where.rotate_interleaved(q.narrow(-1, nope, rope))}, -1);
+    if (query_scale != 1) q_full = q_full * query_scale;
+    const Tensor k_shared = where.rotate_interleaved(k_rope.unsqueeze(2));  // [b, s, 1, rope]
+    const Tensor k = torch::cat({kv.narrow(-1, 0, nope), k_shared.expand({b, s, heads, rope})}, -1);
+    return where.attend(q_full, k, kv.narrow(-1, nope, dv));
+  }
+  Tensor forward(const Tensor& x, const TokenPositions& where, UnitRunner& runner) { return wo(context(x, where, runner)); }
+  MlaSpec a;
+  double query_scale = 1;  // YaRN's mscale², folded into q (the kernels' own scale is 1/sqrt(qk_head_dim))
+  Linear wq_a{nullptr}, wq_b{nullptr}, wq{nullptr}, wkv_a{nullptr}, wkv_b{nullptr}, wo{nullptr};
+  RMSNorm q_norm{nullptr}, kv_norm{nullptr};
+};
+TORCH_MODULE(LatentAttention);
+
 // down(silu(gate(x)) * up(x)), with gate and up fused into one projection of 2 x inner rows.
 struct SwiGLUImpl : nn::Module {
   SwiGLUImpl(int64_t hidden, int64_t inner, const torch::TensorOptions& o) {
@@ -159,14 +263,15 @@ struct DispatchTokens : torch::autograd::Function<DispatchTokens> {
 };
 
 // DeepSeek-MoE: every token goes through the shared experts and through its top-k routed experts,
-// weighted by the router's softmax scores (not renormalised, as in DeepSeek-MoE 16B). The routed
+// weighted by the router's scores (route(): softmax, not renormalised, as in DeepSeek-MoE 16B and
+// V2-Lite; or V3's sigmoid, chosen within the best groups, normalised and scaled). The routed
 // experts run on the (token, choice) pairs grouped by expert, as two grouped matrix products
 // (grouped_experts.hpp), through the runner: under expert parallelism the pairs travel to the
 // ranks that keep their experts. Without a capacity nothing on this path waits for the device.
 struct MoEImpl : nn::Module {
   MoEImpl(const ModelSpec& m, int layer, const torch::TensorOptions& o)
       : layer(layer), top_k(m.moe.top_k), experts_count(m.moe.routed_experts), local_count(m.moe.routed_experts),
-        aux_weight(m.moe.learns_bias() ? 0.0 : m.moe.aux_loss_weight), capacity_factor(m.moe.capacity_factor) {
+        aux_weight(m.moe.learns_bias() ? 0.0 : m.moe.aux_loss_weight), capacity_factor(m.moe.capacity_factor), spec(m.moe) {
     router = register_module("router", Linear(m.hidden, experts_count, o));
     for (int e = 0; e < experts_count; ++e) experts.push_back(register_module("expert" + std::to_string(e), SwiGLU(m.hidden, m.moe.intermediate, o)));
     if (m.moe.shared_experts > 0)  // S shared experts of size fe act like one SwiGLU of size S·fe
@@ -181,9 +286,9 @@ struct MoEImpl : nn::Module {
     const int64_t T = tokens.size(0);
     // The router is replicated; the experts may be split. Its weights enter the split region, so
     // that their gradient (taken from the experts' partial outputs) is summed over the ranks.
-    Tensor scores = torch::softmax(router(tokens).to(torch::kFloat32), -1);  // [T, E]
-    Tensor chosen = std::get<1>(choice_scores(scores).topk(top_k, -1));       // [T, k]
-    Tensor weights = runner.enter_split(scores.gather(1, chosen));
+    Tensor scores, chosen, weights;  // [T, E] fp32, [T, k] int64, [T, k] fp32
+    route(tokens, scores, chosen, weights);
+    weights = runner.enter_split(weights);
     Tensor expert_in = runner.enter_split(tokens);
 
     // Pair p = t·k + i is token t's i-th choice. A capacity keeps each expert's first pairs in token order.
@@ -221,12 +326,48 @@ struct MoEImpl : nn::Module {
     out = runner.leave_split(out);
     // Expert-level balance loss (DeepSeek-MoE eq. 12): α Σ_i f_i P_i, f_i = E/(kT) · tokens routed to i,
     // P_i = mean router score of i. Equals α when routing is perfectly uniform.
+    // Under a sigmoid router P_i takes the scores normalised to sum 1 per token (V3's eq. 19).
+    const Tensor affinity = spec.scoring == RouterScore::Sigmoid ? scores / scores.sum(-1, true) : scores;
     if (aux_weight > 0) {
       Tensor f = routed.to(torch::kFloat32) * (static_cast<double>(experts_count) / (top_k * T));
-      Tensor p = scores.mean(0);
+      Tensor p = affinity.mean(0);
       aux_loss = aux_loss + aux_weight * (f * p).sum();  // f counts tokens: no gradient flows through it
     }
+    // V3's sequence-wise balance loss (eq. 17-20): the same product within each sequence of the
+    // micro-batch, averaged over the sequences.
+    if (spec.seq_aux_loss_weight > 0) {
+      const int64_t sequences = shape.size() == 3 ? shape[0] : 1, per = T / sequences;
+      Tensor chosen_counts = torch::zeros({sequences, experts_count}, scores.options()).scatter_add_(
+          1, chosen.view({sequences, per * top_k}), torch::ones({sequences, per * top_k}, scores.options()));
+      Tensor f = chosen_counts * (static_cast<double>(experts_count) / (top_k * per));
+      Tensor p = affinity.view({sequences, per, experts_count}).mean(1);
+      aux_loss = aux_loss + spec.seq_aux_loss_weight * (f * p).sum(-1).mean();
+    }
     return out.reshape(shape);
+  }
+  // The router: affinities (fp32), each token's chosen experts and their weights. The choice adds
+  // the selection biases and, with groups, keeps only the topk_group best groups' experts (a
+  // group's score: its best expert's under softmax, V2's group-limited greedy; its best two summed
+  // under sigmoid, V3's); the weights are the unbiased affinities, normalised to sum 1 with
+  // norm_topk_prob, times routed_scaling_factor.
+  void route(const Tensor& tokens, Tensor& scores, Tensor& chosen, Tensor& weights) {
+    const Tensor logits = router(tokens).to(torch::kFloat32);
+    scores = spec.scoring == RouterScore::Sigmoid ? logits.sigmoid() : torch::softmax(logits, -1);
+    Tensor choice = choice_scores(scores);
+    if (spec.n_group > 1) {
+      const int64_t T = scores.size(0), per_group = experts_count / spec.n_group;
+      const Tensor grouped = choice.view({T, spec.n_group, per_group});
+      const Tensor group_scores = spec.scoring == RouterScore::Sigmoid ? std::get<0>(grouped.topk(2, -1)).sum(-1) : std::get<0>(grouped.max(-1));
+      const Tensor kept = std::get<1>(group_scores.topk(spec.topk_group, -1));  // [T, topk_group]
+      const Tensor allowed = torch::zeros({T, spec.n_group}, torch::TensorOptions().dtype(torch::kBool).device(scores.device())).scatter_(1, kept, true);
+      // -inf, as DeepSeek-V3's own inference code masks (Hugging Face fills 0, which differs only
+      // where a kept expert's biased score is below 0).
+      choice = grouped.masked_fill(allowed.logical_not().unsqueeze(-1), -std::numeric_limits<float>::infinity()).view({T, experts_count});
+    }
+    chosen = std::get<1>(choice.topk(top_k, -1));
+    weights = scores.gather(1, chosen);
+    if (spec.norm_topk_prob) weights = weights / (weights.sum(-1, true) + 1e-20);
+    if (spec.routed_scaling_factor != 1) weights = weights * spec.routed_scaling_factor;
   }
   // The scores experts are chosen by: the router's, plus the fixed bias of the recipe and the
   // learned one. Neither bias weights an expert's output.
@@ -273,6 +414,7 @@ struct MoEImpl : nn::Module {
   int first_local = 0, local_count;  // the routed experts this rank keeps
   bool routed_fp8 = false;           // execution.fp8_routed_experts: their grouped products in FP8 (set by use_fp8)
   double aux_weight, capacity_factor;
+  MoeSpec spec;  // the router's rule (scoring, groups, normalisation, scaling, sequence-wise loss)
   Tensor route_bias;   // [E] fp32, or undefined
   Tensor expert_bias;  // [E] fp32 buffer with balance = "bias", or undefined
   Linear router{nullptr};
@@ -284,7 +426,8 @@ TORCH_MODULE(MoE);
 struct BlockImpl : nn::Module {
   BlockImpl(const ModelSpec& m, int layer, bool moe, const torch::TensorOptions& o) {
     attn_norm = register_module("attn_norm", RMSNorm(m.hidden, m.norm_eps, o));
-    attn = register_module("attn", Attention(m, o));
+    if (m.latent_attention()) mla = register_module("attn", LatentAttention(m, o));
+    else attn = register_module("attn", Attention(m, o));
     mlp_norm = register_module("mlp_norm", RMSNorm(m.hidden, m.norm_eps, o));
     if (moe) this->moe = register_module("moe", MoE(m, layer, o));
     else mlp = register_module("mlp", SwiGLU(m.hidden, m.intermediate, o));
@@ -296,8 +439,13 @@ struct BlockImpl : nn::Module {
   // each per layer on the 1B's H100 profile). Split layers reduce their partial sums first.
   Tensor forward(const Tensor& x, const TokenPositions& where, Tensor& aux_loss, UnitRunner& runner) {
     const bool in_place = runner.splits_nothing();
-    const Tensor h = in_place ? add_in_place(x, attn_norm, attn->wo, [&](const Tensor& normed) { return attn->context(normed, where); })
-                              : x + runner.leave_split(attn(runner.enter_split(attn_norm(x)), where));
+    Tensor h;
+    if (mla)  // (its latents enter the split region inside the layer)
+      h = in_place ? add_in_place(x, attn_norm, mla->wo, [&](const Tensor& normed) { return mla->context(normed, where, runner); })
+                   : x + runner.leave_split(mla(attn_norm(x), where, runner));
+    else
+      h = in_place ? add_in_place(x, attn_norm, attn->wo, [&](const Tensor& normed) { return attn->context(normed, where); })
+                   : x + runner.leave_split(attn(runner.enter_split(attn_norm(x)), where));
     if (moe) return h + moe(mlp_norm(h), aux_loss, runner);
     if (in_place) return add_in_place(h, mlp_norm, mlp->down, [&](const Tensor& normed) { return mlp->inner(normed); });
     return h + runner.leave_split(mlp(runner.enter_split(mlp_norm(h))));
@@ -309,11 +457,36 @@ struct BlockImpl : nn::Module {
     return projection->add_into(stream[0], inner(stream[1])).view(x.sizes());
   }
   RMSNorm attn_norm{nullptr}, mlp_norm{nullptr};
-  Attention attn{nullptr};
+  Attention attn{nullptr};        // multi-head or grouped-query attention, or
+  LatentAttention mla{nullptr};   // latent attention (model.attention = "mla"); either is named "attn"
   SwiGLU mlp{nullptr};
   MoE moe{nullptr};
 };
 TORCH_MODULE(Block);
+
+// One multi-token prediction module (DeepSeek-V3 section 2.2, eq. 21-23): the previous depth's
+// hidden states and the embeddings of the tokens one place further, each RMS-normed, concatenated
+// (embedding first, as the released weights' eh_proj reads them), projected back to the hidden
+// size and passed through one transformer block (a MoE block in a MoE model, as V3's); `norm` is
+// its own final norm before the shared output head (Hugging Face shared_head.norm).
+struct MtpImpl : nn::Module {
+  MtpImpl(const ModelSpec& m, int layer, const torch::TensorOptions& o) {
+    enorm = register_module("enorm", RMSNorm(m.hidden, m.norm_eps, o));
+    hnorm = register_module("hnorm", RMSNorm(m.hidden, m.norm_eps, o));
+    eh_proj = register_module("eh_proj", Linear(2 * m.hidden, m.hidden, o));
+    block = register_module("block", Block(m, layer, m.moe.enabled(), o));
+    norm = register_module("norm", RMSNorm(m.hidden, m.norm_eps, o));
+  }
+  // h, next [b, n, hidden]: the previous depth's states at positions 0..n-1 and the embeddings of
+  // the tokens at positions k..k+n-1 (depth k). Returns this depth's states, [b, n, hidden].
+  Tensor forward(const Tensor& h, const Tensor& next, const TokenPositions& where, Tensor& aux_loss, UnitRunner& runner) {
+    return block->forward(eh_proj(torch::cat({enorm(next), hnorm(h)}, -1)), where, aux_loss, runner);
+  }
+  RMSNorm enorm{nullptr}, hnorm{nullptr}, norm{nullptr};
+  Linear eh_proj{nullptr};
+  Block block{nullptr};
+};
+TORCH_MODULE(Mtp);
 
 struct DecoderModule : nn::Module {
   DecoderModule(const ModelSpec& m, const torch::TensorOptions& o) {
@@ -324,19 +497,24 @@ struct DecoderModule : nn::Module {
     }
     norm = register_module("norm", RMSNorm(m.hidden, m.norm_eps, o));
     if (!m.tie_embeddings) head = register_module("head", Linear(m.hidden, m.vocab, o));
+    for (int k = 0; k < m.mtp.depth; ++k) mtp.push_back(register_module("mtp" + std::to_string(k), Mtp(m, m.layers + k, o)));
   }
   Embedding embedding{nullptr};
   std::vector<Block> blocks;
+  std::vector<Mtp> mtp;  // multi-token prediction, depth 1 first; they share the embedding and head
   RMSNorm norm{nullptr};
   Linear head{nullptr};
 };
 
 // How tensor parallelism splits each weight (Megatron-LM's layout): q/k/v and gate/up are
 // column-parallel, the attention output and down projections row-parallel, the embedding and the
-// output head split by vocabulary; norms and the MoE router are replicated.
+// output head split by vocabulary; norms, the MoE router, MLA's down-projections (wq_a, wkv_a) and
+// MTP's eh_proj are replicated.
 TensorSplit split_of(const std::string& name, const Tensor& p, const ModelSpec& m) {
   TensorSplit s;
-  if (ends_with(name, "attn.wqkv.weight")) {
+  if (ends_with(name, "attn.wq.weight") || ends_with(name, "attn.wq_b.weight") || ends_with(name, "attn.wkv_b.weight")) {
+    s.kind = TensorSplit::Rows;  // MLA: rows head after head, so a rank's equal share is whole heads
+  } else if (ends_with(name, "attn.wqkv.weight")) {
     s.kind = TensorSplit::Rows;
     s.segments = {static_cast<int64_t>(m.heads) * m.head_dim(), static_cast<int64_t>(m.kv_heads) * m.head_dim(), static_cast<int64_t>(m.kv_heads) * m.head_dim()};
   } else if (ends_with(name, "gate_up.weight")) {
@@ -409,8 +587,16 @@ void use_fp8(DecoderModule& net, Fp8Scaling fp8, bool routed_experts) {
   auto mlp = [&](SwiGLU& s) {
     if (s) s->gate_up->fp8 = s->down->fp8 = fp8;
   };
-  for (Block& b : net.blocks) {
-    b->attn->wqkv->fp8 = b->attn->wo->fp8 = fp8;
+  std::vector<Block> blocks = net.blocks;
+  for (Mtp& m : net.mtp) blocks.push_back(m->block);
+  for (Block& b : blocks) {
+    if (b->attn) b->attn->wqkv->fp8 = b->attn->wo->fp8 = fp8;
+    if (b->mla) {
+      // Every MLA projection whose sizes are whole blocks (kv_lora_rank + qk_rope_head_dim = 576 is not).
+      const int64_t multiple = fp8 == Fp8Scaling::Blockwise ? 128 : 16;
+      for (Linear* l : {&b->mla->wq_a, &b->mla->wq_b, &b->mla->wq, &b->mla->wkv_a, &b->mla->wkv_b, &b->mla->wo})
+        if (*l && (*l)->weight.size(0) % multiple == 0 && (*l)->weight.size(1) % multiple == 0) (*l)->fp8 = fp8;
+    }
     mlp(b->mlp);
     if (b->moe) {
       mlp(b->moe->shared);
@@ -423,7 +609,7 @@ class DeepSeekModel final : public Model {
  public:
   DeepSeekModel(const ModelSpec& spec, int64_t seq_len, const ModelBuild& build)
       : spec_(spec), seed_(build.seed), build_(build),
-        net_(std::make_shared<DecoderModule>(spec, torch::TensorOptions().dtype(torch::kFloat32))), rope_(spec.head_dim(), std::max(seq_len, spec.max_seq_len), spec.rope_theta),
+        net_(std::make_shared<DecoderModule>(spec, torch::TensorOptions().dtype(torch::kFloat32))), rope_(spec.rope_dim(), std::max(seq_len, spec.max_seq_len), spec.rope_theta, spec.rope_scaling),
         deferred_(build.deferred) {
     use_fp8(*net_, build.fp8, build.fp8_routed_experts);
     if (deferred_) return;
@@ -461,15 +647,22 @@ class DeepSeekModel final : public Model {
       }
     if (expert_shards_ == 1) return kept;
     // Each MoE block's kept routed experts, as units of their own after all the others.
+    // (The unit that holds the head also runs the MTP modules: their MoE blocks' experts too.)
     const size_t ordinary = kept.size();
-    for (size_t k = 0; k < ordinary; ++k) {
-      if (kept_blocks[k] < 0 || !net_->blocks[kept_blocks[k]]->moe) continue;
-      MoE& moe = net_->blocks[kept_blocks[k]]->moe;
+    auto experts_apart = [&](size_t k, MoE& moe, const std::string& prefix, const std::string& name) {
       std::vector<Named> parts;
-      const std::string prefix = "block" + std::to_string(kept_blocks[k]) + ".moe.expert";
       for (int e = moe->first_local; e < moe->first_local + moe->local_count; ++e) parts.push_back(params_of(*moe->experts[e], prefix + std::to_string(e), spec_));
-      kept.push_back(make_unit(kept[k].name + " experts", {with_experts_stacked(joined(parts))}, /*checkpointable=*/false, /*always=*/true));  // (grouped: an expert no token chose gets a zero gradient)
+      kept.push_back(make_unit(name, {with_experts_stacked(joined(parts))}, /*checkpointable=*/false, /*always=*/true));  // (grouped: an expert no token chose gets a zero gradient)
       kept.back().experts_of = static_cast<int>(k);
+    };
+    for (size_t k = 0; k < ordinary; ++k) {
+      if (kept_blocks[k] == kHeadUnit) {
+        for (size_t d = 0; d < net_->mtp.size(); ++d)
+          if (net_->mtp[d]->block->moe) experts_apart(k, net_->mtp[d]->block->moe, "mtp" + std::to_string(d) + ".block.moe.expert", kept[k].name + " mtp" + std::to_string(d) + " experts");
+        continue;
+      }
+      if (kept_blocks[k] < 0 || !net_->blocks[kept_blocks[k]]->moe) continue;
+      experts_apart(k, net_->blocks[kept_blocks[k]]->moe, "block" + std::to_string(kept_blocks[k]) + ".moe.expert", kept[k].name + " experts");
     }
     return kept;
   }
@@ -478,6 +671,8 @@ class DeepSeekModel final : public Model {
     expert_shards_ = shards;
     for (auto& block : net_->blocks)
       if (block->moe) block->moe->keep_experts(shard, shards);
+    for (auto& module : net_->mtp)
+      if (module->block->moe) module->block->moe->keep_experts(shard, shards);
   }
 
   ModelOutput forward(const Batch& batch, UnitRunner& runner) override {
@@ -487,15 +682,22 @@ class DeepSeekModel final : public Model {
       // One outer unit holds the embedding and the final norm, around the blocks: ZeRO-3 gathers
       // the shared weight once for the lookup and the output projection.
       state = runner.run(0, [&](const Tensors& in) {
-        Tensors s = run_units({1, blocks() + 1}, 1, batch, {runner.embedding(net_->embedding->weight, in[0]), zero_aux(batch)}, runner);
-        return Tensors{head(runner.enter_split(net_->norm(s[0])), net_->embedding->weight, batch, runner), s[1]};
+        const Tensor embedded = runner.embedding(net_->embedding->weight, in[0]);
+        Tensors s = run_units({1, blocks() + 1}, 1, batch, {embedded, zero_aux(batch)}, runner);
+        Tensor aux = s[1];
+        const Tensor normed = net_->norm(s[0]);
+        if (!net_->mtp.empty()) {
+          const Tensor mtp = mtp_loss(normed, embedded, net_->embedding->weight, batch, aux, runner);
+          aux = aux + mtp;
+        }
+        return Tensors{head(runner.enter_split(normed), net_->embedding->weight, batch, runner), aux};
       }, {batch.inputs});
     } else {
       state = run_units({0, pipeline_unit_count()}, 0, batch, {}, runner);
     }
     ModelOutput out;
     (computes_loss() ? out.loss : out.logits) = state[0];
-    if (spec_.moe.enabled()) out.aux_loss = state[1];
+    if (spec_.moe.enabled() || spec_.mtp.enabled()) out.aux_loss = state[1];  // (with MTP: its weighted loss too)
     return out;
   }
 
@@ -512,7 +714,7 @@ class DeepSeekModel final : public Model {
     for (size_t u = 0; u < all.size(); ++u)
       if (!kept[u])
         for (Tensor& p : all[u].params) p.set_data(torch::empty({0}, p.options()));
-    if (spec_.tie_embeddings && kept.back() && !kept.front()) head_copy_ = torch::empty({0}).requires_grad_(true);
+    if (embedding_read_by_head() && kept.back() && !kept.front()) head_copy_ = torch::empty({0}).requires_grad_(true);
   }
 
   Tensors forward_chunk(int chunk, const Batch& batch, const Tensors& state, UnitRunner& runner) override {
@@ -522,7 +724,7 @@ class DeepSeekModel final : public Model {
   }
 
   TiedEmbedding tied_embedding() override {
-    if (!spec_.tie_embeddings || chunks_.empty()) return {};
+    if (!embedding_read_by_head() || chunks_.empty()) return {};
     TiedEmbedding t;
     if (chunks_.front().begin == 0) t.weight = net_->embedding->weight;
     t.head_copy = head_copy_;
@@ -530,7 +732,7 @@ class DeepSeekModel final : public Model {
   }
 
   void balance_experts(int layer, const Tensor& loads, double rate) override {
-    MoE& moe = net_->blocks.at(layer)->moe;
+    MoE& moe = layer < blocks() ? net_->blocks.at(layer)->moe : net_->mtp.at(layer - blocks())->block->moe;
     DSRUN_ASSERT(moe && moe->expert_bias.defined(), "layer " + std::to_string(layer) + " learns no selection bias");
     moe->balance(loads, rate);
   }
@@ -542,6 +744,9 @@ class DeepSeekModel final : public Model {
 
  private:
   int blocks() const { return static_cast<int>(net_->blocks.size()); }
+  // The head's unit reads the embedding's weight: as its own (tied) or for the MTP modules' lookups.
+  // A pipeline then copies it to the last stage every step and sends its gradient back (TiedEmbedding).
+  bool embedding_read_by_head() const { return spec_.tie_embeddings || spec_.mtp.enabled(); }
 
   // The output projection of the normed hidden states x [b, s, h]: the logits, or with a loss chunk
   // the mean cross-entropy against the batch's targets, projected chunk by chunk.
@@ -549,6 +754,30 @@ class DeepSeekModel final : public Model {
     if (!computes_loss()) return torch::linear(x, w);
     return runner.projected_loss(x.reshape({-1, x.size(-1)}), w, batch.targets.reshape({-1}), build_.loss_chunk_tokens, build_.loss_gradients_in_forward);
   }
+  // The MTP modules' loss, loss_weight × their mean cross-entropy (DeepSeek-V3 eq. 24-25), from the
+  // main model's final states after its norm `normed` (what vLLM and transformers feed the released
+  // MTP layer) and the embedding's output `embedded` [b, s, h]. Depth k sees positions 0..s-k-1:
+  // the states of depth k-1 there (a module's after its own norm), the embeddings of the tokens k
+  // further (inputs k..s-1), and predicts targets k..s-1 (the tokens k+1 further). Their MoE balance
+  // losses go into aux_loss. The head's weight `w` is shared; the loss is projected chunk by chunk.
+  Tensor mtp_loss(const Tensor& normed, const Tensor& embedded, const Tensor& w, const Batch& batch, Tensor& aux_loss, UnitRunner& runner) {
+    const TokenPositions where(rope_, batch, build_.variable_length_attention);
+    const int64_t s = normed.size(1), depth = static_cast<int64_t>(net_->mtp.size());
+    DSRUN_ASSERT(s > depth, "a sequence of " + std::to_string(s) + " tokens is too short for " + std::to_string(depth) + " MTP modules");
+    const int64_t chunk = build_.loss_chunk_tokens > 0 ? build_.loss_chunk_tokens : 4096;
+    Tensor h = normed, total;
+    for (int64_t k = 1; k <= depth; ++k) {
+      const int64_t n = s - k;
+      Mtp& module = net_->mtp[k - 1];
+      h = module->norm(module->forward(h.narrow(1, 0, n), embedded.narrow(1, k, n), where, aux_loss, runner));
+      const Tensor into_head = runner.enter_split(h);
+      const Tensor targets = batch.targets.narrow(1, k, n).reshape({-1});
+      Tensor loss = runner.projected_loss(into_head.reshape({-1, h.size(-1)}), w, targets, chunk, computes_loss() && build_.loss_gradients_in_forward);
+      total = total.defined() ? total + loss : loss;
+    }
+    return total * (spec_.mtp.loss_weight / static_cast<double>(depth));
+  }
+
   Tensor zero_aux(const Batch& batch) const { return torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat32).device(batch.inputs.device())); }
 
   // The model's units. Whole (pipeline_numbering false): tied embeddings share one outer unit with
@@ -559,24 +788,36 @@ class DeepSeekModel final : public Model {
     return ParameterUnit{name, std::move(all.params), checkpointable, always, std::move(all.names), std::move(all.splits), -1};
   }
 
-  // (block_of: each unit's block number, -1 for the others.) With routed experts kept apart
-  // (keep_experts), a MoE block's unit holds everything but them.
+  // (block_of: each unit's block number, kHeadUnit for the one with the head and the MTP modules,
+  // -1 for the others.) With routed experts kept apart (keep_experts), a MoE block's unit holds
+  // everything but them, and so does the head's for the MTP modules' MoE blocks.
+  static constexpr int kHeadUnit = -2;
   std::vector<ParameterUnit> units(bool pipeline_numbering, std::vector<int>* block_of) {
     std::vector<ParameterUnit> units;
     auto unit = [&](const std::string& name, std::vector<Named> parts, bool checkpointable, bool always = true, int block = -1) {
       units.push_back(make_unit(name, parts, checkpointable, always));
       block_of->push_back(block);
     };
-    const bool shared_outer_unit = spec_.tie_embeddings && !pipeline_numbering;
-    if (shared_outer_unit) unit("embedding+head", {params_of(*net_->embedding, "embedding", spec_), params_of(*net_->norm, "norm", spec_)}, false);
-    else unit("embedding", {params_of(*net_->embedding, "embedding", spec_)}, false);
+    // The MTP modules run with the head, whose weight they share: they are part of its unit.
     const std::function<bool(const std::string&)> routed_expert = [](const std::string& name) { return starts_with(name, "moe.expert"); };
+    const std::function<bool(const std::string&)> mtp_routed_expert = [](const std::string& name) { return starts_with(name, "block.moe.expert"); };
+    std::vector<Named> mtp;
+    for (size_t k = 0; k < net_->mtp.size(); ++k)
+      mtp.push_back(with_experts_stacked(params_of(*net_->mtp[k], "mtp" + std::to_string(k), spec_,
+                                                   net_->mtp[k]->block->moe && expert_shards_ > 1 ? mtp_routed_expert : std::function<bool(const std::string&)>())));
+    auto head_parts = [&](std::vector<Named> parts) {
+      parts.insert(parts.end(), mtp.begin(), mtp.end());
+      return parts;
+    };
+    const bool shared_outer_unit = spec_.tie_embeddings && !pipeline_numbering;
+    if (shared_outer_unit) unit("embedding+head", head_parts({params_of(*net_->embedding, "embedding", spec_), params_of(*net_->norm, "norm", spec_)}), false, true, kHeadUnit);
+    else unit("embedding", {params_of(*net_->embedding, "embedding", spec_)}, false);
     for (int i = 0; i < blocks(); ++i) {
       const bool apart = net_->blocks[i]->moe && expert_shards_ > 1;  // (every routed expert gets a gradient, zero where no token chose it)
       unit("block " + std::to_string(i), {with_experts_stacked(params_of(*net_->blocks[i], "block" + std::to_string(i), spec_, apart ? routed_expert : std::function<bool(const std::string&)>()))}, true, true, i);
     }
-    if (spec_.tie_embeddings && pipeline_numbering) unit("head", {params_of(*net_->norm, "norm", spec_)}, false);
-    else if (!spec_.tie_embeddings) unit("head", {params_of(*net_->norm, "norm", spec_), params_of(*net_->head, "head", spec_)}, false);
+    if (spec_.tie_embeddings && pipeline_numbering) unit("head", head_parts({params_of(*net_->norm, "norm", spec_)}), false, true, kHeadUnit);
+    else if (!spec_.tie_embeddings) unit("head", head_parts({params_of(*net_->norm, "norm", spec_), params_of(*net_->head, "head", spec_)}), false, true, kHeadUnit);
     return units;
   }
 
@@ -586,11 +827,13 @@ class DeepSeekModel final : public Model {
   // block's computation captures what it reads by value, since recomputation runs it again in backward.
   Tensors run_units(UnitRange range, int first_local, const Batch& batch, Tensors state, UnitRunner& runner) {
     const TokenPositions where(rope_, batch, build_.variable_length_attention);
+    Tensor embedded;  // the embedding's output, which the MTP modules read again
     for (int u = range.begin; u < range.end; ++u) {
       const int local = first_local + (u - range.begin);
       if (u == 0) {
         Tensors x = runner.run(local, [&](const Tensors& in) { return Tensors{runner.embedding(net_->embedding->weight, in[0])}; }, {batch.inputs});
         state = {x[0], zero_aux(batch)};
+        embedded = x[0];
       } else if (u <= blocks()) {
         Block block = net_->blocks[u - 1];
         UnitRunner* regions = &runner;
@@ -601,8 +844,20 @@ class DeepSeekModel final : public Model {
         }, state);
       } else {
         const Tensor& w = !spec_.tie_embeddings ? net_->head->weight : head_copy_.defined() ? head_copy_ : net_->embedding->weight;
-        Tensors out = runner.run(local, [&](const Tensors& in) { return Tensors{head(runner.enter_split(net_->norm(in[0])), w, batch, runner)}; }, {state[0]});
-        state = {out[0], state[1]};
+        if (net_->mtp.empty()) {
+          Tensors out = runner.run(local, [&](const Tensors& in) { return Tensors{head(runner.enter_split(net_->norm(in[0])), w, batch, runner)}; }, {state[0]});
+          state = {out[0], state[1]};
+        } else {
+          // On a pipeline's last stage the embedding is the first stage's weight, copied here.
+          if (!embedded.defined()) embedded = runner.embedding(head_copy_.defined() ? head_copy_ : net_->embedding->weight, batch.inputs);
+          Tensors out = runner.run(local, [&](const Tensors& in) {
+            Tensor aux = zero_aux(batch);
+            const Tensor normed = net_->norm(in[0]);
+            const Tensor mtp = mtp_loss(normed, in[1], w, batch, aux, runner);
+            return Tensors{head(runner.enter_split(normed), w, batch, runner), aux + mtp};
+          }, {state[0], embedded});
+          state = {out[0], state[1] + out[1]};
+        }
       }
     }
     return state;

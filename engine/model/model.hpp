@@ -120,7 +120,9 @@ struct ModelOutput {
   // images: [b, classes]. In the compute dtype. Undefined where `loss` is given instead.
   torch::Tensor logits;
   torch::Tensor loss;       // the mean token cross-entropy (fp32 scalar), computed without whole logits
-  torch::Tensor aux_loss;   // MoE load balance, an fp32 scalar added to the loss; undefined for dense models
+  // Added to the loss, an fp32 scalar: MoE balance losses and the MTP modules' weighted loss
+  // (model.mtp); undefined for dense models without MTP.
+  torch::Tensor aux_loss;
 };
 
 // One micro-batch's loss as the trainer computes it from a ModelOutput (engine/train/loss.hpp);
@@ -128,7 +130,7 @@ struct ModelOutput {
 struct MicroBatchLoss {
   torch::Tensor loss;     // what backward starts from: the mean over the batch, aux loss included
   double task_loss = 0;   // cross-entropy alone, for reporting
-  double aux_loss = 0;    // MoE load balance (0 for dense models)
+  double aux_loss = 0;    // MoE balance and the weighted MTP loss (0 for dense models without MTP)
   // Unread (micro_batch_loss's read_now false): the two as fp32 scalars where they were computed
   // (aux undefined for dense models), for the caller to read once per step: reading them between
   // forward and backward would stop the host until the device caught up.

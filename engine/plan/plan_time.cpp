@@ -99,9 +99,15 @@ void Planner::add_expert_terms(Plan& p) const {
   const double passes = p.layout.recomputation ? 6 : 4, forward_dispatches = p.layout.recomputation ? 2 : 1;
   double rows = passes * pairs * r_.model.hidden * e;
   if (p.modes.tokens_once_per_rank) {
-    double none_here = 1;  // the chance that none of a token's k choices is on a given rank
-    for (int i = 0; i < k; ++i) none_here *= static_cast<double>(experts - experts / ep - i) / (experts - i);
-    const double distinct = ep * (1 - none_here);
+    // Group-limited routing (model.moe.n_group, DeepSeek-V3's node-limited routing): a token's
+    // choices lie in topk_group of the n_group groups of consecutive experts; where each group is
+    // whole ranks, they are uniform over those groups' experts and ranks alone.
+    const MoeSpec& moe = r_.model.moe;
+    const bool grouped = moe.n_group > 1 && ep % moe.n_group == 0;
+    const int pool = grouped ? experts / moe.n_group * moe.topk_group : experts, pool_ranks = grouped ? ep / moe.n_group * moe.topk_group : ep;
+    double none_here = 1;  // the chance that none of a token's k choices is on a given rank of the pool
+    for (int i = 0; i < k; ++i) none_here *= static_cast<double>(pool - pool / pool_ranks - i) / (pool - i);
+    const double distinct = pool_ranks * (1 - none_here);
     rows = passes / 2 * (pairs + tokens * distinct) * r_.model.hidden * e + forward_dispatches * pairs * 8;
   }
   rows *= a * moe_layers * imbalance_;

@@ -223,6 +223,54 @@ void build_hardware(Builder& c, Recipe& r, const HostFacts& host) {
     c.error("hardware.link", "cpu ranks do not talk over NVLink", "use link = \"shm\" for ranks on one machine", {"hardware.device"});
 }
 
+// MLA's widths: the attention kernels take head dimensions that are multiples of 8 (16-byte rows
+// in 16-bit) and at most 256 (flash attention's largest); the rotary part turns pairs.
+void build_latent_attention(Builder& c, Recipe& r) {
+  ModelSpec& m = r.model;
+  m.kv_heads = m.heads;  // every head has its own key and value, made from the one latent
+  const MlaSpec& a = m.mla;
+  if (a.qk_rope_head_dim % 2 != 0)
+    c.error("model.mla.qk_rope_head_dim", "qk_rope_head_dim = " + std::to_string(a.qk_rope_head_dim) + " is odd; rotary embeddings rotate pairs",
+            "use an even width (DeepSeek-V2/V3: 64)");
+  const std::pair<const char*, int64_t> widths[] = {{"model.mla.qk_nope_head_dim", a.qk_head_dim()}, {"model.mla.v_head_dim", a.v_head_dim}};
+  for (const auto& [key, width] : widths) {
+    const std::string what = std::string(key) == "model.mla.v_head_dim" ? "v_head_dim = " + std::to_string(width)
+                                                                         : "qk_nope_head_dim + qk_rope_head_dim = " + std::to_string(width);
+    if (width % 8 != 0)
+      c.error(key, what + " is not a multiple of 8: the attention kernels read heads in 16-byte rows", "use widths that are multiples of 8 (DeepSeek-V3: 128 + 64, 128)",
+              {"model.mla.qk_rope_head_dim"});
+    else if (width > 256 && r.hardware.device == Device::Cuda)
+      c.error(key, what + ": the flash attention kernel takes heads of at most 256", "use at most 256 (DeepSeek-V3: 128 + 64 = 192)", {"model.mla.qk_rope_head_dim"});
+  }
+  if (a.v_head_dim > a.qk_head_dim() && r.hardware.device == Device::Cuda)
+    c.error("model.mla.v_head_dim", "v_head_dim = " + std::to_string(a.v_head_dim) + " is wider than the query and key heads (" + std::to_string(a.qk_head_dim()) +
+                "): the values are padded to the keys' width for the flash kernel, not the keys to the values'",
+            "use v_head_dim <= qk_nope_head_dim + qk_rope_head_dim", {"model.mla.qk_nope_head_dim"});
+}
+
+// Group-limited routing: groups of equal size, fewer kept than there are, room for top_k experts.
+void build_router_groups(Builder& c, const MoeSpec& moe) {
+  if (moe.n_group == 1 || moe.top_k < 1 || moe.top_k > moe.routed_experts) return;  // (no groups; a top_k out of range is reported once, above)
+  const std::string E = std::to_string(moe.routed_experts), G = std::to_string(moe.n_group);
+  if (moe.routed_experts % moe.n_group != 0) {
+    c.error("model.moe.n_group", E + " routed experts do not divide into " + G + " equal groups", "use an n_group dividing routed_experts (DeepSeek-V3: 256 experts, 8 groups)",
+            {"model.moe.routed_experts"});
+    return;
+  }
+  if (moe.topk_group > moe.n_group) {
+    c.error("model.moe.topk_group", "topk_group = " + std::to_string(moe.topk_group) + " is larger than n_group = " + G, "use topk_group <= n_group (DeepSeek-V3: 4 of 8)",
+            {"model.moe.n_group"});
+    return;
+  }
+  const int per_group = moe.routed_experts / moe.n_group;
+  if (moe.top_k > moe.topk_group * per_group)
+    c.error("model.moe.top_k", "top_k = " + std::to_string(moe.top_k) + " experts cannot come from " + std::to_string(moe.topk_group) + " groups of " + std::to_string(per_group),
+            "raise model.moe.topk_group or lower top_k", {"model.moe.topk_group", "model.moe.n_group"});
+  if (moe.n_group > 1 && moe.scoring == RouterScore::Sigmoid && per_group < 2)
+    c.error("model.moe.n_group", "a sigmoid router scores each group by its best two experts, and groups of " + std::to_string(per_group) + " have fewer",
+            "use groups of at least 2 experts", {"model.moe.scoring_func"});
+}
+
 void build_model(Builder& c, Recipe& r) {
   ModelSpec& m = r.model;
   m.name = c.s("model.name");
@@ -248,6 +296,27 @@ void build_model(Builder& c, Recipe& r) {
   m.moe.route_bias = c.floats("model.moe.route_bias");
   m.moe.balance = c.kind<MoeBalance>("model.moe.balance");
   m.moe.bias_update_rate = c.f("model.moe.bias_update_rate");
+  m.moe.scoring = c.kind<RouterScore>("model.moe.scoring_func");
+  m.moe.n_group = static_cast<int>(c.i("model.moe.n_group"));
+  m.moe.topk_group = static_cast<int>(c.i("model.moe.topk_group"));
+  m.moe.norm_topk_prob = c.b("model.moe.norm_topk_prob");
+  m.moe.routed_scaling_factor = c.f("model.moe.routed_scaling_factor");
+  m.moe.seq_aux_loss_weight = c.f("model.moe.seq_aux_loss_weight");
+  m.attention = c.kind<AttentionKind>("model.attention");
+  m.mla.q_lora_rank = c.i("model.mla.q_lora_rank");
+  m.mla.kv_lora_rank = c.i("model.mla.kv_lora_rank");
+  m.mla.qk_nope_head_dim = c.i("model.mla.qk_nope_head_dim");
+  m.mla.qk_rope_head_dim = c.i("model.mla.qk_rope_head_dim");
+  m.mla.v_head_dim = c.i("model.mla.v_head_dim");
+  m.mtp.depth = static_cast<int>(c.i("model.mtp.depth"));
+  m.mtp.loss_weight = c.f("model.mtp.loss_weight");
+  m.rope_scaling.kind = c.kind<RopeScalingKind>("model.rope_scaling.type");
+  m.rope_scaling.factor = c.f("model.rope_scaling.factor");
+  m.rope_scaling.original_max_position_embeddings = c.i("model.rope_scaling.original_max_position_embeddings");
+  m.rope_scaling.beta_fast = c.f("model.rope_scaling.beta_fast");
+  m.rope_scaling.beta_slow = c.f("model.rope_scaling.beta_slow");
+  m.rope_scaling.mscale = c.f("model.rope_scaling.mscale");
+  m.rope_scaling.mscale_all_dim = c.f("model.rope_scaling.mscale_all_dim");
   m.resnet.depth = static_cast<int>(c.i("model.resnet.depth"));
   m.resnet.classes = static_cast<int>(c.i("model.resnet.classes"));
   m.resnet.image_size = static_cast<int>(c.i("model.resnet.image_size"));
@@ -260,15 +329,19 @@ void build_model(Builder& c, Recipe& r) {
       c.error("model.resnet.depth", "ResNet depth " + std::to_string(d) + " does not exist", "use 18, 34, 50, 101 or 152");
     return;
   }
-  if (m.hidden % m.heads != 0)
-    c.error("model.heads", "hidden (" + std::to_string(m.hidden) + ") is not divisible by heads (" + std::to_string(m.heads) + ")",
-            "use a divisor of " + std::to_string(m.hidden) + ", such as " + std::to_string(closest_divisor(m.hidden, m.heads)), {"model.hidden"});
-  else if (m.head_dim() % 2 != 0)
-    c.error("model.heads", "head dimension hidden/heads = " + std::to_string(m.head_dim()) + " is odd; rotary embeddings rotate pairs",
-            "choose heads so that hidden/heads is even", {"model.hidden"});
-  if (m.heads % m.kv_heads != 0)
-    c.error("model.kv_heads", "heads (" + std::to_string(m.heads) + ") is not divisible by kv_heads (" + std::to_string(m.kv_heads) + ")",
-            "use a divisor of " + std::to_string(m.heads) + ", such as " + std::to_string(closest_divisor(m.heads, m.kv_heads)), {"model.heads"});
+  if (m.latent_attention()) {
+    build_latent_attention(c, r);
+  } else {
+    if (m.hidden % m.heads != 0)
+      c.error("model.heads", "hidden (" + std::to_string(m.hidden) + ") is not divisible by heads (" + std::to_string(m.heads) + ")",
+              "use a divisor of " + std::to_string(m.hidden) + ", such as " + std::to_string(closest_divisor(m.hidden, m.heads)), {"model.hidden"});
+    else if (m.head_dim() % 2 != 0)
+      c.error("model.heads", "head dimension hidden/heads = " + std::to_string(m.head_dim()) + " is odd; rotary embeddings rotate pairs",
+              "choose heads so that hidden/heads is even", {"model.hidden"});
+    if (m.heads % m.kv_heads != 0)
+      c.error("model.kv_heads", "heads (" + std::to_string(m.heads) + ") is not divisible by kv_heads (" + std::to_string(m.kv_heads) + ")",
+              "use a divisor of " + std::to_string(m.heads) + ", such as " + std::to_string(closest_divisor(m.heads, m.kv_heads)), {"model.heads"});
+  }
   if (m.moe.enabled()) {
     if (m.moe.top_k < 1 || m.moe.top_k > m.moe.routed_experts)
       c.error("model.moe.top_k", "top_k must be between 1 and routed_experts (" + std::to_string(m.moe.routed_experts) + ")",
@@ -280,7 +353,13 @@ void build_model(Builder& c, Recipe& r) {
               "give one number per routed expert, or none", {"model.moe.routed_experts"});
     if (m.moe.first_dense_layers > m.layers)
       c.error("model.moe.first_dense_layers", "more dense layers than layers", "use at most model.layers (" + std::to_string(m.layers) + ")", {"model.layers"});
+    build_router_groups(c, m.moe);
   }
+  if (m.rope_scaling.kind == RopeScalingKind::Yarn && m.rope_scaling.factor <= 1)
+    c.error("model.rope_scaling.factor", "YaRN with factor " + format_double(m.rope_scaling.factor) + " extends nothing",
+            "set model.rope_scaling.factor > 1 (DeepSeek-V3: 40), or model.rope_scaling.type = \"none\"", {"model.rope_scaling.type"});
+  if (m.mtp.enabled() && m.layers < 1)
+    c.error("model.mtp.depth", "multi-token prediction follows the last block", "use model.layers >= 1", {"model.layers"});
 }
 
 void build_parallel(Builder& c, Recipe& r) {
@@ -337,7 +416,7 @@ void build_fp8(Builder& c, Recipe& r) {
   const int64_t head_dim = m.hidden / m.heads;
   for (auto [what, size] : std::vector<std::pair<std::string, int64_t>>{{"model.hidden", m.hidden},
                                                                       {"model.intermediate", m.intermediate},
-                                                                      {"model.kv_heads", m.kv_heads * head_dim},
+                                                                      {"model.kv_heads", m.latent_attention() ? multiple : m.kv_heads * head_dim},  // (MLA's linears that are not whole blocks stay bf16)
                                                                       {"model.moe.intermediate", m.moe.enabled() ? m.moe.intermediate : multiple}})
     if (size % multiple != 0)
       c.error("precision.fp8", what + " gives a linear layer a size of " + std::to_string(size) + ", not a multiple of " + std::to_string(multiple) +
@@ -467,6 +546,9 @@ void build_data(Builder& c, Recipe& r, const std::string& recipe_dir) {
   if (d.kind != DataKind::Tokens && (!d.blend.empty() || d.separate_documents))
     c.error(d.blend.empty() ? "data.separate_documents" : "data.blend", "only data.kind = \"tokens\" reads mixtures and document boundaries",
             "set data.kind = \"tokens\" (prepare text with dsrun prepare)", {"data.kind"});
+  if (d.separate_documents && r.model.mtp.enabled())
+    c.error("data.separate_documents", "multi-token prediction would predict across document boundaries, which separate documents forbid (not built yet)",
+            "set data.separate_documents = false, or model.mtp.depth = 0", {"model.mtp.depth"});
   r.model.init_from = recipe_relative("model.init_from", c.s("model.init_from"));
   if (!r.model.init_from.empty() && !file_exists(r.model.init_from))
     c.error("model.init_from", "\"" + r.model.init_from + "\" does not exist", "give a .safetensors file or a directory of them (dsrun export writes one)");
@@ -581,6 +663,19 @@ void warn_inapplicable(Builder& c, const Recipe& r) {
       {"model.moe.route_bias", [](const Recipe& x) { return x.model.moe.enabled(); }, "model.moe.routed_experts > 0"},
       {"model.moe.balance", [](const Recipe& x) { return x.model.moe.enabled(); }, "model.moe.routed_experts > 0"},
       {"model.moe.bias_update_rate", [](const Recipe& x) { return x.model.moe.learns_bias(); }, "model.moe.balance = \"bias\""},
+      {"model.moe.scoring_func", [](const Recipe& x) { return x.model.moe.enabled(); }, "model.moe.routed_experts > 0"},
+      {"model.moe.n_group", [](const Recipe& x) { return x.model.moe.enabled(); }, "model.moe.routed_experts > 0"},
+      {"model.moe.topk_group", [](const Recipe& x) { return x.model.moe.enabled() && x.model.moe.n_group > 1; }, "model.moe.n_group > 1"},
+      {"model.moe.norm_topk_prob", [](const Recipe& x) { return x.model.moe.enabled(); }, "model.moe.routed_experts > 0"},
+      {"model.moe.routed_scaling_factor", [](const Recipe& x) { return x.model.moe.enabled(); }, "model.moe.routed_experts > 0"},
+      {"model.moe.seq_aux_loss_weight", [](const Recipe& x) { return x.model.moe.enabled(); }, "model.moe.routed_experts > 0"},
+      {"model.mla.", [](const Recipe& x) { return x.model.latent_attention(); }, "model.attention = \"mla\""},
+      {"model.kv_heads", [](const Recipe& x) { return !x.model.latent_attention(); }, "model.attention = \"mha\" (MLA gives every head its own key and value)"},
+      {"model.mtp.loss_weight", [](const Recipe& x) { return x.model.mtp.enabled(); }, "model.mtp.depth > 0"},
+      {"model.rope_scaling.factor", [](const Recipe& x) { return x.model.rope_scaling.kind != RopeScalingKind::None; }, "model.rope_scaling.type = \"yarn\""},
+      {"model.rope_scaling.original", [](const Recipe& x) { return x.model.rope_scaling.kind != RopeScalingKind::None; }, "model.rope_scaling.type = \"yarn\""},
+      {"model.rope_scaling.beta", [](const Recipe& x) { return x.model.rope_scaling.kind != RopeScalingKind::None; }, "model.rope_scaling.type = \"yarn\""},
+      {"model.rope_scaling.mscale", [](const Recipe& x) { return x.model.rope_scaling.kind != RopeScalingKind::None; }, "model.rope_scaling.type = \"yarn\""},
       {"parallel.expert_imbalance", [](const Recipe& x) { return x.parallel.expert > 1 || x.parallel.search.expert; }, "parallel.expert > 1"},
       {"model.resnet.", [](const Recipe& x) { return x.model.arch == ModelArch::ResNet; }, "model.arch = \"resnet\""},
       {"batch.seq_len", [](const Recipe& x) { return x.model.arch == ModelArch::DeepSeek; }, "model.arch = \"deepseek\""},

@@ -52,6 +52,28 @@ struct EnumNames<ModelArch> {
   static constexpr NameTable<ModelArch, 2> table{{{ModelArch::DeepSeek, "deepseek"}, {ModelArch::ResNet, "resnet"}}};
 };
 
+// Attention of a decoder: multi-head (grouped-query where kv_heads < heads) or DeepSeek-V2/V3's
+// multi-head latent attention (keys and values from one compressed latent, a shared rotary key).
+enum class AttentionKind { Mha, Mla };
+template <>
+struct EnumNames<AttentionKind> {
+  static constexpr NameTable<AttentionKind, 2> table{{{AttentionKind::Mha, "mha"}, {AttentionKind::Mla, "mla"}}};
+};
+
+// A MoE router's affinities: DeepSeek-MoE/V2's softmax over the experts, or V3's sigmoid per expert.
+enum class RouterScore { Softmax, Sigmoid };
+template <>
+struct EnumNames<RouterScore> {
+  static constexpr NameTable<RouterScore, 2> table{{{RouterScore::Softmax, "softmax"}, {RouterScore::Sigmoid, "sigmoid"}}};
+};
+
+// Rotary position scaling beyond the trained length: none, or YaRN (DeepSeek-V2/V3's 128K).
+enum class RopeScalingKind { None, Yarn };
+template <>
+struct EnumNames<RopeScalingKind> {
+  static constexpr NameTable<RopeScalingKind, 2> table{{{RopeScalingKind::None, "none"}, {RopeScalingKind::Yarn, "yarn"}}};
+};
+
 // How MoE routing is kept even: an auxiliary loss, or DeepSeek-V3's learned selection bias.
 enum class MoeBalance { AuxLoss, Bias };
 template <>

@@ -260,6 +260,16 @@ struct Rules {
           "use parallel.expert = " + best(l.expert) + ", or data_parallel a multiple of " + ep, {"parallel.data_parallel"});
   }
 
+  // Multi-token prediction runs beside the head over whole sequences (pipelines copy the embedding
+  // to the last stage, as they do tied embeddings; expert parallelism shards its block's experts).
+  void mtp() {
+    if (!r.model.mtp.enabled()) return;
+    const std::vector<std::string> depth = {"model.mtp.depth"};
+    if (d.sequence_parallel && l.sequence_parallel)
+      add("parallel.sequence_parallel", "multi-token prediction shifts whole sequences, which sequence parallelism splits", "set parallel.sequence_parallel = false, or model.mtp.depth = 0",
+          depth);
+  }
+
   // global = micro × accumulation × data, and the interleaved schedule's micro-batches come in
   // multiples of the stages.
   void batch() {
@@ -336,6 +346,7 @@ std::vector<LayoutProblem> layout_problems(const Recipe& recipe, const Layout& l
   rules.sequence();
   rules.pipeline();
   rules.expert();
+  rules.mtp();
   if (degrees_fit) rules.batch();
   rules.offload();
   return std::move(rules.out);

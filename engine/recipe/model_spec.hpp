@@ -28,8 +28,48 @@ struct MoeSpec {
   using Balance = MoeBalance;
   Balance balance = Balance::AuxLoss;
   double bias_update_rate = 1e-3;
+  // The router (DeepSeek-V3's where it differs from DeepSeek-MoE's): affinities by softmax or
+  // sigmoid; experts chosen within the `topk_group` best of `n_group` groups (a group's score: its
+  // best expert under softmax, V2's; its best two summed under sigmoid, V3's); the chosen experts'
+  // weights normalised to sum 1 (norm_topk_prob) and scaled by routed_scaling_factor.
+  RouterScore scoring = RouterScore::Softmax;
+  int n_group = 1, topk_group = 1;
+  bool norm_topk_prob = false;
+  double routed_scaling_factor = 1.0;
+  // DeepSeek-V3's sequence-wise balance loss (its eq. 17-20), weight alpha; 0: none.
+  double seq_aux_loss_weight = 0;
   bool enabled() const { return routed_experts > 0; }
   bool learns_bias() const { return enabled() && balance == Balance::Bias; }
+};
+
+// Multi-head latent attention (DeepSeek-V2/V3), Hugging Face's DeepseekV3Config names: queries
+// through an optional low-rank latent (q_lora_rank, 0: a full projection), keys and values from one
+// kv_lora_rank latent, each head's key = [its qk_nope_head_dim part ; one shared rotary key].
+struct MlaSpec {
+  int64_t q_lora_rank = 0;
+  int64_t kv_lora_rank = 512;
+  int64_t qk_nope_head_dim = 128;
+  int64_t qk_rope_head_dim = 64;
+  int64_t v_head_dim = 128;
+  int64_t qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
+};
+
+// Multi-token prediction (DeepSeek-V3 section 2.2): `depth` modules after the last block, module k
+// predicting the token k + 1 places further than the main head, sharing its embedding and head;
+// their mean cross-entropy times loss_weight is added to the loss.
+struct MtpSpec {
+  int depth = 0;
+  double loss_weight = 0.3;
+  bool enabled() const { return depth > 0; }
+};
+
+// YaRN (Peng et al. 2023; DeepSeek-V2 appendix) as Hugging Face's rope_scaling table gives it.
+struct RopeScaling {
+  RopeScalingKind kind = RopeScalingKind::None;
+  double factor = 1;
+  int64_t original_max_position_embeddings = 4096;
+  double beta_fast = 32, beta_slow = 1;
+  double mscale = 1, mscale_all_dim = 0;
 };
 
 struct ResNetSpec {
@@ -54,10 +94,23 @@ struct ModelSpec {
   double rope_theta = 10000;
   double norm_eps = 1e-6;
   double init_std = 0.02;
+  AttentionKind attention = AttentionKind::Mha;
+  MlaSpec mla;
+  MtpSpec mtp;
+  RopeScaling rope_scaling;
   std::string init_from;  // safetensors weights to start from (file or directory); empty: random
   MoeSpec moe;
   ResNetSpec resnet;
   int64_t head_dim() const { return hidden / heads; }
+  // MoE layers in model order: the blocks after the first dense ones, then the MTP modules' blocks
+  // (whose layer numbers follow the last block's).
+  int moe_layers() const { return moe.enabled() ? layers - moe.first_dense_layers + mtp.depth : 0; }
+  bool latent_attention() const { return attention == AttentionKind::Mla; }
+  // Widths of one head's query/key and value (MLA: nope + rope and v_head_dim; else head_dim).
+  int64_t qk_head_dim() const { return latent_attention() ? mla.qk_head_dim() : head_dim(); }
+  int64_t v_head_dim() const { return latent_attention() ? mla.v_head_dim : head_dim(); }
+  // The dimensions rotary embeddings turn: MLA's shared rotary key, else the whole head.
+  int64_t rope_dim() const { return latent_attention() ? mla.qk_rope_head_dim : head_dim(); }
 };
 
 }  // namespace dsrun

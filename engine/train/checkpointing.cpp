@@ -626,6 +626,10 @@ void load_pretrained_weights(Model& model, const ModelSpec& spec, const std::str
       std::vector<int64_t> want = shape;
       if (!want.empty()) want[0] = piece.rows;
       auto it = index.find(piece.name);
+      if (piece.copy) {  // (DeepSeek-V3's copies of the embedding and head in its MTP layer: the first copy is read)
+        if (it != index.end()) used[piece.name] = true;
+        continue;
+      }
       if (it == index.end()) {
         problems.push_back("missing " + piece.name + " (for " + p.key() + ")");
         continue;
@@ -641,7 +645,7 @@ void load_pretrained_weights(Model& model, const ModelSpec& spec, const std::str
   // Buffers that are model state (the MoE selection bias): taken when the weights have them, else
   // they keep their initial values (weights trained with the balance loss have none).
   for (const auto& b : model.module().named_buffers()) {
-    const std::string name = hf_buffer_name(b.key());
+    const std::string name = hf_buffer_name(b.key(), spec);
     auto it = index.find(name);
     if (name.empty() || it == index.end()) continue;
     used[it->first] = true;
@@ -651,6 +655,9 @@ void load_pretrained_weights(Model& model, const ModelSpec& spec, const std::str
     }
     copies.push_back({b.value(), it->second.first, it->second.second});
   }
+  // FP8 weights (DeepSeek-V3's release) carry their 128 x 128 blocks' scales beside them.
+  for (const Copy& copy : copies)
+    if (copy.entry->dtype == "F8_E4M3") used[copy.entry->name + "_scale_inv"] = true;
   for (const auto& [name, where] : index)
     if (!used.count(name) && !ends_with(name, "rotary_emb.inv_freq")) problems.push_back("unexpected " + name + " (not in this model)");
   if (!problems.empty()) {
@@ -662,7 +669,17 @@ void load_pretrained_weights(Model& model, const ModelSpec& spec, const std::str
     throw Error(std::to_string(problems.size()) + " mismatch(es) between the weights and the model:" + list, c);
   }
   for (auto& copy : copies) {
-    std::vector<float> values = copy.file->read_f32(*copy.entry, 0, copy.entry->numel());
+    std::vector<float> values;
+    if (copy.entry->dtype == "F8_E4M3") {
+      auto scale = index.find(copy.entry->name + "_scale_inv");
+      if (scale == index.end()) {
+        c.hint = "FP8 weights need their scales: copy the *_scale_inv tensors along, or convert the weights to bf16 first";
+        throw Error(copy.entry->name + " is FP8 (F8_E4M3) and has no " + copy.entry->name + "_scale_inv beside it", c);
+      }
+      values = read_fp8_blockwise(*copy.file, *copy.entry, *scale->second.first, *scale->second.second);
+    } else {
+      values = copy.file->read_f32(*copy.entry, 0, copy.entry->numel());
+    }
     copy.target.copy_(torch::from_blob(values.data(), copy.target.sizes(), torch::kFloat32));
   }
 }

@@ -301,8 +301,8 @@ class Trainer {
       pipe.schedule = build_pipeline_schedule(plan_.layout.schedule, plan_.layout.pipeline, static_cast<int>(plan_.accumulation), plan_.layout.virtual_stages);
       const int64_t t = plan_.layout.tensor;
       pipe.activation_shape = {plan_.layout.micro, r_.batch.seq_len / (plan_.layout.sequence_parallel ? t : 1), r_.model.hidden};
-      pipe.carries_aux_loss = r_.model.moe.enabled();
-      if (r_.model.tie_embeddings) pipe.tied_embedding_shape = {r_.model.vocab / t, r_.model.hidden};
+      pipe.carries_aux_loss = r_.model.moe.enabled() || r_.model.mtp.enabled();  // (the MTP loss joins it on the last stage)
+      if (r_.model.tie_embeddings || r_.model.mtp.enabled()) pipe.tied_embedding_shape = {r_.model.vocab / t, r_.model.hidden};
       pipe.dtype = torch_dtype(plan_.dtype);
       pipe.device = device_;
     }
@@ -460,7 +460,7 @@ class Trainer {
     const MoeSpec& moe = r_.model.moe;
     const auto f64 = torch::TensorOptions().dtype(torch::kFloat64).device(where);
     if (!moe.enabled()) return torch::zeros({0}, f64);
-    const int first = moe.first_dense_layers, layers = r_.model.layers - first;
+    const int first = moe.first_dense_layers, layers = r_.model.moe_layers();
     torch::Tensor rows = torch::zeros({layers, moe.routed_experts + 1}, f64);
     for (const auto& [layer, routing] : parallel_->take_routing()) {
       rows[layer - first].narrow(0, 0, moe.routed_experts).copy_(routing.routed.to(where, torch::kFloat64));
@@ -476,7 +476,7 @@ class Trainer {
     const MoeSpec& moe = r_.model.moe;
     if (!moe.enabled()) return;
     const int first = moe.first_dense_layers;
-    torch::Tensor rows = summed.view({r_.model.layers - first, moe.routed_experts + 1}) / plan_.layout.tensor;
+    torch::Tensor rows = summed.view({r_.model.moe_layers(), moe.routed_experts + 1}) / plan_.layout.tensor;
     double worst = 0, dropped = 0;
     for (int64_t l = 0; l < rows.size(0); ++l) {
       torch::Tensor routed = rows[l].narrow(0, 0, moe.routed_experts);
@@ -496,7 +496,7 @@ class Trainer {
     const MoeSpec& moe = r_.model.moe;
     if (!moe.learns_bias()) return;
     const int first = moe.first_dense_layers;
-    torch::Tensor rows = summed.view({r_.model.layers - first, moe.routed_experts + 1});
+    torch::Tensor rows = summed.view({r_.model.moe_layers(), moe.routed_experts + 1});
     for (int64_t l = 0; l < rows.size(0); ++l) model_->balance_experts(first + static_cast<int>(l), rows[l].narrow(0, 0, moe.routed_experts), moe.bias_update_rate);
   }
 
