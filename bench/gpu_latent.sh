@@ -9,7 +9,7 @@ for phase in "${@:-check}"; do
     check)
       d=$out/hf_check; rm -rf "$d"; mkdir -p "$d"
       python3 bench/hf_deepseek_v3_check.py make "$d" 2>&1 | tail -5
-      DSRUN_HF_CHECK=$d build-gpu/tests/dsrun_engine_tests "[hf]" -s 2>&1 | grep -E "loss|passed|failed|FAILED|CHECK" | head -20
+      DSRUN_HF_CHECK=$d build-gpu/tests/dsrun_engine_tests "[hf]" -s 2>&1 | grep -E "loss|bf16|passed|failed|FAILED" | head -20
       python3 bench/hf_deepseek_v3_check.py load "$d" 2>&1 | tail -4
       echo "hf check (transformers loads dsrun's export) exit $?"
       ;;

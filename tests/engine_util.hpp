@@ -2,6 +2,8 @@
 // device mesh), the tiny decoders and random token batches they train on.
 #pragma once
 
+#include "engine/checkpoint/export.hpp"
+#include "engine/checkpoint/safetensors.hpp"
 #include "engine/dist/communicator.hpp"
 #include "engine/dist/mesh.hpp"
 #include "engine/model/model.hpp"
@@ -152,6 +154,16 @@ inline Batch token_batch(int64_t b, int64_t s, int64_t vocab, uint64_t seed) {
   batch.targets = torch::randint(vocab, {b, s}, torch::kInt64);
   batch.items = b * s;
   return batch;
+}
+
+// The model's parameters under their Hugging Face names (export.hpp's pieces), F32, added to
+// `writer`; `keep` holds the rows the writer points at until it writes them.
+inline void add_hf_weights(Model& model, const ModelSpec& m, SafetensorsWriter& writer, std::vector<torch::Tensor>& keep) {
+  for (const auto& p : model.module().named_parameters())
+    for (const auto& piece : hf_pieces(p.key(), p.value().sizes().vec(), m)) {
+      keep.push_back(p.value().detach().narrow(0, piece.row_begin, piece.rows).contiguous());
+      writer.add(piece.name, "F32", keep.back().sizes().vec(), keep.back().data_ptr());
+    }
 }
 
 // One process's loss, and after its backward every parameter's gradient (by name) with its split

@@ -227,12 +227,7 @@ TEST_CASE("weights written under Hugging Face names load back into the model exa
   // Source's parameters as Hugging Face tensors (fused q/k/v and gate/up split by rows).
   std::vector<torch::Tensor> keep;
   SafetensorsWriter writer;
-  for (const auto& p : source->module().named_parameters())
-    for (const auto& piece : hf_pieces(p.key(), p.value().sizes().vec(), m)) {
-      torch::Tensor rows = p.value().detach().narrow(0, piece.row_begin, piece.rows).contiguous();
-      keep.push_back(rows);
-      writer.add(piece.name, "F32", rows.sizes().vec(), rows.data_ptr());
-    }
+  dsrun::test::add_hf_weights(*source, m, writer, keep);
   dsrun::test::TempDir dir;
   writer.write_atomic(dir.file("model.safetensors"));
   load_pretrained_weights(*target, m, dir.path());

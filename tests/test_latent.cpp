@@ -74,8 +74,8 @@ struct Ref {
   Tensor rotate(const Tensor& x) const {
     const int64_t s = x.size(1), half = x.size(3) / 2;
     const Tensor a = angles(s).view({1, s, 1, half});
-    const Tensor even = x.narrow(3, 0, x.size(3)).reshape({x.size(0), s, x.size(2), half, 2});
-    const Tensor x0 = even.select(4, 0), x1 = even.select(4, 1);
+    const Tensor pairs = x.reshape({x.size(0), s, x.size(2), half, 2});
+    const Tensor x0 = pairs.select(4, 0), x1 = pairs.select(4, 1);  // the pair (x_2i, x_2i+1)
     const double factor = mscale(m.rope_scaling.factor, m.rope_scaling.mscale) / mscale(m.rope_scaling.factor, m.rope_scaling.mscale_all_dim);
     return torch::stack({x0 * a.cos() - x1 * a.sin(), x0 * a.sin() + x1 * a.cos()}, -1).reshape(x.sizes()) * factor;
   }
@@ -157,10 +157,10 @@ struct Ref {
     return h + (is_moe ? moe(normed, pre + ".moe", aux) : swiglu(normed, pre + ".mlp"));
   }
 
-  double cross_entropy_sum(const Tensor& hidden, const Tensor& targets, Tensor& total) const {
+  // The mean token cross-entropy of the head's logits.
+  Tensor cross_entropy(const Tensor& hidden, const Tensor& targets) const {
     const Tensor logits = hidden.matmul(w("head.weight").t());
-    total = torch::nll_loss(torch::log_softmax(logits.reshape({-1, logits.size(-1)}), -1), targets.reshape({-1}));
-    return 0;
+    return torch::nll_loss(torch::log_softmax(logits.reshape({-1, logits.size(-1)}), -1), targets.reshape({-1}));
   }
 
   // The loss as the trainer adds it: main cross-entropy + balance losses + λ·mean MTP cross-entropy.
@@ -169,8 +169,8 @@ struct Ref {
     const Tensor embedded = torch::embedding(w("embedding.weight"), batch.inputs);
     Tensor x = embedded;
     for (int i = 0; i < m.layers; ++i) x = block(x, "block" + std::to_string(i), i >= m.moe.first_dense_layers && m.moe.enabled(), aux);
-    Tensor h = rms(x, "norm.weight"), main;
-    cross_entropy_sum(h, batch.targets, main);
+    Tensor h = rms(x, "norm.weight");
+    const Tensor main = cross_entropy(h, batch.targets);
     task = main.item<double>();
     const int64_t s = batch.inputs.size(1);
     Tensor mtp = torch::zeros({}, torch::kFloat64);
@@ -179,9 +179,7 @@ struct Ref {
       const int64_t n = s - k;
       const Tensor joined = torch::cat({rms(embedded.narrow(1, k, n), pre + ".enorm.weight"), rms(h.narrow(1, 0, n), pre + ".hnorm.weight")}, -1);
       h = rms(block(joined.matmul(w(pre + ".eh_proj.weight").t()), pre + ".block", m.moe.enabled(), aux), pre + ".norm.weight");
-      Tensor ce;
-      cross_entropy_sum(h, batch.targets.narrow(1, k, n), ce);
-      mtp = mtp + ce;
+      mtp = mtp + cross_entropy(h, batch.targets.narrow(1, k, n));
     }
     if (m.mtp.depth > 0) mtp = mtp * (m.mtp.loss_weight / m.mtp.depth);
     return main + aux + mtp;
@@ -477,11 +475,7 @@ TEST_CASE("transformers' DeepseekV3ForCausalLM: its saved weights give its loss 
   auto ours_model = build_model(with_mtp, s, {2});
   std::vector<Tensor> keep;
   SafetensorsWriter writer;
-  for (const auto& p : ours_model->module().named_parameters())
-    for (const auto& piece : hf_pieces(p.key(), p.value().sizes().vec(), with_mtp)) {
-      keep.push_back(p.value().detach().narrow(0, piece.row_begin, piece.rows).contiguous());
-      writer.add(piece.name, "F32", keep.back().sizes().vec(), keep.back().data_ptr());
-    }
+  dsrun::test::add_hf_weights(*ours_model, with_mtp, writer, keep);
   for (const auto& b : ours_model->module().named_buffers()) {
     const std::string name = hf_buffer_name(b.key(), with_mtp);
     if (name.empty()) continue;

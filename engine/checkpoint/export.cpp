@@ -15,12 +15,14 @@ namespace dsrun {
 
 namespace {
 
-// "block12.attn.wqkv.weight" -> 12 and "attn.wqkv.weight"; false for names outside blocks.
-bool split_block_name(const std::string& name, int& layer, std::string& rest) {
-  if (!starts_with(name, "block")) return false;
+// "<prefix><n>.<rest>" -> n and rest ("block12.attn.wqkv.weight" -> 12, "attn.wqkv.weight" for
+// prefix "block"; "mtp0.block.attn.wo.weight" -> 0, "block.attn.wo.weight" for "mtp"); false
+// for names of another form.
+bool split_numbered_name(const std::string& name, const std::string& prefix, int& number, std::string& rest) {
+  if (!starts_with(name, prefix)) return false;
   size_t dot = name.find('.');
-  if (dot == std::string::npos || dot == 5) return false;
-  layer = std::atoi(name.substr(5, dot - 5).c_str());
+  if (dot == std::string::npos || dot == prefix.size()) return false;
+  number = std::atoi(name.substr(prefix.size(), dot - prefix.size()).c_str());
   rest = name.substr(dot + 1);
   return true;
 }
@@ -30,16 +32,6 @@ std::vector<WeightPiece> swiglu_pieces(const std::string& prefix, const std::str
   if (leaf == "gate_up.weight") return {{prefix + "gate_proj.weight", 0, rows / 2}, {prefix + "up_proj.weight", rows / 2, rows / 2}};
   if (leaf == "down.weight") return {{prefix + "down_proj.weight", 0, rows}};
   return {};
-}
-
-// "mtp1.block.attn.wo.weight" -> 1 and "block.attn.wo.weight"; false for other names.
-bool split_mtp_name(const std::string& name, int& depth, std::string& rest) {
-  if (!starts_with(name, "mtp")) return false;
-  size_t dot = name.find('.');
-  if (dot == std::string::npos || dot == 3) return false;
-  depth = std::atoi(name.substr(3, dot - 3).c_str());
-  rest = name.substr(dot + 1);
-  return true;
 }
 
 // One block's parameter (its name inside the block) under the Hugging Face prefix `p`
@@ -91,7 +83,7 @@ std::vector<WeightPiece> hf_pieces(const std::string& param, const std::vector<i
   if (param == "head.weight") return with_mtp_copies("lm_head.weight", "shared_head.head.weight");
   int layer = 0;
   std::string rest;
-  if (split_mtp_name(param, layer, rest)) {
+  if (split_numbered_name(param, "mtp", layer, rest)) {
     const std::string p = mtp_prefix(spec, layer);
     if (rest == "enorm.weight" || rest == "hnorm.weight" || rest == "eh_proj.weight") return {{p + rest, 0, rows}};
     if (rest == "norm.weight") return {{p + "shared_head.norm.weight", 0, rows}};
@@ -100,7 +92,7 @@ std::vector<WeightPiece> hf_pieces(const std::string& param, const std::vector<i
       if (!pieces.empty()) return pieces;
     }
   }
-  if (split_block_name(param, layer, rest)) {
+  if (split_numbered_name(param, "block", layer, rest)) {
     std::vector<WeightPiece> pieces = block_pieces("model.layers." + std::to_string(layer) + ".", rest, rows, spec);
     if (!pieces.empty()) return pieces;
   }
@@ -110,8 +102,8 @@ std::vector<WeightPiece> hf_pieces(const std::string& param, const std::vector<i
 std::string hf_buffer_name(const std::string& buffer, const ModelSpec& spec) {
   int layer = 0;
   std::string rest;
-  if (split_block_name(buffer, layer, rest) && rest == "moe.expert_bias") return "model.layers." + std::to_string(layer) + ".mlp.gate.e_score_correction_bias";
-  if (split_mtp_name(buffer, layer, rest) && rest == "block.moe.expert_bias") return mtp_prefix(spec, layer) + "mlp.gate.e_score_correction_bias";
+  if (split_numbered_name(buffer, "block", layer, rest) && rest == "moe.expert_bias") return "model.layers." + std::to_string(layer) + ".mlp.gate.e_score_correction_bias";
+  if (split_numbered_name(buffer, "mtp", layer, rest) && rest == "block.moe.expert_bias") return mtp_prefix(spec, layer) + "mlp.gate.e_score_correction_bias";
   return "";
 }
 

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -236,6 +237,12 @@ std::vector<float> SafetensorsFile::read_f32(const SafetensorsEntry& e, int64_t 
     read(e, static_cast<uint64_t>(first) * 4, static_cast<uint64_t>(count) * 4, out.data());
     return out;
   }
+  // E4M3's 256 codes decoded once (DeepSeek-V3's release is 6.7e11 of them), not per element.
+  static const std::array<float, 256> e4m3_values = [] {
+    std::array<float, 256> values{};
+    for (int code = 0; code < 256; ++code) values[static_cast<size_t>(code)] = e4m3_to_float(static_cast<uint8_t>(code));
+    return values;
+  }();
   std::vector<unsigned char> raw(static_cast<size_t>(count) * static_cast<size_t>(size));
   read(e, static_cast<uint64_t>(first) * static_cast<uint64_t>(size), raw.size(), raw.data());
   for (int64_t i = 0; i < count; ++i) {
@@ -249,7 +256,7 @@ std::vector<float> SafetensorsFile::read_f32(const SafetensorsEntry& e, int64_t 
       std::memcpy(&d, p, 8);
       out[static_cast<size_t>(i)] = static_cast<float>(d);
     } else if (e.dtype == "F8_E4M3") {  // unscaled: read_fp8_blockwise applies the scales
-      out[static_cast<size_t>(i)] = e4m3_to_float(*p);
+      out[static_cast<size_t>(i)] = e4m3_values[*p];
     } else {
       bad_file(path_, "tensor \"" + e.name + "\" has dtype " + e.dtype + "; weights must be F32, BF16, F16, F64 or F8_E4M3 with block scales",
                "convert the weights to a floating-point dtype");

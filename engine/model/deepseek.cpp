@@ -118,21 +118,12 @@ struct TokenPositions {
   // x [b, s, n, d] with its rotary pairs interleaved (DeepSeek-V2/V3's released weights: pairs
   // (2i, 2i+1)), rotated and returned in the halves layout (i, i + d/2), as Hugging Face's
   // rope_interleave does: queries and keys take the same reordering, so their products are DeepSeek's.
+  // The reordered heads go through fused::rotary, as multi-head attention's do.
   Tensor rotate_interleaved(const Tensor& x) const {
     rope->move_to(x.device());
-    const int64_t b = x.size(0), s = x.size(1), d = x.size(3);
-    Tensor halves = x.reshape({b, s, x.size(2), d / 2, 2}).transpose(3, 4).reshape(x.sizes());
-    Tensor cos, sin;
-    if (documents) {
-      const Tensor at = documents->positions().reshape({-1});
-      cos = rope->cos_on_device.index_select(0, at).view({b, s, 1, d});
-      sin = rope->sin_on_device.index_select(0, at).view({b, s, 1, d});
-    } else {
-      cos = rope->cos_on_device.narrow(0, 0, s).view({1, s, 1, d});
-      sin = rope->sin_on_device.narrow(0, 0, s).view({1, s, 1, d});
-    }
-    Tensor rotated_half = torch::cat({-halves.narrow(-1, d / 2, d / 2), halves.narrow(-1, 0, d / 2)}, -1);
-    return (halves * cos.to(x.scalar_type()) + rotated_half * sin.to(x.scalar_type()));
+    const int64_t b = x.size(0), s = x.size(1), n = x.size(2), d = x.size(3);
+    const Tensor halves = x.reshape({b, s, n, d / 2, 2}).transpose(3, 4).reshape({b, s, n * d});
+    return fused::rotary(halves, d, rope->cos_on_device, rope->sin_on_device, documents ? documents->positions() : Tensor()).view({b, s, n, d});
   }
   // Causal attention (within documents where there are some) of q, k [b, s, heads, dq] and v
   // [b, s, heads, dv]; returns [b, s, heads · dv]. On a GPU values narrower than the keys are
@@ -326,8 +317,10 @@ struct MoEImpl : nn::Module {
     out = runner.leave_split(out);
     // Expert-level balance loss (DeepSeek-MoE eq. 12): α Σ_i f_i P_i, f_i = E/(kT) · tokens routed to i,
     // P_i = mean router score of i. Equals α when routing is perfectly uniform.
-    // Under a sigmoid router P_i takes the scores normalised to sum 1 per token (V3's eq. 19).
-    const Tensor affinity = spec.scoring == RouterScore::Sigmoid ? scores / scores.sum(-1, true) : scores;
+    // Under a sigmoid router P_i takes the scores normalised to sum 1 per token (V3's eq. 19);
+    // normalised only where a balance loss reads them.
+    Tensor affinity = scores;
+    if (spec.scoring == RouterScore::Sigmoid && (aux_weight > 0 || spec.seq_aux_loss_weight > 0)) affinity = scores / scores.sum(-1, true);
     if (aux_weight > 0) {
       Tensor f = routed.to(torch::kFloat32) * (static_cast<double>(experts_count) / (top_k * T));
       Tensor p = affinity.mean(0);
@@ -593,7 +586,7 @@ void use_fp8(DecoderModule& net, Fp8Scaling fp8, bool routed_experts) {
     if (b->attn) b->attn->wqkv->fp8 = b->attn->wo->fp8 = fp8;
     if (b->mla) {
       // Every MLA projection whose sizes are whole blocks (kv_lora_rank + qk_rope_head_dim = 576 is not).
-      const int64_t multiple = fp8 == Fp8Scaling::Blockwise ? 128 : 16;
+      const int64_t multiple = fp8_size_multiple(fp8);
       for (Linear* l : {&b->mla->wq_a, &b->mla->wq_b, &b->mla->wq, &b->mla->wkv_a, &b->mla->wkv_b, &b->mla->wo})
         if (*l && (*l)->weight.size(0) % multiple == 0 && (*l)->weight.size(1) % multiple == 0) (*l)->fp8 = fp8;
     }

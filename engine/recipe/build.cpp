@@ -412,7 +412,7 @@ void build_fp8(Builder& c, Recipe& r) {
   // Blockwise scales whole blocks of 128 (1 x 128 along each product's summed dimension, 128 x 128
   // of the weights), unpadded; the tokens of a micro-batch and the tensor split are checked when
   // the layer runs (fp8_linear).
-  const int64_t multiple = fp8 == Fp8Scaling::Blockwise ? 128 : 16;
+  const int64_t multiple = fp8_size_multiple(fp8);
   const int64_t head_dim = m.hidden / m.heads;
   for (auto [what, size] : std::vector<std::pair<std::string, int64_t>>{{"model.hidden", m.hidden},
                                                                       {"model.intermediate", m.intermediate},

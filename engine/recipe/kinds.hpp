@@ -38,6 +38,9 @@ struct EnumNames<Fp8Scaling> {
       {{Fp8Scaling::None, "none"}, {Fp8Scaling::Tensorwise, "tensorwise"}, {Fp8Scaling::Rowwise, "rowwise"}, {Fp8Scaling::Blockwise, "blockwise"}}};
 };
 
+// What an FP8 product's sizes must be multiples of: whole 128-blocks for blockwise scales, else 16.
+constexpr long long fp8_size_multiple(Fp8Scaling s) { return s == Fp8Scaling::Blockwise ? 128 : 16; }
+
 // The collectives the plan prices, named as their probed keys are (hardware.<name>_gbs).
 enum class Collective { AllReduce, AllGather, ReduceScatter, AllToAll };
 template <>

@@ -655,9 +655,14 @@ void load_pretrained_weights(Model& model, const ModelSpec& spec, const std::str
     }
     copies.push_back({b.value(), it->second.first, it->second.second});
   }
-  // FP8 weights (DeepSeek-V3's release) carry their 128 x 128 blocks' scales beside them.
-  for (const Copy& copy : copies)
-    if (copy.entry->dtype == "F8_E4M3") used[copy.entry->name + "_scale_inv"] = true;
+  // FP8 weights (DeepSeek-V3's release) carry their 128 x 128 blocks' scales beside them: checked
+  // here with the rest, before any weight is written into the model.
+  for (const Copy& copy : copies) {
+    if (copy.entry->dtype != "F8_E4M3") continue;
+    const std::string scale = copy.entry->name + "_scale_inv";
+    if (index.count(scale)) used[scale] = true;
+    else problems.push_back(copy.entry->name + " is FP8 (F8_E4M3) and has no " + scale + " beside it (copy the *_scale_inv tensors along, or convert the weights to bf16 first)");
+  }
   for (const auto& [name, where] : index)
     if (!used.count(name) && !ends_with(name, "rotary_emb.inv_freq")) problems.push_back("unexpected " + name + " (not in this model)");
   if (!problems.empty()) {
@@ -671,12 +676,8 @@ void load_pretrained_weights(Model& model, const ModelSpec& spec, const std::str
   for (auto& copy : copies) {
     std::vector<float> values;
     if (copy.entry->dtype == "F8_E4M3") {
-      auto scale = index.find(copy.entry->name + "_scale_inv");
-      if (scale == index.end()) {
-        c.hint = "FP8 weights need their scales: copy the *_scale_inv tensors along, or convert the weights to bf16 first";
-        throw Error(copy.entry->name + " is FP8 (F8_E4M3) and has no " + copy.entry->name + "_scale_inv beside it", c);
-      }
-      values = read_fp8_blockwise(*copy.file, *copy.entry, *scale->second.first, *scale->second.second);
+      const auto& scale = index.at(copy.entry->name + "_scale_inv");  // (its presence checked above)
+      values = read_fp8_blockwise(*copy.file, *copy.entry, *scale.first, *scale.second);
     } else {
       values = copy.file->read_f32(*copy.entry, 0, copy.entry->numel());
     }
