@@ -11,6 +11,7 @@
 #include "engine/data/token_source.hpp"
 #include "engine/hooks/hooks.hpp"
 #include "engine/plan/plan.hpp"
+#include "engine/recipe/hf_model_config.hpp"
 #include "engine/recipe/load.hpp"
 #include "engine/recipe/schema.hpp"
 #include "runner/launcher.hpp"
@@ -847,7 +848,57 @@ int command_show(const std::string& db_path, const std::string& query, bool json
   return kExitOk;
 }
 
-int command_init(const std::string& name, const std::string& template_name, bool force) {
+namespace {
+
+// A template's `base = [...]` without its "models/..." entries: the model comes from elsewhere.
+std::string without_model_bases(std::string text) {
+  const size_t base = text.find("base = [");
+  if (base == std::string::npos) return text;
+  const size_t end = text.find(']', base);
+  std::string list = text.substr(base, end - base);
+  for (size_t at; (at = list.find("\"models/")) != std::string::npos;) {
+    size_t close = list.find('"', at + 1) + 1;
+    if (list.compare(close, 2, ", ") == 0) close += 2;                                // "models/x", ...
+    else if (at >= 2 && list.compare(at - 2, 2, ", ") == 0) at -= 2;                  // ..., "models/x"
+    list.erase(at, close - at);
+  }
+  return text.replace(base, end - base, list);
+}
+
+// The template's text with its model replaced by the one of a Hugging Face checkpoint.
+std::string with_hf_model(std::string text, const std::string& from_hf) {
+  ErrorContext c;
+  c.key = "--from-hf";
+  c.file = is_directory(from_hf) ? path_join(from_hf, "config.json") : from_hf;
+  if (!file_exists(c.file)) {
+    c.hint = "give a Hugging Face checkpoint directory (config.json and *.safetensors) or its config.json";
+    throw Error("no config.json", c);
+  }
+  char* real = ::realpath(c.file.c_str(), nullptr);
+  const std::string config_path = real ? real : c.file;
+  std::free(real);
+  if (text.find("\n[model") != std::string::npos) {
+    c.hint = "choose a template without a [model] table (gpu-decoder, quickstart)";
+    throw Error("the template sets the model itself", c);
+  }
+  const HfModelSection model = model_section_from_hf_config(config_path);
+  std::string section = model.toml;
+  const std::string dir = parent_directory(config_path);
+  const auto files = list_directory(dir);
+  if (std::any_of(files.begin(), files.end(), [](const std::string& f) { return ends_with(f, ".safetensors"); })) {
+    const std::string header = "[model]\n";
+    section.insert(section.find(header) + header.size(), "init_from = " + Value::of_string(dir).toml() + "   # its weights (FP8 blocks are dequantised on load)\n");
+  }
+  std::string note = "\n# The model: " + config_path + " (" + model.model_type + "), by dsrun init --from-hf.\n";
+  if (!model.ignored.empty()) note += "# Read without effect on training: " + join(model.ignored, ", ") + ".\n";
+  return without_model_bases(std::move(text)) + note + section;
+}
+
+}  // namespace
+
+int command_init(const InitArgs& args) {
+  const bool from_hf = !args.from_hf.empty();
+  const std::string template_name = !args.template_name.empty() ? args.template_name : from_hf ? "gpu-decoder" : "quickstart";
   std::string source = path_join(templates_directory(), "recipes/" + template_name + ".toml");
   if (!file_exists(source)) {
     std::vector<std::string> known;
@@ -858,8 +909,8 @@ int command_init(const std::string& name, const std::string& template_name, bool
     c.hint = guess.empty() ? "choose one of: " + join(known, ", ") : "did you mean " + guess + "?";
     throw Error("no recipe template named \"" + template_name + "\"", c);
   }
-  std::string target = ends_with(name, ".toml") ? name : name + ".toml";
-  if (file_exists(target) && !force) {
+  std::string target = ends_with(args.name, ".toml") ? args.name : args.name + ".toml";
+  if (file_exists(target) && !args.force) {
     ErrorContext c;
     c.file = target;
     c.hint = "choose another name, or pass --force to overwrite";
@@ -872,8 +923,23 @@ int command_init(const std::string& name, const std::string& template_name, bool
   size_t at = text.find(marker);
   if (at != std::string::npos) text.insert(at + marker.size(), "name = \"" + run_name + "\"\n");
   else text += "\n[run]\nname = \"" + run_name + "\"\n";
+  if (from_hf) {
+    text = with_hf_model(std::move(text), args.from_hf);
+    // What was written must load: a model dsrun refuses is refused here, not at `dsrun plan`.
+    LoadOptions options;
+    options.host = read_host_facts();
+    const LoadedRecipe loaded = load_recipe_text(text, target, options);
+    if (!loaded.ok()) {
+      std::cerr << loaded.report();
+      ErrorContext c;
+      c.key = "--from-hf";
+      c.file = args.from_hf;
+      c.hint = "the config.json's values break the rules above (its keys become the model.* keys of the same meaning)";
+      throw Error("the recipe written from this config.json is invalid; nothing was written", c);
+    }
+  }
   write_file_atomic(target, text);
-  std::cout << "wrote " << target << " from template " << template_name << "\n"
+  std::cout << "wrote " << target << " from template " << template_name << (from_hf ? " and " + args.from_hf : "") << "\n"
             << "next: dsrun plan " << target << "\n";
   return kExitOk;
 }

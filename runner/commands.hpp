@@ -65,7 +65,15 @@ int command_rollback(const std::string& run, int64_t to_step, const std::vector<
 // `dsrun export RUN --to DIR`: consolidated safetensors + config.json from a checkpoint (-1: newest).
 int command_export(const std::string& run, int64_t step, const std::string& to, const std::string& dtype, const std::string& db_path);
 int command_show(const std::string& db_path, const std::string& run, bool json);
-int command_init(const std::string& name, const std::string& template_name, bool force);
+// `dsrun init NAME`: a recipe from a template; with --from-hf, its model section from a Hugging
+// Face config.json (every key honoured or refused by name) and init_from its safetensors.
+struct InitArgs {
+  std::string name;
+  std::string template_name;  // empty: quickstart, or gpu-decoder with from_hf
+  std::string from_hf;        // a checkpoint directory or its config.json
+  bool force = false;
+};
+int command_init(const InitArgs& args);
 int command_templates();
 int command_docs(const std::string& topic);
 

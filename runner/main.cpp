@@ -187,12 +187,13 @@ int main(int argc, char** argv) {
   exporter->add_option("--to", export_to, "Output directory")->required();
   exporter->add_option("--dtype", export_dtype, "fp32 (exact) or bf16")->check(CLI::IsMember({"fp32", "bf16"}));
 
-  std::string name, template_name = "quickstart";
-  bool force = false;
-  CLI::App* init = app.add_subcommand("init", "Write a new recipe from a template");
-  init->add_option("name", name, "New recipe file (.toml added if missing)")->required();
-  init->add_option("--template,-t", template_name, "Recipe template (see dsrun templates)");
-  init->add_flag("--force", force, "Overwrite an existing file");
+  dsrun::InitArgs init_args;
+  CLI::App* init = app.add_subcommand("init", "Write a new recipe from a template (--from-hf: its model from a Hugging Face checkpoint)");
+  init->add_option("name", init_args.name, "New recipe file (.toml added if missing)")->required();
+  init->add_option("--template,-t", init_args.template_name, "Recipe template (see dsrun templates); default quickstart, or gpu-decoder with --from-hf");
+  init->add_option("--from-hf", init_args.from_hf, "A Hugging Face checkpoint directory (or its config.json): the model section from its config.json, "
+                                                  "model.init_from = its safetensors");
+  init->add_flag("--force", init_args.force, "Overwrite an existing file");
 
   CLI::App* templates = app.add_subcommand("templates", "List recipe, hardware and model templates");
   std::string worker_config;
@@ -271,7 +272,7 @@ int main(int argc, char** argv) {
     if (*resume) return dsrun::command_resume(resume_args, flags, db);
     if (*rollback) return dsrun::command_rollback(rollback_run, to_step, rollback_sets, rollback_force, rollback_fallback, flags, db);
     if (*exporter) return dsrun::command_export(export_run, export_step, export_to, export_dtype, db);
-    if (*init) return dsrun::command_init(name, template_name, force);
+    if (*init) return dsrun::command_init(init_args);
     if (*templates) return dsrun::command_templates();
     if (*docs) return dsrun::command_docs(topic);
     if (*tokenize) return dsrun::command_tokenize(tok);

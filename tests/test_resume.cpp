@@ -249,6 +249,21 @@ TEST_CASE("a run initialised from exported weights starts where the exported run
   Run first = train(dir, layout(0, 1) + kSixSteps);
   REQUIRE(first.code == 0);
   REQUIRE(dsrun_command(dir, "export " + first.id + " --to '" + dir.file("export") + "'").code == 0);
+  // dsrun init --from-hf reads the export back as a recipe of the same model, starting from its weights.
+  auto init = dsrun_command(dir, "init '" + dir.file("again") + "' --template quickstart --from-hf '" + dir.file("export") + "'");
+  INFO(init.text);
+  REQUIRE(init.code == 0);
+  const std::string again = dsrun::read_file(dir.file("again.toml"));
+  CHECK(contains(again, "init_from = \"" + dir.file("export") + "\""));
+  CHECK_FALSE(contains(again, "models/"));  // the template's own model is gone
+  const dsrun::LoadedRecipe imported = dsrun::test::load_recipe_at(dir.file("again.toml"));
+  const dsrun::LoadedRecipe trained = dsrun::test::load_file("tests/recipes/tiny_train.toml");
+  REQUIRE(imported.ok());
+  CHECK(imported.recipe.model.hidden == trained.recipe.model.hidden);
+  CHECK(imported.recipe.model.layers == trained.recipe.model.layers);
+  CHECK(imported.recipe.model.kv_heads == trained.recipe.model.kv_heads);
+  CHECK(imported.recipe.model.vocab == trained.recipe.model.vocab);
+  CHECK(dsrun_command(dir, "plan '" + dir.file("again.toml") + "'").code == 0);
   Run second = train(dir, layout(0, 1) + " --set run.steps=3 --set model.init_from=\"" + dir.file("export") + "\"");
   INFO(second.text);
   REQUIRE(second.code == 0);
@@ -373,6 +388,45 @@ TEST_CASE("logical checkpoints across expert-parallel degrees: ep2 resumes as ep
     REQUIRE(out.code == 0);
     CHECK(contains(out.text, "resume from step 4"));
     check_same_trajectory(whole.losses, Run{0, out.text, crashed.id, recorded_losses(dir, crashed.id), 0}, 1e-5);
+  }
+}
+
+TEST_CASE("DeepSeek-V3's parts (latent attention, the grouped sigmoid router with its bias, MTP) resume across layouts", "[resume][reshard][latent]") {
+  TempDir dir;
+  const std::string v3 = kSixSteps + " --set hardware.devices_per_node=2 --set model.attention=\\\"mla\\\" --set model.mla.q_lora_rank=32"
+                         " --set model.mla.kv_lora_rank=16 --set model.mla.qk_nope_head_dim=16 --set model.mla.qk_rope_head_dim=8 --set model.mla.v_head_dim=16"
+                         " --set model.moe.routed_experts=4 --set model.moe.top_k=2 --set model.moe.intermediate=32 --set model.moe.shared_experts=1"
+                         " --set model.moe.scoring_func=\\\"sigmoid\\\" --set model.moe.n_group=2 --set model.moe.topk_group=1 --set model.moe.balance=\\\"bias\\\""
+                         " --set model.moe.norm_topk_prob=true --set model.mtp.depth=1";
+  Run whole = train(dir, layout(1, 2) + v3);
+  INFO(whole.text);
+  REQUIRE(whole.code == 0);
+  REQUIRE(whole.losses.size() == 6);
+  // Each crashes at step 5 in one layout and resumes from step 4 in another.
+  const std::pair<std::string, std::string> moves[] = {
+      {layout(1, 1) + " --set parallel.tensor=2", layout(3, 2)},
+      {layout(1, 1) + " --set parallel.pipeline=2", layout(1, 2) + " --set parallel.expert=2"},
+  };
+  for (const auto& [from, to] : moves) {
+    INFO(from << " -> " << to);
+    Run crashed = train(dir, from + v3, "DSRUN_TEST_CRASH_AT=1:5");
+    INFO(crashed.text);
+    REQUIRE(crashed.code == 1);
+    auto out = dsrun_command(dir, "resume " + crashed.id + " " + to + " --set parallel.tensor=1 --set parallel.pipeline=1");
+    INFO(out.text);
+    REQUIRE(out.code == 0);
+    CHECK(contains(out.text, "resume from step 4"));
+    check_same_trajectory(whole.losses, Run{0, out.text, crashed.id, recorded_losses(dir, crashed.id), 0}, 1e-5);
+    // MTP's own metric, from every layout (the pipeline's last stage too): with the bias balancing
+    // and no sequence-wise loss, aux_loss is exactly loss_weight (0.3) times it.
+    const std::vector<double> mtp = dsrun::test::recorded_metric(dir, crashed.id, "mtp_loss"), aux = dsrun::test::recorded_metric(dir, crashed.id, "aux_loss");
+    REQUIRE(mtp.size() == 6);
+    REQUIRE(aux.size() == 6);
+    for (size_t i = 0; i < mtp.size(); ++i) {
+      INFO("step " << i + 1);
+      CHECK(mtp[i] > 1.0);  // a cross-entropy over 256 tokens, not yet learnt
+      CHECK(aux[i] == Approx(0.3 * mtp[i]).epsilon(1e-6));
+    }
   }
 }
 

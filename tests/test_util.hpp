@@ -55,6 +55,13 @@ inline LoadedRecipe load_text(const std::string& text, std::vector<std::string> 
 
 inline std::string source_dir() { return DSRUN_TEST_DIR "/.."; }
 
+// A recipe at any path, loaded as on the small host.
+inline LoadedRecipe load_recipe_at(const std::string& path) {
+  LoadOptions o;
+  o.host = small_host();
+  return load_recipe_file(path, o);
+}
+
 // A recipe of the repository (path relative to its root), loaded as on the small host.
 inline LoadedRecipe load_file(const std::string& path, std::vector<std::string> overrides = {}) {
   LoadOptions o;

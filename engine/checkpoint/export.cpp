@@ -132,8 +132,10 @@ std::string deepseek_v2_v3_config(const ModelSpec& m, const std::string& torch_d
   j["routed_scaling_factor"] = m.moe.routed_scaling_factor;
   j["scoring_func"] = v3 ? "sigmoid" : "softmax";
   j["topk_method"] = v3 ? "noaux_tc" : m.moe.n_group > 1 ? "group_limited_greedy" : "greedy";
-  j["aux_loss_alpha"] = moe && !m.moe.learns_bias() ? m.moe.aux_loss_weight : m.moe.seq_aux_loss_weight;
-  j["seq_aux"] = m.moe.seq_aux_loss_weight > 0;
+  // One weight, of the sequence-wise loss with seq_aux, else of the batch-wise one.
+  const bool per_sequence = m.moe.seq_aux_loss_weight > 0;
+  j["aux_loss_alpha"] = per_sequence ? m.moe.seq_aux_loss_weight : moe && !m.moe.learns_bias() ? m.moe.aux_loss_weight : 0.0;
+  j["seq_aux"] = per_sequence;
   if (m.mla.q_lora_rank > 0) j["q_lora_rank"] = m.mla.q_lora_rank;
   else j["q_lora_rank"] = nullptr;
   j["kv_lora_rank"] = m.mla.kv_lora_rank;
@@ -155,6 +157,7 @@ std::string deepseek_v2_v3_config(const ModelSpec& m, const std::string& torch_d
   }
   j["attention_bias"] = false;
   j["tie_word_embeddings"] = m.tie_embeddings;
+  j["initializer_range"] = m.init_std;
   j["num_nextn_predict_layers"] = m.mtp.depth;
   j["torch_dtype"] = torch_dtype;
   return j.dump(2) + "\n";
@@ -187,6 +190,7 @@ std::string hf_config_json(const ModelSpec& m, const std::string& torch_dtype) {
   j["rope_theta"] = m.rope_theta;
   j["hidden_act"] = "silu";
   j["tie_word_embeddings"] = m.tie_embeddings;
+  j["initializer_range"] = m.init_std;
   j["attention_bias"] = false;
   if (moe) {
     j["n_routed_experts"] = m.moe.routed_experts;
@@ -197,7 +201,8 @@ std::string hf_config_json(const ModelSpec& m, const std::string& torch_dtype) {
     j["moe_layer_freq"] = 1;
     j["norm_topk_prob"] = false;
     j["scoring_func"] = "softmax";
-    j["aux_loss_alpha"] = m.moe.aux_loss_weight;
+    j["aux_loss_alpha"] = m.moe.seq_aux_loss_weight > 0 ? m.moe.seq_aux_loss_weight : m.moe.aux_loss_weight;
+    j["seq_aux"] = m.moe.seq_aux_loss_weight > 0;
   }
   j["torch_dtype"] = torch_dtype;
   return j.dump(2) + "\n";

@@ -691,6 +691,7 @@ class DeepSeekModel final : public Model {
     ModelOutput out;
     (computes_loss() ? out.loss : out.logits) = state[0];
     if (spec_.moe.enabled() || spec_.mtp.enabled()) out.aux_loss = state[1];  // (with MTP: its weighted loss too)
+    out.mtp_loss = last_mtp_loss_;
     return out;
   }
 
@@ -731,6 +732,7 @@ class DeepSeekModel final : public Model {
   }
 
   bool computes_loss() const override { return build_.loss_chunk_tokens > 0; }
+  Tensor last_mtp_loss() const override { return last_mtp_loss_; }
 
   nn::Module& module() override { return *net_; }
   bool deferred() const override { return deferred_; }
@@ -768,6 +770,7 @@ class DeepSeekModel final : public Model {
       Tensor loss = runner.projected_loss(into_head.reshape({-1, h.size(-1)}), w, targets, chunk, computes_loss() && build_.loss_gradients_in_forward);
       total = total.defined() ? total + loss : loss;
     }
+    last_mtp_loss_ = total.detach() / static_cast<double>(depth);
     return total * (spec_.mtp.loss_weight / static_cast<double>(depth));
   }
 
@@ -865,6 +868,7 @@ class DeepSeekModel final : public Model {
   std::vector<UnitRange> chunks_;  // pipeline parallelism: the units kept (empty: all, whole numbering)
   int expert_shards_ = 1;          // expert parallelism: routed experts kept apart, 1/shards of them
   Tensor head_copy_;               // tied embeddings, head without the embedding: filled by the pipeline
+  Tensor last_mtp_loss_;           // the MTP modules' mean cross-entropy in the latest forward, for metrics
 };
 
 }  // namespace

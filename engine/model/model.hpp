@@ -123,6 +123,9 @@ struct ModelOutput {
   // Added to the loss, an fp32 scalar: MoE balance losses and the MTP modules' weighted loss
   // (model.mtp); undefined for dense models without MTP.
   torch::Tensor aux_loss;
+  // For reporting only: the MTP modules' mean cross-entropy, unweighted and detached (model.mtp;
+  // undefined without MTP, and on pipeline stages without the head).
+  torch::Tensor mtp_loss;
 };
 
 // One micro-batch's loss as the trainer computes it from a ModelOutput (engine/train/loss.hpp);
@@ -131,10 +134,11 @@ struct MicroBatchLoss {
   torch::Tensor loss;     // what backward starts from: the mean over the batch, aux loss included
   double task_loss = 0;   // cross-entropy alone, for reporting
   double aux_loss = 0;    // MoE balance and the weighted MTP loss (0 for dense models without MTP)
+  double mtp_loss = 0;    // the MTP modules' mean cross-entropy, unweighted (0 without MTP)
   // Unread (micro_batch_loss's read_now false): the two as fp32 scalars where they were computed
   // (aux undefined for dense models), for the caller to read once per step: reading them between
   // forward and backward would stop the host until the device caught up.
-  torch::Tensor task_value, aux_value;
+  torch::Tensor task_value, aux_value, mtp_value;
   int64_t correct = -1;   // images: correct predictions; -1 where it does not apply
 };
 
@@ -175,6 +179,8 @@ class Model {
   virtual TiedEmbedding tied_embedding() { return {}; }
   // Whether forward gives the token cross-entropy (ModelOutput::loss) rather than logits.
   virtual bool computes_loss() const { return false; }
+  // The MTP modules' mean cross-entropy of the latest forward, detached (undefined without MTP).
+  virtual torch::Tensor last_mtp_loss() const { return {}; }
   // Expert parallelism: keep shard `shard` of `shards` of every MoE layer's routed experts (the
   // others' parameters are dropped). parameter_units() then lists each layer's kept experts as a
   // unit of its own (experts_of), after all the others.

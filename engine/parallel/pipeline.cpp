@@ -204,9 +204,11 @@ PipelineTotals PipelineStage::run(const PipelineSchedule& s, const BatchFn& batc
       ModelOutput o;
       (model_.computes_loss() ? o.loss : o.logits) = out[0];
       if (options_.carries_aux_loss) o.aux_loss = out[1];
+      o.mtp_loss = model_.last_mtp_loss();
       MicroBatchLoss m = loss_of(o, it->second);
       totals.loss_sum += m.task_loss;
       totals.aux_loss_sum += m.aux_loss;
+      totals.mtp_loss_sum += m.mtp_loss;
       if (torch::GradMode::is_enabled()) l.loss = m.loss * loss_multiplier;
       else live.erase({a.micro_batch, a.chunk});
       continue;

@@ -32,7 +32,7 @@ struct PipelineOptions {
 // What a step's micro-batches add up to: losses on the last stage (0 elsewhere); the items (tokens)
 // every stage read.
 struct PipelineTotals {
-  double loss_sum = 0, aux_loss_sum = 0;
+  double loss_sum = 0, aux_loss_sum = 0, mtp_loss_sum = 0;
   int64_t items = 0;
 };
 

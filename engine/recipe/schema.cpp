@@ -1,5 +1,7 @@
 #include "engine/recipe/schema.hpp"
 
+#include "engine/recipe/hf_model_config.hpp"
+
 #include "engine/common/text.hpp"
 #include "engine/recipe/execution_modes.hpp"
 #include "engine/recipe/recipe.hpp"
@@ -418,7 +420,8 @@ const char* derived_key_explanation(const std::string& key) {
 }
 
 const char* key_for_foreign_name(const std::string& name) {
-  // Names from DeepSpeed configs and Hugging Face model configs that users bring along.
+  // Names from DeepSpeed and Megatron configs that users bring along (Hugging Face config.json
+  // names: hf_model_config.cpp's table, which dsrun init --from-hf reads by).
   static const std::pair<const char*, const char*> aliases[] = {
       {"learning_rate", "optimizer.lr"},
       {"train_batch_size", "batch.global"},
@@ -430,25 +433,7 @@ const char* key_for_foreign_name(const std::string& name) {
       {"warmup", "schedule.warmup_steps"},
       {"warmup_num_steps", "schedule.warmup_steps"},
       {"lr_scheduler", "schedule.name"},
-      {"num_hidden_layers", "model.layers"},
       {"num_layers", "model.layers"},
-      {"hidden_size", "model.hidden"},
-      {"num_attention_heads", "model.heads"},
-      {"num_key_value_heads", "model.kv_heads"},
-      {"intermediate_size", "model.intermediate"},
-      {"vocab_size", "model.vocab"},
-      {"max_position_embeddings", "model.max_seq_len"},
-      {"n_routed_experts", "model.moe.routed_experts"},
-      {"n_shared_experts", "model.moe.shared_experts"},
-      {"num_experts_per_tok", "model.moe.top_k"},
-      {"moe_intermediate_size", "model.moe.intermediate"},
-      {"first_k_dense_replace", "model.moe.first_dense_layers"},
-      {"q_lora_rank", "model.mla.q_lora_rank"},
-      {"kv_lora_rank", "model.mla.kv_lora_rank"},
-      {"qk_nope_head_dim", "model.mla.qk_nope_head_dim"},
-      {"qk_rope_head_dim", "model.mla.qk_rope_head_dim"},
-      {"v_head_dim", "model.mla.v_head_dim"},
-      {"num_nextn_predict_layers", "model.mtp.depth"},
       {"rope_scaling", "model.rope_scaling.type"},
 
       {"stage", "parallel.zero_stage"},
@@ -463,7 +448,7 @@ const char* key_for_foreign_name(const std::string& name) {
   std::string leaf = name.substr(name.rfind('.') + 1);
   for (const auto& [foreign, ours] : aliases)
     if (leaf == foreign) return ours;
-  return nullptr;
+  return recipe_key_for_hf_name(leaf);
 }
 
 std::string value_type_name(ValueType t) {

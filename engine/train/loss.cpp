@@ -16,9 +16,11 @@ MicroBatchLoss micro_batch_loss(const ModelOutput& out, const Batch& batch, Tens
     l.loss = task + out.aux_loss;
     l.aux_value = out.aux_loss.detach();
   }
+  if (out.mtp_loss.defined()) l.mtp_value = out.mtp_loss;
   if (read_now) {
     l.task_loss = l.task_value.item<double>();
     if (l.aux_value.defined()) l.aux_loss = l.aux_value.item<double>();
+    if (l.mtp_value.defined()) l.mtp_loss = l.mtp_value.item<double>();
   }
   if (classification) l.correct = out.logits.argmax(-1).eq(batch.targets).sum().item<int64_t>();
   return l;

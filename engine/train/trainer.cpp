@@ -637,8 +637,8 @@ class Trainer {
   // What forward and backward left on this rank: a pipeline's totals read already, or the plain
   // path's per-micro-batch losses still on the device (read with the gradients' norm).
   struct StepLosses {
-    double loss_sum = 0, aux_sum = 0;          // read on the host
-    torch::Tensor loss_values, aux_values;     // per micro-batch, not yet read
+    double loss_sum = 0, aux_sum = 0, mtp_sum = 0;   // read on the host
+    torch::Tensor loss_values, aux_values, mtp_values;  // per micro-batch, not yet read
     int64_t items = 0, correct = 0;
     double loss_scale = 1;                     // the scale the backward ran under (fp16)
   };
@@ -654,13 +654,13 @@ class Trainer {
 
   // This rank's numbers, read back in one transfer.
   struct RankNumbers {
-    double grad_norm = 0, loss_sum = 0, aux_sum = 0;
+    double grad_norm = 0, loss_sum = 0, aux_sum = 0, mtp_sum = 0;
     torch::Tensor routing;  // routing_rows(), on the host
   };
 
   // What every rank agrees on after a step (one all-reduce over the world).
   struct StepTotals {
-    double loss = 0, aux_loss = 0;  // means over the ranks computing a loss
+    double loss = 0, aux_loss = 0, mtp_loss = 0;  // means over the ranks computing a loss
     double correct = 0;             // ResNet: right answers in the global batch
     bool stop = false, save = false;  // some rank had a signal
     torch::Tensor routing;          // routing_rows() summed over the world
@@ -711,6 +711,7 @@ class Trainer {
       const PipelineTotals t = pipeline->train_step(batch_of, loss_function(), backward_scale);
       out.loss_sum = t.loss_sum;
       out.aux_sum = t.aux_loss_sum;
+      out.mtp_sum = t.mtp_loss_sum;
       out.items = t.items;
       return out;
     }
@@ -722,7 +723,7 @@ class Trainer {
       out.items = batch.items;
       return out;
     }
-    std::vector<torch::Tensor> task_values, aux_values;  // read once, after every backward
+    std::vector<torch::Tensor> task_values, aux_values, mtp_values;  // read once, after every backward
     for (int64_t m = 0; m < accumulation; ++m) {
       Batch batch = batch_of(m);
       zero_->begin_micro_batch(m == accumulation - 1);
@@ -731,11 +732,13 @@ class Trainer {
       zero_->after_backward();
       task_values.push_back(loss.task_value.reshape({1}));
       if (loss.aux_value.defined()) aux_values.push_back(loss.aux_value.reshape({1}));
+      if (loss.mtp_value.defined()) mtp_values.push_back(loss.mtp_value.reshape({1}));
       out.items += batch.items;
       if (loss.correct >= 0) out.correct += loss.correct;
     }
     out.loss_values = torch::cat(task_values);
     if (!aux_values.empty()) out.aux_values = torch::cat(aux_values);
+    if (!mtp_values.empty()) out.mtp_values = torch::cat(mtp_values);
     return out;
   }
 
@@ -790,6 +793,7 @@ class Trainer {
     const auto norm = pack.add(g.norm);
     const auto loss_values = pack.add(losses.loss_values.defined() ? losses.loss_values : torch::zeros({0}));
     const auto aux_values = pack.add(losses.aux_values.defined() ? losses.aux_values : torch::zeros({0}));
+    const auto mtp_values = pack.add(losses.mtp_values.defined() ? losses.mtp_values : torch::zeros({0}));
     const auto routing = pack.add(routing_rows(g.norm.device()));
     HostReadback values = read_back(pack.joined());
     if (g.update_on_device) {
@@ -801,6 +805,7 @@ class Trainer {
     out.grad_norm = TensorPack::value(values.host, norm);
     out.loss_sum = losses.loss_sum + TensorPack::sum(values.host, loss_values);
     out.aux_sum = losses.aux_sum + TensorPack::sum(values.host, aux_values);
+    out.mtp_sum = losses.mtp_sum + TensorPack::sum(values.host, mtp_values);
     out.routing = TensorPack::piece(values.host, routing);
     return out;
   }
@@ -811,7 +816,7 @@ class Trainer {
   StepTotals agree(const StepLosses& losses, const RankNumbers& mine) {
     const double accumulation = static_cast<double>(plan_.accumulation);
     TensorPack pack;
-    const auto loss = pack.add(mine.loss_sum / accumulation), aux = pack.add(mine.aux_sum / accumulation),
+    const auto loss = pack.add(mine.loss_sum / accumulation), aux = pack.add(mine.aux_sum / accumulation), mtp = pack.add(mine.mtp_sum / accumulation),
                correct = pack.add(static_cast<double>(losses.correct)), stop = pack.add_flag(stop_requested != 0),
                save = pack.add_flag(save_requested != 0), routing = pack.add(mine.routing);
     save_requested = 0;
@@ -820,6 +825,7 @@ class Trainer {
     StepTotals t;
     t.loss = TensorPack::value(summed, loss) / loss_ranks();
     t.aux_loss = TensorPack::value(summed, aux) / loss_ranks();
+    t.mtp_loss = TensorPack::value(summed, mtp) / loss_ranks();
     t.correct = TensorPack::value(summed, correct);
     t.stop = TensorPack::flag(summed, stop);
     t.save = TensorPack::flag(summed, save);
@@ -830,7 +836,8 @@ class Trainer {
 
   nlohmann::json step_metrics(const StepTotals& totals, const RankNumbers& mine, const StepLosses& losses) const {
     nlohmann::json metrics = {{"loss", totals.loss}, {"grad_norm", mine.grad_norm}};
-    if (r_.model.moe.enabled()) metrics["aux_loss"] = totals.aux_loss;
+    if (r_.model.moe.enabled() || r_.model.mtp.enabled()) metrics["aux_loss"] = totals.aux_loss;
+    if (r_.model.mtp.enabled()) metrics["mtp_loss"] = totals.mtp_loss;  // unweighted; aux_loss holds it times loss_weight
     if (r_.model.arch == ModelArch::ResNet) metrics["accuracy"] = totals.correct / static_cast<double>(r_.batch.global);
     if (scaler_) metrics["loss_scale"] = losses.loss_scale;
     add_routing_metrics(totals.routing, metrics);
