@@ -158,6 +158,7 @@ int command_prepare(const PrepareOptions& options) {
                 static_cast<long long>(s.cut_documents), static_cast<long long>(s.cut_pieces), s.threads);
   if (s.stale_files_removed > 0)
     std::printf("removed %d stale files of an earlier prepare (shards beyond these %d, or left half-written)\n", s.stale_files_removed, s.shards);
+  if (s.blank_lines > 0) std::printf("%lld blank lines were not documents (--line-documents)\n", static_cast<long long>(s.blank_lines));
   if (s.skipped_lines > 0) {
     std::printf("skipped %lld lines (not JSON, without the field, too long to hold, or refused by the tokenizer; --strict makes them fatal)%s\n",
                 static_cast<long long>(s.skipped_lines),

@@ -183,6 +183,29 @@ TEST_CASE("the 67B at 1 GB/s keeps tensor inside a node and says what crosses", 
   CHECK(make_plan(fast.recipe, dsrun::test::small_host()).step_seconds < p.step_seconds);
 }
 
+TEST_CASE("offloading parameters with the stage left to the plan: the search skips layouts no stage can run, fixed degrees name both rules", "[layout][search][offload]") {
+  // The search over the 67B's layouts met pipelines (no ZeRO-3) with offloaded parameters (only ZeRO-3).
+  LoadedRecipe searched = dsrun::test::load_file("recipes/deepseek67b_2x8a100_auto.toml", {"parallel.offload=\"optimizer+params\""});
+  REQUIRE(searched.ok());
+  const Plan p = make_plan(searched.recipe, dsrun::test::small_host());
+  CHECK(p.layout.zero_stage == 3);
+  CHECK(p.layout.pipeline == 1);
+  bool pipelines_refused = false;
+  for (const LayoutRow& row : p.layouts)
+    if (row.layout.pipeline > 1) pipelines_refused |= contains(row.verdict, "cannot run: ZeRO-3 with pipeline parallelism");
+  CHECK(pipelines_refused);
+  // Every degree fixed, the stage still the plan's: an error on the keys, with each stage's reason.
+  LoadedRecipe fixed = dsrun::test::load_file("recipes/deepseek67b_2x8a100_auto.toml",
+                                              {"parallel.offload=\"optimizer+params\"", "parallel.pipeline=2", "parallel.tensor=1", "parallel.pipeline_schedule=\"1f1b\"",
+                                               "parallel.virtual_stages=1", "parallel.sequence_parallel=false", "parallel.data_parallel=8"});
+  REQUIRE(fixed.ok());
+  const std::string error = dsrun::test::error_of([&] { make_plan(fixed.recipe, dsrun::test::small_host()); });
+  CHECK(contains(error, "parallel.zero_stage: no ZeRO stage can run this layout"));
+  CHECK(contains(error, "ZeRO-3 with pipeline parallelism is not supported"));
+  CHECK(contains(error, "offloading parameters needs ZeRO stage 3"));
+  CHECK_FALSE(contains(error, "assertion"));
+}
+
 TEST_CASE("when host memory binds, the verdict, every row and the suggestion name hardware.host_memory_gib with the numbers", "[layout][verdict]") {
   LoadedRecipe r = load_text("base = [\"hardware/h100-80gb-x8\", \"models/deepseek-llm-7b\"]\n[hardware]\nhost_memory_gib = 16\n"
                              "[parallel]\ntensor = \"auto\"\noffload = \"optimizer\"\n[precision]\ndtype = \"bf16\"\n[batch]\nglobal = 32\nseq_len = 4096\n");

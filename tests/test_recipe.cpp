@@ -145,9 +145,13 @@ TEST_CASE("cross-field rules: batch = micro x accumulation x data parallel", "[r
 }
 
 TEST_CASE("cross-field rules: precision the hardware supports", "[recipe][rules]") {
-  const Diagnostic& d = only_error(load_text("[hardware]\npeak_tflops_fp16 = 0\n[precision]\ndtype = \"fp16\"\n"));
+  const Diagnostic& d = only_error(load_text("base = [\"hardware/h100-80gb-x1\"]\n[hardware]\npeak_tflops_fp16 = 0\n[precision]\ndtype = \"fp16\"\n"));
   CHECK(d.key == "precision.dtype");
   CHECK(contains(d.message, "does not support fp16"));
+  // CPU ranks: refused by the device, whatever peak the recipe claims (libtorch's CPU kernels lack Half).
+  const Diagnostic& cpu = only_error(load_text("[hardware]\npeak_tflops_fp16 = 10\n[precision]\ndtype = \"fp16\"\n"));
+  CHECK(cpu.key == "precision.dtype");
+  CHECK(contains(cpu.message, "CPU ranks cannot train in fp16"));
   CHECK(load_text("[hardware]\npeak_tflops_bf16 = 1\n[precision]\ndtype = \"bf16\"\n").ok());
 }
 

@@ -338,6 +338,24 @@ TEST_CASE("prepare reads .zst and .gz files whose text is a multiple of zstd's 1
   }
 }
 
+TEST_CASE("--line-documents: blank lines are no documents, and the summary and manifest count them", "[data][prepare]") {
+  TempDir dir;
+  const std::string tok = byte_tokenizer(dir);
+  const std::string path = dir.write("in/lines.txt", "first\n\n   \nsecond\n\r\n\t\nthird\n");
+  dsrun::PrepareOptions o = prepare_options(tok, dir.file("out"), {path});
+  o.line_documents = true;
+  const dsrun::PrepareSummary s = dsrun::prepare_corpus(o, nullptr);
+  CHECK(s.documents == 3);
+  CHECK(s.blank_lines == 4);
+  CHECK(s.skipped_lines == 0);
+  CHECK(s.tokens == 5 + 6 + 5 + 3);  // bytes of the three lines, an <eos> after each
+  CHECK(json::parse(dsrun::read_file(dir.file("out/manifest.json"))).at("blank_lines") == 4);
+  // The command says so.
+  const auto printed = dsrun::test::run_command(std::string(DSRUN_BINARY) + " prepare --line-documents --tokenizer " + quoted(tok) + " -o " + quoted(dir.file("cli")) + " " + quoted(path));
+  CHECK(printed.code == 0);
+  CHECK_THAT(printed.text, Catch::Contains("4 blank lines were not documents (--line-documents)"));
+}
+
 TEST_CASE("a second prepare into a directory being written is refused at once, naming the first's pid", "[data][prepare]") {
   TempDir dir;
   const std::string tok = byte_tokenizer(dir), other = byte_tokenizer(dir, "other", "<end>");

@@ -70,6 +70,7 @@ PrepareSummary prepare(const PrepareOptions& o, const PrepareProgress& progress)
     s.tokens += r.tokens;
     s.input_bytes += r.bytes;
     s.skipped_lines += r.skipped;
+    s.blank_lines += r.blank;
     s.shards_reused += r.reused ? 1 : 0;
     s.cut_documents += r.cut_documents;
     s.cut_pieces += r.cut_pieces;
@@ -89,6 +90,7 @@ PrepareSummary prepare(const PrepareOptions& o, const PrepareProgress& progress)
                          {"tokens", s.tokens},
                          {"input_bytes", s.input_bytes},
                          {"skipped_lines", s.skipped_lines},
+                         {"blank_lines", s.blank_lines},
                          {"shards", shards}};
   write_file_atomic(manifest_path, manifest.dump(1, ' ', false, json::error_handler_t::replace) + "\n");  // (file names need not be UTF-8)
   return s;

@@ -29,6 +29,7 @@ struct PrepareOptions {
 
 struct PrepareSummary {
   int64_t documents = 0, tokens = 0, input_bytes = 0, skipped_lines = 0;
+  int64_t blank_lines = 0;  // --line-documents: blank lines, skipped (not documents)
   int shards = 0, shards_reused = 0;
   int stale_files_removed = 0;  // shard files of an earlier, larger prepare (and temporary files of a killed one)
   int token_bytes = 0;

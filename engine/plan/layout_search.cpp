@@ -29,7 +29,8 @@ std::string layout_problem(const Recipe& r, const Layout& l) {
   LayoutDecided decided;
   decided.zero_stage = r.parallel.zero_stage.has_value();  // the planner chooses these for each candidate
   decided.micro = r.batch.micro.has_value();
-  const std::vector<LayoutProblem> problems = layout_problems(r, l, decided);
+  std::vector<LayoutProblem> problems = layout_problems(r, l, decided);
+  if (problems.empty() && !decided.zero_stage) problems = problems_at_every_stage(r, l, decided);  // (no stage the planner could pick)
   return problems.empty() ? "" : problems.front().message + " (" + problems.front().key + ")";
 }
 

@@ -31,7 +31,22 @@ std::vector<int> Planner::stage_candidates() const {
   std::vector<int> out;
   for (int stage = 0; stage <= 3; ++stage)
     if (allowed({stage, false, 1}, /*stage_decided=*/true, /*micro_decided=*/false)) out.push_back(stage);
-  DSRUN_ASSERT(!out.empty(), "a layout without a ZeRO stage it can run is refused by its rules");
+  if (out.empty()) {  // fixed degrees that no stage can run: say why, on the keys
+    LayoutDecided decided;
+    decided.micro = false;
+    Layout l = layout_with({3, false, 1});
+    const std::vector<LayoutProblem> problems = problems_at_every_stage(r_, l, decided);
+    DSRUN_ASSERT(!problems.empty(), "stage 3 was refused by its rules a moment ago");
+    ErrorContext c;
+    c.key = problems.front().key;
+    std::vector<std::string> why, fixes;
+    for (const LayoutProblem& p : problems) {
+      why.push_back(p.message + " (" + p.key + ")");
+      fixes.push_back(p.fix);
+    }
+    c.hint = join(fixes, "; or ");
+    throw Error("no ZeRO stage can run this layout: " + join(why, "; "), c);
+  }
   return out;
 }
 

@@ -436,7 +436,10 @@ void build_precision(Builder& c, Recipe& r) {
   if (r.precision.dtype == DType::Bf16 && h.peak_flops_bf16 <= 0)
     c.error("precision.dtype", "hardware \"" + h.name + "\" does not support bf16 (hardware.peak_tflops_bf16 = 0)",
             h.peak_flops_fp16 > 0 ? "use dtype = \"fp16\" or \"fp32\"" : "use dtype = \"fp32\"", {"hardware.peak_tflops_bf16"});
-  if (r.precision.dtype == DType::Fp16 && h.peak_flops_fp16 <= 0)
+  if (r.precision.dtype == DType::Fp16 && h.device == Device::Cpu)  // (whatever peak_tflops_fp16 says)
+    c.error("precision.dtype", "CPU ranks cannot train in fp16: libtorch's CPU kernels are not implemented for 'Half' in every layer",
+            "use dtype = \"bf16\" or \"fp32\" on CPU ranks, or GPUs (hardware.device = \"cuda\")", {"hardware.device"});
+  else if (r.precision.dtype == DType::Fp16 && h.peak_flops_fp16 <= 0)
     c.error("precision.dtype", "hardware \"" + h.name + "\" does not support fp16 (hardware.peak_tflops_fp16 = 0)",
             h.peak_flops_bf16 > 0 ? "use dtype = \"bf16\" or \"fp32\"" : "use dtype = \"fp32\"", {"hardware.peak_tflops_fp16"});
   build_fp8(c, r);

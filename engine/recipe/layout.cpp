@@ -352,4 +352,19 @@ std::vector<LayoutProblem> layout_problems(const Recipe& recipe, const Layout& l
   return std::move(rules.out);
 }
 
+std::vector<LayoutProblem> problems_at_every_stage(const Recipe& recipe, const Layout& layout, const LayoutDecided& decided) {
+  LayoutDecided staged = decided;
+  staged.zero_stage = true;
+  std::vector<LayoutProblem> first_of_each;
+  for (int stage = 3; stage >= 0; --stage) {
+    Layout l = layout;
+    l.zero_stage = stage;
+    std::vector<LayoutProblem> problems = layout_problems(recipe, l, staged);
+    if (problems.empty()) return {};
+    const bool seen = std::any_of(first_of_each.begin(), first_of_each.end(), [&](const LayoutProblem& p) { return p.message == problems.front().message; });
+    if (!seen) first_of_each.push_back(problems.front());
+  }
+  return first_of_each;
+}
+
 }  // namespace dsrun

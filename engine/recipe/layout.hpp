@@ -56,6 +56,9 @@ struct LayoutProblem {
 // hardware, tensor groups stay inside a node, the batch splits, the schedule can be built, ZeRO
 // and offload agree. Reads only the recipe's model, hardware, batch and parallel options.
 std::vector<LayoutProblem> layout_problems(const Recipe& recipe, const Layout& layout, const LayoutDecided& decided = {});
+// With the ZeRO stage left to the planner: none when some stage 0-3 can run the layout, else the
+// first rule each stage breaks, ZeRO-3's first (the stage offloading parameters needs).
+std::vector<LayoutProblem> problems_at_every_stage(const Recipe& recipe, const Layout& layout, const LayoutDecided& decided);
 
 // The recipe's fixed values as a Layout (searched keys hold their placeholders), and which are decided.
 Layout layout_of_recipe(const Recipe& recipe, LayoutDecided* decided = nullptr);

@@ -36,8 +36,10 @@ class Preparer {
       const InputFile& f = files_[p.file];
       pieces.push_back({{"file", f.path}, {"size", f.size}, {"mtime_ns", f.mtime_ns}, {"begin", p.begin}, {"end", p.end}});
     }
-    return {{"pieces", pieces}, {"tokenizer", tokenizer_hash_}, {"field", o_.field}, {"line_documents", o_.line_documents},
-            {"token_bytes", token_bytes_}};
+    json id = {{"pieces", pieces}, {"tokenizer", tokenizer_hash_}, {"field", o_.field}, {"line_documents", o_.line_documents},
+               {"token_bytes", token_bytes_}};
+    if (o_.line_documents) id["blank_lines"] = "skipped";  // (shards of earlier prepares made them EOS-only documents)
+    return id;
   }
 
   json end_of_document() const {
@@ -69,6 +71,7 @@ class Preparer {
     r.tokens = done.value("tokens", int64_t(0));
     r.bytes = done.value("input_bytes", int64_t(0));
     r.skipped = done.value("skipped_lines", int64_t(0));
+    r.blank = done.value("blank_lines", int64_t(0));
     if (done.contains("skipped_examples")) r.skipped_examples = done["skipped_examples"].get<std::vector<std::string>>();
     r.reused = true;
     return r;
@@ -156,7 +159,9 @@ class Preparer {
         return "";
       };
       std::string why;
-      if (!f.json_lines) {
+      if (!f.json_lines && text.find_first_not_of(" \t\r") == std::string_view::npos) {
+        ++r.blank;  // --line-documents: a blank line is no document (not an EOS alone)
+      } else if (!f.json_lines) {
         why = add_document(text);
       } else if (!text.empty() && text.find_first_not_of(" \t\r") != std::string_view::npos) {
         try {

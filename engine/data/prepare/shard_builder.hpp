@@ -9,6 +9,7 @@ namespace dsrun::prepare_detail {
 
 struct ShardResult {
   int64_t documents = 0, tokens = 0, bytes = 0, skipped = 0;
+  int64_t blank = 0;  // --line-documents: blank lines, not documents
   int64_t cut_documents = 0, cut_pieces = 0;  // tokenized in pieces (not recorded: a summary of this run's work)
   std::vector<std::string> skipped_examples;
   json record;
@@ -72,6 +73,7 @@ struct UnitIds {
   std::vector<uint32_t> ids;
   std::vector<uint64_t> ends;  // lines: document ends within ids
   int64_t skipped = 0;         // lines: lines skipped
+  int64_t blank = 0;           // lines: blank lines of --line-documents (no document)
   std::vector<std::string> examples;  // "file:line: why"
   bool refused = false;        // piece: the tokenizer refused it (examples says why), so its document is dropped
 };
@@ -179,6 +181,7 @@ class ShardBuilder {
     r.tokens = static_cast<int64_t>(tokens_);
     r.bytes = text_bytes_;
     r.skipped = skipped_;
+    r.blank = blank_;
     r.skipped_examples = examples_;
     r.cut_documents = cut_documents_;
     r.cut_pieces = cut_pieces_;
@@ -187,6 +190,7 @@ class ShardBuilder {
                 {"tokens", r.tokens},
                 {"input_bytes", r.bytes},
                 {"skipped_lines", r.skipped},
+                {"blank_lines", r.blank},
                 {"tokens_file", name + ".tokens"},
                 {"tokens_file_bytes", file_bytes},
                 {"tokens_xxh3", hex64(tokens_hash)},
@@ -238,6 +242,7 @@ class ShardBuilder {
         write_ids(u.ids);
         for (uint64_t e : u.ends) ends_.push_back(base + e);
         count_skip(u.examples, u.skipped);
+        blank_ += u.blank;
         break;
       }
       case Unit::Kind::piece:
@@ -289,7 +294,7 @@ class ShardBuilder {
   uint64_t tokens_ = 0, document_start_ = 0;
   bool document_dropped_ = false;
   std::vector<uint64_t> ends_;
-  int64_t skipped_ = 0, text_bytes_ = 0, cut_documents_ = 0, cut_pieces_ = 0;
+  int64_t skipped_ = 0, blank_ = 0, text_bytes_ = 0, cut_documents_ = 0, cut_pieces_ = 0;
   std::vector<std::string> examples_;
 
   std::mutex lines_mutex_;
