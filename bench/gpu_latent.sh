@@ -28,10 +28,13 @@ for phase in "${@:-check}"; do
     chunks)  # the V2-Lite shape's step against the loss chunk (vocab 102400) and accumulation; the peer accumulating alike
       db=/tmp/chunks.db; rm -f "$db"*
       r=recipes/gpu/deepseek_v2_lite_h100.toml
-      for chunk in ${CHUNKS:-655 2048 8192}; do
+      for chunk in ${CHUNKS-655 2048 8192}; do
         build-gpu/dsrun run $r --db "$db" --set run.steps=${STEPS:-15} --set batch.loss_chunk_tokens=$chunk --set run.name=v2lite-chunk$chunk >> "$out/runs.log" 2>&1
         echo "dsrun chunk $chunk exit $?"
       done
+      if [ -z "${CHUNKS-x}" ]; then  # CHUNKS="": the recipe's own (the plan's) chunk
+        build-gpu/dsrun run $r --db "$db" --set run.steps=${STEPS:-15} --set run.name=v2lite-default >> "$out/runs.log" 2>&1; echo "dsrun default exit $?"
+      fi
       for moments in fp32 bf16; do
         build-gpu/dsrun run $r --db "$db" --set run.steps=${STEPS:-15} --set batch.global=16 --set optimizer.state_dtype=$moments \
           ${ACCUM_CHUNK:+--set batch.loss_chunk_tokens=$ACCUM_CHUNK} --set run.name=v2lite-accum4-$moments >> "$out/runs.log" 2>&1
@@ -39,7 +42,7 @@ for phase in "${@:-check}"; do
       done
       python3 bench/gpu_summary.py "$db" | tee "$out/summary_chunks.txt"
       grep -E "error|Error|out of memory" "$out/runs.log" | head -5
-      timeout 300 python3 bench/hf_deepseek_v3_speed.py --steps ${STEPS:-15} --micro 4 --accumulation 4 2>&1 | grep -vi warn | tail -2
+      [ -n "${NO_HF:-}" ] || timeout 300 python3 bench/hf_deepseek_v3_speed.py --steps ${STEPS:-15} --micro 4 --accumulation 4 2>&1 | grep -vi warn | tail -2
       ;;
     v2lite)  # DeepSeek-V2-Lite's shape (5 layers) against transformers' DeepseekV3 + torch.compile, same tokens per step
       db=/tmp/v2lite.db; rm -f "$db"*

@@ -330,7 +330,7 @@ int command_gc(bool dry_run, const std::string& db_path) {
     if (bytes == 0) continue;
     ++runs;
     freed += bytes;
-    std::cout << (dry_run ? "would free " : "freed ") << format_bytes(static_cast<double>(bytes)) << " of run " << r.id << " (" << r.name << ")\n";
+    std::cout << (dry_run ? "would free " : "freed ") << format_bytes(static_cast<double>(bytes)) << " of run " << r.id << " (" << terminal_safe(r.name) << ")\n";
     if (dry_run) continue;
     for (const auto& p : paths) remove_tree(p);
     for (const auto& c : store.checkpoints(r.id)) {
@@ -449,7 +449,7 @@ int command_compare(const CompareArgs& a, const std::string& db_path) {
     std::cout << out.dump(2) << "\n";
     return 0;
   }
-  for (const auto& r : runs) std::cout << "run " << r.id << "  " << r.name << "  " << to_string(r.status) << "\n";
+  for (const auto& r : runs) std::cout << "run " << r.id << "  " << terminal_safe(r.name) << "  " << to_string(r.status) << "\n";
   auto print = [&](const std::string& title, const std::vector<std::string>& head, const std::vector<std::vector<std::string>>& rows, const std::string& empty) {
     std::cout << "\n" << title << "\n";
     if (rows.empty()) {

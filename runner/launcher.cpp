@@ -873,7 +873,7 @@ void mark_lost_runs(Store& store) {
     if (!r.job_id.empty()) continue;  // Slurm's runs: refresh_slurm_runs asks Slurm
     const std::string gone = launcher_gone(r, this_host, unix_now());
     if (gone.empty()) continue;
-    const std::string why = "lost: " + gone + "; last known" + last_step_text(store, r.id);
+    const std::string why = gone + "; last known" + last_step_text(store, r.id);  // (show prints "lost: " + why)
     if (!store.set_status_if(r.id, RunStatus::Running, RunStatus::Lost, why)) continue;
     store.add_event(r.id, "lost", -1, why);
     alert_lost_run(store, r, gone);

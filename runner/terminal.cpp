@@ -63,9 +63,10 @@ std::string render_history_csv(const Store& store, const std::vector<RunRecord>&
 std::string render_run(const Store& store, const RunRecord& r) {
   std::string out;
   auto field = [&](const std::string& name, const std::string& value) {
-    if (!value.empty()) out += "  " + name + std::string(name.size() < 12 ? 12 - name.size() : 1, ' ') + value + "\n";
+    if (!value.empty()) out += "  " + name + std::string(name.size() < 12 ? 12 - name.size() : 1, ' ') + terminal_safe(value) + "\n";
   };
-  out += "run " + r.id + " (" + r.name + ")\n";
+  // Everything below comes from the store, which others may write: printed terminal-safe.
+  out += "run " + terminal_safe(r.id) + " (" + terminal_safe(r.name) + ")\n";
   field("status", std::string(to_string(r.status)) + (r.error.empty() ? "" : ": " + r.error));
   field("created", format_time(r.created_at));
   field("started", r.started_at > 0 ? format_time(r.started_at) : "");
@@ -122,12 +123,12 @@ std::string render_run(const Store& store, const RunRecord& r) {
   if (!events.empty()) {
     out += "\nevents\n";
     for (const auto& e : events)
-      out += "  " + format_time(e.time) + "  " + e.kind + (e.rank >= 0 ? " [rank " + std::to_string(e.rank) + "]" : "") + "  " + e.message + "\n";
+      out += "  " + format_time(e.time) + "  " + terminal_safe(e.kind) + (e.rank >= 0 ? " [rank " + std::to_string(e.rank) + "]" : "") + "  " + terminal_safe(e.message, true) + "\n";
   }
-  out += "\nrecipe as written (" + r.recipe_path + ")\n" + r.recipe_text;
+  out += "\nrecipe as written (" + terminal_safe(r.recipe_path) + ")\n" + terminal_safe(r.recipe_text, true);
   if (!r.recipe_text.empty() && r.recipe_text.back() != '\n') out += "\n";
-  out += "\nresolved config\n" + r.config_toml;
-  out += "\n" + r.plan_text;
+  out += "\nresolved config\n" + terminal_safe(r.config_toml, true);
+  out += "\n" + terminal_safe(r.plan_text, true);
   return out;
 }
 

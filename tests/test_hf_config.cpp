@@ -234,3 +234,85 @@ TEST_CASE("transformers 5's rope_parameters carry rope_theta and YaRN's settings
   CHECK(r.recipe.model.rope_scaling.kind == RopeScalingKind::Yarn);
   CHECK(r.recipe.model.rope_scaling.mscale == Approx(0.707));
 }
+
+TEST_CASE("transformers 5's DeepseekV3 config.json (no router keys: sigmoid, the bias within groups) reads as that model", "[recipe][hf]") {
+  TempDir dir;
+  // save_pretrained of bench/hf_deepseek_v3_check.py's model by transformers 5.17 on the GPU machine.
+  const std::string path = write_config(dir, "hf", R"({
+  "architectures": [
+    "DeepseekV3ForCausalLM"
+  ],
+  "attention_bias": false,
+  "attention_dropout": 0.0,
+  "bos_token_id": 0,
+  "dtype": "float32",
+  "eos_token_id": 1,
+  "first_k_dense_replace": 1,
+  "head_dim": 16,
+  "hidden_act": "silu",
+  "hidden_size": 64,
+  "initializer_range": 0.05,
+  "intermediate_size": 96,
+  "kv_lora_rank": 32,
+  "max_position_embeddings": 256,
+  "model_type": "deepseek_v3",
+  "moe_intermediate_size": 32,
+  "n_group": 4,
+  "n_routed_experts": 8,
+  "n_shared_experts": 1,
+  "norm_topk_prob": true,
+  "num_attention_heads": 4,
+  "num_experts_per_tok": 2,
+  "num_hidden_layers": 3,
+  "num_key_value_heads": 4,
+  "num_nextn_predict_layers": 1,
+  "pad_token_id": null,
+  "pretraining_tp": 1,
+  "q_lora_rank": 48,
+  "qk_head_dim": 48,
+  "qk_nope_head_dim": 32,
+  "qk_rope_head_dim": 16,
+  "rms_norm_eps": 1e-06,
+  "rope_interleave": true,
+  "rope_parameters": {
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "factor": 4.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.8,
+    "original_max_position_embeddings": 64,
+    "rope_theta": 10000.0,
+    "rope_type": "yarn",
+    "type": "yarn"
+  },
+  "routed_scaling_factor": 2.5,
+  "tie_word_embeddings": false,
+  "topk_group": 2,
+  "transformers_version": "5.17.0",
+  "use_cache": true,
+  "v_head_dim": 32,
+  "vocab_size": 256
+})");
+  const HfModelSection section = model_section_from_hf_config(path);
+  INFO(section.toml);
+  const LoadedRecipe r = recipe_with_model(section.toml);
+  INFO(r.report());
+  REQUIRE(r.ok());
+  const ModelSpec& m = r.recipe.model;
+  CHECK(m.moe.scoring == RouterScore::Sigmoid);
+  CHECK(m.moe.learns_bias());
+  CHECK(m.moe.n_group == 4);
+  CHECK(m.moe.topk_group == 2);
+  CHECK(m.moe.norm_topk_prob);
+  CHECK(m.moe.routed_scaling_factor == 2.5);
+  CHECK(m.moe.seq_aux_loss_weight == 0);  // transformers' V3 computes no balance loss
+  CHECK(m.mla.q_lora_rank == 48);
+  CHECK(m.rope_scaling.kind == RopeScalingKind::Yarn);
+  CHECK(m.rope_scaling.mscale_all_dim == Approx(0.8));
+  CHECK(m.rope_scaling.original_max_position_embeddings == 64);
+  CHECK(m.mtp.depth == 1);
+  CHECK(m.init_std == Approx(0.05));
+  for (const char* no_effect : {"dtype", "pad_token_id", "use_cache"})
+    CHECK(std::find(section.ignored.begin(), section.ignored.end(), no_effect) != section.ignored.end());
+}
+

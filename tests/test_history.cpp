@@ -683,3 +683,27 @@ TEST_CASE("history and show mark a run lost whose launcher is gone, at its last 
   CHECK_FALSE(contains(resume.text, "--force"));
 }
 
+
+TEST_CASE("names written into a shared store with terminal escapes print as escapes, and a lost run's status reads once", "[history][terminal]") {
+  TempDir dir;
+  const std::string db = dir.file("runs.db");
+  dsrun::Store store(db);
+  const Launchers l = three_launchers(store);
+  // Another writer of the store names a run with an OSC title change, a bell, a carriage return,
+  // a newline, a C1 control and an erase of the line.
+  const std::string evil = "evil\x1b]0;pwned\x07\rfake\nline\xc2\x9b" "2K";
+  store.database().execute_script("UPDATE runs SET name = '" + evil + "' WHERE id = '" + l.dead + "'");
+  for (const std::string& args : {std::string("history"), "show " + l.dead}) {
+    INFO(args);
+    const auto out = dsrun_with_timeout(db, args, 20);
+    CHECK(out.code == 0);
+    for (const char raw : {'\x1b', '\x07', '\r'}) CHECK(out.text.find(raw) == std::string::npos);
+    CHECK_FALSE(contains(out.text, "\xc2\x9b"));
+    CHECK(contains(out.text, "evil\\x1b]0;pwned\\x07\\x0dfake\\x0aline\\u009b2K"));
+  }
+  // history marked the dead launcher's run lost; show says "lost" once.
+  CHECK(store.get_run(l.dead).status == dsrun::RunStatus::Lost);
+  const auto shown = dsrun_with_timeout(db, "show " + l.dead, 20);
+  CHECK(contains(shown.text, "status      lost: its launcher, process"));
+  CHECK_FALSE(contains(shown.text, "lost: lost:"));
+}

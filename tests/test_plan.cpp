@@ -520,13 +520,14 @@ TEST_CASE("the fused projection and loss: the plan counts one chunk's transient,
   const Plan fused4 = plan_of(one_gpu + "micro = 4\n");
   const double V = 102400, h = 4096, s = 4096;
   CHECK(whole.modes.loss_chunk_tokens == 0);
-  CHECK(fused.modes.loss_chunk_tokens == static_cast<int64_t>(kAutoLossChunkBytes / (4 * V)));  // 655 tokens: 256 MiB of fp32 logits
+  CHECK(static_cast<int64_t>(kAutoLossChunkBytes / (4 * V)) == 655);                          // 256 MiB of fp32 logits: too few rows for the products
+  CHECK(fused.modes.loss_chunk_tokens == kAutoLossChunkMinTokens);                              // so 2,048
   CHECK(whole.memory.backward_peak == Approx(2 * s * 8 * V));                                  // fp32 softmax gradients of every token
-  CHECK(fused.memory.backward_peak == Approx((4 + 2) * 655 * V + (4 + 2) * V * h));             // a chunk, and the head's weight gradient
+  CHECK(fused.memory.backward_peak == Approx((4 + 2) * 2048 * V + (4 + 2) * V * h));             // a chunk, and the head's weight gradient
   CHECK(fused4.memory.backward_peak == Approx(fused.memory.backward_peak));                     // whatever the micro-batch
   CHECK(fused.memory.total() < whole.memory.total());
   CHECK(fused.step_seconds < whole.step_seconds);  // fewer bytes through memory
-  CHECK_THAT(render_plan(fused), Catch::Contains("output projection and loss fused, 655 tokens' logits at a time"));
+  CHECK_THAT(render_plan(fused), Catch::Contains("output projection and loss fused, 2048 tokens' logits at a time"));
   // Under tensor parallelism each rank's chunk spans its slice of the vocabulary: there a micro-batch's
   // 8,192 tokens of 51,200 fp32 logits (1.6 GiB, under 1/32 of 80 GB) fit, and auto takes them in one chunk.
   const Plan split = plan_of(one_gpu + "micro = 2\n", {"hardware.devices_per_node=2", "parallel.tensor=2"});

@@ -159,6 +159,26 @@ bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
+std::string terminal_safe(const std::string& s, bool keep_lines) {
+  std::string out;
+  out.reserve(s.size());
+  char hex[8];
+  for (size_t i = 0; i < s.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(s[i]);
+    const bool c1 = c == 0xC2 && i + 1 < s.size() && static_cast<unsigned char>(s[i + 1]) >= 0x80 && static_cast<unsigned char>(s[i + 1]) <= 0x9F;  // U+0080-U+009F
+    if ((c < 0x20 && !(keep_lines && (c == '\n' || c == '\t'))) || c == 0x7F) {
+      std::snprintf(hex, sizeof hex, "\\x%02x", c);
+      out += hex;
+    } else if (c1) {
+      std::snprintf(hex, sizeof hex, "\\u%04x", static_cast<unsigned char>(s[++i]));
+      out += hex;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out;
+}
+
 std::string TextTable::render(const std::string& indent) const {
   std::vector<size_t> width(header_.size(), 0);
   auto measure = [&](const std::vector<std::string>& row) {
@@ -169,7 +189,7 @@ std::string TextTable::render(const std::string& indent) const {
   auto line = [&](const std::vector<std::string>& row) {
     std::string out = indent;
     for (size_t i = 0; i < width.size(); ++i) {
-      std::string cell = i < row.size() ? row[i] : "";
+      std::string cell = i < row.size() ? row[i] : "";  // (made terminal-safe in add)
       out += cell;
       if (i + 1 < width.size()) out += std::string(width[i] - cell.size() + 2, ' ');
     }

@@ -26,6 +26,10 @@ std::vector<std::string> split(const std::string& s, char sep);
 std::string trim(const std::string& s);
 bool starts_with(const std::string& s, const std::string& prefix);
 bool ends_with(const std::string& s, const std::string& suffix);
+// Text from a store or a file, made safe to print on a terminal: control characters (ESC, CR, BEL,
+// C1 controls, DEL; and newlines and tabs unless keep_lines) shown as \xNN escapes, so that a run
+// name written into a shared store cannot move the cursor, retitle the window or hide a line.
+std::string terminal_safe(const std::string& s, bool keep_lines = false);
 
 // The "key = value" lines of a TOML text under [section] headers (config_to_toml's form), as
 // ("section.key", value text) in the text's order.
@@ -40,7 +44,10 @@ std::vector<std::string> settings_differences(const std::string& here, const std
 class TextTable {
  public:
   explicit TextTable(std::vector<std::string> header) : header_(std::move(header)) {}
-  void add(std::vector<std::string> row) { rows_.push_back(std::move(row)); }
+  void add(std::vector<std::string> row) {  // cells made terminal_safe: they often come from a store
+    for (std::string& cell : row) cell = terminal_safe(cell);
+    rows_.push_back(std::move(row));
+  }
   std::string render(const std::string& indent = "") const;
   bool empty() const { return rows_.empty(); }
 

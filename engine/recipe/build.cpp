@@ -799,7 +799,7 @@ int bytes_per_element(DType d) { return d == DType::Fp32 ? 4 : 2; }
 
 int64_t loss_chunk_tokens(const BatchOptions& batch, int64_t local_vocab) {
   if (batch.loss_chunk_tokens) return *batch.loss_chunk_tokens;
-  return std::max<int64_t>(1, static_cast<int64_t>(kAutoLossChunkBytes / (4.0 * static_cast<double>(std::max<int64_t>(local_vocab, 1)))));
+  return std::max<int64_t>(kAutoLossChunkMinTokens, static_cast<int64_t>(kAutoLossChunkBytes / (4.0 * static_cast<double>(std::max<int64_t>(local_vocab, 1)))));
 }
 
 }  // namespace dsrun

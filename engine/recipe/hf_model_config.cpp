@@ -243,8 +243,12 @@ void read_rope(ConfigReader& r, std::vector<Table>& tables, double& rope_theta) 
       r.refuse(name + "." + item.key(), "= " + item.value().dump() + ": dsrun's YaRN is DeepSeek's and has no such setting", "delete it, or train without it");
 }
 
-// The routed experts and their router (DeepSeek-MoE, V2, V3).
+// The routed experts and their router (DeepSeek-MoE, V2, V3). Absent router keys take their
+// model type's meaning: transformers' DeepseekV3Config has none of them (sigmoid scores, the
+// selection bias within groups, no balance loss); DeepSeek-MoE's and V2's default to softmax,
+// greedy choice and a sequence-wise loss of 0.001.
 void read_moe(ConfigReader& r, std::vector<Table>& tables) {
+  const bool v3 = r.model_type == "deepseek_v3";
   const int64_t routed = r.integer("n_routed_experts", 0);
   const char* const moe_keys[] = {"n_shared_experts", "num_experts_per_tok", "moe_intermediate_size", "first_k_dense_replace", "moe_layer_freq",
                                   "norm_topk_prob", "routed_scaling_factor", "scoring_func", "topk_method", "n_group", "topk_group", "aux_loss_alpha", "seq_aux"};
@@ -258,30 +262,30 @@ void read_moe(ConfigReader& r, std::vector<Table>& tables) {
   put(tables, "moe_intermediate_size", Value::of_int(r.required_integer("moe_intermediate_size")));
   put(tables, "first_k_dense_replace", Value::of_int(r.integer("first_k_dense_replace", 0)));
   r.expect("moe_layer_freq", 1, "dsrun's MoE layers follow the dense ones without gaps");
-  const std::string scoring = r.string("scoring_func", "softmax");
+  const std::string scoring = r.string("scoring_func", v3 ? "sigmoid" : "softmax");
   if (scoring != "softmax" && scoring != "sigmoid") r.refuse("scoring_func", "= \"" + scoring + "\"", "use softmax or sigmoid");
   put(tables, "scoring_func", Value::of_string(scoring));
   put(tables, "norm_topk_prob", Value::of_bool(r.boolean("norm_topk_prob", false)));
   put(tables, "routed_scaling_factor", Value::of_float(r.number("routed_scaling_factor", 1.0)));
-  const std::string method = r.string("topk_method", "greedy");
+  const std::string method = r.string("topk_method", v3 ? "noaux_tc" : "greedy");
   const int64_t groups = r.integer("n_group", 1), kept = r.integer("topk_group", 1);
   if (method == "greedy") {  // groups are not read by greedy choice
     put(tables, "n_group", Value::of_int(1));
     put(tables, "topk_group", Value::of_int(1));
   } else if (method == "group_limited_greedy" || method == "noaux_tc") {
-    const bool v3 = method == "noaux_tc";
-    if (scoring != (v3 ? "sigmoid" : "softmax"))
+    const bool bias = method == "noaux_tc";
+    if (scoring != (bias ? "sigmoid" : "softmax"))
       r.refuse("topk_method", "= \"" + method + "\" with scoring_func = \"" + scoring + "\"",
-               v3 ? "dsrun scores groups by their best two sigmoid affinities (V3's noaux_tc): use sigmoid"
+               bias ? "dsrun scores groups by their best two sigmoid affinities (V3's noaux_tc): use sigmoid"
                   : "dsrun scores groups by their best softmax affinity (V2's group_limited_greedy): use softmax");
     put(tables, "n_group", Value::of_int(groups));
     put(tables, "topk_group", Value::of_int(kept));
-    if (v3) put_in(tables, "model.moe", "balance", Value::of_string("bias"));
+    if (bias) put_in(tables, "model.moe", "balance", Value::of_string("bias"));
   } else {
     r.refuse("topk_method", "= \"" + method + "\"", "use greedy, group_limited_greedy or noaux_tc");
   }
   // aux_loss_alpha weighs the sequence-wise balance loss with seq_aux, else the batch-wise one.
-  const double alpha = r.number("aux_loss_alpha", 0.001);
+  const double alpha = r.number("aux_loss_alpha", v3 ? 0.0 : 0.001);
   const bool per_sequence = r.boolean("seq_aux", true);
   if (method != "noaux_tc")  // (with the selection bias there is no batch-wise loss)
     put_in(tables, "model.moe", "aux_loss_weight", Value::of_float(per_sequence ? 0.0 : alpha));

@@ -163,6 +163,10 @@ struct BatchOptions {
 // large enough that each chunk's products run at full speed. (The plan may take a whole micro-batch
 // in one chunk instead, where that fits: engine/plan/plan_choice.cpp, choose_layout.)
 constexpr double kAutoLossChunkBytes = 256.0 * 1024 * 1024;
+// ... and at least this many tokens: the head's weight gradient is summed chunk by chunk, and its
+// products over fewer rows run well below speed (on an H100, V2-Lite's 102,400-entry vocabulary
+// in 655-token chunks cost 5.5% of its step against 2,048-token ones).
+constexpr int64_t kAutoLossChunkMinTokens = 2048;
 // Tokens per loss chunk for a rank holding `local_vocab` of the vocabulary (0: not fused), before
 // the plan's choice: the chunk a run uses is its plan's (Plan::loss_chunk_tokens).
 int64_t loss_chunk_tokens(const BatchOptions& batch, int64_t local_vocab);

@@ -284,7 +284,7 @@ std::vector<KeySpec> build_schema() {
              "Decoders: the output projection and the cross-entropy run as one, this many tokens at a time, so the whole fp32 logits "
              "and their gradient never exist at once. `auto`: a micro-batch's tokens in one chunk where their fp32 logits take at most "
              "1/32 of a device's memory and the layout still fits (the plan says so), else chunks of about 256 MiB of fp32 logits per "
-             "rank. 0: whole logits (the projection, then the loss)."),
+             "rank and at least 2,048 tokens. 0: whole logits (the projection, then the loss)."),
 
       // ---- optimizer
       choice("optimizer.name", "adamw", names_of<OptimizerKind>(), "AdamW (decoupled weight decay), Adam (L2 in the gradient), or SGD with momentum."),
