@@ -50,6 +50,20 @@ void check_token_data(const Recipe& r) {
   for (const std::string& w : corpus.warnings()) std::cerr << "dsrun: warning: data: " << w << "\n";
 }
 
+// Data the recipe names and this machine lacks: `plan` warns (it may plan for another machine);
+// a run or resume here is refused before any rank starts (they would fail at their first batch).
+void refuse_missing_data(const LoadedRecipe& loaded) {
+  for (const Diagnostic& d : loaded.diagnostics)
+    if (d.severity == Diagnostic::Severity::Warning && starts_with(d.key, "data.") && d.message.find("does not exist on this machine") != std::string::npos) {
+      ErrorContext c;
+      c.file = d.source.file;
+      c.line = d.source.line;
+      c.key = d.key;
+      c.hint = "fix the path (dsrun prepare writes token shards), or --set " + d.key + " to data this machine has";
+      throw Error(d.message.substr(0, d.message.find(';')) + ": nothing trained", c);
+    }
+}
+
 // A validation split too small for one sequence would fail in the ranks at their first evaluation:
 // refused here, before a run is recorded. Text is a token a byte; synthetic data is what
 // engine/data/dataset.cpp makes (at least 1 Mi tokens, 64 sequences).
@@ -437,6 +451,8 @@ int command_run(const RecipeArgs& given, const RunFlags& flags, const std::strin
   warn_unimplemented(loaded);
   // A trial of a sweep: the sweep driver says which (runner/sweep.cpp).
   const char* sweep_id = std::getenv("DSRUN_SWEEP_ID");
+  // (A Slurm job's nodes may hold data this one lacks; a sweep's trial is recorded failed instead.)
+  if (!flags.slurm && !sweep_id) refuse_missing_data(loaded);
   if (loaded.has_sweep && !sweep_id)
     std::cerr << args.path << ": warning: the [sweep] section is ignored by `dsrun run`, which runs the recipe once; use `dsrun sweep " << args.path << "`\n";
   make_directories(runs_directory(db_path));
@@ -558,9 +574,44 @@ static std::vector<std::string> check_checkpoint_data(const CheckpointInfo& foun
   throw Error("the data differs from what the checkpoint at step " + std::to_string(found.step) + " trained on: " + join(changes.differ, "; "), c);
 }
 
+namespace {
+
+// The journals a run's launchers left beside it (the store was away when they ended), replayed
+// into the store in node order; nothing while a launcher of the run is alive (it replays its own).
+// Returns how many journals were replayed.
+int replay_run_journals(Store& store, const RunRecord& r, const std::string& run_dir) {
+  if (r.status == RunStatus::Running && launcher_gone(r, read_host_facts().hostname, unix_now()).empty()) return 0;
+  if (!is_directory(run_dir)) return 0;
+  int replayed = 0;
+  for (const std::string& f : list_directory(run_dir)) {
+    if (!starts_with(f, "store_journal-node") || !ends_with(f, ".jsonl")) continue;
+    const std::string path = path_join(run_dir, f);
+    if (is_directory(path) || file_size(path) == 0) continue;
+    store.journal_writes_to(path, 10);
+    if (!store.replay_journal(/*now=*/true)) {
+      ErrorContext c;
+      c.file = path;
+      c.hint = "the run store must answer to take the run's journaled writes; try again when it does";
+      throw Error("the run store did not take run " + r.id + "'s journal", c);
+    }
+    ++replayed;
+  }
+  return replayed;
+}
+
+}  // namespace
+
 int command_resume(const ResumeArgs& args, const RunFlags& flags, const std::string& db_path) {
   Store store = open_existing_store(db_path);
   RunRecord r = store.get_run(store.resolve_run(args.run));
+  // What its launchers journaled goes into the store first: the run may have finished there.
+  if (replay_run_journals(store, r, path_join(runs_directory(db_path), r.id)) > 0) {
+    r = store.get_run(r.id);
+    if (r.status == RunStatus::Finished) {
+      std::cout << "run " << r.id << " finished: its journaled writes are now in the store; nothing to resume\n";
+      return kExitOk;
+    }
+  }
   ErrorContext c;
   c.key = "run " + r.id;
   const std::string this_host = read_host_facts().hostname;
@@ -588,6 +639,7 @@ int command_resume(const ResumeArgs& args, const RunFlags& flags, const std::str
   }
   HostFacts host = read_host_facts();
   LoadedRecipe loaded = load_run_config(db_path, r, args.sets, host);
+  if (r.job_id.empty() && !flags.slurm) refuse_missing_data(loaded);
   note_checkpoint_disk(host, loaded.recipe, db_path);
   Plan plan = make_plan(loaded.recipe, host);
   if (!plan.fits) {
@@ -823,8 +875,10 @@ int command_worker(const std::string& config_path, const std::string& db_path, b
 int command_show(const std::string& db_path, const std::string& query, bool json) {
   Store store = open_existing_store(db_path);
   refresh_slurm_runs(store);
-  mark_lost_runs(store);
   RunRecord r = store.get_run(store.resolve_run(query));
+  if (replay_run_journals(store, r, path_join(runs_directory(db_path), r.id)) > 0) r = store.get_run(r.id);
+  mark_lost_runs(store);
+  r = store.get_run(r.id);
   if (!json) {
     std::cout << render_run(store, r);
     return kExitOk;

@@ -766,6 +766,9 @@ static void flush_store_journal(Store& store) {
   while (!store.replay_journal(/*now=*/true)) {
     if (steady_seconds() > deadline) {
       std::fprintf(stderr, "dsrun: warning: the run store stayed away: the run's last writes wait in its journal; `dsrun resume` replays them\n");
+      const std::string lost = store.unjournaled_writes();
+      if (!lost.empty())
+        std::fprintf(stderr, "dsrun: error: the journal file could not take some writes, and they end with this launcher: %s\n", lost.c_str());
       return;
     }
     ::usleep(5000000);

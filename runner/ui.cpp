@@ -1,5 +1,8 @@
 #include "runner/ui.hpp"
 
+#include <algorithm>
+#include <cctype>
+
 #include "engine/common/error.hpp"
 #include "engine/common/files.hpp"
 #include "engine/common/text.hpp"
@@ -272,8 +275,13 @@ int command_ui(const UiOptions& o) {
       return httplib::Server::HandlerResponse::Handled;
     }
     if (token.empty()) return httplib::Server::HandlerResponse::Unhandled;
-    const std::string bearer = req.get_header_value("Authorization");
-    if (bearer == "Bearer " + token || (req.has_param("token") && req.get_param_value("token") == token)) return httplib::Server::HandlerResponse::Unhandled;
+    // The scheme is case-insensitive (RFC 7235): "Bearer", "bearer", "BEARER" alike.
+    const std::string authorization = trim(req.get_header_value("Authorization"));
+    const size_t blank = authorization.find(' ');
+    std::string scheme = authorization.substr(0, blank);
+    std::transform(scheme.begin(), scheme.end(), scheme.begin(), [](unsigned char ch) { return static_cast<char>(std::tolower(ch)); });
+    const bool bearer = scheme == "bearer" && blank != std::string::npos && trim(authorization.substr(blank + 1)) == token;
+    if (bearer || (req.has_param("token") && req.get_param_value("token") == token)) return httplib::Server::HandlerResponse::Unhandled;
     res.status = 401;
     res.set_content("a token is required (Authorization: Bearer TOKEN, or ?token=TOKEN)\n", "text/plain");
     return httplib::Server::HandlerResponse::Handled;
@@ -285,8 +293,11 @@ int command_ui(const UiOptions& o) {
       try {
         handler(req, res);
       } catch (const Error& e) {  // a bad --where, above all: the page says what, as the CLI does
+        // ... but not where the store is: its file, user, host and database stay off the page.
         res.status = 400;
-        res.set_content(e.describe() + "\n", "text/plain");
+        res.set_content(std::string(e.what()) + (e.context().key.empty() ? "" : " (" + e.context().key + ")") +
+                            (e.context().hint.empty() ? "" : "\n  fix: " + e.context().hint) + "\n",
+                        "text/plain");
       }
     };
   };

@@ -348,6 +348,48 @@ std::unique_ptr<Database> open_postgres_database(const std::string& url) {
 }
 #endif
 
+namespace {
+
+// libpq's keyword/value form, parsed as libpq does: "keyword = value" with blanks allowed around
+// '=', a value bare (a backslash escapes the next character, blanks included) or single-quoted
+// (backslash escapes inside). The values of password and sslpassword become ***.
+std::string redact_keyword_values(const std::string& conninfo) {
+  std::string out;
+  size_t i = 0;
+  const auto blank = [](char ch) { return ch == ' ' || ch == '\t' || ch == '\n' || ch == '\r'; };
+  while (i < conninfo.size()) {
+    const size_t start = i;
+    while (i < conninfo.size() && blank(conninfo[i])) ++i;
+    size_t k = i;
+    while (k < conninfo.size() && !blank(conninfo[k]) && conninfo[k] != '=') ++k;
+    const std::string keyword = conninfo.substr(i, k - i);
+    size_t eq = k;
+    while (eq < conninfo.size() && blank(conninfo[eq])) ++eq;
+    if (eq >= conninfo.size() || conninfo[eq] != '=') {  // not keyword=value: kept as written
+      out += conninfo.substr(start);
+      break;
+    }
+    size_t v = eq + 1;
+    while (v < conninfo.size() && blank(conninfo[v])) ++v;
+    size_t end = v;
+    if (end < conninfo.size() && conninfo[end] == '\'') {
+      for (++end; end < conninfo.size() && conninfo[end] != '\''; ++end)
+        if (conninfo[end] == '\\') ++end;
+      end = std::min(end + 1, conninfo.size());
+    } else {
+      for (; end < conninfo.size() && !blank(conninfo[end]); ++end)
+        if (conninfo[end] == '\\') ++end;
+      end = std::min(end, conninfo.size());
+    }
+    out += conninfo.substr(start, v - start);
+    out += keyword == "password" || keyword == "sslpassword" ? "***" : conninfo.substr(v, end - v);
+    i = end;
+  }
+  return out;
+}
+
+}  // namespace
+
 std::string redact_location(const std::string& location) {
   if (!is_postgres_location(location)) return location;
   std::string out = location;
@@ -368,10 +410,7 @@ std::string redact_location(const std::string& location) {
     }
   };
   const size_t scheme = out.find("://");
-  if (scheme == std::string::npos) {
-    mask_values(' ');
-    return out;
-  }
+  if (scheme == std::string::npos) return redact_keyword_values(out);
   // scheme://user:password@host... -> scheme://user:***@host...
   const size_t scheme_end = scheme + 3;
   const size_t at = out.find('@', scheme_end);

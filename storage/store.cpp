@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <map>
 
 namespace dsrun {
 
@@ -894,28 +895,66 @@ void Store::append_journal(const std::string& line) {
   if (!journal_pending_)
     std::fprintf(stderr, "dsrun: warning: run store %s is away: its writes go to %s, in order, until it is back\n", path().c_str(), journal_path_.c_str());
   journal_pending_ = true;
-  if (file_size(journal_path_) + static_cast<int64_t>(line.size()) > kJournalBytes) {
+  int64_t in_memory = 0;
+  for (const std::string& l : unjournaled_) in_memory += static_cast<int64_t>(l.size());
+  const int64_t on_disk = file_exists(journal_path_) && !is_directory(journal_path_) ? file_size(journal_path_) : 0;
+  if (on_disk + in_memory + static_cast<int64_t>(line.size()) > kJournalBytes) {
     ErrorContext c;
     c.file = journal_path_;
     c.hint = "bring the store back; then `dsrun resume` the run (its checkpoints are on disk)";
     throw Error("the run store has been away too long: the journal of its writes reached " + std::to_string(kJournalBytes >> 20) + " MiB", c);
   }
-  const int fd = ::open(journal_path_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
-  if (fd < 0) fail_at(__FILE__, __LINE__, "cannot open the store journal " + journal_path_ + ": " + std::strerror(errno));
-  const std::string text = line + "\n";
-  const bool written = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size()) && ::fdatasync(fd) == 0;
-  const int saved = errno;
-  ::close(fd);
-  if (!written) fail_at(__FILE__, __LINE__, "cannot write the store journal " + journal_path_ + ": " + std::strerror(saved));
+  // Once a line waits in memory the rest follow it there: the file's order is the writes' order.
+  if (unjournaled_.empty()) {
+    const int fd = ::open(journal_path_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
+    const std::string text = line + "\n";
+    const off_t before = fd >= 0 ? ::lseek(fd, 0, SEEK_END) : 0;
+    const bool written = fd >= 0 && ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size()) && ::fdatasync(fd) == 0;
+    const int saved = errno;
+    if (fd >= 0 && !written && ::ftruncate(fd, before) != 0) {
+      // A partial line stays; its replay reports it (a cut line) rather than apply half a write.
+    }
+    if (fd >= 0) ::close(fd);
+    if (written) return;
+    std::fprintf(stderr, "dsrun: warning: cannot write the store journal %s: %s; the run's writes wait in memory until the store is back\n",
+                 journal_path_.c_str(), std::strerror(saved));
+  }
+  unjournaled_.push_back(line);
+}
+
+std::string Store::unjournaled_writes() const {
+  if (unjournaled_.empty()) return "";
+  int64_t first_step = -1, last_step = -1;
+  std::map<std::string, int> others;
+  for (const std::string& line : unjournaled_) {
+    const nlohmann::json e = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    const std::string op = e.is_object() ? e.value("op", "") : "";
+    if (op == "metrics") {
+      const int64_t step = e.value("step", int64_t{0});
+      first_step = first_step < 0 ? step : std::min(first_step, step);
+      last_step = std::max(last_step, step);
+    } else {
+      ++others[op.empty() ? "unreadable" : op];
+    }
+  }
+  std::vector<std::string> parts;
+  if (first_step >= 0) parts.push_back("metrics of steps " + std::to_string(first_step) + "-" + std::to_string(last_step));
+  for (const auto& [op, n] : others) parts.push_back(std::to_string(n) + " " + op);
+  return std::to_string(unjournaled_.size()) + " writes: " + join(parts, ", ");
 }
 
 bool Store::replay_journal(bool now) {
   if (!journal_pending_) return true;
   if (!now && unix_now() < next_replay_) return false;
   next_replay_ = unix_now() + kReplayEverySeconds;
+  // The file's lines not yet applied, then those that wait in memory.
   std::vector<std::string> lines;
-  for (const std::string& l : split(read_file(journal_path_), '\n'))
-    if (!l.empty()) lines.push_back(l);
+  if (file_exists(journal_path_) && !is_directory(journal_path_))
+    for (const std::string& l : split(read_file(journal_path_), '\n'))
+      if (!l.empty()) lines.push_back(l);
+  lines.erase(lines.begin(), lines.begin() + static_cast<std::ptrdiff_t>(std::min(replayed_file_lines_, lines.size())));
+  const size_t file_lines = lines.size();
+  lines.insert(lines.end(), unjournaled_.begin(), unjournaled_.end());
   size_t done = 0;
   replaying_ = true;
   // One try to reach the server, not the whole reconnect window: training waits for none of this.
@@ -927,12 +966,34 @@ bool Store::replay_journal(bool now) {
     db_->set_reconnect_seconds(reconnect_seconds_);
     replaying_ = false;
     if (!db_->connection_lost()) throw;
-    std::vector<std::string> rest(lines.begin() + static_cast<std::ptrdiff_t>(done), lines.end());
-    write_file_atomic(journal_path_, join(rest, "\n") + "\n", 0600);
+    // What was applied leaves the journal: from memory at once; from the file by rewriting it
+    // without those lines where the disk allows, else by remembering how many (a full disk must
+    // not end the run: the file stays as it was, and nothing is applied twice by this process).
+    const size_t from_file = std::min(done, file_lines);
+    unjournaled_.erase(unjournaled_.begin(), unjournaled_.begin() + static_cast<std::ptrdiff_t>(done - from_file));
+    if (from_file > 0) {
+      try {
+        std::vector<std::string> rest(lines.begin() + static_cast<std::ptrdiff_t>(from_file), lines.begin() + static_cast<std::ptrdiff_t>(file_lines));
+        write_file_atomic(journal_path_, rest.empty() ? "" : join(rest, "\n") + "\n", 0600);
+        replayed_file_lines_ = 0;
+      } catch (const Error& e) {
+        replayed_file_lines_ += from_file;
+        std::fprintf(stderr, "dsrun: warning: the store journal %s keeps %zu lines already replayed (%s); this launcher skips them\n", journal_path_.c_str(),
+                     replayed_file_lines_, e.what());
+      }
+    }
     return false;
   }
   replaying_ = false;
-  if (::unlink(journal_path_.c_str()) != 0) fail_at(__FILE__, __LINE__, "cannot remove the replayed store journal " + journal_path_ + ": " + std::strerror(errno));
+  if (file_exists(journal_path_) && !is_directory(journal_path_) && ::unlink(journal_path_.c_str()) != 0) {
+    // Still there: its lines must not be applied again by this launcher or the next.
+    const int saved = errno;
+    replayed_file_lines_ = ::truncate(journal_path_.c_str(), 0) == 0 ? 0 : replayed_file_lines_ + file_lines;
+    std::fprintf(stderr, "dsrun: warning: cannot remove the replayed store journal %s: %s\n", journal_path_.c_str(), std::strerror(saved));
+  } else {
+    replayed_file_lines_ = 0;
+  }
+  unjournaled_.clear();
   journal_pending_ = false;
   std::fprintf(stderr, "dsrun: run store %s is back: %zu journaled write(s) replayed in order\n", path().c_str(), lines.size());
   return true;

@@ -194,11 +194,16 @@ class Store {
   // trying, a write that cannot be made goes to `path` instead (one JSON line each, in order,
   // fsync'd, at most 256 MiB), and what waits there is replayed, in order, before a later write
   // once the store answers (tried every 10 s). Status, metrics, events, checkpoints and node
-  // reports are kept; a heartbeat while the store is away is not (it is about now).
+  // reports are kept; a heartbeat while the store is away is not (it is about now). Training never
+  // stops for the journal either: a write the file cannot take (unwritable, the disk full) waits in
+  // memory after the file's lines, and a replay that fails leaves the file as it is.
   void journal_writes_to(const std::string& path, double reconnect_seconds);
   // Replays what waits in the journal now; true when nothing is left (or there is no journal).
   bool replay_journal(bool now = false);
   bool journal_pending() const { return journal_pending_; }
+  // The writes that wait in memory only (the journal file could not take them), described:
+  // "3 writes: metrics of steps 25-27, 1 status" ("" when none). Lost if the process ends now.
+  std::string unjournaled_writes() const;
 
  private:
   // Runs `apply`; with a journal, while the store is away, appends `entry()` (a JSON line) instead.
@@ -208,6 +213,8 @@ class Store {
 
   std::unique_ptr<Database> db_;
   std::string journal_path_;
+  std::vector<std::string> unjournaled_;  // lines the journal file could not take, in order after its own
+  size_t replayed_file_lines_ = 0;        // the file's first lines already applied (its rewrite failed)
   bool journal_pending_ = false, replaying_ = false;
   double next_replay_ = 0, reconnect_seconds_ = 0;
 };

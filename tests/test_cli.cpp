@@ -279,3 +279,16 @@ TEST_CASE("dsrun run refuses precision.fp8 before launch on a build without FP8 
   CHECK(plan.code == 0);  // the plan is about the recipe's GPUs, wherever it is made
   CHECK(contains(plan.text, "FP8 products (tensorwise scaling)"));
 }
+
+TEST_CASE("run refuses data this machine lacks before a run is recorded (plan only warns)", "[cli][data]") {
+  dsrun::test::TempDir dir;
+  const std::string missing = " --set data.kind=\\\"text\\\" --set data.path=\\\"/nonexistent/corpus.txt\\\"";
+  Output planned = dsrun_cli("plan tests/recipes/tiny_train.toml" + missing, dir);
+  CHECK(planned.code == 0);
+  CHECK(contains(planned.text, "does not exist on this machine; a run here would fail"));
+  Output run = dsrun_cli("run tests/recipes/tiny_train.toml" + missing, dir);
+  INFO(run.text);
+  CHECK(run.code == 1);
+  CHECK(contains(run.text, "data.path: \"/nonexistent/corpus.txt\" does not exist on this machine: nothing trained"));
+  CHECK(contains(dsrun_cli("history", dir).text, "no runs yet"));  // before, a run was recorded and its ranks failed
+}

@@ -707,3 +707,39 @@ TEST_CASE("names written into a shared store with terminal escapes print as esca
   CHECK(contains(shown.text, "status      lost: its launcher, process"));
   CHECK_FALSE(contains(shown.text, "lost: lost:"));
 }
+
+TEST_CASE("a run whose launcher journaled its finish: show and resume replay the journal first, and resume then trains nothing", "[history][journal]") {
+  TempDir dir;
+  const std::string db = dir.file("runs.db");
+  const std::string id = [&] {
+    dsrun::Store store(db);
+    const Launchers l = three_launchers(store);
+    store.add_metrics(l.dead, 1, {{"loss", 5.0}});
+    // What a launcher leaves when the store is away as the run ends: its last steps and its end.
+    dsrun::make_directories(dir.file(l.dead));
+    std::string journal;
+    for (int step = 2; step <= 4; ++step)
+      journal += nlohmann::json({{"op", "metrics"}, {"run", l.dead}, {"step", step}, {"values", nlohmann::json::array({nlohmann::json::array({"loss", 5.0 - step})})}}).dump() + "\n";
+    journal += nlohmann::json({{"op", "status"}, {"run", l.dead}, {"status", "finished"}, {"error", ""}}).dump() + "\n";
+    dsrun::write_file_atomic(dir.file(l.dead + "/store_journal-node0.jsonl"), journal);
+    return l.dead;
+  }();
+  // Before, resume marked nothing, started the ranks on the run and failed ("cannot go from finished to finished").
+  const auto resumed = dsrun_with_timeout(db, "resume " + id + " --force", 60);
+  INFO(resumed.text);
+  CHECK(resumed.code == 0);
+  CHECK(contains(resumed.text, "journaled write(s) replayed in order"));
+  CHECK(contains(resumed.text, "run " + id + " finished: its journaled writes are now in the store; nothing to resume"));
+  dsrun::Store store(db);
+  CHECK(store.get_run(id).status == dsrun::RunStatus::Finished);
+  CHECK(store.metric_history(id, "loss").size() == 4);
+  CHECK_FALSE(dsrun::file_exists(dir.file(id + "/store_journal-node0.jsonl")));
+  // show of a run whose journal waits: replayed (not marked lost first).
+  const Launchers more = three_launchers(store);
+  dsrun::make_directories(dir.file(more.dead));
+  dsrun::write_file_atomic(dir.file(more.dead + "/store_journal-node0.jsonl"),
+                           nlohmann::json({{"op", "status"}, {"run", more.dead}, {"status", "failed"}, {"error", "rank 1: out of memory"}}).dump() + "\n");
+  const auto shown = dsrun_with_timeout(db, "show " + more.dead, 60);
+  CHECK(shown.code == 0);
+  CHECK(contains(shown.text, "status      failed: rank 1: out of memory"));
+}

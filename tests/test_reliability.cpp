@@ -49,9 +49,14 @@ TEST_CASE("data paths must be regular files: devices, FIFOs, links and empty fil
       {dir.file("zero-link"), "is a symbolic link to /dev/zero, which is a character device"},
       {fifo, "is a FIFO (named pipe), not a regular file"},
       {dir.file("link2"), "is a symbolic link to " + dir.file("link1") + ", which is a symbolic link"},
-      {dir.file("dangling"), "data path not found"},
       {dir.file("empty.txt"), "has 0 tokens"},
   };
+  // A path that leads nowhere is refused before a run is recorded (the ranks found it missing before).
+  Run dangling = train_on_text(dir, dir.file("dangling"));
+  INFO(dangling.text);
+  CHECK(dangling.code == 1);
+  CHECK(contains(dangling.text, "data.path: \"" + dir.file("dangling") + "\" does not exist on this machine: nothing trained"));
+  CHECK(dangling.id.empty());
   for (const auto& [path, expected] : cases) {
     Run run = train_on_text(dir, path);
     INFO(path << "\n" << run.text);

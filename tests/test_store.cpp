@@ -276,6 +276,11 @@ TEST_CASE("a store password is masked wherever libpq takes one: the URL's user p
   CHECK(redact_location("host=db dbname=runs password=secret user=me") == "host=db dbname=runs password=*** user=me");
   CHECK(redact_location("host=db password='se cr\\'et' dbname=runs") == "host=db password=*** dbname=runs");
   CHECK(redact_location("runs/dsrun.db") == "runs/dsrun.db");
+  // Blanks around '=' (libpq takes them) and a bare value with escaped blanks: all of it masked.
+  CHECK(redact_location("host=db password = 'pw with space' user=me") == "host=db password = *** user=me");
+  CHECK(redact_location("host=db password=pw\\ with\\ space user=me") == "host=db password=*** user=me");
+  CHECK(redact_location("host=db sslpassword  =  k3y dbname=runs") == "host=db sslpassword  =  *** dbname=runs");
+  CHECK(location_has_password("host=db password = 'pw with space'"));
   CHECK(location_has_password("dbname=runs password=x"));
   CHECK_FALSE(location_has_password("postgresql://dsrun@db/runs"));
   // libpq's keyword/value form is a server, not a SQLite file of that name.
@@ -430,9 +435,10 @@ TEST_CASE("store copy moves every record between backends, and copying again add
 namespace {
 
 // A 150-step run into a fresh database of the test server, with `outage` done to the server once
-// it has trained 5 steps: the run must finish, every step's metrics recorded once. Returns the
-// launcher's output.
-std::string run_through_outage(test::PostgresServer& pg, const std::string& env, const std::function<bool()>& outage) {
+// it has trained 5 steps (after `before_outage(run directory)`): the run must finish, every step's
+// metrics recorded once. Returns the launcher's output.
+std::string run_through_outage(test::PostgresServer& pg, const std::string& env, const std::function<bool()>& outage,
+                               const std::function<void(const std::string&)>& before_outage = {}) {
   test::TempDir dir;
   const std::string db = pg.new_database();
   const int steps = 150;
@@ -451,6 +457,7 @@ std::string run_through_outage(test::PostgresServer& pg, const std::string& env,
     }
   }
   REQUIRE(reached >= 5);
+  if (before_outage) before_outage(dir.file(id));
   REQUIRE(outage());
   test::run_command("for i in $(seq 2400); do [ -f '" + dir.file("code") + "' ] && break; sleep 0.25; done");
   const std::string out = dsrun::read_file(dir.file("out.txt"));
@@ -464,7 +471,7 @@ std::string run_through_outage(test::PostgresServer& pg, const std::string& env,
   const auto losses = store.metric_history(id, "loss");
   CHECK(losses.size() == static_cast<size_t>(steps));  // none lost; the store keeps one row a step
   CHECK(losses.back().step == steps);
-  CHECK_FALSE(dsrun::file_exists(dir.file(id + "/store_journal-node0.jsonl")));  // replayed and removed
+  if (!before_outage) CHECK_FALSE(dsrun::file_exists(dir.file(id + "/store_journal-node0.jsonl")));  // replayed and removed
   return out;
 }
 
@@ -487,5 +494,20 @@ TEST_CASE("a PostgreSQL server away longer than the reconnect window: the launch
   }
   const std::string out = run_through_outage(pg, "DSRUN_STORE_RECONNECT_S=1", [&] { return pg.away(6); });
   CHECK(test::contains(out, "its writes go to"));
+  CHECK(test::contains(out, "journaled write(s) replayed in order"));
+}
+
+TEST_CASE("a journal the launcher cannot write (its path taken by a directory) does not end training: the writes wait in memory and reach the store", "[store][postgresql][reliability]") {
+  test::PostgresServer& pg = test::PostgresServer::get();
+  if (!pg.available()) {
+    WARN(pg.skip_reason());
+    return;
+  }
+  // A directory where the journal goes: open() fails (EISDIR) for root too, as a full disk or a
+  // read-only run directory would. Before, the launcher died at the first journaled write.
+  const std::string out = run_through_outage(pg, "DSRUN_STORE_RECONNECT_S=1", [&] { return pg.away(6); },
+                                             [](const std::string& run_dir) { dsrun::make_directories(run_dir + "/store_journal-node0.jsonl"); });
+  CHECK(test::contains(out, "cannot write the store journal"));
+  CHECK(test::contains(out, "the run's writes wait in memory until the store is back"));
   CHECK(test::contains(out, "journaled write(s) replayed in order"));
 }

@@ -173,6 +173,15 @@ TEST_CASE("dsrun ui serves /metrics for Prometheus while a run trains, the runs 
   CHECK(run_command("curl -s -o /dev/null -w '%{http_code}' " + base2 + "/metrics").text == "401");
   CHECK(run_command("curl -s -o /dev/null -w '%{http_code}' -H 'Authorization: Bearer s3cret' " + base2 + "/metrics").text == "200");
   CHECK(run_command("curl -s -o /dev/null -w '%{http_code}' '" + base2 + "/metrics?token=s3cret'").text == "200");
+  // The scheme in any case (RFC 7235); a wrong token or a token without its scheme still refused.
+  CHECK(run_command("curl -s -o /dev/null -w '%{http_code}' -H 'Authorization: bearer s3cret' " + base2 + "/metrics").text == "200");
+  CHECK(run_command("curl -s -o /dev/null -w '%{http_code}' -H 'Authorization: BEARER  s3cret' " + base2 + "/metrics").text == "200");
+  CHECK(run_command("curl -s -o /dev/null -w '%{http_code}' -H 'Authorization: bearer s3cre' " + base2 + "/metrics").text == "401");
+  CHECK(run_command("curl -s -o /dev/null -w '%{http_code}' -H 'Authorization: s3cret' " + base2 + "/metrics").text == "401");
+  // An error page says what went wrong, not where the store is.
+  const std::string bad = run_command("curl -s -H 'Authorization: Bearer s3cret' '" + base2 + "/api/runs/nosuchrun'").text;
+  CHECK(contains(bad, "nosuchrun"));
+  CHECK_FALSE(contains(bad, db));  // (before: "runs.db: no run ..."; a PostgreSQL store's user, host and database)
 
   for (const char* pid : {"ui.pid", "ui2.pid", "run.pid"}) std::system(("kill $(cat '" + dir.file(pid) + "') 2>/dev/null").c_str());
   std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // the run, interrupted, ends killed
