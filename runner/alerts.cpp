@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -60,8 +61,8 @@ struct CurlHeaders {
 size_t discard(char*, size_t size, size_t count, void*) { return size * count; }
 #endif
 
-// POSTs `body` as JSON; true on a 2xx answer. 10 s at most: the delivery thread's only wait.
-bool post_json(const std::string& url, const std::string& body, std::string& why) {
+// POSTs `body` as JSON; true on a 2xx answer. 10 s at most, and it stops when `abandon` is set.
+bool post_json(const std::string& url, const std::string& body, const std::atomic<bool>& abandon, std::string& why) {
 #ifdef DSRUN_WITH_CURL
   CurlEasy curl;
   CurlHeaders headers;
@@ -74,7 +75,16 @@ bool post_json(const std::string& url, const std::string& body, std::string& why
   curl_easy_setopt(curl.handle, CURLOPT_TIMEOUT, 10L);
   curl_easy_setopt(curl.handle, CURLOPT_NOSIGNAL, 1L);  // a thread of its own: no SIGALRM for timeouts
   curl_easy_setopt(curl.handle, CURLOPT_WRITEFUNCTION, discard);
+  // Called about once a second while waiting: a non-zero answer aborts the transfer.
+  using Progress = int (*)(void*, curl_off_t, curl_off_t, curl_off_t, curl_off_t);
+  const Progress stop_if_abandoned = [](void* flag, curl_off_t, curl_off_t, curl_off_t, curl_off_t) {
+    return static_cast<const std::atomic<bool>*>(flag)->load() ? 1 : 0;
+  };
+  curl_easy_setopt(curl.handle, CURLOPT_XFERINFOFUNCTION, stop_if_abandoned);
+  curl_easy_setopt(curl.handle, CURLOPT_XFERINFODATA, const_cast<std::atomic<bool>*>(&abandon));
+  curl_easy_setopt(curl.handle, CURLOPT_NOPROGRESS, 0L);
   const CURLcode rc = curl_easy_perform(curl.handle);
+  if (rc == CURLE_ABORTED_BY_CALLBACK) return why = "POST " + url + ": no answer by the launcher's exit", false;
   if (rc != CURLE_OK) return why = std::string("POST ") + url + ": " + curl_easy_strerror(rc), false;
   long status = 0;
   curl_easy_getinfo(curl.handle, CURLINFO_RESPONSE_CODE, &status);
@@ -82,14 +92,15 @@ bool post_json(const std::string& url, const std::string& body, std::string& why
   return true;
 #else
   (void)body;
+  (void)abandon;
   why = "this dsrun was built without libcurl: webhook " + url + " cannot be sent";
   return false;
 #endif
 }
 
 // Runs argv[0] (found on PATH, no shell) with `input` on its stdin, its output discarded; true when
-// it exits 0 within 30 s (it is killed after that).
-bool run_with_input(const std::vector<std::string>& argv, const std::string& input, std::string& why) {
+// it exits 0 within 30 s. It is killed after that, or when `abandon` is set.
+bool run_with_input(const std::vector<std::string>& argv, const std::string& input, const std::atomic<bool>& abandon, std::string& why) {
   int fds[2];
   if (::pipe2(fds, O_CLOEXEC) != 0) return why = std::string("pipe: ") + std::strerror(errno), false;
   FileDescriptor read_end(fds[0]), write_end(fds[1]);
@@ -106,21 +117,25 @@ bool run_with_input(const std::vector<std::string>& argv, const std::string& inp
   posix_spawn_file_actions_destroy(&actions);
   if (rc != 0) return why = "run " + argv[0] + ": " + std::strerror(rc), false;
   read_end.close();
-  for (size_t done = 0; done < input.size();) {  // a program that does not read its stdin gets EPIPE: not an error of ours
-    const ssize_t n = ::write(write_end.get(), input.data() + done, input.size() - done);
-    if (n <= 0) break;
-    done += static_cast<size_t>(n);
-  }
-  write_end.close();
+  // A program that does not read its stdin gets EPIPE (not an error of ours); one that never reads
+  // it would block this write: non-blocking, given up with the program.
+  ::fcntl(write_end.get(), F_SETFL, ::fcntl(write_end.get(), F_GETFL) | O_NONBLOCK);
+  size_t written = 0;
   int status = 0;
   for (const double until = steady_seconds() + 30;;) {
+    if (write_end.get() >= 0 && written < input.size()) {
+      const ssize_t n = ::write(write_end.get(), input.data() + written, input.size() - written);
+      if (n > 0) written += static_cast<size_t>(n);
+      else if (n < 0 && errno != EAGAIN && errno != EINTR) written = input.size();
+    }
+    if (write_end.get() >= 0 && written >= input.size()) write_end.close();
     const pid_t got = ::waitpid(pid, &status, WNOHANG);
     if (got == pid) break;
     if (got < 0) return why = "run " + argv[0] + ": waitpid: " + std::strerror(errno), false;
-    if (steady_seconds() > until) {
+    if (steady_seconds() > until || abandon.load()) {
       ::kill(pid, SIGKILL);
       ::waitpid(pid, &status, 0);
-      return why = "run " + argv[0] + ": still running after 30 s, killed", false;
+      return why = "run " + argv[0] + (abandon.load() ? ": still running at the launcher's exit, killed" : ": still running after 30 s, killed"), false;
     }
     ::usleep(20000);
   }
@@ -145,30 +160,66 @@ AlertDelivery::AlertDelivery() {
   static const bool curl_ready = curl_global_init(CURL_GLOBAL_DEFAULT) == CURLE_OK;  // once, before any thread uses curl
   (void)curl_ready;
 #endif
-  thread_ = std::thread([this] { loop(); });
 }
 
-AlertDelivery::~AlertDelivery() {
-  finish(0);
-  if (thread_.joinable()) thread_.join();
-}
+AlertDelivery::~AlertDelivery() { finish(0); }
 
 void AlertDelivery::send(const AlertRule& rule, const nlohmann::json& alert) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (stopping_) return;
-  queue_.push_back({rule, alert.dump(), rule.url.empty(), rule.command.empty(), 0, 0});
+  const std::string body = alert.dump();
+  for (const bool webhook : {true, false}) {
+    if (webhook ? rule.url.empty() : rule.command.empty()) continue;
+    ++undelivered_;
+    threads_.emplace_back([this, target = Target{rule, body, webhook}] { deliver(target); });
+  }
+}
+
+bool AlertDelivery::given_up() const { return stopping_ && steady_seconds() >= deadline_; }
+
+void AlertDelivery::deliver(const Target& t) {
+  const std::string to = t.webhook ? t.rule.url : t.rule.command.front();
+  const std::string alert = "alert \"" + t.rule.name + "\"";
+  for (int attempt = 1;; ++attempt) {
+    std::string why;
+    const bool delivered = t.webhook ? post_json(t.rule.url, t.body, abandon_, why) : run_with_input(t.rule.command, t.body, abandon_, why);
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (delivered) {
+      if (attempt > 1) notes_.push_back(alert + " delivered to " + to + " at attempt " + std::to_string(attempt));
+      break;
+    }
+    if (attempt == 1 && !given_up()) notes_.push_back(alert + " not delivered yet to " + to + " (retrying 1, 2, 4 s ... apart in the background): " + why);
+    // The next try 1, 2, 4 ... 60 s after this one, unless the deadline comes first.
+    const double next = steady_seconds() + std::min(60.0, std::pow(2.0, attempt - 1));
+    while (!given_up() && steady_seconds() < next) {
+      const double until = stopping_ ? std::min(next, deadline_) : next;
+      wake_.wait_for(lock, std::chrono::duration<double>(std::max(0.0, until - steady_seconds())));
+    }
+    if (given_up()) {
+      notes_.push_back(alert + " NOT delivered to " + to + " by the launcher's exit, after " + std::to_string(attempt) + " attempt(s): " + why);
+      break;
+    }
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  --undelivered_;
   wake_.notify_all();
 }
 
 void AlertDelivery::finish(double seconds) {
-  std::unique_lock<std::mutex> lock(mutex_);
-  if (!stopping_) {
-    stopping_ = true;
-    deadline_ = steady_seconds() + seconds;
+  std::vector<std::thread> threads;
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (!stopping_) {
+      stopping_ = true;
+      deadline_ = steady_seconds() + seconds;
+    }
+    wake_.notify_all();
+    while (undelivered_ > 0 && !given_up()) wake_.wait_for(lock, std::chrono::duration<double>(std::max(0.01, deadline_ - steady_seconds())));
+    abandon_ = true;  // an attempt under way past the deadline stops (curl's progress check, the command's kill)
+    wake_.notify_all();
+    threads.swap(threads_);
   }
-  wake_.notify_all();
-  wake_.wait_until(lock, std::chrono::steady_clock::now() + std::chrono::duration<double>(std::max(0.0, deadline_ - steady_seconds()) + 1),
-                   [this] { return queue_.empty() && in_flight_ == 0; });
+  for (std::thread& t : threads) t.join();
 }
 
 std::vector<std::string> AlertDelivery::take_notes() {
@@ -176,56 +227,6 @@ std::vector<std::string> AlertDelivery::take_notes() {
   std::vector<std::string> out;
   out.swap(notes_);
   return out;
-}
-
-bool AlertDelivery::try_deliver(Item& item, std::string& why) {
-  std::string url_why, command_why;
-  if (!item.url_done) item.url_done = post_json(item.rule.url, item.body, url_why);
-  if (!item.command_done) item.command_done = run_with_input(item.rule.command, item.body, command_why);
-  why = url_why + (url_why.empty() || command_why.empty() ? "" : "; ") + command_why;
-  return item.url_done && item.command_done;
-}
-
-void AlertDelivery::loop() {
-  std::unique_lock<std::mutex> lock(mutex_);
-  while (true) {
-    if (queue_.empty()) {
-      if (stopping_) return;
-      wake_.wait(lock);
-      continue;
-    }
-    const double now = steady_seconds();
-    auto next = std::min_element(queue_.begin(), queue_.end(), [](const Item& a, const Item& b) { return a.next_try < b.next_try; });
-    if (stopping_ && now > deadline_) {
-      for (const Item& left : queue_) notes_.push_back("alert \"" + left.rule.name + "\" not delivered to " + describe(left.rule) + " by the launcher's exit, after " +
-                                                       std::to_string(left.attempts) + " attempt(s)");
-      queue_.clear();
-      wake_.notify_all();
-      return;
-    }
-    if (next->next_try > now) {
-      const double until = stopping_ ? std::min(next->next_try, deadline_ + 0.01) : next->next_try;
-      wake_.wait_for(lock, std::chrono::duration<double>(until - now));
-      continue;
-    }
-    Item item = *next;
-    queue_.erase(next);
-    ++in_flight_;   // (finish() waits for it too: its note must reach the run's events)
-    lock.unlock();  // deliveries run without the lock: send() never waits for a slow receiver
-    std::string why;
-    const bool delivered = try_deliver(item, why);
-    lock.lock();
-    --in_flight_;
-    ++item.attempts;
-    if (delivered) {
-      if (item.attempts > 1) notes_.push_back("alert \"" + item.rule.name + "\" delivered to " + describe(item.rule) + " at attempt " + std::to_string(item.attempts));
-    } else {
-      if (item.attempts == 1) notes_.push_back("alert \"" + item.rule.name + "\" not delivered yet (retrying in the background): " + why);
-      item.next_try = steady_seconds() + std::min(60.0, std::pow(2.0, item.attempts - 1));
-      queue_.push_back(std::move(item));
-    }
-    wake_.notify_all();
-  }
 }
 
 // ---------------------------------------------------------------- RunAlerts

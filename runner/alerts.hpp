@@ -8,6 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <memory>
@@ -18,10 +19,13 @@
 
 namespace dsrun {
 
-// Delivers alerts on a thread of its own, so that a receiver that is down or slow never stops or
-// slows training: a webhook gets a POST of the alert's JSON ({"text": ..., which Slack and similar
+// Delivers alerts in the background, so that a receiver that is down or slow never stops or slows
+// training: a webhook gets a POST of the alert's JSON ({"text": ..., which Slack and similar
 // receivers show, and "alert": the fields}); a command runs without a shell with the JSON on its
-// stdin. Each is retried (1 s, 2 s, 4 s ... at most a minute apart) until it succeeds.
+// stdin. Each receiver of each alert has a thread of its own, so that one that hangs (a webhook
+// that never answers: 10 s a try; a command: 30 s) delays no other; each is retried 1 s, 2 s,
+// 4 s ... (at most a minute) apart until it succeeds or the drain deadline passes, and what was
+// not delivered by then is noted as such.
 class AlertDelivery {
  public:
   AlertDelivery();
@@ -37,24 +41,23 @@ class AlertDelivery {
   std::vector<std::string> take_notes();
 
  private:
-  struct Item {
+  // One receiver of one alert: the rule's webhook, or its command.
+  struct Target {
     AlertRule rule;
     std::string body;
-    bool url_done = false, command_done = false;
-    int attempts = 0;
-    double next_try = 0;
+    bool webhook = false;
   };
-  void loop();
-  bool try_deliver(Item& item, std::string& why);
+  void deliver(const Target& target);  // a thread's body: tries until delivered or given up
+  bool given_up() const;               // the drain deadline has passed (under mutex_)
 
   std::mutex mutex_;
   std::condition_variable wake_;
-  std::deque<Item> queue_;
-  int in_flight_ = 0;  // taken off the queue, being delivered
+  std::vector<std::thread> threads_;
+  int undelivered_ = 0;  // targets still trying
   std::vector<std::string> notes_;
   bool stopping_ = false;
-  double deadline_ = 0;  // set by finish(): give up on what is left after it
-  std::thread thread_;
+  double deadline_ = 0;               // set by finish(): give up on what is left after it
+  std::atomic<bool> abandon_{false};  // past the deadline: an attempt under way stops too
 };
 
 // One run's rules, evaluated by the launcher as reports arrive (its own thread: the store is not

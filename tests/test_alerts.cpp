@@ -10,6 +10,7 @@
 #include <chrono>
 #include <thread>
 #include <fstream>
+#include <map>
 #include <random>
 #include <sstream>
 
@@ -172,4 +173,43 @@ TEST_CASE("a run found lost by another command (its launcher killed) sends its f
   dsrun::test::run_command(env + "'" + std::string(DSRUN_BINARY) + "' history --db '" + db + "'");
   std::this_thread::sleep_for(std::chrono::milliseconds(3500));
   CHECK(count_lines_with(sent, "\"on\":\"failed\"") == 1);
+}
+
+TEST_CASE("each alert receiver delivers on its own: a hanging command delays no other, failures retry 1, 2, 4 s apart, and what is not delivered by the end is recorded so", "[alerts][slow]") {
+  dsrun::test::TempDir dir;
+  const int port = 20000 + static_cast<int>(std::random_device{}() % 10000);  // nothing listens there
+  std::ofstream(dir.file("alerts.toml")) << "base = [\"" << dsrun::test::source_dir() << "/tests/recipes/tiny_train.toml\"]\n"
+                                         << "[[alerts]]\nname = \"hangs\"\non = \"failed\"\nrun = [\"sleep\", \"1000\"]\n\n"
+                                         << "[[alerts]]\nname = \"healthy\"\non = \"failed\"\nrun = [\"tee\", \"-a\", \"" << dir.file("command.jsonl") << "\"]\n\n"
+                                         << "[[alerts]]\nname = \"fails\"\non = \"failed\"\nrun = [\"false\"]\n\n"
+                                         << "[[alerts]]\nname = \"refused\"\non = \"failed\"\nurl = \"http://127.0.0.1:" << port << "/hook\"\n";
+  const auto started = std::chrono::steady_clock::now();
+  dsrun::test::Run run = dsrun::test::train(dir, "--set run.steps=20 --set checkpoint.every=0", "HOME='" + dir.file("home") + "' DSRUN_TEST_CRASH_AT=0:3",
+                                            dir.file("alerts.toml"));
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  INFO(run.text);
+  REQUIRE_FALSE(run.id.empty());
+  CHECK(run.code != 0);
+  // The healthy command got the alert, though the hanging one came first (serially it waited 30 s a try).
+  CHECK(count_lines_with(dir.file("command.jsonl"), "\"on\":\"failed\"") == 1);
+  CHECK(seconds < 90);  // the 30 s drain, not a hanging receiver's tries one after another
+  Store store(dir.file("runs.db"));
+  std::map<std::string, std::string> given_up;
+  int healthy_retried = 0;
+  for (const EventRecord& e : store.events(run.id)) {
+    if (e.kind != "alert_delivery") continue;
+    healthy_retried += contains(e.message, "\"healthy\"") ? 1 : 0;
+    for (const char* name : {"hangs", "fails", "refused"})
+      if (contains(e.message, std::string("alert \"") + name + "\" NOT delivered")) given_up[name] = e.message;
+  }
+  CHECK(healthy_retried == 0);
+  REQUIRE(given_up.size() == 3);  // each recorded as not delivered, not left "retrying in the background"
+  CHECK(contains(given_up["hangs"], "still running at the launcher's exit, killed"));
+  // 1, 2, 4, 8 s apart within the 30 s drain: at least 4 tries each (one try in 60 s before).
+  for (const char* name : {"fails", "refused"}) {
+    INFO(given_up[name]);
+    const size_t after = given_up[name].find("after ");
+    REQUIRE(after != std::string::npos);
+    CHECK(std::stoi(given_up[name].substr(after + 6)) >= 4);
+  }
 }
