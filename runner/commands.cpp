@@ -667,6 +667,7 @@ int command_resume(const ResumeArgs& args, const RunFlags& flags, const std::str
     changes.push_back("data file changed since the checkpoint (--force): " + d);
     std::cerr << "dsrun: warning: resume of " << r.id << ": " << changes.back() << "\n";
   }
+  const size_t first_config_change = changes.size();  // (the data changes above are said already)
   if (recorded) {
     const LoadedRecipe& before = *recorded;
     auto was = [&](const std::string& key) { return key + " " + before.config.at(key).value.toml() + " -> " + loaded.config.at(key).value.toml(); };
@@ -681,7 +682,14 @@ int command_resume(const ResumeArgs& args, const RunFlags& flags, const std::str
                         std::to_string(found->step * before.recipe.batch.global) + ")");
     if (changed("run.seed")) changes.push_back(was("run.seed") + ": the data order and every random draw from here differ from the uninterrupted run's");
     if (changed("data.path") || changed("data.blend")) changes.push_back("the data changes (" + was(changed("data.path") ? "data.path" : "data.blend") + ")");
-    for (const std::string& change : changes) std::cerr << "dsrun: warning: resume of " << r.id << ": " << change << "\n";
+    // Whatever else changes the arithmetic from the checkpoint on (another optimizer, rotary base,
+    // precision, schedule): said and recorded. Layouts, logging, checkpoints and evaluation are not.
+    for (const auto& [key, setting] : loaded.config) {
+      const bool trains_differently = starts_with(key, "model.") || starts_with(key, "optimizer.") || starts_with(key, "schedule.") || starts_with(key, "precision.");
+      if (trains_differently && key != "model.init_from" && changed(key))
+        changes.push_back(was(key) + ": from the checkpoint on, training differs from the uninterrupted run's");
+    }
+    for (size_t i = first_config_change; i < changes.size(); ++i) std::cerr << "dsrun: warning: resume of " << r.id << ": " << changes[i] << "\n";
   }
   // Compare-and-set: of two concurrent resumes one takes the run; the other changes nothing.
   if (!store.claim_run(r.id, r.status, r.heartbeat_at, this_host, ::getpid())) {
@@ -753,6 +761,7 @@ int command_rollback(const std::string& run, int64_t to_step, const std::vector<
     return kExitDoesNotFit;
   }
   store.add_event(id, "rollback", -1, "from run " + parent.id + " at step " + std::to_string(found->step) + (sets.empty() ? "" : " with " + join(sets, " ")));
+  for (const auto& why : skipped) store.add_event(id, "checkpoint", -1, "skipped a checkpoint of run " + parent.id + " that does not verify", why);
   for (const std::string& d : data_changes) store.add_event(id, "resume_change", -1, "data file changed since the checkpoint (--force): " + d);
   std::cout << "run " << id << ": rolled back from run " << parent.id << " at step " << found->step << (found->step != to_step ? " (the newest checkpoint at or before " + std::to_string(to_step) + ")" : "")
             << "; " << plan.world_size << " rank(s)\n";

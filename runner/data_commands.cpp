@@ -13,7 +13,9 @@
 #include <charconv>
 #include <chrono>
 #include <csignal>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <iostream>
 #include <iterator>
 #include <thread>
@@ -116,7 +118,13 @@ int command_tokenize(const TokenizeArgs& args) {
   for (const auto& e : errors) if (e) std::rethrow_exception(e);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   for (const std::string& out : outputs) std::fwrite(out.data(), 1, out.size(), stdout);
-  std::fflush(stdout);
+  if (std::fflush(stdout) != 0 || std::ferror(stdout)) {
+    ErrorContext c;
+    c.file = "standard output";
+    c.system_errno = errno;
+    c.hint = "make room for the output (a full disk, or a file-size limit: ulimit -f), or write it elsewhere";
+    throw Error(std::string("cannot write the tokens: ") + std::strerror(errno), c);
+  }
   for (size_t n : tokens_per_thread) token_count += n;
   if (args.stats) {
     const double load = std::chrono::duration<double>(started - loaded).count();

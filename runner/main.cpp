@@ -11,6 +11,7 @@
 #include "storage/database.hpp"
 
 #include <CLI/CLI.hpp>
+#include <csignal>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
@@ -41,6 +42,9 @@ std::vector<std::string> with_default_command(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Past a file-size limit (ulimit -f) a write fails with EFBIG, which the command reports, rather
+  // than the process dying by SIGXFSZ mid-output.
+  std::signal(SIGXFSZ, SIG_IGN);
   // Messages go to stderr, so `dsrun plan --json > plan.json` never mixes them into the output.
   spdlog::set_default_logger(spdlog::stderr_color_st("dsrun"));
   spdlog::set_pattern("dsrun: %^%l%$: %v");

@@ -499,6 +499,15 @@ TEST_CASE("a resume that changes the batch, the seed or the steps says what chan
   CHECK(contains(reseeded.text, "warning: resume of " + crashed.id + ": run.seed 7 -> 99"));
   CHECK(contains(reseeded.text, "batch.global 12 -> 24: the data position is step x global batch, so the resumed run reads from sample 96, not from where the run stopped (sample 48)"));
   CHECK(count_events(dir, crashed.id, "resume_change") == 2);
+  // Another optimizer or rotary base trains on silently no more.
+  Run again = train(dir, layout(1, 2) + kSixSteps, "DSRUN_TEST_CRASH_AT=1:5");
+  REQUIRE(again.code == 1);
+  auto other = dsrun_command(dir, "resume " + again.id + " --set optimizer.name=\\\"adam\\\" --set model.rope_theta=500000.0");
+  INFO(other.text);
+  CHECK(other.code == 0);
+  CHECK(contains(other.text, "warning: resume of " + again.id + ": optimizer.name \"adamw\" -> \"adam\": from the checkpoint on, training differs"));
+  CHECK(contains(other.text, "model.rope_theta 10000.0 -> 5e+05"));
+  CHECK(count_events(dir, again.id, "resume_change") == 2);
 }
 
 TEST_CASE("a resume whose data changed is refused naming the file, and --force trains on and records it", "[resume][data]") {
@@ -871,4 +880,8 @@ TEST_CASE("a step directory whose manifest is another step's is refused by resum
   const std::string child_id = fallback.text.substr(fallback.text.find("\nrun ") + 5, 8);
   dsrun::Store store(dir.file("runs.db"));
   CHECK(store.get_run(child_id).parent_step == 6);
+  // The child's record says which checkpoint --fallback passed over, and why.
+  int skipped = 0;
+  for (const auto& e : store.events(child_id)) skipped += e.kind == "checkpoint" && contains(e.message, "skipped a checkpoint of run " + parent.id) ? 1 : 0;
+  CHECK(skipped == 1);
 }

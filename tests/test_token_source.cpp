@@ -356,6 +356,20 @@ TEST_CASE("--line-documents: blank lines are no documents, and the summary and m
   CHECK_THAT(printed.text, Catch::Contains("4 blank lines were not documents (--line-documents)"));
 }
 
+TEST_CASE("tokenize past a file-size limit says so and exits 1 (not killed by SIGXFSZ), and -o of blanks is named as such", "[data][prepare]") {
+  TempDir dir;
+  const std::string tok = byte_tokenizer(dir);
+  const std::string text = dir.write("in.txt", "some text\nmore text\n");
+  const auto limited = dsrun::test::run_command("bash -c \"ulimit -f 0; exec '" DSRUN_BINARY "' tokenize --tokenizer " + quoted(tok) + " " + quoted(text) + " > " +
+                                                quoted(dir.file("out.txt")) + "\"");
+  INFO(limited.text);
+  CHECK(limited.code == 1);  // 128 + SIGXFSZ (153) before
+  CHECK_THAT(limited.text, Catch::Contains("cannot write the tokens: File too large"));
+  const auto blank = dsrun::test::run_command(std::string(DSRUN_BINARY) + " prepare --tokenizer " + quoted(tok) + " -o ' ' " + quoted(text));
+  CHECK(blank.code == 1);
+  CHECK_THAT(blank.text, Catch::Contains("-o is only blanks"));
+}
+
 TEST_CASE("a second prepare into a directory being written is refused at once, naming the first's pid", "[data][prepare]") {
   TempDir dir;
   const std::string tok = byte_tokenizer(dir), other = byte_tokenizer(dir, "other", "<end>");

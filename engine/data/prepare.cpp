@@ -19,7 +19,8 @@ namespace prepare_detail {
 PrepareSummary prepare(const PrepareOptions& o, const PrepareProgress& progress) {
   if (o.inputs.empty()) throw input_error("", 0, "no inputs", "name text, .jsonl, .gz or .zst files or directories");
   // An empty -o would put the lock, shards and manifest into the current directory.
-  if (o.out.find_first_not_of(" \t") == std::string::npos) throw input_error(o.out, 0, "no output directory (-o is empty)", "name a directory for the shards: -o corpus/");
+  if (o.out.find_first_not_of(" \t") == std::string::npos) throw input_error(o.out, 0, o.out.empty() ? "no output directory (-o is empty)" : "no output directory (-o is only blanks: \"" + o.out + "\")",
+                      "name a directory for the shards: -o corpus/");
   OutputDirectory output;
   struct stat out_st {};
   if (::stat(o.out.c_str(), &out_st) == 0 && S_ISDIR(out_st.st_mode)) output = {true, out_st.st_dev, out_st.st_ino};
