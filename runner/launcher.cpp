@@ -76,6 +76,7 @@ struct RankProcess {
   double last_progress = 0;
   std::string error;        // the rank's own error message, if it sent one
   std::string log_path;
+  int64_t log_start = 0;    // where this attempt's lines begin (a resumed or restarted run's log holds earlier ones)
 };
 
 // A rank whose own error only says that a peer went away (Gloo's and NCCL's words for it): the
@@ -190,6 +191,7 @@ class Supervisor {
       RankProcess p;
       p.rank = first_rank + local;
       p.log_path = path_join(o_.run_dir, "logs/rank" + std::to_string(p.rank) + ".log");
+      p.log_start = file_exists(p.log_path) ? file_size(p.log_path) : 0;
       int pipe_fds[2];
       if (::pipe2(pipe_fds, O_CLOEXEC) != 0) fail_at(__FILE__, __LINE__, "pipe failed");
       pid_t pid = ::fork();
@@ -592,7 +594,7 @@ class Supervisor {
     std::string detail;
     if (culprit >= 0) {
       for (auto& p : ranks_)
-        if (p.rank == culprit) detail = tail_of_file(p.log_path, 20);
+        if (p.rank == culprit) detail = tail_of_file(p.log_path, 20, p.log_start);
     }
     if (status != RunStatus::Pruned) store_.add_event(run_id_, status == RunStatus::Killed ? "killed" : "failed", culprit, why, detail);
     if (!detail.empty()) std::cerr << "--- last lines of rank " << culprit << "'s log ---\n" << detail << "\n---\n";
@@ -690,9 +692,10 @@ int free_port() {
   fail_at(__FILE__, __LINE__, std::string("cannot find a free port: ") + std::strerror(errno));
 }
 
-std::string tail_of_file(const std::string& path, int lines) {
+std::string tail_of_file(const std::string& path, int lines, int64_t from_byte) {
   if (!file_exists(path)) return "";
-  std::vector<std::string> all = split(read_file(path), '\n');
+  const std::string text = read_file(path);
+  std::vector<std::string> all = split(text.substr(std::min<size_t>(text.size(), static_cast<size_t>(std::max<int64_t>(0, from_byte)))), '\n');
   while (!all.empty() && all.back().empty()) all.pop_back();
   size_t from = all.size() > static_cast<size_t>(lines) ? all.size() - lines : 0;
   return join(std::vector<std::string>(all.begin() + static_cast<long>(from), all.end()), "\n");

@@ -73,7 +73,8 @@ void set_rank_environment(const RankPlace& place);
 // range (32768+), so that outgoing connections made meanwhile cannot take it before rank 0 binds it.
 int free_port();
 // The last `lines` lines of a file ("" when it does not exist).
-std::string tail_of_file(const std::string& path, int lines);
+// (from_byte: only what follows it, e.g. this attempt's part of a log earlier attempts wrote to.)
+std::string tail_of_file(const std::string& path, int lines, int64_t from_byte = 0);
 
 // `path` from the working directory ("" and absolute paths as they are).
 std::string absolute(const std::string& path);
