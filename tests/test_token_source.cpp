@@ -534,12 +534,28 @@ TEST_CASE("corpora from elsewhere: a manifest's files stay inside the corpus, a 
     CHECK_THAT(e, Catch::Contains(manifest_path));
     CHECK_THAT(e, Catch::Contains("plain names inside its directory"));
   }
-  // Fields of the wrong type: the manifest named, no raw exception escaping.
-  dir.write("out/manifest.json", R"({"format": "dsrun-tokens", "version": 1, "tokenizer": 5, "shards": [{"tokens_file": 3}]})");
+  // Fields of the wrong type: the manifest and the field named, not the JSON library's words.
+  dir.write("out/manifest.json", R"({"format": "dsrun-tokens", "version": 1, "shards": [{"tokens_file": 3}]})");
   std::string e = dsrun::test::error_of([&] { TokenCorpus corpus(options(out, 8)); });
   CHECK_THAT(e, Catch::Contains(manifest_path));
-  CHECK_THAT(e, Catch::Contains("unreadable manifest"));
+  CHECK_THAT(e, Catch::Contains("shard 0: tokens_file is not a file name"));
+  CHECK_THAT(e, !Catch::Contains("json.exception"));
+  dir.write("out/manifest.json", R"({"format": "dsrun-tokens", "version": 1, "tokenizer": 5, "shards": []})");
+  CHECK_THAT(dsrun::test::error_of([&] { TokenCorpus corpus(options(out, 8)); }), Catch::Contains("tokenizer.vocab_size is not a count"));
+  // A count of -1 tokens is no count (it read as "not given", and the shard trained).
+  json negative = good;
+  negative["shards"][0]["tokens"] = -1;
+  dir.write("out/manifest.json", negative.dump());
+  CHECK_THAT(dsrun::test::error_of([&] { TokenCorpus corpus(options(out, 8)); }), Catch::Contains("shard 0: tokens = -1 is not a count of tokens"));
   dir.write("out/manifest.json", good.dump());
+  CHECK_NOTHROW(TokenCorpus(options(out, 8)));
+  // A shard that is a link (here out of the corpus, to a copy elsewhere): refused, not followed.
+  const std::string shard = out + "/" + good["shards"][0]["tokens_file"].get<std::string>();
+  REQUIRE(::rename(shard.c_str(), dir.file("elsewhere.tokens").c_str()) == 0);
+  REQUIRE(::symlink(dir.file("elsewhere.tokens").c_str(), shard.c_str()) == 0);
+  CHECK_THAT(dsrun::test::error_of([&] { TokenCorpus corpus(options(out, 8)); }), Catch::Contains(shard + ": data.path: is a symbolic link"));
+  REQUIRE(::unlink(shard.c_str()) == 0);
+  REQUIRE(::rename(dir.file("elsewhere.tokens").c_str(), shard.c_str()) == 0);
   CHECK_NOTHROW(TokenCorpus(options(out, 8)));
 
   // A .gz of plain text or random bytes is not gzip: refused, naming the file (zlib would read it as text).

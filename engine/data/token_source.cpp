@@ -10,6 +10,7 @@
 #include "engine/recipe/recipe.hpp"
 
 #include <nlohmann/json.hpp>
+#include <sys/stat.h>
 #include <xxhash.h>
 
 #include <algorithm>
@@ -311,7 +312,12 @@ std::unique_ptr<TokenFile> open_token_file(const std::string& path, const TokenC
 std::string corpus_file(const std::string& dir, const std::string& name, const std::string& manifest_path) {
   if (name.empty() || name == "." || name == ".." || name.find('/') != std::string::npos || name.find('\0') != std::string::npos)
     throw data_error(manifest_path, "names the file \"" + name + "\": a corpus's files are plain names inside its directory", "run dsrun prepare again, or fix the manifest");
-  return path_join(dir, name);
+  const std::string path = path_join(dir, name);
+  // ... and its own files: a link could lead anywhere (out of the corpus, to a device).
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode))
+    throw data_error(path, "is a symbolic link: a prepared corpus's shards are its own files", "run dsrun prepare again into this directory, or copy the shard here");
+  return path;
 }
 
 // A `dsrun prepare` directory: the shards its manifest lists, each checked against it.
@@ -323,19 +329,33 @@ Files open_prepared(const std::string& dir, const TokenCorpusOptions& o) {
   };
   std::vector<Shard> shards;
   int64_t tokenizer_vocab = 0;
-  try {  // every field read here: a malformed manifest is an error naming it, never a raw exception
-    const nlohmann::json m = nlohmann::json::parse(read_file(manifest_path));
-    if (!m.is_object() || m.value("format", "") != "dsrun-tokens" || m.value("version", 0) != 1) throw data_error(manifest_path, "not a dsrun prepare manifest", "run dsrun prepare");
-    if (m.contains("tokenizer")) tokenizer_vocab = m.at("tokenizer").value("vocab_size", int64_t(0));
-    for (const auto& shard : m.at("shards")) {
-      Shard sh;
-      sh.tokens_file = shard.at("tokens_file").get<std::string>();
-      sh.tokens = shard.value("tokens", int64_t(-1));
-      if (shard.contains("docs_file")) sh.docs_file = shard.at("docs_file").get<std::string>();
-      shards.push_back(std::move(sh));
+  // Every field read here is checked: a malformed manifest is an error naming the field, never a
+  // JSON library's message.
+  const auto bad = [&](const std::string& what) { return data_error(manifest_path, what, "run dsrun prepare again"); };
+  nlohmann::json m = nlohmann::json::parse(read_file(manifest_path), nullptr, /*allow_exceptions=*/false);
+  if (m.is_discarded()) throw bad("unreadable manifest: not JSON");
+  if (!m.is_object() || m.value("format", nlohmann::json()) != "dsrun-tokens" || m.value("version", nlohmann::json()) != 1) throw data_error(manifest_path, "not a dsrun prepare manifest", "run dsrun prepare");
+  if (m.contains("tokenizer")) {
+    const nlohmann::json& t = m.at("tokenizer");
+    if (!t.is_object() || (t.contains("vocab_size") && !t.at("vocab_size").is_number_unsigned())) throw bad("tokenizer.vocab_size is not a count");
+    tokenizer_vocab = t.value("vocab_size", int64_t(0));
+  }
+  if (!m.contains("shards") || !m.at("shards").is_array()) throw bad("\"shards\" is not a list");
+  for (const auto& shard : m.at("shards")) {
+    const std::string which = "shard " + std::to_string(shards.size());
+    if (!shard.is_object()) throw bad(which + " is not an object");
+    Shard sh;
+    if (!shard.contains("tokens_file") || !shard.at("tokens_file").is_string()) throw bad(which + ": tokens_file is not a file name");
+    sh.tokens_file = shard.at("tokens_file").get<std::string>();
+    if (shard.contains("tokens")) {  // (absent in hand-made manifests: then the shard's header alone counts)
+      if (!shard.at("tokens").is_number_unsigned()) throw bad(which + ": tokens = " + shard.at("tokens").dump() + " is not a count of tokens");
+      sh.tokens = shard.at("tokens").get<int64_t>();
     }
-  } catch (const nlohmann::json::exception& e) {
-    throw data_error(manifest_path, std::string("unreadable manifest: ") + e.what(), "run dsrun prepare again");
+    if (shard.contains("docs_file")) {
+      if (!shard.at("docs_file").is_string()) throw bad(which + ": docs_file is not a file name");
+      sh.docs_file = shard.at("docs_file").get<std::string>();
+    }
+    shards.push_back(std::move(sh));
   }
   if (tokenizer_vocab > o.vocab) {
     ErrorContext c;
