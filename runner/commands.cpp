@@ -620,13 +620,14 @@ int command_resume(const ResumeArgs& args, const RunFlags& flags, const std::str
     launcher_vanished = launcher_gone(r, this_host, unix_now());
     const std::string launcher = "its launcher, process " + std::to_string(r.pid) + " on " + (r.host.empty() ? std::string("an unknown host") : r.host) +
                                  (r.heartbeat_at > 0 ? ", last heard from " + format_seconds(std::max(0.0, unix_now() - r.heartbeat_at)) + " ago" : "");
-    if (!args.force) {
-      c.hint = "if " + launcher + " is gone (killed -9, machine rebooted), pass --force";
-      throw Error("run is marked running", c);
-    }
+    // A live launcher (another resume's, say) is never worth a --force.
     if (launcher_vanished.empty()) {
-      c.hint = "stop it first (dsrun cancel " + r.id + ", or Ctrl-C in its terminal); --force takes over only a launcher that is gone";
+      c.hint = "follow it with dsrun watch " + r.id + ", or stop it first (dsrun cancel " + r.id + ", or Ctrl-C in its terminal)";
       throw Error("run is still training: " + launcher + " is alive", c);
+    }
+    if (!args.force) {
+      c.hint = launcher + " is gone (" + launcher_vanished + "): pass --force to take the run over";
+      throw Error("run is marked running", c);
     }
   }
   if (r.status == RunStatus::Finished) {

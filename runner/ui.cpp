@@ -2,11 +2,18 @@
 
 #include <algorithm>
 #include <cctype>
+#include <fcntl.h>
+#include <spawn.h>
+#include <sys/wait.h>
+
+extern char** environ;
 
 #include "engine/common/error.hpp"
 #include "engine/common/files.hpp"
 #include "engine/common/text.hpp"
+#include "engine/common/clock.hpp"
 #include "runner/history.hpp"
+#include "runner/launcher.hpp"
 #include "runner/report.hpp"
 #include "runner/sweep.hpp"
 #include "runner/terminal.hpp"
@@ -286,9 +293,33 @@ int command_ui(const UiOptions& o) {
     res.set_content("a token is required (Authorization: Bearer TOKEN, or ?token=TOKEN)\n", "text/plain");
     return httplib::Server::HandlerResponse::Handled;
   });
+  // Runs whose launcher died are marked lost (and their failed alerts sent) as `dsrun history`
+  // does: by a `dsrun history` of its own, at most every 10 s, since marking one forks its alert
+  // delivery and this server has threads (fork is safe only from the single-threaded commands).
+  double last_lost_check = 0;
+  auto mark_lost = [&] {
+    if (steady_seconds() - last_lost_check < 10) return;
+    last_lost_check = steady_seconds();
+    const std::string self = path_join(executable_directory(), "dsrun");
+    std::vector<std::string> argv{self, "history", "--limit", "1", "--db", o.db_path};
+    std::vector<char*> args;
+    for (std::string& a : argv) args.push_back(a.data());
+    args.push_back(nullptr);
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addopen(&actions, 1, "/dev/null", O_WRONLY, 0);
+    posix_spawn_file_actions_addopen(&actions, 2, "/dev/null", O_WRONLY, 0);
+    pid_t pid = -1;
+    if (posix_spawn(&pid, self.c_str(), &actions, nullptr, args.data(), environ) == 0) {
+      int status = 0;
+      ::waitpid(pid, &status, 0);
+    }
+    posix_spawn_file_actions_destroy(&actions);
+  };
   auto guarded = [&](auto&& handler) {
     return [&, handler](const httplib::Request& req, httplib::Response& res) {
       std::lock_guard<std::mutex> lock(store_mutex);
+      mark_lost();
       res.set_header("Cache-Control", "no-store");  // live figures: a browser never shows a stale one
       try {
         handler(req, res);

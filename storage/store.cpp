@@ -458,8 +458,14 @@ void Store::complete_run(const std::string& run_id, const NewRun& run) {
 namespace {
 // A write as one line of the launcher's journal (Store::journal_writes_to); file names and
 // messages need not be UTF-8.
-std::string journal_line(const nlohmann::json& entry) { return entry.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace); }
+// Each carries the time it was made: replayed later, its rows and events keep that time.
+std::string journal_line(nlohmann::json entry) {
+  entry["time"] = unix_now();
+  return entry.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
 }  // namespace
+
+double Store::write_time() const { return written_at_ > 0 ? written_at_ : unix_now(); }
 
 void Store::set_status(const std::string& run_id, RunStatus status, const std::string& error) {
   write([&] {
@@ -470,7 +476,7 @@ void Store::set_status(const std::string& run_id, RunStatus status, const std::s
         c.key = run_id;
         throw Error(std::string("run cannot go from ") + to_string(from) + " to " + to_string(status), c);
       }
-      const double now = unix_now();
+      const double now = write_time();
       const std::string st = to_string(status);
       db_->query("UPDATE runs SET status = ?1, error = CASE WHEN ?1 = 'running' THEN NULL ELSE COALESCE(?2, error) END, "
                  "started_at = CASE WHEN ?1 = 'running' THEN COALESCE(started_at, ?3) ELSE started_at END, "
@@ -503,7 +509,7 @@ void Store::add_metrics(const std::string& run_id, int64_t step, const std::vect
   write([&] {
     db_->transaction([&] {
       // A (run, key, step) row stays unique: a step recorded again after a resume overwrites, never duplicates.
-      const double now = unix_now();
+      const double now = write_time();
       for (const auto& [key, value] : values)
         db_->query("INSERT INTO metrics(run_id, key, step, value, time) VALUES(?,?,?,?,?) "
                    "ON CONFLICT(run_id, key, step) DO UPDATE SET value = excluded.value, time = excluded.time",
@@ -525,7 +531,7 @@ void Store::run_heartbeat(const std::string& run_id, const std::string& host, in
 void Store::add_event(const std::string& run_id, const std::string& kind, int rank, const std::string& message, const std::string& detail) {
   write([&] {
     db_->query("INSERT INTO events(run_id, time, kind, rank, message, detail) VALUES(?,?,?,?,?,?)",
-               {run_id, unix_now(), kind, SqlValue::integer_or_null(rank, rank >= 0), message, SqlValue::text_or_null(detail)});
+               {run_id, write_time(), kind, SqlValue::integer_or_null(rank, rank >= 0), message, SqlValue::text_or_null(detail)});
   }, [&] { return journal_line({{"op", "event"}, {"run", run_id}, {"kind", kind}, {"rank", rank}, {"message", message}, {"detail", detail}}); });
 }
 
@@ -685,7 +691,7 @@ void Store::report_node(const std::string& run_id, const NodeReport& r) {
     db_->query("INSERT INTO run_nodes(run_id, node_rank, host, pid, status, heartbeat_at, restarts, error) VALUES(?,?,?,?,?,?,?,?) "
                "ON CONFLICT(run_id, node_rank) DO UPDATE SET host = excluded.host, pid = excluded.pid, status = excluded.status, "
                "heartbeat_at = excluded.heartbeat_at, restarts = excluded.restarts, error = excluded.error",
-               {run_id, r.node_rank, r.host, r.pid, r.status, unix_now(), r.restarts, SqlValue::text_or_null(r.error)});
+               {run_id, r.node_rank, r.host, r.pid, r.status, write_time(), r.restarts, SqlValue::text_or_null(r.error)});
   }, [&] { return journal_line({{"op", "node"}, {"run", run_id}, {"node_rank", r.node_rank}, {"host", r.host}, {"pid", r.pid}, {"status", r.status}, {"restarts", r.restarts}, {"error", r.error}}); });
 }
 
@@ -1010,6 +1016,12 @@ void Store::apply_journal_entry(const std::string& line) {
     throw Error(std::string("unreadable store journal line: ") + x.what(), c);
   }
   const std::string op = e.value("op", ""), run = e.value("run", "");
+  // The write's own time, not the replay's (a 45 s run read 96.5 s once its end was replayed).
+  struct WrittenAt {
+    double& at;
+    ~WrittenAt() { at = 0; }
+  } written{written_at_};
+  written_at_ = e.contains("time") && e.at("time").is_number() ? e.at("time").get<double>() : 0;
   if (op == "status") {
     set_status(run, run_status_from_string(e.value("status", "")), e.value("error", ""));
   } else if (op == "metrics") {

@@ -213,6 +213,9 @@ class Store {
 
   std::unique_ptr<Database> db_;
   std::string journal_path_;
+  // The time of the writes being made: now, or a journaled write's own time while it is replayed.
+  double write_time() const;
+  double written_at_ = 0;
   std::vector<std::string> unjournaled_;  // lines the journal file could not take, in order after its own
   size_t replayed_file_lines_ = 0;        // the file's first lines already applied (its rewrite failed)
   bool journal_pending_ = false, replaying_ = false;

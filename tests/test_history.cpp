@@ -717,10 +717,13 @@ TEST_CASE("a run whose launcher journaled its finish: show and resume replay the
     store.add_metrics(l.dead, 1, {{"loss", 5.0}});
     // What a launcher leaves when the store is away as the run ends: its last steps and its end.
     dsrun::make_directories(dir.file(l.dead));
+    // Written an hour ago: replayed now, the rows keep their own times.
+    const double then = dsrun::unix_now() - 3600;
     std::string journal;
     for (int step = 2; step <= 4; ++step)
-      journal += nlohmann::json({{"op", "metrics"}, {"run", l.dead}, {"step", step}, {"values", nlohmann::json::array({nlohmann::json::array({"loss", 5.0 - step})})}}).dump() + "\n";
-    journal += nlohmann::json({{"op", "status"}, {"run", l.dead}, {"status", "finished"}, {"error", ""}}).dump() + "\n";
+      journal += nlohmann::json({{"op", "metrics"}, {"run", l.dead}, {"step", step}, {"values", nlohmann::json::array({nlohmann::json::array({"loss", 5.0 - step})})},
+                                 {"time", then + step}}).dump() + "\n";
+    journal += nlohmann::json({{"op", "status"}, {"run", l.dead}, {"status", "finished"}, {"error", ""}, {"time", then + 10}}).dump() + "\n";
     dsrun::write_file_atomic(dir.file(l.dead + "/store_journal-node0.jsonl"), journal);
     return l.dead;
   }();
@@ -732,7 +735,10 @@ TEST_CASE("a run whose launcher journaled its finish: show and resume replay the
   CHECK(contains(resumed.text, "run " + id + " finished: its journaled writes are now in the store; nothing to resume"));
   dsrun::Store store(db);
   CHECK(store.get_run(id).status == dsrun::RunStatus::Finished);
-  CHECK(store.metric_history(id, "loss").size() == 4);
+  const auto losses = store.metric_history(id, "loss");
+  REQUIRE(losses.size() == 4);
+  CHECK(losses.back().time == Approx(store.get_run(id).ended_at - 6).margin(1e-3));  // step 4 at then + 4, the end at then + 10
+  CHECK(store.get_run(id).ended_at < dsrun::unix_now() - 3000);                      // not the replay's time
   CHECK_FALSE(dsrun::file_exists(dir.file(id + "/store_journal-node0.jsonl")));
   // show of a run whose journal waits: replayed (not marked lost first).
   const Launchers more = three_launchers(store);

@@ -859,7 +859,8 @@ TEST_CASE("resume --force refuses a run still training, a resume the ranks refus
   const int code_a = std::stoi(dsrun::read_file(dir.file("a.code"))), code_b = std::stoi(dsrun::read_file(dir.file("b.code")));
   CHECK(code_a + code_b == 1);  // one 0, one 1
   const std::string& loser = code_a == 0 ? b : a;
-  CHECK((contains(loser, "took it first") || contains(loser, "marked running")));
+  CHECK((contains(loser, "took it first") || contains(loser, "still training")));
+  CHECK_FALSE(contains(loser, "--force"));  // the winner's launcher is alive: a --force would not help
   CHECK(store.get_run(id).status == dsrun::RunStatus::Finished);
   // The changed model was never recorded; the winner's step count was, once it trained on it.
   CHECK(contains(store.get_run(id).config_toml, "\nsteps = " + std::to_string(newest->step + 2)));

@@ -14,6 +14,9 @@
 #include <random>
 #include <thread>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 using dsrun::test::contains;
 using dsrun::test::run_command;
 
@@ -336,4 +339,31 @@ TEST_CASE("dsrun ui driven in Chromium by puppeteer: a filter typed and submitte
   CHECK(dsrun::test::contains(seen["url"].get<std::string>(), "/compare?run="));
   CHECK(seen["curves"] == 2);
   CHECK(seen["differs"] == nlohmann::json::array({"optimizer.lr"}));
+}
+
+TEST_CASE("dsrun ui marks a run whose launcher died lost: /metrics stops reporting it running", "[ui]") {
+  dsrun::test::TempDir dir;
+  const std::string db = dir.file("runs.db");
+  std::string dead;
+  {
+    dsrun::Store store(db);
+    dsrun::NewRun n;
+    n.name = "orphan";
+    n.recipe_text = n.config_toml = "x";
+    dead = store.create_run(n);
+    store.set_status(dead, dsrun::RunStatus::Running);
+    const pid_t exited = ::fork();  // a launcher process that has exited, on this host
+    if (exited == 0) ::_exit(0);
+    int status = 0;
+    REQUIRE(::waitpid(exited, &status, 0) == exited);
+    store.run_heartbeat(dead, dsrun::read_host_facts().hostname, exited);
+  }
+  const int port = 30000 + static_cast<int>(std::random_device{}() % 10000);
+  REQUIRE(start_ui(dir, db, port, "ui"));
+  const std::string metrics = run_command("curl -s http://127.0.0.1:" + std::to_string(port) + "/metrics").text;
+  std::system(("kill $(cat '" + dir.file("ui.pid") + "') 2>/dev/null").c_str());
+  INFO(metrics);
+  CHECK(contains(metrics, "# TYPE dsrun_run_running gauge"));
+  CHECK_FALSE(contains(metrics, "dsrun_run_running{run_id=\"" + dead));  // before: reported running forever
+  CHECK(dsrun::Store(db).get_run(dead).status == dsrun::RunStatus::Lost);
 }
