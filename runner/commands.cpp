@@ -574,32 +574,18 @@ static std::vector<std::string> check_checkpoint_data(const CheckpointInfo& foun
   throw Error("the data differs from what the checkpoint at step " + std::to_string(found.step) + " trained on: " + join(changes.differ, "; "), c);
 }
 
-namespace {
-
-// The journals a run's launchers left beside it (the store was away when they ended), replayed
-// into the store in node order; nothing while a launcher of the run is alive (it replays its own).
-// Returns how many journals were replayed.
-int replay_run_journals(Store& store, const RunRecord& r, const std::string& run_dir) {
-  if (r.status == RunStatus::Running && launcher_gone(r, read_host_facts().hostname, unix_now()).empty()) return 0;
-  if (!is_directory(run_dir)) return 0;
-  int replayed = 0;
-  for (const std::string& f : list_directory(run_dir)) {
-    if (!starts_with(f, "store_journal-node") || !ends_with(f, ".jsonl")) continue;
-    const std::string path = path_join(run_dir, f);
-    if (is_directory(path) || file_size(path) == 0) continue;
-    store.journal_writes_to(path, 10);
-    if (!store.replay_journal(/*now=*/true)) {
-      ErrorContext c;
-      c.file = path;
-      c.hint = "the run store must answer to take the run's journaled writes; try again when it does";
-      throw Error("the run store did not take run " + r.id + "'s journal", c);
-    }
-    ++replayed;
+int command_store_replay(const std::string& run, const std::string& db_path) {
+  Store store = open_existing_store(db_path);
+  const RunRecord r = store.get_run(store.resolve_run(run));
+  const int replayed = replay_run_journals(store, r, path_join(runs_directory(db_path), r.id));
+  if (replayed == 0 && r.status == RunStatus::Running && launcher_gone(r, read_host_facts().hostname, unix_now()).empty()) {
+    std::cout << "run " << r.id << ": its launcher is alive and replays its own journal\n";
+    return kExitOk;
   }
-  return replayed;
+  std::cout << "run " << r.id << ": " << (replayed == 0 ? "no journal waits beside it" : std::to_string(replayed) + " journal(s) replayed into the store") << "; it is "
+            << to_string(store.get_run(r.id).status) << "\n";
+  return kExitOk;
 }
-
-}  // namespace
 
 int command_resume(const ResumeArgs& args, const RunFlags& flags, const std::string& db_path) {
   Store store = open_existing_store(db_path);

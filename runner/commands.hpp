@@ -65,6 +65,8 @@ int command_rollback(const std::string& run, int64_t to_step, const std::vector<
 // `dsrun export RUN --to DIR`: consolidated safetensors + config.json from a checkpoint (-1: newest).
 int command_export(const std::string& run, int64_t step, const std::string& to, const std::string& dtype, const std::string& db_path);
 int command_show(const std::string& db_path, const std::string& run, bool json);
+// `dsrun store replay RUN`: replay_run_journals (runner/launcher.hpp) for one run.
+int command_store_replay(const std::string& run, const std::string& db_path);
 // `dsrun init NAME`: a recipe from a template; with --from-hf, its model section from a Hugging
 // Face config.json (every key honoured or refused by name) and init_from its safetensors.
 struct InitArgs {

@@ -232,6 +232,7 @@ int command_history(const HistoryArgs& a, const std::string& db_path) {
   }
   Store store(db_path);
   refresh_slurm_runs(store);
+  replay_stranded_journals(store, db_path);  // (before marking lost: a journal may say how the run ended)
   mark_lost_runs(store);
   RunQuery q;
   q.limit = a.limit;

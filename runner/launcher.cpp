@@ -892,4 +892,44 @@ void exec_rank_process(const std::string& config_path) {
   fail_at(__FILE__, __LINE__, "cannot start " + rank_binary + ": " + std::strerror(errno));
 }
 
+// The journals a run's launchers left beside it (the store was away when they ended), replayed
+// into the store in node order; nothing while a launcher of the run is alive (it replays its own).
+// Returns how many journals were replayed.
+int replay_run_journals(Store& store, const RunRecord& r, const std::string& run_dir) {
+  if (r.status == RunStatus::Running && launcher_gone(r, read_host_facts().hostname, unix_now()).empty()) return 0;
+  if (!is_directory(run_dir)) return 0;
+  int replayed = 0;
+  for (const std::string& f : list_directory(run_dir)) {
+    if (!starts_with(f, "store_journal-node") || !ends_with(f, ".jsonl")) continue;
+    const std::string path = path_join(run_dir, f);
+    if (is_directory(path) || file_size(path) == 0) continue;
+    store.journal_writes_to(path, 10);
+    if (!store.replay_journal(/*now=*/true)) {
+      ErrorContext c;
+      c.file = path;
+      c.hint = "the run store must answer to take the run's journaled writes; try again when it does";
+      throw Error("the run store did not take run " + r.id + "'s journal", c);
+    }
+    ++replayed;
+  }
+  return replayed;
+}
+
+// Every run whose directory holds a journal its launcher left (not while that launcher lives).
+void replay_stranded_journals(Store& store, const std::string& db_path) {
+  const std::string root = runs_directory(db_path);
+  if (!is_directory(root)) return;
+  for (const std::string& id : list_directory(root)) {
+    const std::string dir = path_join(root, id);
+    if (!file_exists(path_join(dir, "store_journal-node0.jsonl"))) continue;  // (node 0's: the launcher that owns the run)
+    std::optional<RunRecord> r;
+    try {
+      r = store.get_run(id);
+    } catch (const Error&) {
+      continue;  // a directory of another store's run, or not a run's
+    }
+    replay_run_journals(store, *r, dir);
+  }
+}
+
 }  // namespace dsrun

@@ -101,6 +101,13 @@ std::string launcher_gone(const RunRecord& run, const std::string& this_host, do
 // whose launcher is gone (launcher_gone) is marked lost at its last step, naming why. Its launcher,
 // if it was only silent (a store that was away), takes it back at its next heartbeat.
 void mark_lost_runs(Store& store);
+
+// The journals a run's launchers left beside it in run_dir (the store was away when they ended),
+// replayed into the store in node order; nothing while a launcher of the run is alive (it replays
+// its own). Returns how many were replayed. resume, show, history and `dsrun store replay` call it.
+int replay_run_journals(Store& store, const RunRecord& r, const std::string& run_dir);
+// replay_run_journals for every run directory under the store's runs directory.
+void replay_stranded_journals(Store& store, const std::string& db_path);
 // " at step N" (the run's last recorded loss), or " before its first step": where a lost run stopped.
 std::string last_step_text(const Store& store, const std::string& run_id);
 

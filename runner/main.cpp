@@ -212,6 +212,9 @@ int main(int argc, char** argv) {
   CLI::App* store_copy = store_cmd->add_subcommand("copy", "Copy every run, metric, event, checkpoint record and sweep from SRC into DST (again: adds only what is new)");
   store_copy->add_option("src", copy_from, "A SQLite file or postgresql://USER@HOST/DB")->required();
   store_copy->add_option("dst", copy_to, "A SQLite file (created) or postgresql://USER@HOST/DB")->required();
+  std::string replay_run;
+  CLI::App* store_replay = store_cmd->add_subcommand("replay", "Replay into the store the journal a run's launcher left when the store was away");
+  store_replay->add_option("run", replay_run, "Run id, id prefix or run name")->required();
   std::string topic;
   CLI::App* docs = app.add_subcommand("docs", "Print a generated reference page (recipe)");
   docs->add_option("topic", topic, "recipe")->required();
@@ -257,6 +260,7 @@ int main(int argc, char** argv) {
     if (*run) return dsrun::command_run(recipe_args, flags, db);
     if (*worker) return dsrun::command_worker(worker_config, db, app.get_option("--db")->count() > 0);
     if (*store_copy) return dsrun::command_store_copy(copy_from, copy_to);
+    if (*store_replay) return dsrun::command_store_replay(replay_run, db);
     if (*cancel) return dsrun::command_cancel(cancel_run, db);
     if (*plan) return dsrun::command_plan(recipe_args, json, layouts, plan_smoke);
     if (*probe) return dsrun::command_probe(probe_args);

@@ -748,4 +748,16 @@ TEST_CASE("a run whose launcher journaled its finish: show and resume replay the
   const auto shown = dsrun_with_timeout(db, "show " + more.dead, 60);
   CHECK(shown.code == 0);
   CHECK(contains(shown.text, "status      failed: rank 1: out of memory"));
+  // history replays every journal left in the runs' directories; store replay one run's.
+  const Launchers third = three_launchers(store);
+  dsrun::make_directories(dir.file(third.dead));
+  dsrun::write_file_atomic(dir.file(third.dead + "/store_journal-node0.jsonl"),
+                           nlohmann::json({{"op", "status"}, {"run", third.dead}, {"status", "finished"}, {"error", ""}}).dump() + "\n");
+  CHECK(dsrun_with_timeout(db, "history", 60).code == 0);
+  CHECK(store.get_run(third.dead).status == dsrun::RunStatus::Finished);  // (not lost)
+  const auto again = dsrun_with_timeout(db, "store replay " + third.dead, 60);
+  CHECK(again.code == 0);
+  CHECK(contains(again.text, "no journal waits beside it; it is finished"));
+  const auto live = dsrun_with_timeout(db, "store replay " + third.live, 60);
+  CHECK(contains(live.text, "its launcher is alive and replays its own journal"));
 }
