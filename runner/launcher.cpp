@@ -767,6 +767,12 @@ static void flush_store_journal(Store& store) {
   std::fprintf(stderr, "dsrun: waiting up to 10 min for the run store to take the run's last writes\n");
   const double deadline = steady_seconds() + 600;
   while (!store.replay_journal(/*now=*/true)) {
+    if (store.journal_waits_for_missing_run()) {
+      std::fprintf(stderr, "dsrun: warning: the run is not in the store: its record (status, metrics, events) is only in its journal until it is brought back and replayed\n");
+      const std::string lost = store.unjournaled_writes();
+      if (!lost.empty()) std::fprintf(stderr, "dsrun: error: the journal file could not take some writes, and they end with this launcher: %s\n", lost.c_str());
+      return;
+    }
     if (steady_seconds() > deadline) {
       std::fprintf(stderr, "dsrun: warning: the run store stayed away: the run's last writes wait in its journal; `dsrun resume` replays them\n");
       const std::string lost = store.unjournaled_writes();

@@ -892,13 +892,34 @@ void Store::write(const std::function<void()>& apply, const std::function<std::s
   try {
     apply();
   } catch (const Error&) {
-    if (!db_->connection_lost()) throw;  // the store answered, and refused: that is the caller's
+    // The store answered and refused: the caller's error, unless the run is gone from it (its
+    // database dropped and made again, the run deleted by hand): training goes on, its writes wait.
+    if (!db_->connection_lost() && !run_missing(entry())) throw;
     journal();
   }
 }
 
+bool Store::run_missing(const std::string& line) {
+  const nlohmann::json e = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+  const std::string run = e.is_object() ? e.value("run", "") : "";
+  bool missing = false;
+  try {
+    missing = !run.empty() && db_->query("SELECT 1 FROM runs WHERE id = ?", {run}).empty();
+  } catch (const Error&) {
+    return false;  // (the store cannot even say: the original error stands)
+  }
+  if (missing && !run_missing_said_) {
+    run_missing_said_ = true;
+    std::fprintf(stderr, "dsrun: warning: run %s is not in the run store %s (its database dropped and made again?): training goes on, its writes go to %s; "
+                 "bring the run back (dsrun store copy from a copy of the store), then dsrun store replay %s\n",
+                 run.c_str(), path().c_str(), journal_path_.c_str(), run.c_str());
+  }
+  run_missing_now_ = missing;
+  return missing;
+}
+
 void Store::append_journal(const std::string& line) {
-  if (!journal_pending_)
+  if (!journal_pending_ && !run_missing_now_)
     std::fprintf(stderr, "dsrun: warning: run store %s is away: its writes go to %s, in order, until it is back\n", path().c_str(), journal_path_.c_str());
   journal_pending_ = true;
   int64_t in_memory = 0;
@@ -971,7 +992,7 @@ bool Store::replay_journal(bool now) {
   } catch (const Error&) {
     db_->set_reconnect_seconds(reconnect_seconds_);
     replaying_ = false;
-    if (!db_->connection_lost()) throw;
+    if (!db_->connection_lost() && !run_missing(lines[done])) throw;
     // What was applied leaves the journal: from memory at once; from the file by rewriting it
     // without those lines where the disk allows, else by remembering how many (a full disk must
     // not end the run: the file stays as it was, and nothing is applied twice by this process).
@@ -991,6 +1012,7 @@ bool Store::replay_journal(bool now) {
     return false;
   }
   replaying_ = false;
+  run_missing_now_ = false;
   if (file_exists(journal_path_) && !is_directory(journal_path_) && ::unlink(journal_path_.c_str()) != 0) {
     // Still there: its lines must not be applied again by this launcher or the next.
     const int saved = errno;

@@ -201,6 +201,9 @@ class Store {
   // Replays what waits in the journal now; true when nothing is left (or there is no journal).
   bool replay_journal(bool now = false);
   bool journal_pending() const { return journal_pending_; }
+  // The journal waits because the store lacks its run (not because the store is away): waiting
+  // for the store to come back would not help.
+  bool journal_waits_for_missing_run() const { return run_missing_now_; }
   // The writes that wait in memory only (the journal file could not take them), described:
   // "3 writes: metrics of steps 25-27, 1 status" ("" when none). Lost if the process ends now.
   std::string unjournaled_writes() const;
@@ -210,6 +213,8 @@ class Store {
   void write(const std::function<void()>& apply, const std::function<std::string()>& entry);
   void append_journal(const std::string& line);
   void apply_journal_entry(const std::string& line);
+  // Whether the run a journal line is about has no row in the store (said once on stderr).
+  bool run_missing(const std::string& line);
 
   std::unique_ptr<Database> db_;
   std::string journal_path_;
@@ -219,6 +224,7 @@ class Store {
   std::vector<std::string> unjournaled_;  // lines the journal file could not take, in order after its own
   size_t replayed_file_lines_ = 0;        // the file's first lines already applied (its rewrite failed)
   bool journal_pending_ = false, replaying_ = false;
+  bool run_missing_said_ = false, run_missing_now_ = false;
   double next_replay_ = 0, reconnect_seconds_ = 0;
 };
 

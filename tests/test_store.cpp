@@ -511,3 +511,43 @@ TEST_CASE("a journal the launcher cannot write (its path taken by a directory) d
   CHECK(test::contains(out, "the run's writes wait in memory until the store is back"));
   CHECK(test::contains(out, "journaled write(s) replayed in order"));
 }
+
+TEST_CASE("a run deleted from its store while it trains (the database dropped and made again): training goes on, its record waits in the journal and store replay brings it back", "[store][reliability][journal]") {
+  test::TempDir dir;
+  const std::string db = dir.file("runs.db");
+  test::run_command("cd '" + test::source_dir() + "' && ('" DSRUN_BINARY "' run tests/recipes/tiny_train.toml --db '" + db +
+                    "' --set run.steps=150 --set checkpoint.at_end=false --set logging.tensorboard=false > '" + dir.file("out.txt") + "' 2>&1; echo $? > '" +
+                    dir.file("code") + "') > /dev/null 2>&1 &");
+  std::string id;
+  for (int i = 0; i < 600 && id.empty(); ++i) {
+    ::usleep(50000);
+    if (!dsrun::file_exists(db)) continue;
+    Store store(db);
+    for (const auto& r : store.list_runs({}))
+      if (store.latest_metrics(r.id).count("loss") && store.latest_metrics(r.id).at("loss").step >= 5) id = r.id;
+  }
+  REQUIRE_FALSE(id.empty());
+  // A copy kept aside (as a backup would be), then the run gone from the store.
+  const std::string sql = "sqlite3 '" + db + "' \"PRAGMA foreign_keys=ON; CREATE TABLE runs_copy AS SELECT * FROM runs WHERE id='" + id +
+                          "'; CREATE TABLE metrics_copy AS SELECT * FROM metrics WHERE run_id='" + id + "'; ";
+  std::string drop;
+  for (const char* table : {"metrics", "metrics_latest", "events", "checkpoints", "run_nodes"}) drop += std::string("DELETE FROM ") + table + " WHERE run_id='" + id + "'; ";
+  REQUIRE(test::run_command(sql + drop + "DELETE FROM runs WHERE id='" + id + "';\"").code == 0);
+  test::run_command("for i in $(seq 1200); do [ -f '" + dir.file("code") + "' ] && break; sleep 0.1; done");
+  const std::string out = dsrun::read_file(dir.file("out.txt"));
+  INFO(out);
+  REQUIRE(dsrun::file_exists(dir.file("code")));
+  CHECK(dsrun::trim(dsrun::read_file(dir.file("code"))) == "0");  // before: the launcher died at its next write
+  CHECK(test::contains(out, "is not in the run store"));
+  CHECK(test::contains(out, "its record (status, metrics, events) is only in its journal"));
+  REQUIRE(dsrun::file_exists(dir.file(id + "/store_journal-node0.jsonl")));
+  // Brought back from the copy, then replayed: every step, and the end.
+  REQUIRE(test::run_command("sqlite3 '" + db + "' \"INSERT INTO runs SELECT * FROM runs_copy; INSERT INTO metrics SELECT * FROM metrics_copy;\"").code == 0);
+  const auto replay = test::run_command("'" DSRUN_BINARY "' store replay " + id + " --db '" + db + "'");
+  INFO(replay.text);
+  CHECK(replay.code == 0);
+  Store store(db);
+  CHECK(store.get_run(id).status == RunStatus::Finished);
+  CHECK(store.metric_history(id, "loss").size() == 150);
+  CHECK_FALSE(dsrun::file_exists(dir.file(id + "/store_journal-node0.jsonl")));
+}
