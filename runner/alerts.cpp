@@ -12,6 +12,8 @@
 #include <curl/curl.h>
 #endif
 #include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -178,6 +180,12 @@ void AlertDelivery::send(const AlertRule& rule, const nlohmann::json& alert) {
 bool AlertDelivery::given_up() const { return stopping_ && steady_seconds() >= deadline_; }
 
 void AlertDelivery::deliver(const Target& t) {
+  // A program that exits without reading its stdin (`false`) must cost this write an EPIPE, not
+  // the launcher a SIGPIPE: blocked on this thread alone (a write's SIGPIPE goes to its thread).
+  sigset_t pipe_signal;
+  sigemptyset(&pipe_signal);
+  sigaddset(&pipe_signal, SIGPIPE);
+  pthread_sigmask(SIG_BLOCK, &pipe_signal, nullptr);
   const std::string to = t.webhook ? t.rule.url : t.rule.command.front();
   const std::string alert = "alert \"" + t.rule.name + "\"";
   for (int attempt = 1;; ++attempt) {

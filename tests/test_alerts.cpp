@@ -187,6 +187,7 @@ TEST_CASE("each alert receiver delivers on its own: a hanging command delays no 
   dsrun::test::Run run = dsrun::test::train(dir, "--set run.steps=20 --set checkpoint.every=0", "HOME='" + dir.file("home") + "' DSRUN_TEST_CRASH_AT=0:3",
                                             dir.file("alerts.toml"));
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  INFO("exit code " << run.code << " after " << seconds << " s");
   INFO(run.text);
   REQUIRE_FALSE(run.id.empty());
   CHECK(run.code != 0);

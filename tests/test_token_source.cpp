@@ -338,7 +338,7 @@ TEST_CASE("prepare reads .zst and .gz files whose text is a multiple of zstd's 1
   }
 }
 
-TEST_CASE("--line-documents: blank lines are no documents, and the summary and manifest count them", "[data][prepare]") {
+TEST_CASE("prepare with --line-documents: blank lines are no documents, and the summary and manifest count them", "[data][prepare]") {
   TempDir dir;
   const std::string tok = byte_tokenizer(dir);
   const std::string path = dir.write("in/lines.txt", "first\n\n   \nsecond\n\r\n\t\nthird\n");
