@@ -75,25 +75,6 @@ int64_t disk_bytes(const std::string& path) {
   return total;
 }
 
-// A run recorded as running (with no launcher of its own yet).
-std::string running_run(dsrun::Store& store, const std::string& name) {
-  dsrun::NewRun n;
-  n.name = name;
-  n.recipe_text = n.config_toml = "x";
-  const std::string id = store.create_run(n);
-  store.set_status(id, dsrun::RunStatus::Running);
-  return id;
-}
-
-// A process id that is no longer alive (a child that exited and was reaped).
-pid_t exited_process() {
-  const pid_t exited = ::fork();
-  if (exited == 0) ::_exit(0);
-  int status = 0;
-  REQUIRE(::waitpid(exited, &status, 0) == exited);
-  return exited;
-}
-
 // Three runs recorded as running: `dead`, whose launcher's process on this host has exited;
 // `silent`, on another host (not checkable from here) and without a heartbeat for 3 h; `live`,
 // this test process.
@@ -103,10 +84,10 @@ struct Launchers {
 };
 Launchers three_launchers(dsrun::Store& store) {
   Launchers l;
-  l.exited = exited_process();
-  l.dead = running_run(store, "dead");
-  l.silent = running_run(store, "silent");
-  l.live = running_run(store, "live");
+  l.exited = dsrun::test::exited_process();
+  l.dead = dsrun::test::running_run(store, "dead");
+  l.silent = dsrun::test::running_run(store, "silent");
+  l.live = dsrun::test::running_run(store, "live");
   const std::string host = dsrun::read_host_facts().hostname;
   store.run_heartbeat(l.dead, host, l.exited);
   store.run_heartbeat(l.silent, "another-host", 1);

@@ -5,6 +5,7 @@
 #include "engine/common/files.hpp"
 #include "storage/store.hpp"
 #include "test_util.hpp"
+#include "train_util.hpp"
 
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
@@ -347,16 +348,8 @@ TEST_CASE("dsrun ui marks a run whose launcher died lost: /metrics stops reporti
   std::string dead;
   {
     dsrun::Store store(db);
-    dsrun::NewRun n;
-    n.name = "orphan";
-    n.recipe_text = n.config_toml = "x";
-    dead = store.create_run(n);
-    store.set_status(dead, dsrun::RunStatus::Running);
-    const pid_t exited = ::fork();  // a launcher process that has exited, on this host
-    if (exited == 0) ::_exit(0);
-    int status = 0;
-    REQUIRE(::waitpid(exited, &status, 0) == exited);
-    store.run_heartbeat(dead, dsrun::read_host_facts().hostname, exited);
+    dead = dsrun::test::running_run(store, "orphan");
+    store.run_heartbeat(dead, dsrun::read_host_facts().hostname, dsrun::test::exited_process());  // its launcher exited, on this host
   }
   const int port = 30000 + static_cast<int>(std::random_device{}() % 10000);
   REQUIRE(start_ui(dir, db, port, "ui"));

@@ -7,12 +7,34 @@
 
 #include <catch2/catch.hpp>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <cmath>
 #include <string>
 #include <vector>
 
 namespace dsrun::test {
+
+// A run recorded as running (with no launcher of its own yet).
+inline std::string running_run(Store& store, const std::string& name) {
+  NewRun n;
+  n.name = name;
+  n.recipe_text = n.config_toml = "x";
+  const std::string id = store.create_run(n);
+  store.set_status(id, RunStatus::Running);
+  return id;
+}
+
+// A process id that is no longer alive (a child that exited and was reaped).
+inline pid_t exited_process() {
+  const pid_t exited = ::fork();
+  if (exited == 0) ::_exit(0);
+  int status = 0;
+  REQUIRE(::waitpid(exited, &status, 0) == exited);
+  return exited;
+}
 
 struct Run {
   int code = -1;
