@@ -236,9 +236,11 @@ TEST_CASE("a CPU run's peak resident memory is within 10% of the plan's host ter
   dsrun::test::TempDir dir;
   const std::string model = " --set run.steps=3 --set model.hidden=512 --set model.layers=8 --set model.heads=8 --set model.kv_heads=8 --set model.intermediate=1536";
   // ZeRO-2 without offload, the quickstart's layout, measured 25% above the plan while every unit's
-  // gradient copy stayed in flight to the end of backward (zero.cpp now bounds them).
+  // gradient copy stayed in flight to the end of backward (zero.cpp now bounds them). ZeRO-3 on
+  // Gloo, 12-19% above before the plan counted those reductions in flight at stage 3 too (with
+  // full recomputation it is still 17% above: not yet found).
   for (const std::string& layout_sets : {layout(2, 2) + " --set parallel.offload=\\\"optimizer\\\"", layout(1, 3) + " --set parallel.offload=\\\"optimizer\\\"",
-                                         layout(2, 2) + " --set batch.micro=6 --set batch.seq_len=128"}) {
+                                         layout(2, 2) + " --set batch.micro=6 --set batch.seq_len=128", layout(3, 2) + " --set batch.micro=6 --set batch.seq_len=128"}) {
     Run run = train(dir, layout_sets + model);
     INFO(run.text);
     REQUIRE(run.code == 0);
