@@ -872,7 +872,7 @@ int command_show(const std::string& db_path, const std::string& query, bool json
   Store store = open_existing_store(db_path);
   refresh_slurm_runs(store);
   RunRecord r = store.get_run(store.resolve_run(query));
-  if (replay_run_journals(store, r, path_join(runs_directory(db_path), r.id)) > 0) r = store.get_run(r.id);
+  replay_run_journals(store, r, path_join(runs_directory(db_path), r.id));  // (first: a journal may say how the run ended)
   mark_lost_runs(store);
   r = store.get_run(r.id);
   if (!json) {
@@ -924,9 +924,7 @@ std::string with_hf_model(std::string text, const std::string& from_hf) {
     c.hint = "give a Hugging Face checkpoint directory (config.json and *.safetensors) or its config.json";
     throw Error("no config.json", c);
   }
-  char* real = ::realpath(c.file.c_str(), nullptr);
-  const std::string config_path = real ? real : c.file;
-  std::free(real);
+  const std::string config_path = absolute(c.file);  // (init_from must hold wherever the recipe goes)
   if (text.find("\n[model") != std::string::npos) {
     c.hint = "choose a template without a [model] table (gpu-decoder, quickstart)";
     throw Error("the template sets the model itself", c);

@@ -1,6 +1,7 @@
 #include "storage/store.hpp"
 
 #include "engine/common/error.hpp"
+#include "engine/common/file_descriptor.hpp"
 #include "engine/common/files.hpp"
 #include "engine/common/text.hpp"
 
@@ -922,10 +923,8 @@ void Store::append_journal(const std::string& line) {
   if (!journal_pending_ && !run_missing_now_)
     std::fprintf(stderr, "dsrun: warning: run store %s is away: its writes go to %s, in order, until it is back\n", path().c_str(), journal_path_.c_str());
   journal_pending_ = true;
-  int64_t in_memory = 0;
-  for (const std::string& l : unjournaled_) in_memory += static_cast<int64_t>(l.size());
   const int64_t on_disk = file_exists(journal_path_) && !is_directory(journal_path_) ? file_size(journal_path_) : 0;
-  if (on_disk + in_memory + static_cast<int64_t>(line.size()) > kJournalBytes) {
+  if (on_disk + unjournaled_bytes_ + static_cast<int64_t>(line.size()) > kJournalBytes) {
     ErrorContext c;
     c.file = journal_path_;
     c.hint = "bring the store back; then `dsrun resume` the run (its checkpoints are on disk)";
@@ -933,20 +932,20 @@ void Store::append_journal(const std::string& line) {
   }
   // Once a line waits in memory the rest follow it there: the file's order is the writes' order.
   if (unjournaled_.empty()) {
-    const int fd = ::open(journal_path_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
+    FileDescriptor fd(::open(journal_path_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600));
     const std::string text = line + "\n";
-    const off_t before = fd >= 0 ? ::lseek(fd, 0, SEEK_END) : 0;
-    const bool written = fd >= 0 && ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size()) && ::fdatasync(fd) == 0;
+    const off_t before = fd.get() >= 0 ? ::lseek(fd.get(), 0, SEEK_END) : 0;
+    const bool written = fd.get() >= 0 && ::write(fd.get(), text.data(), text.size()) == static_cast<ssize_t>(text.size()) && ::fdatasync(fd.get()) == 0;
     const int saved = errno;
-    if (fd >= 0 && !written && ::ftruncate(fd, before) != 0) {
-      // A partial line stays; its replay reports it (a cut line) rather than apply half a write.
-    }
-    if (fd >= 0) ::close(fd);
+    // A partial line is cut off again; where even that fails, its replay reports a cut line
+    // rather than apply half a write.
+    if (fd.get() >= 0 && !written) (void)::ftruncate(fd.get(), before);
     if (written) return;
     std::fprintf(stderr, "dsrun: warning: cannot write the store journal %s: %s; the run's writes wait in memory until the store is back\n",
                  journal_path_.c_str(), std::strerror(saved));
   }
   unjournaled_.push_back(line);
+  unjournaled_bytes_ += static_cast<int64_t>(line.size());
 }
 
 std::string Store::unjournaled_writes() const {
@@ -997,6 +996,7 @@ bool Store::replay_journal(bool now) {
     // without those lines where the disk allows, else by remembering how many (a full disk must
     // not end the run: the file stays as it was, and nothing is applied twice by this process).
     const size_t from_file = std::min(done, file_lines);
+    for (size_t i = 0; i < done - from_file; ++i) unjournaled_bytes_ -= static_cast<int64_t>(unjournaled_[i].size());
     unjournaled_.erase(unjournaled_.begin(), unjournaled_.begin() + static_cast<std::ptrdiff_t>(done - from_file));
     if (from_file > 0) {
       try {
@@ -1022,6 +1022,7 @@ bool Store::replay_journal(bool now) {
     replayed_file_lines_ = 0;
   }
   unjournaled_.clear();
+  unjournaled_bytes_ = 0;
   journal_pending_ = false;
   std::fprintf(stderr, "dsrun: run store %s is back: %zu journaled write(s) replayed in order\n", path().c_str(), lines.size());
   return true;

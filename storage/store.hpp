@@ -222,6 +222,7 @@ class Store {
   double write_time() const;
   double written_at_ = 0;
   std::vector<std::string> unjournaled_;  // lines the journal file could not take, in order after its own
+  int64_t unjournaled_bytes_ = 0;         // their size (append_journal's bound counts it on every write)
   size_t replayed_file_lines_ = 0;        // the file's first lines already applied (its rewrite failed)
   bool journal_pending_ = false, replaying_ = false;
   bool run_missing_said_ = false, run_missing_now_ = false;

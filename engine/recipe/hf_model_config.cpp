@@ -83,7 +83,6 @@ class ConfigReader {
     }
   }
 
-  const std::string& path() const { return path_; }
   bool has(const std::string& key) const { return json_.contains(key) && !json_.at(key).is_null(); }
   // Marks key as read; null when absent.
   const Json& use(const std::string& key) {
@@ -92,34 +91,10 @@ class ConfigReader {
     return json_.contains(key) ? json_.at(key) : null_value;
   }
 
-  int64_t integer(const std::string& key, int64_t fallback) {
-    const Json& v = use(key);
-    if (v.is_null()) return fallback;
-    if (v.is_number_integer()) return v.get<int64_t>();
-    refuse(key, "is " + v.dump() + ", not an integer", "write a whole number");
-    return fallback;
-  }
-  double number(const std::string& key, double fallback) {
-    const Json& v = use(key);
-    if (v.is_null()) return fallback;
-    if (v.is_number()) return v.get<double>();
-    refuse(key, "is " + v.dump() + ", not a number", "write a number");
-    return fallback;
-  }
-  bool boolean(const std::string& key, bool fallback) {
-    const Json& v = use(key);
-    if (v.is_null()) return fallback;
-    if (v.is_boolean()) return v.get<bool>();
-    refuse(key, "is " + v.dump() + ", not true or false", "write true or false");
-    return fallback;
-  }
-  std::string string(const std::string& key, const std::string& fallback) {
-    const Json& v = use(key);
-    if (v.is_null()) return fallback;
-    if (v.is_string()) return v.get<std::string>();
-    refuse(key, "is " + v.dump() + ", not a string", "write a string");
-    return fallback;
-  }
+  int64_t integer(const std::string& key, int64_t fallback) { return typed(key, fallback, &Json::is_number_integer, "an integer", "write a whole number"); }
+  double number(const std::string& key, double fallback) { return typed(key, fallback, &Json::is_number, "a number", "write a number"); }
+  bool boolean(const std::string& key, bool fallback) { return typed(key, fallback, &Json::is_boolean, "true or false", "write true or false"); }
+  std::string string(const std::string& key, const std::string& fallback) { return typed(key, fallback, &Json::is_string, "a string", "write a string"); }
   int64_t required_integer(const std::string& key) {
     if (!has(key)) refuse(key, "is missing", "a " + model_type + " config.json has it; check that this is the model's config.json");
     return integer(key, 0);
@@ -170,6 +145,16 @@ class ConfigReader {
   std::string model_type;
 
  private:
+  // key's value as T; absent or null: fallback; another type: refused, and fallback.
+  template <typename T>
+  T typed(const std::string& key, T fallback, bool (Json::*is)() const noexcept, const char* what, const char* fix) {
+    const Json& v = use(key);
+    if (v.is_null()) return fallback;
+    if ((v.*is)()) return v.get<T>();
+    refuse(key, "is " + v.dump() + ", not " + what, fix);
+    return fallback;
+  }
+
   struct Problem {
     std::string key, message, fix;
   };
@@ -205,7 +190,7 @@ void put(std::vector<Table>& tables, const std::string& hf_name, Value v) {
 void read_rope(ConfigReader& r, std::vector<Table>& tables, double& rope_theta) {
   const std::string name = r.has("rope_parameters") ? "rope_parameters" : "rope_scaling";
   const Json rope = r.use(name);
-  r.use(name == "rope_parameters" ? "rope_scaling" : "rope_parameters");
+  r.use(name == "rope_parameters" ? "rope_scaling" : "rope_parameters");  // (the other, null or absent, is read too)
   if (rope.is_null()) return;
   if (!rope.is_object()) return r.refuse(name, "is " + rope.dump() + ", not an object", "write null or an object with rope_type");
   std::set<std::string> known;
@@ -214,9 +199,8 @@ void read_rope(ConfigReader& r, std::vector<Table>& tables, double& rope_theta) 
     return rope.contains(k) ? rope.at(k) : Json();
   };
   if (get("rope_theta").is_number()) rope_theta = rope.at("rope_theta").get<double>();
-  Json type = get("rope_type");
-  if (type.is_null()) type = get("type");
-  get("type");
+  const Json rope_type = get("rope_type"), old_type = get("type");  // (transformers 5 writes both; 4, type)
+  const Json& type = rope_type.is_null() ? old_type : rope_type;
   const std::string kind = type.is_string() ? type.get<std::string>() : "default";
   if (kind == "default") {
     for (const auto& item : rope.items())
