@@ -50,11 +50,11 @@ void check_token_data(const Recipe& r) {
   for (const std::string& w : corpus.warnings()) std::cerr << "dsrun: warning: data: " << w << "\n";
 }
 
-// Data the recipe names and this machine lacks: `plan` warns (it may plan for another machine);
+// What the recipe names and this machine lacks (the loader's kLackedHere warnings: data files):
 // a run or resume here is refused before any rank starts (they would fail at their first batch).
 void refuse_missing_data(const LoadedRecipe& loaded) {
   for (const Diagnostic& d : loaded.diagnostics)
-    if (d.severity == Diagnostic::Severity::Warning && starts_with(d.key, "data.") && d.message.find("does not exist on this machine") != std::string::npos) {
+    if (d.severity == Diagnostic::Severity::Warning && ends_with(d.message, kLackedHere)) {
       ErrorContext c;
       c.file = d.source.file;
       c.line = d.source.line;

@@ -291,4 +291,9 @@ TEST_CASE("run refuses data this machine lacks before a run is recorded (plan on
   CHECK(run.code == 1);
   CHECK(contains(run.text, "data.path: \"/nonexistent/corpus.txt\" does not exist on this machine: nothing trained"));
   CHECK(contains(dsrun_cli("history", dir).text, "no runs yet"));  // before, a run was recorded and its ranks failed
+  // A blend's missing sources alike (the loader's one phrase for what this machine lacks).
+  Output blend = dsrun_cli("run tests/recipes/tiny_train.toml --set data.kind=\\\"tokens\\\" --set 'data.blend=[\"/nonexistent/a.bin\"]'", dir);
+  INFO(blend.text);
+  CHECK(blend.code == 1);
+  CHECK(contains(blend.text, "data.blend: 1 of 1 sources do not exist on this machine: nothing trained"));
 }

@@ -563,15 +563,15 @@ void build_data(Builder& c, Recipe& r, const std::string& recipe_dir) {
     if (d.path.empty())
       c.error("data.path", "data.kind = \"" + c.s("data.kind") + "\" needs a path", "set data.path to a file or directory");
     else if (!present(d.path))
-      c.warning("data.path", "\"" + d.path + "\" does not exist on this machine; a run here would fail", "check the path");
+      c.warning("data.path", "\"" + d.path + "\" does not exist on this machine; " + std::string(kLackedHere), "check the path");
   }
   int missing = 0;
   for (const std::string& p : d.blend) missing += present(p) ? 0 : 1;
   if (missing > 0 && d.blend.size() <= kMaxBlendSources)
-    c.warning("data.blend", std::to_string(missing) + " of " + std::to_string(d.blend.size()) + " sources do not exist on this machine; a run here would fail",
+    c.warning("data.blend", std::to_string(missing) + " of " + std::to_string(d.blend.size()) + " sources do not exist on this machine; " + std::string(kLackedHere),
               "check the paths");
   if (!d.val_path.empty() && !present(d.val_path))
-    c.warning("data.val_path", "\"" + d.val_path + "\" does not exist on this machine; a run here would fail", "check the path");
+    c.warning("data.val_path", "\"" + d.val_path + "\" does not exist on this machine; " + std::string(kLackedHere), "check the path");
   bool images = r.model.arch == ModelArch::ResNet;
   if (images && (d.kind == DataKind::Text || d.kind == DataKind::Tokens))
     c.error("data.kind", "a ResNet trains on images, not " + c.s("data.kind"), "use data.kind = \"cifar10\" or \"synthetic\"", {"model.arch"});

@@ -53,6 +53,10 @@ struct Setting {
 // Dotted key -> setting, sorted; the resolved config of a run is exactly this map.
 using Config = std::map<std::string, Setting>;
 
+// How a warning about what this machine lacks (a data file) ends: `plan` only warns (it may plan
+// for another machine), while `run` and `resume` refuse to start ranks on such a recipe.
+constexpr const char* kLackedHere = "a run here would fail";
+
 struct Diagnostic {
   enum class Severity { Error, Warning } severity = Severity::Error;
   Source source;
