@@ -21,7 +21,7 @@ extern char** environ;
 #include "storage/store.hpp"
 
 #ifdef DSRUN_WITH_HTTPLIB
-#include <httplib.h>
+#include "runner/gated_http_server.hpp"
 #endif
 #include <nlohmann/json.hpp>
 
@@ -269,11 +269,11 @@ int command_ui(const UiOptions& o) {
   if (!store_exists(o.db_path)) throw Error("no run store here", ErrorContext{o.db_path, 0, 0, "", -1, "run a recipe first, or pass --db"});
   Store store(o.db_path);
   std::mutex store_mutex;  // one connection: requests take turns
-  httplib::Server server;
-  // Browsers keep idle connections open, each holding a worker: more workers, shorter keep-alive,
-  // so that a few open tabs never leave a scraper or a poll waiting.
+  // Browsers keep idle connections open, each holding a worker: more workers, a short keep-alive,
+  // so that a few open tabs never leave a scraper or a poll waiting; a header deadline and a few
+  // connections per address, so that slow or greedy clients cannot hold them all.
+  GatedHttpServer server(ConnectionLimits{});
   server.new_task_queue = [] { return new httplib::ThreadPool(32); };
-  server.set_keep_alive_timeout(2);
   // Read-only: GET alone, every request with the token when there is one.
   server.set_pre_routing_handler([&](const httplib::Request& req, httplib::Response& res) {
     if (req.method != "GET" && req.method != "HEAD") {

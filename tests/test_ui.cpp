@@ -10,11 +10,16 @@
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <random>
 #include <thread>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -359,4 +364,79 @@ TEST_CASE("dsrun ui marks a run whose launcher died lost: /metrics stops reporti
   CHECK(contains(metrics, "# TYPE dsrun_run_running gauge"));
   CHECK_FALSE(contains(metrics, "dsrun_run_running{run_id=\"" + dead));  // before: reported running forever
   CHECK(dsrun::Store(db).get_run(dead).status == dsrun::RunStatus::Lost);
+}
+
+namespace {
+// A TCP connection to 127.0.0.1:port from the loopback address `source` (any of 127.0.0.0/8 is
+// this machine): -1 when it cannot be made.
+int connect_from(const std::string& source, int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
+  sockaddr_in from{};
+  from.sin_family = AF_INET;
+  ::inet_pton(AF_INET, source.c_str(), &from.sin_addr);
+  sockaddr_in to{};
+  to.sin_family = AF_INET;
+  to.sin_port = htons(static_cast<uint16_t>(port));
+  ::inet_pton(AF_INET, "127.0.0.1", &to.sin_addr);
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&from), sizeof(from)) != 0 || ::connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof(to)) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+// What the server has sent on `fd` within `wait_ms`, up to 4 KB.
+std::string answer_on(int fd, int wait_ms) {
+  pollfd p{fd, POLLIN, 0};
+  if (::poll(&p, 1, wait_ms) <= 0) return "";
+  char text[4096];
+  const ssize_t n = ::recv(fd, text, sizeof(text), MSG_DONTWAIT);
+  return n > 0 ? std::string(text, static_cast<size_t>(n)) : std::string();
+}
+}  // namespace
+
+TEST_CASE("dsrun ui serves another address while 40 connections from one address trickle their headers: 8 are held and told 408 at the header deadline, 32 are told 503 at once", "[ui]") {
+  dsrun::test::TempDir dir;
+  const std::string db = dir.file("runs.db");
+  {
+    dsrun::Store store(db);
+    dsrun::test::running_run(store, "watched");
+  }
+  const int port = 30000 + static_cast<int>(std::random_device{}() % 10000);
+  REQUIRE(start_ui(dir, db, port, "ui"));
+  std::vector<int> slow;
+  for (int i = 0; i < 40; ++i) {
+    const int fd = connect_from("127.0.0.2", port);
+    REQUIRE(fd >= 0);
+    REQUIRE(::send(fd, "GET /metrics HTTP/1.1\r\n", 23, MSG_NOSIGNAL) == 23);
+    slow.push_back(fd);
+  }
+  // One header byte per connection every 250 ms: before, each byte renewed cpp-httplib's read
+  // timeout and the 40 held all 32 workers for as long as they trickled.
+  std::atomic<bool> trickling{true};
+  std::thread trickle([&] {
+    while (trickling) {
+      for (int fd : slow) ::send(fd, "x", 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+      std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  const auto asked = std::chrono::steady_clock::now();
+  const auto metrics = run_command("curl -s --max-time 4 -o /dev/null -w '%{http_code}' http://127.0.0.1:" + std::to_string(port) + "/metrics");
+  const double answered_after = std::chrono::duration<double>(std::chrono::steady_clock::now() - asked).count();
+  std::this_thread::sleep_for(std::chrono::seconds(6));  // past the 5 s header deadline
+  trickling = false;
+  trickle.join();
+  int busy = 0, timed_out = 0;
+  for (int fd : slow) {
+    const std::string answer = answer_on(fd, 2000);
+    busy += contains(answer, "HTTP/1.1 503");
+    timed_out += contains(answer, "HTTP/1.1 408");
+    ::close(fd);
+  }
+  std::system(("kill $(cat '" + dir.file("ui.pid") + "') 2>/dev/null").c_str());
+  CHECK(metrics.text == "200");
+  CHECK(answered_after < 2.0);
+  CHECK(timed_out == 8);
+  CHECK(busy == 32);
 }
