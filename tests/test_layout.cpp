@@ -308,10 +308,16 @@ TEST_CASE("execution.cuda_graphs: on for one bf16 decoder rank with one micro-ba
 
 TEST_CASE("execution modes: one rule each, from the layout and the build's kernels, pinned for the ranks", "[layout][execution]") {
   const std::string one_gpu =
-      "base = [\"hardware/h100-80gb-x1\", \"models/deepseek-tiny\"]\n[parallel]\nzero_stage = 2\n[precision]\ndtype = \"bf16\"\n"
+      "base = [\"hardware/h100-80gb-x1\", \"models/deepseek-tiny\"]\n[parallel]\nzero_stage = 2\n[precision]\ndtype = \"bf16\"\ngrad_dtype = \"bf16\"\n"
       "[batch]\nglobal = 4\nmicro = 2\nseq_len = 128\nloss_chunk_tokens = 64\n";
   LoadedRecipe r = load_text(one_gpu);
   REQUIRE(r.ok());
+  // Two micro-batches a step: `auto` sums their gradients in fp32, which autograd cannot hold; the
+  // recipe's bf16 keeps them where autograd puts them.
+  const Plan widened = make_plan(load_text(one_gpu, {"precision.grad_dtype=\"auto\""}).recipe, dsrun::test::small_host());
+  CHECK(widened.modes.gradient_dtype == DType::Fp32);
+  CHECK_FALSE(widened.modes.gradients_left_to_autograd);
+  CHECK(widened.memory.gradients_after_peak == 0);
   // Planned by this CPU build (the test host has no kernels): for dsrun's GPU build, and said so.
   const Plan gpu = make_plan(r.recipe, dsrun::test::small_host());
   CHECK(gpu.modes.loss_chunk_tokens == 64);
@@ -345,7 +351,7 @@ TEST_CASE("execution modes: one rule each, from the layout and the build's kerne
   CHECK(buffered.memory.gradients_after_peak == 0);
 
   // true where a rule refuses it: the rule wins and the plan says why.
-  LoadedRecipe fp16 = load_text(one_gpu, {"precision.dtype=\"fp16\"", "execution.loss_gradients_in_forward=true"});
+  LoadedRecipe fp16 = load_text(one_gpu, {"precision.dtype=\"fp16\"", "precision.grad_dtype=\"fp16\"", "execution.loss_gradients_in_forward=true"});
   REQUIRE(fp16.ok());
   const Plan scaled = make_plan(fp16.recipe, dsrun::test::small_host());
   CHECK_FALSE(scaled.modes.loss_gradients_in_forward);
@@ -379,5 +385,5 @@ TEST_CASE("execution modes: one rule each, from the layout and the build's kerne
     INFO(row.name);
     CHECK(find_key_spec(std::string("execution.") + row.name) != nullptr);
   }
-  CHECK(gpu.modes.to_config_keys().size() == execution_mode_rows().size() + 1);  // + batch.loss_chunk_tokens
+  CHECK(gpu.modes.to_config_keys().size() == execution_mode_rows().size() + 2);  // + batch.loss_chunk_tokens, precision.grad_dtype
 }

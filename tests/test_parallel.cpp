@@ -160,3 +160,65 @@ TEST_CASE("tensor parallelism with latent attention, V3 routing and MTP: heads s
   CHECK(tensor_parallel_matches(m, {1, 1, 2}, 0));
   CHECK(tensor_parallel_matches(m, {1, 2, 2}, 3, false, 5));  // and the fused projection and loss
 }
+
+TEST_CASE("fp32 gradients under data 2 x tensor 2 with sequence parallelism: 4 bf16 micro-batches accumulate to the sum of each one's reduced gradient, at ZeRO 0-3", "[engine][tensor][grad_dtype]") {
+  // The reference runs the same layout one micro-batch at a time (each reduced alone) and sums the
+  // four reduced gradients in fp64: each micro-batch's bf16 gradients are bitwise the same in both
+  // (the norms' partial gradients summed over the tensor ranks in fp32 and rounded once), so
+  // accumulating in fp32 leaves only fp32 rounding between them.
+  const ModelSpec m = dsrun::test::tiny_decoder();
+  for (int stage = 0; stage <= 3; ++stage)
+    CHECK(in_mesh({1, 2, 2}, [&](DeviceMesh& mesh) {
+      const int micro_batches = 4;
+      auto batch = [&](int mb) { return token_batch(2, 16, m.vocab, 500 + 10 * mesh.coordinates().data + mb); };
+      auto build = [&](int zero_stage) {
+        ModelBuild b;
+        b.seed = 7;
+        b.deferred = true;
+        auto model = build_model(m, 16, b);
+        ParallelizeOptions options;
+        options.zero.stage = zero_stage;
+        options.zero.dtype = DType::Bf16;
+        options.zero.grad_dtype = DType::Fp32;
+        options.sequence_parallel = true;
+        auto parallel = parallelize(*model, mesh, options);
+        return std::make_pair(std::move(model), std::move(parallel));
+      };
+      auto step = [&](Model& model, ParallelModel& parallel, int mb, bool last) {
+        parallel.zero().begin_micro_batch(last);
+        const Batch b = batch(mb);
+        micro_batch_loss(model.forward(b, parallel), b, parallel.tensor()).loss.backward();
+        parallel.zero().after_backward();
+      };
+      // Reference: stage 0 (whole units on every rank), one micro-batch a step.
+      auto [ref_model, ref_parallel] = build(0);
+      std::vector<torch::Tensor> sums;
+      for (int mb = 0; mb < micro_batches; ++mb) {
+        step(*ref_model, *ref_parallel, mb, true);
+        ref_parallel->zero().reduce_gradients();
+        auto& shards = ref_parallel->zero().shards();
+        for (size_t k = 0; k < shards.size(); ++k) {
+          const torch::Tensor g = shards[k].flat_grad().to(torch::kFloat64);
+          if (sums.size() <= k) sums.push_back(torch::zeros_like(g));
+          sums[k] += g;
+        }
+        ref_parallel->zero().after_step();
+      }
+      auto [model, parallel] = build(stage);
+      for (int mb = 0; mb < micro_batches; ++mb) step(*model, *parallel, mb, mb == micro_batches - 1);
+      parallel->zero().reduce_gradients();
+      double worst = 0, largest = 0;
+      for (size_t k = 0; k < sums.size(); ++k) {
+        const FlatUnitLayout& l = parallel->zero().units()[k].layout;
+        torch::Tensor padded = torch::zeros({l.padded}, torch::kFloat64);  // (stage 0's units are not padded)
+        padded.narrow(0, 0, l.numel).copy_(sums[k].narrow(0, 0, l.numel));
+        const torch::Tensor expected = padded.narrow(0, l.shard_begin, l.shard);
+        const torch::Tensor got = parallel->zero().shards()[k].flat_grad();
+        if (got.scalar_type() != torch::kFloat32) return false;
+        worst = std::max(worst, (got.to(torch::kFloat64) - expected).abs().max().item<double>());
+        largest = std::max(largest, expected.abs().max().item<double>());
+      }
+      if (worst > 2e-6 * largest) std::fprintf(stderr, "rank %d stage %d: largest error %.3g of the largest gradient\n", mesh.rank(), stage, worst / largest);
+      return worst <= 2e-6 * largest;
+    }));
+}

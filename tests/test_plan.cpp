@@ -184,6 +184,7 @@ TEST_CASE("a higher ZeRO stage is chosen where a larger micro batch fits under i
   // DeepSeek-LLM-7B's shape in FP8 on 4 H200 (measured: ZeRO-0 at micro 1, 1.021 s a step; ZeRO-3 at micro 4, 0.945 s).
   const std::string seven_b_h200 =
       "base = [\"hardware/4x-nvidia-h200-probed\", \"models/deepseek-llm-7b\"]\n[precision]\ndtype = \"bf16\"\nfp8 = \"tensorwise\"\n"
+      "grad_dtype = \"bf16\"\n"  // (as measured)
       "[batch]\nglobal = 16\nseq_len = 4096\n[hardware]\nhost_memory_gib = 500\n";
   Plan p = plan_of(seven_b_h200);
   Plan lowest = plan_of(seven_b_h200, {"parallel.zero_stage=0"});
@@ -210,7 +211,7 @@ TEST_CASE("auto checkpointing and micro batch pick the largest that fits", "[pla
   CHECK(p.layout.recomputation);  // micro 1 without recomputation needs ~48 GiB
   CHECK(p.layout.micro >= 1);
   CHECK(p.memory.total() <= p.memory_capacity);
-  REQUIRE(p.choices.size() == 3);  // data_parallel, activation_checkpointing, micro
+  REQUIRE(p.choices.size() == 4);  // data_parallel, precision.grad_dtype, activation_checkpointing, micro
   // The next larger micro batch would not fit.
   Plan bigger = plan_of(kSevenB, {"batch.global=256", "parallel.zero_stage=2", "parallel.activation_checkpointing=full",
                                   "batch.micro=" + std::to_string(p.layout.micro * 2)});
@@ -243,14 +244,50 @@ TEST_CASE("suggestions prefer recomputation over offload", "[plan][verdict]") {
 }
 
 TEST_CASE("communication per step follows the ring formulas", "[plan][comm]") {
-  Plan p0 = plan_of(kSevenB, {"batch.global=64", "batch.micro=1", "parallel.zero_stage=0", "parallel.activation_checkpointing=full"});
+  Plan p0 = plan_of(kSevenB, {"batch.global=64", "batch.micro=1", "parallel.zero_stage=0", "parallel.activation_checkpointing=full", "precision.grad_dtype=\"bf16\""});
   const double psi = p0.cost.params;
   REQUIRE(p0.comm.size() == 1);
   CHECK(p0.comm[0].bytes == Approx(2.0 * 7 / 8 * psi * 2));
-  Plan p3 = plan_of(kSevenB, {"batch.global=64", "batch.micro=1", "parallel.zero_stage=3", "parallel.activation_checkpointing=full"});
+  Plan p3 = plan_of(kSevenB, {"batch.global=64", "batch.micro=1", "parallel.zero_stage=3", "parallel.activation_checkpointing=full", "precision.grad_dtype=\"bf16\""});
   double total = 0;
   for (const auto& c : p3.comm) total += c.bytes;
   CHECK(total == Approx(3.0 * 8 * 7 / 8 * psi * 2));  // 3 passes per micro-batch, 8 micro-batches
+  // fp32 gradients (auto's choice here): the reductions move 4 bytes an element, the gathers still 2.
+  Plan wide0 = plan_of(kSevenB, {"batch.global=64", "batch.micro=1", "parallel.zero_stage=0", "parallel.activation_checkpointing=full"});
+  REQUIRE(wide0.comm.size() == 1);
+  CHECK(wide0.comm[0].bytes == Approx(2.0 * 7 / 8 * psi * 4));
+  Plan wide3 = plan_of(kSevenB, {"batch.global=64", "batch.micro=1", "parallel.zero_stage=3", "parallel.activation_checkpointing=full"});
+  total = 0;
+  for (const auto& c : wide3.comm) total += c.bytes;
+  CHECK(total == Approx(8 * 7.0 / 8 * psi * (2 + 2 + 4)));
+}
+
+TEST_CASE("precision.grad_dtype: auto takes fp32 where bf16 gradients would be summed, says why, and the plan counts 4 bytes a gradient", "[plan][memory][grad_dtype]") {
+  // 8 data ranks and 8 micro-batches a step: auto is fp32, listed among the choices with its reason.
+  Plan summed = plan_of(kSevenB, {"batch.global=64", "batch.micro=1", "parallel.zero_stage=1", "parallel.activation_checkpointing=full"});
+  CHECK(summed.modes.gradient_dtype == DType::Fp32);
+  bool listed = false;
+  for (const auto& c : summed.choices)
+    if (c.key == "precision.grad_dtype") listed = c.value == "fp32" && contains(c.reason, "8 micro-batches");
+  CHECK(listed);
+  CHECK(contains(render_plan(summed), "fp32 (accumulated and reduced in fp32)"));
+  Plan narrow = plan_of(kSevenB, {"batch.global=64", "batch.micro=1", "parallel.zero_stage=1", "parallel.activation_checkpointing=full", "precision.grad_dtype=\"bf16\""});
+  CHECK(narrow.modes.gradient_dtype == DType::Bf16);
+  const double psi = summed.cost.params;
+  // ZeRO-1: the whole gradient on every rank, 4 bytes an element against 2.
+  CHECK(summed.memory.states.grads == Approx(4 * psi).epsilon(1e-6));
+  CHECK(narrow.memory.states.grads == Approx(2 * psi).epsilon(1e-6));
+  // ... and autograd's bf16 gradients of the largest unit until they are added in.
+  CHECK(summed.memory.comm_buffers - narrow.memory.comm_buffers >= 2 * summed.cost.largest_unit_params);
+  CHECK(summed.optimizer_seconds > narrow.optimizer_seconds);
+  // One data rank, one micro-batch: nothing is summed, and auto keeps bf16 (gradients left to autograd stay possible).
+  Plan one = plan_of(kSevenB, {"batch.global=1", "batch.micro=1", "parallel.data_parallel=1", "parallel.activation_checkpointing=full"});
+  CHECK(one.modes.gradient_dtype == DType::Bf16);
+  // fp32 training has nothing to choose; a gradient dtype that is neither fp32 nor the working one is refused by key.
+  LoadedRecipe wrong = load_text(kSevenB, {"precision.grad_dtype=\"fp16\""});
+  CHECK_FALSE(wrong.ok());
+  CHECK(contains(wrong.report(), "precision.grad_dtype"));
+  CHECK(contains(wrong.report(), "not in fp16"));
 }
 
 TEST_CASE("probed collectives price each group by its collective and size, and without them by the link", "[plan][comm][probe]") {
@@ -582,7 +619,7 @@ TEST_CASE("an offloaded step runs at the probed host step's throughput where har
 }
 
 TEST_CASE("without the delayed update only the next step's first micro-batch forward hides the host step, and with it the host step runs slower beside compute", "[plan][offload]") {
-  const std::string offload = "base = [\"hardware/h100-80gb-x1\", \"models/deepseek-llm-7b\"]\n[precision]\ndtype = \"bf16\"\n"
+  const std::string offload = "base = [\"hardware/h100-80gb-x1\", \"models/deepseek-llm-7b\"]\n[precision]\ndtype = \"bf16\"\ngrad_dtype = \"bf16\"\n"
                               "[parallel]\nzero_stage = 1\noffload = \"optimizer\"\nactivation_checkpointing = \"none\"\n[batch]\nseq_len = 2048\nmicro = 4\n";
   // The next step's forward waits for each unit's update, and its backward for the whole forward:
   // one micro-batch's forward hides the same host step whether a step holds one or eight of them.

@@ -7,6 +7,7 @@
 #include "train_util.hpp"
 
 #include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -579,6 +580,27 @@ TEST_CASE("recipes whose layout is all \"auto\" start as planned on CPU ranks, a
   CHECK(refused.code == 1);
   CHECK(contains(refused.text, "batch.seq_len: sequence length 64 exceeds model.max_seq_len = 32"));
   CHECK(refused.id.empty());
+}
+
+TEST_CASE("bf16 with fp32 gradients (auto: 6 micro-batches a step) trains at data 2 ZeRO-3, tensor 2 and pipeline 2: each follows one micro-batch a step within bf16's noise, with the planned states", "[training][grad_dtype]") {
+  // The exact check (the sum of the micro-batches' gradients to fp32 rounding) is engine-level
+  // (test_zero.cpp, test_parallel.cpp); here real ranks run the path the plan pins for them.
+  dsrun::test::TempDir dir;
+  const std::string bf16 = " --set precision.dtype='\"bf16\"' --set run.steps=10 --set model.kv_heads=2";
+  Run one = train(dir, bf16 + " --set batch.micro=12");  // one micro-batch a step, one rank: auto keeps bf16
+  INFO(one.text);
+  REQUIRE(one.code == 0);
+  CHECK(nlohmann::json::parse(dsrun::Store(dir.file("runs.db")).get_run(one.id).plan_json)["execution"]["grad_dtype"] == "bf16");
+  for (const std::string& layout : {std::string(" --set parallel.data_parallel=2 --set parallel.zero_stage=3"), std::string(" --set parallel.tensor=2"),
+                                    std::string(" --set parallel.pipeline=2")}) {
+    Run run = train(dir, bf16 + layout + (contains(layout, "data_parallel=2") ? " --set batch.micro=1" : ""));
+    INFO(layout);
+    check_same_trajectory(one.losses, run, 5e-3);
+    const int ranks = 2;
+    check_memory_matches_plan(dir, run, ranks);
+    const auto plan = nlohmann::json::parse(dsrun::Store(dir.file("runs.db")).get_run(run.id).plan_json);
+    CHECK(plan["execution"]["grad_dtype"] == "fp32");
+  }
 }
 
 TEST_CASE("CUDA: fp16 steps that overflow run again at half the scale: none skipped, and the losses of a run started at the scale they settled on", "[training][cuda][fp16]") {

@@ -334,3 +334,70 @@ TEST_CASE("flat layout: 3 ranks get equal padded shards, weight decay on matrice
   CHECK((whole.padded == 19 && whole.shard == 19 && whole.shard_begin == 0));
   CHECK(whole.decay_ranges == Ranges{{0, 15}});
 }
+
+TEST_CASE("fp32 gradients: 4 bf16 micro-batches a rank on 2 ranks accumulate and reduce to the fp32 sum of their gradients at ZeRO 0-3 (MoE too), while bf16 gradients drift from it", "[engine][grad_dtype]") {
+  // The reference: the same bf16 model in one process, each of the 8 micro-batches' gradients
+  // (bitwise what each rank's backward makes) summed in fp64. With precision.grad_dtype = fp32
+  // ZeRO's accumulated, reduced gradient is that sum to fp32 rounding; kept in bf16, each addition
+  // rounds it to 8 bits of mantissa.
+  CHECK(in_processes(2, [](int rank, Communicator& comm) {
+    bool ok = true;
+    const int micro_batches = 4;
+    auto batch = [](int r, int mb, const ModelSpec& m) { return token_batch(2, 16, m.vocab, 300 + 10 * r + mb); };
+    for (bool moe : {false, true}) {
+      const ModelSpec m = moe ? tiny_moe_decoder(4) : tiny_decoder();
+      // Reference gradients, unit by unit as ZeRO lays them out.
+      torch::manual_seed(41);
+      auto reference = build_model(m, 16, {41});
+      for (auto& p : reference->module().parameters()) p.set_data(p.detach().to(torch::kBFloat16));
+      const std::vector<ParameterUnit> reference_units = reference->parameter_units();
+      std::vector<std::vector<torch::Tensor>> sums(reference_units.size());
+      for (size_t k = 0; k < reference_units.size(); ++k)
+        for (const auto& p : reference_units[k].params) sums[k].push_back(torch::zeros(p.sizes(), torch::kFloat64));
+      UnitRunner plain;
+      for (int r = 0; r < 2; ++r)
+        for (int mb = 0; mb < micro_batches; ++mb) {
+          for (auto& p : reference->module().parameters()) p.mutable_grad() = torch::Tensor();
+          one_rank_loss(*reference, batch(r, mb, m), plain).loss.backward();
+          for (size_t k = 0; k < reference_units.size(); ++k)
+            for (size_t i = 0; i < reference_units[k].params.size(); ++i)
+              if (reference_units[k].params[i].grad().defined()) sums[k][i] += reference_units[k].params[i].grad().to(torch::kFloat64);
+        }
+      for (int stage = moe ? 2 : 0; stage <= (moe ? 2 : 3); ++stage)
+        for (DType grad_dtype : {DType::Fp32, DType::Bf16}) {
+          torch::manual_seed(41);
+          auto model = build_model(m, 16, {41});
+          ZeroOptions zo;
+          zo.stage = stage;
+          zo.dtype = DType::Bf16;
+          zo.grad_dtype = grad_dtype;
+          ZeroDataParallel zero(*model, comm, zo);
+          for (int mb = 0; mb < micro_batches; ++mb) {
+            zero.begin_micro_batch(mb == micro_batches - 1);
+            one_rank_loss(*model, batch(rank, mb, m), zero).loss.backward();
+            zero.after_backward();
+          }
+          zero.reduce_gradients();
+          double worst = 0, largest = 0;
+          for (size_t k = 0; k < zero.units().size(); ++k) {
+            const FlatUnitLayout& l = zero.units()[k].layout;
+            torch::Tensor expected = torch::zeros({l.padded}, torch::kFloat64);
+            for (size_t i = 0; i < sums[k].size(); ++i) expected.narrow(0, l.offsets[i], l.numels[i]).copy_(sums[k][i].flatten());
+            expected = expected.narrow(0, l.shard_begin, l.shard);
+            const torch::Tensor got = zero.shards()[k].flat_grad().to(torch::kFloat64);
+            if (got.scalar_type() != torch::kFloat64 || got.numel() != expected.numel()) return false;
+            worst = std::max(worst, (got - expected).abs().max().item<double>());
+            largest = std::max(largest, expected.abs().max().item<double>());
+          }
+          const double relative = worst / largest;
+          const bool right = grad_dtype == DType::Fp32 ? relative < 2e-6 : relative > 1e-4;
+          if (!right || zero.shards()[0].flat_grad().scalar_type() != torch_dtype(grad_dtype)) {
+            std::fprintf(stderr, "rank %d moe %d stage %d grad %s: largest error %.3g of the largest gradient\n", rank, moe ? 1 : 0, stage,
+                         to_string(grad_dtype), relative);
+            ok = false;
+          }
+        }
+    }
+    return ok;
+  }));
+}

@@ -86,7 +86,7 @@ void FlatUnits::bind_parameters(FlatUnit& u) const {
   const FlatUnitLayout& l = u.layout;
   const auto compute = torch_dtype(options_.dtype);
   if (!options_.gradients_left_to_autograd)
-    u.grad_acc = torch::zeros({options_.stage <= 1 ? l.padded : l.shard}, torch::TensorOptions().dtype(compute).device(device_));
+    u.grad_acc = torch::zeros({options_.stage <= 1 ? l.padded : l.shard}, torch::TensorOptions().dtype(torch_dtype(options_.gradient_dtype())).device(device_));
   if (options_.stage <= 2) {
     u.gathered = true;
     for (size_t i = 0; i < u.params.size(); ++i) u.params[i].set_data(u.full.narrow(0, l.offsets[i], l.numels[i]).view(l.shapes[i]));
@@ -96,8 +96,9 @@ void FlatUnits::bind_parameters(FlatUnit& u) const {
     for (size_t i = 0; i < u.params.size(); ++i) u.params[i].set_data(torch::empty(l.shapes[i], torch::TensorOptions().dtype(compute).device(device_)));
   }
   // Stage 0-1: autograd accumulates straight into grad_acc (gradients as views of it, as DDP's
-  // gradient_as_bucket_view), so nothing is copied between micro-batches.
-  if (options_.stage <= 1 && !options_.gradients_left_to_autograd)
+  // gradient_as_bucket_view), so nothing is copied between micro-batches. A wider accumulator
+  // cannot be a gradient's storage: GradientSync adds each micro-batch's gradients into it.
+  if (options_.stage <= 1 && !options_.gradients_left_to_autograd && !options_.gradients_widened())
     for (size_t i = 0; i < u.params.size(); ++i) u.params[i].mutable_grad() = u.grad_acc.narrow(0, l.offsets[i], l.numels[i]).view(l.shapes[i]);
 }
 

@@ -29,7 +29,7 @@ struct FlatUnit {
   std::vector<std::pair<int64_t, int64_t>> replicated_ranges;  // [begin, end) within the shard: TensorSplit::Replicated parameters
   torch::Tensor full;         // working parameters, compute dtype, [padded]; stage 3: only while gathered
   torch::Tensor param_shard;  // stage 3: this rank's slice of the working parameters
-  torch::Tensor grad_acc;     // stage 0-1: [padded], the parameters' .grad are views of it; stage 2-3: [shard]; compute dtype
+  torch::Tensor grad_acc;     // stage 0-1: [padded], the parameters' .grad are views of it (unless widened); stage 2-3: [shard]; gradient dtype
   bool gathered = false;
   bool gathered_for_backward = false;
 

@@ -51,6 +51,15 @@ void GradientSync::start_reduction(FlatUnit& u, bool during_backward) {
   if (s.reduction_started || options_.gradients_left_to_autograd) return;  // (one rank: nothing to reduce)
   s.reduction_started = true;
   torch::NoGradGuard no_grad;
+  // A group of one rank (one data rank beside tensor or pipeline ranks, or experts on every data
+  // rank) has nothing to reduce: the accumulator is the sum. (Before, stage 0 still joined and
+  // copied a bucket, and stages 1-2 a shard, every step: memory the plan never counted.)
+  const bool alone = u.group->world_size() == 1 && options_.stage <= 2 && !offload_.sends_gradients_down();
+  if ((options_.stage <= 1 && options_.gradients_widened()) || (alone && options_.stage == 2)) add_into_accumulator(u);
+  if (alone) {
+    if (options_.stage == 1 && last_micro_batch_) s.reduced = u.grad_acc;  // (one rank's shard is the whole unit)
+    return;
+  }
   if (options_.stage <= 1 && !last_micro_batch_) return;  // keep accumulating in grad_acc; reduced once per step
   if (during_backward && options_.stage > 0) ++overlapped_reductions_;
   if (options_.stage <= 1) {
@@ -103,6 +112,18 @@ void GradientSync::start_reduction(FlatUnit& u, bool during_backward) {
                     acc.add_(mine);
                   }),
                   static_cast<double>(flat.numel()) * static_cast<double>(flat.element_size()));
+}
+
+// This micro-batch's gradients (made by autograd in the working dtype) added into the accumulator
+// and freed, so that the next micro-batch's are made afresh: stages 0-1 with a wider accumulator,
+// and stage 2 in a group of one rank (where the accumulator is the whole unit).
+void GradientSync::add_into_accumulator(FlatUnit& u) {
+  for (size_t i = 0; i < u.params.size(); ++i) {
+    Tensor& g = u.params[i].mutable_grad();
+    if (!g.defined()) continue;  // an MoE expert no token chose
+    u.grad_acc.narrow(0, u.layout.offsets[i], u.layout.numels[i]).add_(g.flatten());
+    g = Tensor();
+  }
 }
 
 // One all-reduce for the bucket's units: their gradients joined into one buffer, reduced, and

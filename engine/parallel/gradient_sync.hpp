@@ -40,6 +40,7 @@ class GradientSync {
  private:
   void on_gradient_ready(size_t unit);  // an AccumulateGrad of one of the unit's parameters finished
   void start_reduction(FlatUnit& u, bool during_backward);
+  void add_into_accumulator(FlatUnit& u);
   void track_reduction(PendingCollective reduction, double bytes);
   void flush_bucket(bool during_backward);
   void wait_pending();

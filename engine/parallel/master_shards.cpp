@@ -61,7 +61,8 @@ void MasterShards::add(const FlatUnit& u, const Tensor& flat32, HostBuffers& hos
     m.param_out = u.working_slice();  // the device step writes them
   }
   if (options_.offload) {
-    auto staging = [&](const std::string& purpose) { return host.copy(purpose, torch::zeros({l.shard}, torch::TensorOptions().dtype(compute))); };
+    const auto gradient = torch_dtype(options_.gradient_dtype());
+    auto staging = [&](const std::string& purpose) { return host.copy(purpose, torch::zeros({l.shard}, torch::TensorOptions().dtype(gradient))); };
     m.grad_staging = staging("gradient staging");
     if (options_.delayed_update) m.grad_staging_spare = staging("gradient staging (delayed update)");
   }

@@ -23,7 +23,7 @@ void shard_tensors(Model& model, TensorParallel& tp, ZeroOptions& zero) {
       const TensorSplit split = i < unit.splits.size() ? unit.splits[i] : TensorSplit{};
       if (split.kind == TensorSplit::Replicated) {
         // Replicated weights outside the regions (the norms) see 1/t of the tokens under sequence parallelism.
-        if (tp.sequence_parallel()) tp.sum_gradient_over_group(p);
+        if (tp.sequence_parallel()) tp.sum_gradient_over_group(p, torch_dtype(zero.gradient_dtype()));
         continue;
       }
       (*full_shapes)[unit.names.at(i)] = {p.sizes().vec(), split};

@@ -118,9 +118,14 @@ Tensor TensorParallel::leave(const Tensor& partial) {
   return LeaveRegion::apply(partial, pointer_argument(&group_));
 }
 
-void TensorParallel::sum_gradient_over_group(Tensor& parameter) {
+void TensorParallel::sum_gradient_over_group(Tensor& parameter, torch::ScalarType reduce_dtype) {
   Communicator* group = &group_;
-  parameter.register_hook([group](const Tensor& grad) { return summed(grad, *group); });
+  parameter.register_hook([group, reduce_dtype](const Tensor& grad) {
+    if (grad.scalar_type() == reduce_dtype) return summed(grad, *group);
+    Tensor wide = grad.to(reduce_dtype).contiguous();
+    group->all_reduce_sum(wide);
+    return wide.to(grad.scalar_type());
+  });
 }
 
 Tensor TensorParallel::embedding(const Tensor& local_weight, const Tensor& ids) {

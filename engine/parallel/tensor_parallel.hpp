@@ -49,8 +49,9 @@ class TensorParallel {
   // and the sum over ranks (left as from a row-parallel layer) is the full lookup.
   torch::Tensor embedding(const torch::Tensor& local_weight, const torch::Tensor& ids);
   // Sequence parallelism: a replicated weight used on this rank's part of the sequence gets a
-  // partial gradient; this hook sums it over the group before it is accumulated.
-  void sum_gradient_over_group(torch::Tensor& parameter);
+  // partial gradient; this hook sums it over the group, in `reduce_dtype` (the gradient dtype:
+  // fp32 partials summed, then rounded once), before it is accumulated.
+  void sum_gradient_over_group(torch::Tensor& parameter, torch::ScalarType reduce_dtype);
   // Mean cross-entropy over tokens from this rank's vocabulary slice of the logits [N, V/t], fp32;
   // the full logits are never gathered (two all-reduces of N numbers and one of N maxima).
   torch::Tensor cross_entropy(const torch::Tensor& local_logits, const torch::Tensor& targets);

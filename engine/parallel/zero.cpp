@@ -16,6 +16,7 @@ ZeroDataParallel::ZeroDataParallel(Model& model, Communicator& comm, const ZeroO
   DSRUN_ASSERT(options.stage >= 0 && options.stage <= 3, "ZeRO stage validated by the recipe");
   DSRUN_ASSERT(!options.gradients_left_to_autograd || (comm.world_size() == 1 && options.stage <= 2 && !options.offload && !options.expert_replicas),
                "gradients left to autograd: one rank, ZeRO 0-2, nothing offloaded");
+  DSRUN_ASSERT(!options.gradients_left_to_autograd || !options.gradients_widened(), "gradients left to autograd stay in the working dtype");
   torch::NoGradGuard no_grad;
   // ZeRO-Offload: fp32 master weights and optimizer states in host memory (pinned, for fast copies,
   // when there is a GPU). On CPU ranks host and device are one memory: the same code path runs,

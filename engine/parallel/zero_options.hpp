@@ -8,13 +8,21 @@
 #include <torch/torch.h>
 
 #include <functional>
+#include <optional>
 #include <string>
 
 namespace dsrun {
 
 struct ZeroOptions {
   int stage = 0;
-  DType dtype = DType::Fp32;              // compute dtype of the working parameters and gradients
+  DType dtype = DType::Fp32;              // compute dtype of the working parameters (and autograd's gradients)
+  // The gradient accumulator's dtype, in which micro-batches are summed and ranks reduce
+  // (ExecutionModes::gradient_dtype); nullopt: dtype. Wider than dtype, autograd's gradients are
+  // added into it unit by unit as backward completes them (Megatron-Core's main_grad).
+  std::optional<DType> grad_dtype;
+  DType gradient_dtype() const { return grad_dtype.value_or(dtype); }
+  // Whether autograd's gradients are added into a wider accumulator rather than made in it.
+  bool gradients_widened() const { return gradient_dtype() != dtype; }
   bool offload = false;                   // fp32 master weights and optimizer states on the host
   bool offload_params = false;            // stage 3: the parameter shards on the host too
   // Offload: the host step of step t runs while step t+1 computes, on the parameters from before
@@ -38,7 +46,7 @@ struct ZeroOptions {
   // and the norm is taken from the reduced gradient in the working dtype.
   bool step_applies_scales = false;
   // Masters on a GPU whose step is dsrun's own kernel (engine/train/adam_kernel.h): the gradient
-  // stays in the working dtype (no fp32 copy of it) and the step writes the working parameters as
+  // is read as it was accumulated, in the gradient dtype (no fp32 copy of a bf16 one) and the step writes the working parameters as
   // it updates the master (MasterShard::param_out is their slice), so publish_master copies nothing.
   bool step_reads_working_gradient = false;
   // One rank at stage 0-2 (nothing to reduce, nothing to shard), with step_reads_working_gradient:

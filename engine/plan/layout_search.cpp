@@ -36,9 +36,27 @@ std::string layout_problem(const Recipe& r, const Layout& l) {
 
 std::string seconds_text(double s) { return format_double(s, 3) + " s"; }
 
+LayoutSearch search_layouts_as_given(const Recipe& recipe, const HostFacts& host, bool every_key);
+
 }  // namespace
 
+// precision.grad_dtype = "auto" as make_plan decides it: where no layout fits with fp32 gradients,
+// the layouts in the working dtype, and the search says so.
 LayoutSearch search_layouts(const Recipe& recipe, const HostFacts& host, bool every_key) {
+  LayoutSearch wide = search_layouts_as_given(recipe, host, every_key);
+  if (recipe.precision.grad_dtype || recipe.precision.dtype == DType::Fp32 || (!wide.rows.empty() && wide.rows.front().fits)) return wide;
+  Recipe narrow = recipe;
+  narrow.precision.grad_dtype = recipe.precision.dtype;
+  LayoutSearch search = search_layouts_as_given(narrow, host, every_key);
+  if (search.rows.empty() || !search.rows.front().fits) return wide;
+  search.note = std::string("no layout fits with gradients accumulated in fp32 (precision.grad_dtype = \"auto\"): these keep them in ") +
+                to_string(recipe.precision.dtype);
+  return search;
+}
+
+namespace {
+
+LayoutSearch search_layouts_as_given(const Recipe& recipe, const HostFacts& host, bool every_key) {
   const ParallelOptions& fixed = recipe.parallel;
   ParallelOptions::Searched searched = fixed.search;
   if (every_key) searched = {true, true, true, true, true, recipe.model.moe.enabled()};
@@ -136,7 +154,9 @@ LayoutSearch search_layouts(const Recipe& recipe, const HostFacts& host, bool ev
                      std::to_string(recipe.model.moe.routed_experts / best->layout.expert);
     }
   }
-  return {std::move(rows), left_out};
+  return {std::move(rows), left_out, ""};
 }
+
+}  // namespace
 
 }  // namespace dsrun

@@ -74,13 +74,28 @@ std::string usage_of(const Plan& p) {
                                   : format_bytes(p.memory.total()) + " of " + format_bytes(p.memory_capacity) + " per rank";
 }
 
+// precision.grad_dtype = "auto" takes fp32 where bf16/fp16 gradients would be summed; where the
+// fp32 buffer (4 bytes a gradient and wider reductions) is what keeps a layout from fitting, the
+// working dtype instead, saying so: a plan that fits comes before a wider sum.
+Plan plan_choosing_gradient_dtype(const Recipe& recipe, const HostFacts& host) {
+  Plan p = plan_choosing_checkpoint_mode(recipe, host);
+  if (p.fits || recipe.precision.grad_dtype || p.modes.gradient_dtype == recipe.precision.dtype) return p;
+  Recipe narrow = recipe;
+  narrow.precision.grad_dtype = recipe.precision.dtype;
+  Plan q = plan_choosing_checkpoint_mode(narrow, host);
+  if (!q.fits) return p;
+  q.choices.push_back({"precision.grad_dtype", to_string(recipe.precision.dtype),
+                       std::string("gradients accumulated in fp32 would need ") + usage_of(p) + "; in " + to_string(recipe.precision.dtype) + " it fits (" + usage_of(q) + ")"});
+  return q;
+}
+
 }  // namespace
 
 // parallel.offload = "auto": the least offload that fits, in the order it costs time: none, the
 // optimizer, then (ZeRO-3) the parameters too. Each is planned whole (layout search, ZeRO stage,
 // micro batch, recomputation); the delayed update, where asked for, only with something offloaded.
 Plan make_plan(const Recipe& recipe, const HostFacts& host) {
-  if (!recipe.parallel.offload_auto) return plan_choosing_checkpoint_mode(recipe, host);
+  if (!recipe.parallel.offload_auto) return plan_choosing_gradient_dtype(recipe, host);
   std::optional<Plan> shown;
   std::string refused;
   for (Offload offload : {Offload::None, Offload::Optimizer, Offload::OptimizerAndParams}) {
@@ -90,7 +105,7 @@ Plan make_plan(const Recipe& recipe, const HostFacts& host) {
     if (offload == Offload::None) alt.parallel.delayed_update = false;
     LayoutDecided decided;
     if (!layout_problems(alt, layout_of_recipe(alt, &decided), decided).empty()) continue;  // e.g. parameters with a pipeline or a stage below 3
-    Plan p = plan_choosing_checkpoint_mode(alt, host);
+    Plan p = plan_choosing_gradient_dtype(alt, host);
     if (p.fits) {
       p.choices.insert(p.choices.begin(), {"parallel.offload", to_string(offload),
                                            shown ? refused + "; " + to_string(offload) + " is the least that fits (" + format_bytes(p.memory.total()) + " of " + format_bytes(p.memory_capacity) + " per rank)"

@@ -21,7 +21,8 @@ ModelStateBytes plan_model_states_per_rank(const ModelStateOptions& o) {
   const double psi = o.params;
   const double shard = std::ceil(psi / o.data_parallel);  // shards are padded, never uneven
   const bool mixed = o.dtype != DType::Fp32;
-  const double e = mixed ? 2 : 4;                          // working weights and gradients
+  const double e = mixed ? 2 : 4;                          // working weights
+  const double g = bytes_per_element(o.grad_dtype.value_or(o.dtype));  // gradients: accumulated, reduced, staged
   const double master_per_param = mixed ? 4 : 0;           // fp32 master copy (fp32 training updates in place)
   const double state = bytes_per_element(o.state_dtype);   // each per-element state
   double optimizer_per_param = 2 * state;                  // Adam: m and v
@@ -29,19 +30,19 @@ ModelStateBytes plan_model_states_per_rank(const ModelStateOptions& o) {
 
   ModelStateBytes b;
   b.params = (o.zero_stage >= 3 ? shard : psi) * e;
-  b.grads = (o.zero_stage >= 2 ? shard : psi) * e;
+  b.grads = (o.zero_stage >= 2 ? shard : psi) * g;
   b.master = (o.zero_stage >= 1 ? shard : psi) * master_per_param;
   b.optimizer = (o.zero_stage >= 1 ? shard : psi) * optimizer_per_param;
   if (o.offload != Offload::None) {
     // ZeRO-Offload: master weights and optimizer states live on the host, with the gradient shard
-    // in the working dtype that the fused host step reads. fp32 training has no separate master
+    // in the gradient dtype that the fused host step reads. fp32 training has no separate master
     // copy on the device, but the host step needs the weights.
     // Buffers of the shard in the working dtype (pinned on GPU ranks): the gradient, copied out of
     // the reduction so that the host step can read it beside the next step (the delayed update
     // keeps two); and on GPU ranks, unless the parameter shard itself lives on the host, the
     // parameters going up (the delayed update always has one: parameters change between steps).
     const bool upload = o.delayed_update || (!o.same_memory && o.offload != Offload::OptimizerAndParams);
-    const double staging = shard * e * ((o.delayed_update ? 2 : 1) + (upload ? 1 : 0));
+    const double staging = shard * (g * (o.delayed_update ? 2 : 1) + (upload ? e : 0));
     b.host = b.master + b.optimizer + staging + (mixed ? 0 : shard * 4);
     b.master = b.optimizer = 0;
   }
@@ -151,6 +152,8 @@ Plan Planner::plan() {
   std::vector<RefusedMode> refused;
   p.modes = decide_execution_modes(r_, p.layout, cost_.loss_chunk_tokens, kernels_, &refused);
   for (const RefusedMode& m : refused) p.notes.push_back(m.describe());
+  if (!r_.precision.grad_dtype && r_.precision.dtype != DType::Fp32)
+    p.choices.push_back({"precision.grad_dtype", to_string(p.modes.gradient_dtype), gradient_dtype_rule(r_, p.layout).second});
   if (r_.data.separate_documents) p.document_attention = p.modes.variable_length_attention ? "variable-length" : "masked";
   if (!(kernels_ == host_.kernels))
     p.notes.push_back("execution modes planned for dsrun's GPU build (scripts/gpu_build.sh): this build has no CUDA kernels");

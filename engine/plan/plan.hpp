@@ -8,6 +8,7 @@
 #include "engine/recipe/execution_modes.hpp"
 #include "engine/recipe/recipe.hpp"
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,7 @@ struct ModelStateOptions {
   int data_parallel = 1;
   int zero_stage = 0;
   DType dtype = DType::Fp32;
+  std::optional<DType> grad_dtype;  // the gradient buffer's and its host staging's (ExecutionModes::gradient_dtype); nullopt: dtype
   OptimizerKind optimizer = OptimizerKind::AdamW;
   double momentum = 0.9;  // SGD: 0 keeps no momentum buffer
   DType state_dtype = DType::Fp32;  // optimizer.state_dtype: each state's bytes per parameter
@@ -219,6 +221,7 @@ Plan plan_candidate(const Recipe& recipe, const HostFacts& host, const PlannedDa
 struct LayoutSearch {
   std::vector<LayoutRow> rows;
   int64_t left_out = 0;  // candidates not listed: more pipeline stages than the model has layers
+  std::string note;      // what the search changed from the recipe to find a layout that fits, if anything
 };
 LayoutSearch search_layouts(const Recipe& recipe, const HostFacts& host, bool every_key = false);
 

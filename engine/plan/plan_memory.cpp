@@ -12,6 +12,10 @@
 
 namespace dsrun::planning {
 
+// glibc's largest dynamic mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX): a freed block up
+// to this size raises the threshold to it, so later blocks of that size come from the heap.
+constexpr double kGlibcLargestBrkBlock = 32.0 * 1024 * 1024;
+
 void Planner::add_units(StageCost& st, int begin, int end) const {
   double params = 0, replicated = 0, routed = 0, all_routed = 0;
   for (int u = begin; u < end; ++u) {
@@ -116,6 +120,7 @@ Evaluation Planner::evaluate_stage(const Choice& l, int stage) const {
   o.delayed_update = r_.parallel.delayed_update;
   MemoryBreakdown& m = ev.memory;
   const ExecutionModes modes = modes_for(l);
+  o.grad_dtype = modes.gradient_dtype;
   m.states = plan_model_states_per_rank(o);
   if (st.rank_expert_params > 0) {  // routed experts: ZeRO over the dp/ep ranks keeping the same ones
     o.params = st.rank_expert_params;
@@ -187,10 +192,13 @@ Evaluation Planner::evaluate_stage(const Choice& l, int stage) const {
     m.evaluation_beside_graph = cost_.loss_chunk_tokens > 0 ? std::min(static_cast<double>(cost_.loss_chunk_tokens), micro_tokens) * 4.0 * local_vocab
                                                             : micro_tokens * (8.0 + bytes_per_element(r_.precision.dtype)) * local_vocab;
   }
-  const double e = bytes_per_element(r_.precision.dtype);
+  // e: the working parameters' bytes; g: the gradients' as they are accumulated and reduced
+  // (precision.grad_dtype: a unit's flat gradient and its reduction are in g).
+  const double e = bytes_per_element(r_.precision.dtype), g = bytes_per_element(modes.gradient_dtype);
+  const double largest_unit = cost_.largest_unit_params / degrees_.tensor;
   if (l.stage == 3 && degrees_.data > 1) {
     // The layer being computed, the prefetched next one, and one layer's full gradient before reduce-scatter.
-    m.comm_buffers = 3 * e * cost_.largest_unit_params / degrees_.tensor;
+    m.comm_buffers = (2 * e + g) * largest_unit;
     // Without recomputation autograd keeps every layer's gathered weights (matmuls save them for
     // backward) until that layer's backward has run: the whole model, gathered, at the end of forward.
     // FP8 layers save their weight's FP8 transpose instead (counted with the activations), so a
@@ -203,22 +211,39 @@ Evaluation Planner::evaluate_stage(const Choice& l, int stage) const {
     // two buckets of them are in flight (zero.cpp), as at stage 2. Uncounted, CPU ranks measured
     // ZeRO-3 12-28% above the plan (+168 MiB of 599 with recomputation, at 27 M parameters).
     // (NCCL reduce-scatters the flat buffer itself; not yet measured on GPUs, so not counted there.)
-    if (hw.device != Device::Cuda) {
-      const double unit = e * cost_.largest_unit_params / degrees_.tensor;
-      m.comm_buffers += 2 * std::min(std::max(2 * r_.parallel.bucket_bytes, unit), (st.rank_params + st.rank_expert_params) * e);
+    const double rank_params = st.rank_params + st.rank_expert_params;
+    if (hw.device != Device::Cuda && l.checkpointing && g * largest_unit <= kGlibcLargestBrkBlock) {
+      // With recomputation nothing keeps a gathered unit alive, yet CPU ranks measured one unit's
+      // size resident for every unit gathered in forward and another for every unit reduced in
+      // backward (+11-18% at 27 M parameters, +36-47% at 85 M; issue 64's table, docs/benchmarks.md):
+      // glibc serves c10's posix_memalign of a unit from the heap top (blocks up to its 32 MiB mmap
+      // threshold), the hole a freed unit leaves is 96 bytes short of the next identical request,
+      // and freed holes stay resident. Units above the threshold are mapped and unmapped instead.
+      m.comm_buffers = (2 * e + g) * largest_unit + (e + g) * rank_params;
+    } else if (hw.device != Device::Cuda) {
+      const double unit = g * largest_unit;
+      m.comm_buffers += 2 * std::min(std::max(2 * r_.parallel.bucket_bytes, unit), rank_params * g);
     }
   } else if (degrees_.data > 1 && (l.stage == 2 || (l.stage == 1 && hw.device != Device::Cuda))) {
     // Reductions in flight: at most two buckets, or one unit larger than that (zero.cpp). Stage
     // 2 reduces a flat copy of each unit's gradient, beside autograd's gradients of the unit
     // whose backward runs; Gloo has no reduce-scatter and all-reduces a copy (stage 1: of the
     // accumulated gradient; stage 2: of the flat copy). NCCL's stage 1 reduces in place.
-    const double unit = e * cost_.largest_unit_params / degrees_.tensor;
-    const double in_flight = std::min(std::max(2 * r_.parallel.bucket_bytes, unit), (st.rank_params + st.rank_expert_params) * e);
+    const double unit = g * largest_unit;
+    const double in_flight = std::min(std::max(2 * r_.parallel.bucket_bytes, unit), (st.rank_params + st.rank_expert_params) * g);
     const bool gloo = hw.device != Device::Cuda;
-    m.comm_buffers = l.stage == 1 ? in_flight : in_flight * (gloo ? 2 : 1) + unit;
+    m.comm_buffers = l.stage == 1 ? in_flight : in_flight * (gloo ? 2 : 1) + e * largest_unit;
   } else if (degrees_.data > 1) {
-    m.comm_buffers = 2 * std::min(r_.parallel.bucket_bytes, (st.rank_params + st.rank_expert_params) * e);  // bucket being reduced + the next
+    m.comm_buffers = 2 * std::min(r_.parallel.bucket_bytes, (st.rank_params + st.rank_expert_params) * g);  // bucket being reduced + the next
   }
+  // Stage 1: each unit's reduced shard, made in the last micro-batch's backward and read by the
+  // step (MasterShard::grad), on top of the whole accumulator (CPU ranks at 85 M parameters measured
+  // +14-17% without it).
+  if (l.stage == 1 && degrees_.data > 1) m.comm_buffers += g * std::ceil((st.rank_params + st.rank_expert_params) / degrees_.data);
+  // Gradients accumulated in a wider dtype at stages 0-1: autograd's gradients of the unit whose
+  // backward runs, in the working dtype, until they are added into the buffer (gradient_sync.cpp).
+  // (Stages 2-3 count them above, beside the flat copy.)
+  if (g != e && l.stage <= 1) m.comm_buffers += e * largest_unit;
   // Expert parallelism: a MoE layer's tokens in flight, sent and received ([micro · s · k, h] each way).
   if (degrees_.expert > 1 && st.moe_layers > 0) m.comm_buffers += 2 * imbalance_ * l.micro * r_.batch.seq_len * r_.model.moe.top_k * r_.model.hidden * e;
   // Tied embeddings over a pipeline: the last stage's copy of this tensor rank's embedding slice, and its gradient.

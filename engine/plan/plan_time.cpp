@@ -54,7 +54,8 @@ void Planner::predict_communication(Plan& p) {
 // over the dp/ep ranks keeping the same ones, with `of` naming them), priced by the group's link.
 void Planner::add_data_parallel_terms(Plan& p, double params, int ranks, int64_t stride, const std::string& of) const {
   if (ranks <= 1) return;
-  const double e = bytes_per_element(r_.precision.dtype);
+  // Parameters travel in the working dtype, gradients in precision.grad_dtype's.
+  const double e = bytes_per_element(r_.precision.dtype), g = bytes_per_element(p.modes.gradient_dtype);
   const double a = static_cast<double>(p.accumulation);
   const GroupLink reduce = group_link(p.layout.zero_stage == 0 ? Collective::AllReduce : Collective::ReduceScatter, stride, ranks);
   const GroupLink gather = group_link(Collective::AllGather, stride, ranks);
@@ -65,19 +66,19 @@ void Planner::add_data_parallel_terms(Plan& p, double params, int ranks, int64_t
   };
   const double ring = (ranks - 1.0) / ranks;  // ring collectives: each rank sends (N-1)/N of the buffer per pass
   switch (p.layout.zero_stage) {
-    case 0: add(reduce, "all-reduce gradients" + of + " (once per step" + at + ")", 2 * ring * params * e, true); break;
+    case 0: add(reduce, "all-reduce gradients" + of + " (once per step" + at + ")", 2 * ring * params * g, true); break;
     case 1:
-      add(reduce, "reduce-scatter gradients" + of + " (once per step" + at + ")", ring * params * e, true);
+      add(reduce, "reduce-scatter gradients" + of + " (once per step" + at + ")", ring * params * g, true);
       add(gather, "all-gather updated parameters" + of + " (" + where(gather) + ")", ring * params * e, false);
       break;
     case 2:
-      add(reduce, "reduce-scatter gradients" + of + " (every micro-batch" + at + ")", a * ring * params * e, true);
+      add(reduce, "reduce-scatter gradients" + of + " (every micro-batch" + at + ")", a * ring * params * g, true);
       add(gather, "all-gather updated parameters" + of + " (" + where(gather) + ")", ring * params * e, false);
       break;
     case 3:
       add(gather, "all-gather parameters" + of + " for forward (every micro-batch" + at + ")", a * ring * params * e, true);
       add(gather, "all-gather parameters" + of + " for backward (every micro-batch" + at + ")", a * ring * params * e, true);
-      add(reduce, "reduce-scatter gradients" + of + " (every micro-batch" + at + ")", a * ring * params * e, true);
+      add(reduce, "reduce-scatter gradients" + of + " (every micro-batch" + at + ")", a * ring * params * g, true);
       break;
   }
 }
@@ -199,7 +200,7 @@ void Planner::price_offload_traffic(Plan& p) const {
   const double a = static_cast<double>(p.accumulation);
   if (p.layout.offload != Offload::None && r_.hardware.device == Device::Cuda) {
     const double shard = shard_params();
-    double bytes = 2 * shard * e;
+    double bytes = shard * (bytes_per_element(p.modes.gradient_dtype) + e);  // the gradient shard down, the parameters up
     if (p.layout.offload == Offload::OptimizerAndParams) bytes += 2 * a * shard * e;
     p.offload_seconds = bytes / r_.hardware.host_link_bandwidth;
   }
@@ -361,10 +362,10 @@ void Planner::predict_time(Plan& p) {
   // The optimizer step is memory-bound. Per parameter of the shard it reads and writes the fp32
   // weights (8 bytes) and each state (8 bytes each in fp32, 4 in bf16: Adam's m and v, SGD's
   // momentum), reads the gradient, and with mixed precision writes the working copy.
-  const double e = bytes_per_element(r_.precision.dtype);
+  const double e = bytes_per_element(r_.precision.dtype), g = bytes_per_element(p.modes.gradient_dtype);
   const bool mixed = r_.precision.dtype != DType::Fp32;
   int states = r_.optimizer.kind == OptimizerKind::Sgd ? (r_.optimizer.momentum > 0 ? 1 : 0) : 2;
-  double touched = 8 + 2.0 * bytes_per_element(r_.optimizer.state_dtype) * states + e + (mixed ? e : 0);
+  double touched = 8 + 2.0 * bytes_per_element(r_.optimizer.state_dtype) * states + g + (mixed ? e : 0);
   const double shard = p.layout.zero_stage >= 1 ? shard_params() : rank_params_ + rank_expert_params_;
   // Offloaded, the step runs on the host, whose memory bandwidth the node's ranks share.
   const bool host_step = p.layout.offload != Offload::None && r_.hardware.device == Device::Cuda;
@@ -372,11 +373,13 @@ void Planner::predict_time(Plan& p) {
   // (3e) into the gradient buffer, or, left to autograd on one rank, into the first micro-batch's
   // gradient for each later one. dsrun's Adam kernel (engine/train/adam_kernel.h) reads it in the
   // working dtype and writes the working copy in the same pass: no fp32 copy, no separate publication.
-  // The norm (clipping, the metric) reads it once more before the step: e.
+  // Accumulated in a wider dtype, each micro-batch's gradient is read (e) and added into the
+  // buffer (2g), every micro-batch. The norm (clipping, the metric) reads it once more before the step.
   if (r_.hardware.device == Device::Cuda && !host_step) {
     const double micro_batches = static_cast<double>(p.accumulation);
-    touched += 3 * e * (p.modes.gradients_left_to_autograd ? (micro_batches - 1) / micro_batches : 1);
-    touched += e;
+    if (g != e) touched += micro_batches * (e + 2 * g);
+    else touched += 3 * e * (p.modes.gradients_left_to_autograd ? (micro_batches - 1) / micro_batches : 1);
+    touched += g;
   }
   // Offloaded, the fused host step's own measured throughput (hardware.host_optimizer_gbs, `dsrun
   // probe`) where given: it runs below the memory's bandwidth where the cores, not the memory, bind.

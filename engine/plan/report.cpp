@@ -47,7 +47,9 @@ std::string render_layouts(const LayoutSearch& search, const Recipe& recipe) {
   const std::vector<LayoutRow>& rows = search.rows;
   std::string out = "layouts of " + recipe.hardware.name + " (" + std::to_string(recipe.hardware.total_devices()) + " devices) for " +
                     (recipe.model.name.empty() ? std::string("the model") : recipe.model.name) + ", fastest that fits first\n";
-  out += "(each planned as dsrun plan does: the lowest ZeRO stage that fits, then the largest micro batch (a pipeline's smallest), recomputation only if needed)\n\n";
+  out += "(each planned as dsrun plan does: the lowest ZeRO stage that fits, then the largest micro batch (a pipeline's smallest), recomputation only if needed)\n";
+  if (!search.note.empty()) out += "(" + search.note + ")\n";
+  out += "\n";
   out += layout_table(std::vector<LayoutRow>(rows.begin(), rows.begin() + std::min(kLayoutsPrinted, rows.size())));
   const int64_t left = static_cast<int64_t>(rows.size() - std::min(kLayoutsPrinted, rows.size())) + search.left_out;
   if (left > 0)
@@ -117,7 +119,8 @@ std::string render_plan(const Plan& p) {
   TextTable t({"component", "bytes", "how"});
   t.add({"parameters", format_bytes(m.states.params), std::string(to_string(p.dtype)) + ", " + sharded(p.layout.zero_stage, 3, p.layout.data) +
                                                        (p.layout.offload == Offload::OptimizerAndParams ? ", offloaded" : "")});
-  t.add({"gradients", format_bytes(m.states.grads), std::string(to_string(p.dtype)) + ", " + sharded(p.layout.zero_stage, 2, p.layout.data)});
+  t.add({"gradients", format_bytes(m.states.grads), std::string(to_string(p.modes.gradient_dtype)) + (p.modes.gradient_dtype != p.dtype ? " (accumulated and reduced in fp32)" : "") + ", " +
+                                                      sharded(p.layout.zero_stage, 2, p.layout.data)});
   if (mixed) t.add({"fp32 master weights", format_bytes(m.states.master), p.layout.offload != Offload::None ? "offloaded" : sharded(p.layout.zero_stage, 1, p.layout.data)});
   t.add({"optimizer states", format_bytes(m.states.optimizer), p.layout.offload != Offload::None ? "offloaded" : sharded(p.layout.zero_stage, 1, p.layout.data)});
   if (m.routed_expert_states > 0) t.add({"  of which routed experts", format_bytes(m.routed_expert_states), "parameters, gradients, master and optimizer states of the experts this rank keeps"});
@@ -255,7 +258,7 @@ std::string plan_to_json(const Plan& p) {
   for (const StageMemory& st : p.stage_memory)
     stages.push_back({{"model_state_bytes", st.model_state_bytes}, {"device_bytes", st.device_bytes}, {"host_bytes", st.host_bytes}});
   j["memory_per_stage"] = stages;
-  nlohmann::json execution = {{"loss_chunk_tokens", p.modes.loss_chunk_tokens}};
+  nlohmann::json execution = {{"loss_chunk_tokens", p.modes.loss_chunk_tokens}, {"grad_dtype", to_string(p.modes.gradient_dtype)}};
   for (const ExecutionModeRow& row : execution_mode_rows()) execution[row.name] = p.modes.*row.field;
   j["execution"] = execution;
   j["batch"] = {{"global", p.global_batch}, {"micro", p.layout.micro}, {"accumulation", p.accumulation},

@@ -426,6 +426,15 @@ void build_fp8(Builder& c, Recipe& r) {
 
 void build_precision(Builder& c, Recipe& r) {
   r.precision.dtype = c.kind<DType>("precision.dtype");
+  const std::string grad_dtype = c.s("precision.grad_dtype");
+  if (grad_dtype != "auto") {
+    const DType g = c.kind<DType>("precision.grad_dtype");
+    r.precision.grad_dtype = g;
+    if (g != DType::Fp32 && g != r.precision.dtype)
+      c.error("precision.grad_dtype", "gradients are accumulated in fp32 or in precision.dtype (" + std::string(to_string(r.precision.dtype)) + "), not in " + grad_dtype,
+              std::string("use grad_dtype = \"fp32\"") + (r.precision.dtype != DType::Fp32 ? std::string(" or \"") + to_string(r.precision.dtype) + "\"" : "") + ", or \"auto\"",
+              {"precision.dtype"});
+  }
   LossScaleOptions& ls = r.precision.loss_scale;
   ls.initial_power = static_cast<int>(c.i("precision.loss_scale.initial_power"));
   ls.window = c.i("precision.loss_scale.window");

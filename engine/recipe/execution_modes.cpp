@@ -49,7 +49,8 @@ const std::array<ExecutionModeRow, 9>& execution_mode_rows() {
 }
 
 std::vector<std::pair<std::string, Value>> ExecutionModes::to_config_keys() const {
-  std::vector<std::pair<std::string, Value>> keys{{"batch.loss_chunk_tokens", Value::of_int(loss_chunk_tokens)}};
+  std::vector<std::pair<std::string, Value>> keys{{"batch.loss_chunk_tokens", Value::of_int(loss_chunk_tokens)},
+                                                  {"precision.grad_dtype", Value::of_string(to_string(gradient_dtype))}};
   for (const ExecutionModeRow& row : execution_mode_rows()) keys.push_back({std::string("execution.") + row.name, Value::of_bool(this->*row.field)});
   return keys;
 }
@@ -62,7 +63,7 @@ std::string ExecutionModes::describe() const {
 }
 
 bool ExecutionModes::operator==(const ExecutionModes& o) const {
-  if (loss_chunk_tokens != o.loss_chunk_tokens) return false;
+  if (loss_chunk_tokens != o.loss_chunk_tokens || gradient_dtype != o.gradient_dtype) return false;
   for (const ExecutionModeRow& row : execution_mode_rows())
     if (this->*row.field != o.*row.field) return false;
   return true;
@@ -73,6 +74,16 @@ BuildKernels planned_kernels(Device device, const BuildKernels& here) {
   BuildKernels gpu;
   gpu.cuda = gpu.device_adam = gpu.fused_adam = gpu.varlen_attention = gpu.fp8_grouped_products = true;
   return gpu;
+}
+
+std::pair<DType, std::string> gradient_dtype_rule(const Recipe& r, const Layout& l) {
+  const DType working = r.precision.dtype;
+  if (r.precision.grad_dtype) return {*r.precision.grad_dtype, "precision.grad_dtype"};
+  if (working == DType::Fp32) return {DType::Fp32, "fp32 training"};
+  const int64_t accumulation = l.micro * l.data > 0 ? r.batch.global / (l.micro * l.data) : 1;
+  if (accumulation > 1) return {DType::Fp32, std::to_string(accumulation) + " micro-batches' gradients summed each step"};
+  if (l.data > 1) return {DType::Fp32, "gradients summed over " + std::to_string(l.data) + " data ranks"};
+  return {working, "one micro-batch a step on one data rank: no gradient is summed"};
 }
 
 ExecutionModes decide_execution_modes(const Recipe& r, const Layout& l, int64_t loss_chunk_tokens, const BuildKernels& k, std::vector<RefusedMode>* refused) {
@@ -86,6 +97,7 @@ ExecutionModes decide_execution_modes(const Recipe& r, const Layout& l, int64_t 
     if (refused && wanted && !why_not.empty() && forced != r.execution.forced.end())
       refused->push_back({name, why_not});
   };
+  m.gradient_dtype = gradient_dtype_rule(r, l).first;
   const bool gpu = r.hardware.device == Device::Cuda;
   const bool adam = r.optimizer.kind != OptimizerKind::Sgd;
   decide(&ExecutionModes::loss_gradients_in_forward, "loss_gradients_in_forward",
@@ -107,6 +119,7 @@ ExecutionModes decide_execution_modes(const Recipe& r, const Layout& l, int64_t 
          !m.update_on_device           ? "the update is not on the device (execution.update_on_device)"
          : l.world() != 1              ? "gradients are reduced over ranks"
          : l.zero_stage > 2            ? "ZeRO-3 keeps gradients in its flat shards"
+         : m.gradient_dtype != r.precision.dtype ? "gradients are accumulated in fp32 (precision.grad_dtype)"
                                        : "");
   const int64_t head_dim = r.model.head_dim();
   decide(&ExecutionModes::variable_length_attention, "variable_length_attention",
@@ -132,9 +145,9 @@ ExecutionModes decide_execution_modes(const Recipe& r, const Layout& l, int64_t 
          !gpu || !k.cuda                  ? "CPU ranks"
          : r.model.arch != ModelArch::DeepSeek ? "not a decoder"
          : l.world() != 1                 ? "several ranks (collectives inside backward)"
+         : accumulation != 1              ? "more than one micro-batch a step"
          : !m.gradients_left_to_autograd  ? "gradients are not left to autograd (execution.gradients_left_to_autograd)"
          : r.precision.dtype != DType::Bf16 ? "only bf16 (fp16's loss scale is decided on the host)"
-         : accumulation != 1              ? "more than one micro-batch a step"
          : l.recomputation                ? "recomputation"
          : r.model.moe.routed_experts > 0 ? "MoE layers (routing decides shapes each step)"
          : r.data.separate_documents      ? "separate documents (each batch's document lengths)"

@@ -28,6 +28,10 @@ struct ExecutionModes {
   bool tokens_once_per_rank = false;            // expert parallelism: a token travels once to each rank its choices are on
   bool cuda_graphs = false;                     // the steady step's forward and backward replayed as one captured CUDA graph
   bool fp8_routed_experts = false;              // precision.fp8 for the routed experts' grouped products too
+  // The dtype gradients are accumulated and reduced in (precision.grad_dtype, `auto` decided by
+  // gradient_dtype_rule); fp32 beside a bf16/fp16 working dtype adds each micro-batch's gradient
+  // into an fp32 buffer (Megatron-Core's main_grad).
+  DType gradient_dtype = DType::Fp32;
 
   // The keys that pin these in a rank's config, beside the layout's (Layout::to_config_keys).
   std::vector<std::pair<std::string, Value>> to_config_keys() const;
@@ -74,6 +78,11 @@ struct RefusedMode {
   std::string why;
   std::string describe() const { return "execution." + name + " = true does not hold here: " + why; }
 };
+
+// precision.grad_dtype as the plan decides it, and why in words: the recipe's, or `auto`'s rule
+// (fp32 wherever a bf16/fp16 gradient would be summed: more than one micro-batch a step or more
+// than one data rank; else the working dtype, with nothing to sum).
+std::pair<DType, std::string> gradient_dtype_rule(const Recipe& recipe, const Layout& layout);
 
 // Every mode on where its rule allows and execution.<name> is not false. `refused`, when given,
 // gets each mode set true that does not hold here (the plan notes it, a rank refuses it; the rule wins).

@@ -146,6 +146,9 @@ struct LossScaleOptions {
 
 struct PrecisionOptions {
   DType dtype = DType::Fp32;
+  // Gradients accumulated over micro-batches and reduced over ranks in this dtype; nullopt: auto
+  // (the plan decides: ExecutionModes::gradient_dtype).
+  std::optional<DType> grad_dtype;
   Fp8Scaling fp8 = Fp8Scaling::None;  // the blocks' linear layers' products (bf16 outputs, fp32 accumulation)
   LossScaleOptions loss_scale;
 };

@@ -260,6 +260,12 @@ std::vector<KeySpec> build_schema() {
       // ---- precision
       choice("precision.dtype", "fp32", names_of<DType>(),
              "Compute dtype. bf16/fp16 keep fp32 master weights and optimizer states; fp16 adds dynamic loss scaling."),
+      choice("precision.grad_dtype", "auto", {"auto", "fp32", "bf16", "fp16"},
+             "The dtype gradients are accumulated in over micro-batches and reduced in over ranks (ZeRO 0-3, tensor, pipeline and expert "
+             "gradients); the optimizer reads it as it is. fp32 (Megatron-Core's main_grad, torchtitan's reduce_dtype): each micro-batch's "
+             "gradient in precision.dtype is added into an fp32 buffer, reductions move twice the bytes, and the buffer takes 4 bytes a "
+             "parameter (the plan counts both). bf16/fp16: precision.dtype itself. `auto`: fp32 wherever a bf16/fp16 gradient would be "
+             "summed (more than one micro-batch a step, or more than one data rank), else precision.dtype; the plan says which."),
       choice("precision.fp8", "none", names_of<Fp8Scaling>(),
              "FP8 products for the blocks' linear layers (attention's projections, the dense MLPs, the shared experts), forward and both gradients "
              "(E4M3 operands, gradients E5M2 under one scale per tensor and E4M3 under finer ones, fp32 accumulation, bf16 outputs): one scale per tensor, "

@@ -313,6 +313,7 @@ class Trainer {
     ZeroOptions& zo = po.zero;
     zo.stage = plan_.layout.zero_stage;
     zo.dtype = plan_.dtype;
+    zo.grad_dtype = plan_.modes.gradient_dtype;
     zo.offload = plan_.layout.offload != Offload::None;
     zo.offload_params = plan_.layout.offload == Offload::OptimizerAndParams;
     zo.delayed_update = plan_.layout.delayed_update;
