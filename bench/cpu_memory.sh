@@ -4,9 +4,10 @@
 #   S: hidden 512, 8 layers, 8 heads, intermediate 1536 (27.5 M parameters), micro 8
 #   L: hidden 768, 12 layers, 12 heads, intermediate 2048 (85.4 M parameters), micro 4
 # over data 2 at ZeRO 0-3, with recomputation, with the optimizer (and parameters) offloaded; tensor 2
-# and pipeline 2 (1F1B, 2 micro-batches) on one data rank; the tiny DeepSeek-MoE with experts
+# and pipeline 2 (1F1B, 2 micro-batches) on one data rank and beside data 2 (4 ranks) at ZeRO 1-3; the tiny DeepSeek-MoE with experts
 # everywhere and with expert parallelism 2 (routed intermediate 384 for S, 512 for L).
 # usage: bash bench/cpu_memory.sh [S|L ...]    (default: S L)
+#        ONLY=REGEX bash bench/cpu_memory.sh    (only the layouts whose name matches)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $(free -g | awk '/Mem/ {print $2}') GiB; $(date -u +%F)"
@@ -17,6 +18,7 @@ printf 'base = ["%s/recipes/quickstart.toml", "%s/templates/models/deepseek-moe-
 probe() {  # NAME SIZE DATA ACCUMULATION RECIPE SETS...: one run, a row per rank
   local name=$1 size=$2 data=$3 acc=$4 recipe=$5 d
   shift 5
+  [[ "$name" =~ ${ONLY:-.} ]] || return 0
   local model micro
   if [ "$size" = S ]; then
     model=(--set model.hidden=512 --set model.layers=8 --set model.heads=8 --set model.kv_heads=8 --set model.intermediate=1536) micro=8
@@ -46,6 +48,9 @@ for size1 in ${*:-S L}; do
   probe "zero3 offload opt+par" $size1 2 1 $q --set parallel.zero_stage=3 --set parallel.offload='"optimizer+params"'
   probe "tensor2" $size1 1 1 $q --set parallel.tensor=2 --set parallel.zero_stage=0
   probe "pipeline2" $size1 1 2 $q --set parallel.pipeline=2 --set parallel.zero_stage=0
+  # Four ranks (on two cores): tensor and pipeline beside data 2, at the stages they take.
+  for stage in 1 3; do probe "data2 x tensor2 zero$stage" $size1 2 1 $q --set parallel.tensor=2 --set parallel.zero_stage=$stage --set hardware.devices_per_node=4; done
+  for stage in 1 2; do probe "data2 x pipeline2 zero$stage" $size1 2 2 $q --set parallel.pipeline=2 --set parallel.zero_stage=$stage --set hardware.devices_per_node=4; done
   probe "moe zero2" $size1 2 1 "$moe" --set parallel.zero_stage=2 --set model.moe.intermediate=$experts
   probe "moe expert2 zero2" $size1 2 1 "$moe" --set parallel.zero_stage=2 --set parallel.expert=2 --set model.moe.intermediate=$experts
 done
