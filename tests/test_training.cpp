@@ -582,7 +582,7 @@ TEST_CASE("recipes whose layout is all \"auto\" start as planned on CPU ranks, a
   CHECK(refused.id.empty());
 }
 
-TEST_CASE("bf16 with fp32 gradients (auto: 6 micro-batches a step) trains at data 2 ZeRO-3, tensor 2 and pipeline 2: each follows one micro-batch a step within bf16's noise, with the planned states", "[training][grad_dtype]") {
+TEST_CASE("bf16 with fp32 gradients (auto: 6 micro-batches a step) trains at data 2 ZeRO-3, tensor 2 and pipeline 2 (tied embeddings too): each follows one micro-batch a step within bf16's noise, with the planned states", "[training][grad_dtype]") {
   // The exact check (the sum of the micro-batches' gradients to fp32 rounding) is engine-level
   // (test_zero.cpp, test_parallel.cpp); here real ranks run the path the plan pins for them.
   dsrun::test::TempDir dir;
@@ -591,11 +591,15 @@ TEST_CASE("bf16 with fp32 gradients (auto: 6 micro-batches a step) trains at dat
   INFO(one.text);
   REQUIRE(one.code == 0);
   CHECK(nlohmann::json::parse(dsrun::Store(dir.file("runs.db")).get_run(one.id).plan_json)["execution"]["grad_dtype"] == "bf16");
+  // Tied embeddings: the last pipeline stage sums the head's gradient of the tied weight in fp32 too.
+  Run tied = train(dir, bf16 + " --set batch.micro=12 --set model.tie_embeddings=true");
+  REQUIRE(tied.code == 0);
   for (const std::string& layout : {std::string(" --set parallel.data_parallel=2 --set parallel.zero_stage=3"), std::string(" --set parallel.tensor=2"),
-                                    std::string(" --set parallel.pipeline=2")}) {
+                                    std::string(" --set parallel.pipeline=2"), std::string(" --set parallel.pipeline=2 --set model.tie_embeddings=true")}) {
     Run run = train(dir, bf16 + layout + (contains(layout, "data_parallel=2") ? " --set batch.micro=1" : ""));
+    const Run& one_step = contains(layout, "tie_embeddings") ? tied : one;
     INFO(layout);
-    check_same_trajectory(one.losses, run, 5e-3);
+    check_same_trajectory(one_step.losses, run, 5e-3);
     const int ranks = 2;
     check_memory_matches_plan(dir, run, ranks);
     const auto plan = nlohmann::json::parse(dsrun::Store(dir.file("runs.db")).get_run(run.id).plan_json);

@@ -4,6 +4,7 @@
 
 #include <iostream>
 #include <map>
+#include <utility>
 #include <set>
 #include <sstream>
 
@@ -148,12 +149,23 @@ void PipelineStage::receive_tied_gradient() {
   if (options_.tied_embedding_shape.empty() || !torch::GradMode::is_enabled()) return;
   TiedEmbedding tied = model_.tied_embedding();
   if (!tied.weight.defined()) return;
-  torch::Tensor head_gradient = torch::empty(options_.tied_embedding_shape, torch::TensorOptions().dtype(options_.dtype).device(options_.device));
+  torch::Tensor head_gradient = torch::empty(options_.tied_embedding_shape, torch::TensorOptions().dtype(options_.gradient_dtype).device(options_.device));
   pipeline_.recv(head_gradient, stages() - 1, tied_gradient_tag(options_.schedule));
   torch::NoGradGuard no_grad;
   torch::Tensor& g = tied.weight.mutable_grad();
-  if (g.defined()) g.add_(head_gradient);
-  else g = head_gradient;
+  if (g.defined()) g.add_(head_gradient);  // (a wider sum rounded once, into the working dtype)
+  else g = head_gradient.to(options_.dtype);
+}
+
+void PipelineStage::add_tied_gradient() {
+  if (options_.tied_embedding_shape.empty() || options_.gradient_dtype == options_.dtype) return;
+  TiedEmbedding tied = model_.tied_embedding();
+  if (!tied.head_copy.defined() || !tied.head_copy.grad().defined()) return;
+  torch::NoGradGuard no_grad;
+  torch::Tensor& g = tied.head_copy.mutable_grad();
+  if (!tied_gradient_sum_.defined()) tied_gradient_sum_ = torch::zeros(options_.tied_embedding_shape, g.options().dtype(options_.gradient_dtype));
+  tied_gradient_sum_.add_(g);
+  g = torch::Tensor();  // the next micro-batch's is made afresh
 }
 
 // Sent after the step's last action, not right after the head's last backward: with two stages the
@@ -165,6 +177,10 @@ void PipelineStage::send_tied_gradient() {
   TiedEmbedding tied = model_.tied_embedding();
   if (!tied.head_copy.defined()) return;
   torch::Tensor& g = tied.head_copy.mutable_grad();
+  if (options_.gradient_dtype != options_.dtype) {  // summed over the micro-batches by add_tied_gradient
+    if (!tied_gradient_sum_.defined()) tied_gradient_sum_ = torch::zeros(options_.tied_embedding_shape, tied.head_copy.options().dtype(options_.gradient_dtype));
+    g = std::exchange(tied_gradient_sum_, torch::Tensor());
+  }
   if (!g.defined()) g = torch::zeros_like(tied.head_copy);
   sends_.push_back(pipeline_.send_async(g, 0, tied_gradient_tag(options_.schedule)));
   g = torch::Tensor();
@@ -219,6 +235,7 @@ PipelineTotals PipelineStage::run(const PipelineSchedule& s, const BatchFn& batc
     zero_.begin_micro_batch(last_backward);
     if (piece == last_piece) {
       l.loss.backward();
+      add_tied_gradient();
     } else {
       Tensors outputs, grads;
       for (size_t k = 0; k < l.outputs.size(); ++k)

@@ -26,6 +26,9 @@ struct PipelineOptions {
   // Tied embeddings: this tensor rank's slice of the embedding weight, [vocab / tensor, hidden].
   std::vector<int64_t> tied_embedding_shape;
   torch::ScalarType dtype = torch::kFloat32;
+  // The gradient dtype (precision.grad_dtype): wider than dtype, the last stage sums the tied head's
+  // gradient over the step's micro-batches in it and sends it so; the first stage adds it once.
+  torch::ScalarType gradient_dtype = torch::kFloat32;
   torch::Device device = torch::kCPU;
 };
 
@@ -64,6 +67,7 @@ class PipelineStage {
   void send_tied_weight();       // first stage → last, before the step's first forward
   void receive_tied_gradient();  // last stage → first: the first stage's, before its last backward
   void send_tied_gradient();     // the last stage's, after its step's last action
+  void add_tied_gradient();      // the last stage's, after each backward of the head (a wider gradient dtype)
 
   Model& model_;
   UnitRunner& runner_;
@@ -73,6 +77,7 @@ class PipelineStage {
   std::vector<UnitRange> local_;   // the same chunks in ZeRO's (kept) unit numbering
   PipelineOptions options_;
   std::vector<PendingCollective> sends_;  // waited for at the end of the step
+  torch::Tensor tied_gradient_sum_;        // the last stage's head gradient of the tied weight, in gradient_dtype (a wider one only)
   bool warned_dtype_ = false;
 };
 

@@ -246,8 +246,8 @@ Evaluation Planner::evaluate_stage(const Choice& l, int stage) const {
   if (g != e && l.stage <= 1) m.comm_buffers += e * largest_unit;
   // Expert parallelism: a MoE layer's tokens in flight, sent and received ([micro · s · k, h] each way).
   if (degrees_.expert > 1 && st.moe_layers > 0) m.comm_buffers += 2 * imbalance_ * l.micro * r_.batch.seq_len * r_.model.moe.top_k * r_.model.hidden * e;
-  // Tied embeddings over a pipeline: the last stage's copy of this tensor rank's embedding slice, and its gradient.
-  if (st.tied_head_copy) m.comm_buffers += 2 * e * cost_.embedding_params / degrees_.tensor;
+  // Tied embeddings over a pipeline: the last stage's copy of this tensor rank's embedding slice, and its gradient (summed in g).
+  if (st.tied_head_copy) m.comm_buffers += (e + g) * cost_.embedding_params / degrees_.tensor;
   m.runtime = hw.runtime_memory_bytes;
   m.fragmentation = hw.fragmentation * (m.states.device_total() + m.activations + m.backward_peak + m.comm_buffers);
   double on_device = m.total();

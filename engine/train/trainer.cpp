@@ -304,6 +304,7 @@ class Trainer {
       pipe.carries_aux_loss = r_.model.moe.enabled() || r_.model.mtp.enabled();  // (the MTP loss joins it on the last stage)
       if (r_.model.tie_embeddings || r_.model.mtp.enabled()) pipe.tied_embedding_shape = {r_.model.vocab / t, r_.model.hidden};
       pipe.dtype = torch_dtype(plan_.dtype);
+      pipe.gradient_dtype = torch_dtype(plan_.modes.gradient_dtype);
       pipe.device = device_;
     }
     po.sequence_parallel = plan_.layout.sequence_parallel;
