@@ -176,14 +176,10 @@ void PipelineStage::send_tied_gradient() {
   if (options_.tied_embedding_shape.empty() || !torch::GradMode::is_enabled()) return;
   TiedEmbedding tied = model_.tied_embedding();
   if (!tied.head_copy.defined()) return;
-  torch::Tensor& g = tied.head_copy.mutable_grad();
-  if (options_.gradient_dtype != options_.dtype) {  // summed over the micro-batches by add_tied_gradient
-    if (!tied_gradient_sum_.defined()) tied_gradient_sum_ = torch::zeros(options_.tied_embedding_shape, tied.head_copy.options().dtype(options_.gradient_dtype));
-    g = std::exchange(tied_gradient_sum_, torch::Tensor());
-  }
-  if (!g.defined()) g = torch::zeros_like(tied.head_copy);
+  // A wider gradient dtype: the sum add_tied_gradient made; otherwise autograd's, taken over.
+  torch::Tensor g = std::exchange(options_.gradient_dtype != options_.dtype ? tied_gradient_sum_ : tied.head_copy.mutable_grad(), torch::Tensor());
+  if (!g.defined()) g = torch::zeros(options_.tied_embedding_shape, tied.head_copy.options().dtype(options_.gradient_dtype));
   sends_.push_back(pipeline_.send_async(g, 0, tied_gradient_tag(options_.schedule)));
-  g = torch::Tensor();
 }
 
 PipelineTotals PipelineStage::run(const PipelineSchedule& s, const BatchFn& batch_of, const LossFn& loss_of, double loss_multiplier) {

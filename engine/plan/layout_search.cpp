@@ -44,10 +44,9 @@ LayoutSearch search_layouts_as_given(const Recipe& recipe, const HostFacts& host
 // the layouts in the working dtype, and the search says so.
 LayoutSearch search_layouts(const Recipe& recipe, const HostFacts& host, bool every_key) {
   LayoutSearch wide = search_layouts_as_given(recipe, host, every_key);
-  if (recipe.precision.grad_dtype || recipe.precision.dtype == DType::Fp32 || (!wide.rows.empty() && wide.rows.front().fits)) return wide;
-  Recipe narrow = recipe;
-  narrow.precision.grad_dtype = recipe.precision.dtype;
-  LayoutSearch search = search_layouts_as_given(narrow, host, every_key);
+  const std::optional<Recipe> narrow = recipe_with_working_gradients(recipe);
+  if (!narrow || (!wide.rows.empty() && wide.rows.front().fits)) return wide;
+  LayoutSearch search = search_layouts_as_given(*narrow, host, every_key);
   if (search.rows.empty() || !search.rows.front().fits) return wide;
   search.note = std::string("no layout fits with gradients accumulated in fp32 (precision.grad_dtype = \"auto\"): these keep them in ") +
                 to_string(recipe.precision.dtype);

@@ -79,10 +79,9 @@ std::string usage_of(const Plan& p) {
 // working dtype instead, saying so: a plan that fits comes before a wider sum.
 Plan plan_choosing_gradient_dtype(const Recipe& recipe, const HostFacts& host) {
   Plan p = plan_choosing_checkpoint_mode(recipe, host);
-  if (p.fits || recipe.precision.grad_dtype || p.modes.gradient_dtype == recipe.precision.dtype) return p;
-  Recipe narrow = recipe;
-  narrow.precision.grad_dtype = recipe.precision.dtype;
-  Plan q = plan_choosing_checkpoint_mode(narrow, host);
+  const std::optional<Recipe> narrow = recipe_with_working_gradients(recipe);
+  if (p.fits || !narrow || p.modes.gradient_dtype == recipe.precision.dtype) return p;
+  Plan q = plan_choosing_checkpoint_mode(*narrow, host);
   if (!q.fits) return p;
   q.choices.push_back({"precision.grad_dtype", to_string(recipe.precision.dtype),
                        std::string("gradients accumulated in fp32 would need ") + usage_of(p) + "; in " + to_string(recipe.precision.dtype) + " it fits (" + usage_of(q) + ")"});

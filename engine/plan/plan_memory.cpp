@@ -196,6 +196,7 @@ Evaluation Planner::evaluate_stage(const Choice& l, int stage) const {
   // (precision.grad_dtype: a unit's flat gradient and its reduction are in g).
   const double e = bytes_per_element(r_.precision.dtype), g = bytes_per_element(modes.gradient_dtype);
   const double largest_unit = cost_.largest_unit_params / degrees_.tensor;
+  const double rank_params = st.rank_params + st.rank_expert_params;
   if (l.stage == 3 && degrees_.data > 1) {
     // The layer being computed, the prefetched next one, and one layer's full gradient before reduce-scatter.
     m.comm_buffers = (2 * e + g) * largest_unit;
@@ -206,12 +207,11 @@ Evaluation Planner::evaluate_stage(const Choice& l, int stage) const {
     // FP8's peak 12.55 GiB under bf16's, of which 11.3 are these weights). A MoE block's bf16
     // router and grouped experts keep views of its gathered buffer, so all of it stays.
     const double fp8_weights = r_.precision.fp8 != Fp8Scaling::None ? st.fp8_params_dense_units / degrees_.tensor : 0;
-    if (!l.checkpointing) m.comm_buffers += e * (st.rank_params + st.rank_expert_params - fp8_weights);
+    if (!l.checkpointing) m.comm_buffers += e * (rank_params - fp8_weights);
     // Gloo has no reduce-scatter: each unit's flat gradient is all-reduced from a copy, and up to
     // two buckets of them are in flight (zero.cpp), as at stage 2. Uncounted, CPU ranks measured
     // ZeRO-3 12-28% above the plan (+168 MiB of 599 with recomputation, at 27 M parameters).
     // (NCCL reduce-scatters the flat buffer itself; not yet measured on GPUs, so not counted there.)
-    const double rank_params = st.rank_params + st.rank_expert_params;
     if (hw.device != Device::Cuda && l.checkpointing && g * largest_unit <= kGlibcLargestBrkBlock) {
       // With recomputation nothing keeps a gathered unit alive, yet CPU ranks measured one unit's
       // size resident for every unit gathered in forward and another for every unit reduced in
@@ -230,16 +230,16 @@ Evaluation Planner::evaluate_stage(const Choice& l, int stage) const {
     // whose backward runs; Gloo has no reduce-scatter and all-reduces a copy (stage 1: of the
     // accumulated gradient; stage 2: of the flat copy). NCCL's stage 1 reduces in place.
     const double unit = g * largest_unit;
-    const double in_flight = std::min(std::max(2 * r_.parallel.bucket_bytes, unit), (st.rank_params + st.rank_expert_params) * g);
+    const double in_flight = std::min(std::max(2 * r_.parallel.bucket_bytes, unit), rank_params * g);
     const bool gloo = hw.device != Device::Cuda;
     m.comm_buffers = l.stage == 1 ? in_flight : in_flight * (gloo ? 2 : 1) + e * largest_unit;
   } else if (degrees_.data > 1) {
-    m.comm_buffers = 2 * std::min(r_.parallel.bucket_bytes, (st.rank_params + st.rank_expert_params) * g);  // bucket being reduced + the next
+    m.comm_buffers = 2 * std::min(r_.parallel.bucket_bytes, rank_params * g);  // bucket being reduced + the next
   }
   // Stage 1: each unit's reduced shard, made in the last micro-batch's backward and read by the
   // step (MasterShard::grad), on top of the whole accumulator (CPU ranks at 85 M parameters measured
   // +14-17% without it).
-  if (l.stage == 1 && degrees_.data > 1) m.comm_buffers += g * std::ceil((st.rank_params + st.rank_expert_params) / degrees_.data);
+  if (l.stage == 1 && degrees_.data > 1) m.comm_buffers += g * std::ceil(rank_params / degrees_.data);
   // Gradients accumulated in a wider dtype at stages 0-1: autograd's gradients of the unit whose
   // backward runs, in the working dtype, until they are added into the buffer (gradient_sync.cpp).
   // (Stages 2-3 count them above, beside the flat copy.)

@@ -76,14 +76,28 @@ BuildKernels planned_kernels(Device device, const BuildKernels& here) {
   return gpu;
 }
 
+namespace {
+
+// Micro-batches a step on each data rank (0 where the layout has no micro batch yet).
+int64_t micro_batches_per_step(const Recipe& r, const Layout& l) { return l.micro * l.data > 0 ? r.batch.global / (l.micro * l.data) : 0; }
+
+}  // namespace
+
 std::pair<DType, std::string> gradient_dtype_rule(const Recipe& r, const Layout& l) {
   const DType working = r.precision.dtype;
   if (r.precision.grad_dtype) return {*r.precision.grad_dtype, "precision.grad_dtype"};
   if (working == DType::Fp32) return {DType::Fp32, "fp32 training"};
-  const int64_t accumulation = l.micro * l.data > 0 ? r.batch.global / (l.micro * l.data) : 1;
+  const int64_t accumulation = micro_batches_per_step(r, l);
   if (accumulation > 1) return {DType::Fp32, std::to_string(accumulation) + " micro-batches' gradients summed each step"};
   if (l.data > 1) return {DType::Fp32, "gradients summed over " + std::to_string(l.data) + " data ranks"};
   return {working, "one micro-batch a step on one data rank: no gradient is summed"};
+}
+
+std::optional<Recipe> recipe_with_working_gradients(const Recipe& recipe) {
+  if (recipe.precision.grad_dtype || recipe.precision.dtype == DType::Fp32) return std::nullopt;
+  Recipe narrow = recipe;
+  narrow.precision.grad_dtype = recipe.precision.dtype;
+  return narrow;
 }
 
 ExecutionModes decide_execution_modes(const Recipe& r, const Layout& l, int64_t loss_chunk_tokens, const BuildKernels& k, std::vector<RefusedMode>* refused) {
@@ -140,7 +154,7 @@ ExecutionModes decide_execution_modes(const Recipe& r, const Layout& l, int64_t 
                                        : "");
   // The capture replays fixed shapes and addresses with no host work inside: every rule below is
   // something that would change between steps, read the device from the host, or talk to other ranks.
-  const int64_t accumulation = l.micro * l.data > 0 ? r.batch.global / (l.micro * l.data) : 0;
+  const int64_t accumulation = micro_batches_per_step(r, l);
   decide(&ExecutionModes::cuda_graphs, "cuda_graphs",
          !gpu || !k.cuda                  ? "CPU ranks"
          : r.model.arch != ModelArch::DeepSeek ? "not a decoder"

@@ -9,6 +9,7 @@
 
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -83,6 +84,10 @@ struct RefusedMode {
 // (fp32 wherever a bf16/fp16 gradient would be summed: more than one micro-batch a step or more
 // than one data rank; else the working dtype, with nothing to sum).
 std::pair<DType, std::string> gradient_dtype_rule(const Recipe& recipe, const Layout& layout);
+// The recipe with precision.grad_dtype pinned to the working dtype, where `auto` may widen it
+// (bf16/fp16, grad_dtype left to auto); nullopt otherwise. The plan falls back to it where fp32
+// gradients keep every layout from fitting (make_plan, search_layouts).
+std::optional<Recipe> recipe_with_working_gradients(const Recipe& recipe);
 
 // Every mode on where its rule allows and execution.<name> is not false. `refused`, when given,
 // gets each mode set true that does not hold here (the plan notes it, a rank refuses it; the rule wins).
