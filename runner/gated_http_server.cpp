@@ -1,5 +1,7 @@
 #include "runner/gated_http_server.hpp"
 
+#include "engine/common/error.hpp"
+
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
@@ -121,12 +123,17 @@ void refuse(int fd, const char* status, const char* text) {
   }
 }
 
-// The connection's socket, shut down and closed on every way out.
+// The connection's socket, shut down and closed on every way out. What the client sent and was
+// not read is read first: closing over unread bytes sends a reset, which lets a client's stack
+// drop the answer (408, 503) still waiting in its receive buffer.
 class ConnectionOwner {
  public:
   explicit ConnectionOwner(int fd) : fd_(fd) {}
   ~ConnectionOwner() {
-    ::shutdown(fd_, SHUT_RDWR);
+    ::shutdown(fd_, SHUT_WR);
+    char unread[4096];
+    for (int chunks = 0; chunks < 16 && ::recv(fd_, unread, sizeof(unread), MSG_DONTWAIT) > 0; ++chunks) {
+    }
     ::close(fd_);
   }
   ConnectionOwner(const ConnectionOwner&) = delete;
@@ -137,6 +144,22 @@ class ConnectionOwner {
 };
 
 }  // namespace
+
+GatedHttpServer::GatedHttpServer(ConnectionLimits limits) : limits_(limits) {
+  set_socket_options([this](socket_t sock) {
+    httplib::default_socket_options(sock);
+    listening_socket_ = sock;
+  });
+}
+
+int GatedHttpServer::bind(const std::string& host, int port) {
+  const int bound = port == 0 ? bind_to_any_port(host) : (bind_to_port(host, port) ? port : -1);
+  if (bound < 0) return -1;
+  if (::listen(listening_socket_, limits_.listen_backlog) != 0) {
+    fail_at(__FILE__, __LINE__, "cannot listen on " + host + ":" + std::to_string(bound) + ": " + std::strerror(errno));
+  }
+  return bound;
+}
 
 bool GatedHttpServer::take_slot(const std::string& address) {
   std::lock_guard<std::mutex> lock(slots_mutex_);

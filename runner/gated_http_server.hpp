@@ -15,6 +15,10 @@ struct ConnectionLimits {
   // From a connection's accept (or a next request's first byte) to the blank line that ends the
   // request's headers, however slowly the bytes trickle in: past it the client is told 408.
   std::chrono::milliseconds header_deadline{5000};
+  // Connects the kernel completes before the server accepts them. cpp-httplib (compiled, 0.11)
+  // listens with 5: a burst beyond that waits for SYN-ACK retransmits (1 s, 2 s, 4 s) before the
+  // server sees it, so a connection could be accepted seconds late (and its deadline with it).
+  int listen_backlog = 128;
   // An open connection's wait for its next request (a browser's keep-alive).
   std::chrono::milliseconds keep_alive{2000};
   // One read of a body, or one write of a response, before the connection is dropped.
@@ -31,7 +35,10 @@ struct ConnectionLimits {
 // and hands each complete request to its request handling, unchanged.
 class GatedHttpServer : public httplib::Server {
  public:
-  explicit GatedHttpServer(ConnectionLimits limits) : limits_(limits) {}
+  explicit GatedHttpServer(ConnectionLimits limits);
+  // Binds host:port (0: a free port) and listens with limits.listen_backlog: the port, or -1 when
+  // the address cannot be bound. Then listen_after_bind() serves.
+  int bind(const std::string& host, int port);
 
  private:
   bool process_and_close_socket(socket_t sock) override;
@@ -40,6 +47,7 @@ class GatedHttpServer : public httplib::Server {
   void give_slot(const std::string& address);
 
   const ConnectionLimits limits_;
+  socket_t listening_socket_ = INVALID_SOCKET;  // the last socket cpp-httplib made to bind
   std::mutex slots_mutex_;
   std::map<std::string, int> open_per_address_;
 };

@@ -475,7 +475,7 @@ int command_ui(const UiOptions& o) {
                                            rows + "</table><button>compare the ticked runs</button></form><p><a href=\"/metrics\">/metrics</a> · <a href=\"/api/runs\">/api/runs</a></p>"),
                     "text/html; charset=utf-8");
   }));
-  const int port = o.port == 0 ? server.bind_to_any_port(o.host) : (server.bind_to_port(o.host, o.port) ? o.port : -1);
+  const int port = server.bind(o.host, o.port);
   if (port < 0) throw Error("cannot listen on " + o.host + ":" + std::to_string(o.port), ErrorContext{"", 0, 0, "--port", -1, "choose another --port, or stop what holds it"});
   serving = &server;
   std::signal(SIGINT, on_stop);
