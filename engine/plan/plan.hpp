@@ -55,8 +55,12 @@ struct MemoryBreakdown {
   // execution.cuda_graphs with evaluation: the graph's pool keeps the step's peak between steps, so
   // an evaluation's forward (its largest piece: the head's logits) comes on top of it.
   double evaluation_beside_graph = 0;
+  // CPU ranks: of comm_buffers, the gradients' reductions that take memory backward has freed from
+  // the activations, so the peak is the larger of the two, not their sum (plan_memory.cpp).
+  double comm_after_peak = 0;
   double total() const {
-    return states.device_total() - gradients_after_peak + activations + backward_peak + evaluation_beside_graph + comm_buffers + runtime + fragmentation;
+    return states.device_total() - gradients_after_peak + activations + backward_peak + evaluation_beside_graph + comm_buffers - comm_after_peak + runtime +
+           fragmentation;
   }
 };
 

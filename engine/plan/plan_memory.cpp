@@ -12,10 +12,6 @@
 
 namespace dsrun::planning {
 
-// glibc's largest dynamic mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX): a freed block up
-// to this size raises the threshold to it, so later blocks of that size come from the heap.
-constexpr double kGlibcLargestBrkBlock = 32.0 * 1024 * 1024;
-
 void Planner::add_units(StageCost& st, int begin, int end) const {
   double params = 0, replicated = 0, routed = 0, all_routed = 0;
   for (int u = begin; u < end; ++u) {
@@ -197,9 +193,13 @@ Evaluation Planner::evaluate_stage(const Choice& l, int stage) const {
   const double e = bytes_per_element(r_.precision.dtype), g = bytes_per_element(modes.gradient_dtype);
   const double largest_unit = cost_.largest_unit_params / degrees_.tensor;
   const double rank_params = st.rank_params + st.rank_expert_params;
+  // Of comm_buffers, what backward makes for the gradients' reduction (buckets, flat copies,
+  // reduced shards): live only once backward has begun to free activations (comm_after_peak).
+  double reductions = 0;
   if (l.stage == 3 && degrees_.data > 1) {
     // The layer being computed, the prefetched next one, and one layer's full gradient before reduce-scatter.
     m.comm_buffers = (2 * e + g) * largest_unit;
+    reductions = g * largest_unit;
     // Without recomputation autograd keeps every layer's gathered weights (matmuls save them for
     // backward) until that layer's backward has run: the whole model, gathered, at the end of forward.
     // FP8 layers save their weight's FP8 transpose instead (counted with the activations), so a
@@ -209,20 +209,12 @@ Evaluation Planner::evaluate_stage(const Choice& l, int stage) const {
     const double fp8_weights = r_.precision.fp8 != Fp8Scaling::None ? st.fp8_params_dense_units / degrees_.tensor : 0;
     if (!l.checkpointing) m.comm_buffers += e * (rank_params - fp8_weights);
     // Gloo has no reduce-scatter: each unit's flat gradient is all-reduced from a copy, and up to
-    // two buckets of them are in flight (zero.cpp), as at stage 2. Uncounted, CPU ranks measured
-    // ZeRO-3 12-28% above the plan (+168 MiB of 599 with recomputation, at 27 M parameters).
+    // two buckets of them are in flight (zero.cpp), as at stage 2.
     // (NCCL reduce-scatters the flat buffer itself; not yet measured on GPUs, so not counted there.)
-    if (hw.device != Device::Cuda && l.checkpointing && g * largest_unit <= kGlibcLargestBrkBlock) {
-      // With recomputation nothing keeps a gathered unit alive, yet CPU ranks measured one unit's
-      // size resident for every unit gathered in forward and another for every unit reduced in
-      // backward (+11-18% at 27 M parameters, +36-47% at 85 M; issue 64's table, docs/benchmarks.md):
-      // glibc serves c10's posix_memalign of a unit from the heap top (blocks up to its 32 MiB mmap
-      // threshold), the hole a freed unit leaves is 96 bytes short of the next identical request,
-      // and freed holes stay resident. Units above the threshold are mapped and unmapped instead.
-      m.comm_buffers = (2 * e + g) * largest_unit + (e + g) * rank_params;
-    } else if (hw.device != Device::Cuda) {
-      const double unit = g * largest_unit;
-      m.comm_buffers += 2 * std::min(std::max(2 * r_.parallel.bucket_bytes, unit), rank_params * g);
+    if (hw.device != Device::Cuda) {
+      const double copies = 2 * std::min(std::max(2 * r_.parallel.bucket_bytes, g * largest_unit), rank_params * g);
+      m.comm_buffers += copies;
+      reductions += copies;
     }
   } else if (degrees_.data > 1 && (l.stage == 2 || (l.stage == 1 && hw.device != Device::Cuda))) {
     // Reductions in flight: at most two buckets, or one unit larger than that (zero.cpp). Stage
@@ -233,23 +225,37 @@ Evaluation Planner::evaluate_stage(const Choice& l, int stage) const {
     const double in_flight = std::min(std::max(2 * r_.parallel.bucket_bytes, unit), rank_params * g);
     const bool gloo = hw.device != Device::Cuda;
     m.comm_buffers = l.stage == 1 ? in_flight : in_flight * (gloo ? 2 : 1) + e * largest_unit;
+    reductions = m.comm_buffers;
   } else if (degrees_.data > 1) {
     m.comm_buffers = 2 * std::min(r_.parallel.bucket_bytes, rank_params * g);  // bucket being reduced + the next
+    reductions = m.comm_buffers;
   }
   // Stage 1: each unit's reduced shard, made in the last micro-batch's backward and read by the
-  // step (MasterShard::grad), on top of the whole accumulator (CPU ranks at 85 M parameters measured
-  // +14-17% without it).
-  if (l.stage == 1 && degrees_.data > 1) m.comm_buffers += g * std::ceil(rank_params / degrees_.data);
+  // step (MasterShard::grad), on top of the whole accumulator.
+  if (l.stage == 1 && degrees_.data > 1) {
+    const double shards = g * std::ceil(rank_params / degrees_.data);
+    m.comm_buffers += shards;
+    reductions += shards;
+  }
   // Gradients accumulated in a wider dtype at stages 0-1: autograd's gradients of the unit whose
   // backward runs, in the working dtype, until they are added into the buffer (gradient_sync.cpp).
   // (Stages 2-3 count them above, beside the flat copy.)
-  if (g != e && l.stage <= 1) m.comm_buffers += e * largest_unit;
+  if (g != e && l.stage <= 1) {
+    m.comm_buffers += e * largest_unit;
+    reductions += e * largest_unit;
+  }
   // Expert parallelism: a MoE layer's tokens in flight, sent and received ([micro · s · k, h] each way).
   if (degrees_.expert > 1 && st.moe_layers > 0) m.comm_buffers += 2 * imbalance_ * l.micro * r_.batch.seq_len * r_.model.moe.top_k * r_.model.hidden * e;
   // Tied embeddings over a pipeline: the last stage's copy of this tensor rank's embedding slice, and its gradient (summed in g).
   if (st.tied_head_copy) m.comm_buffers += (e + g) * cost_.embedding_params / degrees_.tensor;
+  // CPU ranks map every block of 1 MiB and more and unmap it when freed (trainer.cpp,
+  // map_large_host_blocks), so a reduction's buffers can take the pages backward has just freed:
+  // the peak is the larger of the activations' and the reductions', not their sum. Measured on 2
+  // and 4 CPU ranks at 27 and 85 M parameters (docs/benchmarks.md). The CUDA caching allocator
+  // keeps the sum: NCCL's stream cannot take blocks freed on the compute stream until synchronised.
+  if (hw.device != Device::Cuda) m.comm_after_peak = std::min(reductions, m.activations + m.backward_peak);
   m.runtime = hw.runtime_memory_bytes;
-  m.fragmentation = hw.fragmentation * (m.states.device_total() + m.activations + m.backward_peak + m.comm_buffers);
+  m.fragmentation = hw.fragmentation * (m.states.device_total() + m.activations + m.backward_peak + m.comm_buffers - m.comm_after_peak);
   double on_device = m.total();
   if (hw.ranks_share_memory()) on_device += m.states.host;  // "host" and "device" are the same memory on CPU ranks
   ev.host = host_memory(m, st);
@@ -265,6 +271,13 @@ HostMemory Planner::host_memory(const MemoryBreakdown& m, const StageCost& st) c
   HostMemory h;
   h.offloaded = m.states.host;
   h.data = data_bytes_;
+  if (hw.ranks_share_memory()) {
+    // data_bytes_ is the load's peak: the tokens read, and their copy the dataset keeps. The read
+    // ones are unmapped once loaded, so while training a CPU rank holds one copy; the load's peak
+    // is the higher only where activations and reductions are smaller than a copy.
+    const double kept = data_bytes_ / 2, transient = m.activations + m.backward_peak + m.comm_buffers - m.comm_after_peak;
+    h.data = kept + std::max(0.0, kept - transient);
+  }
   // A decoder is built deferred, one unit at a time; a ResNet or weights from a file, whole.
   const bool deferred = r_.model.arch == ModelArch::DeepSeek && r_.model.init_from.empty();
   if (r_.checkpoint.async && checkpoint_saves() > 0) h.checkpoint_staging = checkpoint_bytes() / (degrees_.data * degrees_.tensor * degrees_.pipeline);

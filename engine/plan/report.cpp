@@ -138,6 +138,9 @@ std::string render_plan(const Plan& p) {
     t.add({"evaluation beside the graph", format_bytes(m.evaluation_beside_graph),
            "execution.cuda_graphs keeps the step's memory between steps: an evaluation's forward comes on top"});
   t.add({"communication buffers", format_bytes(m.comm_buffers), p.layout.zero_stage == 3 ? "gathered layers" : "gradient buckets"});
+  if (m.comm_after_peak > 0)
+    t.add({"reductions after the peak", format_bytes(m.comm_after_peak),
+           "subtracted from the total: CPU ranks reduce gradients in the pages backward has freed from the activations"});
   t.add({"runtime", format_bytes(m.runtime), "context, libraries"});
   t.add({"allocator slack", format_bytes(m.fragmentation), "fragmentation"});
   double total = m.total() + (p.device == Device::Cpu ? m.states.host : 0);
@@ -165,8 +168,10 @@ std::string render_plan(const Plan& p) {
                                                                                  : "beyond the process as it trains: the largest parameter's fp32 initial values, on the process as it was then (hardware.host_build_memory_gib)"});
   if (h.checkpoint_staging > 0) ht.add({"checkpoint staging", format_bytes(h.checkpoint_staging), "checkpoint.async: this rank's share of a checkpoint, kept between saves" +
                                                                                                   std::string(p.checkpoint_disk.staging_pinned ? " (pinned)" : "")});
-  ht.add({"data", format_bytes(h.data), h.data > 0 ? "tokens or images as loaded (int64 or fp32, twice at the peak)"
-                                                   : "none: token files are mapped (the page cache's, shared); a batch widens to int64"});
+  const char* data_how = h.data == 0                 ? "none: token files are mapped (the page cache's, shared); a batch widens to int64"
+                         : p.device == Device::Cpu ? "tokens or images as kept (int64 or fp32; the load's second copy where it is the peak)"
+                                                   : "tokens or images as loaded (int64 or fp32, twice at the peak)";
+  ht.add({"data", format_bytes(h.data), data_how});
   ht.add({"total", format_bytes(h.total()), "x " + std::to_string(p.ranks_per_node) + " rank(s) = " + format_bytes(p.host_memory_needed) + " of " +
                                                 format_bytes(p.host_memory_capacity) + " per node"});
   out += ht.render("  ");
@@ -269,7 +274,7 @@ std::string plan_to_json(const Plan& p) {
                    {"attention_fraction", p.attention_fraction}, {"loss_chunk_tokens", p.modes.loss_chunk_tokens}};
   j["memory_per_rank"] = {{"params", m.states.params}, {"grads", m.states.grads}, {"master", m.states.master},
                           {"optimizer", m.states.optimizer}, {"activations", m.activations}, {"backward_peak", m.backward_peak}, {"gradients_after_peak", m.gradients_after_peak},
-                          {"evaluation_beside_graph", m.evaluation_beside_graph}, {"comm_buffers", m.comm_buffers},
+                          {"evaluation_beside_graph", m.evaluation_beside_graph}, {"comm_buffers", m.comm_buffers}, {"comm_after_peak", m.comm_after_peak},
                           {"routed_expert_states", m.routed_expert_states}, {"runtime", m.runtime}, {"fragmentation", m.fragmentation}, {"offloaded_to_host", m.states.host},
                           {"total", m.total() + (p.device == Device::Cpu ? m.states.host : 0)}, {"capacity", p.memory_capacity}};
   j["host_memory_per_rank"] = {{"process", p.host.process}, {"device", p.host.device}, {"offloaded", p.host.offloaded},
