@@ -2,6 +2,7 @@
 
 #include "engine/common/autograd_pointer.hpp"
 #include "engine/common/error.hpp"
+#include "engine/parallel/sequence_collectives.hpp"
 
 namespace dsrun {
 
@@ -32,47 +33,6 @@ struct EnterRegion : torch::autograd::Function<EnterRegion> {
 struct LeaveRegion : torch::autograd::Function<LeaveRegion> {
   static Tensor forward(AutogradContext*, const Tensor& partial, int64_t group) { return summed(partial, group_at(group)); }
   static variable_list backward(AutogradContext*, variable_list grads) { return {grads[0], Tensor()}; }
-};
-
-// Sequence parallelism: [b, s, h] on every rank <-> [b, s/t, h], rank r's positions.
-Tensor gather_sequence(const Tensor& part, Communicator& group) {
-  const int64_t t = group.world_size();
-  Tensor full = torch::empty({t * part.numel()}, part.options());
-  group.all_gather(part.contiguous().view({-1}), full);
-  std::vector<int64_t> shape = part.sizes().vec();  // [t, b, s/t, ...] -> [b, t·s/t, ...]
-  shape.insert(shape.begin(), t);
-  Tensor stacked = full.view(shape).transpose(0, 1);
-  std::vector<int64_t> whole = part.sizes().vec();
-  whole[1] *= t;
-  return stacked.reshape(whole);
-}
-
-Tensor reduce_scatter_sequence(const Tensor& whole, Communicator& group) {
-  const int64_t t = group.world_size();
-  DSRUN_ASSERT(whole.size(1) % t == 0, "the sequence divides by the tensor-parallel ranks (checked by the recipe)");
-  Tensor stacked = torch::stack(whole.chunk(t, 1)).contiguous();  // [t, b, s/t, ...]
-  std::vector<int64_t> shape = whole.sizes().vec();
-  shape[1] /= t;
-  Tensor part = torch::empty(shape, whole.options());
-  Tensor flat_part = part.view({-1});
-  group.reduce_scatter_sum(stacked.view({-1}), flat_part);
-  return part;
-}
-
-struct GatherSequence : torch::autograd::Function<GatherSequence> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& part, int64_t group) {
-    ctx->saved_data["group"] = group;
-    return gather_sequence(part, group_at(group));
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) { return {reduce_scatter_sequence(grads[0], group_at(ctx)), Tensor()}; }
-};
-
-struct ReduceScatterSequence : torch::autograd::Function<ReduceScatterSequence> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& whole, int64_t group) {
-    ctx->saved_data["group"] = group;
-    return reduce_scatter_sequence(whole, group_at(group));
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) { return {gather_sequence(grads[0], group_at(ctx)), Tensor()}; }
 };
 
 // Megatron's vocabulary-parallel cross-entropy: log Σ_v exp(z_v) - z_target, with the sum and the
@@ -108,13 +68,13 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
 
 Tensor TensorParallel::enter(const Tensor& x) {
   if (size() == 1) return x;
-  if (sequence_) return GatherSequence::apply(x, pointer_argument(&group_));
+  if (sequence_) return all_gather_sequence(x, group_);  // [b, s/t, h] -> [b, s, h]
   return EnterRegion::apply(x, pointer_argument(&group_));
 }
 
 Tensor TensorParallel::leave(const Tensor& partial) {
   if (size() == 1) return partial;
-  if (sequence_) return ReduceScatterSequence::apply(partial, pointer_argument(&group_));
+  if (sequence_) return reduce_scatter_sequence(partial, group_);
   return LeaveRegion::apply(partial, pointer_argument(&group_));
 }
 

@@ -1,0 +1,63 @@
+#include "engine/parallel/sequence_collectives.hpp"
+
+#include "engine/common/autograd_pointer.hpp"
+#include "engine/common/error.hpp"
+
+namespace dsrun {
+
+using torch::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+namespace {
+
+Communicator& sequence_group_at(int64_t address) { return *pointer_from_argument<Communicator>(address); }
+Communicator& sequence_group_at(AutogradContext* ctx) { return *saved_pointer<Communicator>(ctx, "group"); }
+
+Tensor gather_along_sequence(const Tensor& part, Communicator& group) {
+  const int64_t t = group.world_size();
+  Tensor full = torch::empty({t * part.numel()}, part.options());
+  group.all_gather(part.contiguous().view({-1}), full);
+  std::vector<int64_t> shape = part.sizes().vec();  // [t, b, n, ...] -> [b, t·n, ...]
+  shape.insert(shape.begin(), t);
+  Tensor stacked = full.view(shape).transpose(0, 1);
+  std::vector<int64_t> whole = part.sizes().vec();
+  whole[1] *= t;
+  return stacked.reshape(whole);
+}
+
+Tensor scatter_along_sequence(const Tensor& whole, Communicator& group) {
+  const int64_t t = group.world_size();
+  DSRUN_ASSERT(whole.size(1) % t == 0, "the sequence divides by the group's ranks (checked by the recipe)");
+  Tensor stacked = torch::stack(whole.chunk(t, 1)).contiguous();  // [t, b, s/t, ...]
+  std::vector<int64_t> shape = whole.sizes().vec();
+  shape[1] /= t;
+  Tensor part = torch::empty(shape, whole.options());
+  Tensor flat_part = part.view({-1});
+  group.reduce_scatter_sum(stacked.view({-1}), flat_part);
+  return part;
+}
+
+struct GatherSequence : torch::autograd::Function<GatherSequence> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& part, int64_t group) {
+    ctx->saved_data["group"] = group;
+    return gather_along_sequence(part, sequence_group_at(group));
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) { return {scatter_along_sequence(grads[0], sequence_group_at(ctx)), Tensor()}; }
+};
+
+struct ReduceScatterSequence : torch::autograd::Function<ReduceScatterSequence> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& whole, int64_t group) {
+    ctx->saved_data["group"] = group;
+    return scatter_along_sequence(whole, sequence_group_at(group));
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) { return {gather_along_sequence(grads[0], sequence_group_at(ctx)), Tensor()}; }
+};
+
+}  // namespace
+
+Tensor all_gather_sequence(const Tensor& part, Communicator& group) { return GatherSequence::apply(part, pointer_argument(&group)); }
+
+Tensor reduce_scatter_sequence(const Tensor& whole, Communicator& group) { return ReduceScatterSequence::apply(whole, pointer_argument(&group)); }
+
+}  // namespace dsrun
