@@ -11,9 +11,6 @@ using torch::autograd::variable_list;
 
 namespace {
 
-Communicator& sequence_group_at(int64_t address) { return *pointer_from_argument<Communicator>(address); }
-Communicator& sequence_group_at(AutogradContext* ctx) { return *saved_pointer<Communicator>(ctx, "group"); }
-
 Tensor gather_along_sequence(const Tensor& part, Communicator& group) {
   const int64_t t = group.world_size();
   Tensor full = torch::empty({t * part.numel()}, part.options());
@@ -41,17 +38,21 @@ Tensor scatter_along_sequence(const Tensor& whole, Communicator& group) {
 struct GatherSequence : torch::autograd::Function<GatherSequence> {
   static Tensor forward(AutogradContext* ctx, const Tensor& part, int64_t group) {
     ctx->saved_data["group"] = group;
-    return gather_along_sequence(part, sequence_group_at(group));
+    return gather_along_sequence(part, *pointer_from_argument<Communicator>(group));
   }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) { return {scatter_along_sequence(grads[0], sequence_group_at(ctx)), Tensor()}; }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {scatter_along_sequence(grads[0], *saved_pointer<Communicator>(ctx, "group")), Tensor()};
+  }
 };
 
 struct ReduceScatterSequence : torch::autograd::Function<ReduceScatterSequence> {
   static Tensor forward(AutogradContext* ctx, const Tensor& whole, int64_t group) {
     ctx->saved_data["group"] = group;
-    return scatter_along_sequence(whole, sequence_group_at(group));
+    return scatter_along_sequence(whole, *pointer_from_argument<Communicator>(group));
   }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) { return {gather_along_sequence(grads[0], sequence_group_at(ctx)), Tensor()}; }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {gather_along_sequence(grads[0], *saved_pointer<Communicator>(ctx, "group")), Tensor()};
+  }
 };
 
 }  // namespace

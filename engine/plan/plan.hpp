@@ -58,9 +58,11 @@ struct MemoryBreakdown {
   // CPU ranks: of comm_buffers, the gradients' reductions that take memory backward has freed from
   // the activations, so the peak is the larger of the two, not their sum (plan_memory.cpp).
   double comm_after_peak = 0;
+  // What a step holds at its peak beyond the model states: activations, backward's transient and
+  // the buffers (less the reductions that reuse freed activations).
+  double step_transients() const { return activations + backward_peak + comm_buffers - comm_after_peak; }
   double total() const {
-    return states.device_total() - gradients_after_peak + activations + backward_peak + evaluation_beside_graph + comm_buffers - comm_after_peak + runtime +
-           fragmentation;
+    return states.device_total() - gradients_after_peak + step_transients() + evaluation_beside_graph + runtime + fragmentation;
   }
 };
 

@@ -255,7 +255,7 @@ Evaluation Planner::evaluate_stage(const Choice& l, int stage) const {
   // keeps the sum: NCCL's stream cannot take blocks freed on the compute stream until synchronised.
   if (hw.device != Device::Cuda) m.comm_after_peak = std::min(reductions, m.activations + m.backward_peak);
   m.runtime = hw.runtime_memory_bytes;
-  m.fragmentation = hw.fragmentation * (m.states.device_total() + m.activations + m.backward_peak + m.comm_buffers - m.comm_after_peak);
+  m.fragmentation = hw.fragmentation * (m.states.device_total() + m.step_transients());
   double on_device = m.total();
   if (hw.ranks_share_memory()) on_device += m.states.host;  // "host" and "device" are the same memory on CPU ranks
   ev.host = host_memory(m, st);
@@ -271,20 +271,18 @@ HostMemory Planner::host_memory(const MemoryBreakdown& m, const StageCost& st) c
   HostMemory h;
   h.offloaded = m.states.host;
   h.data = data_bytes_;
-  if (hw.ranks_share_memory()) {
-    // data_bytes_ is the load's peak: the tokens read, and their copy the dataset keeps. The read
-    // ones are unmapped once loaded, so while training a CPU rank holds one copy; the load's peak
-    // is the higher only where activations and reductions are smaller than a copy.
-    const double kept = data_bytes_ / 2, transient = m.activations + m.backward_peak + m.comm_buffers - m.comm_after_peak;
-    h.data = kept + std::max(0.0, kept - transient);
-  }
   // A decoder is built deferred, one unit at a time; a ResNet or weights from a file, whole.
   const bool deferred = r_.model.arch == ModelArch::DeepSeek && r_.model.init_from.empty();
   if (r_.checkpoint.async && checkpoint_saves() > 0) h.checkpoint_staging = checkpoint_bytes() / (degrees_.data * degrees_.tensor * degrees_.pipeline);
   if (hw.ranks_share_memory()) {
-    const double build = 4 * (deferred ? cost_.largest_unit_params : cost_.params);
+    // The build and the data's load run before training's transients, which reuse their memory.
+    // data_bytes_ is the load's peak: the tokens read, and their copy the dataset keeps. The read
+    // ones are unmapped once loaded, so while training a CPU rank holds one copy; the load's peak
+    // is the higher only where the step's transients are smaller than a copy.
+    const double build = 4 * (deferred ? cost_.largest_unit_params : cost_.params), kept = data_bytes_ / 2;
     h.device = m.total();
-    h.model_build = std::max(0.0, build - (m.activations + m.backward_peak + m.comm_buffers));
+    h.model_build = std::max(0.0, build - m.step_transients());
+    h.data = kept + std::max(0.0, kept - m.step_transients());
   } else {
     // A GPU rank builds each unit on its device, one parameter's fp32 initial values at a time in
     // host memory (under tensor parallelism the whole weight, then this rank's slice of it),
