@@ -8,11 +8,14 @@
 #include "test_util.hpp"
 
 #include <catch2/catch.hpp>
+#include <fcntl.h>
+#include <unistd.h>
 #include <nlohmann/json.hpp>
 
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <thread>
 
 using dsrun::test::contains;
 using dsrun::test::error_of;
@@ -145,6 +148,29 @@ TEST_CASE("retention keeps the newest K and every Mth, and clears interrupted sa
   std::sort(removed.begin(), removed.end());
   CHECK(removed == std::vector<std::string>{"s10", "s25", "s30"});  // 60, 50 newest; 40, 20 multiples of 20
   CHECK(dsrun::checkpoints_to_remove(all, 10, 0) == std::vector<std::string>{"s25"});
+}
+
+TEST_CASE("removing a step's directory survives a peer still writing into it, and takes hidden files", "[checkpoint][files]") {
+  // Two ranks clean up one failed step at once: one rank's file may appear after the other listed
+  // the directory, and rmdir then says "not empty". CI once saw that error stand in for "did not fit".
+  dsrun::test::TempDir dir;
+  const std::string step = dir.file("step_00000006");
+  for (int round = 0; round < 20; ++round) {
+    dsrun::make_directories(step + "/nested");
+    dsrun::write_file_atomic(step + "/.hidden", "x");
+    dsrun::write_file_atomic(step + "/nested/rank0.safetensors", "x");
+    std::thread peer([&] {
+      for (int i = 0; i < 200; ++i) {
+        const int fd = ::open((step + "/rank1." + std::to_string(i)).c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+        if (fd < 0) break;  // the directory is gone: the peer's write fails as a rank's would
+        ::close(fd);
+      }
+    });
+    CHECK_NOTHROW(dsrun::remove_tree(step));
+    peer.join();
+    dsrun::remove_tree(step);  // what the peer made after the first removal (none if it ended first)
+    CHECK_FALSE(dsrun::is_directory(step));
+  }
 }
 
 TEST_CASE("a checkpoint exists only once its marker matches its manifest", "[checkpoint]") {

@@ -712,6 +712,9 @@ TEST_CASE("a save that meets a full disk fails cleanly, keep_last leaves the new
   if (!small.mounted()) WARN("tmpfs cannot be mounted here: RLIMIT_FSIZE stands in for the full disk");
   const std::string sets = layout(1, 2) + " --set run.steps=8 --set checkpoint.every=2 --set checkpoint.keep_last=2 --set checkpoint.dir='\"" + disk + "\"'";
   Run full = train(dir, sets, env);
+  // The recorded error first: a long output is cut in the middle by CI's log.
+  const std::string recorded = full.id.empty() ? "" : dsrun::Store(dir.file("runs.db")).get_run(full.id).error;
+  INFO("recorded error: " << recorded);
   INFO(full.text);
   REQUIRE(full.code == 1);
   CHECK(contains(full.text, "checkpoint at step 6 did not fit"));
@@ -722,7 +725,6 @@ TEST_CASE("a save that meets a full disk fails cleanly, keep_last leaves the new
   CHECK(complete_steps(root) == std::vector<int64_t>{2, 4});  // step 6's partial files removed, retention untouched
   CHECK(dsrun::Store(dir.file("runs.db")).get_run(full.id).status == dsrun::RunStatus::Failed);
   // The run's error is the cause, not its peer's "Connection reset by peer" that follows it.
-  const std::string recorded = dsrun::Store(dir.file("runs.db")).get_run(full.id).error;
   CHECK(contains(recorded, "did not fit"));
   CHECK_FALSE(contains(recorded, "Connection reset"));
 

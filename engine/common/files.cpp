@@ -175,14 +175,38 @@ void sync_directory(const std::string& path) {
   }
 }
 
+namespace {
+
+// Every entry of a directory, hidden ones too; an empty list for a directory already gone.
+std::vector<std::string> entries_to_remove(const std::string& path) {
+  std::vector<std::string> names;
+  DIR* d = opendir(path.c_str());
+  if (!d) {
+    if (errno == ENOENT) return names;
+    throw file_error("cannot list directory", path);
+  }
+  while (dirent* e = readdir(d))
+    if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0) names.emplace_back(e->d_name);
+  closedir(d);
+  return names;
+}
+
+}  // namespace
+
 void remove_tree(const std::string& path) {
   struct stat st {};
   if (::lstat(path.c_str(), &st) != 0) return;
-  if (S_ISDIR(st.st_mode)) {
-    for (const auto& name : list_directory(path)) remove_tree(path_join(path, name));
-    if (::rmdir(path.c_str()) != 0 && errno != ENOENT) throw file_error("cannot remove directory", path);
-  } else if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
-    throw file_error("cannot remove file", path);
+  if (!S_ISDIR(st.st_mode)) {
+    if (::unlink(path.c_str()) != 0 && errno != ENOENT) throw file_error("cannot remove file", path);
+    return;
+  }
+  // Another process may still be creating files here (a peer rank's checkpoint write racing this
+  // rank's cleanup of the same step): a directory not yet empty is listed and emptied again.
+  for (int attempt = 1;; ++attempt) {
+    for (const auto& name : entries_to_remove(path)) remove_tree(path_join(path, name));
+    if (::rmdir(path.c_str()) == 0 || errno == ENOENT) return;
+    if ((errno != ENOTEMPTY && errno != EEXIST) || attempt == 50) throw file_error("cannot remove directory", path);
+    ::usleep(10 * 1000);
   }
 }
 

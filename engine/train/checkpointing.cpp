@@ -452,9 +452,18 @@ void CheckpointSaver::run_job(Job& job) {
   } catch (const Error& e) {
     // A file or the directory gone from under this rank's write: another rank removed the step.
     const bool removed_by_another = !is_directory(job.dir) || e.context().system_errno == ENOENT;
-    remove_tree(job.dir);
+    // The cleanup's own failure is told beside the cause, never instead of it.
+    std::string removed = "Its partial files were removed";
+    bool cleaned = true;
+    try {
+      remove_tree(job.dir);
+    } catch (const Error& cleanup) {
+      cleaned = false;
+      removed = std::string("Its partial files could not all be removed (") + cleanup.what() + ")";
+    }
     if (!disk_full(e) && removed_by_another) abandon(job);
-    if (!disk_full(e)) throw;
+    if (!disk_full(e) && cleaned) throw;
+    if (!disk_full(e)) throw Error(std::string(e.what()) + ". " + removed, e.context());
     std::string latest = "none";
     for (const CheckpointInfo& c : list_checkpoints(o_.root))
       if (c.complete) latest = "step " + std::to_string(c.step);
@@ -464,7 +473,7 @@ void CheckpointSaver::run_job(Job& job) {
     c.rank = rank_;
     c.hint = "free space there, point checkpoint.dir at a larger disk, or lower checkpoint.keep_last; then `dsrun resume` continues from " + latest;
     throw Error("checkpoint at step " + std::to_string(job.step) + " did not fit: " + e.what() + ". It needs " + format_bytes(static_cast<double>(job.checkpoint_bytes)) +
-                    " in all; " + format_bytes(free_disk_bytes(o_.root)) + " is free. Its partial files were removed; the newest complete checkpoint is " + latest,
+                    " in all; " + format_bytes(free_disk_bytes(o_.root)) + " is free. " + removed + "; the newest complete checkpoint is " + latest,
                 c);
   }
   if (rank_ == 0) {
