@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <numeric>
 #include <cmath>
 #include <csignal>
 #include <functional>
@@ -348,7 +349,10 @@ std::vector<std::string> smoke_overrides(const Recipe& r, const Plan& p, std::ve
     set("model.intermediate=" + multiple(128, t));
     set("model.vocab=" + multiple(256, t));
     set("model.max_seq_len=128");
-    set("batch.seq_len=" + multiple(32, t));
+    // The sequence: whole tensor shares (sequence parallelism) and 2 × context chunks.
+    const int64_t sequence_unit = std::lcm<int64_t>(t, 2 * l.context);
+    const std::string seq_len = multiple(std::max<int64_t>(32, 4 * sequence_unit), sequence_unit);
+    set("batch.seq_len=" + seq_len);
     const int pieces = l.pipeline * l.virtual_stages;
     const int layers = pieces * std::max(1, (2 + pieces - 1) / pieces);
     set("model.layers=" + std::to_string(layers));
@@ -366,7 +370,7 @@ std::vector<std::string> smoke_overrides(const Recipe& r, const Plan& p, std::ve
       experts = ", " + std::to_string(routed) + " routed experts";
     }
     changes.push_back(r.model.name + " (" + format_count(p.cost.params) + " parameters) -> hidden " + std::to_string(16 * heads) + ", " + std::to_string(layers) + " layers, " +
-                      std::to_string(heads) + " heads (" + std::to_string(kv) + " KV)" + experts + ", vocab " + multiple(256, t) + ", sequence " + multiple(32, t));
+                      std::to_string(heads) + " heads (" + std::to_string(kv) + " KV)" + experts + ", vocab " + multiple(256, t) + ", sequence " + seq_len);
   } else {
     set("model.resnet.depth=18");
     set("model.resnet.width=8");

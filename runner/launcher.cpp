@@ -418,9 +418,10 @@ class Supervisor {
   std::string describe_rank(int rank) const {
     const MeshShape shape = plan_.layout.mesh_shape();
     std::string s = "rank " + std::to_string(rank);
-    if (shape.data == shape.size() && shape.expert == 1) return s;
+    if (shape.data == shape.size() && shape.expert == 1 && shape.context == 1) return s;
     const MeshCoordinates c = shape.coordinates_of(rank);
     return s + " (pipeline stage " + std::to_string(c.pipeline) + ", data " + std::to_string(c.data) + ", tensor " + std::to_string(c.tensor) +
+           (shape.context > 1 ? ", replica " + std::to_string(shape.replica(rank)) + " context " + std::to_string(shape.context_rank(rank)) : "") +
            (shape.expert > 1 ? ", expert shard " + std::to_string(shape.expert_shard(rank)) : "") + ")";
   }
 

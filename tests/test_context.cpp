@@ -32,6 +32,24 @@ TEST_CASE("the zigzag split gives every place of the sequence to one rank and ev
   }
 }
 
+TEST_CASE("context ranks sit in the data dimension: consecutive data ranks of one replica, tensor ranks apart", "[engine][context][mesh]") {
+  // data 2 replicas x context 2 x tensor 2: mesh data 4, rank = data · 2 + tensor.
+  MeshShape s;
+  s.data = 4, s.tensor = 2, s.context = 2;
+  CHECK(s.size() == 8);
+  CHECK(s.context_group_of(0) == std::vector<int>{0, 2});
+  CHECK(s.context_group_of(5) == std::vector<int>{5, 7});  // data 2 = replica 1, context rank 0
+  CHECK(s.replica(5) == 1);
+  CHECK(s.context_rank(7) == 1);
+  CHECK(s.group_of(5, MeshDim::Data) == std::vector<int>{1, 3, 5, 7});  // ZeRO's group: every replica's context ranks
+  CHECK(s.context_group_name(7) == s.context_group_name(5));
+  // Without context parallelism every rank is its own context group and its own replica.
+  MeshShape plain;
+  plain.data = 4;
+  CHECK(plain.context_group_of(2) == std::vector<int>{2});
+  CHECK(plain.replica(2) == 2);
+}
+
 namespace {
 
 // One process's causal attention of q [b, s, heads, d] over k, v [b, s, kv_heads, d]: [b, s, heads, d].

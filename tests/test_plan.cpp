@@ -813,3 +813,64 @@ TEST_CASE("under ZeRO-3 the FP8 layers' gathered weights are not held until back
   const double dense_layer = 4.0 * 2048 * 2048 + 3.0 * 2048 * 10944;
   CHECK(moe_bf16.memory.comm_buffers - moe_fp8.memory.comm_buffers == Approx(2 * dense_layer).epsilon(1e-6));
 }
+
+TEST_CASE("context parallelism in the plan: a rank's share of each sequence's activations, the gathered keys and values, their traffic, ZeRO over data x context", "[plan][context]") {
+  // DeepSeek-LLM-7B at 32K tokens on 8 A100s: 2 replicas, each sequence split over 4 ranks,
+  // against the same 2 replicas holding whole sequences.
+  const std::vector<std::string> common{"model.max_seq_len=32768", "batch.seq_len=32768", "batch.global=8", "batch.micro=1", "parallel.zero_stage=3", "parallel.data_parallel=2", "parallel.activation_checkpointing=\"none\""};
+  std::vector<std::string> split = common;
+  split.push_back("parallel.context=4");
+  const Plan whole = plan_of(kSevenB, common), ctx = plan_of(kSevenB, split);
+  CHECK(ctx.world_size == 8);
+  CHECK(ctx.layout.context == 4);
+  CHECK(ctx.accumulation == whole.accumulation);  // the batch math counts replicas: 8 = 1 x 4 x 2
+  // A quarter of every activation (tokens and their queries' scores), plus each of the 30 layers'
+  // keys and values over the three quarters of the sequence gathered from the group (bf16, 32 heads of 128).
+  const double gathered = 30 * 0.75 * 32768 * (2 * 4096) * 2;
+  CHECK(ctx.memory.activations == Approx(whole.memory.activations / 4 + gathered).epsilon(1e-9));
+  // ZeRO-3 shards the states over all 8 ranks holding the same parameters.
+  CHECK(ctx.memory.states.params == Approx(whole.memory.states.params / 4).epsilon(0.001));
+  CHECK(ctx.memory.states.optimizer == Approx(whole.memory.states.optimizer / 4).epsilon(0.001));
+  // Each layer gathers keys and values in forward and reduce-scatters their gradients in backward.
+  const CommTerm* kv = nullptr;
+  for (const CommTerm& c : ctx.comm)
+    if (contains(c.collective, "all-gather keys and values")) kv = &c;
+  REQUIRE(kv != nullptr);
+  CHECK(kv->bytes == Approx(whole.accumulation * 2 * 30 * 0.75 * 32768 * (2 * 4096) * 2.0));
+  CHECK(kv->seconds > 0);
+  for (const CommTerm& c : whole.comm) CHECK_FALSE(contains(c.collective, "keys and values"));
+  // Each rank computes a quarter of the FLOPs: the step is shorter, the model FLOPs per step the same.
+  CHECK(ctx.model_flops_per_step == Approx(whole.model_flops_per_step));
+  CHECK(ctx.step_seconds < whole.step_seconds);
+  const std::string text = render_plan(ctx);
+  CHECK(contains(text, "each sequence split over 4 context ranks: 8192 tokens each"));
+  CHECK(contains(text, "context parallel 4"));
+}
+
+TEST_CASE("parallel.context = \"auto\": the search splits sequences where whole ones do not fit, and keeps them whole where they do", "[plan][context][search]") {
+  auto planned = [](int64_t seq_len) {
+    return plan_of(kSevenB, {"model.max_seq_len=" + std::to_string(seq_len), "batch.seq_len=" + std::to_string(seq_len), "batch.global=8", "batch.micro=1",
+                             "parallel.zero_stage=3", "parallel.activation_checkpointing=\"full\"", "parallel.context=\"auto\""});
+  };
+  auto chosen = [](const Plan& p) {
+    for (const auto& c : p.choices)
+      if (c.key == "parallel.context") return c.value;
+    return std::string("not chosen");
+  };
+  // 7B on 8 A100 40GB: 4K-token sequences fit a rank whole, and splitting them only adds traffic.
+  const Plan short_sequences = planned(4096);
+  CHECK(short_sequences.fits);
+  CHECK(short_sequences.layout.context == 1);
+  CHECK(chosen(short_sequences) == "1");
+  // At 128K a rank cannot hold a whole sequence's checkpointed activations beside its states.
+  const Plan long_sequences = planned(131072);
+  INFO(render_plan(long_sequences));
+  CHECK(long_sequences.fits);
+  CHECK(long_sequences.layout.context > 1);
+  CHECK(long_sequences.world_size == 8);
+  CHECK(chosen(long_sequences) == std::to_string(long_sequences.layout.context));
+  bool whole_refused = false;  // the layouts searched show the whole-sequence layout not fitting
+  for (const LayoutRow& row : long_sequences.layouts)
+    if (row.layout.context == 1 && row.layout.tensor == 1 && row.layout.pipeline == 1) whole_refused = !row.fits && contains(row.verdict, "does not fit");
+  CHECK(whole_refused);
+}

@@ -144,6 +144,31 @@ TEST_CASE("cross-field rules: batch = micro x accumulation x data parallel", "[r
   CHECK(contains(only_error(load_text("[batch]\nseq_len = 8192\n")).key, "batch.seq_len"));
 }
 
+TEST_CASE("cross-field rules: context parallelism cuts each sequence into 2 x context chunks over ranks the hardware has, and names what it cannot split yet", "[recipe][rules][context]") {
+  const std::string four = "[hardware]\ndevices_per_node = 4\n";
+  CHECK(load_text("[parallel]\ncontext = 2\n[batch]\nseq_len = 64\n").ok());  // auto data: 2 devices / context 2 = 1 replica
+  const Diagnostic& odd = only_error(load_text("[parallel]\ncontext = 2\n[batch]\nseq_len = 66\n"));
+  CHECK(odd.key == "batch.seq_len");
+  CHECK(contains(odd.message, "2 × context = 4"));
+  CHECK(contains(odd.fix, "64 or 68"));
+  const Diagnostic& world = only_error(load_text("[parallel]\ncontext = 4\ndata_parallel = 1\n[batch]\nseq_len = 64\n"));
+  CHECK(world.key == "parallel.context");
+  CHECK(contains(world.message, "context 4 = 4 ranks per replica but the hardware has 2 devices"));
+  // What needs whole sequences on a rank is named, with its own key beside parallel.context.
+  auto refused = [&](const std::vector<std::string>& sets, const std::string& what) {
+    const Diagnostic& d = only_error(load_text(four + "[parallel]\ncontext = 2\ndata_parallel = 1\n[batch]\nseq_len = 64\n", sets));
+    INFO(d.message);
+    CHECK(d.key == "parallel.context");
+    CHECK(contains(d.message, what));
+    CHECK(contains(d.fix, "parallel.context = 1"));
+  };
+  refused({"model.mtp.depth=1"}, "multi-token prediction");
+  refused({"model.moe.routed_experts=4", "model.moe.top_k=2", "model.moe.intermediate=64", "model.moe.capacity_factor=1.25"}, "expert capacity");
+  CHECK(load_text(four + "[parallel]\ncontext = 2\ndata_parallel = 1\n[batch]\nseq_len = 64\n", {"model.moe.routed_experts=4", "model.moe.top_k=2", "model.moe.intermediate=64"}).ok());
+  refused({"data.kind=\"tokens\"", "data.path=\"corpus.tokens\"", "data.separate_documents=true"}, "packed documents");
+  refused({"parallel.pipeline=2"}, "pipeline parallelism");
+}
+
 TEST_CASE("cross-field rules: precision the hardware supports", "[recipe][rules]") {
   const Diagnostic& d = only_error(load_text("base = [\"hardware/h100-80gb-x1\"]\n[hardware]\npeak_tflops_fp16 = 0\n[precision]\ndtype = \"fp16\"\n"));
   CHECK(d.key == "precision.dtype");
@@ -536,7 +561,7 @@ TEST_CASE("layout search: \"auto\" keys take the fastest layout that fits, every
   const LayoutSearch search = search_layouts(resnet.recipe, o.host, true);
   const std::vector<LayoutRow>& rows = search.rows;
   REQUIRE(!rows.empty());
-  CHECK(rows.front().layout.model_parallel() == 1);
+  CHECK(rows.front().layout.ranks_per_replica() == 1);
   CHECK(contains(rows.back().verdict, "cannot run: "));
   CHECK(contains(rows.back().verdict, "a ResNet"));
   CHECK(contains(render_layouts(search, resnet.recipe), "tensor 1 × pipeline 1 × data 2"));

@@ -891,3 +891,23 @@ TEST_CASE("a step directory whose manifest is another step's is refused by resum
   for (const auto& e : store.events(child_id)) skipped += e.kind == "checkpoint" && contains(e.message, "skipped a checkpoint of run " + parent.id) ? 1 : 0;
   CHECK(skipped == 1);
 }
+
+TEST_CASE("logical checkpoints across context parallelism: context 2 resumes as one rank, data 2 as context 2", "[resume][reshard][context]") {
+  TempDir dir;
+  Run whole = train(dir, layout(1, 1) + kSixSteps);
+  INFO(whole.text);
+  REQUIRE(whole.code == 0);
+  const std::string context2 = " --set parallel.data_parallel=1 --set parallel.context=2";
+  for (const auto& [from, to] : {std::pair<std::string, std::string>{layout(1, 1) + context2, " --set parallel.context=1"},
+                                 std::pair<std::string, std::string>{layout(1, 2), context2}}) {
+    INFO(from << " -> " << to);
+    Run crashed = train(dir, from + kSixSteps, "DSRUN_TEST_CRASH_AT=1:5");
+    INFO(crashed.text);
+    REQUIRE(crashed.code == 1);
+    auto out = dsrun_command(dir, "resume " + crashed.id + to);
+    INFO(out.text);
+    REQUIRE(out.code == 0);
+    CHECK(contains(out.text, "resume from step 4"));
+    check_same_trajectory(whole.losses, Run{0, out.text, crashed.id, recorded_losses(dir, crashed.id), 0}, 1e-5);
+  }
+}

@@ -160,6 +160,20 @@ TEST_CASE("pipeline 2 x data 2 with ZeRO-2, and pipeline 2 x tensor 2, follow on
   check_model_parallel(" --set model.kv_heads=2", " --set parallel.pipeline=2 --set parallel.tensor=2 --set parallel.pipeline_schedule=\\\"gpipe\\\"", 1, 1, 4);
 }
 
+TEST_CASE("context parallelism follows one process: context 2 (GQA), and data 2 x context 2 with ZeRO-2", "[training][context]") {
+  check_model_parallel(" --set model.kv_heads=2", " --set parallel.context=2", 0, 1, 2);
+  check_model_parallel("", " --set parallel.context=2", 2, 2, 4);
+}
+
+// Latent attention (DeepSeek-V2/V3's MLA, dense here: MoE waits) under context parallelism.
+const std::string kDenseMla = " --set model.attention=\\\"mla\\\" --set model.mla.q_lora_rank=32 --set model.mla.kv_lora_rank=16 --set model.mla.qk_nope_head_dim=16"
+                              " --set model.mla.qk_rope_head_dim=8 --set model.mla.v_head_dim=16";
+
+TEST_CASE("context parallelism composed: latent attention on context 4, and tensor 2 x context 2 with ZeRO-3", "[training][context][tensor][latent]") {
+  check_model_parallel(kDenseMla, " --set parallel.context=4", 1, 1, 4);
+  check_model_parallel(" --set model.kv_heads=2", " --set parallel.context=2 --set parallel.tensor=2", 3, 1, 4);
+}
+
 // The tiny decoder's blocks after the first as DeepSeek-MoE layers: 4 routed experts (top-2) and a shared one.
 const std::string kMoe = " --set model.moe.routed_experts=4 --set model.moe.top_k=2 --set model.moe.intermediate=64 --set model.moe.shared_experts=1";
 constexpr double kMoeNorms = 2e-4;
@@ -175,6 +189,15 @@ TEST_CASE("expert parallelism composed: ep2 x pipeline 2, and ep2 x tensor 2 wit
   // the one-process and the tensor-parallel runs' last bits on this CI machine's CPU, with and
   // without the latent-attention change, and the runs drifted 2e-4 apart by step 6.)
   check_model_parallel(kMoe + " --set model.kv_heads=2 --set model.init_std=0.05", " --set parallel.expert=2 --set parallel.tensor=2", 3, 2, 4, kMoeNorms);
+}
+
+TEST_CASE("context parallelism with MoE layers follows one process: the balance loss over whole sequences, and V3's router with expert 2 over the context ranks", "[training][context][expert]") {
+  check_model_parallel(kMoe, " --set parallel.context=2", 1, 1, 2, kMoeNorms);
+  // DeepSeek-V3's router: sigmoid scores, group-limited choice, balance by bias, the sequence-wise
+  // balance loss; the experts sharded over the two ranks that split each sequence.
+  const std::string v3_router = kMoe + " --set model.moe.scoring_func=\\\"sigmoid\\\" --set model.moe.n_group=2 --set model.moe.topk_group=1"
+                                       " --set model.moe.balance=\\\"bias\\\" --set model.moe.seq_aux_loss_weight=0.01 --set model.moe.norm_topk_prob=true";
+  check_model_parallel(v3_router, " --set parallel.context=2 --set parallel.expert=2", 2, 1, 2, kMoeNorms);
 }
 
 TEST_CASE("expert parallelism with lopsided routing follows one process: every token to one expert, a rank without tokens", "[training][expert]") {

@@ -21,7 +21,9 @@ std::unique_ptr<DeviceMesh> connect_mesh(const RendezvousOptions& o, const MeshS
     const int me = static_cast<int>(std::find(members.begin(), members.end(), o.rank) - members.begin());
     expert_groups[static_cast<size_t>(g)] = rendezvous->group(shape.expert_group_name(o.rank, g), me, static_cast<int>(members.size()));
   }
-  return std::make_unique<DeviceMesh>(shape, o.rank, std::move(world), std::move(groups), std::move(expert_groups));
+  const std::vector<int> context_members = shape.context_group_of(o.rank);
+  std::unique_ptr<Communicator> context = rendezvous->group(shape.context_group_name(o.rank), shape.context_rank(o.rank), static_cast<int>(context_members.size()));
+  return std::make_unique<DeviceMesh>(shape, o.rank, std::move(world), std::move(groups), std::move(expert_groups), std::move(context));
 }
 
 }  // namespace dsrun

@@ -16,6 +16,10 @@
 
 namespace dsrun {
 
+torch::Tensor UnitRunner::split_sequence_attention(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&) {
+  fail_at(__FILE__, __LINE__, "a batch split over context ranks (Batch::places) reached a runner that does not split sequences");
+}
+
 namespace {
 
 using torch::Tensor;
@@ -98,19 +102,31 @@ struct Rotary {
 
 // Where the tokens of a batch sit. With separate documents (data.separate_documents) each token
 // takes the rotary rows of its position within its document and attention stays inside the
-// document (document_attention.hpp); else rows 0..s-1 and plain causal attention.
+// document (document_attention.hpp); with a sequence split over context ranks (Batch::places),
+// the rows of its place in the whole sequence, and the runner attends over the whole sequence;
+// else rows 0..s-1 and plain causal attention.
 struct TokenPositions {
   const Rotary* rope = nullptr;
   std::shared_ptr<const PackedDocuments> documents;  // null: one sequence per row
+  Tensor places;                                     // [s] on the device; undefined: not split
+  Tensor place_rows;                                 // places as the rotary tables' rows, [b, s]
+  UnitRunner* runner = nullptr;                      // attends over split sequences
 
-  TokenPositions(const Rotary& r, const Batch& batch, bool variable_length) : rope(&r) {
+  TokenPositions(const Rotary& r, const Batch& batch, bool variable_length, UnitRunner& unit_runner) : rope(&r), runner(&unit_runner) {
     if (batch.positions.defined()) documents = std::make_shared<const PackedDocuments>(batch.documents, batch.positions, batch.inputs.device(), variable_length);
+    if (batch.places.defined()) {
+      places = batch.places.to(batch.inputs.device());
+      place_rows = places.unsqueeze(0).expand({batch.inputs.size(0), places.size(0)}).contiguous();
+    }
   }
+  bool plain() const { return !documents && !places.defined(); }
+  // The rotary tables' row of each token, [b, s]; undefined: rows 0..s-1.
+  Tensor rows() const { return documents ? documents->positions() : place_rows; }
   // {q, k rotated, v} from the q/k/v projection of x by `projection` (fused::project_qkv; an FP8
   // projection's product first, then the rotation).
   std::vector<Tensor> project_qkv(const Tensor& x, Linear& projection, int64_t q_width, int64_t k_width, int64_t head_dim) const {
     rope->move_to(x.device());
-    const Tensor positions = documents ? documents->positions() : Tensor();
+    const Tensor positions = rows();
     if (projection->fp8 != Fp8Scaling::None)
       return fused::rotate_qkv(projection(x), q_width, k_width, head_dim, rope->cos_on_device, rope->sin_on_device, positions);
     return fused::project_qkv(x, projection->weight, q_width, k_width, head_dim, rope->cos_on_device, rope->sin_on_device, positions);
@@ -123,15 +139,22 @@ struct TokenPositions {
     rope->move_to(x.device());
     const int64_t b = x.size(0), s = x.size(1), n = x.size(2), d = x.size(3);
     const Tensor halves = x.reshape({b, s, n, d / 2, 2}).transpose(3, 4).reshape({b, s, n * d});
-    return fused::rotary(halves, d, rope->cos_on_device, rope->sin_on_device, documents ? documents->positions() : Tensor()).view({b, s, n, d});
+    return fused::rotary(halves, d, rope->cos_on_device, rope->sin_on_device, rows()).view({b, s, n, d});
   }
-  // Causal attention (within documents where there are some) of q, k [b, s, heads, dq] and v
-  // [b, s, heads, dv]; returns [b, s, heads · dv]. On a GPU values narrower than the keys are
+  // Causal attention (within documents where there are some; over the whole sequence where it is
+  // split) of q [b, s, heads, dq], k [b, s, kv_heads, dq] and v [b, s, kv_heads, dv], heads a
+  // multiple of kv_heads; returns [b, s, heads · dv]. On a GPU values narrower than the keys are
   // padded to their width, since the flash kernels take one head width (Hugging Face does the same).
   Tensor attend(const Tensor& q, const Tensor& k, Tensor v) const {
     const int64_t b = q.size(0), s = q.size(1), heads = q.size(2), dv = v.size(3);
     if (q.is_cuda() && dv != q.size(3)) v = torch::constant_pad_nd(v, {0, q.size(3) - dv});
-    Tensor out = documents ? documents->attend(q, k, v) : compat::causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2);
+    Tensor out;
+    if (documents) out = documents->attend(q, k, v);
+    else if (places.defined()) out = runner->split_sequence_attention(q, k, v, places);
+    else {
+      DSRUN_ASSERT(k.size(2) == heads, "plain causal attention takes as many key heads as query heads");
+      out = compat::causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2);
+    }
     if (out.size(-1) != dv) out = out.narrow(-1, 0, dv);
     return out.reshape({b, s, heads * dv});
   }
@@ -153,11 +176,8 @@ struct AttentionImpl : nn::Module {
     // q and k rotated, v passed through, from the one projection (fused::project_qkv: backward
     // never joins their gradients). [b, s, heads, d] viewed as [b, heads, s, d].
     const std::vector<Tensor> qkv = where.project_qkv(x, wqkv, heads * head_dim, kv_heads * head_dim, head_dim);
-    if (where.documents) {  // [b, s, heads, d] as they lie; grouped-query heads shared by the kernel or the mask path
-      Tensor out = where.documents->attend(qkv[0].view({b, s, heads, head_dim}), qkv[1].view({b, s, kv_heads, head_dim}),
-                                           qkv[2].view({b, s, kv_heads, head_dim}));
-      return out.reshape({b, s, heads * head_dim});
-    }
+    if (!where.plain())  // [b, s, heads, d] as they lie; grouped-query heads shared by the kernel, the mask path or the gathered keys
+      return where.attend(qkv[0].view({b, s, heads, head_dim}), qkv[1].view({b, s, kv_heads, head_dim}), qkv[2].view({b, s, kv_heads, head_dim}));
     Tensor q = qkv[0].view({b, s, heads, head_dim}).transpose(1, 2);
     Tensor k = qkv[1].view({b, s, kv_heads, head_dim}).transpose(1, 2);
     Tensor v = qkv[2].view({b, s, kv_heads, head_dim}).transpose(1, 2);
@@ -321,9 +341,14 @@ struct MoEImpl : nn::Module {
     // normalised only where a balance loss reads them.
     Tensor affinity = scores;
     if (spec.scoring == RouterScore::Sigmoid && (aux_weight > 0 || spec.seq_aux_loss_weight > 0)) affinity = scores / scores.sum(-1, true);
+    // Both count whole sequences: where context parallelism splits them, the runner sums each
+    // rank's counts, scores and tokens over the group (one collective: [counts | scores | tokens]).
     if (aux_weight > 0) {
-      Tensor f = routed.to(torch::kFloat32) * (static_cast<double>(experts_count) / (top_k * T));
-      Tensor p = affinity.mean(0);
+      const Tensor stats = runner.sum_over_sequences(
+          torch::cat({routed.to(torch::kFloat32), affinity.sum(0), torch::full({1}, static_cast<double>(T), affinity.options())}));
+      const Tensor tokens_whole = stats.narrow(0, 2 * experts_count, 1);
+      Tensor f = stats.narrow(0, 0, experts_count).detach() * (static_cast<double>(experts_count) / top_k) / tokens_whole;
+      Tensor p = stats.narrow(0, experts_count, experts_count) / tokens_whole;
       aux_loss = aux_loss + aux_weight * (f * p).sum();  // f counts tokens: no gradient flows through it
     }
     // V3's sequence-wise balance loss (eq. 17-20): the same product within each sequence of the
@@ -332,8 +357,11 @@ struct MoEImpl : nn::Module {
       const int64_t sequences = shape.size() == 3 ? shape[0] : 1, per = T / sequences;
       Tensor chosen_counts = torch::zeros({sequences, experts_count}, scores.options()).scatter_add_(
           1, chosen.view({sequences, per * top_k}), torch::ones({sequences, per * top_k}, scores.options()));
-      Tensor f = chosen_counts * (static_cast<double>(experts_count) / (top_k * per));
-      Tensor p = affinity.view({sequences, per, experts_count}).mean(1);
+      const Tensor stats = runner.sum_over_sequences(torch::cat(
+          {chosen_counts, affinity.view({sequences, per, experts_count}).sum(1), torch::full({sequences, 1}, static_cast<double>(per), affinity.options())}, 1));
+      const Tensor tokens_whole = stats.narrow(1, 2 * experts_count, 1);
+      Tensor f = stats.narrow(1, 0, experts_count).detach() * (static_cast<double>(experts_count) / top_k) / tokens_whole;
+      Tensor p = stats.narrow(1, experts_count, experts_count) / tokens_whole;
       aux_loss = aux_loss + spec.seq_aux_loss_weight * (f * p).sum(-1).mean();
     }
     return out.reshape(shape);
@@ -756,7 +784,7 @@ class DeepSeekModel final : public Model {
   // further (inputs k..s-1), and predicts targets k..s-1 (the tokens k+1 further). Their MoE balance
   // losses go into aux_loss. The head's weight `w` is shared; the loss is projected chunk by chunk.
   Tensor mtp_loss(const Tensor& normed, const Tensor& embedded, const Tensor& w, const Batch& batch, Tensor& aux_loss, UnitRunner& runner) {
-    const TokenPositions where(rope_, batch, build_.variable_length_attention);
+    const TokenPositions where(rope_, batch, build_.variable_length_attention, runner);
     const int64_t s = normed.size(1), depth = static_cast<int64_t>(net_->mtp.size());
     DSRUN_ASSERT(s > depth, "a sequence of " + std::to_string(s) + " tokens is too short for " + std::to_string(depth) + " MTP modules");
     const int64_t chunk = build_.loss_chunk_tokens > 0 ? build_.loss_chunk_tokens : 4096;
@@ -822,7 +850,7 @@ class DeepSeekModel final : public Model {
   // with the activations, so that a recomputed (checkpointed) block contributes it as well; each
   // block's computation captures what it reads by value, since recomputation runs it again in backward.
   Tensors run_units(UnitRange range, int first_local, const Batch& batch, Tensors state, UnitRunner& runner) {
-    const TokenPositions where(rope_, batch, build_.variable_length_attention);
+    const TokenPositions where(rope_, batch, build_.variable_length_attention, runner);
     Tensor embedded;  // the embedding's output, which the MTP modules read again
     for (int u = range.begin; u < range.end; ++u) {
       const int local = first_local + (u - range.begin);

@@ -74,6 +74,14 @@ class UnitRunner {
   // One MoE layer's routing in one forward: pairs routed to each expert (before any capacity,
   // [experts] int64) and pairs the capacity dropped. For metrics; recomputation does not repeat it.
   virtual void record_routing(int layer, const torch::Tensor& routed, int64_t dropped) {}
+  // Causal attention over whole sequences of which this rank holds the tokens at `places` [s]
+  // (Batch::places): q [b, s, heads, d], k [b, s, kv_heads, d], v [b, s, kv_heads, dv], heads a
+  // multiple of kv_heads; returns [b, s, heads, dv]. Only a runner that splits sequences over
+  // ranks (context parallelism) is given such batches: it gathers the other ranks' keys and values.
+  virtual torch::Tensor split_sequence_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& places);
+  // A statistic over whole sequences (a MoE router's balance counts and scores), summed over the
+  // ranks that hold their parts; differentiable. Here every rank holds whole sequences: `part`.
+  virtual torch::Tensor sum_over_sequences(const torch::Tensor& part) { return part; }
 };
 
 // How tensor parallelism may split a parameter (Megatron-LM's terms): the rows of a column-parallel
@@ -109,6 +117,10 @@ struct Batch {
   // Decoders with data.separate_documents: each token's position within its document [b, s]
   // (int64) and its document's number within the row [b, s] (int32). Undefined: one document.
   torch::Tensor positions, documents;
+  // Context parallelism: where this rank's tokens lie in the whole sequence, in the order it holds
+  // them [s] (int64, the same for every row; engine/parallel/context_parallel.hpp). Undefined: the
+  // rank holds whole sequences, places 0..s-1.
+  torch::Tensor places;
   // Images: each sample's index in the training stream [b] (int64, CPU), the key of its augmentation.
   torch::Tensor sample_ids;
 };

@@ -21,6 +21,16 @@ Tensor ZigzagSplit::take(const Tensor& whole, int rank) const {
   return torch::cat({whole.narrow(1, rank * c, c), whole.narrow(1, (2 * ranks - 1 - rank) * c, c)}, 1);
 }
 
+Batch ZigzagSplit::take(const Batch& whole, int rank) const {
+  DSRUN_ASSERT(!whole.positions.defined(), "packed documents are not split over context ranks (the recipe refuses them)");
+  Batch share = whole;
+  share.inputs = take(whole.inputs, rank);
+  share.targets = take(whole.targets, rank);
+  share.places = positions(rank);
+  share.items = share.targets.numel();
+  return share;
+}
+
 Tensor context_parallel_attention(const Tensor& q, const Tensor& k, const Tensor& v, const ZigzagSplit& split, Communicator& group) {
   const int n_ranks = group.world_size();
   DSRUN_ASSERT(n_ranks == split.ranks && q.size(1) == split.local_tokens(), "the split is the group's and the tokens are this rank's");

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "engine/dist/communicator.hpp"
+#include "engine/model/model.hpp"
 
 #include <torch/torch.h>
 
@@ -21,6 +22,10 @@ struct ZigzagSplit {
   torch::Tensor positions(int rank) const;
   // Rank r's tokens of `whole` [b, seq_len, ...] (dim 1), in that order.
   torch::Tensor take(const torch::Tensor& whole, int rank) const;
+  // Rank r's share of a batch of whole sequences: its tokens and targets, their places
+  // (Batch::places) and count. The model then attends through its runner's
+  // split_sequence_attention, which context_parallel_attention serves.
+  Batch take(const Batch& whole, int rank) const;
 };
 
 // Causal attention of this rank's queries over the whole sequence. q [b, n, heads, d], k [b, n,

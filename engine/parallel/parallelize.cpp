@@ -2,6 +2,7 @@
 
 #include "engine/common/error.hpp"
 #include "engine/parallel/recompute.hpp"
+#include "engine/parallel/sequence_collectives.hpp"
 
 #include <cmath>
 #include <map>
@@ -75,6 +76,17 @@ std::unique_ptr<ParallelModel> parallelize(Model& model, DeviceMesh& mesh, const
   pm->zero_ = std::make_unique<ZeroDataParallel>(model, mesh.along(MeshDim::Data), zero);
   if (stages > 1) pm->pipeline_ = std::make_unique<PipelineStage>(model, *pm, *pm->zero_, mesh.along(MeshDim::Pipeline), chunks, options.pipeline);
   return pm;
+}
+
+torch::Tensor ParallelModel::split_sequence_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& places) {
+  Communicator& group = mesh_.context();
+  const ZigzagSplit split = sequence_split(q.size(1) * group.world_size());
+  DSRUN_ASSERT(places.size(0) == split.local_tokens(), "the batch was split for this context group");
+  return context_parallel_attention(q, k, v, split, group);
+}
+
+torch::Tensor ParallelModel::sum_over_sequences(const torch::Tensor& part) {
+  return mesh_.shape().context > 1 ? all_reduce_sequence_sum(part, mesh_.context()) : part;
 }
 
 void ParallelModel::record_routing(int layer, const torch::Tensor& routed, int64_t dropped) {

@@ -5,6 +5,7 @@
 
 #include "engine/dist/mesh.hpp"
 #include "engine/model/model.hpp"
+#include "engine/parallel/context_parallel.hpp"
 #include "engine/parallel/expert_parallel.hpp"
 #include "engine/parallel/pipeline.hpp"
 #include "engine/parallel/recompute.hpp"
@@ -54,6 +55,14 @@ class ParallelModel final : public UnitRunner {
     return experts_ ? experts_->run(pairs, counts, local, meanwhile) : UnitRunner::routed_experts(pairs, counts, local, meanwhile);
   }
   void record_routing(int layer, const torch::Tensor& routed, int64_t dropped) override;
+  // Context parallelism: the rank's queries over the whole sequence, by the group's gathered keys
+  // and values (context_parallel_attention; the batch was split by ZigzagSplit::take).
+  torch::Tensor split_sequence_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& places) override;
+  // Context parallelism: the context group's sum (all_reduce_sequence_sum); else `part`.
+  torch::Tensor sum_over_sequences(const torch::Tensor& part) override;
+  // The split of a sequence of `seq_len` tokens over this rank's context group.
+  ZigzagSplit sequence_split(int64_t seq_len) const { return {mesh_.shape().context, seq_len}; }
+  int context_rank() const { return mesh_.coordinates().data % mesh_.shape().context; }
 
   // What this rank's MoE layers routed since the last call (forwards, not their recomputation),
   // by layer: pairs per expert, summed over micro-batches ([experts] int64), and pairs dropped.

@@ -55,7 +55,23 @@ struct ReduceScatterSequence : torch::autograd::Function<ReduceScatterSequence> 
   }
 };
 
+struct SumOverSequence : torch::autograd::Function<SumOverSequence> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& part, int64_t group) {
+    ctx->saved_data["group"] = group;
+    Tensor sum = part.contiguous().clone();
+    pointer_from_argument<Communicator>(group)->all_reduce_sum(sum);
+    return sum;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    Tensor sum = grads[0].contiguous().clone();
+    saved_pointer<Communicator>(ctx, "group")->all_reduce_sum(sum);
+    return {sum, Tensor()};
+  }
+};
+
 }  // namespace
+
+Tensor all_reduce_sequence_sum(const Tensor& part, Communicator& group) { return SumOverSequence::apply(part, pointer_argument(&group)); }
 
 Tensor all_gather_sequence(const Tensor& part, Communicator& group) { return GatherSequence::apply(part, pointer_argument(&group)); }
 

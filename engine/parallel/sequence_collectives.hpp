@@ -16,4 +16,9 @@ torch::Tensor all_gather_sequence(const torch::Tensor& part, Communicator& group
 // Backward all-gathers the gradient.
 torch::Tensor reduce_scatter_sequence(const torch::Tensor& whole, Communicator& group);
 
+// Statistics over whole sequences of which each rank holds a part (context parallelism): the sum of
+// every rank's `part`, on every rank. Every rank's loss reads the sum, so backward sums the
+// gradients too: each rank's part gets the gradient of the whole objective.
+torch::Tensor all_reduce_sequence_sum(const torch::Tensor& part, Communicator& group);
+
 }  // namespace dsrun

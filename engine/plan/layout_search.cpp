@@ -58,7 +58,7 @@ namespace {
 LayoutSearch search_layouts_as_given(const Recipe& recipe, const HostFacts& host, bool every_key) {
   const ParallelOptions& fixed = recipe.parallel;
   ParallelOptions::Searched searched = fixed.search;
-  if (every_key) searched = {true, true, true, true, true, recipe.model.moe.enabled()};
+  if (every_key) searched = {true, true, true, true, true, recipe.model.moe.enabled(), fixed.search.context};  // (context: as the recipe says)
   const int devices = recipe.hardware.total_devices();
   const PlannedData measured = planned_data(recipe);
   // Tensor groups stay inside a node (their traffic is every layer's) unless the recipe means otherwise.
@@ -74,60 +74,71 @@ LayoutSearch search_layouts_as_given(const Recipe& recipe, const HostFacts& host
         ++left_out;
         continue;
       }
-      const int data = fixed.data_parallel.value_or(devices / (t * pp));
-      if (data < 1 || data * t * pp > devices) continue;
-      // Schedules: 1F1B (GPipe holds more for the same bubble, so it is only run when asked for);
-      // interleaving with 2 or 4 chunks per rank.
-      std::vector<std::pair<PipelineScheduleKind, int>> schedules;
-      if (pp == 1) schedules.push_back({PipelineScheduleKind::OneFOneB, 1});
-      else if (!searched.schedule && !searched.virtual_stages) schedules.push_back({fixed.pipeline_schedule, fixed.virtual_stages});
-      else {
-        const bool any_kind = searched.schedule;
-        if (any_kind || fixed.pipeline_schedule != PipelineScheduleKind::Interleaved) schedules.push_back({any_kind ? PipelineScheduleKind::OneFOneB : fixed.pipeline_schedule, 1});
-        if (any_kind || fixed.pipeline_schedule == PipelineScheduleKind::Interleaved)
-          for (int v : searched.virtual_stages ? std::vector<int>{2, 4} : std::vector<int>{fixed.virtual_stages})
-            if (v > 1) schedules.push_back({PipelineScheduleKind::Interleaved, v});
+      // Context ranks: any degree the devices left and the sequence's 2 × context chunks allow
+      // (a decoder's; the rules name what else refuses one).
+      std::vector<int> contexts{fixed.context};
+      if (searched.context && devices % (t * pp) == 0) {
+        contexts.clear();
+        for (int c : divisors(devices / (t * pp)))
+          if (c == 1 || (recipe.model.arch == ModelArch::DeepSeek && recipe.batch.seq_len % (2 * c) == 0)) contexts.push_back(c);
       }
-      // Expert ranks: any degree the data ranks and the routed experts divide by (the smallest
-      // that fits costs the least all-to-all; a larger one holds fewer experts per rank).
-      std::vector<int> experts{fixed.expert};
-      if (searched.expert) {
-        experts.clear();
-        for (int ep : divisors(data))
-          if (recipe.model.moe.enabled() && recipe.model.moe.routed_experts % ep == 0) experts.push_back(ep);
-        if (experts.empty()) experts.push_back(1);
-      }
-      for (auto [kind, v] : schedules)
-        for (int ep : experts) {
-          LayoutRow row;
-          Layout& l = row.layout;
-          l = layout_of_recipe(recipe);  // ZeRO stage, micro batch, recomputation, offload as written
-          l.tensor = t;
-          l.pipeline = pp;
-          l.data = data;
-          l.schedule = kind;
-          l.virtual_stages = v;
-          l.expert = ep;
-          // Sequence parallelism costs no traffic and saves memory: on wherever it applies.
-          l.sequence_parallel = searched.sequence_parallel ? t > 1 && recipe.batch.seq_len % t == 0 && !recipe.model.moe.enabled() : fixed.sequence_parallel && t > 1;
-          row.problem = layout_problem(recipe, l);
-          if (row.problem.empty()) {
-            const Plan p = plan_candidate(with_degrees(recipe, l), host, measured);
-            row.layout = p.layout;
-            row.fits = p.fits;
-            row.binds = p.binds;
-            if (!p.pipeline_problem.empty()) row.problem = "the pipeline schedule cannot run: " + p.pipeline_problem;
-            row.memory_bytes = p.memory.total() + (p.device == Device::Cpu ? p.memory.states.host : 0);
-            row.capacity = p.memory_capacity;
-            row.host_bytes = p.host_memory_needed;
-            row.host_capacity = p.host_memory_capacity;
-            row.step_seconds = p.step_seconds;
-            row.mfu = p.mfu;
-            row.bubble_fraction = p.bubble_fraction;
-            row.exposed_comm_seconds = p.exposed_comm_seconds;
-          }
-          rows.push_back(row);
+      for (int context : contexts) {
+        const int data = fixed.data_parallel.value_or(devices / (t * pp * context));
+        if (data < 1 || data * t * pp * context > devices) continue;
+        // Schedules: 1F1B (GPipe holds more for the same bubble, so it is only run when asked for);
+        // interleaving with 2 or 4 chunks per rank.
+        std::vector<std::pair<PipelineScheduleKind, int>> schedules;
+        if (pp == 1) schedules.push_back({PipelineScheduleKind::OneFOneB, 1});
+        else if (!searched.schedule && !searched.virtual_stages) schedules.push_back({fixed.pipeline_schedule, fixed.virtual_stages});
+        else {
+          const bool any_kind = searched.schedule;
+          if (any_kind || fixed.pipeline_schedule != PipelineScheduleKind::Interleaved) schedules.push_back({any_kind ? PipelineScheduleKind::OneFOneB : fixed.pipeline_schedule, 1});
+          if (any_kind || fixed.pipeline_schedule == PipelineScheduleKind::Interleaved)
+            for (int v : searched.virtual_stages ? std::vector<int>{2, 4} : std::vector<int>{fixed.virtual_stages})
+              if (v > 1) schedules.push_back({PipelineScheduleKind::Interleaved, v});
         }
+        // Expert ranks: any degree the data ranks and the routed experts divide by (the smallest
+        // that fits costs the least all-to-all; a larger one holds fewer experts per rank).
+        std::vector<int> experts{fixed.expert};
+        if (searched.expert) {
+          experts.clear();
+          for (int ep : divisors(data * context))
+            if (recipe.model.moe.enabled() && recipe.model.moe.routed_experts % ep == 0) experts.push_back(ep);
+          if (experts.empty()) experts.push_back(1);
+        }
+        for (auto [kind, v] : schedules)
+          for (int ep : experts) {
+            LayoutRow row;
+            Layout& l = row.layout;
+            l = layout_of_recipe(recipe);  // ZeRO stage, micro batch, recomputation, offload as written
+            l.tensor = t;
+            l.pipeline = pp;
+            l.data = data;
+            l.schedule = kind;
+            l.virtual_stages = v;
+            l.expert = ep;
+            l.context = context;
+            // Sequence parallelism costs no traffic and saves memory: on wherever it applies.
+            l.sequence_parallel = searched.sequence_parallel ? t > 1 && recipe.batch.seq_len % t == 0 && !recipe.model.moe.enabled() : fixed.sequence_parallel && t > 1;
+            row.problem = layout_problem(recipe, l);
+            if (row.problem.empty()) {
+              const Plan p = plan_candidate(with_degrees(recipe, l), host, measured);
+              row.layout = p.layout;
+              row.fits = p.fits;
+              row.binds = p.binds;
+              if (!p.pipeline_problem.empty()) row.problem = "the pipeline schedule cannot run: " + p.pipeline_problem;
+              row.memory_bytes = p.memory.total() + (p.device == Device::Cpu ? p.memory.states.host : 0);
+              row.capacity = p.memory_capacity;
+              row.host_bytes = p.host_memory_needed;
+              row.host_capacity = p.host_memory_capacity;
+              row.step_seconds = p.step_seconds;
+              row.mfu = p.mfu;
+              row.bubble_fraction = p.bubble_fraction;
+              row.exposed_comm_seconds = p.exposed_comm_seconds;
+            }
+            rows.push_back(row);
+          }
+      }
     }
   }
   auto rank = [](const LayoutRow& r) { return !r.problem.empty() ? 2 : r.fits ? 0 : 1; };

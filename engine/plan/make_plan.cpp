@@ -41,6 +41,7 @@ Plan plan_with_layout_search(const Recipe& recipe, const HostFacts& host) {
   if (searched.schedule && l.pipeline > 1) choose("parallel.pipeline_schedule", to_string(l.schedule));
   if (searched.virtual_stages && l.pipeline > 1) choose("parallel.virtual_stages", std::to_string(l.virtual_stages));
   if (searched.expert) choose("parallel.expert", std::to_string(l.expert));
+  if (searched.context) choose("parallel.context", std::to_string(l.context));
   if (searched.sequence_parallel)
     p.choices.push_back({"parallel.sequence_parallel", l.sequence_parallel ? "true" : "false", l.tensor > 1 ? "same traffic as without, 1/tensor of the activations between regions" : "no tensor parallelism"});
   // The plan keeps the best rows (the stored plan and `dsrun plan` stay small); `dsrun plan --layouts` prints more.

@@ -133,7 +133,7 @@ Plan Planner::plan() {
   p.devices_per_node = hw.devices_per_node;
   p.layout = layout_with({});
   p.expert_imbalance = imbalance_;
-  p.world_size = degrees_.data * degrees_.tensor * degrees_.pipeline;
+  p.world_size = degrees_.world();
   p.ranks_per_node = ranks_per_node_;
   p.global_batch = r_.batch.global;
   p.seq_len = r_.model.arch == ModelArch::DeepSeek ? r_.batch.seq_len : 0;
@@ -215,11 +215,11 @@ void Planner::add_notes(Plan& p) {
     p.notes.push_back("CPU ranks share the node's " + format_bytes(hw.memory_bytes) + "; each rank's share is " + format_bytes(capacity_));
   if (kernel_ == AttentionKernel::Math && r_.model.arch == ModelArch::DeepSeek)
     p.notes.push_back("attention on CPU keeps the s x s probabilities of every head (no flash kernel in libtorch 1.13)");
-  if (hw.device == Device::Cuda && !hw.p2p && degrees_.data > 1)
+  if (hw.device == Device::Cuda && !hw.p2p && degrees_.data_ranks() > 1)
     p.notes.push_back("no GPU peer-to-peer: collectives go through host memory (half the link bandwidth assumed); NCCL needs NCCL_P2P_DISABLE=1 here");
   if (hw.device == Device::Cpu && p.layout.offload != Offload::None)
     p.notes.push_back("offload on CPU ranks moves nothing (host and device memory are the same); the same code path runs, with separate host copies");
-  if (p.layout.zero_stage > 0 && degrees_.data == 1) p.notes.push_back("ZeRO stage " + std::to_string(p.layout.zero_stage) + " with one rank shards nothing");
+  if (p.layout.zero_stage > 0 && degrees_.data_ranks() == 1) p.notes.push_back("ZeRO stage " + std::to_string(p.layout.zero_stage) + " with one rank shards nothing");
   if (p.offload_hidden_seconds < 0)
     p.notes.push_back("the delayed update's host step, " + format_double(hw.host_step_beside_compute, 3) + " times slower beside compute (hardware.host_step_beside_compute), outlasts the step's compute by " +
                       format_seconds(-p.offload_hidden_seconds) + " more than it takes alone: more sequences per step (batch.global) hide it, and without parallel.delayed_update "
@@ -227,9 +227,10 @@ void Planner::add_notes(Plan& p) {
   if (hw.device == Device::Cuda && degrees_.pipeline > 1)
     p.notes.push_back("pipeline on GPUs: each run of a stage's sends and receives goes out as one NCCL group (Megatron-LM's send_forward_recv_backward); "
                       "the schedule was simulated under NCCL's semantics (in-order rendezvous per pair) before launch (docs/parallelism.md, \"On GPUs\")");
-  int64_t shard_pad = static_cast<int64_t>(std::ceil(rank_params_ / degrees_.data) * degrees_.data - rank_params_);
+  const int data_ranks = degrees_.data_ranks();
+  int64_t shard_pad = static_cast<int64_t>(std::ceil(rank_params_ / data_ranks) * data_ranks - rank_params_);
   if (p.layout.zero_stage > 0 && shard_pad > 0)
-    p.notes.push_back(format_count(cost_.params) + " parameters do not divide by " + std::to_string(degrees_.data) + " ranks: shards are padded by " +
+    p.notes.push_back(format_count(cost_.params) + " parameters do not divide by " + std::to_string(data_ranks) + " ranks: shards are padded by " +
                       std::to_string(shard_pad) + " elements");
   if (hw.device == Device::Cuda && r_.model.moe.enabled())
     p.notes.push_back("routed experts run as grouped matrix products at " + format_double(100 * hw.grouped_matmul_efficiency, 3) + "% of peak FLOP/s (" +
@@ -261,7 +262,7 @@ constexpr double kStageGain = 0.01;
 // 4 H200 in FP8: ZeRO-0 fits micro 1, 1.021 s a step; ZeRO-3 micro 4, 0.945 s).
 Plan plan_fastest_stage(const Recipe& recipe, const HostFacts& host, PlanningOptions o) {
   Plan lowest = Planner(recipe, host, o).plan();
-  if (recipe.parallel.zero_stage || lowest.layout.data < 2 || !lowest.fits) return lowest;
+  if (recipe.parallel.zero_stage || lowest.layout.data_ranks() < 2 || !lowest.fits) return lowest;
   std::optional<Recipe> faster;
   double best = lowest.step_seconds * (1 - kStageGain);
   for (int stage = lowest.layout.zero_stage + 1; stage <= 3; ++stage) {

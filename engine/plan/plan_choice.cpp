@@ -108,7 +108,7 @@ Planner::Chosen Planner::choose_stage_and_recomputation(Plan& p, int64_t smalles
     Evaluation ev = evaluate(chosen);
     if (!found) stage_reason = "no stage fits; the highest allowed is shown";
     else if (chosen.stage == stages.front())
-      stage_reason = degrees_.data == 1 ? "one data-parallel rank: ZeRO has nothing to shard; stage " + std::to_string(chosen.stage) + " fits (" + usage(ev) + ")"
+      stage_reason = degrees_.data_ranks() == 1 ? "one data-parallel rank: ZeRO has nothing to shard; stage " + std::to_string(chosen.stage) + " fits (" + usage(ev) + ")"
                               : "the lowest stage, and it fits (" + usage(ev) + ")";
     else {
       Evaluation lower = evaluate({chosen.stage - 1, chosen.checkpointing, smallest_micro});
@@ -177,7 +177,7 @@ void Planner::choose_loss_chunk(Plan& p, const Chosen& c) {
   // against one, ran 0.7% slower), else 256 MiB chunks.
   const Choice& chosen = c.choice;
   if (c.fits && !r_.batch.loss_chunk_tokens && cost_.loss_chunk_tokens > 0) {
-    const int64_t tokens = chosen.micro * r_.batch.seq_len;
+    const int64_t tokens = chosen.micro * r_.batch.seq_len / degrees_.context;  // a rank's share of the micro-batch
     const double logits_bytes = 4.0 * static_cast<double>(tokens) * static_cast<double>(cost_options_.local_vocab);
     if (tokens > cost_.loss_chunk_tokens && logits_bytes <= capacity_ / 32) {
       const ModelCost chunked = cost_;

@@ -32,12 +32,24 @@ void Planner::add_units(StageCost& st, int begin, int end) const {
     st.routed_activation_bytes_per_sample += unit.routed_activation_bytes_per_sample;
     st.checkpointed_activation_bytes_per_sample += unit.checkpointed_activation_bytes_per_sample;
     st.moe_layers += unit.routed_expert_params > 0 ? 1 : 0;
+    st.layers += u > 0 && u + 1 < static_cast<int>(cost_.units.size()) ? 1 : 0;
     st.largest_param = std::max(st.largest_param, unit.largest_param);
     st.has_blocks |= u > 0 && u + 1 < static_cast<int>(cost_.units.size());
   }
   st.rank_params += (params - routed - replicated) / degrees_.tensor + replicated;
   st.rank_expert_params += routed / (degrees_.tensor * degrees_.expert);
   st.local_routed_params += all_routed / (degrees_.tensor * degrees_.expert);
+}
+
+Planner::ContextKvWidth Planner::context_kv_width() const {
+  const ModelSpec& m = r_.model;
+  // Latent attention expands each head's key (its rope part shared) and value before attention;
+  // grouped-query attention repeats its KV heads for the query heads after the gather.
+  if (m.latent_attention()) {
+    const double width = static_cast<double>(m.heads) * static_cast<double>(m.qk_head_dim() + m.v_head_dim());
+    return {width, width};
+  }
+  return {2.0 * m.kv_heads * m.head_dim(), 2.0 * m.heads * m.head_dim()};
 }
 
 void Planner::split_into_stages() {
@@ -100,12 +112,12 @@ Evaluation Planner::evaluate(const Choice& l) const {
 Evaluation Planner::evaluate_stage(const Choice& l, int stage) const {
   const HardwareSpec& hw = r_.hardware;
   const StageCost& st = stages_[stage];
-  const double live = live_micro_batches(r_.batch.global / (l.micro * degrees_.data), stage);
+  const double live = live_micro_batches(r_.batch.global / (l.micro * degrees_.data), stage);  // (data: the batch's replicas)
   Evaluation ev;
   ev.stage = stage;
   ModelStateOptions o;
   o.params = st.rank_params;
-  o.data_parallel = degrees_.data;
+  o.data_parallel = degrees_.data_ranks();
   o.zero_stage = l.stage;
   o.dtype = r_.precision.dtype;
   o.optimizer = r_.optimizer.kind;
@@ -120,14 +132,18 @@ Evaluation Planner::evaluate_stage(const Choice& l, int stage) const {
   m.states = plan_model_states_per_rank(o);
   if (st.rank_expert_params > 0) {  // routed experts: ZeRO over the dp/ep ranks keeping the same ones
     o.params = st.rank_expert_params;
-    o.data_parallel = degrees_.data / degrees_.expert;
+    o.data_parallel = degrees_.data_ranks() / degrees_.expert;
     const ModelStateBytes experts = plan_model_states_per_rank(o);
     m.states += experts;
     m.routed_expert_states = experts.device_total() + experts.host;
   }
   // Expert parallelism: the busiest rank's experts get `imbalance` times the mean tokens.
   const double routed_extra = (imbalance_ - 1) * st.routed_activation_bytes_per_sample;
-  m.activations = live * l.micro * (l.checkpointing ? st.checkpointed_activation_bytes_per_sample : st.activation_bytes_per_sample + routed_extra);
+  // Context parallelism: a rank holds 1/c of each sequence's tokens, and of its attention's scores
+  // (its queries against every key): 1/c of a whole sample's activations, plus the keys and
+  // values gathered from the group (below).
+  const double c = degrees_.context;
+  m.activations = live * l.micro * (l.checkpointing ? st.checkpointed_activation_bytes_per_sample : st.activation_bytes_per_sample + routed_extra) / c;
   // Tensor parallelism without sequence parallelism (Korthikanti et al. 2022, eq. 2): of a
   // layer's 34·sbh activation bytes, 24·sbh are split over t ranks and 10·sbh (norms, dropout-free
   // residuals, the region inputs) stay whole. Applied to the total until the terms are split one by one.
@@ -136,8 +152,15 @@ Evaluation Planner::evaluate_stage(const Choice& l, int stage) const {
   // their inputs in one byte, and each its weight's transposed FP8 copy (one byte a parameter)
   // until its backward (measured on an H200: the ~1B's peak 1.85 GiB under bf16's; this counts 1.84).
   if (r_.precision.fp8 != Fp8Scaling::None && !l.checkpointing)
-    m.activations += live * (st.fp8_params - l.micro * static_cast<double>(r_.batch.seq_len) * st.fp8_activation_saving_per_token);
+    m.activations += live * (st.fp8_params - l.micro * rank_sequence() * st.fp8_activation_saving_per_token);
   if (degrees_.tensor > 1 && !l.checkpointing) m.activations *= r_.parallel.sequence_parallel ? 1.0 / degrees_.tensor : (10.0 + 24.0 / degrees_.tensor) / 34.0;
+  // Each layer's attention keeps the whole sequence's keys and values (its heads'), of which the
+  // share above counted this rank's own; with recomputation only the recomputed layer's (below).
+  double gathered_layer = 0;
+  if (c > 1 && st.has_blocks) {
+    gathered_layer = (1 - 1 / c) * l.micro * static_cast<double>(r_.batch.seq_len) * context_kv_width().kept / degrees_.tensor * bytes_per_element(r_.precision.dtype);
+    if (!l.checkpointing) m.activations += live * st.layers * gathered_layer;
+  }
   // execution.fp8_routed_experts: each MoE layer keeps its experts' transposed FP8 weights (a byte a
   // parameter, and an fp32 scale for each of an expert's h + i columns) until its backward
   // (grouped_experts.cpp); with checkpointing only the recomputed layer's, of one micro-batch.
@@ -167,12 +190,15 @@ Evaluation Planner::evaluate_stage(const Choice& l, int stage) const {
                                               ? bytes_per_element(r_.precision.dtype) * static_cast<double>(r_.model.vocab / degrees_.tensor) * static_cast<double>(r_.model.hidden)
                                               : 0;
   if (st.has_head && cost_.loss_chunk_tokens > 0) {
-    head_backward = cost_.loss_chunk_bytes(static_cast<double>(l.micro * r_.batch.seq_len)) + (live - 1) * head_gradient_in_forward;
+    head_backward = cost_.loss_chunk_bytes(l.micro * rank_sequence()) + (live - 1) * head_gradient_in_forward;
   } else if (st.has_head) {
-    head_backward = l.micro * cost_.head_backward_bytes_per_sample;
+    head_backward = l.micro * cost_.head_backward_bytes_per_sample / c;
   }
-  const double attention_backward = st.has_blocks ? l.micro * cost_.attention_backward_bytes_per_sample / degrees_.tensor : 0;
-  m.backward_peak = l.checkpointing && st.has_blocks ? std::max(head_backward, l.micro * cost_.recomputed_layer_bytes_per_sample + attention_backward)
+  // Context parallelism's mask of this rank's queries against every key (bool, then a bias in the
+  // compute dtype), made for each layer's attention.
+  const double context_mask = c > 1 && st.has_blocks ? rank_sequence() * static_cast<double>(r_.batch.seq_len) * (1 + bytes_per_element(r_.precision.dtype)) : 0;
+  const double attention_backward = st.has_blocks ? l.micro * cost_.attention_backward_bytes_per_sample / degrees_.tensor / c + context_mask : 0;
+  m.backward_peak = l.checkpointing && st.has_blocks ? std::max(head_backward, l.micro * cost_.recomputed_layer_bytes_per_sample / c + gathered_layer + attention_backward)
                                                      : std::max(head_backward, attention_backward);
   // Gradients left to autograd come as backward frees activations, except that one: held at the peak.
   if (modes.gradients_left_to_autograd)
@@ -183,7 +209,7 @@ Evaluation Planner::evaluate_stage(const Choice& l, int stage) const {
   // H200, 1.88 GiB more reserved than eager, against 1.95 counted: docs/benchmarks.md); unchunked,
   // the micro-batch's in the compute dtype, their fp32 copy and its log-softmax (4 + 4 + e bytes).
   if (modes.cuda_graphs && r_.eval.every > 0 && st.has_head) {
-    const double micro_tokens = static_cast<double>(l.micro * r_.batch.seq_len);
+    const double micro_tokens = l.micro * rank_sequence();
     const double local_vocab = static_cast<double>(r_.model.vocab / degrees_.tensor);
     m.evaluation_beside_graph = cost_.loss_chunk_tokens > 0 ? std::min(static_cast<double>(cost_.loss_chunk_tokens), micro_tokens) * 4.0 * local_vocab
                                                             : micro_tokens * (8.0 + bytes_per_element(r_.precision.dtype)) * local_vocab;
@@ -196,7 +222,8 @@ Evaluation Planner::evaluate_stage(const Choice& l, int stage) const {
   // Of comm_buffers, what backward makes for the gradients' reduction (buckets, flat copies,
   // reduced shards): live only once backward has begun to free activations (comm_after_peak).
   double reductions = 0;
-  if (l.stage == 3 && degrees_.data > 1) {
+  const int data_ranks = degrees_.data_ranks();  // ZeRO's group: the replicas and their context ranks
+  if (l.stage == 3 && data_ranks > 1) {
     // The layer being computed, the prefetched next one, and one layer's full gradient before reduce-scatter.
     m.comm_buffers = (2 * e + g) * largest_unit;
     reductions = g * largest_unit;
@@ -216,7 +243,7 @@ Evaluation Planner::evaluate_stage(const Choice& l, int stage) const {
       m.comm_buffers += copies;
       reductions += copies;
     }
-  } else if (degrees_.data > 1 && (l.stage == 2 || (l.stage == 1 && hw.device != Device::Cuda))) {
+  } else if (data_ranks > 1 && (l.stage == 2 || (l.stage == 1 && hw.device != Device::Cuda))) {
     // Reductions in flight: at most two buckets, or one unit larger than that (zero.cpp). Stage
     // 2 reduces a flat copy of each unit's gradient, beside autograd's gradients of the unit
     // whose backward runs; Gloo has no reduce-scatter and all-reduces a copy (stage 1: of the
@@ -226,14 +253,14 @@ Evaluation Planner::evaluate_stage(const Choice& l, int stage) const {
     const bool gloo = hw.device != Device::Cuda;
     m.comm_buffers = l.stage == 1 ? in_flight : in_flight * (gloo ? 2 : 1) + e * largest_unit;
     reductions = m.comm_buffers;
-  } else if (degrees_.data > 1) {
+  } else if (data_ranks > 1) {
     m.comm_buffers = 2 * std::min(r_.parallel.bucket_bytes, rank_params * g);  // bucket being reduced + the next
     reductions = m.comm_buffers;
   }
   // Stage 1: each unit's reduced shard, made in the last micro-batch's backward and read by the
   // step (MasterShard::grad), on top of the whole accumulator.
-  if (l.stage == 1 && degrees_.data > 1) {
-    const double shards = g * std::ceil(rank_params / degrees_.data);
+  if (l.stage == 1 && data_ranks > 1) {
+    const double shards = g * std::ceil(rank_params / data_ranks);
     m.comm_buffers += shards;
     reductions += shards;
   }
@@ -245,7 +272,7 @@ Evaluation Planner::evaluate_stage(const Choice& l, int stage) const {
     reductions += e * largest_unit;
   }
   // Expert parallelism: a MoE layer's tokens in flight, sent and received ([micro · s · k, h] each way).
-  if (degrees_.expert > 1 && st.moe_layers > 0) m.comm_buffers += 2 * imbalance_ * l.micro * r_.batch.seq_len * r_.model.moe.top_k * r_.model.hidden * e;
+  if (degrees_.expert > 1 && st.moe_layers > 0) m.comm_buffers += 2 * imbalance_ * l.micro * rank_sequence() * r_.model.moe.top_k * r_.model.hidden * e;
   // Tied embeddings over a pipeline: the last stage's copy of this tensor rank's embedding slice, and its gradient (summed in g).
   if (st.tied_head_copy) m.comm_buffers += (e + g) * cost_.embedding_params / degrees_.tensor;
   // CPU ranks map every block of 1 MiB and more and unmap it when freed (trainer.cpp,
@@ -273,7 +300,7 @@ HostMemory Planner::host_memory(const MemoryBreakdown& m, const StageCost& st) c
   h.data = data_bytes_;
   // A decoder is built deferred, one unit at a time; a ResNet or weights from a file, whole.
   const bool deferred = r_.model.arch == ModelArch::DeepSeek && r_.model.init_from.empty();
-  if (r_.checkpoint.async && checkpoint_saves() > 0) h.checkpoint_staging = checkpoint_bytes() / (degrees_.data * degrees_.tensor * degrees_.pipeline);
+  if (r_.checkpoint.async && checkpoint_saves() > 0) h.checkpoint_staging = checkpoint_bytes() / degrees_.world();
   if (hw.ranks_share_memory()) {
     // The build and the data's load run before training's transients, which reuse their memory.
     // data_bytes_ is the load's peak: the tokens read, and their copy the dataset keeps. The read
@@ -288,7 +315,7 @@ HostMemory Planner::host_memory(const MemoryBreakdown& m, const StageCost& st) c
     // host memory (under tensor parallelism the whole weight, then this rank's slice of it),
     // before NCCL and the CUDA libraries grow the process: the build's peak is the process then
     // plus that, and counts where it passes the process as it trains (measured on 4 H200).
-    const bool several = degrees_.data * degrees_.tensor * degrees_.pipeline > 1;
+    const bool several = degrees_.world() > 1;
     h.process = hw.host_runtime_memory_bytes + (several ? hw.host_nccl_memory_bytes : 0) + extra_communicators() * hw.host_nccl_memory_bytes / 4;
     const double build = deferred ? 4 * st.largest_param * (degrees_.tensor > 1 ? 1.0 + 1.0 / degrees_.tensor : 1.0) : 4 * cost_.params;
     h.model_build = std::max(0.0, hw.host_build_memory_bytes + build - (h.process + h.data + h.checkpoint_staging));
@@ -304,10 +331,10 @@ HostMemory Planner::host_memory(const MemoryBreakdown& m, const StageCost& st) c
 int Planner::extra_communicators() const {
   if (r_.hardware.device != Device::Cuda) return 0;
   int groups = degrees_.world() > 1 ? 1 : 0;
-  for (int degree : {degrees_.data, degrees_.tensor, degrees_.pipeline}) groups += degree > 1 ? 1 : 0;
+  for (int degree : {degrees_.data_ranks(), degrees_.tensor, degrees_.pipeline, degrees_.context}) groups += degree > 1 ? 1 : 0;
   if (r_.model.moe.enabled()) {
-    groups += degrees_.expert > 1 ? 1 : 0;                   // the shards' all-to-all
-    groups += degrees_.data / degrees_.expert > 1 ? 1 : 0;   // the replicas' gradient reduction
+    groups += degrees_.expert > 1 ? 1 : 0;                         // the shards' all-to-all
+    groups += degrees_.data_ranks() / degrees_.expert > 1 ? 1 : 0;  // the replicas' gradient reduction
   }
   return std::max(0, groups - 2);
 }

@@ -39,9 +39,11 @@ Planner::GroupLink Planner::group_link(Collective op, int64_t stride, int64_t co
 // Every collective a step runs, each priced by where its group sits, then what overlap hides and
 // costs, and the offload's traffic over the host link.
 void Planner::predict_communication(Plan& p) {
-  // Data rank d sits tp ranks after d-1; the replicas of an expert shard sit tp·ep apart.
-  add_data_parallel_terms(p, rank_params_, degrees_.data, degrees_.tensor, "");
-  add_data_parallel_terms(p, rank_expert_params_, degrees_.data / degrees_.expert, static_cast<int64_t>(degrees_.tensor) * degrees_.expert, " of the routed experts");
+  // Data rank d sits tp ranks after d-1 (the data ranks are the replicas × their context ranks);
+  // the replicas of an expert shard sit tp·ep apart.
+  add_data_parallel_terms(p, rank_params_, degrees_.data_ranks(), degrees_.tensor, "");
+  add_data_parallel_terms(p, rank_expert_params_, degrees_.data_ranks() / degrees_.expert, static_cast<int64_t>(degrees_.tensor) * degrees_.expert, " of the routed experts");
+  if (degrees_.context > 1) add_context_terms(p);
   if (degrees_.expert > 1) add_expert_terms(p);
   if (degrees_.tensor > 1) add_tensor_terms(p);
   if (degrees_.pipeline > 1) add_pipeline_terms(p);
@@ -96,7 +98,7 @@ void Planner::add_expert_terms(Plan& p) const {
   // the rest the node's link, both at once.
   const int moe_layers = busiest_stage_moe_layers();
   const int k = r_.model.moe.top_k, experts = r_.model.moe.routed_experts, ep = degrees_.expert;
-  const double tokens = static_cast<double>(p.layout.micro) * r_.batch.seq_len, pairs = tokens * k;
+  const double tokens = static_cast<double>(p.layout.micro) * rank_sequence(), pairs = tokens * k;
   const double passes = p.layout.recomputation ? 6 : 4, forward_dispatches = p.layout.recomputation ? 2 : 1;
   double rows = passes * pairs * r_.model.hidden * e;
   if (p.modes.tokens_once_per_rank) {
@@ -129,12 +131,29 @@ void Planner::add_tensor_terms(Plan& p) const {
   // forward and two in backward, every micro-batch, over the tensor group (consecutive ranks:
   // inside a node unless parallel.tensor_across_nodes says otherwise). Sequence parallelism
   // replaces each by a reduce-scatter and an all-gather: the same bytes.
-  const double activation = static_cast<double>(p.layout.micro) * r_.batch.seq_len * r_.model.hidden * e;
+  const double activation = static_cast<double>(p.layout.micro) * rank_sequence() * r_.model.hidden * e;
   const double t = degrees_.tensor, bytes = a * 4.0 * r_.model.layers * 2 * (t - 1) / t * activation;
   const GroupLink link = group_link(Collective::AllReduce, 1, degrees_.tensor);
   p.comm.push_back({std::string(r_.parallel.sequence_parallel ? "reduce-scatter + all-gather activations (tensor, sequence-parallel, 4 per layer, every micro-batch, "
                                                               : "all-reduce activations (tensor, 4 per layer, every micro-batch, ") +
                         where(link) + ")",
+                    bytes, bytes / link.bandwidth});
+}
+
+void Planner::add_context_terms(Plan& p) const {
+  const double e = bytes_per_element(r_.precision.dtype);
+  const double a = static_cast<double>(p.accumulation);
+  // Each layer's attention all-gathers the group's keys and values in forward (again when
+  // recomputed) and reduce-scatters their gradients in backward: (c - 1)/c of the whole sequence's
+  // [micro, seq, width] each time, in line with the compute (it waits for them). The context ranks
+  // are consecutive data ranks, tp apart.
+  const double c = degrees_.context, layers = r_.model.layers;
+  const double whole = static_cast<double>(p.layout.micro) * r_.batch.seq_len * context_kv_width().gathered / degrees_.tensor * e;
+  const double passes = p.layout.recomputation ? 3 : 2;
+  const double bytes = a * passes * layers * (c - 1) / c * whole;
+  const GroupLink link = group_link(Collective::AllGather, degrees_.tensor, degrees_.context);
+  p.comm.push_back({"all-gather keys and values, reduce-scatter their gradients (context, " + std::to_string(static_cast<int>(passes)) +
+                        " per layer, every micro-batch, " + where(link) + ")",
                     bytes, bytes / link.bandwidth});
 }
 
@@ -146,7 +165,7 @@ void Planner::add_pipeline_terms(Plan& p) const {
   // dimension, dp × tp ranks apart: a boundary crosses nodes when its two stages' ranks do
   // (interleaving also wraps from the last stage to the first). The busiest rank sits on a
   // crossing boundary when there is one.
-  const int64_t stage_ranks = static_cast<int64_t>(degrees_.data) * degrees_.tensor;
+  const int64_t stage_ranks = static_cast<int64_t>(degrees_.data_ranks()) * degrees_.tensor;
   auto crosses = [&](int64_t from, int64_t to) {  // stage `from`'s ranks and stage `to`'s
     const int64_t lo = std::min(from, to), hi = std::max(from, to);
     return placement_.node_of(static_cast<int>(lo * stage_ranks)) != placement_.node_of(static_cast<int>((hi + 1) * stage_ranks - 1));
@@ -159,7 +178,7 @@ void Planner::add_pipeline_terms(Plan& p) const {
   }
   const double intra = point_to_point_bandwidth(), inter = std::min(intra, inter_node_share());
   const double p2p_bw = crossing > 0 ? inter : intra;
-  const double activation = static_cast<double>(p.layout.micro) * r_.batch.seq_len * r_.model.hidden * e / (r_.parallel.sequence_parallel ? degrees_.tensor : 1);
+  const double activation = static_cast<double>(p.layout.micro) * rank_sequence() * r_.model.hidden * e / (r_.parallel.sequence_parallel ? degrees_.tensor : 1);
   const double bytes = 2 * a * degrees_.virtual_stages * activation;
   p.comm.push_back({"send/receive activations and their gradients (pipeline, every micro-batch, " +
                         (crossing > 0 ? std::to_string(crossing) + " of " + std::to_string(boundaries) + " stage boundaries across nodes" : "within a node") + ")",
@@ -240,7 +259,8 @@ double Planner::compute_seconds(Plan& p) const {
   // bubble; under expert parallelism the busiest rank's routed experts compute `imbalance` times the mean.
   // On GPUs the routed experts run as grouped matrix products, at their own measured efficiency
   // (hardware.grouped_matmul_efficiency); on CPUs as one product per expert, like the rest.
-  const double per_flop = p.hardware_flops_per_step / cost_.model_flops_per_sample / (degrees_.data * degrees_.tensor);
+  // (A sample's work is split over its context ranks as well: the zigzag gives each the same share.)
+  const double per_flop = p.hardware_flops_per_step / cost_.model_flops_per_sample / (degrees_.data_ranks() * degrees_.tensor);
   const double grouped_efficiency = r_.hardware.device == Device::Cuda ? r_.hardware.grouped_matmul_efficiency : r_.hardware.matmul_efficiency;
   // On GPUs with hardware.attention_efficiency given, attention is priced apart: the causal
   // flash kernels compute half of the 12·L·h·s FLOPs counted per token, at that efficiency;
@@ -249,7 +269,9 @@ double Planner::compute_seconds(Plan& p) const {
   const bool gpu = r_.hardware.device == Device::Cuda;
   const bool apart = gpu && r_.hardware.attention_efficiency > 0;
   const double attention_efficiency = apart ? r_.hardware.attention_efficiency : r_.hardware.matmul_efficiency;
-  const double attention_share = (p.modes.variable_length_attention ? attention_fraction_ : 1.0) * (apart ? 0.5 : 1.0);
+  // Context parallelism's attention over gathered keys runs with a mask, not the causal kernel:
+  // every score is computed.
+  const double attention_share = (p.modes.variable_length_attention ? attention_fraction_ : 1.0) * (apart && degrees_.context == 1 ? 0.5 : 1.0);
   // precision.fp8: the blocks' linear layers at the FP8 peak and their own measured efficiency
   // (the probe's, of tensorwise products), at the recipe's scaling's rate beside tensorwise's.
   const bool fp8 = r_.precision.fp8 != Fp8Scaling::None;
@@ -307,7 +329,7 @@ int Planner::busiest_stage_moe_layers() const {
 double Planner::elementwise_seconds(const Plan& p) const {
   if (r_.hardware.device != Device::Cuda || r_.model.arch != ModelArch::DeepSeek) return 0;
   const double e = bytes_per_element(r_.precision.dtype);
-  const double tokens = static_cast<double>(r_.batch.global) * static_cast<double>(r_.batch.seq_len) / degrees_.data;
+  const double tokens = static_cast<double>(r_.batch.global) * static_cast<double>(r_.batch.seq_len) / degrees_.data_ranks();
   const int moe_layers = busiest_stage_moe_layers();
   // Fused with the projection (cost_.loss_chunk_tokens > 0): the products write fp32 logits, the
   // log-sum-exp reads them, one kernel reads them again and writes the gradient: 12 + e bytes.
@@ -328,7 +350,7 @@ double Planner::fp8_quantization_seconds(const Plan& p) const {
   if (r_.precision.fp8 == Fp8Scaling::None) return 0;
   const double e = bytes_per_element(r_.precision.dtype);
   const double per_element = r_.precision.fp8 == Fp8Scaling::Blockwise ? e + 2 : 2 * e + 2;
-  const double tokens = static_cast<double>(r_.batch.global) * static_cast<double>(r_.batch.seq_len) / degrees_.data;
+  const double tokens = static_cast<double>(r_.batch.global) * static_cast<double>(r_.batch.seq_len) / degrees_.data_ranks();
   double widths = 0, params = 0;
   for (const StageCost& st : stages_) {
     widths = std::max(widths, st.fp8_widths);

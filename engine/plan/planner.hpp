@@ -49,6 +49,7 @@ struct StageCost {
   double flops_per_sample = 0, routed_flops_per_sample = 0;
   double activation_bytes_per_sample = 0, routed_activation_bytes_per_sample = 0, checkpointed_activation_bytes_per_sample = 0;
   int moe_layers = 0;
+  int layers = 0;  // transformer blocks
   bool has_head = false, has_blocks = false;
   bool tied_head_copy = false;  // tied embeddings: the head's copy of the embedding (not in ZeRO)
   double attention_flops_per_sample = 0;  // of flops_per_sample
@@ -172,7 +173,22 @@ class Planner {
 
   // The parameters of one rank's ZeRO shards: its share of the rest over the data ranks, and of
   // its routed experts over the ranks keeping the same ones (shards are padded, never uneven).
-  double shard_params() const { return std::ceil(rank_params_ / degrees_.data) + std::ceil(rank_expert_params_ / (degrees_.data / degrees_.expert)); }
+  double shard_params() const {
+    return std::ceil(rank_params_ / degrees_.data_ranks()) + std::ceil(rank_expert_params_ / (degrees_.data_ranks() / degrees_.expert));
+  }
+
+  // ---- context parallelism (plan_memory.cpp)
+
+  // Tokens of each sequence a rank holds: all of them, or its context share.
+  double rank_sequence() const { return static_cast<double>(r_.batch.seq_len) / degrees_.context; }
+  // Keys and values per token in elements, over every tensor rank's heads: what a layer gathers
+  // from its context group (multi-head and grouped-query attention: the KV heads; latent
+  // attention: each head's key and value, as the layer makes them) and what its attention keeps
+  // for backward over the whole sequence (every query head's: grouped-query heads repeated).
+  struct ContextKvWidth {
+    double gathered = 0, kept = 0;
+  };
+  ContextKvWidth context_kv_width() const;
 
   // Where a group's members sit decides its price (docs/plan.md, "The network"): a group inside
   // one node runs at the bus bandwidth `dsrun probe` measured for its collective and size, else at
@@ -200,6 +216,7 @@ class Planner {
   void add_data_parallel_terms(Plan& p, double params, int ranks, int64_t stride, const std::string& of) const;
   void add_expert_terms(Plan& p) const;
   void add_tensor_terms(Plan& p) const;
+  void add_context_terms(Plan& p) const;
   void add_pipeline_terms(Plan& p) const;
   void price_overlap(Plan& p) const;
   void price_offload_traffic(Plan& p) const;

@@ -33,7 +33,7 @@ std::string layout_table(const std::vector<LayoutRow>& rows) {
 
 nlohmann::ordered_json row_json(const LayoutRow& r) {
   const Layout& l = r.layout;
-  return {{"tensor", l.tensor}, {"pipeline", l.pipeline}, {"data", l.data}, {"expert", l.expert}, {"schedule", to_string(l.schedule)}, {"virtual_stages", l.virtual_stages},
+  return {{"tensor", l.tensor}, {"pipeline", l.pipeline}, {"data", l.data}, {"expert", l.expert}, {"context", l.context}, {"schedule", to_string(l.schedule)}, {"virtual_stages", l.virtual_stages},
           {"sequence_parallel", l.sequence_parallel}, {"problem", r.problem}, {"fits", r.fits}, {"binds", r.binds}, {"zero_stage", l.zero_stage},
           {"micro", l.micro}, {"checkpointing", l.recomputation}, {"memory_bytes", r.memory_bytes}, {"capacity", r.capacity}, {"host_bytes", r.host_bytes},
           {"host_capacity", r.host_capacity}, {"step_seconds", r.step_seconds}, {"mfu", r.mfu}, {"bubble_fraction", r.bubble_fraction}, {"verdict", r.verdict}};
@@ -79,11 +79,12 @@ std::string render_plan(const Plan& p) {
   section("topology");
   line(std::to_string(p.nodes) + " node(s) x " + std::to_string(p.devices_per_node) + " devices; " + std::to_string(p.world_size) +
        " ranks (" + std::to_string(p.ranks_per_node) + " per node); data parallel " + std::to_string(p.layout.data) +
+       (p.layout.context > 1 ? " × context parallel " + std::to_string(p.layout.context) : "") +
        (p.layout.tensor > 1 ? " × tensor parallel " + std::to_string(p.layout.tensor) + " (tensor innermost: consecutive ranks)" : "") +
        (p.layout.pipeline > 1 ? "; pipeline " + std::to_string(p.layout.pipeline) + " stages (outermost)" : ""));
   if (p.layout.expert > 1)
     line("expert parallel " + std::to_string(p.layout.expert) + " within the data ranks: each keeps " + std::to_string(p.cost.routed_experts / p.layout.expert) + " of " +
-         std::to_string(p.cost.routed_experts) + " routed experts per MoE layer, their states sharded over " + std::to_string(p.layout.data / p.layout.expert) +
+         std::to_string(p.cost.routed_experts) + " routed experts per MoE layer, their states sharded over " + std::to_string(p.layout.data_ranks() / p.layout.expert) +
          " rank(s); planned for the busiest rank routing " + format_double(p.expert_imbalance, 3) + "x the mean (parallel.expert_imbalance)");
   if (p.layout.pipeline > 1) {
     std::string pieces;
@@ -101,6 +102,10 @@ std::string render_plan(const Plan& p) {
        std::to_string(p.accumulation) + " x data parallel " + std::to_string(p.layout.data));
   if (images) line(std::to_string(p.global_batch) + " images per step");
   else line("sequence " + std::to_string(p.seq_len) + "; " + format_count(p.tokens_per_step) + " tokens per step");
+  if (p.layout.context > 1)
+    line("each sequence split over " + std::to_string(p.layout.context) + " context ranks: " + std::to_string(p.seq_len / p.layout.context) +
+         " tokens each (chunks i and " + std::to_string(2 * p.layout.context - 1) + " - i of " + std::to_string(2 * p.layout.context) +
+         "), keys and values gathered for every layer's attention; gradients reduced and ZeRO sharded over all " + std::to_string(p.layout.data_ranks()) + " data × context ranks");
 
   section("parallelism and precision");
   line("ZeRO stage " + std::to_string(p.layout.zero_stage) + ", offload " + to_string(p.layout.offload) + ", activation checkpointing " +
@@ -117,12 +122,12 @@ std::string render_plan(const Plan& p) {
   const MemoryBreakdown& m = p.memory;
   const bool mixed = p.dtype != DType::Fp32;
   TextTable t({"component", "bytes", "how"});
-  t.add({"parameters", format_bytes(m.states.params), std::string(to_string(p.dtype)) + ", " + sharded(p.layout.zero_stage, 3, p.layout.data) +
+  t.add({"parameters", format_bytes(m.states.params), std::string(to_string(p.dtype)) + ", " + sharded(p.layout.zero_stage, 3, p.layout.data_ranks()) +
                                                        (p.layout.offload == Offload::OptimizerAndParams ? ", offloaded" : "")});
   t.add({"gradients", format_bytes(m.states.grads), std::string(to_string(p.modes.gradient_dtype)) + (p.modes.gradient_dtype != p.dtype ? " (accumulated and reduced in fp32)" : "") + ", " +
-                                                      sharded(p.layout.zero_stage, 2, p.layout.data)});
-  if (mixed) t.add({"fp32 master weights", format_bytes(m.states.master), p.layout.offload != Offload::None ? "offloaded" : sharded(p.layout.zero_stage, 1, p.layout.data)});
-  t.add({"optimizer states", format_bytes(m.states.optimizer), p.layout.offload != Offload::None ? "offloaded" : sharded(p.layout.zero_stage, 1, p.layout.data)});
+                                                      sharded(p.layout.zero_stage, 2, p.layout.data_ranks())});
+  if (mixed) t.add({"fp32 master weights", format_bytes(m.states.master), p.layout.offload != Offload::None ? "offloaded" : sharded(p.layout.zero_stage, 1, p.layout.data_ranks())});
+  t.add({"optimizer states", format_bytes(m.states.optimizer), p.layout.offload != Offload::None ? "offloaded" : sharded(p.layout.zero_stage, 1, p.layout.data_ranks())});
   if (m.routed_expert_states > 0) t.add({"  of which routed experts", format_bytes(m.routed_expert_states), "parameters, gradients, master and optimizer states of the experts this rank keeps"});
   t.add({"activations", format_bytes(m.activations), "micro batch " + std::to_string(p.layout.micro) +
                                                          (p.layout.pipeline > 1 ? " × " + format_double(p.live_micro_batches, 3) + " live (" + to_string(p.layout.schedule) + ")" : "") +

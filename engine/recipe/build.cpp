@@ -381,6 +381,7 @@ void build_parallel(Builder& c, Recipe& r) {
   int_or_searched("parallel.virtual_stages", p.virtual_stages, p.search.virtual_stages);
   int_or_searched("parallel.expert", p.expert, p.search.expert);
   p.expert_imbalance = c.f("parallel.expert_imbalance");
+  int_or_searched("parallel.context", p.context, p.search.context);
   p.search.sequence_parallel = c.at("parallel.sequence_parallel").value.is_auto();
   p.sequence_parallel = !p.search.sequence_parallel && c.b("parallel.sequence_parallel");
   const std::string& schedule = c.s("parallel.pipeline_schedule");
@@ -558,6 +559,10 @@ void build_data(Builder& c, Recipe& r, const std::string& recipe_dir) {
   if (d.kind != DataKind::Tokens && (!d.blend.empty() || d.separate_documents))
     c.error(d.blend.empty() ? "data.separate_documents" : "data.blend", "only data.kind = \"tokens\" reads mixtures and document boundaries",
             "set data.kind = \"tokens\" (prepare text with dsrun prepare)", {"data.kind"});
+  // (The layout's rules run before the data is read: this one of context parallelism's is here.)
+  if (d.separate_documents && r.parallel.context > 1)
+    c.error("parallel.context", "context parallelism with packed documents (data.separate_documents: a boundary would have to be found across the chunks) is not supported yet",
+            "set parallel.context = 1, or data.separate_documents = false", {"data.separate_documents"});
   if (d.separate_documents && r.model.mtp.enabled())
     c.error("data.separate_documents", "multi-token prediction would predict across document boundaries, which separate documents forbid (not built yet)",
             "set data.separate_documents = false, or model.mtp.depth = 0", {"model.mtp.depth"});
@@ -745,7 +750,7 @@ std::vector<TensorSplitSize> tensor_split_sizes(const ModelSpec& m) {
   return sizes;
 }
 
-int ParallelOptions::data_parallel_or_auto(const HardwareSpec& h) const { return data_parallel.value_or(std::max(1, h.total_devices() / model_parallel())); }
+int ParallelOptions::data_parallel_or_auto(const HardwareSpec& h) const { return data_parallel.value_or(std::max(1, h.total_devices() / ranks_per_replica())); }
 
 
 std::optional<int64_t> parse_time_limit_minutes(const std::string& text) {

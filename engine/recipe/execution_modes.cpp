@@ -89,7 +89,7 @@ std::pair<DType, std::string> gradient_dtype_rule(const Recipe& r, const Layout&
   if (working == DType::Fp32) return {DType::Fp32, "fp32 training"};
   const int64_t accumulation = micro_batches_per_step(r, l);
   if (accumulation > 1) return {DType::Fp32, std::to_string(accumulation) + " micro-batches' gradients summed each step"};
-  if (l.data > 1) return {DType::Fp32, "gradients summed over " + std::to_string(l.data) + " data ranks"};
+  if (l.data_ranks() > 1) return {DType::Fp32, "gradients summed over " + std::to_string(l.data_ranks()) + (l.context > 1 ? " data × context ranks" : " data ranks")};
   return {working, "one micro-batch a step on one data rank: no gradient is summed"};
 }
 

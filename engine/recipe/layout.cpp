@@ -12,9 +12,10 @@ namespace dsrun {
 MeshShape Layout::mesh_shape() const {
   MeshShape m;
   m.pipeline = pipeline;
-  m.data = data;
+  m.data = data_ranks();
   m.tensor = tensor;
   m.expert = expert;
+  m.context = context;
   return m;
 }
 
@@ -23,6 +24,7 @@ std::vector<std::pair<std::string, Value>> Layout::to_config_keys() const {
           {"parallel.data_parallel", Value::of_int(data)},
           {"parallel.tensor", Value::of_int(tensor)},
           {"parallel.expert", Value::of_int(expert)},
+          {"parallel.context", Value::of_int(context)},
           {"parallel.pipeline_schedule", Value::of_string(to_string(schedule))},
           {"parallel.virtual_stages", Value::of_int(virtual_stages)},
           {"parallel.sequence_parallel", Value::of_bool(sequence_parallel)},
@@ -38,12 +40,13 @@ std::string Layout::describe() const {
   if (pipeline > 1) s += " (" + std::string(to_string(schedule)) + (virtual_stages > 1 ? " × " + std::to_string(virtual_stages) : "") + ")";
   s += " × data " + std::to_string(data);
   if (expert > 1) s += " (expert " + std::to_string(expert) + ")";
+  if (context > 1) s += " × context " + std::to_string(context);
   if (sequence_parallel) s += ", sequence-parallel";
   return s;
 }
 
 bool Layout::operator==(const Layout& o) const {
-  return pipeline == o.pipeline && data == o.data && tensor == o.tensor && expert == o.expert && schedule == o.schedule && virtual_stages == o.virtual_stages &&
+  return pipeline == o.pipeline && data == o.data && tensor == o.tensor && expert == o.expert && context == o.context && schedule == o.schedule && virtual_stages == o.virtual_stages &&
          sequence_parallel == o.sequence_parallel && zero_stage == o.zero_stage && micro == o.micro && recomputation == o.recomputation && offload == o.offload &&
          delayed_update == o.delayed_update;
 }
@@ -55,6 +58,7 @@ Layout layout_of_recipe(const Recipe& r, LayoutDecided* decided) {
   l.pipeline = p.pipeline;
   l.data = p.data_parallel_or_auto(r.hardware);
   l.expert = p.expert;
+  l.context = p.context;
   l.schedule = p.pipeline_schedule;
   l.virtual_stages = p.virtual_stages;
   l.sequence_parallel = p.sequence_parallel;
@@ -68,8 +72,9 @@ Layout layout_of_recipe(const Recipe& r, LayoutDecided* decided) {
     d.tensor = !p.search.tensor;
     d.pipeline = !p.search.pipeline;
     // "auto" data ranks are the devices left by tensor × pipeline: known once both are.
-    d.data = p.data_parallel.has_value() || (d.tensor && d.pipeline);
+    d.data = p.data_parallel.has_value() || (d.tensor && d.pipeline && d.context);
     d.expert = !p.search.expert;
+    d.context = !p.search.context;
     d.schedule = !p.search.schedule;
     d.virtual_stages = !p.search.virtual_stages;
     d.sequence_parallel = !p.search.sequence_parallel;
@@ -90,6 +95,7 @@ Recipe with_degrees(const Recipe& recipe, const Layout& l) {
   p.sequence_parallel = l.sequence_parallel;
   p.data_parallel = l.data;
   p.expert = l.expert;
+  p.context = l.context;
   p.search = {};
   return r;
 }
@@ -134,20 +140,23 @@ struct Rules {
   // The degrees against the hardware: the replicas × model-parallel ranks fit the devices.
   void devices() {
     const int devices = r.hardware.total_devices();
-    if (devices <= 0 || !d.tensor || !d.pipeline) return;
-    const std::string mp = l.pipeline > 1 ? "tensor " + std::to_string(l.tensor) + " × pipeline " + std::to_string(l.pipeline) : "tensor " + std::to_string(l.tensor);
-    const std::vector<std::string> hw{"parallel.tensor", "parallel.pipeline", "hardware.devices_per_node", "hardware.nodes"};
-    if (l.model_parallel() > devices) {
-      add(l.tensor > devices || l.pipeline == 1 ? "parallel.tensor" : "parallel.pipeline",
-          mp + " = " + std::to_string(l.model_parallel()) + " ranks per replica but the hardware has " + std::to_string(devices) + " devices",
-          "use tensor × pipeline <= " + std::to_string(devices), hw);
+    if (devices <= 0 || !d.tensor || !d.pipeline || !d.context) return;
+    std::string mp = l.pipeline > 1 ? "tensor " + std::to_string(l.tensor) + " × pipeline " + std::to_string(l.pipeline) : "tensor " + std::to_string(l.tensor);
+    if (l.context > 1) mp += " × context " + std::to_string(l.context);
+    const std::string degrees = l.context > 1 ? "tensor × pipeline × context" : "tensor × pipeline";
+    std::vector<std::string> hw{"parallel.tensor", "parallel.pipeline", "hardware.devices_per_node", "hardware.nodes"};
+    if (l.context > 1) hw.push_back("parallel.context");
+    if (l.ranks_per_replica() > devices) {
+      add(l.context > 1 && l.tensor * l.pipeline <= devices ? "parallel.context" : l.tensor > devices || l.pipeline == 1 ? "parallel.tensor" : "parallel.pipeline",
+          mp + " = " + std::to_string(l.ranks_per_replica()) + " ranks per replica but the hardware has " + std::to_string(devices) + " devices",
+          "use " + degrees + " <= " + std::to_string(devices), hw);
     } else if (r.parallel.data_parallel && d.data && l.world() > devices) {
       add("parallel.data_parallel", std::to_string(l.data) + " × " + mp + " = " + std::to_string(l.world()) + " ranks but the hardware has " + std::to_string(devices) + " devices",
-          "use data_parallel <= " + std::to_string(devices / l.model_parallel()) + ", or \"auto\"", hw);
-    } else if (!r.parallel.data_parallel && devices % l.model_parallel() != 0) {
-      add(l.pipeline > 1 ? "parallel.pipeline" : "parallel.tensor",
-          mp + " = " + std::to_string(l.model_parallel()) + " ranks per replica does not divide the " + std::to_string(devices) + " devices",
-          "use tensor × pipeline dividing " + std::to_string(devices), hw);
+          "use data_parallel <= " + std::to_string(devices / l.ranks_per_replica()) + ", or \"auto\"", hw);
+    } else if (!r.parallel.data_parallel && devices % l.ranks_per_replica() != 0) {
+      add(l.context > 1 ? "parallel.context" : l.pipeline > 1 ? "parallel.pipeline" : "parallel.tensor",
+          mp + " = " + std::to_string(l.ranks_per_replica()) + " ranks per replica does not divide the " + std::to_string(devices) + " devices",
+          "use " + degrees + " dividing " + std::to_string(devices), hw);
     }
   }
 
@@ -249,15 +258,48 @@ struct Rules {
     auto best = [&](int limit) {  // the largest degree <= limit dividing the experts and the data ranks
       int b = 1;
       for (int e = 1; e <= limit; ++e)
-        if (moe.routed_experts % e == 0 && (!d.data || l.data % e == 0)) b = e;
+        if (moe.routed_experts % e == 0 && (!d.data || l.data_ranks() % e == 0)) b = e;
       return std::to_string(b);
     };
     if (moe.routed_experts % l.expert != 0)
       add("parallel.expert", "expert = " + ep + " does not divide model.moe.routed_experts = " + std::to_string(moe.routed_experts) + " (each rank keeps as many experts)",
           "use parallel.expert = " + best(l.expert) + ", or a number of routed experts divisible by " + ep, {"model.moe.routed_experts"});
-    else if (d.data && l.data % l.expert != 0)
-      add("parallel.expert", "expert = " + ep + " does not divide the " + std::to_string(l.data) + " data-parallel ranks (expert ranks are carved out of them)",
+    else if (d.data && l.data_ranks() % l.expert != 0)
+      add("parallel.expert",
+          "expert = " + ep + " does not divide the " + std::to_string(l.data_ranks()) + (l.context > 1 ? " data × context" : " data-parallel") +
+              " ranks (expert ranks are carved out of them)",
           "use parallel.expert = " + best(l.expert) + ", or data_parallel a multiple of " + ep, {"parallel.data_parallel"});
+  }
+
+  // Context parallelism: a decoder whose sequences cut into 2 × context equal chunks; what needs
+  // the whole sequence on one rank (multi-token prediction's shift, an expert capacity counted per
+  // micro-batch, a pipeline's activations sized for whole sequences) waits. A router's balance
+  // statistics are summed over the context group (UnitRunner::sum_over_sequences); packed
+  // documents, read after the layout, are refused by build_data.
+  void context() {
+    if (!d.context || l.context == 1) return;
+    const std::string cp = std::to_string(l.context);
+    const std::vector<std::string> context_key{"parallel.context"};
+    if (r.model.arch != ModelArch::DeepSeek) {
+      add("parallel.context", "context parallelism splits a decoder's sequences; a ResNet has none", "set parallel.context = 1", {"model.arch"});
+      return;
+    }
+    if (r.batch.seq_len % (2 * l.context) != 0) {
+      const int64_t step = 2 * l.context, lower = r.batch.seq_len / step * step;
+      add("batch.seq_len",
+          "sequence length " + std::to_string(r.batch.seq_len) + " does not cut into 2 × context = " + std::to_string(step) +
+              " equal chunks (each of the " + cp + " context ranks holds an early and a late chunk)",
+          "use a multiple of " + std::to_string(step) + " (" + (lower > 0 ? std::to_string(lower) + " or " : "") + std::to_string(lower + step) + "), or another parallel.context",
+          context_key);
+    }
+    auto not_yet = [&](const std::string& what, const std::string& fix, const std::string& related) {
+      add("parallel.context", "context parallelism " + what + " is not supported yet", fix, {related});
+    };
+    if (r.model.mtp.enabled()) not_yet("with multi-token prediction (its depths shift whole sequences)", "set parallel.context = 1, or model.mtp.depth = 0", "model.mtp.depth");
+    if (r.model.moe.enabled() && r.model.moe.capacity_factor > 0)
+      not_yet("with an expert capacity (it would count each rank's part of a micro-batch, not the micro-batch)",
+              "set model.moe.capacity_factor = 0, or parallel.context = 1", "model.moe.capacity_factor");
+    if (d.pipeline && l.pipeline > 1) not_yet("with pipeline parallelism", "set parallel.context = 1, or parallel.pipeline = 1", "parallel.pipeline");
   }
 
   // Multi-token prediction runs beside the head over whole sequences (pipelines copy the embedding
@@ -278,7 +320,7 @@ struct Rules {
     const int64_t dp = l.data;
     // Only for messages: the planner asks these rules of every micro-batch candidate.
     const auto dp_text = [&] {
-      return std::to_string(dp) + (r.parallel.data_parallel ? "" : l.model_parallel() > 1 ? " (auto: the devices / (tensor × pipeline))" : " (auto: every device)");
+      return std::to_string(dp) + (r.parallel.data_parallel ? "" : l.ranks_per_replica() > 1 ? " (auto: the devices / (tensor × pipeline × context))" : " (auto: every device)");
     };
     if (b.global % dp != 0) {
       const int64_t lower = b.global / dp * dp, upper = lower + dp;
@@ -347,6 +389,7 @@ std::vector<LayoutProblem> layout_problems(const Recipe& recipe, const Layout& l
   rules.pipeline();
   rules.expert();
   rules.mtp();
+  rules.context();
   if (degrees_fit) rules.batch();
   rules.offload();
   return std::move(rules.out);

@@ -13,9 +13,10 @@
 
 namespace dsrun {
 
-// Degrees multiply to the world: pipeline × data × tensor; expert is carved out of data.
+// Degrees multiply to the world: pipeline × data × context × tensor; expert is carved out of data.
+// `data` counts the batch's replicas; each replica's sequences are split over `context` ranks.
 struct Layout {
-  int pipeline = 1, data = 1, tensor = 1, expert = 1;
+  int pipeline = 1, data = 1, tensor = 1, expert = 1, context = 1;
   PipelineScheduleKind schedule = PipelineScheduleKind::OneFOneB;
   int virtual_stages = 1;
   bool sequence_parallel = false;
@@ -25,8 +26,11 @@ struct Layout {
   Offload offload = Offload::None;
   bool delayed_update = false;
 
-  int world() const { return pipeline * data * tensor; }
-  int model_parallel() const { return pipeline * tensor; }
+  int world() const { return pipeline * data * context * tensor; }
+  int ranks_per_replica() const { return pipeline * context * tensor; }
+  // The ranks holding the same parameters, over which ZeRO shards and gradients are reduced: the
+  // replicas and their context ranks (the mesh's data dimension).
+  int data_ranks() const { return data * context; }
   MeshShape mesh_shape() const;
   // The keys that pin this layout in a rank's config (or as --set overrides): the rank reads these
   // and nothing else, so it runs the layout the plan chose.
@@ -39,7 +43,7 @@ struct Layout {
 // Which fields of a Layout are decided. The recipe's own check knows only what it fixes; the
 // search decides the degrees; the planner decides ZeRO stage, micro batch and recomputation.
 struct LayoutDecided {
-  bool tensor = true, pipeline = true, data = true, expert = true, schedule = true, virtual_stages = true, sequence_parallel = true;
+  bool tensor = true, pipeline = true, data = true, expert = true, context = true, schedule = true, virtual_stages = true, sequence_parallel = true;
   bool zero_stage = true, micro = true, offload = true;
 };
 

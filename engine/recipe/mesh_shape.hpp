@@ -1,6 +1,6 @@
 // Where each rank sits in the run's grid of parallel dimensions: pipeline × data × tensor, with
 // tensor innermost (consecutive ranks, so a tensor-parallel group stays inside a node), and the
-// expert dimension folded into data (it adds no ranks). Torch-free.
+// context and expert groups folded into data (ranks that hold the same parameters). Torch-free.
 #pragma once
 
 #include <array>
@@ -33,9 +33,16 @@ struct MeshCoordinates {
 // same experts and reduce their gradients together.
 enum class ExpertGroup { Shards, Replicas };
 
+// Context parallelism also lives in the data dimension (Megatron-Core reduces gradients over
+// data × context as one group): the mesh's data ranks are the batch's replicas × context, and the
+// `context` consecutive data ranks of one replica split each of its sequences between them
+// (engine/parallel/context_parallel.hpp). Every data rank holds the same parameters, so ZeRO and
+// the gradients' reduction span them all; only the batch a rank reads and the attention's keys
+// tell replicas and context ranks apart.
 struct MeshShape {
   int pipeline = 1, data = 1, tensor = 1;
-  int expert = 1;  // divides data
+  int expert = 1;   // divides data
+  int context = 1;  // divides data: data / context replicas of the batch
   int size() const { return pipeline * data * tensor; }
   int operator[](MeshDim d) const { return d == MeshDim::Pipeline ? pipeline : d == MeshDim::Data ? data : tensor; }
 
@@ -77,6 +84,21 @@ struct MeshShape {
     return ranks;
   }
   int expert_shard(int rank) const { return coordinates_of(rank).data % expert; }
+  // The batch's replica `rank` reads, and its place in that replica's context group.
+  int replica(int rank) const { return coordinates_of(rank).data / context; }
+  int context_rank(int rank) const { return coordinates_of(rank).data % context; }
+  // The ranks splitting `rank`'s sequences (context rank i is member i), and the group's name.
+  std::vector<int> context_group_of(int rank) const {
+    std::vector<int> ranks;
+    MeshCoordinates c = coordinates_of(rank);
+    const int first = c.data / context * context;
+    for (int i = 0; i < context; ++i) {
+      c.data = first + i;
+      ranks.push_back(rank_of(c));
+    }
+    return ranks;
+  }
+  std::string context_group_name(int rank) const { return "context/" + std::to_string(context_group_of(rank).front()); }
   int expert_replica(int rank) const { return coordinates_of(rank).data / expert; }
   // The group's name, the same on every member: its kind and its first member.
   std::string expert_group_name(int rank, ExpertGroup g) const {
@@ -84,7 +106,7 @@ struct MeshShape {
   }
   std::string describe() const {
     return "pipeline " + std::to_string(pipeline) + " × data " + std::to_string(data) + " × tensor " + std::to_string(tensor) +
-           (expert > 1 ? " (expert " + std::to_string(expert) + " within data)" : "");
+           (context > 1 ? " (context " + std::to_string(context) + " within data)" : "") + (expert > 1 ? " (expert " + std::to_string(expert) + " within data)" : "");
   }
 };
 

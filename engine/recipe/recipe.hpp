@@ -119,12 +119,13 @@ struct ParallelOptions {
   int virtual_stages = 1;            // model chunks per pipeline rank (interleaved schedule)
   int expert = 1;                    // expert-parallel ranks, within the data-parallel ones (divides data_parallel)
   double expert_imbalance = 1.25;    // planning: the busiest expert rank's routed tokens over the mean
-  int model_parallel() const { return tensor * pipeline; }  // ranks one data-parallel replica spans
+  int context = 1;                   // ranks splitting each sequence (context parallelism)
+  int ranks_per_replica() const { return tensor * pipeline * context; }  // ranks one data-parallel replica spans
   // Keys given as "auto": the plan searches these dimensions of the layout (engine/plan/layout_search);
   // until then the values above are placeholders (1, 1f1b, 1, off, 1).
   struct Searched {
-    bool tensor = false, pipeline = false, schedule = false, virtual_stages = false, sequence_parallel = false, expert = false;
-    bool any() const { return tensor || pipeline || schedule || virtual_stages || sequence_parallel || expert; }
+    bool tensor = false, pipeline = false, schedule = false, virtual_stages = false, sequence_parallel = false, expert = false, context = false;
+    bool any() const { return tensor || pipeline || schedule || virtual_stages || sequence_parallel || expert || context; }
   };
   Searched search;
   int data_parallel_or_auto(const HardwareSpec& h) const;

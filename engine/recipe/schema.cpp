@@ -245,6 +245,13 @@ std::vector<KeySpec> build_schema() {
       ranged("parallel.expert_imbalance", T::Float, "1.25", 1, 1024,
              "Planning headroom for routing imbalance under expert parallelism: the busiest rank's routed tokens over the mean. The plan "
              "scales that rank's routed-expert activations, all-to-all bytes and expert FLOPs by it (metric expert_load_max shows what a run sees)."),
+      ranged("parallel.context", T::IntOrAuto, "1", 1, 1024,
+             "Context parallelism (Megatron-Core, torchtitan, Llama 3): each sequence split over this many ranks, for sequences whose activations one "
+             "device cannot hold. Cut into 2 × context chunks, rank i keeps chunks i and 2 × context - 1 - i (the \"zigzag\": the same share of causal "
+             "attention on every rank); keys and values are gathered from the group for each layer's attention, rotary positions are the tokens' places "
+             "in the whole sequence. An extra factor of the world (pipeline × data × context × tensor); its ranks join the data ranks' gradient "
+             "reduction and ZeRO's sharding. batch.seq_len must divide by 2 × context. `auto`: searched with the layout (every degree the "
+             "devices and the sequence allow); the plan takes the fastest that fits, so a sequence that fits one rank stays whole."),
       ranged("parallel.zero_stage", T::IntOrAuto, "\"auto\"", 0, 3,
              "ZeRO stage: 0 replicate all, 1 shard optimizer states, 2 also gradients, 3 also parameters. `auto`: the lowest that fits, or a higher one that plans at least 1% faster (a larger micro batch fits under it, or its optimizer step is sharded)."),
       choice("parallel.offload", "none", names_of<Offload>({}, {"auto"}),

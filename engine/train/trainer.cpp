@@ -409,8 +409,15 @@ class Trainer {
     throw Error("the data differs from what the checkpoint at step " + std::to_string(m.step) + " trained on: " + join(changes.differ, "; "), c);
   }
 
-  // The data-parallel index: ranks of one index (tensor ranks) read the same samples.
-  int data_rank() const { return mesh_->coordinates().data; }
+  // The batch's replica this rank reads: ranks of one replica (its tensor ranks, its context ranks)
+  // read the same samples.
+  int data_rank() const { return mesh_->replica(); }
+  // This rank's share of a batch: all of it, or under context parallelism its tokens of each
+  // sequence (ZigzagSplit::take).
+  Batch sequence_share(Batch whole) const {
+    if (plan_.layout.context == 1) return whole;
+    return parallel_->sequence_split(r_.batch.seq_len).take(whole, parallel_->context_rank());
+  }
   // The ranks whose losses the metrics average: the last pipeline stage's.
   int loss_ranks() const { return ctx_.world / plan_.layout.pipeline; }
   PipelineStage::LossFn loss_function() {
@@ -705,7 +712,7 @@ class Trainer {
     parallel_->take_routing();  // (what evaluation routed is not this step's)
     // This rank's slice of the global batch: the same samples whatever the number of ranks.
     auto batch_of = [&](int64_t m) {
-      Batch batch = on_device(data_->train_batch(step * r_.batch.global + data_rank() * per_rank + m * micro, micro));
+      Batch batch = on_device(sequence_share(data_->train_batch(step * r_.batch.global + data_rank() * per_rank + m * micro, micro)));
       data_->augment(batch);
       return batch;
     };
@@ -910,7 +917,7 @@ class Trainer {
     }
     metrics["lr"] = d.lr;
     metrics["step_seconds"] = step_seconds;
-    metrics["tokens_per_second"] = static_cast<double>(items) * plan_.layout.data / step_seconds;
+    metrics["tokens_per_second"] = static_cast<double>(items) * plan_.layout.data_ranks() / step_seconds;  // items: this rank's share
     if (scaler_) {
       metrics["skipped_steps"] = static_cast<double>(scaler_->skipped_steps());
       metrics["overflow_retries"] = static_cast<double>(scaler_->retried_steps());
@@ -932,7 +939,7 @@ class Trainer {
     model_->module().eval();
     double loss_sum = 0, correct = 0, items = 0;
     const int64_t micro = plan_.layout.micro;
-    auto batch_of = [&](int64_t i) { return on_device(data_->val_batch((data_rank() * r_.eval.batches + i) * micro, micro)); };
+    auto batch_of = [&](int64_t i) { return on_device(sequence_share(data_->val_batch((data_rank() * r_.eval.batches + i) * micro, micro))); };
     if (PipelineStage* pipeline = parallel_->pipeline()) {
       loss_sum = pipeline->evaluate(batch_of, loss_function(), static_cast<int>(r_.eval.batches)).loss_sum;
     } else {
