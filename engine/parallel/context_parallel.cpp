@@ -32,24 +32,35 @@ Batch ZigzagSplit::take(const Batch& whole, int rank) const {
 }
 
 Tensor context_parallel_attention(const Tensor& q, const Tensor& k, const Tensor& v, const ZigzagSplit& split, Communicator& group) {
-  const int n_ranks = group.world_size();
+  const int n_ranks = group.world_size(), rank = group.rank();
   DSRUN_ASSERT(n_ranks == split.ranks && q.size(1) == split.local_tokens(), "the split is the group's and the tokens are this rank's");
-  const int64_t heads = q.size(2), kv_heads = k.size(2);
-  // Every rank's keys and values, rank by rank: [b, N·n, kv_heads, d], and each one's place.
-  Tensor all_k = all_gather_sequence(k, group), all_v = all_gather_sequence(v, group);
-  std::vector<Tensor> places;
-  for (int r = 0; r < n_ranks; ++r) places.push_back(split.positions(r));
-  const Tensor key_places = torch::cat(places).to(q.device()), query_places = split.positions(group.rank()).to(q.device());
-  // 0 where a query may see a key (at or before its place), -inf after: [1, 1, n, N·n].
-  const Tensor bias = torch::zeros({query_places.size(0), key_places.size(0)}, q.options())
-                          .masked_fill(key_places.unsqueeze(0) > query_places.unsqueeze(1), -std::numeric_limits<float>::infinity())
-                          .view({1, 1, query_places.size(0), key_places.size(0)});
-  Tensor qh = q.transpose(1, 2), kh = all_k.transpose(1, 2), vh = all_v.transpose(1, 2);  // [b, heads, tokens, d]
-  if (heads != kv_heads) {  // grouped-query attention: each key and value head serves heads / kv_heads query heads
-    kh = kh.repeat_interleave(heads / kv_heads, 1);
-    vh = vh.repeat_interleave(heads / kv_heads, 1);
+  const int64_t heads = q.size(2), kv_heads = k.size(2), c = split.chunk();
+  // Every rank's keys and values, rank by rank ([b, N·n, kv_heads, d]), put in sequence order:
+  // chunk j is held by rank j (its first half) or, for j >= N, by rank 2N-1-j (its second half).
+  const Tensor all_k = all_gather_sequence(k, group), all_v = all_gather_sequence(v, group);
+  std::vector<Tensor> pieces;
+  for (int64_t j = 0; j < 2 * n_ranks; ++j) {
+    const int64_t owner = j < n_ranks ? j : 2 * n_ranks - 1 - j;
+    pieces.push_back(torch::arange(owner * 2 * c + (j < n_ranks ? 0 : c), owner * 2 * c + (j < n_ranks ? c : 2 * c), torch::kInt64));
   }
-  return compat::masked_attention(qh, kh, vh, bias).transpose(1, 2);
+  const Tensor in_order = torch::cat(pieces).to(q.device());
+  Tensor keys = all_k.index_select(1, in_order).transpose(1, 2), values = all_v.index_select(1, in_order).transpose(1, 2);  // [b, kv_heads, s, d]
+  if (heads != kv_heads) {  // grouped-query attention: each key and value head serves heads / kv_heads query heads
+    keys = keys.repeat_interleave(heads / kv_heads, 1);
+    values = values.repeat_interleave(heads / kv_heads, 1);
+  }
+  // Each of this rank's chunks attends to the chunks up to its own: the earlier ones whole, its own
+  // causally (0 at or before a query's place, -inf after). No score past the causal line but the
+  // diagonal block's is computed: (2N+1)/(4N) of the whole sequence's, not all of them.
+  std::vector<Tensor> outputs;
+  for (const int64_t j : {static_cast<int64_t>(rank), static_cast<int64_t>(2 * n_ranks - 1 - rank)}) {
+    const Tensor queries = q.narrow(1, j == rank ? 0 : c, c).transpose(1, 2);  // [b, heads, c, d]
+    const int64_t visible = (j + 1) * c;
+    Tensor mask = torch::zeros({c, visible}, q.options());
+    mask.narrow(1, j * c, c).copy_(torch::full({c, c}, -std::numeric_limits<float>::infinity(), q.options()).triu(1));
+    outputs.push_back(compat::masked_attention(queries, keys.narrow(2, 0, visible), values.narrow(2, 0, visible), mask.view({1, 1, c, visible})).transpose(1, 2));
+  }
+  return torch::cat(outputs, 1);
 }
 
 }  // namespace dsrun

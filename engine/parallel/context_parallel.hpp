@@ -32,7 +32,8 @@ struct ZigzagSplit {
 // kv_heads, d] and v [b, n, kv_heads, dv] for the n tokens this rank holds (split.take's order);
 // heads a multiple of kv_heads. Every rank's keys and values are gathered (in backward their
 // gradients are reduce-scattered back), and each query attends to the keys at or before its place
-// in the sequence. Returns [b, n, heads, dv].
+// in the sequence: each of the rank's two chunks to the chunks up to its own, its own causally.
+// Returns [b, n, heads, dv].
 torch::Tensor context_parallel_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const ZigzagSplit& split,
                                          Communicator& group);
 

@@ -139,11 +139,14 @@ Evaluation Planner::evaluate_stage(const Choice& l, int stage) const {
   }
   // Expert parallelism: the busiest rank's experts get `imbalance` times the mean tokens.
   const double routed_extra = (imbalance_ - 1) * st.routed_activation_bytes_per_sample;
-  // Context parallelism: a rank holds 1/c of each sequence's tokens, and of its attention's scores
-  // (its queries against every key): 1/c of a whole sample's activations, plus the keys and
-  // values gathered from the group (below).
+  // Context parallelism: a rank holds 1/c of each sequence's tokens (1/c of a whole sample's
+  // activations), plus the keys and values gathered from the group (below). Of the math kernel's
+  // scores it keeps its chunks' against the chunks up to theirs: (2c+1)/(4c) of its queries'
+  // against every key (context_score_share), not all of them.
   const double c = degrees_.context;
-  m.activations = live * l.micro * (l.checkpointing ? st.checkpointed_activation_bytes_per_sample : st.activation_bytes_per_sample + routed_extra) / c;
+  const double scores_per_layer = kernel_ == AttentionKernel::Math && st.has_blocks ? bytes_per_element(r_.precision.dtype) * r_.model.heads * std::pow(static_cast<double>(r_.batch.seq_len), 2) : 0;
+  const double scores_not_kept = c > 1 ? (1 - context_score_share()) * scores_per_layer : 0;
+  m.activations = live * l.micro * (l.checkpointing ? st.checkpointed_activation_bytes_per_sample : st.activation_bytes_per_sample + routed_extra - st.layers * scores_not_kept) / c;
   // Tensor parallelism without sequence parallelism (Korthikanti et al. 2022, eq. 2): of a
   // layer's 34·sbh activation bytes, 24·sbh are split over t ranks and 10·sbh (norms, dropout-free
   // residuals, the region inputs) stay whole. Applied to the total until the terms are split one by one.
@@ -194,11 +197,14 @@ Evaluation Planner::evaluate_stage(const Choice& l, int stage) const {
   } else if (st.has_head) {
     head_backward = l.micro * cost_.head_backward_bytes_per_sample / c;
   }
-  // Context parallelism's mask of this rank's queries against every key (bool, then a bias in the
-  // compute dtype), made for each layer's attention.
-  const double context_mask = c > 1 && st.has_blocks ? rank_sequence() * static_cast<double>(r_.batch.seq_len) * (1 + bytes_per_element(r_.precision.dtype)) : 0;
-  const double attention_backward = st.has_blocks ? l.micro * cost_.attention_backward_bytes_per_sample / degrees_.tensor / c + context_mask : 0;
-  m.backward_peak = l.checkpointing && st.has_blocks ? std::max(head_backward, l.micro * cost_.recomputed_layer_bytes_per_sample / c + gathered_layer + attention_backward)
+  // Context parallelism runs a rank's two chunks one after the other, the later one (against at
+  // most the whole sequence) the larger: its mask in the compute dtype and, on the math kernel,
+  // its scores' backward, half of what all its queries against every key would take.
+  const double context_mask = c > 1 && st.has_blocks ? rank_sequence() / 2 * static_cast<double>(r_.batch.seq_len) * bytes_per_element(r_.precision.dtype) : 0;
+  const double attention_backward =
+      st.has_blocks ? l.micro * cost_.attention_backward_bytes_per_sample / degrees_.tensor / c / (c > 1 ? 2 : 1) + context_mask : 0;
+  const double recomputed_layer = l.micro * (cost_.recomputed_layer_bytes_per_sample - scores_not_kept) / c;
+  m.backward_peak = l.checkpointing && st.has_blocks ? std::max(head_backward, recomputed_layer + gathered_layer + attention_backward)
                                                      : std::max(head_backward, attention_backward);
   // Gradients left to autograd come as backward frees activations, except that one: held at the peak.
   if (modes.gradients_left_to_autograd)

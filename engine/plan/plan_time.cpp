@@ -269,9 +269,10 @@ double Planner::compute_seconds(Plan& p) const {
   const bool gpu = r_.hardware.device == Device::Cuda;
   const bool apart = gpu && r_.hardware.attention_efficiency > 0;
   const double attention_efficiency = apart ? r_.hardware.attention_efficiency : r_.hardware.matmul_efficiency;
-  // Context parallelism's attention over gathered keys runs with a mask, not the causal kernel:
-  // every score is computed.
-  const double attention_share = (p.modes.variable_length_attention ? attention_fraction_ : 1.0) * (apart && degrees_.context == 1 ? 0.5 : 1.0);
+  // Context parallelism's attention runs each chunk against the chunks up to its own, with a mask
+  // on its own: (2c+1)/(4c) of the scores (the causal kernel's 1/2 and the diagonal blocks).
+  const double attention_share = (p.modes.variable_length_attention ? attention_fraction_ : 1.0) *
+                                 (degrees_.context > 1 ? context_score_share() : apart ? 0.5 : 1.0);
   // precision.fp8: the blocks' linear layers at the FP8 peak and their own measured efficiency
   // (the probe's, of tensorwise products), at the recipe's scaling's rate beside tensorwise's.
   const bool fp8 = r_.precision.fp8 != Fp8Scaling::None;

@@ -189,6 +189,9 @@ class Planner {
     double gathered = 0, kept = 0;
   };
   ContextKvWidth context_kv_width() const;
+  // Of the scores a sample's attention would compute over the whole sequence, the share the
+  // context ranks compute together: each chunk against the chunks up to its own, (2c+1)/(4c).
+  double context_score_share() const { return (2.0 * degrees_.context + 1) / (4.0 * degrees_.context); }
 
   // Where a group's members sit decides its price (docs/plan.md, "The network"): a group inside
   // one node runs at the bus bandwidth `dsrun probe` measured for its collective and size, else at
