@@ -26,8 +26,6 @@ class DeviceMesh {
   Communicator& experts(ExpertGroup g) { return *expert_groups_[static_cast<size_t>(g)]; }
   // The ranks splitting this rank's sequences (a group of one without context parallelism).
   Communicator& context() { return *context_group_; }
-  // The batch's replica this rank reads (its data index before context parallelism split it).
-  int replica() const { return coordinates_.data / shape_.context; }
   // The first pipeline stage reads the batch; the last computes the loss.
   bool first_stage() const { return coordinates_.pipeline == 0; }
   bool last_stage() const { return coordinates_.pipeline == shape_.pipeline - 1; }

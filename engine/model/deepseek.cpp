@@ -341,28 +341,17 @@ struct MoEImpl : nn::Module {
     // normalised only where a balance loss reads them.
     Tensor affinity = scores;
     if (spec.scoring == RouterScore::Sigmoid && (aux_weight > 0 || spec.seq_aux_loss_weight > 0)) affinity = scores / scores.sum(-1, true);
-    // Both count whole sequences: where context parallelism splits them, the runner sums each
-    // rank's counts, scores and tokens over the group (one collective: [counts | scores | tokens]).
-    if (aux_weight > 0) {
-      const Tensor stats = runner.sum_over_sequences(
-          torch::cat({routed.to(torch::kFloat32), affinity.sum(0), torch::full({1}, static_cast<double>(T), affinity.options())}));
-      const Tensor tokens_whole = stats.narrow(0, 2 * experts_count, 1);
-      Tensor f = stats.narrow(0, 0, experts_count).detach() * (static_cast<double>(experts_count) / top_k) / tokens_whole;
-      Tensor p = stats.narrow(0, experts_count, experts_count) / tokens_whole;
-      aux_loss = aux_loss + aux_weight * (f * p).sum();  // f counts tokens: no gradient flows through it
-    }
+    if (aux_weight > 0)
+      aux_loss = aux_loss + aux_weight * balance_product(routed.to(torch::kFloat32), affinity.sum(0), torch::full({1}, static_cast<double>(T), affinity.options()), runner);
     // V3's sequence-wise balance loss (eq. 17-20): the same product within each sequence of the
     // micro-batch, averaged over the sequences.
     if (spec.seq_aux_loss_weight > 0) {
       const int64_t sequences = shape.size() == 3 ? shape[0] : 1, per = T / sequences;
       Tensor chosen_counts = torch::zeros({sequences, experts_count}, scores.options()).scatter_add_(
           1, chosen.view({sequences, per * top_k}), torch::ones({sequences, per * top_k}, scores.options()));
-      const Tensor stats = runner.sum_over_sequences(torch::cat(
-          {chosen_counts, affinity.view({sequences, per, experts_count}).sum(1), torch::full({sequences, 1}, static_cast<double>(per), affinity.options())}, 1));
-      const Tensor tokens_whole = stats.narrow(1, 2 * experts_count, 1);
-      Tensor f = stats.narrow(1, 0, experts_count).detach() * (static_cast<double>(experts_count) / top_k) / tokens_whole;
-      Tensor p = stats.narrow(1, experts_count, experts_count) / tokens_whole;
-      aux_loss = aux_loss + spec.seq_aux_loss_weight * (f * p).sum(-1).mean();
+      const Tensor product = balance_product(chosen_counts, affinity.view({sequences, per, experts_count}).sum(1),
+                                             torch::full({sequences, 1}, static_cast<double>(per), affinity.options()), runner);
+      aux_loss = aux_loss + spec.seq_aux_loss_weight * product.mean();
     }
     return out.reshape(shape);
   }
@@ -403,6 +392,17 @@ struct MoEImpl : nn::Module {
   }
   // This rank's routed experts on their rows, grouped: their weights lie one after another in the
   // unit's flat buffer (DeepSeekModel::units), so stacking them copies nothing.
+  // Σ_i f_i P_i over the last dimension: f_i = E/(k·tokens) · `routed` pairs to expert i (no
+  // gradient), P_i = `score_sums` of i / tokens. All three count whole sequences: where context
+  // parallelism splits them, the runner sums each rank's over the group, in one collective.
+  Tensor balance_product(const Tensor& routed, const Tensor& score_sums, const Tensor& tokens, UnitRunner& runner) const {
+    const Tensor stats = runner.sum_over_sequences(torch::cat({routed, score_sums, tokens}, -1));
+    const Tensor whole = stats.narrow(-1, 2 * experts_count, 1);
+    const Tensor f = stats.narrow(-1, 0, experts_count).detach() * (static_cast<double>(experts_count) / top_k) / whole;
+    const Tensor p = stats.narrow(-1, experts_count, experts_count) / whole;
+    return (f * p).sum(-1);
+  }
+
   Tensor local_experts(const Tensor& rows, const Tensor& counts) {
     std::vector<Tensor> gate_up, down;
     for (int e = first_local; e < first_local + local_count; ++e) {

@@ -36,14 +36,11 @@ Tensor context_parallel_attention(const Tensor& q, const Tensor& k, const Tensor
   DSRUN_ASSERT(n_ranks == split.ranks && q.size(1) == split.local_tokens(), "the split is the group's and the tokens are this rank's");
   const int64_t heads = q.size(2), kv_heads = k.size(2), c = split.chunk();
   // Every rank's keys and values, rank by rank ([b, N·n, kv_heads, d]), put in sequence order:
-  // chunk j is held by rank j (its first half) or, for j >= N, by rank 2N-1-j (its second half).
+  // gathered row i lies at place places[i], so sorting the places gives each place's row.
   const Tensor all_k = all_gather_sequence(k, group), all_v = all_gather_sequence(v, group);
-  std::vector<Tensor> pieces;
-  for (int64_t j = 0; j < 2 * n_ranks; ++j) {
-    const int64_t owner = j < n_ranks ? j : 2 * n_ranks - 1 - j;
-    pieces.push_back(torch::arange(owner * 2 * c + (j < n_ranks ? 0 : c), owner * 2 * c + (j < n_ranks ? c : 2 * c), torch::kInt64));
-  }
-  const Tensor in_order = torch::cat(pieces).to(q.device());
+  std::vector<Tensor> places;
+  for (int r = 0; r < n_ranks; ++r) places.push_back(split.positions(r));
+  const Tensor in_order = torch::cat(places).argsort().to(q.device());
   Tensor keys = all_k.index_select(1, in_order).transpose(1, 2), values = all_v.index_select(1, in_order).transpose(1, 2);  // [b, kv_heads, s, d]
   if (heads != kv_heads) {  // grouped-query attention: each key and value head serves heads / kv_heads query heads
     keys = keys.repeat_interleave(heads / kv_heads, 1);

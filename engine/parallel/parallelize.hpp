@@ -62,7 +62,6 @@ class ParallelModel final : public UnitRunner {
   torch::Tensor sum_over_sequences(const torch::Tensor& part) override;
   // The split of a sequence of `seq_len` tokens over this rank's context group.
   ZigzagSplit sequence_split(int64_t seq_len) const { return {mesh_.shape().context, seq_len}; }
-  int context_rank() const { return mesh_.coordinates().data % mesh_.shape().context; }
 
   // What this rank's MoE layers routed since the last call (forwards, not their recomputation),
   // by layer: pairs per expert, summed over micro-batches ([experts] int64), and pairs dropped.

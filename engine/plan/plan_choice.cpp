@@ -177,7 +177,7 @@ void Planner::choose_loss_chunk(Plan& p, const Chosen& c) {
   // against one, ran 0.7% slower), else 256 MiB chunks.
   const Choice& chosen = c.choice;
   if (c.fits && !r_.batch.loss_chunk_tokens && cost_.loss_chunk_tokens > 0) {
-    const int64_t tokens = chosen.micro * r_.batch.seq_len / degrees_.context;  // a rank's share of the micro-batch
+    const int64_t tokens = static_cast<int64_t>(chosen.micro * rank_sequence());  // a rank's share of the micro-batch
     const double logits_bytes = 4.0 * static_cast<double>(tokens) * static_cast<double>(cost_options_.local_vocab);
     if (tokens > cost_.loss_chunk_tokens && logits_bytes <= capacity_ / 32) {
       const ModelCost chunked = cost_;

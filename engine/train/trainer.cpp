@@ -411,12 +411,12 @@ class Trainer {
 
   // The batch's replica this rank reads: ranks of one replica (its tensor ranks, its context ranks)
   // read the same samples.
-  int data_rank() const { return mesh_->replica(); }
+  int data_rank() const { return mesh_->shape().replica(mesh_->rank()); }
   // This rank's share of a batch: all of it, or under context parallelism its tokens of each
   // sequence (ZigzagSplit::take).
   Batch sequence_share(Batch whole) const {
     if (plan_.layout.context == 1) return whole;
-    return parallel_->sequence_split(r_.batch.seq_len).take(whole, parallel_->context_rank());
+    return parallel_->sequence_split(r_.batch.seq_len).take(whole, mesh_->shape().context_rank(mesh_->rank()));
   }
   // The ranks whose losses the metrics average: the last pipeline stage's.
   int loss_ranks() const { return ctx_.world / plan_.layout.pipeline; }
